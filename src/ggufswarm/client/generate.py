@@ -1,0 +1,112 @@
+"""Generation loop over a route session, and the in-process route (chained shards in one process)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+
+from ..runtime.shard import ShardExecutor
+from .sampling import Sampler, SamplingParams
+from .tokenizer import TextStream, Tokenizer
+
+
+class RouteSession(Protocol):
+    """A session on a route: feeds token ids in, gets the head's sampled token id out."""
+
+    def step(self, token_ids: list[int]) -> int:
+        """Prefill (several ids) or decode (one id) through the whole route; returns the next token id."""
+
+    def close(self) -> None:
+        """Release the session's KV cache on every shard."""
+
+
+class LocalSession:
+    """A session on in-process chained shards (``[0,a) + [a,b) + ... + [z,n)``): one SessionKV each."""
+
+    def __init__(self, shards: list[ShardExecutor], max_length: int, sampling: SamplingParams):
+        self.shards = shards
+        self.kvs = [s.new_session(max_length) for s in shards]
+        self.sampler = Sampler(sampling)
+        self.history: list[int] = []
+
+    def logits(self, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:
+        """Run ids ``[T]`` through every shard; float32 logits ``[1 or T, n_vocab]``."""
+        x = torch.tensor(token_ids, dtype=torch.long)
+        for shard, kv in zip(self.shards, self.kvs):
+            x = shard.forward(kv, x, logits="all" if all_positions else "last")
+        return x
+
+    def step(self, token_ids: list[int]) -> int:
+        """See RouteSession.step."""
+        self.history.extend(token_ids)
+        token = self.sampler.sample(self.logits(token_ids)[-1], self.history)
+        return token
+
+    def truncate(self, length: int) -> None:
+        """Roll every shard back to ``length`` tokens."""
+        for kv in self.kvs:
+            kv.truncate(length)
+        del self.history[length:]
+
+    def close(self) -> None:
+        """Drop the KV caches."""
+        self.kvs = []
+
+
+@dataclass
+class GenerationStats:
+    """Telemetry of one generation: token counts, TTFT (ms) and throughput (tok/s)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float = 0.0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    finish_reason: str = "length"
+    tokens: list[int] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line for stderr."""
+        return (f"prompt tokens: {self.prompt_tokens}, completion tokens: {self.completion_tokens}, "
+                f"TTFT: {self.ttft_ms:.1f} ms, prefill: {self.prefill_tok_s:.1f} tok/s, "
+                f"decode: {self.decode_tok_s:.1f} tok/s, finish: {self.finish_reason}")
+
+
+def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+             stop: list[str] | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
+    """Yield text deltas of the completion of ``prompt_ids`` (stops at EOG tokens, stop strings, max_tokens).
+
+    ``stats`` (if given) is filled in as generation proceeds; ``stats.tokens`` gets the generated ids
+    (the stop token excluded).
+    """
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(prompt_ids)
+    stream = TextStream(tokenizer, stop)
+    t0 = time.perf_counter()
+    token = session.step(prompt_ids) if max_tokens > 0 else None
+    t_first = time.perf_counter()
+    stats.ttft_ms = (t_first - t0) * 1e3
+    stats.prefill_tok_s = len(prompt_ids) / max(t_first - t0, 1e-9)
+    while token is not None:
+        delta = stream.push(token)
+        if stream.stopped:
+            if delta:
+                yield delta
+            break
+        stats.tokens.append(token)
+        stats.completion_tokens = len(stats.tokens)
+        if delta:
+            yield delta
+        if len(stats.tokens) >= max_tokens:
+            break
+        token = session.step([token])
+    tail = stream.finish("length")
+    if tail:
+        yield tail
+    stats.finish_reason = stream.finish_reason or "length"
+    n_decoded = len(stats.tokens) - 1
+    if n_decoded > 0:
+        stats.decode_tok_s = n_decoded / max(time.perf_counter() - t_first, 1e-9)

@@ -1,0 +1,46 @@
+"""Perplexity with the definition of llama.cpp's ``llama-perplexity`` (``tools/perplexity/perplexity.cpp``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator
+
+import torch
+
+
+def chunk_nll(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+    """Negative log-likelihoods (nats) of one chunk's scored tokens.
+
+    ``logits`` ``[n_ctx, n_vocab]`` for the chunk's ``n_ctx`` tokens; scores tokens
+    ``first+1 .. n_ctx-1`` from the logits one position before, with ``first = n_ctx // 2``.
+    """
+    n_ctx = len(tokens)
+    first = n_ctx // 2
+    logp = torch.log_softmax(logits[first:n_ctx - 1].double(), dim=-1)
+    target = torch.tensor(tokens[first + 1:n_ctx], dtype=torch.long)
+    return (-logp.gather(1, target[:, None])[:, 0]).tolist()
+
+
+def perplexity(all_logits: Callable[[list[int]], torch.Tensor], tokens: list[int], n_ctx: int,
+               bos_id: int | None) -> Iterator[tuple[int, float]]:
+    """Yield ``(chunks_done, running perplexity)`` per chunk, as ``llama-perplexity`` prints them.
+
+    ``tokens``: the whole text tokenized once (BOS included when the model adds it). It is cut into
+    ``len(tokens) // n_ctx`` consecutive chunks; each chunk's first token is replaced by BOS (when
+    ``bos_id`` is not None) and run in a fresh context by ``all_logits(chunk) -> [n_ctx, n_vocab]``;
+    the second half of each chunk is scored. Raises ValueError when fewer than ``2 * n_ctx`` tokens.
+    """
+    if n_ctx < 4:
+        raise ValueError(f"ctx size must be at least 4 tokens, got {n_ctx}")
+    n_chunks = len(tokens) // n_ctx
+    if len(tokens) < 2 * n_ctx:
+        raise ValueError(f"need at least {2 * n_ctx} tokens for ctx size {n_ctx}, the text has {len(tokens)}")
+    nll, count = 0.0, 0
+    for i in range(n_chunks):
+        chunk = list(tokens[i * n_ctx:(i + 1) * n_ctx])
+        if bos_id is not None:
+            chunk[0] = bos_id
+        scores = chunk_nll(all_logits(chunk), chunk)
+        nll += sum(scores)
+        count += len(scores)
+        yield i + 1, math.exp(nll / count)

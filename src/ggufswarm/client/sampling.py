@@ -1,0 +1,92 @@
+"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded.
+
+The order follows llama.cpp's default sampler chain (``common/sampling.cpp``): penalties →
+top-k → top-p → min-p → temperature → draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one session. ``temperature <= 0`` means greedy (argmax).
+
+    ``top_k = 0``, ``top_p = 1``, ``min_p = 0`` and ``repeat_penalty = 1`` disable those filters;
+    ``repeat_last_n`` is the window (tokens) the penalty looks back over. ``seed = None`` draws
+    from a random seed.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def validate(self) -> "SamplingParams":
+        """ValueError naming the first out-of-range setting."""
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repeat_penalty > 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        return self
+
+    def to_dict(self) -> dict:
+        """JSON-ready settings."""
+        return asdict(self)
+
+
+class Sampler:
+    """Draws token ids for one session; holds its RNG so the same seed gives the same tokens."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params.validate()
+        self.generator = torch.Generator()
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+
+    def sample(self, logits: torch.Tensor, history: list[int] | None = None) -> int:
+        """One token id from float32 logits ``[n_vocab]``; ``history`` = previous token ids (for the penalty)."""
+        p = self.params
+        logits = logits.float()
+        if p.repeat_penalty != 1.0 and history:
+            # llama.cpp penalties: positive logits divided, negative multiplied (CTRL paper, arXiv:1909.05858)
+            logits = logits.clone()
+            ids = torch.tensor(sorted(set(history[-p.repeat_last_n:])), dtype=torch.long)
+            vals = logits[ids]
+            logits[ids] = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        if p.temperature <= 0:
+            return int(torch.argmax(logits))
+        k = p.top_k if 0 < p.top_k < logits.numel() else logits.numel()
+        values, ids = torch.topk(logits, k)  # sorted descending
+        probs = torch.softmax(values, dim=-1)
+        keep = torch.ones_like(values, dtype=torch.bool)
+        if p.top_p < 1.0:
+            cum = torch.cumsum(probs, dim=-1)
+            keep &= (cum - probs) < p.top_p  # keep the smallest prefix reaching top_p (at least one)
+        if p.min_p > 0.0:
+            keep &= probs >= p.min_p * probs[0]
+        keep[0] = True
+        values, ids = values[keep], ids[keep]
+        probs = torch.softmax(values / p.temperature, dim=-1)
+        return int(ids[torch.multinomial(probs, 1, generator=self.generator)])
+
+
+def top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely token ids with their natural-log probabilities, from logits ``[n_vocab]``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logp, n)
+    return [(int(i), float(v)) for i, v in zip(ids, values)]

@@ -1,0 +1,137 @@
+"""Text in and out: llama.cpp tokenization, GGUF chat templates, streamed detokenization with stop strings."""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import datetime
+import os
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence llama.cpp's C-level logging to fd 2 while loading a vocabulary."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class Tokenizer:
+    """The model's vocabulary as llama.cpp reads it (``llama_cpp.Llama(path, vocab_only=True)``).
+
+    ``encode`` adds BOS when ``tokenizer.ggml.add_bos_token`` says so, never twice;
+    ``eog_ids`` is llama.cpp's set of end-of-generation tokens (``llama_vocab_is_eog``).
+    """
+
+    def __init__(self, model_path: str, metadata: dict[str, Any]):
+        import llama_cpp  # deferred: loading the shared library costs ~0.2 s
+
+        with _quiet_stderr():
+            self._llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+        self.metadata = metadata
+        self.n_vocab = self._llm.n_vocab()
+        self.bos_id = self._llm.token_bos()
+        self.eos_id = self._llm.token_eos()
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self.bos_id >= 0))
+        vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
+        self.eog_ids = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        tokens = metadata.get("tokenizer.ggml.tokens") or []
+        self.bos_token = tokens[self.bos_id] if 0 <= self.bos_id < len(tokens) else ""
+        self.eos_token = tokens[self.eos_id] if 0 <= self.eos_id < len(tokens) else ""
+        self.chat_template = metadata.get("tokenizer.chat_template")
+
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``special`` parses control tokens such as ``<start_of_turn>``.
+
+        BOS is prepended when ``add_bos`` (default: the GGUF's add_bos_token) and the text does not
+        already start with it, so a template that writes ``<bos>`` itself does not double it.
+        """
+        add = self.add_bos if add_bos is None else add_bos
+        ids = self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=special)
+        if add and self.bos_id >= 0 and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token renders to (control tokens render to nothing)."""
+        return self._llm.detokenize([token_id], special=False)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of a token sequence (invalid UTF-8 replaced)."""
+        return b"".join(self.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``[{"role", "content"}]``) with the GGUF's ``tokenizer.chat_template`` (jinja2).
+
+        Raises ValueError when the model has no chat template or the template rejects the messages.
+        """
+        if not self.chat_template:
+            raise ValueError("this model has no tokenizer.chat_template; send a plain prompt instead")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str):
+            raise ValueError(f"chat template: {message}")
+
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from exc
+
+
+class TextStream:
+    """Turns generated token ids into text deltas safe to show.
+
+    Never splits a multi-byte UTF-8 character (incremental decoder), never emits any part of a
+    stop string (text that could still become one is held back), and stops at end-of-generation
+    tokens. ``push`` returns the newly safe text; ``finish`` returns what is left to flush.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""
+        self.stopped = False
+        self.finish_reason: str | None = None
+
+    def push(self, token_id: int) -> str:
+        """Feed one generated token id; returns text to emit (possibly ``""``)."""
+        if self.stopped:
+            return ""
+        if token_id in self.tokenizer.eog_ids:
+            self.stopped, self.finish_reason = True, "stop"
+            return self._flush_pending()
+        self._pending += self._decoder.decode(self.tokenizer.token_bytes(token_id))
+        for s in self.stop:
+            idx = self._pending.find(s)
+            if idx >= 0:
+                self.stopped, self.finish_reason = True, "stop"
+                out, self._pending = self._pending[:idx], ""
+                return out
+        hold = max((n for s in self.stop for n in range(1, len(s)) if self._pending.endswith(s[:n])), default=0)
+        out = self._pending[:len(self._pending) - hold]
+        self._pending = self._pending[len(out):]
+        return out
+
+    def _flush_pending(self) -> str:
+        out, self._pending = self._pending + self._decoder.decode(b"", final=True), ""
+        return out
+
+    def finish(self, reason: str = "length") -> str:
+        """End of generation: flush held-back text (it was not a stop string after all)."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        return "" if self.stopped else self._flush_pending()

@@ -1,0 +1,31 @@
+"""Model architectures: one module per family, each a GGUF-metadata → ModelConfig mapping and a block recipe."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import gemma3, llama, qwen
+from .config import MAX_CONTEXT, ModelConfig, UnsupportedArchitecture
+
+FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (gemma3, llama, qwen) for arch in fam.ARCHITECTURES}
+SUPPORTED = tuple(sorted(FAMILIES))
+
+
+def family(arch: str) -> ModuleType:
+    """The family module for GGUF architecture ``arch``; UnsupportedArchitecture if there is none."""
+    try:
+        return FAMILIES[arch]
+    except KeyError:
+        raise UnsupportedArchitecture(
+            f"unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED)})") from None
+
+
+def load_config(model_file) -> ModelConfig:
+    """ModelConfig of a GGUFModelFile; n_vocab from ``token_embd.weight``'s rows."""
+    arch = model_file.architecture
+    fam = family(arch)
+    n_vocab = model_file.tensors["token_embd.weight"].shape[0]
+    return fam.config(model_file.metadata, arch, n_vocab)
+
+
+__all__ = ["FAMILIES", "SUPPORTED", "MAX_CONTEXT", "ModelConfig", "UnsupportedArchitecture", "family", "load_config"]

@@ -1,0 +1,167 @@
+"""Shared transformer pieces (norm, RoPE, attention over a KV cache, gated FFN), as llama.cpp builds them.
+
+Shapes: ``x`` is ``[n_tokens, n_embd]``; q is ``[n_tokens, n_head, head_dim]``; k/v are
+``[n_tokens, n_head_kv, head_dim]``. All math runs in the dtype of the inputs (float32 default).
+Reference: llama.cpp ``src/llama-graph.cpp`` (``build_norm``, ``build_attn``, ``build_ffn``) and
+``ggml_rope_ext`` in ``ggml/src/ggml-cpu/ops.cpp``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim (ggml ``rms_norm`` then ``mul``)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, base: float, scale: float,
+                freq_factors: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[n_tokens, head_dim // 2]`` for RoPE angle ``pos * scale * base^(-2i/head_dim)``.
+
+    ``freq_factors`` (llama 3 ``rope_freqs.weight``, ``[head_dim // 2]``) divide the angle, as in ggml.
+    Angles are computed in float64 and rounded once, so every shard computes identical tables.
+    """
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(torch.float64)
+    angles = positions.to(torch.float64)[:, None] * scale * inv_freq[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str) -> torch.Tensor:
+    """Rotate ``x`` ``[n_tokens, n_heads, head_dim]``; ``"norm"`` pairs (2i, 2i+1), ``"neox"`` pairs (i, i + d/2)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if rope_type == "neox":
+        half = x.shape[-1] // 2
+        x0, x1 = x[..., :half], x[..., half:]
+        return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Boolean ``[n_q, n_k]``: True where query at ``q_pos`` may attend key at ``k_pos``.
+
+    Causal; with ``window > 0`` also ``q_pos - k_pos < window`` (llama.cpp ``LLAMA_SWA_TYPE_STANDARD``).
+    """
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = diff >= 0
+    if window > 0:
+        allowed &= diff < window
+    return allowed
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query softmax attention. q ``[T, n_head, d]``, k/v ``[S, n_head_kv, d]``, mask ``[T, S]``.
+
+    Returns ``[T, n_head * d]``.
+    """
+    n_head, n_kv = q.shape[1], k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=n_head != n_kv)
+    return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def gelu_f16_table(x: torch.Tensor) -> torch.Tensor:
+    """ggml's CPU GELU: input rounded to f16, tanh-GELU looked up in an f16 table; 0 below -10, x above 10.
+
+    ``ggml_vec_gelu_f32``/``ggml_vec_geglu_f32`` with ``GGML_GELU_FP16`` (``ggml-cpu/vec.h``).
+    """
+    y = F.gelu(x.half().float(), approximate="tanh").half().to(x.dtype)
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
+
+
+FFN_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh_f16": gelu_f16_table,
+}
+
+
+def gated_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], act: str) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))``; ``act`` is a key of FFN_ACTIVATIONS (SwiGLU / GeGLU)."""
+    gate = FFN_ACTIVATIONS[act](linear(x, w, "ffn_gate"))
+    return linear(gate * linear(x, w, "ffn_up"), w, "ffn_down")
+
+
+def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """Round-trip ``x`` ``[..., n]`` through ggml's Q8_0 (32-value blocks, scale amax/127 stored as f16).
+
+    This is what ggml's CPU backend does to activations before a dot product with Q4_0/Q5_0/Q8_0
+    weights (``vec_dot_type`` in ``ggml-cpu.c``, ``quantize_row_q8_0`` in ``arch/x86/quants.c``).
+    """
+    xs = x.reshape(*x.shape[:-1], -1, 32)
+    amax = xs.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    d = (amax / 127.0).half().float()
+    return (torch.round(xs * inv) * d).reshape(x.shape)
+
+
+def quantize_q8_k(x: torch.Tensor) -> torch.Tensor:
+    """Round-trip ``x`` ``[..., n]`` through ggml's Q8_K (256-value blocks, f32 scale max/-127).
+
+    Activations for K-quant weights (Q2_K..Q6_K) go through this (``quantize_row_q8_K_ref``).
+    """
+    xs = x.reshape(*x.shape[:-1], -1, 256)
+    amax, idx = xs.abs().max(-1, keepdim=True)
+    iscale = torch.where(amax > 0, -127.0 / xs.gather(-1, idx), torch.zeros_like(amax))
+    q = torch.clamp(torch.round(iscale * xs), max=127.0)
+    d = torch.where(amax > 0, 1.0 / iscale, torch.zeros_like(amax))
+    return (q * d).reshape(x.shape)
+
+
+ACTIVATION_QUANT = {"q8_0": quantize_q8_0, "q8_k": quantize_q8_k}
+
+
+def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for tensor ``name`` (GGUF ``{name}.weight`` / ``{name}.bias``).
+
+    When ``w[name + ".act"]`` names an activation format (``"q8_0"``/``"q8_k"``), ``x`` is first
+    round-tripped through it, reproducing llama.cpp's CPU numerics for quantized weights.
+    """
+    act = w.get(name + ".act")
+    if act is not None:
+        x = ACTIVATION_QUANT[act](x)
+    y = x @ w[name].T
+    bias = w.get(name + ".bias")
+    return y if bias is None else y + bias
+
+
+def self_attention(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor],
+                   kv, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Attention sub-block of layer ``il`` on normed input ``x`` ``[T, n_embd]``, writing k/v into ``kv``.
+
+    ``kv`` is the session's ``LayerKV`` for this layer; ``positions`` ``[T]`` are absolute token
+    positions (contiguous, starting at ``kv.length``). Returns ``[T, n_embd]`` after ``attn_output``.
+    """
+    T = x.shape[0]
+    q = linear(x, w, "attn_q").view(T, cfg.n_head, cfg.head_dim)
+    k = linear(x, w, "attn_k").view(T, cfg.n_head_kv, cfg.head_dim)
+    v = linear(x, w, "attn_v").view(T, cfg.n_head_kv, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["attn_q_norm"], cfg.rms_eps)
+        k = rms_norm(k, w["attn_k_norm"], cfg.rms_eps)
+    cos, sin = rope
+    q = apply_rope(q, cos, sin, cfg.rope_type)
+    k = apply_rope(k, cos, sin, cfg.rope_type)
+    k_all, v_all, k_pos = kv.append(k, v)
+    window = cfg.sliding_window[il]
+    if window > 0:  # keys older than the window are masked anyway: skip them
+        first = max(0, int(positions[0]) - window + 1)
+        k_all, v_all, k_pos = k_all[first:], v_all[first:], k_pos[first:]
+    mask = attention_mask(positions, k_pos, window)
+    return linear(attend(q, k_all, v_all, mask, cfg.attn_scale), w, "attn_output")
+
+
+def prenorm_block(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor], kv,
+                  positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The llama-style block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``. ``x``: ``[T, n_embd]``."""
+    h = x + self_attention(cfg, il, rms_norm(x, w["attn_norm"], cfg.rms_eps), w, kv, positions, rope)
+    return h + gated_ffn(rms_norm(h, w["ffn_norm"], cfg.rms_eps), w, cfg.ffn_act)

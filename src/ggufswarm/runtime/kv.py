@@ -1,0 +1,91 @@
+"""Per-session KV cache of one shard: growable per-layer key/value buffers written by position."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.config import MAX_CONTEXT
+
+
+class ContextOverflow(ValueError):
+    """A step would take a session past its ``max_length`` (or a max_length past the 128K cap)."""
+
+
+def check_max_length(max_length: int, model_limit: int = MAX_CONTEXT) -> int:
+    """Validate a requested session ``max_length`` (tokens); raises ContextOverflow when out of range."""
+    limit = min(model_limit, MAX_CONTEXT)
+    if not isinstance(max_length, int) or max_length < 1:
+        raise ContextOverflow(f"max_length must be a positive integer, got {max_length!r}")
+    if max_length > limit:
+        raise ContextOverflow(f"max_length {max_length} exceeds the limit of {limit} tokens")
+    return max_length
+
+
+class LayerKV:
+    """Keys and values of one layer for one session: ``[capacity, n_head_kv, head_dim]`` each.
+
+    Capacity doubles as tokens arrive (never past ``max_length``), so a 128K-token session only
+    holds memory for the tokens it has.
+    """
+
+    __slots__ = ("k", "v", "length", "max_length")
+
+    def __init__(self, n_head_kv: int, head_dim: int, max_length: int, dtype: torch.dtype):
+        cap = min(max_length, 256)
+        self.k = torch.empty(cap, n_head_kv, head_dim, dtype=dtype)
+        self.v = torch.empty(cap, n_head_kv, head_dim, dtype=dtype)
+        self.length = 0
+        self.max_length = max_length
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write ``k``/``v`` ``[T, n_head_kv, head_dim]`` at positions ``length..length+T-1``.
+
+        Returns views of all keys, all values (``[length+T, n_head_kv, head_dim]``) and their
+        positions ``[length+T]`` (int64).
+        """
+        end = self.length + k.shape[0]
+        if end > self.k.shape[0]:
+            cap = min(self.max_length, max(end, 2 * self.k.shape[0]))
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = torch.empty(cap, *old.shape[1:], dtype=old.dtype)
+                new[:self.length] = old[:self.length]
+                setattr(self, name, new)
+        self.k[self.length:end] = k
+        self.v[self.length:end] = v
+        self.length = end
+        return self.k[:end], self.v[:end], torch.arange(end)
+
+    def nbytes(self) -> int:
+        """Bytes allocated for this layer's buffers."""
+        return self.k.nbytes + self.v.nbytes
+
+
+class SessionKV:
+    """One session's KV cache on one shard: a LayerKV per layer of the shard, and the position.
+
+    ``length`` is the number of tokens held (= position of the next token).
+    """
+
+    def __init__(self, n_layers: int, n_head_kv: int, head_dim: int, max_length: int, dtype: torch.dtype):
+        self.max_length = check_max_length(max_length)
+        self.layers = [LayerKV(n_head_kv, head_dim, max_length, dtype) for _ in range(n_layers)]
+        self.length = 0
+
+    def reserve(self, n_tokens: int) -> None:
+        """Raise ContextOverflow unless ``n_tokens`` more tokens fit under ``max_length``."""
+        if self.length + n_tokens > self.max_length:
+            raise ContextOverflow(
+                f"session holds {self.length} tokens; {n_tokens} more would exceed max_length {self.max_length}")
+
+    def truncate(self, length: int) -> None:
+        """Roll back to ``length`` tokens (drop positions ``>= length``); ValueError past the end."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate to {length}: session holds {self.length} tokens")
+        self.length = length
+        for layer in self.layers:
+            layer.length = length
+
+    def nbytes(self) -> int:
+        """Bytes allocated for all layers of this session."""
+        return sum(layer.nbytes() for layer in self.layers)

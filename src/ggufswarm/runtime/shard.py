@@ -1,0 +1,190 @@
+"""Torch shard executor: load one layer range of a GGUF model and run it against a session's KV cache."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ..artifact.gguf_file import GGUFModelFile
+from ..model import ModelConfig, family, load_config
+from ..model.blocks import linear, rms_norm, rope_tables
+from .kv import ContextOverflow, SessionKV
+
+NUMERICS = ("llama.cpp", "exact")
+# ggml-cpu.c type_traits_cpu[...].vec_dot_type: activations are quantized to this before the dot product
+VEC_DOT_ACTIVATION = {
+    **{t: "q8_0" for t in ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4")},
+    **{t: "q8_k" for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                           "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_XS")},
+}
+_RANGE_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A contiguous layer range ``[start, end)``, plus the embedding stage and/or the head stage."""
+
+    start: int
+    end: int
+    embed: bool = False
+    head: bool = False
+
+    @classmethod
+    def parse(cls, text: str, n_layers: int, embed: bool = False, head: bool = False) -> "ShardSpec":
+        """Parse ``"START:END"`` (half-open, as Python slices); ValueError when malformed or out of range."""
+        m = _RANGE_RE.match(text)
+        if not m:
+            raise ValueError(f"layer range must look like START:END, got {text!r}")
+        spec = cls(int(m[1]), int(m[2]), embed, head)
+        spec.validate(n_layers)
+        return spec
+
+    def validate(self, n_layers: int) -> None:
+        """ValueError unless ``0 <= start <= end <= n_layers`` and the shard does something."""
+        if not 0 <= self.start <= self.end <= n_layers:
+            raise ValueError(f"layer range {self.start}:{self.end} is outside the model's 0:{n_layers}")
+        if self.start == self.end and not (self.embed or self.head):
+            raise ValueError(f"layer range {self.start}:{self.end} is empty")
+
+    @property
+    def layers(self) -> range:
+        """The block indices this shard runs."""
+        return range(self.start, self.end)
+
+
+def even_split(n_layers: int, n_shards: int) -> list[ShardSpec]:
+    """Split ``[0, n_layers)`` into ``n_shards`` contiguous near-equal ranges; embed first, head last."""
+    if not 1 <= n_shards <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {n_shards} shards")
+    bounds = [round(i * n_layers / n_shards) for i in range(n_shards + 1)]
+    return [ShardSpec(bounds[i], bounds[i + 1], embed=i == 0, head=i == n_shards - 1) for i in range(n_shards)]
+
+
+def split_at(n_layers: int, points: list[int]) -> list[ShardSpec]:
+    """Shards cut at ``points`` (e.g. ``[6, 12]`` → ``[0,6) [6,12) [12,n)``); ValueError unless increasing and inside."""
+    bounds = [0, *points, n_layers]
+    if any(b >= c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"split points {points} must be strictly increasing inside 1..{n_layers - 1}")
+    return [ShardSpec(a, b, embed=i == 0, head=i == len(bounds) - 2) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
+class ShardExecutor:
+    """Runs blocks ``[spec.start, spec.end)`` of a GGUF model (plus embedding / head stages) in PyTorch.
+
+    Weights are read from the GGUF (only this shard's tensors), dequantized to ``dtype``
+    (float32 default, bfloat16 option). State lives in SessionKV objects made by ``new_session``;
+    the executor itself is stateless between calls, so sessions are isolated.
+    """
+
+    def __init__(self, model: GGUFModelFile, spec: ShardSpec, dtype: torch.dtype = torch.float32,
+                 config: ModelConfig | None = None, numerics: str = "exact"):
+        self.model = model
+        self.cfg = config or load_config(model)
+        spec.validate(self.cfg.n_layers)
+        self.spec = spec
+        self.dtype = dtype
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+        self.numerics = numerics
+        if numerics == "llama.cpp" and self.cfg.ffn_act == "gelu_tanh":
+            self.cfg = replace(self.cfg, ffn_act="gelu_tanh_f16")
+        self._block = family(self.cfg.arch).block
+        self.layers = {il: self._load_layer(il) for il in spec.layers}
+        self.rope_freqs = self._tensor("rope_freqs.weight") if model.has("rope_freqs.weight") else None
+        self.token_embd = self._tensor("token_embd.weight") if spec.embed else None
+        if spec.head:
+            self.output_norm = self._tensor("output_norm.weight")
+            out_name = "output.weight" if model.has("output.weight") else "token_embd.weight"  # else tied
+            if out_name == "token_embd.weight" and self.token_embd is not None:
+                self.output = self.token_embd
+            else:
+                self.output = self._tensor(out_name)
+            self.head_weights = {"output": self.output}
+            act = self._activation_format(out_name)
+            if act:
+                self.head_weights["output.act"] = act
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(self.model.read_tensor(name))).to(self.dtype)
+
+    def _load_layer(self, il: int) -> dict[str, torch.Tensor]:
+        prefix = f"blk.{il}."
+        weights = {}
+        for name in self.model.tensors:
+            if name.startswith(prefix):
+                key = name[len(prefix):]
+                key = key[:-len(".weight")] if key.endswith(".weight") else key
+                weights[key] = self._tensor(name)
+                act = self._activation_format(name)
+                if act:
+                    weights[key + ".act"] = act
+        return weights
+
+    def _activation_format(self, name: str) -> str | None:
+        """The activation format llama.cpp's CPU backend pairs with this weight, in "llama.cpp" numerics."""
+        if self.numerics != "llama.cpp" or self.dtype != torch.float32:
+            return None
+        return VEC_DOT_ACTIVATION.get(self.model.tensors[name].ggml_type.name)
+
+    def new_session(self, max_length: int) -> SessionKV:
+        """An empty KV cache for this shard's layers; ContextOverflow when max_length is over the cap."""
+        return SessionKV(len(self.spec.layers), self.cfg.n_head_kv, self.cfg.head_dim, max_length, self.dtype)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[T]`` (int64) → scaled embeddings ``[T, n_embd]``; ValueError for an id out of vocab."""
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.cfg.n_vocab):
+            raise ValueError(f"token id out of range [0, {self.cfg.n_vocab})")
+        x = self.token_embd[token_ids]
+        return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
+
+    def forward(self, kv: SessionKV, inputs: torch.Tensor, logits: str = "last") -> torch.Tensor:
+        """Run one prefill (T > 1) or decode (T = 1) step for a session.
+
+        ``inputs``: token ids ``[T]`` int64 when the shard has the embedding stage, else hidden
+        states ``[T, n_embd]``. Positions continue from ``kv.length``. Returns hidden states
+        ``[T, n_embd]`` (``dtype``), or with the head stage float32 logits ``[1, n_vocab]``
+        (``logits="last"``) or ``[T, n_vocab]`` (``logits="all"``).
+
+        Raises ContextOverflow past ``max_length`` and ValueError for wrong shapes; on any error
+        the KV cache is left exactly as before the call.
+        """
+        n_tokens = inputs.shape[0]
+        if n_tokens == 0:
+            raise ValueError("a step needs at least one token")
+        kv.reserve(n_tokens)
+        start = kv.length
+        positions = torch.arange(start, start + n_tokens)
+        try:
+            if self.spec.embed:
+                if inputs.dim() != 1:
+                    raise ValueError(f"the first shard takes token ids [n_tokens], got shape {tuple(inputs.shape)}")
+                x = self.embed(inputs.long())
+            else:
+                if inputs.dim() != 2 or inputs.shape[1] != self.cfg.n_embd:
+                    raise ValueError(f"expected hidden states [n_tokens, {self.cfg.n_embd}], got {tuple(inputs.shape)}")
+                x = inputs.to(self.dtype)
+            tables = {}
+            for il in self.spec.layers:
+                key = (self.cfg.rope_base[il], self.cfg.rope_scale[il])
+                if key not in tables:
+                    tables[key] = rope_tables(positions, self.cfg.head_dim, *key, self.rope_freqs, self.dtype)
+                x = self._block(self.cfg, il, x, self.layers[il], kv.layers[il - self.spec.start], positions, tables[key])
+        except BaseException:
+            kv.truncate(start)
+            raise
+        kv.length = start + n_tokens
+        if not self.spec.head:
+            return x
+        return self.head(x if logits == "all" else x[-1:])
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Output norm + LM head: hidden ``[T, n_embd]`` → float32 logits ``[T, n_vocab]`` (softcapped if the model says)."""
+        out = linear(rms_norm(x, self.output_norm, self.cfg.rms_eps), self.head_weights, "output").float()
+        cap = self.cfg.final_logit_softcap
+        return torch.tanh(out / cap) * cap if cap else out
+
+
+__all__ = ["ShardSpec", "ShardExecutor", "ContextOverflow", "even_split", "split_at"]
