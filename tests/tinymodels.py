@@ -45,15 +45,17 @@ def _random_q4_k(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
 
 def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 256, n_head: int = 4,
                      n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512, quant: bool = False,
-                     seed: int = 0, sliding_window: int = 0) -> Path:
+                     seed: int = 0, sliding_window: int = 0, split_max_tensors: int = 0,
+                     context_length: int = 4096) -> Path:
     """Write a random-weight ``arch`` GGUF (``llama``, ``qwen2``, ``qwen3`` or ``gemma3``) to ``path``.
 
     With ``quant``, attention q/o projections are Q8_0 and FFN up/down are Q4_K; the rest is F32.
+    With ``split_max_tensors``, writes a split set ``NAME-0000K-of-0000N.gguf`` and returns its first file.
     """
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(str(path), arch)
+    w = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_block_count(n_layers)
-    w.add_context_length(4096)
+    w.add_context_length(context_length)
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
@@ -117,4 +119,6 @@ def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split_max_tensors:
+        return sorted(path.parent.glob(path.stem + "-00001-of-*.gguf"))[0]
     return path

@@ -11,6 +11,9 @@ EXAMPLES = """examples:
   ggufswarm generate "Write a haiku about rain" --chat --temperature 0.7 --seed 1
   ggufswarm generate "Hello" --split 6,12          # run as chained shards [0,6)+[6,12)+[12,n)
   ggufswarm perplexity wiki.txt --ctx-size 512
+  ggufswarm demo "Why is the sky blue?" --nodes 3   # 3 node processes + gateway on loopback
+  ggufswarm node --layers 0:6 --embed --port 8471   # serve one shard
+  ggufswarm gateway --route http://127.0.0.1:8471,http://127.0.0.1:8472 --port 8000
 With no --model, the embedded Gemma 3 270M Q4_K_M is used (assembled once into ~/.cache/ggufswarm).
 """
 
@@ -28,6 +31,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="run the model as in-process chained shards cut at these layers")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default float32)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch (default: all cores)")
+
+
+DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +65,69 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--ctx-size", type=int, default=512, help="tokens per chunk (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
+
+    n = sub.add_parser("node", help="serve one shard (a layer range) over HTTP",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Serve layers START:END (half-open, as Python slices) of a GGUF model. The first "
+                                   "shard of a route needs --embed, the last --head (norm + LM head + sampler). "
+                                   "Each session keeps its KV cache here; frames go straight to the next hop. "
+                                   "Prints 'ggufswarm node ready: URL ...' once listening. Protocol: docs/protocol.md.",
+                       epilog="example, a 2-node route of an 18-layer model:\n"
+                              "  ggufswarm node --layers 0:9 --embed --port 8471\n"
+                              "  ggufswarm node --layers 9:18 --head --port 8472")
+    n.add_argument("--layers", required=True, metavar="START:END", help="layer range to serve, e.g. 0:6")
+    n.add_argument("--embed", action="store_true", help="also run the embedding stage (first shard of a route)")
+    n.add_argument("--head", action="store_true", help="also run output norm, LM head and sampler (last shard)")
+    n.add_argument("--model", metavar="PATH", help="GGUF file; default: embedded Gemma 3 270M")
+    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
+    n.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    n.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch (default: all cores)")
+    n.add_argument("--kv-budget", type=int, default=262144, metavar="TOKENS",
+                   help="KV budget: tokens all sessions may reserve together (each reserves its max_length); "
+                        "an open that does not fit gets 429 (full, retry later) or 503 (never fits). Default 262144")
+    n.add_argument("--kv-budget-mb", type=float, default=None, metavar="MB",
+                   help="cap the KV budget in MiB too (converted with this shard's bytes per token)")
+    n.add_argument("--session-ttl", type=float, default=300.0, metavar="S",
+                   help="drop sessions idle this many seconds (default 300)")
+    n.add_argument("--hop-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds to wait for the next hop before failing the step with 504 (default 30)")
+    n.add_argument("--max-step-tokens", type=int, default=4096, metavar="N",
+                   help="most tokens one frame may carry; larger gets 413 (default 4096)")
+    n.add_argument("--workers", type=int, default=4, help="threads running steps of different sessions (default 4)")
+    n.add_argument("--exit-with-parent", action="store_true", help="exit when the parent process dies")
+
+    w = sub.add_parser("gateway", help="OpenAI-compatible API over a route of nodes",
+                       description="Serve /v1/chat/completions, /v1/completions and /v1/models over a route of "
+                                   "nodes given by hand (first node has --embed, last --head). Streaming (SSE) and "
+                                   "non-streamed; the last chunk / the body carries usage and a telemetry object.")
+    w.add_argument("--route", required=True, metavar="URL1,URL2,...", help="node URLs in layer order")
+    w.add_argument("--model", metavar="PATH", help="GGUF file for the tokenizer; default: embedded Gemma 3 270M")
+    w.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    w.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    w.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="seconds to wait for the first node's answer to one step (default 120)")
+    w.add_argument("--wire-dtype", choices=["f16", "bf16", "f32"], default="f16",
+                   help="hidden-state frame dtype between nodes (default f16, range-extended; see docs/protocol.md)")
+    w.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
+
+    d = sub.add_parser("demo", help="start N nodes + a gateway on loopback and stream one answer (the main job)",
+                       description="Start --nodes node processes with an even layer split of the model, a gateway "
+                                   "on free loopback ports, send PROMPT through the OpenAI API and stream the "
+                                   "answer to stdout; telemetry goes to stderr. Everything stops at the end (or on "
+                                   "Ctrl-C). --serve keeps the cluster up and prints the gateway URL.")
+    d.add_argument("prompt", nargs="?", default=None, help=f"prompt (default: {DEMO_PROMPT!r})")
+    d.add_argument("--nodes", type=int, default=3, help="node processes (default 3)")
+    d.add_argument("--model", metavar="PATH", help="GGUF file; default: embedded Gemma 3 270M")
+    d.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    d.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    d.add_argument("--seed", type=int, default=None, help="sampling seed")
+    d.add_argument("--raw", action="store_true", help="send the prompt as a plain completion (no chat template)")
+    d.add_argument("--serve", action="store_true", help="keep the cluster up after the prompt; print the gateway URL")
+    d.add_argument("--port", type=int, default=0, help="gateway port (default: any free port)")
+    d.add_argument("--threads", type=int, default=None, help="PyTorch threads per node (default: cores / nodes)")
+    d.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-hop timeout (default 30)")
+    d.add_argument("--wire-dtype", choices=["f16", "bf16", "f32"], default="f16", help="frame dtype (default f16)")
     return parser
 
 
@@ -110,7 +179,30 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity}
+def cmd_node(args) -> int:
+    from .node import NodeConfig, run_node
+    return run_node(NodeConfig(
+        layers=args.layers, embed=args.embed, head=args.head, model=args.model, host=args.host, port=args.port,
+        dtype=args.dtype, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,
+        session_ttl_s=args.session_ttl, hop_timeout_s=args.hop_timeout, max_step_tokens=args.max_step_tokens,
+        workers=args.workers, exit_with_parent=args.exit_with_parent))
+
+
+def cmd_gateway(args) -> int:
+    from .gateway import GatewayConfig, run_gateway
+    route = [u.strip() for u in args.route.split(",") if u.strip()]
+    return run_gateway(GatewayConfig(route=route, model=args.model, host=args.host, port=args.port,
+                                     timeout_s=args.timeout, wire_dtype=args.wire_dtype,
+                                     default_max_tokens=args.max_tokens))
+
+
+def cmd_demo(args) -> int:
+    from .gateway.demo import run_demo
+    return run_demo(args)
+
+
+COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "node": cmd_node, "gateway": cmd_gateway,
+            "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,7 +99,8 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     """
     xs = x.reshape(*x.shape[:-1], -1, 32)
     amax = xs.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # torch.div on a tensor numerator: ``127.0 / t`` would compute 127 * (1/t), rounded differently from C
+    inv = torch.where(amax > 0, torch.div(torch.full_like(amax, 127.0), amax), torch.zeros_like(amax))
     d = (amax / 127.0).half().float()
     return (torch.round(xs * inv) * d).reshape(x.shape)
 
@@ -111,7 +112,7 @@ def quantize_q8_k(x: torch.Tensor) -> torch.Tensor:
     """
     xs = x.reshape(*x.shape[:-1], -1, 256)
     amax, idx = xs.abs().max(-1, keepdim=True)
-    iscale = torch.where(amax > 0, -127.0 / xs.gather(-1, idx), torch.zeros_like(amax))
+    iscale = torch.where(amax > 0, torch.div(torch.full_like(amax, -127.0), xs.gather(-1, idx)), torch.zeros_like(amax))
     q = torch.clamp(torch.round(iscale * xs), max=127.0)
     d = torch.where(amax > 0, 1.0 / iscale, torch.zeros_like(amax))
     return (q * d).reshape(x.shape)

@@ -1,0 +1,425 @@
+"""aiohttp app of the gateway: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``.
+
+Each request gets its own route session (KV on every node), run in a worker thread by the same
+``generate`` loop as ``ggufswarm generate``; text deltas cross to the event loop through a queue, so
+concurrent requests proceed concurrently. The final stream chunk and the non-streamed body carry
+``usage`` and a ``telemetry`` object (docs/protocol.md, "Generation telemetry").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from ..artifact.default_model import resolve_model
+from ..artifact.gguf_file import GGUFModelFile
+from ..client.generate import GenerationStats, generate
+from ..client.remote import RemoteRoute, RouteError
+from ..client.sampling import SamplingParams
+from ..client.tokenizer import Tokenizer
+
+JSON = "application/json"
+
+
+@dataclass
+class GatewayConfig:
+    """Gateway settings. ``route``: node URLs in order; ``timeout_s``: per request to the first node (s)."""
+
+    route: list[str]
+    model: str | None = None
+    model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    timeout_s: float = 60.0
+    wire_dtype: str = "f16"
+    default_max_tokens: int = 512
+    workers: int = 64
+
+
+class RequestError(Exception):
+    """A request the gateway refuses: HTTP ``status``, OpenAI error ``type`` and ``code``."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request", param: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.code, self.param, self.type = status, code, param, type_
+
+
+class Cancelled(Exception):
+    """The client went away; the worker stops at the next token."""
+
+
+def _error_response(exc: Exception) -> web.Response:
+    if isinstance(exc, RequestError):
+        err = {"message": str(exc), "type": exc.type, "param": exc.param, "code": exc.code}
+        status = exc.status
+    elif isinstance(exc, RouteError):
+        err = {"message": str(exc), "type": "route_error", "param": None, "code": exc.code}
+        status = exc.status
+    else:
+        err = {"message": f"{type(exc).__name__}: {exc}", "type": "server_error", "param": None, "code": "internal"}
+        status = 500
+    return web.Response(body=json.dumps({"error": err}).encode(), status=status, content_type=JSON)
+
+
+def _number(body: dict, name: str, default, lo=None, hi=None, kind=float):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(f"{name} must be in [{lo}, {hi}], got {value!r}", param=name)
+    return kind(value)
+
+
+def parse_params(body: dict, default_max_tokens: int) -> tuple[SamplingParams, int, list[str], bool]:
+    """Sampling settings, max_tokens, stop strings and stream flag of an OpenAI request body.
+
+    Omitted settings take llama.cpp server defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05).
+    ``top_k``, ``min_p``, ``repeat_penalty`` are accepted as extensions. Raises RequestError.
+    """
+    if _number(body, "n", 1, 1, 1, int) != 1:
+        raise RequestError("only n = 1 is supported", param="n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 0, None, int)
+    d = SamplingParams()
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError(f"seed must be an integer, got {seed!r}", param="seed")
+    params = SamplingParams(
+        temperature=_number(body, "temperature", d.temperature, 0, 2),
+        top_p=_number(body, "top_p", d.top_p, 0, 1),
+        top_k=_number(body, "top_k", d.top_k, 0, None, int),
+        min_p=_number(body, "min_p", d.min_p, 0, 1),
+        repeat_penalty=_number(body, "repeat_penalty", d.repeat_penalty, 0, None),
+        seed=seed)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 16):
+        raise RequestError("stop must be a string or a list of up to 16 non-empty strings", param="stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {stream!r}", param="stream")
+    return params, max_tokens, stop, stream
+
+
+def _message_text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise RequestError("message content parts must be {\"type\": \"text\", \"text\": ...}", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise RequestError("message content must be a string or a list of text parts", param="messages")
+
+
+class _Guarded:
+    """Wraps a RouteSession so a disconnected client stops the generation at the next step."""
+
+    def __init__(self, session, cancelled: threading.Event):
+        self.session, self.cancelled = session, cancelled
+
+    def step(self, token_ids):
+        if self.cancelled.is_set():
+            raise Cancelled()
+        return self.session.step(token_ids)
+
+    def close(self):
+        self.session.close()
+
+
+class Gateway:
+    """State shared by the handlers: tokenizer, route (described lazily from the nodes' /health), workers."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="route")
+        self.tokenizer: Tokenizer | None = None
+        self.model_name = config.model_name
+        self._route: RemoteRoute | None = None
+        self._route_lock = threading.Lock()
+        self.created = int(time.time())
+
+    def load(self) -> None:
+        """Read the GGUF header and vocabulary (blocking). Raises GGUFError / OSError."""
+        file = GGUFModelFile(resolve_model(self.config.model))
+        self.tokenizer = Tokenizer(str(file.path), file.metadata)
+        self.model_name = self.model_name or file.path.stem
+
+    def route(self) -> RemoteRoute:
+        """The route, asking each node's /health the first time (blocking). Raises RouteError / ValueError."""
+        with self._route_lock:
+            if self._route is None:
+                try:
+                    self._route = RemoteRoute(self.config.route, self.config.timeout_s)
+                except ValueError as exc:
+                    raise RouteError(f"bad route: {exc}", 502, "bad_route") from None
+            return self._route
+
+    def run(self, ids: list[int], params: SamplingParams, max_tokens: int, stop: list[str], emit,
+            cancelled: threading.Event) -> None:
+        """Worker thread: open a route session, generate, emit ("open"|"delta"|"done"|"error", ...) events."""
+        session = None
+        try:
+            route = self.route()
+            limit = route.max_length
+            if len(ids) >= limit:
+                raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",
+                                   code="context_length_exceeded", param="messages")
+            max_length = min(limit, len(ids) + max(max_tokens, 1))
+            session = route.open(max_length, params, self.config.wire_dtype)
+            emit(("open", session))
+            stats = GenerationStats()
+            for delta in generate(_Guarded(session, cancelled), self.tokenizer, ids, max_tokens, stop, stats):
+                emit(("delta", delta))
+            emit(("done", stats, self.telemetry(route, session, stats)))
+        except Cancelled:
+            emit(("error", RequestError("client went away", 499, "cancelled")))
+        except Exception as exc:  # noqa: BLE001 - handed to the event loop
+            emit(("error", exc))
+        finally:
+            if session is not None:
+                session.close()
+
+    def telemetry(self, route: RemoteRoute, session, stats: GenerationStats) -> dict:
+        """The ``telemetry`` object of a finished generation (ms, tok/s, bytes, tokens)."""
+        per_hop = session.telemetry.summary(route)
+        return {"route": route.describe(), "session": str(session.id), "wire_dtype": self.config.wire_dtype,
+                "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+                "ttft_ms": round(stats.ttft_ms, 2), "prefill_tok_s": round(stats.prefill_tok_s, 2),
+                "decode_tok_s": round(stats.decode_tok_s, 2), **per_hop, "repairs": 0}
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool) -> web.StreamResponse:
+    gw: Gateway = request.app["gateway"]
+    params, max_tokens, stop, stream = parse_params(body, gw.config.default_max_tokens)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def emit(event):
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    work = loop.run_in_executor(gw.pool, gw.run, ids, params, max_tokens, stop, emit, cancelled)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    obj = "chat.completion" if chat else "text_completion"
+    try:
+        event = await queue.get()
+        if event[0] == "error":
+            return _error_response(event[1])
+
+        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                    "model": gw.model_name, "choices": [choice]}
+
+        def usage(stats: GenerationStats) -> dict:
+            return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+                    "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+
+        if stream:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            if chat:
+                await resp.write(_sse(chunk(None, first=True)))
+            while True:
+                event = await queue.get()
+                if event[0] == "delta":
+                    await resp.write(_sse(chunk(event[1])))
+                elif event[0] == "done":
+                    stats, telemetry = event[1], event[2]
+                    last = chunk(None, stats.finish_reason)
+                    last["usage"] = usage(stats)
+                    last["telemetry"] = telemetry
+                    await resp.write(_sse(last))
+                    await resp.write(b"data: [DONE]\n\n")
+                    break
+                else:
+                    exc = event[1]
+                    err = {"message": str(exc), "type": "route_error" if isinstance(exc, RouteError) else
+                           "server_error", "code": getattr(exc, "code", "internal"),
+                           "status": getattr(exc, "status", 500)}
+                    await resp.write(_sse({"error": err}))
+                    break
+            await resp.write_eof()
+            return resp
+        parts = []
+        while True:
+            event = await queue.get()
+            if event[0] == "delta":
+                parts.append(event[1])
+            elif event[0] == "done":
+                stats, telemetry = event[1], event[2]
+                break
+            else:
+                return _error_response(event[1])
+        text = "".join(parts)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": stats.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": stats.finish_reason}
+        return web.Response(body=json.dumps({"id": rid, "object": obj, "created": created, "model": gw.model_name,
+                                             "choices": [choice], "usage": usage(stats),
+                                             "telemetry": telemetry}).encode(), content_type=JSON)
+    finally:
+        cancelled.set()  # no-op when finished; stops the worker when the client left mid-stream
+        if not work.done():
+            work.add_done_callback(lambda f: f.exception())
+
+
+async def _read_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("body must be a JSON object")
+    return body
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions`` (OpenAI): messages rendered with the GGUF chat template."""
+    gw: Gateway = request.app["gateway"]
+    try:
+        body = await _read_body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list", param="messages")
+        turns = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError("each message needs a role and content", param="messages")
+            turns.append({"role": m["role"], "content": _message_text(m.get("content"))})
+        try:
+            ids = gw.tokenizer.encode(gw.tokenizer.render_chat(turns))
+        except ValueError as exc:
+            raise RequestError(str(exc), param="messages") from None
+        return await _complete(request, ids, body, chat=True)
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions`` (OpenAI): a plain ``prompt`` string (or a list holding one)."""
+    gw: Gateway = request.app["gateway"]
+    try:
+        body = await _read_body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise RequestError("prompt must be a string", param="prompt")
+        return await _complete(request, gw.tokenizer.encode(prompt), body, chat=False)
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc)
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the one model this gateway serves."""
+    gw: Gateway = request.app["gateway"]
+    return web.json_response({"object": "list", "data": [
+        {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "ggufswarm"}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: the configured route."""
+    gw: Gateway = request.app["gateway"]
+    return web.json_response({"status": "ok", "model": gw.model_name, "route": gw.config.route})
+
+
+def make_app(config: GatewayConfig) -> web.Application:
+    """The gateway's aiohttp app; the vocabulary is loaded at startup, the route on first use."""
+    gw = Gateway(config)
+    app = web.Application(client_max_size=16 * 2 ** 20)
+    app["gateway"] = gw
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+
+    async def lifecycle(app):
+        await asyncio.get_running_loop().run_in_executor(gw.pool, gw.load)
+        yield
+        gw.pool.shutdown(wait=False, cancel_futures=True)
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+class ServerThread:
+    """Serve an aiohttp app on its own event loop in a daemon thread (for the demo and tests).
+
+    ``start()`` returns the base URL once listening; ``stop()`` shuts the server down.
+    """
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        self.app, self.host, self.port = app, host, port
+        self.url: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="aiohttp")
+        self._runner: web.AppRunner | None = None
+
+    def start(self, timeout: float = 60.0) -> str:
+        async def boot():
+            self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, self.host, self.port).start()
+            return f"http://{self.host}:{self._runner.addresses[0][1]}"
+
+        self._thread.start()
+        self.url = asyncio.run_coroutine_threadsafe(boot(), self._loop).result(timeout)
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._runner is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+
+def run_gateway(config: GatewayConfig) -> int:
+    """``ggufswarm gateway``: serve until SIGINT/SIGTERM, printing one ready line to stdout."""
+    from ..node.server import serve
+
+    app = make_app(config)
+
+    def ready(url: str) -> None:
+        print(f"ggufswarm gateway ready: {url}/v1 route {','.join(config.route)}", flush=True)
+
+    asyncio.run(serve(app, config.host, config.port, ready))
+    print("ggufswarm gateway: stopped", file=sys.stderr, flush=True)
+    return 0

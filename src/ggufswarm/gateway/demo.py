@@ -1,0 +1,120 @@
+"""``ggufswarm demo``: N node processes (even layer split) + a gateway on loopback, one prompt streamed through it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import sys
+import time
+from urllib.parse import urlsplit
+
+from ..artifact.default_model import resolve_model
+from ..artifact.gguf_file import GGUFModelFile
+from ..model import load_config
+from ..node.launch import start_nodes, stop_nodes
+from ..runtime.shard import even_split
+from .app import GatewayConfig, ServerThread, make_app
+
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def stream_completion(base_url: str, body: dict, chat: bool = True, out=sys.stdout, timeout: float = 600.0) -> dict:
+    """POST a streamed OpenAI request to ``base_url`` (…/v1), write text deltas to ``out``; the final chunk.
+
+    Raises RuntimeError with the gateway's message on an HTTP error or an error event in the stream.
+    """
+    parts = urlsplit(base_url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    path = parts.path.rstrip("/") + ("/chat/completions" if chat else "/completions")
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"gateway answered {resp.status}: {resp.read().decode(errors='replace')}")
+    final = {}
+    try:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            choice = chunk["choices"][0]
+            text = choice["delta"].get("content") if chat else choice.get("text")
+            if text:
+                out.write(text)
+                out.flush()
+            if choice.get("finish_reason"):
+                final = chunk
+    finally:
+        conn.close()
+    return final
+
+
+def telemetry_summary(t: dict) -> str:
+    """A few lines for stderr from a ``telemetry`` object."""
+    lines = ["route: " + " → ".join(f"{h['node']} [{h['layers'][0]}:{h['layers'][1]}]" for h in t["route"]),
+             f"prompt {t['prompt_tokens']} tokens, completion {t['completion_tokens']} tokens, "
+             f"TTFT {t['ttft_ms']:.0f} ms, prefill {t['prefill_tok_s']:.1f} tok/s, decode {t['decode_tok_s']:.1f} tok/s, "
+             f"{t['payload_bytes_per_decode_token']:.0f} payload B per decode token ({t['wire_dtype']} frames)"]
+    for i, h in enumerate(t["hops"], 1):
+        lines.append(f"  hop {i} {h['node']}: compute {h['compute_ms']['mean']:.1f} ms "
+                     f"(p95 {h['compute_ms']['p95']:.1f}), network {h['network_ms']['mean']:.1f} ms "
+                     f"(p95 {h['network_ms']['p95']:.1f}), {h['payload_bytes_per_decode_token']:.0f} B/token, "
+                     f"KV {h['kv_tokens']} tokens")
+    return "\n".join(lines)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_demo(args) -> int:
+    """Start the cluster, stream ``args.prompt``, print telemetry, stop everything (also on Ctrl-C/SIGTERM)."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    path = resolve_model(args.model)
+    cfg = load_config(GGUFModelFile(path))
+    specs = even_split(cfg.n_layers, args.nodes)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
+    print(f"ggufswarm demo: starting {args.nodes} nodes ({threads} thread(s) each): "
+          + ", ".join(f"{s.start}:{s.end}" for s in specs), file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    nodes, gateway = [], None
+    try:
+        nodes = start_nodes(specs, str(path), threads, extra=["--hop-timeout", str(args.timeout)])
+        gateway = ServerThread(make_app(GatewayConfig([n.url for n in nodes], model=str(path),
+                                                      timeout_s=args.timeout * (len(nodes) + 1),
+                                                      wire_dtype=args.wire_dtype)), port=args.port)
+        base = gateway.start() + "/v1"
+        print(f"ggufswarm demo: cluster up in {time.perf_counter() - t0:.1f} s; gateway {base}",
+              file=sys.stderr, flush=True)
+        prompt = args.prompt if args.prompt is not None else (None if args.serve else DEFAULT_PROMPT)
+        if prompt is not None:
+            body = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+            if args.seed is not None:
+                body["seed"] = args.seed
+            if args.raw:
+                body["prompt"] = prompt
+            else:
+                body["messages"] = [{"role": "user", "content": prompt}]
+            final = stream_completion(base, body, chat=not args.raw)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if final.get("telemetry"):
+                print(telemetry_summary(final["telemetry"]), file=sys.stderr, flush=True)
+        if args.serve:
+            print(base, flush=True)
+            print("ggufswarm demo: serving; Ctrl-C stops the cluster", file=sys.stderr, flush=True)
+            while all(n.proc.poll() is None for n in nodes):
+                time.sleep(0.5)
+            raise RuntimeError("a node exited; stopping the cluster")
+        return 0
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        stop_nodes(nodes)

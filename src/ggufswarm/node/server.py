@@ -1,0 +1,388 @@
+"""aiohttp app of a node: ``make_app(config)`` serves one shard; ``run_node`` is the ``ggufswarm node`` command.
+
+Endpoints (docs/protocol.md): ``POST /v1/sessions`` (open), ``POST /v1/step`` (a frame: prefill or
+decode), ``POST /v1/sessions/{id}/truncate``, ``DELETE /v1/sessions/{id}``, ``GET /health``,
+``GET /metrics``. A non-head node pushes its output frame straight to the session's next hop and
+answers with the head's reply, its own hop timings prepended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import aiohttp
+import torch
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..artifact.default_model import resolve_model
+from ..artifact.gguf_file import GGUFModelFile
+from ..client.sampling import SamplingParams
+from ..model import load_config
+from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden, error_body
+from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE
+from ..runtime.kv import ContextOverflow
+from ..runtime.sessions import SessionError, SessionStore
+from ..runtime.shard import ShardExecutor, ShardSpec
+
+WIRE_DTYPES = ("f16", "bf16", "f32")
+JSON = "application/json"
+
+
+@dataclass
+class NodeConfig:
+    """Settings of one node. ``layers``: ``"START:END"`` (half-open). Units: seconds, tokens, MiB."""
+
+    layers: str
+    embed: bool = False
+    head: bool = False
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    dtype: str = "float32"
+    kv_budget_tokens: int = 262144
+    kv_budget_mb: float | None = None
+    session_ttl_s: float = 300.0
+    hop_timeout_s: float = 30.0
+    max_step_tokens: int = 4096
+    workers: int = 4
+    exit_with_parent: bool = False
+
+
+class NodeState:
+    """Everything a node's handlers share: the shard, its session store, metrics, the next-hop client."""
+
+    def __init__(self, config: NodeConfig, executor: ShardExecutor):
+        self.config = config
+        self.executor = executor
+        self.spec = executor.spec
+        self.cfg = executor.cfg
+        budget = config.kv_budget_tokens
+        self.store = SessionStore(executor, budget, config.session_ttl_s)
+        if config.kv_budget_mb is not None:
+            per_token = max(self.store.kv_bytes_per_token(), 1)
+            self.store.budget_tokens = min(budget, int(config.kv_budget_mb * 2 ** 20) // per_token)
+        self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="shard")
+        self.client: aiohttp.ClientSession | None = None
+        self.max_body = HEADER_SIZE + config.max_step_tokens * (self.cfg.n_embd * 4 + 4)
+        reg = self.registry = CollectorRegistry()
+        store = self.store
+        Gauge("ggufswarm_node_sessions_open", "Route sessions open on this node", registry=reg).set_function(
+            lambda: len(store.sessions))
+        Gauge("ggufswarm_node_kv_tokens_held", "Tokens held in KV caches (all sessions)", registry=reg).set_function(
+            lambda: store.held_tokens)
+        Gauge("ggufswarm_node_kv_tokens_reserved", "Tokens reserved by open sessions (sum of max_length)",
+              registry=reg).set_function(lambda: store.reserved_tokens)
+        Gauge("ggufswarm_node_kv_budget_tokens", "KV budget of this node in tokens", registry=reg).set_function(
+            lambda: store.budget_tokens)
+        self.steps = Counter("ggufswarm_node_steps", "Steps applied", ["kind"], registry=reg)
+        self.step_seconds = Histogram("ggufswarm_node_step_seconds", "Step compute time (this shard only)", ["kind"],
+                                      registry=reg, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5,
+                                                             5, 10, 30))
+        self.bytes_in = Counter("ggufswarm_node_payload_bytes_in", "Frame bytes received (header + payload)",
+                                ["kind"], registry=reg)
+        self.bytes_out = Counter("ggufswarm_node_payload_bytes_out", "Frame bytes pushed to the next hop",
+                                 ["kind"], registry=reg)
+        self.replays = Counter("ggufswarm_node_step_replays", "Retried steps answered without re-applying",
+                               registry=reg)
+        self.errors = Counter("ggufswarm_node_errors", "Requests answered with an error", ["code"], registry=reg)
+        # plain counters for /health (a test can read them without parsing Prometheus text)
+        self.totals = {"steps": 0, "decode_steps": 0, "prefill_steps": 0, "bytes_in_decode": 0, "bytes_in_prefill": 0,
+                       "bytes_out_decode": 0, "bytes_out_prefill": 0, "replays": 0, "errors": 0}
+
+    def health(self) -> dict:
+        """The ``/health`` body: shard, model shape, limits and counters."""
+        s = self.store
+        return {
+            "status": "ok", "protocol": PROTOCOL_VERSION, "model": self.executor.model.path.name,
+            "arch": self.cfg.arch, "n_layers": self.cfg.n_layers, "n_embd": self.cfg.n_embd,
+            "n_vocab": self.cfg.n_vocab, "max_length": self.cfg.max_length,
+            "layers": [self.spec.start, self.spec.end], "embed": self.spec.embed, "head": self.spec.head,
+            "max_step_tokens": self.config.max_step_tokens, "hop_timeout_s": self.config.hop_timeout_s,
+            "session_ttl_s": s.ttl_s, "sessions": len(s.sessions), "kv_budget_tokens": s.budget_tokens,
+            "kv_tokens_reserved": s.reserved_tokens, "kv_tokens_held": s.held_tokens,
+            "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals,
+        }
+
+
+def _json(obj, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(obj).encode(), status=status, content_type=JSON)
+
+
+def _error(state: NodeState, exc: Exception) -> web.Response:
+    if isinstance(exc, ProtocolError):
+        code, status, message = exc.code, exc.status, exc.message
+    elif isinstance(exc, SessionError):
+        err = ProtocolError(exc.code, str(exc))
+        code, status, message = err.code, err.status, err.message
+    elif isinstance(exc, ContextOverflow):
+        code, status, message = "context_overflow", 400, str(exc)
+    elif isinstance(exc, ValueError):
+        code, status, message = ("bad_token" if "token id" in str(exc) else "bad_request"), 400, str(exc)
+    else:
+        code, status, message = "internal", 500, f"{type(exc).__name__}: {exc}"
+    state.errors.labels(code).inc()
+    state.totals["errors"] += 1
+    return web.Response(body=error_body(code, message), status=status, content_type=JSON)
+
+
+async def _read_json(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError("bad_request", f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("bad_request", "body must be a JSON object")
+    return body
+
+
+def _session_id(text) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(text))
+    except ValueError:
+        raise ProtocolError("bad_request", f"session_id must be a UUID, got {text!r}") from None
+
+
+async def open_session(request: web.Request) -> web.Response:
+    """``POST /v1/sessions`` {session_id, max_length, next_hop, sampling, wire_dtype, top_logprobs} → 201."""
+    state: NodeState = request.app["node"]
+    try:
+        body = await _read_json(request)
+        sid = _session_id(body.get("session_id", uuid.uuid4()))
+        max_length = body.get("max_length")
+        if not isinstance(max_length, int) or isinstance(max_length, bool):
+            raise ProtocolError("bad_request", f"max_length must be an integer, got {max_length!r}")
+        next_hop = body.get("next_hop")
+        if state.spec.head and next_hop:
+            raise ProtocolError("bad_request", "this node holds the head stage; it takes no next_hop")
+        if not state.spec.head and not (isinstance(next_hop, str) and next_hop.startswith(("http://", "https://"))):
+            raise ProtocolError("bad_request", f"layers {state.spec.start}:{state.spec.end} are not the last shard: "
+                                               f"next_hop must be the next node's http:// URL, got {next_hop!r}")
+        wire = body.get("wire_dtype", "f16")
+        if wire not in WIRE_DTYPES:
+            raise ProtocolError("bad_dtype", f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire!r}")
+        n_logprobs = body.get("top_logprobs", 0)
+        if not isinstance(n_logprobs, int) or not 0 <= n_logprobs <= 20:
+            raise ProtocolError("bad_request", f"top_logprobs must be an integer in 0..20, got {n_logprobs!r}")
+        sampling = body.get("sampling") or {}
+        if not isinstance(sampling, dict):
+            raise ProtocolError("bad_request", "sampling must be an object")
+        try:
+            params = SamplingParams(**sampling).validate()
+        except TypeError as exc:
+            raise ProtocolError("bad_request", f"sampling: {exc}") from None
+        session = state.store.open(sid, max_length, next_hop.rstrip("/") if next_hop else None, params, wire,
+                                   n_logprobs)
+        session.lock = asyncio.Lock()
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
+        return _error(state, exc)
+    return _json({"session_id": str(sid), "max_length": max_length, "layers": [state.spec.start, state.spec.end],
+                  "kv_tokens_reserved": state.store.reserved_tokens, "kv_budget_tokens": state.store.budget_tokens},
+                 201)
+
+
+async def close_session(request: web.Request) -> web.Response:
+    """``DELETE /v1/sessions/{id}`` → 200 {closed, kv_tokens}; 404 unknown_session."""
+    state: NodeState = request.app["node"]
+    try:
+        session = state.store.close(_session_id(request.match_info["sid"]))
+    except Exception as exc:  # noqa: BLE001
+        return _error(state, exc)
+    return _json({"closed": str(session.id), "kv_tokens": session.length})
+
+
+async def truncate_session(request: web.Request) -> web.Response:
+    """``POST /v1/sessions/{id}/truncate`` {length} → 200 {length}: roll the KV cache back."""
+    state: NodeState = request.app["node"]
+    try:
+        body = await _read_json(request)
+        length = body.get("length")
+        if not isinstance(length, int) or isinstance(length, bool):
+            raise ProtocolError("bad_request", f"length must be an integer, got {length!r}")
+        session = state.store.get(_session_id(request.match_info["sid"]))
+        async with session.lock:
+            state.store.truncate(session.id, length)
+    except Exception as exc:  # noqa: BLE001
+        return _error(state, exc)
+    return _json({"session_id": str(session.id), "length": session.length})
+
+
+async def _push(state: NodeState, url: str, frame: bytes) -> dict:
+    """POST ``frame`` to ``url``/v1/step; the parsed reply. ProtocolError naming the hop on any failure."""
+    try:
+        async with state.client.post(url + "/v1/step", data=frame,
+                                     headers={"Content-Type": "application/octet-stream"}) as resp:
+            body = await resp.read()
+            if resp.status != 200:
+                try:
+                    err = json.loads(body)["error"]
+                    code, message = err["code"], err["message"]
+                except (ValueError, KeyError, TypeError):
+                    code, message = "hop_failed", body[:200].decode(errors="replace")
+                raise ProtocolError(code, f"next hop {url}: {message}", resp.status)
+            return json.loads(body)
+    except asyncio.TimeoutError:
+        raise ProtocolError("hop_timeout", f"next hop {url} did not answer within "
+                                           f"{state.config.hop_timeout_s:g} s") from None
+    except aiohttp.ClientError as exc:
+        raise ProtocolError("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}") from None
+
+
+async def step(request: web.Request) -> web.Response:
+    """``POST /v1/step``: one frame (application/octet-stream) → 200 JSON ``{token, logprobs, hops}``."""
+    state: NodeState = request.app["node"]
+    t0 = time.perf_counter()
+    try:
+        body = await request.read()
+        frame = decode_frame(body, state.cfg.n_embd, state.config.max_step_tokens)
+        kind = "decode" if frame.n_tokens == 1 else "prefill"
+        state.bytes_in.labels(kind).inc(len(body))
+        state.totals["bytes_in_" + kind] += len(body)
+        if (frame.dtype == "ids") != state.spec.embed:
+            want = "token ids (dtype ids)" if state.spec.embed else "hidden states (f16, bf16 or f32)"
+            raise ProtocolError("bad_dtype", f"layers {state.spec.start}:{state.spec.end} take {want}; "
+                                             f"got a {frame.dtype} frame")
+        session = state.store.get(frame.session_id)
+        async with session.lock:
+            digest = zlib.crc32(body)
+            record = state.store.replay(session, frame.step, digest, frame.start, frame.n_tokens)
+            if record is not None:
+                state.replays.inc()
+                state.totals["replays"] += 1
+                if record.reply is not None:
+                    return web.Response(body=record.reply, content_type=JSON)
+            else:
+                loop = asyncio.get_running_loop()
+                record = await loop.run_in_executor(state.pool, state.store.apply, session, frame.step, digest,
+                                                    frame.start, frame.data, frame.token_ids, frame.sample)
+                state.steps.labels(kind).inc()
+                state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
+                state.totals["steps"] += 1
+                state.totals[kind + "_steps"] += 1
+            hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
+            if state.spec.head:
+                reply = {"token": record.token, "hops": [hop]}
+                if record.logprobs is not None:
+                    reply["logprobs"] = record.logprobs
+            else:
+                ids = frame.data if frame.dtype == "ids" else frame.token_ids
+                out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,
+                                    ids, frame.flags & FLAG_NO_SAMPLE)
+                state.bytes_out.labels(kind).inc(len(out))
+                state.totals["bytes_out_" + kind] += len(out)
+                t_push = time.perf_counter()
+                reply = await _push(state, session.next_hop, out)
+                hop["push_ms"] = round((time.perf_counter() - t_push) * 1e3, 3)
+                reply["hops"].insert(0, hop)
+            hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+            record.reply = json.dumps(reply).encode()
+            return web.Response(body=record.reply, content_type=JSON)
+    except Exception as exc:  # noqa: BLE001
+        return _error(state, exc)
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health`` → 200 JSON (see NodeState.health)."""
+    return _json(request.app["node"].health())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics`` → Prometheus text format from this app's own registry."""
+    data = generate_latest(request.app["node"].registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _reaper(state: NodeState) -> None:
+    period = max(0.05, min(state.store.ttl_s / 4, 10.0))
+    while True:
+        await asyncio.sleep(period)
+        state.store.expire()
+
+
+async def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def load_executor(config: NodeConfig) -> ShardExecutor:
+    """Load the shard named by ``config`` (reads only its tensors). Raises GGUFError / ValueError."""
+    file = GGUFModelFile(resolve_model(config.model))
+    model_cfg = load_config(file)
+    spec = ShardSpec.parse(config.layers, model_cfg.n_layers, config.embed, config.head)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if config.dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {config.dtype!r}")
+    return ShardExecutor(file, spec, dtypes[config.dtype], model_cfg)
+
+
+def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.Application:
+    """The node's aiohttp app; loads the shard unless ``executor`` is given. Raises as load_executor."""
+    state = NodeState(config, executor or load_executor(config))
+    app = web.Application(client_max_size=state.max_body + 1024)
+    app["node"] = state
+    app.router.add_post("/v1/sessions", open_session)
+    app.router.add_delete("/v1/sessions/{sid}", close_session)
+    app.router.add_post("/v1/sessions/{sid}/truncate", truncate_session)
+    app.router.add_post("/v1/step", step)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+
+    async def lifecycle(app):
+        timeout = aiohttp.ClientTimeout(total=config.hop_timeout_s)
+        state.client = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        tasks = [asyncio.create_task(_reaper(state))]
+        if config.exit_with_parent:
+            tasks.append(asyncio.create_task(_watch_parent(os.getppid())))
+        yield
+        for t in tasks:
+            t.cancel()
+        await state.client.close()
+        state.pool.shutdown(wait=False, cancel_futures=True)
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+async def serve(app: web.Application, host: str, port: int, ready=None) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM; ``ready(url)`` is called once listening (port 0 = any free port)."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if ready:
+        ready(f"http://{host}:{bound}")
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_node(config: NodeConfig) -> int:
+    """``ggufswarm node``: load the shard, serve it, print one ready line to stdout; exit 0 on SIGINT/SIGTERM."""
+    app = make_app(config)
+    state: NodeState = app["node"]
+    spec = state.spec
+
+    def ready(url: str) -> None:
+        stages = "".join([" +embed" if spec.embed else "", " +head" if spec.head else ""])
+        print(f"ggufswarm node ready: {url} layers {spec.start}:{spec.end}{stages} "
+              f"kv_budget {state.store.budget_tokens} tokens", flush=True)
+
+    asyncio.run(serve(app, config.host, config.port, ready))
+    print("ggufswarm node: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,178 @@
+"""Hidden-state frames: a 48-byte little-endian header plus a raw ``[n_tokens, n_embd]`` tensor (or token ids).
+
+Layout (docs/protocol.md is the normative spec)::
+
+    off size field
+      0   4  magic        b"GSWF"
+      4   1  version      PROTOCOL_VERSION
+      5   1  dtype        1 = int32 token ids, 2 = f16, 3 = bf16, 4 = f32
+      6   1  flags        bit 0: int32 token-id trailer follows the tensor; bit 1: do not sample
+      7   1  scale_exp    int8; value = stored * 2**scale_exp (f16 range extension)
+      8  16  session id   UUID bytes
+     24   8  step         uint64, 1 for the first step of a session
+     32   4  start        uint32, position of the first token
+     36   4  n_tokens     uint32
+     40   4  n_embd       uint32 (0 for token ids)
+     44   4  reserved     0
+     48   …  payload      n_tokens * n_embd * itemsize bytes (token ids: n_tokens * 4)
+      …   …  trailer      n_tokens * 4 bytes of int32 token ids when flag bit 0 is set
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import ProtocolError
+
+MAGIC = b"GSWF"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sBBBb16sQIIII")
+HEADER_SIZE = HEADER.size  # 48
+DTYPE_CODES = {"ids": 1, "f16": 2, "bf16": 3, "f32": 4}
+DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+ITEMSIZE = {"ids": 4, "f16": 2, "bf16": 2, "f32": 4}
+FLAG_TOKEN_IDS = 1
+FLAG_NO_SAMPLE = 2
+F16_MAX = 65504.0
+
+
+class FrameError(ProtocolError):
+    """A frame that cannot be accepted; ``code`` says why (bad_frame, bad_dtype, bad_shape, ...)."""
+
+
+@dataclass
+class Frame:
+    """A decoded frame. ``data``: int64 ids ``[T]`` (dtype "ids") or float32 hidden states ``[T, n_embd]``.
+
+    ``token_ids``: int64 ``[T]`` from the trailer (the route's input ids, for the head's sampler), or None.
+    ``dtype`` is the wire dtype it travelled in (the data is always widened to float32 on decode).
+    """
+
+    session_id: uuid.UUID
+    step: int
+    start: int
+    n_tokens: int
+    n_embd: int
+    dtype: str
+    flags: int
+    data: torch.Tensor
+    token_ids: torch.Tensor | None = None
+
+    @property
+    def sample(self) -> bool:
+        """False when the sender asked the head not to sample (an intermediate prefill chunk)."""
+        return not self.flags & FLAG_NO_SAMPLE
+
+
+def frame_size(n_tokens: int, n_embd: int, dtype: str, token_ids: bool = False) -> int:
+    """Bytes of a frame with this shape (header + payload + optional id trailer)."""
+    payload = n_tokens * (4 if dtype == "ids" else n_embd * ITEMSIZE[dtype])
+    return HEADER_SIZE + payload + (4 * n_tokens if token_ids else 0)
+
+
+def _header(session_id: uuid.UUID, step: int, start: int, n_tokens: int, n_embd: int, dtype: str,
+            flags: int, scale_exp: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, DTYPE_CODES[dtype], flags, scale_exp, session_id.bytes,
+                       step, start, n_tokens, n_embd, 0)
+
+
+def encode_tokens(session_id: uuid.UUID, step: int, start: int, token_ids: list[int], sample: bool = True) -> bytes:
+    """A frame carrying token ids (for the first shard). ``start``: position of the first id."""
+    ids = np.asarray(token_ids, dtype="<i4")
+    flags = 0 if sample else FLAG_NO_SAMPLE
+    return _header(session_id, step, start, len(ids), 0, "ids", flags) + ids.tobytes()
+
+
+def encode_hidden(session_id: uuid.UUID, step: int, start: int, hidden: torch.Tensor, dtype: str = "f16",
+                  token_ids: torch.Tensor | None = None, flags: int = 0) -> bytes:
+    """A frame carrying hidden states ``[T, n_embd]`` (any float dtype) in wire ``dtype`` (f16 / bf16 / f32).
+
+    f16 never overflows silently: when ``max|hidden|`` exceeds the f16 range the values are sent
+    divided by a power of two and ``scale_exp`` says by which (exact; Gemma's residual stream
+    reaches ~1e5). ``token_ids`` (int64 ``[T]``) are appended as a trailer when given.
+    Raises FrameError("non_finite") when ``hidden`` already holds NaN/inf.
+    """
+    if dtype not in ("f16", "bf16", "f32"):
+        raise FrameError("bad_dtype", f"wire dtype must be f16, bf16 or f32, got {dtype!r}")
+    x = hidden.detach()
+    n_tokens, n_embd = x.shape
+    peak = float(x.abs().max())
+    if not math.isfinite(peak):
+        raise FrameError("non_finite", f"step {step}: hidden states hold NaN/inf before encoding; refusing to send",
+                         status=500)
+    scale_exp = 0
+    if dtype == "f16":
+        if peak > F16_MAX * (1 - 2 ** -12):
+            scale_exp = math.ceil(math.log2(peak / (F16_MAX * (1 - 2 ** -12))))
+            x = x.float() * (2.0 ** -scale_exp)
+        payload = x.to(torch.float16).numpy().astype("<f2", copy=False).tobytes()
+    elif dtype == "bf16":
+        payload = x.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+    else:
+        payload = x.to(torch.float32).numpy().astype("<f4", copy=False).tobytes()
+    if token_ids is not None:
+        flags |= FLAG_TOKEN_IDS
+        payload += token_ids.numpy().astype("<i4").tobytes()
+    return _header(session_id, step, start, n_tokens, n_embd, dtype, flags, scale_exp) + payload
+
+
+def decode_frame(body: bytes, n_embd: int | None = None, max_tokens: int | None = None) -> Frame:
+    """Parse and bounds-check a frame; the payload is copied out as float32 (or int64 ids).
+
+    ``n_embd``: the width hidden frames must have; ``max_tokens``: the most tokens a step may carry.
+    Raises FrameError with code bad_frame / unsupported_version / bad_dtype / bad_shape /
+    too_many_tokens / non_finite. Nothing is allocated before the lengths are checked.
+    """
+    if len(body) < HEADER_SIZE:
+        raise FrameError("bad_frame", f"frame is {len(body)} bytes; the header alone is {HEADER_SIZE}")
+    magic, version, code, flags, scale_exp, sid, step, start, n_tokens, width, _ = HEADER.unpack_from(body)
+    if magic != MAGIC:
+        raise FrameError("bad_frame", f"bad magic {magic!r}: not a ggufswarm frame (expected {MAGIC!r})")
+    if version != PROTOCOL_VERSION:
+        raise FrameError("unsupported_version", f"frame version {version}; this node speaks {PROTOCOL_VERSION}")
+    dtype = DTYPE_NAMES.get(code)
+    if dtype is None:
+        raise FrameError("bad_dtype", f"unknown dtype code {code} (known: {DTYPE_CODES})")
+    if n_tokens == 0:
+        raise FrameError("bad_shape", "a frame needs at least one token (n_tokens = 0)")
+    if max_tokens is not None and n_tokens > max_tokens:
+        raise FrameError("too_many_tokens", f"n_tokens {n_tokens} exceeds this node's max_step_tokens {max_tokens}")
+    if dtype == "ids":
+        if width != 0:
+            raise FrameError("bad_shape", f"a token-id frame must have n_embd 0, got {width}")
+    elif n_embd is not None and width != n_embd:
+        raise FrameError("bad_shape", f"hidden frame is [{n_tokens}, {width}]; this model's n_embd is {n_embd}")
+    elif width == 0:
+        raise FrameError("bad_shape", "a hidden-state frame needs n_embd > 0")
+    has_ids = bool(flags & FLAG_TOKEN_IDS) and dtype != "ids"
+    expected = frame_size(n_tokens, width, dtype, has_ids)
+    if len(body) != expected:
+        raise FrameError("bad_frame", f"frame is {len(body)} bytes; header says [{n_tokens}, {width}] {dtype}"
+                                      f"{' + ids' if has_ids else ''} = {expected} bytes")
+    end = HEADER_SIZE + n_tokens * (4 if dtype == "ids" else width * ITEMSIZE[dtype])
+    if dtype == "ids":
+        data = torch.from_numpy(np.frombuffer(body, dtype="<i4", count=n_tokens, offset=HEADER_SIZE).astype(np.int64))
+    else:
+        count = n_tokens * width
+        if dtype == "f16":
+            arr = np.frombuffer(body, dtype="<f2", count=count, offset=HEADER_SIZE).astype(np.float32)
+            if scale_exp:
+                arr *= np.float32(2.0 ** scale_exp)
+        elif dtype == "bf16":
+            raw = np.frombuffer(body, dtype="<u2", count=count, offset=HEADER_SIZE).astype(np.uint32) << 16
+            arr = raw.view(np.float32)
+        else:
+            arr = np.frombuffer(body, dtype="<f4", count=count, offset=HEADER_SIZE).astype(np.float32)
+        if not np.isfinite(arr).all():
+            raise FrameError("non_finite", f"step {step}: frame holds NaN/inf values")
+        data = torch.from_numpy(arr.reshape(n_tokens, width))
+    ids = None
+    if has_ids:
+        ids = torch.from_numpy(np.frombuffer(body, dtype="<i4", count=n_tokens, offset=end).astype(np.int64))
+    return Frame(uuid.UUID(bytes=sid), step, start, n_tokens, width, dtype, flags, data, ids)

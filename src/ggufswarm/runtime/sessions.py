@@ -1,0 +1,245 @@
+"""Session store of one node: route sessions over one ShardExecutor, with KV budget, idle expiry and step dedup.
+
+Thread-safe bookkeeping; the caller serializes the steps of one session (``Session.lock`` is free
+for it to use) and may run different sessions' steps concurrently.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from ..client.sampling import Sampler, SamplingParams, top_logprobs
+from .kv import ContextOverflow, SessionKV, check_max_length
+from .shard import ShardExecutor
+
+
+class SessionError(Exception):
+    """Base of the store's errors; ``code`` is the protocol's machine-readable error code."""
+
+    code = "internal"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code or self.code
+
+
+class UnknownSession(SessionError):
+    code = "unknown_session"
+
+
+class AdmissionRefused(SessionError):
+    """The KV budget cannot take the session: ``kv_budget_full`` (retry later) or ``kv_budget_too_small``."""
+
+    code = "kv_budget_full"
+
+
+class StepConflict(SessionError):
+    """A step number that cannot be applied: ``step_conflict``, ``stale_step``, ``step_gap``, ``position_mismatch``."""
+
+    code = "step_conflict"
+
+
+@dataclass
+class StepRecord:
+    """The last step a session applied: its number, a digest of its frame, and its outcome.
+
+    ``output``: hidden states ``[T, n_embd]`` for the next hop, or None on the head.
+    ``token`` / ``logprobs``: the head's sample (None when not sampled).
+    ``reply``: the bytes answered to the caller once the step completed end to end (None until then).
+    """
+
+    step: int
+    digest: int
+    start: int
+    n_tokens: int
+    output: torch.Tensor | None = None
+    token: int | None = None
+    logprobs: list[tuple[int, float]] | None = None
+    compute_ms: float = 0.0
+    reply: bytes | None = None
+
+
+@dataclass
+class Session:
+    """One route session on this node: its KV cache, sampler (head only) and last step."""
+
+    id: uuid.UUID
+    kv: SessionKV
+    max_length: int
+    next_hop: str | None = None
+    wire_dtype: str = "f16"
+    sampler: Sampler | None = None
+    n_logprobs: int = 0
+    history: list[int] = field(default_factory=list)
+    last: StepRecord | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    busy: int = 0
+    lock: object = None  # for the server (e.g. an asyncio.Lock serializing this session's steps)
+
+    @property
+    def length(self) -> int:
+        """Tokens held in the KV cache (= position of the next token)."""
+        return self.kv.length
+
+
+class SessionStore:
+    """Sessions of one shard with a KV budget in tokens (each session reserves its ``max_length``).
+
+    ``budget_tokens``: the most tokens all open sessions may reserve together; ``ttl_s``: idle
+    seconds after which a session is dropped (by ``expire``, also tried before refusing an open).
+    """
+
+    def __init__(self, executor: ShardExecutor, budget_tokens: int, ttl_s: float = 300.0):
+        self.executor = executor
+        self.budget_tokens = budget_tokens
+        self.ttl_s = ttl_s
+        self.sessions: dict[uuid.UUID, Session] = {}
+        self._lock = threading.Lock()
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens reserved by open sessions (sum of their max_length)."""
+        return sum(s.max_length for s in list(self.sessions.values()))
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens actually held in KV caches."""
+        return sum(s.kv.length for s in list(self.sessions.values()))
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token costs on this shard (all its layers, keys and values)."""
+        cfg, ex = self.executor.cfg, self.executor
+        return len(ex.spec.layers) * cfg.n_head_kv * cfg.head_dim * 2 * torch.empty(0, dtype=ex.dtype).element_size()
+
+    def open(self, session_id: uuid.UUID, max_length: int, next_hop: str | None = None,
+             sampling: SamplingParams | None = None, wire_dtype: str = "f16", n_logprobs: int = 0) -> Session:
+        """Open a session reserving ``max_length`` tokens of the budget.
+
+        Raises ContextOverflow (max_length out of 1..model limit), SessionError("session_exists"),
+        AdmissionRefused("kv_budget_too_small") when max_length alone exceeds the budget, or
+        AdmissionRefused("kv_budget_full") when other sessions hold the budget (after expiring idle ones).
+        """
+        check_max_length(max_length, self.executor.cfg.max_length)
+        if max_length > self.budget_tokens:
+            raise AdmissionRefused(f"max_length {max_length} exceeds this node's whole KV budget of "
+                                   f"{self.budget_tokens} tokens", "kv_budget_too_small")
+        if self.executor.spec.head:
+            sampler = Sampler(sampling or SamplingParams())
+        else:
+            sampler = None
+        with self._lock:
+            if session_id in self.sessions:
+                raise SessionError(f"session {session_id} is already open on this node", "session_exists")
+            if self.reserved_tokens + max_length > self.budget_tokens:
+                self._expire_locked(time.monotonic())
+            free = self.budget_tokens - self.reserved_tokens
+            if max_length > free:
+                raise AdmissionRefused(f"KV budget full: {free} of {self.budget_tokens} tokens free, session asks "
+                                       f"max_length {max_length}; retry later or ask for less")
+            kv = self.executor.new_session(max_length)
+            session = Session(session_id, kv, max_length, next_hop, wire_dtype, sampler, n_logprobs)
+            self.sessions[session_id] = session
+        return session
+
+    def get(self, session_id: uuid.UUID) -> Session:
+        """The open session; UnknownSession when never opened, closed or expired."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise UnknownSession(f"unknown session {session_id} (never opened on this node, closed, or expired)")
+        session.last_used = time.monotonic()
+        return session
+
+    def close(self, session_id: uuid.UUID) -> Session:
+        """Drop a session and its KV cache; UnknownSession if not open."""
+        with self._lock:
+            session = self.sessions.pop(session_id, None)
+        if session is None:
+            raise UnknownSession(f"unknown session {session_id} (never opened on this node, closed, or expired)")
+        return session
+
+    def expire(self, now: float | None = None) -> list[uuid.UUID]:
+        """Drop sessions idle for more than ``ttl_s`` (never one in the middle of a step); returns their ids."""
+        with self._lock:
+            return self._expire_locked(time.monotonic() if now is None else now)
+
+    def _expire_locked(self, now: float) -> list[uuid.UUID]:
+        dead = [sid for sid, s in self.sessions.items() if not s.busy and now - s.last_used > self.ttl_s]
+        for sid in dead:
+            del self.sessions[sid]
+        return dead
+
+    def truncate(self, session_id: uuid.UUID, length: int) -> Session:
+        """Roll a session back to ``length`` tokens (its sampler history too). The step counter is
+        kept: the next step is ``last.step + 1`` at position ``length``. ValueError past the end."""
+        session = self.get(session_id)
+        session.kv.truncate(length)
+        del session.history[length:]
+        if session.last is not None:
+            session.last = StepRecord(session.last.step, -1, -1, 0, reply=None)
+        return session
+
+    # -- steps -------------------------------------------------------------------------------
+    @staticmethod
+    def replay(session: Session, step: int, digest: int, start: int, n_tokens: int) -> StepRecord | None:
+        """Check a step number against the last one applied.
+
+        Returns None for the next step (``last.step + 1``) at the right position: apply it.
+        Returns the last StepRecord for an identical retry (same step number and digest): do not apply.
+        Raises StepConflict for a conflicting retry, an older step, a gap, or a wrong start position.
+        """
+        last = session.last
+        expected = 1 if last is None else last.step + 1
+        if step == expected:
+            if start != session.kv.length:
+                raise StepConflict(f"step {step} starts at position {start}; the session holds "
+                                   f"{session.kv.length} tokens", "position_mismatch")
+            return None
+        if last is not None and step == last.step:
+            if digest == last.digest and start == last.start and n_tokens == last.n_tokens:
+                return last
+            raise StepConflict(f"step {step} was already applied with different content; "
+                               f"steps are never applied twice (next step is {expected})", "step_conflict")
+        if step < expected:
+            raise StepConflict(f"step {step} is older than the last step applied ({expected - 1})", "stale_step")
+        raise StepConflict(f"step {step} skips ahead; the next step of this session is {expected}", "step_gap")
+
+    def apply(self, session: Session, step: int, digest: int, start: int, inputs: torch.Tensor,
+              token_ids: torch.Tensor | None, sample: bool = True) -> StepRecord:
+        """Run one step (blocking; call off the event loop) and record it as the session's last step.
+
+        ``inputs``: int64 ids ``[T]`` (embedding shard) or float32 hidden ``[T, n_embd]``;
+        ``token_ids``: the route's input ids ``[T]`` (the head's sampler history), may be None.
+        Raises ContextOverflow / ValueError from the executor; the KV cache is then unchanged.
+        """
+        session.busy += 1
+        try:
+            t0 = time.perf_counter()
+            out = self.executor.forward(session.kv, inputs)
+            record = StepRecord(step, digest, start, inputs.shape[0])
+            if self.executor.spec.head:
+                ids = token_ids if token_ids is not None else (inputs if inputs.dim() == 1 else None)
+                if ids is not None:
+                    session.history.extend(ids.tolist())
+                if sample:
+                    logits = out[-1]
+                    record.token = session.sampler.sample(logits, session.history)
+                    if session.n_logprobs:
+                        record.logprobs = top_logprobs(logits, session.n_logprobs)
+            else:
+                record.output = out
+            record.compute_ms = (time.perf_counter() - t0) * 1e3
+            session.last = record
+            return record
+        finally:
+            session.busy -= 1
+            session.last_used = time.monotonic()
+
+
+__all__ = ["AdmissionRefused", "ContextOverflow", "Session", "SessionError", "SessionStore", "StepConflict",
+           "StepRecord", "UnknownSession"]
