@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--session-ttl", type=float, default=300.0, metavar="S",
                    help="drop sessions idle this many seconds (default 300)")
     n.add_argument("--hop-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds to wait for the next hop before failing the step with 504 (default 30)")
+                   help="seconds to wait for the next hop before failing the step with 504, for sessions that "
+                        "do not set hop_timeout_s at open (default 30)")
     n.add_argument("--max-step-tokens", type=int, default=4096, metavar="N",
                    help="most tokens one frame may carry; larger gets 413 (default 4096)")
     n.add_argument("--workers", type=int, default=4, help="threads running steps of different sessions (default 4)")
@@ -105,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", metavar="PATH", help="GGUF file for the tokenizer; default: embedded Gemma 3 270M")
     w.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     w.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    w.add_argument("--timeout", type=float, default=120.0, metavar="S",
-                   help="seconds to wait for the first node's answer to one step (default 120)")
+    w.add_argument("--hop-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds one hop may take to answer a step; a dead or hung node fails the request "
+                        "within this, naming the node (default 30)")
     w.add_argument("--wire-dtype", choices=["f16", "bf16", "f32"], default="f16",
                    help="hidden-state frame dtype between nodes (default f16, range-extended; see docs/protocol.md)")
     w.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
@@ -192,7 +194,7 @@ def cmd_gateway(args) -> int:
     from .gateway import GatewayConfig, run_gateway
     route = [u.strip() for u in args.route.split(",") if u.strip()]
     return run_gateway(GatewayConfig(route=route, model=args.model, host=args.host, port=args.port,
-                                     timeout_s=args.timeout, wire_dtype=args.wire_dtype,
+                                     hop_timeout_s=args.hop_timeout, wire_dtype=args.wire_dtype,
                                      default_max_tokens=args.max_tokens))
 
 

@@ -85,15 +85,18 @@ def _pct(values: list[float], q: float) -> float:
 class RemoteRoute:
     """An ordered list of node URLs whose shards cover ``[0, n_layers)``, embed first, head last.
 
-    ``timeout_s``: seconds to wait for any one request to a node. Raises RouteError when a node
-    is unreachable and ValueError when the shards do not chain.
+    ``hop_timeout_s``: seconds one hop may take to answer. Node i of n waits ``(n - 1 - i) x`` that for
+    its next hop, and the client ``n x`` that (+1 s) for the first node, so the deepest failing hop
+    times out first and the error names it. Raises RouteError when a node is unreachable and
+    ValueError when the shards do not chain.
     """
 
-    def __init__(self, urls: list[str], timeout_s: float = 60.0):
+    def __init__(self, urls: list[str], hop_timeout_s: float = 30.0):
         if not urls:
             raise ValueError("a route needs at least one node URL")
-        self.timeout_s = timeout_s
+        self.hop_timeout_s = hop_timeout_s
         self.hops = [self._describe(u.rstrip("/")) for u in urls]
+        self.timeout_s = hop_timeout_s * len(self.hops) + 1.0
         first, last = self.hops[0], self.hops[-1]
         if not first.embed or not last.head or first.start != 0 or last.end != last.n_layers:
             raise ValueError(f"route must start at layer 0 with the embedding stage and end at layer "
@@ -103,7 +106,7 @@ class RemoteRoute:
                 raise ValueError(f"route does not chain at {a.url} ({a.start}:{a.end}) → {b.url} ({b.start}:{b.end})")
 
     def _describe(self, url: str) -> Hop:
-        conn = _conn(url, min(self.timeout_s, 10.0))
+        conn = _conn(url, min(self.hop_timeout_s, 10.0))
         try:
             h = _check(url, *_request(conn, url, "GET", "/health"), "health")
         finally:
@@ -189,7 +192,8 @@ class RemoteSession:
             for i in reversed(range(len(route.hops))):
                 hop = route.hops[i]
                 body = {"session_id": str(self.id), "max_length": max_length, "wire_dtype": wire_dtype,
-                        "next_hop": route.hops[i + 1].url if i + 1 < len(route.hops) else None}
+                        "next_hop": route.hops[i + 1].url if i + 1 < len(route.hops) else None,
+                        "hop_timeout_s": route.hop_timeout_s * max(len(route.hops) - 1 - i, 1)}
                 if hop.head:
                     body["sampling"] = sampling.to_dict()
                     body["top_logprobs"] = top_logprobs
@@ -261,7 +265,7 @@ class RemoteSession:
             conn.close()
         self._conns = {}
         for url in self._opened:
-            conn = _conn(url, min(self.route.timeout_s, 5.0))
+            conn = _conn(url, min(self.route.hop_timeout_s, 5.0))
             try:
                 _request(conn, url, "DELETE", f"/v1/sessions/{self.id}")
             except RouteError:

@@ -12,17 +12,42 @@ import jinja2
 import jinja2.sandbox
 
 
+# llama.cpp's built-in template used when a GGUF carries no tokenizer.chat_template
+# (llama.cpp's common chat code falls back to chatml the same way).
+BUILTIN_CHAT_TEMPLATES = {"gemma3": "gemma"}
+
+
 @contextlib.contextmanager
 def _quiet_stderr():
-    """Silence llama.cpp's C-level logging to fd 2 while loading a vocabulary."""
+    """Silence llama.cpp's logging (C-level fd 2 and the Python log callback) while loading a vocabulary."""
     saved = os.dup(2)
     try:
-        with open(os.devnull, "wb") as null:
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
             os.dup2(null.fileno(), 2)
-        yield
+            yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def render_builtin_template(name: str, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    """Render ``messages`` with llama.cpp's built-in chat template ``name`` (``llama_chat_apply_template``)."""
+    import ctypes
+
+    import llama_cpp
+
+    chat = (llama_cpp.llama_chat_message * len(messages))(
+        *[llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in messages])
+    size = 256 + 2 * sum(len(m["content"].encode()) + len(m["role"]) for m in messages)
+    for _ in range(2):
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(name.encode(), chat, len(messages), add_generation_prompt, buf, size)
+        if n < 0:
+            raise ValueError(f"llama.cpp could not apply chat template {name!r}")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8")
+        size = n
+    raise ValueError("chat template output did not fit")
 
 
 class Tokenizer:
@@ -48,6 +73,7 @@ class Tokenizer:
         self.bos_token = tokens[self.bos_id] if 0 <= self.bos_id < len(tokens) else ""
         self.eos_token = tokens[self.eos_id] if 0 <= self.eos_id < len(tokens) else ""
         self.chat_template = metadata.get("tokenizer.chat_template")
+        self.builtin_template = BUILTIN_CHAT_TEMPLATES.get(metadata.get("general.architecture"), "chatml")
 
     def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of ``text``; ``special`` parses control tokens such as ``<start_of_turn>``.
@@ -72,10 +98,11 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``[{"role", "content"}]``) with the GGUF's ``tokenizer.chat_template`` (jinja2).
 
-        Raises ValueError when the model has no chat template or the template rejects the messages.
+        A GGUF without a template gets llama.cpp's built-in one for its family (``gemma`` for gemma3,
+        else ``chatml``). Raises ValueError when the template rejects the messages.
         """
         if not self.chat_template:
-            raise ValueError("this model has no tokenizer.chat_template; send a plain prompt instead")
+            return render_builtin_template(self.builtin_template, messages, add_generation_prompt)
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message: str):

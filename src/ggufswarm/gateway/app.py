@@ -31,14 +31,14 @@ JSON = "application/json"
 
 @dataclass
 class GatewayConfig:
-    """Gateway settings. ``route``: node URLs in order; ``timeout_s``: per request to the first node (s)."""
+    """Gateway settings. ``route``: node URLs in order; ``hop_timeout_s``: seconds one hop may take (see RemoteRoute)."""
 
     route: list[str]
     model: str | None = None
     model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
-    timeout_s: float = 60.0
+    hop_timeout_s: float = 30.0
     wire_dtype: str = "f16"
     default_max_tokens: int = 512
     workers: int = 64
@@ -172,7 +172,7 @@ class Gateway:
         with self._route_lock:
             if self._route is None:
                 try:
-                    self._route = RemoteRoute(self.config.route, self.config.timeout_s)
+                    self._route = RemoteRoute(self.config.route, self.config.hop_timeout_s)
                 except ValueError as exc:
                     raise RouteError(f"bad route: {exc}", 502, "bad_route") from None
             return self._route

@@ -88,7 +88,7 @@ def run_demo(args) -> int:
     try:
         nodes = start_nodes(specs, str(path), threads, extra=["--hop-timeout", str(args.timeout)])
         gateway = ServerThread(make_app(GatewayConfig([n.url for n in nodes], model=str(path),
-                                                      timeout_s=args.timeout * (len(nodes) + 1),
+                                                      hop_timeout_s=args.timeout,
                                                       wire_dtype=args.wire_dtype)), port=args.port)
         base = gateway.start() + "/v1"
         print(f"ggufswarm demo: cluster up in {time.perf_counter() - t0:.1f} s; gateway {base}",

@@ -95,6 +95,9 @@ class NodeState:
         self.replays = Counter("ggufswarm_node_step_replays", "Retried steps answered without re-applying",
                                registry=reg)
         self.errors = Counter("ggufswarm_node_errors", "Requests answered with an error", ["code"], registry=reg)
+        for kind in ("prefill", "decode"):  # export the series before the first step
+            for metric in (self.steps, self.step_seconds, self.bytes_in, self.bytes_out):
+                metric.labels(kind)
         # plain counters for /health (a test can read them without parsing Prometheus text)
         self.totals = {"steps": 0, "decode_steps": 0, "prefill_steps": 0, "bytes_in_decode": 0, "bytes_in_prefill": 0,
                        "bytes_out_decode": 0, "bytes_out_prefill": 0, "replays": 0, "errors": 0}
@@ -173,6 +176,9 @@ async def open_session(request: web.Request) -> web.Response:
         n_logprobs = body.get("top_logprobs", 0)
         if not isinstance(n_logprobs, int) or not 0 <= n_logprobs <= 20:
             raise ProtocolError("bad_request", f"top_logprobs must be an integer in 0..20, got {n_logprobs!r}")
+        hop_timeout = body.get("hop_timeout_s", state.config.hop_timeout_s)
+        if isinstance(hop_timeout, bool) or not isinstance(hop_timeout, (int, float)) or not hop_timeout > 0:
+            raise ProtocolError("bad_request", f"hop_timeout_s must be a positive number, got {hop_timeout!r}")
         sampling = body.get("sampling") or {}
         if not isinstance(sampling, dict):
             raise ProtocolError("bad_request", "sampling must be an object")
@@ -183,6 +189,7 @@ async def open_session(request: web.Request) -> web.Response:
         session = state.store.open(sid, max_length, next_hop.rstrip("/") if next_hop else None, params, wire,
                                    n_logprobs)
         session.lock = asyncio.Lock()
+        session.hop_timeout_s = float(hop_timeout)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
         return _error(state, exc)
     return _json({"session_id": str(sid), "max_length": max_length, "layers": [state.spec.start, state.spec.end],
@@ -216,10 +223,10 @@ async def truncate_session(request: web.Request) -> web.Response:
     return _json({"session_id": str(session.id), "length": session.length})
 
 
-async def _push(state: NodeState, url: str, frame: bytes) -> dict:
+async def _push(state: NodeState, url: str, frame: bytes, timeout_s: float) -> dict:
     """POST ``frame`` to ``url``/v1/step; the parsed reply. ProtocolError naming the hop on any failure."""
     try:
-        async with state.client.post(url + "/v1/step", data=frame,
+        async with state.client.post(url + "/v1/step", data=frame, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                      headers={"Content-Type": "application/octet-stream"}) as resp:
             body = await resp.read()
             if resp.status != 200:
@@ -231,8 +238,7 @@ async def _push(state: NodeState, url: str, frame: bytes) -> dict:
                 raise ProtocolError(code, f"next hop {url}: {message}", resp.status)
             return json.loads(body)
     except asyncio.TimeoutError:
-        raise ProtocolError("hop_timeout", f"next hop {url} did not answer within "
-                                           f"{state.config.hop_timeout_s:g} s") from None
+        raise ProtocolError("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s") from None
     except aiohttp.ClientError as exc:
         raise ProtocolError("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}") from None
 
@@ -280,7 +286,7 @@ async def step(request: web.Request) -> web.Response:
                 state.bytes_out.labels(kind).inc(len(out))
                 state.totals["bytes_out_" + kind] += len(out)
                 t_push = time.perf_counter()
-                reply = await _push(state, session.next_hop, out)
+                reply = await _push(state, session.next_hop, out, session.hop_timeout_s)
                 hop["push_ms"] = round((time.perf_counter() - t_push) * 1e3, 3)
                 reply["hops"].insert(0, hop)
             hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
@@ -338,8 +344,7 @@ def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.A
     app.router.add_get("/metrics", metrics)
 
     async def lifecycle(app):
-        timeout = aiohttp.ClientTimeout(total=config.hop_timeout_s)
-        state.client = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        state.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         tasks = [asyncio.create_task(_reaper(state))]
         if config.exit_with_parent:
             tasks.append(asyncio.create_task(_watch_parent(os.getppid())))

@@ -129,6 +129,8 @@ def decode_frame(body: bytes, n_embd: int | None = None, max_tokens: int | None 
     Raises FrameError with code bad_frame / unsupported_version / bad_dtype / bad_shape /
     too_many_tokens / non_finite. Nothing is allocated before the lengths are checked.
     """
+    if body[:4] != MAGIC:
+        raise FrameError("bad_frame", f"bad magic {bytes(body[:4])!r}: not a ggufswarm frame (expected {MAGIC!r})")
     if len(body) < HEADER_SIZE:
         raise FrameError("bad_frame", f"frame is {len(body)} bytes; the header alone is {HEADER_SIZE}")
     magic, version, code, flags, scale_exp, sid, step, start, n_tokens, width, _ = HEADER.unpack_from(body)

@@ -79,6 +79,7 @@ class Session:
     last: StepRecord | None = None
     last_used: float = field(default_factory=time.monotonic)
     busy: int = 0
+    hop_timeout_s: float | None = None  # seconds to wait for next_hop's answer (the server's to use)
     lock: object = None  # for the server (e.g. an asyncio.Lock serializing this session's steps)
 
     @property

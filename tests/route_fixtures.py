@@ -1,0 +1,95 @@
+"""Shared by test_node.py and test_gateway.py: a 3-node Gemma cluster (subprocesses), a gateway, references.
+
+Import the fixtures explicitly (``from route_fixtures import cluster, gateway``); pytest scopes them
+to each importing module, so every module boots its cluster once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from ggufswarm.client.generate import GenerationStats, generate
+from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
+from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.runtime.shard import ShardSpec, even_split
+
+HOP_TIMEOUT = 10.0  # seconds per hop, for the gateway's sessions and the nodes' default
+
+
+@pytest.fixture(scope="module")
+def cluster(gemma_path):
+    """Three node processes serving Gemma 3 270M as 0:6 (+embed), 6:12, 12:18 (+head); 1 thread each."""
+    nodes = start_nodes(even_split(18, 3), str(gemma_path), threads=1, extra=["--hop-timeout", str(HOP_TIMEOUT)])
+    yield nodes
+    stop_nodes(nodes)
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, gemma_path):
+    """Base URL (``http://127.0.0.1:PORT``) of an in-process gateway over ``cluster``."""
+    server = ServerThread(make_app(GatewayConfig([n.url for n in cluster], model=str(gemma_path),
+                                                 hop_timeout_s=HOP_TIMEOUT)))
+    url = server.start()
+    yield url
+    server.stop()
+
+
+def start_spare_head(gemma_path, *extra: str):
+    """One extra node serving 12:18 +head (a replacement last hop), with extra CLI flags."""
+    return start_nodes([ShardSpec(12, 18, head=True)], str(gemma_path), threads=1, extra=list(extra))[0]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run torch on one thread (two threads on two shared cores are ~3x slower here)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+_REFS: dict = {}
+
+
+def reference(model, prompt: str, max_tokens: int, chat: bool = False) -> tuple[str, list[int]]:
+    """Greedy completion by the in-process path of ``ggufswarm generate --temperature 0`` (text, token ids)."""
+    key = (prompt, max_tokens, chat)
+    if key not in _REFS:
+        ids = model.prompt_ids(prompt, chat=chat)
+        stats = GenerationStats()
+        with one_thread():
+            session = model.session(len(ids) + max_tokens, SamplingParams(temperature=0))
+            text = "".join(generate(session, model.tokenizer, ids, max_tokens, [], stats))
+        _REFS[key] = (text, stats.tokens)
+    return _REFS[key]
+
+
+def http(method: str, url: str, body: bytes | dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+    """One HTTP request; (status, parsed JSON body). dict bodies are sent as JSON, bytes as octet-stream."""
+    headers = {}
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    elif body is not None:
+        headers["Content-Type"] = "application/octet-stream"
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def health(url: str) -> dict:
+    status, body = http("GET", url + "/health")
+    assert status == 200 and body["status"] == "ok"
+    return body

@@ -1,0 +1,293 @@
+"""Node servers as separate processes: session operations, frames over HTTP, errors, budgets, dead hops."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import time
+import urllib.request
+import uuid
+
+import pytest
+import torch
+
+from ggufswarm.client.remote import RemoteRoute, RouteError
+from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
+from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.protocol import encode_hidden, encode_tokens
+from ggufswarm.runtime.shard import ShardSpec
+from route_fixtures import HOP_TIMEOUT, cluster, health, http, reference  # noqa: F401 - fixtures
+
+PROMPT = "The capital of France is"
+N_EMBD = 640
+GREEDY = SamplingParams(temperature=0)
+
+
+def urls(nodes):
+    return [n.url for n in nodes]
+
+
+def assert_serving(nodes, gemma):
+    """The route still answers a fresh session correctly (first greedy token of PROMPT)."""
+    _, ref = reference(gemma, PROMPT, 8)
+    session = RemoteRoute(urls(nodes), HOP_TIMEOUT).open(16, GREEDY)
+    try:
+        assert session.step(gemma.prompt_ids(PROMPT)) == ref[0]
+    finally:
+        session.close()
+
+
+def post_frame(url, frame):
+    return http("POST", url + "/v1/step", frame)
+
+
+def test_health_and_metrics(cluster):
+    h = [health(n.url) for n in cluster]
+    assert [x["layers"] for x in h] == [[0, 6], [6, 12], [12, 18]]
+    assert [(x["embed"], x["head"]) for x in h] == [(True, False), (False, False), (False, True)]
+    assert h[0]["n_embd"] == N_EMBD and h[0]["protocol"] == 1
+    text = urllib.request.urlopen(cluster[1].url + "/metrics", timeout=10).read().decode()
+    for name in ("ggufswarm_node_sessions_open", "ggufswarm_node_kv_tokens_held", "ggufswarm_node_steps_total",
+                 "ggufswarm_node_step_seconds_bucket", "ggufswarm_node_payload_bytes_in_total",
+                 "ggufswarm_node_payload_bytes_out_total"):
+        assert name in text, name
+
+
+def test_route_session_matches_local_greedy(cluster, gemma):
+    ref_text, ref = reference(gemma, PROMPT, 8)
+    route = RemoteRoute(urls(cluster), HOP_TIMEOUT)
+    assert route.describe()[1] == {"node": cluster[1].url, "layers": [6, 12]}
+    session = route.open(32, GREEDY)
+    ids = gemma.prompt_ids(PROMPT)
+    tokens = [session.step(ids)]
+    while len(tokens) < len(ref):
+        tokens.append(session.step([tokens[-1]]))
+    assert tokens == ref
+    assert [s.kv_tokens for s in session.telemetry.steps[-1:]][0] == [len(ids) + 7] * 3
+    assert health(cluster[2].url)["sessions"] >= 1
+    session.close()
+    assert all(health(n.url)["sessions"] == 0 for n in cluster)
+
+
+def test_f16_decode_payload_per_hop_within_budget(cluster, gemma):
+    """Each hop carries <= 2 x n_embd + 128 bytes of payload per decode token (from the nodes' counters)."""
+    before = [health(n.url) for n in cluster]
+    session = RemoteRoute(urls(cluster), HOP_TIMEOUT).open(64, GREEDY, wire_dtype="f16")
+    token = session.step(gemma.prompt_ids(PROMPT))
+    for _ in range(10):
+        token = session.step([token])
+    session.close()
+    after = [health(n.url) for n in cluster]
+    for b, a in zip(before, after):
+        steps = a["decode_steps"] - b["decode_steps"]
+        assert steps == 10
+        per_token_in = (a["bytes_in_decode"] - b["bytes_in_decode"]) / steps
+        assert per_token_in <= 2 * N_EMBD + 128
+    for b, a in zip(before[:2], after[:2]):
+        assert (a["bytes_out_decode"] - b["bytes_out_decode"]) / 10 <= 2 * N_EMBD + 128
+    assert (after[1]["bytes_in_decode"] - before[1]["bytes_in_decode"]) / 10 == 48 + 2 * N_EMBD + 4
+
+
+# -- bad inputs: each gets a 4xx with a reason, and the node keeps serving --------------------------------
+
+def test_garbage_bodies(cluster, gemma):
+    for node in cluster:
+        status, body = post_frame(node.url, b"this is not a frame at all, just text")
+        assert status == 400 and body["error"]["code"] == "bad_frame"
+        assert "magic" in body["error"]["message"]
+    status, body = http("POST", cluster[0].url + "/v1/sessions", b"{not json")
+    assert status == 400 and body["error"]["code"] == "bad_request"
+    status, body = http("POST", cluster[0].url + "/v1/sessions", {"max_length": "many"})
+    assert status == 400 and "max_length" in body["error"]["message"]
+    status, body = http("POST", cluster[0].url + "/v1/sessions", {"max_length": 10})
+    assert status == 400 and "next_hop" in body["error"]["message"]
+    status, body = http("POST", cluster[2].url + "/v1/sessions", {"max_length": 10, "sampling": {"top_p": 7}})
+    assert status == 400 and "top_p" in body["error"]["message"]
+    assert_serving(cluster, gemma)
+
+
+def test_wrong_dtype(cluster, gemma):
+    sid = uuid.uuid4()
+    status, body = post_frame(cluster[0].url, encode_hidden(sid, 1, 0, torch.zeros(1, N_EMBD)))
+    assert status == 400 and body["error"]["code"] == "bad_dtype" and "token ids" in body["error"]["message"]
+    status, body = post_frame(cluster[1].url, encode_tokens(sid, 1, 0, [1, 2]))
+    assert status == 400 and body["error"]["code"] == "bad_dtype"
+    frame = bytearray(encode_hidden(sid, 1, 0, torch.zeros(1, N_EMBD)))
+    frame[5] = 77  # dtype code
+    status, body = post_frame(cluster[1].url, bytes(frame))
+    assert status == 400 and body["error"]["code"] == "bad_dtype" and "77" in body["error"]["message"]
+    status, body = http("POST", cluster[2].url + "/v1/sessions", {"max_length": 10, "wire_dtype": "int8"})
+    assert status == 400 and body["error"]["code"] == "bad_dtype"
+    assert_serving(cluster, gemma)
+
+
+def test_wrong_shape(cluster, gemma):
+    session = RemoteRoute(urls(cluster), HOP_TIMEOUT).open(16, GREEDY)
+    try:
+        status, body = post_frame(cluster[1].url, encode_hidden(session.id, 1, 0, torch.zeros(2, 320)))
+        assert status == 400 and body["error"]["code"] == "bad_shape" and "640" in body["error"]["message"]
+        truncated = encode_hidden(session.id, 1, 0, torch.zeros(2, N_EMBD))[:-10]
+        status, body = post_frame(cluster[1].url, truncated)
+        assert status == 400 and body["error"]["code"] == "bad_frame"
+        status, body = post_frame(cluster[0].url, encode_tokens(session.id, 1, 0, [2, 10 ** 7]))
+        assert status == 400 and body["error"]["code"] == "bad_token"
+        assert session.step(gemma.prompt_ids(PROMPT)) == reference(gemma, PROMPT, 8)[1][0]  # nothing was applied
+    finally:
+        session.close()
+    assert_serving(cluster, gemma)
+
+
+def test_unknown_session(cluster, gemma):
+    sid = uuid.uuid4()
+    status, body = post_frame(cluster[0].url, encode_tokens(sid, 1, 0, [2, 3]))
+    assert status == 404 and body["error"]["code"] == "unknown_session" and str(sid) in body["error"]["message"]
+    status, body = http("DELETE", f"{cluster[1].url}/v1/sessions/{sid}")
+    assert status == 404 and body["error"]["code"] == "unknown_session"
+    status, body = http("POST", f"{cluster[2].url}/v1/sessions/{sid}/truncate", {"length": 0})
+    assert status == 404
+    assert_serving(cluster, gemma)
+
+
+def test_replayed_step_is_answered_from_cache_never_applied_twice(cluster, gemma):
+    _, ref = reference(gemma, PROMPT, 8)
+    ids = gemma.prompt_ids(PROMPT)
+    session = RemoteRoute(urls(cluster), HOP_TIMEOUT).open(32, GREEDY)
+    try:
+        t1 = session.step(ids)
+        t2 = session.step([t1])
+        before = [health(n.url) for n in cluster]
+        # the gateway retries step 2 (e.g. its connection dropped): same frame, same answer, KV unchanged
+        replay = encode_tokens(session.id, 2, len(ids), [t1])
+        status, body = post_frame(cluster[0].url, replay)
+        assert status == 200 and body["token"] == t2
+        assert [h["kv_tokens"] for h in body["hops"]] == [len(ids) + 1] * 3
+        after = [health(n.url) for n in cluster]
+        assert [a["steps"] - b["steps"] for a, b in zip(before, after)] == [0, 0, 0]
+        assert after[0]["replays"] == before[0]["replays"] + 1
+        # same step number, different content: refused, never applied
+        status, body = post_frame(cluster[0].url, encode_tokens(session.id, 2, len(ids), [t1 + 1]))
+        assert status == 409 and body["error"]["code"] == "step_conflict"
+        status, body = post_frame(cluster[0].url, encode_tokens(session.id, 1, 0, ids))
+        assert status == 409 and body["error"]["code"] in ("stale_step", "step_conflict")
+        status, body = post_frame(cluster[0].url, encode_tokens(session.id, 5, len(ids) + 1, [t2]))
+        assert status == 409 and body["error"]["code"] == "step_gap"
+        # the session goes on where it was
+        assert session.step([t2]) == ref[2]
+        # truncate rolls every node back; decoding again from there gives the same token
+        session.truncate(len(ids) + 1)
+        assert session.step([t2]) == ref[2]
+    finally:
+        session.close()
+    assert_serving(cluster, gemma)
+
+
+def test_too_many_tokens(cluster, gemma):
+    session = RemoteRoute(urls(cluster), HOP_TIMEOUT).open(64, GREEDY)
+    try:
+        status, body = post_frame(cluster[0].url, encode_tokens(session.id, 1, 0, [2] * 5000))
+        assert status == 413 and body["error"]["code"] == "too_many_tokens" and "4096" in body["error"]["message"]
+        status, body = post_frame(cluster[1].url, encode_hidden(session.id, 1, 0, torch.zeros(4097, N_EMBD)))
+        assert status == 413
+        status, body = post_frame(cluster[0].url, encode_tokens(session.id, 1, 0, [2] * 65))  # > max_length 64
+        assert status == 400 and body["error"]["code"] == "context_overflow"
+        assert session.step(gemma.prompt_ids(PROMPT)) == reference(gemma, PROMPT, 8)[1][0]
+    finally:
+        session.close()
+    assert_serving(cluster, gemma)
+
+
+# -- budget, expiry, dead hops (on spare last-hop nodes) ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def spares(gemma_path):
+    """Two extra 12:18 +head nodes with a 2048-token KV budget and a 2 s session TTL."""
+    nodes = start_nodes([ShardSpec(12, 18, head=True)] * 2, str(gemma_path), threads=1,
+                        extra=["--kv-budget", "2048", "--session-ttl", "2"])
+    yield nodes
+    stop_nodes(nodes)
+
+
+def test_kv_budget_admission_and_idle_expiry(spares):
+    url = spares[0].url
+    status, body = http("POST", url + "/v1/sessions", {"max_length": 4096})
+    assert status == 503 and body["error"]["code"] == "kv_budget_too_small" and "2048" in body["error"]["message"]
+    status, body = http("POST", url + "/v1/sessions", {"max_length": 1500})
+    assert status == 201
+    sid = body["session_id"]
+    status, body = http("POST", url + "/v1/sessions", {"max_length": 1000})
+    assert status == 429 and body["error"]["code"] == "kv_budget_full" and "548 of 2048" in body["error"]["message"]
+    assert health(url)["kv_tokens_reserved"] == 1500
+    time.sleep(3.2)  # TTL 2 s; the reaper runs every 0.5 s
+    assert health(url)["sessions"] == 0
+    status, body = post_frame(url, encode_hidden(uuid.UUID(sid), 1, 0, torch.zeros(1, N_EMBD)))
+    assert status == 404 and body["error"]["code"] == "unknown_session"
+    status, body = http("POST", url + "/v1/sessions", {"max_length": 1000})
+    assert status == 201
+    assert http("DELETE", f"{url}/v1/sessions/{body['session_id']}")[0] == 200
+
+
+def _stream_first_delta(gateway_url: str, prompt: str):
+    conn = http.client.HTTPConnection("127.0.0.1", int(gateway_url.rsplit(":", 1)[1]), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 400, "temperature": 0,
+                                                        "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+            return conn, resp
+    raise AssertionError("stream ended before any text")
+
+
+def _rest_of_stream(resp) -> dict:
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[6:])
+            if "error" in event:
+                return event["error"]
+    raise AssertionError("stream ended without an error event")
+
+
+def test_dead_node_fails_in_flight_request_naming_the_hop(cluster, spares, gemma, gemma_path):
+    healthy = urls(cluster)
+    _, ref = reference(gemma, PROMPT, 8)
+    # a session on the healthy route, mid-generation, shares nodes 0:6 and 6:12 with the broken route
+    other = RemoteRoute(healthy, HOP_TIMEOUT).open(32, GREEDY)
+    tokens = [other.step(gemma.prompt_ids(PROMPT))]
+    tokens.append(other.step([tokens[-1]]))
+    gateways = [ServerThread(make_app(GatewayConfig(healthy[:2] + [s.url], model=str(gemma_path),
+                                                    hop_timeout_s=HOP_TIMEOUT))) for s in spares]
+    gw_urls = [g.start() for g in gateways]
+    try:
+        # 1. SIGKILL the last hop while a request streams through it: fails fast, naming that node
+        conn, resp = _stream_first_delta(gw_urls[0], "Once upon a time")
+        t0 = time.monotonic()
+        spares[0].kill()
+        err = _rest_of_stream(resp)
+        conn.close()
+        assert time.monotonic() - t0 < HOP_TIMEOUT
+        assert spares[0].url in err["message"] and err["code"] == "hop_failed"
+        status, body = http("POST", gw_urls[0] + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+        assert status == 502 and spares[0].url in body["error"]["message"]
+        # 2. a hung last hop (SIGSTOP): fails within the configured hop timeout, naming that node
+        conn, resp = _stream_first_delta(gw_urls[1], "Once upon a time")
+        t0 = time.monotonic()
+        spares[1].proc.send_signal(signal.SIGSTOP)
+        err = _rest_of_stream(resp)
+        elapsed = time.monotonic() - t0
+        conn.close()
+        assert elapsed < HOP_TIMEOUT + 3
+        assert spares[1].url in err["message"] and err["code"] == "hop_timeout"
+        spares[1].kill()
+    finally:
+        for g in gateways:
+            g.stop()
+    # the other session is untouched, and a new request on the healthy route works
+    while len(tokens) < len(ref):
+        tokens.append(other.step([tokens[-1]]))
+    other.close()
+    assert tokens == ref
+    assert_serving(cluster, gemma)

@@ -1,0 +1,155 @@
+"""Wire protocol (frames, errors) and the node's session store (budget, TTL, step dedup), without a network."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+
+import pytest
+import torch
+
+from ggufswarm.protocol import (DTYPE_CODES, HEADER, HEADER_SIZE, FrameError, ProtocolError, decode_frame,
+                                encode_hidden, encode_tokens, frame_size)
+from ggufswarm.runtime.kv import ContextOverflow
+from ggufswarm.runtime.sessions import AdmissionRefused, SessionStore, StepConflict, UnknownSession
+
+SID = uuid.uuid4()
+N_EMBD = 640
+
+
+def test_header_is_48_bytes_and_decode_frame_fits_budget():
+    assert HEADER_SIZE == 48
+    # one decode token per hop: f16 row + header + token-id trailer <= 2 * n_embd + 128
+    assert frame_size(1, N_EMBD, "f16", token_ids=True) == 48 + 2 * N_EMBD + 4 <= 2 * N_EMBD + 128
+
+
+@pytest.mark.parametrize("dtype,tol", [("f32", 0.0), ("f16", 1e-3), ("bf16", 8e-3)])
+def test_hidden_roundtrip(dtype, tol):
+    x = torch.randn(5, N_EMBD) * 10
+    ids = torch.arange(5)
+    body = encode_hidden(SID, 7, 42, x, dtype, ids)
+    assert len(body) == frame_size(5, N_EMBD, dtype, token_ids=True)
+    f = decode_frame(body, N_EMBD, 16)
+    assert (f.session_id, f.step, f.start, f.n_tokens, f.n_embd, f.dtype) == (SID, 7, 42, 5, N_EMBD, dtype)
+    assert f.data.dtype == torch.float32 and f.data.shape == (5, N_EMBD)
+    assert torch.allclose(f.data, x, rtol=tol, atol=0)
+    assert f.token_ids.tolist() == ids.tolist() and f.sample
+
+
+def test_token_roundtrip_and_no_sample_flag():
+    body = encode_tokens(SID, 1, 0, [2, 818, 5279], sample=False)
+    f = decode_frame(body, N_EMBD, 16)
+    assert f.dtype == "ids" and f.data.tolist() == [2, 818, 5279] and f.data.dtype == torch.int64
+    assert not f.sample and f.token_ids is None
+
+
+def test_f16_never_overflows_silently():
+    """Gemma's residual stream reaches ~1e5 > f16 max (65504): the frame carries a power-of-two scale."""
+    x = torch.tensor([[98538.04, -1.5, 3e-3, 70000.0]])
+    f = decode_frame(encode_hidden(SID, 1, 0, x, "f16"), 4)
+    assert torch.isfinite(f.data).all()
+    assert torch.allclose(f.data, x, rtol=1e-3)
+    y = torch.tensor([[1.0, 2.0]])
+    assert HEADER.unpack_from(encode_hidden(SID, 1, 0, y, "f16"))[4] == 0  # no scale when in range
+    with pytest.raises(FrameError) as e:
+        encode_hidden(SID, 1, 0, torch.tensor([[float("inf"), 1.0]]), "f16")
+    assert e.value.code == "non_finite"
+
+
+def _raw(**kw):
+    fields = dict(magic=b"GSWF", version=1, dtype=DTYPE_CODES["f32"], flags=0, scale=0, sid=SID.bytes, step=1,
+                  start=0, n_tokens=1, n_embd=4, reserved=0)
+    fields.update(kw)
+    return HEADER.pack(*fields.values())
+
+
+@pytest.mark.parametrize("body,code", [
+    (b"", "bad_frame"),
+    (b"garbage" * 3, "bad_frame"),
+    (b"{\"json\": true}" + b"\0" * 60, "bad_frame"),
+    (_raw(magic=b"XXXX") + b"\0" * 16, "bad_frame"),
+    (_raw(version=9) + b"\0" * 16, "unsupported_version"),
+    (_raw(dtype=99) + b"\0" * 16, "bad_dtype"),
+    (_raw(n_tokens=0), "bad_shape"),
+    (_raw(n_embd=8) + b"\0" * 32, "bad_shape"),
+    (_raw() + b"\0" * 15, "bad_frame"),
+    (_raw() + b"\0" * 17, "bad_frame"),
+    (_raw(n_tokens=10 ** 9), "too_many_tokens"),
+    (_raw(dtype=DTYPE_CODES["ids"], n_embd=4) + b"\0" * 4, "bad_shape"),
+    (_raw() + struct.pack("<4f", 1, float("nan"), 0, 0), "non_finite"),
+])
+def test_bad_frames_are_rejected_with_a_code(body, code):
+    with pytest.raises(FrameError) as e:
+        decode_frame(body, 4, 4096)
+    assert e.value.code == code and e.value.status in (400, 413)
+    assert str(e.value)
+
+
+def test_error_body_is_machine_readable():
+    err = ProtocolError("unknown_session", "no such session")
+    assert err.status == 404
+    assert err.body() == b'{"error": {"code": "unknown_session", "message": "no such session"}}'
+    assert ProtocolError("too_many_tokens", "x").status == 413
+    assert ProtocolError("kv_budget_full", "x").status == 429
+    assert ProtocolError("kv_budget_too_small", "x").status == 503
+
+
+# -- session store over a one-layer shard ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def middle_shard(gemma_path):
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.runtime.shard import ShardExecutor, ShardSpec
+    return ShardExecutor(GGUFModelFile(gemma_path), ShardSpec(6, 7))
+
+
+def test_store_admission_control(middle_shard):
+    store = SessionStore(middle_shard, budget_tokens=1000, ttl_s=60)
+    with pytest.raises(AdmissionRefused) as e:
+        store.open(uuid.uuid4(), 1001)
+    assert e.value.code == "kv_budget_too_small"
+    a = store.open(uuid.uuid4(), 600)
+    with pytest.raises(AdmissionRefused) as e:
+        store.open(uuid.uuid4(), 600)
+    assert e.value.code == "kv_budget_full" and "400 of 1000" in str(e.value)
+    store.open(uuid.uuid4(), 400)
+    assert store.reserved_tokens == 1000
+    store.close(a.id)
+    store.open(uuid.uuid4(), 600)
+    with pytest.raises(ContextOverflow):
+        store.open(uuid.uuid4(), 10 ** 6)
+    assert store.kv_bytes_per_token() == 1 * 1 * 256 * 2 * 4
+
+
+def test_store_idle_expiry(middle_shard):
+    store = SessionStore(middle_shard, budget_tokens=1000, ttl_s=10)
+    s = store.open(uuid.uuid4(), 1000)
+    assert store.expire(s.last_used + 5) == []
+    assert store.expire(s.last_used + 11) == [s.id]
+    with pytest.raises(UnknownSession):
+        store.get(s.id)
+    # an expired session's reservation is free again; expiry is also tried before refusing an open
+    s2 = store.open(uuid.uuid4(), 1000)
+    s2.last_used -= 11
+    store.open(uuid.uuid4(), 1000)
+
+
+def test_store_step_dedup(middle_shard):
+    store = SessionStore(middle_shard, budget_tokens=1000)
+    s = store.open(uuid.uuid4(), 100)
+    x = torch.randn(3, N_EMBD)
+    assert store.replay(s, 1, 111, 0, 3) is None
+    rec = store.apply(s, 1, 111, 0, x, None)
+    assert s.length == 3 and rec.output.shape == (3, N_EMBD)
+    assert store.replay(s, 1, 111, 0, 3) is rec          # identical retry: answered from the record
+    assert s.length == 3                                  # never applied twice
+    for step, digest, start, code in [(1, 222, 0, "step_conflict"), (0, 111, 0, "stale_step"),
+                                      (3, 1, 3, "step_gap"), (2, 1, 5, "position_mismatch")]:
+        with pytest.raises(StepConflict) as e:
+            store.replay(s, step, digest, start, 1)
+        assert e.value.code == code
+    with pytest.raises(ContextOverflow):
+        store.apply(s, 2, 5, 3, torch.randn(98, N_EMBD), None)
+    assert s.length == 3 and s.last is rec                # a failed step changes nothing
+    store.truncate(s.id, 1)
+    assert s.length == 1 and store.replay(s, 2, 9, 1, 1) is None
