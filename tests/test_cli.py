@@ -1,0 +1,92 @@
+"""The CLI as a user runs it: streamed completion, telemetry on stderr, one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tinymodels import write_tiny_model
+
+
+def run(cli, *args, stdin=None, timeout=300):
+    return subprocess.run([*cli, *args], capture_output=True, text=True, input=stdin, timeout=timeout)
+
+
+def assert_one_line_error(out, *needles):
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_generate_streams_completion_and_telemetry(ggufswarm_cli, gemma):
+    out = run(ggufswarm_cli, "generate", "The capital of France is", "--max-tokens", "12", "--temperature", "0")
+    assert out.returncode == 0, out.stderr
+    session = gemma.session(64)
+    ids = gemma.tokenizer.encode("The capital of France is")
+    from ggufswarm.client.generate import generate
+    from ggufswarm.client.sampling import SamplingParams
+    expected = "".join(generate(gemma.session(64, SamplingParams(temperature=0)), gemma.tokenizer, ids, 12))
+    assert out.stdout == expected + "\n"
+    assert "TTFT" in out.stderr and "tok/s" in out.stderr and "prompt tokens: 6" in out.stderr
+    del session
+
+
+def test_generate_split_equals_single(ggufswarm_cli):
+    a = run(ggufswarm_cli, "generate", "Hello, my name is", "--max-tokens", "8", "--temperature", "0")
+    b = run(ggufswarm_cli, "generate", "Hello, my name is", "--max-tokens", "8", "--temperature", "0", "--split", "6,12")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout == b.stdout
+
+
+def test_same_seed_same_output(ggufswarm_cli, tiny_dir):
+    path = write_tiny_model(tiny_dir / "cli-seed.gguf", "llama")
+    args = ["generate", "the a of", "--model", str(path), "--max-tokens", "20", "--temperature", "1.0", "--seed", "42"]
+    a, b = run(ggufswarm_cli, *args), run(ggufswarm_cli, *args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout
+
+
+def test_not_a_gguf(ggufswarm_cli, tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello, I am not a model\n")
+    assert_one_line_error(run(ggufswarm_cli, "generate", "hi", "--model", str(bad)), "not a GGUF file")
+
+
+def test_truncated_gguf(ggufswarm_cli, tiny_dir, tmp_path):
+    good = write_tiny_model(tiny_dir / "cli-trunc.gguf", "llama")
+    data = good.read_bytes()
+    for cut in (100, len(data) // 2):
+        bad = tmp_path / f"truncated-{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        assert_one_line_error(run(ggufswarm_cli, "generate", "hi", "--model", str(bad)), "truncated")
+
+
+def test_unsupported_architecture(ggufswarm_cli, tiny_dir, tmp_path):
+    data = bytearray(write_tiny_model(tiny_dir / "cli-arch.gguf", "llama").read_bytes())
+    pos = data.index(b"llama", data.index(b"general.architecture"))
+    data[pos:pos + 5] = b"rwkv7"
+    bad = tmp_path / "rwkv.gguf"
+    bad.write_bytes(bytes(data))
+    assert_one_line_error(run(ggufswarm_cli, "generate", "hi", "--model", str(bad)),
+                          "unsupported architecture 'rwkv7'", "gemma3")
+
+
+def test_prompt_over_the_cap(ggufswarm_cli, tiny_dir):
+    path = write_tiny_model(tiny_dir / "cli-ctx.gguf", "llama", context_length=256)
+    out = run(ggufswarm_cli, "generate", "-", "--model", str(path), stdin="the a of and " * 100)
+    assert_one_line_error(out, "prompt is", "limit", "256")
+
+
+def test_missing_file_and_bad_split(ggufswarm_cli, tiny_dir):
+    assert_one_line_error(run(ggufswarm_cli, "generate", "hi", "--model", "/nonexistent.gguf"), "no such file")
+    path = write_tiny_model(tiny_dir / "cli-split.gguf", "llama")
+    assert_one_line_error(run(ggufswarm_cli, "generate", "hi", "--model", str(path), "--split", "3,2"), "split points")
+
+
+def test_help_teaches(ggufswarm_cli):
+    out = run(ggufswarm_cli, "generate", "--help")
+    assert out.returncode == 0 and "--split" in out.stdout and "greedy" in out.stdout
