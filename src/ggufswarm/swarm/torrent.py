@@ -1,0 +1,178 @@
+"""BitTorrent swarm for model artifacts (libtorrent): make a torrent, seed it, fetch only some byte ranges.
+
+Torrents are hybrid v1+v2, so every piece is verified with SHA-256 (BitTorrent v2 merkle trees)
+as well as SHA-1. Peers find each other through the tracker's announce endpoint; DHT, LSD, UPnP
+and NAT-PMP are off, so a swarm stays inside the network its tracker sees.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import libtorrent as lt
+
+DEFAULT_PIECE_SIZE = 256 * 1024  # small pieces keep a partial fetch tight (≤ 1 piece of waste per range edge)
+
+
+class SwarmError(RuntimeError):
+    """A fetch could not complete (timeout, no peers, storage error)."""
+
+
+def make_torrent(paths: list[Path], piece_size: int = DEFAULT_PIECE_SIZE, trackers: list[str] = (),
+                 web_seeds: list[str] = ()) -> bytes:
+    """Bencoded hybrid torrent over the files of one artifact (a GGUF or a split set in one directory).
+
+    A single file is stored as itself; several files under their directory's name. Hashes the
+    files (reads them once). Raises ValueError for a piece size that is not a power of two ≥ 16 KiB.
+    """
+    if piece_size < 16384 or piece_size & (piece_size - 1):
+        raise ValueError(f"piece size must be a power of two >= 16384 bytes, got {piece_size}")
+    paths = [Path(p) for p in paths]
+    if len(paths) == 1:
+        entries, root = [lt.create_file_entry(paths[0].name, paths[0].stat().st_size)], paths[0].parent
+    else:
+        parent = paths[0].parent
+        entries = [lt.create_file_entry(f"{parent.name}/{p.name}", p.stat().st_size) for p in paths]
+        root = parent.parent
+    ct = lt.create_torrent(entries, piece_size)
+    for tier, url in enumerate(trackers):
+        ct.add_tracker(url, tier)
+    for url in web_seeds:
+        ct.add_url_seed(url)
+    ct.set_creator("ggufswarm")
+    lt.set_piece_hashes(ct, str(root))
+    return lt.bencode(ct.generate())
+
+
+def save_path_for(paths: list[Path]) -> Path:
+    """The libtorrent ``save_path`` under which ``paths`` are laid out as make_torrent names them."""
+    return paths[0].parent if len(paths) == 1 else paths[0].parent.parent
+
+
+def info_hash(torrent: bytes) -> str:
+    """Hex v1 info-hash (SHA-1) of a bencoded torrent, as trackers key it."""
+    return str(lt.torrent_info(lt.bdecode(torrent)).info_hashes().v1)
+
+
+def pieces_for_ranges(torrent: bytes, ranges: list[tuple[int, int, int]]) -> set[int]:
+    """Piece indices that overlap byte ranges ``(file index, begin, end)`` of the torrent's files."""
+    ti = lt.torrent_info(lt.bdecode(torrent))
+    pieces: set[int] = set()
+    for file_index, begin, end in ranges:
+        if end <= begin:
+            continue
+        first = ti.map_file(file_index, begin, 1).piece
+        last = ti.map_file(file_index, end - 1, 1).piece
+        pieces.update(range(first, last + 1))
+    return pieces
+
+
+@dataclass
+class FetchStats:
+    """Outcome of a partial fetch: pieces and payload bytes downloaded, seconds taken."""
+
+    pieces: int
+    bytes_downloaded: int
+    seconds: float
+
+
+class Swarm:
+    """One libtorrent session bound to ``host`` (loopback by default) on an OS-chosen or given port."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.session = lt.session({
+            "listen_interfaces": f"{host}:{port}",
+            "enable_dht": False, "enable_lsd": False, "enable_upnp": False, "enable_natpmp": False,
+            "allow_multiple_connections_per_ip": True,  # every peer of a loopback swarm is 127.0.0.1
+            "announce_to_all_trackers": True, "announce_to_all_tiers": True,
+            "alert_mask": lt.alert_category.error,
+        })
+        self.handles: dict[str, lt.torrent_handle] = {}
+
+    @property
+    def port(self) -> int:
+        """The TCP port peers connect to."""
+        return self.session.listen_port()
+
+    def _add(self, torrent: bytes, save_path: Path, priorities: list[int] | None) -> lt.torrent_handle:
+        params = lt.add_torrent_params()
+        params.ti = lt.torrent_info(lt.bdecode(torrent))
+        params.save_path = str(save_path)
+        if priorities is not None:
+            params.piece_priorities = priorities
+        handle = self.session.add_torrent(params)
+        self.handles[info_hash(torrent)] = handle
+        return handle
+
+    def seed(self, torrent: bytes, save_path: Path, timeout: float = 600.0) -> lt.torrent_handle:
+        """Seed files already under ``save_path`` (checks them against the torrent first).
+
+        Raises SwarmError when the files do not match the torrent within ``timeout`` seconds.
+        """
+        handle = self._add(torrent, save_path, None)
+        deadline = time.monotonic() + timeout
+        checking = (lt.torrent_status.checking_files, lt.torrent_status.checking_resume_data)
+        while True:
+            st = handle.status()
+            if st.is_seeding:
+                return handle
+            if st.errc.value():
+                raise SwarmError(f"cannot seed from {save_path}: {st.errc.message()}")
+            if st.state not in checking:
+                raise SwarmError(f"cannot seed from {save_path}: the files are incomplete or differ from the torrent "
+                                 f"({st.progress:.0%} verified)")
+            if time.monotonic() > deadline:
+                raise SwarmError(f"cannot seed from {save_path}: checking the files took over {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def fetch(self, torrent: bytes, save_path: Path, ranges: list[tuple[int, int, int]], peers=(),
+              timeout: float = 600.0, progress: bool = True) -> FetchStats:
+        """Download only the pieces overlapping ``ranges`` into ``save_path`` (sparse files), verified.
+
+        ``peers``: extra ``(host, port)`` to connect to besides the tracker's. Shows a tqdm progress
+        bar on stderr when ``progress``. Keeps seeding what it holds afterwards. Raises SwarmError
+        on timeout.
+        """
+        ti = lt.torrent_info(lt.bdecode(torrent))
+        wanted = pieces_for_ranges(torrent, ranges)
+        priorities = [4 if i in wanted else 0 for i in range(ti.num_pieces())]
+        t0 = time.monotonic()
+        handle = self._add(torrent, save_path, priorities)
+        for peer in peers:
+            handle.connect_peer(peer)
+        total = sum(ti.piece_size(i) for i in wanted)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fetching shard", leave=False)
+        try:
+            while True:
+                have = [i for i in wanted if handle.have_piece(i)]
+                done = sum(ti.piece_size(i) for i in have)
+                if bar is not None:
+                    bar.update(done - bar.n)
+                if len(have) == len(wanted):
+                    break
+                st = handle.status()
+                if st.errc.value():
+                    raise SwarmError(f"fetch failed: {st.errc.message()}")
+                if time.monotonic() - t0 > timeout:
+                    raise SwarmError(f"fetch timed out after {timeout:.0f} s with {len(have)}/{len(wanted)} pieces "
+                                     f"({st.num_peers} peers connected)")
+                time.sleep(0.05)
+        finally:
+            if bar is not None:
+                bar.close()
+        return FetchStats(len(wanted), handle.status().total_payload_download, time.monotonic() - t0)
+
+    def uploaded(self, torrent: bytes) -> int:
+        """Payload bytes this session has uploaded for ``torrent``."""
+        return self.handles[info_hash(torrent)].status().total_payload_upload
+
+    def close(self) -> None:
+        """Stop all torrents and the session."""
+        for handle in self.handles.values():
+            self.session.remove_torrent(handle)
+        self.handles.clear()
