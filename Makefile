@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-deps bench clean
 
 $(BIN)/ggufswarm: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,7 +19,13 @@ setup: $(BIN)/ggufswarm
 demo: setup
 	$(BIN)/ggufswarm demo "$(PROMPT)"
 
-test: setup
+# The tracker's status page is checked in headless Chromium (Debian package; needs root or sudo).
+test-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: setup test-deps
 	$(BIN)/python -m pytest -q
 
 bench: setup

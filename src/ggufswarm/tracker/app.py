@@ -1,0 +1,214 @@
+"""Tracker HTTP service: node registry with heartbeats, manifests, BitTorrent announce, route queries, status page."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections import Counter
+from dataclasses import asdict, dataclass
+from urllib.parse import unquote_to_bytes
+
+import libtorrent as lt
+from aiohttp import web
+
+from ..artifact.manifest import Manifest
+from .registry import Registry
+from .routing import Advertisement, NoRoute, plan_route
+
+ANNOUNCE_INTERVAL_S = 5
+
+
+@dataclass
+class TrackerConfig:
+    """``db``: SQLite path (``:memory:`` keeps nothing); ``ttl_s``: node/peer expiry; ``hop_ms``: assumed
+    network latency per hop for route planning."""
+
+    db: str = "tracker.sqlite"
+    ttl_s: float = 15.0
+    hop_ms: float = 1.0
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def _ad_json(ad: Advertisement) -> dict:
+    d = asdict(ad)
+    d["layers"] = list(ad.layers)
+    return d
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"code": "bad_json", "message": "body is not JSON"}}),
+                                 content_type="application/json") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"code": "bad_json", "message": "body must be an object"}}),
+                                 content_type="application/json")
+    return body
+
+
+def make_app(config: TrackerConfig) -> web.Application:
+    """The tracker as an aiohttp app (tests drive it in process; ``ggufswarm tracker`` serves it)."""
+    app = web.Application(client_max_size=64 << 20)
+    registry = Registry(config.db, config.ttl_s)
+    routed: Counter[str] = Counter()  # sessions handed each node (load spreading)
+
+    def n_layers(model: str) -> int | None:
+        found = registry.manifest(model)
+        return Manifest.from_json(found[0]).n_layers if found else None
+
+    async def heartbeat(request: web.Request) -> web.Response:
+        b = await _json_body(request)
+        try:
+            ad = Advertisement(str(b["node_id"]), str(b["url"]), str(b["model"]), (int(b["layers"][0]), int(b["layers"][1])),
+                               bool(b.get("embed")), bool(b.get("head")), str(b.get("state", "ready")),
+                               int(b.get("free_kv_tokens", 0)), float(b.get("decode_ms", 0.0)), dict(b.get("extra", {})))
+            registry.heartbeat(ad)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            return _error(400, "bad_advertisement", f"bad advertisement: {exc}")
+        return web.json_response({"ok": True, "ttl_s": config.ttl_s})
+
+    async def deregister(request: web.Request) -> web.Response:
+        if not registry.deregister(request.match_info["node_id"]):
+            return _error(404, "unknown_node", f"node {request.match_info['node_id']!r} is not registered")
+        return web.json_response({"ok": True})
+
+    async def nodes(request: web.Request) -> web.Response:
+        return web.json_response({"nodes": [_ad_json(a) for a in registry.nodes(request.query.get("model"))]})
+
+    async def put_manifest(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        b = await _json_body(request)
+        try:
+            manifest = Manifest.from_json(json.dumps(b["manifest"]))
+            torrent = bytes.fromhex(b["torrent_hex"])
+            info_hash = str(lt.torrent_info(lt.bdecode(torrent)).info_hashes().v1)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            return _error(400, "bad_manifest", f"bad manifest or torrent: {exc}")
+        registry.put_manifest(name, manifest.to_json(), torrent, info_hash)
+        return web.json_response({"ok": True, "info_hash": info_hash})
+
+    async def get_manifest(request: web.Request) -> web.Response:
+        found = registry.manifest(request.match_info["name"])
+        if not found:
+            return _error(404, "unknown_model", f"no model named {request.match_info['name']!r} is published")
+        return web.json_response({"manifest": json.loads(found[0]), "torrent_hex": found[1].hex()})
+
+    async def announce(request: web.Request) -> web.Response:
+        # info_hash and peer_id are raw bytes, URL-encoded: parse the raw query, not the str-decoded one
+        q = dict((k, unquote_to_bytes(v)) for k, v in
+                 (part.split("=", 1) for part in request.query_string.split("&") if "=" in part))
+        try:
+            info_hash, peer_id, port = q["info_hash"], q["peer_id"], int(q["port"])
+            left = int(q.get("left", b"0") or 0)
+        except (KeyError, ValueError):
+            return web.Response(body=lt.bencode({"failure reason": "info_hash, peer_id and port are required"}))
+        if len(info_hash) != 20 or not 0 < port < 65536:
+            return web.Response(body=lt.bencode({"failure reason": "bad info_hash or port"}))
+        ip = request.remote or "127.0.0.1"
+        peers = registry.announce(info_hash, peer_id, ip, port, left, q.get("event", b"").decode("latin-1"))
+        compact = b"".join(socket.inet_aton(p_ip) + struct.pack(">H", p_port) for p_ip, p_port in peers
+                           if ":" not in p_ip)
+        return web.Response(body=lt.bencode({"interval": ANNOUNCE_INTERVAL_S, "min interval": 1, "peers": compact}),
+                            content_type="text/plain")
+
+    async def route(request: web.Request) -> web.Response:
+        model = request.query.get("model", "")
+        try:
+            max_length = int(request.query.get("max_length", "1"))
+        except ValueError:
+            return _error(400, "bad_request", "max_length must be an integer")
+        layers = n_layers(model)
+        if layers is None:
+            return _error(404, "unknown_model", f"no model named {model!r} is published")
+        try:
+            chain = plan_route(registry.nodes(model), layers, max_length, config.hop_ms, routed)
+        except NoRoute as exc:
+            return _error(503, "no_route", f"{model}: {exc}")
+        routed.update(a.node_id for a in chain)
+        return web.json_response({"model": model, "route": [_ad_json(a) for a in chain]})
+
+    async def models(request: web.Request) -> web.Response:
+        out = []
+        for name in registry.manifest_names():
+            try:
+                plan_route(registry.nodes(name), n_layers(name), 1, config.hop_ms)
+                out.append(name)
+            except NoRoute:
+                pass
+        return web.json_response({"models": out, "published": registry.manifest_names()})
+
+    async def status_json(request: web.Request) -> web.Response:
+        return web.json_response(status_snapshot(registry))
+
+    async def index(request: web.Request) -> web.Response:
+        return web.Response(text=STATUS_PAGE, content_type="text/html")
+
+    app.add_routes([
+        web.post("/nodes/heartbeat", heartbeat), web.delete("/nodes/{node_id}", deregister), web.get("/nodes", nodes),
+        web.put("/manifests/{name}", put_manifest), web.get("/manifests/{name}", get_manifest),
+        web.get("/announce", announce), web.get("/route", route), web.get("/models", models),
+        web.get("/status.json", status_json), web.get("/", index),
+    ])
+    app.on_cleanup.append(lambda _app: _close(registry))
+    return app
+
+
+async def _close(registry: Registry) -> None:
+    registry.close()
+
+
+def status_snapshot(registry: Registry) -> dict:
+    """Per published model: layer count and live nodes (for ``ggufswarm status`` and the page)."""
+    out = {}
+    for name in registry.manifest_names():
+        found = registry.manifest(name)
+        out[name] = {"n_layers": Manifest.from_json(found[0]).n_layers,
+                     "nodes": [_ad_json(a) for a in registry.nodes(name)]}
+    return {"models": out}
+
+
+def coverage_bar(n_layers: int, layers: tuple[int, int], width: int = 36) -> str:
+    """Text bar: ``█`` over the layers a node serves, ``·`` elsewhere, ``width`` characters."""
+    cells = []
+    for i in range(width):
+        layer = i * n_layers // width
+        cells.append("█" if layers[0] <= layer < layers[1] else "·")
+    return "".join(cells)
+
+
+STATUS_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>ggufswarm tracker</title>
+<style>
+body{font:14px system-ui,sans-serif;margin:2em;color:#222}
+h2{margin-top:1.5em} table{border-collapse:collapse}
+td,th{padding:4px 10px;text-align:left;border-bottom:1px solid #ddd}
+.bar{display:flex;width:360px;height:14px;background:#eee;border-radius:3px;overflow:hidden}
+.seg{height:100%} .ready{background:#2a9d8f} .loading{background:#e9c46a} .fetching{background:#f4a261}
+</style></head><body>
+<h1>ggufswarm tracker</h1><div id="models">loading…</div>
+<script>
+const esc = (t) => String(t).replace(/[&<>"']/g, (c) => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;',"'":'&#39;'}[c]));
+async function refresh(){
+  const r = await fetch('/status.json'); const s = await r.json(); let h = '';
+  for (const [name, m] of Object.entries(s.models)) {
+    h += `<h2>${esc(name)} <small>(${m.n_layers} layers, ${m.nodes.length} nodes)</small></h2>`;
+    h += '<table><tr><th>node</th><th>layers</th><th>coverage</th><th>state</th><th>free KV tokens</th><th>decode ms</th></tr>';
+    for (const n of m.nodes) {
+      const left = 100 * n.layers[0] / m.n_layers, w = 100 * (n.layers[1] - n.layers[0]) / m.n_layers;
+      h += `<tr><td>${esc(n.url)}</td><td>${n.layers[0]}:${n.layers[1]}${n.embed ? ' +embed' : ''}${n.head ? ' +head' : ''}</td>`
+         + `<td><div class="bar"><div class="seg" style="width:${left}%"></div>`
+         + `<div class="seg ${n.state}" style="width:${w}%"></div></div></td>`
+         + `<td>${esc(n.state)}</td><td>${n.free_kv_tokens}</td><td>${n.decode_ms.toFixed(1)}</td></tr>`;
+    }
+    h += '</table>';
+  }
+  document.getElementById('models').innerHTML = h || 'no models published yet';
+}
+refresh(); setInterval(refresh, 2000);
+</script></body></html>
+"""

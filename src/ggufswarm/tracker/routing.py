@@ -1,0 +1,103 @@
+"""Route planning: pick the chain of shard advertisements that covers a model at least estimated latency.
+
+Pure functions over data (no I/O), so they are tested on synthetic advertisements.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+
+class NoRoute(LookupError):
+    """No chain of ready nodes covers the model (the message names the layers not served)."""
+
+
+@dataclass(frozen=True)
+class Advertisement:
+    """What a node tells the tracker about one shard it serves.
+
+    ``layers`` is ``(start, end)`` half-open; ``free_kv_tokens`` its KV capacity left (tokens);
+    ``decode_ms`` its measured time per decode step for its layers (ms).
+    """
+
+    node_id: str
+    url: str
+    model: str
+    layers: tuple[int, int]
+    embed: bool = False
+    head: bool = False
+    state: str = "ready"  # fetching | loading | ready
+    free_kv_tokens: int = 0
+    decode_ms: float = 0.0
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+def uncovered(ads: list[Advertisement], n_layers: int) -> list[tuple[int, int]]:
+    """Layer ranges ``[(start, end)]`` no advertisement in ``ads`` covers."""
+    covered = [False] * n_layers
+    for ad in ads:
+        for i in range(max(ad.layers[0], 0), min(ad.layers[1], n_layers)):
+            covered[i] = True
+    gaps, start = [], None
+    for i, c in enumerate(covered + [True]):
+        if not c and start is None:
+            start = i
+        elif c and start is not None:
+            gaps.append((start, i))
+            start = None
+    return gaps
+
+
+def plan_route(ads: list[Advertisement], n_layers: int, max_length: int, hop_ms: float = 1.0,
+               load: dict[str, int] | None = None) -> list[Advertisement]:
+    """The chain ``[ad_0, ..., ad_k]`` with ``ad_0`` holding the embedding stage and layers from 0,
+    each next one starting where the previous ended, the last holding the head and ending at
+    ``n_layers``, that minimizes ``sum(decode_ms + hop_ms)``; only ready nodes with
+    ``free_kv_tokens >= max_length`` qualify. Among equal-latency chains, nodes with fewer sessions
+    in ``load`` (node_id → sessions routed) are preferred, which spreads load.
+
+    Raises NoRoute naming the layers not served ("layers 6:12 are not served"), or the reason no
+    chain fits (no free KV, no embedding/head stage, ranges that do not line up).
+    """
+    load = load or {}
+    ready = [a for a in ads if a.state == "ready"]
+    gaps = uncovered(ready, n_layers)
+    if gaps:
+        names = ", ".join(f"{s}:{e}" for s, e in gaps)
+        raise NoRoute(f"layers {names} are not served by any ready node")
+    fit = [a for a in ready if a.free_kv_tokens >= max_length]
+    gaps = uncovered(fit, n_layers)
+    if gaps:
+        names = ", ".join(f"{s}:{e}" for s, e in gaps)
+        raise NoRoute(f"no node serving layers {names} has {max_length} tokens of free KV cache")
+    # Dijkstra over layer boundaries 0..n_layers; edge = one shard. Cost: (latency, load) lexicographic.
+    best: dict[int, tuple[float, int]] = {0: (0.0, 0)}
+    prev: dict[int, Advertisement] = {}
+    heap: list[tuple[float, int, int]] = [(0.0, 0, 0)]
+    while heap:
+        cost, spread, pos = heapq.heappop(heap)
+        if (cost, spread) > best.get(pos, (float("inf"), 0)) or pos == n_layers:
+            continue
+        for ad in fit:
+            start, end = ad.layers
+            if start != pos or end <= start:
+                continue
+            if pos == 0 and not ad.embed:
+                continue
+            if end == n_layers and not ad.head:
+                continue
+            key = (cost + ad.decode_ms + hop_ms, spread + load.get(ad.node_id, 0))
+            if key < best.get(end, (float("inf"), 0)):
+                best[end] = key
+                prev[end] = ad
+                heapq.heappush(heap, (key[0], key[1], end))
+    if n_layers not in prev:
+        raise NoRoute(f"the served ranges do not chain from layer 0 (with embedding) to {n_layers} (with head) "
+                      "without overlapping")
+    route, pos = [], n_layers
+    while pos != 0:
+        ad = prev[pos]
+        route.append(ad)
+        pos = ad.layers[0]
+    return route[::-1]

@@ -1,0 +1,118 @@
+"""Tracker: registry with TTL and restarts, manifests, BitTorrent announce for libtorrent peers, routes, status page."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from apphost import AppThread
+from tinymodels import write_tiny_model
+
+from ggufswarm.artifact.manifest import Manifest
+from ggufswarm.swarm.torrent import Swarm, make_torrent
+from ggufswarm.tracker.app import TrackerConfig, make_app
+from ggufswarm.tracker.registry import Registry
+from ggufswarm.tracker.routing import Advertisement
+
+
+def call(url, method="GET", body=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def beat(url, node, layers, n=4, **kw):
+    body = {"node_id": node, "url": f"http://{node}", "model": "tiny", "layers": list(layers),
+            "embed": layers[0] == 0, "head": layers[1] == n, "state": "ready", "free_kv_tokens": 4096,
+            "decode_ms": 5.0, **kw}
+    return call(f"{url}/nodes/heartbeat", "POST", body)
+
+
+def test_registry_survives_restart_and_expires_stale_nodes(tmp_path):
+    db = tmp_path / "t.sqlite"
+    reg = Registry(db, ttl_s=10)
+    reg.heartbeat(Advertisement("a", "http://a", "m", (0, 4), True, True, "ready", 100, 1.0), now=1000.0)
+    reg.heartbeat(Advertisement("b", "http://b", "m", (0, 4), True, True, "ready", 100, 1.0), now=1008.0)
+    reg.put_manifest("m", "{}", b"torrent", "ab" * 20)
+    reg.close()
+    reg = Registry(db, ttl_s=10)
+    assert [a.node_id for a in reg.nodes(now=1009.0)] == ["a", "b"]
+    assert reg.manifest("m") == ("{}", b"torrent")
+    assert [a.node_id for a in reg.nodes(now=1015.0)] == ["b"]  # a's TTL ran out
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tiny_dir):
+    path = write_tiny_model(tiny_dir / "tracker-tiny.gguf", "llama", n_layers=4)
+    return path, Manifest.from_gguf(path, name="tiny")
+
+
+def test_routes_follow_heartbeats(tmp_path, tiny_artifact):
+    path, manifest = tiny_artifact
+    with AppThread(lambda: make_app(TrackerConfig(db=str(tmp_path / "t.sqlite"), ttl_s=1.5))) as url:
+        status, _ = call(f"{url}/manifests/tiny", "PUT",
+                         {"manifest": json.loads(manifest.to_json()), "torrent_hex": make_torrent([path]).hex()})
+        assert status == 200
+        status, body = call(f"{url}/route?model=tiny&max_length=64")
+        assert status == 503 and body["error"]["code"] == "no_route" and "layers 0:4 are not served" in body["error"]["message"]
+        beat(url, "a", (0, 2))
+        status, body = call(f"{url}/route?model=tiny&max_length=64")
+        assert status == 503 and "layers 2:4 are not served" in body["error"]["message"]
+        beat(url, "b", (2, 4))
+        status, body = call(f"{url}/route?model=tiny&max_length=64")
+        assert status == 200 and [h["node_id"] for h in body["route"]] == ["a", "b"]
+        assert call(f"{url}/models")[1]["models"] == ["tiny"]
+        assert call(f"{url}/nodes/heartbeat", "POST", {"node_id": "x"})[0] == 400
+        assert call(f"{url}/route?model=nope")[0] == 404
+        time.sleep(2.0)  # no heartbeats: both expire
+        status, body = call(f"{url}/route?model=tiny&max_length=64")
+        assert status == 503
+        beat(url, "a", (0, 2))
+        beat(url, "b", (2, 4))
+        assert call(f"{url}/nodes/b", "DELETE")[0] == 200
+        assert call(f"{url}/route?model=tiny&max_length=64")[0] == 503
+
+
+def test_libtorrent_peers_find_each_other_through_the_tracker(tmp_path, gemma_path):
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
+        torrent = make_torrent([gemma_path], trackers=[f"{url}/announce"])
+        manifest = Manifest.from_gguf(gemma_path, hash_files=False)
+        seed_dir = tmp_path / "seed"
+        seed_dir.mkdir()
+        shutil.copy(gemma_path, seed_dir / gemma_path.name)
+        seeder, leech = Swarm(), Swarm()
+        try:
+            seeder.seed(torrent, seed_dir)
+            stats = leech.fetch(torrent, tmp_path, manifest.byte_ranges(17, 18, head=True), timeout=120, progress=False)
+            assert stats.bytes_downloaded > 0 and seeder.uploaded(torrent) > 0
+        finally:
+            seeder.close()
+            leech.close()
+
+
+def test_status_page_renders_in_headless_chromium(tmp_path, tiny_artifact):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.fail("chromium is not installed (.ci/run installs it with apt-get)")
+    path, manifest = tiny_artifact
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
+        call(f"{url}/manifests/tiny", "PUT", {"manifest": json.loads(manifest.to_json()),
+                                              "torrent_hex": make_torrent([path]).hex()})
+        beat(url, "node-a", (0, 2))
+        beat(url, "node-b", (2, 4), state="loading")
+        out = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                              f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000",
+                              "--dump-dom", f"{url}/"], capture_output=True, text=True, timeout=60)
+        dom = out.stdout
+        assert "tiny" in dom and "http://node-a" in dom and "http://node-b" in dom, out.stderr[-2000:]
+        assert "loading" in dom and "2:4" in dom
