@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import http.client
+from http.client import HTTPConnection
 import json
 import signal
 import time
@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from ggufswarm.client.remote import RemoteRoute, RouteError
+from ggufswarm.client.remote import RemoteRoute
 from ggufswarm.client.sampling import SamplingParams
 from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
 from ggufswarm.node.launch import start_nodes, stop_nodes
@@ -59,9 +59,11 @@ def test_route_session_matches_local_greedy(cluster, gemma):
     ref_text, ref = reference(gemma, PROMPT, 8)
     route = RemoteRoute(urls(cluster), HOP_TIMEOUT)
     assert route.describe()[1] == {"node": cluster[1].url, "layers": [6, 12]}
-    session = route.open(32, GREEDY)
+    session = route.open(32, GREEDY, top_logprobs=3)
     ids = gemma.prompt_ids(PROMPT)
     tokens = [session.step(ids)]
+    assert len(session.last_logprobs) == 3 and session.last_logprobs[0][0] == tokens[0]
+    assert session.last_logprobs[0][1] <= 0
     while len(tokens) < len(ref):
         tokens.append(session.step([tokens[-1]]))
     assert tokens == ref
@@ -69,6 +71,24 @@ def test_route_session_matches_local_greedy(cluster, gemma):
     assert health(cluster[2].url)["sessions"] >= 1
     session.close()
     assert all(health(n.url)["sessions"] == 0 for n in cluster)
+
+
+def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma):
+    import dataclasses
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    ids = gemma.prompt_ids("A short story about a brave little robot")
+    runs = []
+    for chunk in (4096, 4):
+        route = RemoteRoute(urls(cluster), HOP_TIMEOUT)
+        route.hops[1] = dataclasses.replace(route.hops[1], max_step_tokens=chunk)
+        session = route.open(64, sampling)
+        tokens = [session.step(ids)]
+        for _ in range(5):
+            tokens.append(session.step([tokens[-1]]))
+        session.close()
+        runs.append((tokens, len(session.telemetry.steps)))
+    assert runs[0][0] == runs[1][0]  # same seeded draws: the chunks before the last did not touch the RNG
+    assert runs[1][1] == runs[0][1] + (len(ids) + 3) // 4 - 1
 
 
 def test_f16_decode_payload_per_hop_within_budget(cluster, gemma):
@@ -190,6 +210,8 @@ def test_too_many_tokens(cluster, gemma):
         assert status == 413 and body["error"]["code"] == "too_many_tokens" and "4096" in body["error"]["message"]
         status, body = post_frame(cluster[1].url, encode_hidden(session.id, 1, 0, torch.zeros(4097, N_EMBD)))
         assert status == 413
+        status, body = post_frame(cluster[1].url, encode_hidden(session.id, 1, 0, torch.zeros(4200, N_EMBD), "f32"))
+        assert status == 413 and body["error"]["code"] == "too_many_tokens"  # over the body limit: not even read
         status, body = post_frame(cluster[0].url, encode_tokens(session.id, 1, 0, [2] * 65))  # > max_length 64
         assert status == 400 and body["error"]["code"] == "context_overflow"
         assert session.step(gemma.prompt_ids(PROMPT)) == reference(gemma, PROMPT, 8)[1][0]
@@ -229,7 +251,7 @@ def test_kv_budget_admission_and_idle_expiry(spares):
 
 
 def _stream_first_delta(gateway_url: str, prompt: str):
-    conn = http.client.HTTPConnection("127.0.0.1", int(gateway_url.rsplit(":", 1)[1]), timeout=120)
+    conn = HTTPConnection("127.0.0.1", int(gateway_url.rsplit(":", 1)[1]), timeout=120)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 400, "temperature": 0,
                                                         "stream": True}), {"Content-Type": "application/json"})
     resp = conn.getresponse()

@@ -12,7 +12,8 @@ EXAMPLES = """examples:
   ggufswarm generate "Hello" --split 6,12          # run as chained shards [0,6)+[6,12)+[12,n)
   ggufswarm perplexity wiki.txt --ctx-size 512
   ggufswarm demo "Why is the sky blue?" --nodes 3   # 3 node processes + gateway on loopback
-  ggufswarm node --layers 0:6 --embed --port 8471   # serve one shard
+  ggufswarm node --layers 0:9 --embed --port 8471   # serve one shard (the first of a 2-node route)
+  ggufswarm node --layers 9:18 --head --port 8472
   ggufswarm gateway --route http://127.0.0.1:8471,http://127.0.0.1:8472 --port 8000
 With no --model, the embedded Gemma 3 270M Q4_K_M is used (assembled once into ~/.cache/ggufswarm).
 """

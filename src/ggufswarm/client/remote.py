@@ -213,12 +213,12 @@ class RemoteSession:
     def step(self, token_ids: list[int], sample: bool = True) -> int | None:
         """Feed ``token_ids`` (prefill: many, decode: one) through the route; the head's sampled next token id.
 
-        Prompts longer than the first node's max_step_tokens are sent in chunks (only the last is sampled).
+        Prompts longer than the route's smallest max_step_tokens go in chunks (only the last is sampled).
         Raises RouteError naming the failing node (status/code from the node), ValueError for no ids.
         """
         if not token_ids:
             raise ValueError("a step needs at least one token id")
-        limit = self.route.hops[0].max_step_tokens
+        limit = min(h.max_step_tokens for h in self.route.hops)
         token = None
         for i in range(0, len(token_ids), limit):
             chunk = token_ids[i:i + limit]

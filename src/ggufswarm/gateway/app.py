@@ -27,6 +27,7 @@ from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 
 JSON = "application/json"
+GATEWAY = web.AppKey("gateway", object)
 
 
 @dataclass
@@ -178,7 +179,7 @@ class Gateway:
             return self._route
 
     def run(self, ids: list[int], params: SamplingParams, max_tokens: int, stop: list[str], emit,
-            cancelled: threading.Event) -> None:
+            cancelled: threading.Event, prompt_param: str = "prompt") -> None:
         """Worker thread: open a route session, generate, emit ("open"|"delta"|"done"|"error", ...) events."""
         session = None
         try:
@@ -186,7 +187,7 @@ class Gateway:
             limit = route.max_length
             if len(ids) >= limit:
                 raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",
-                                   code="context_length_exceeded", param="messages")
+                                   code="context_length_exceeded", param=prompt_param)
             max_length = min(limit, len(ids) + max(max_tokens, 1))
             session = route.open(max_length, params, self.config.wire_dtype)
             emit(("open", session))
@@ -215,8 +216,36 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+async def _stream(resp: web.StreamResponse, request: web.Request, queue: asyncio.Queue, chunk, usage,
+                  chat: bool) -> None:
+    """Write SSE chunks from the worker's events until done (final chunk + [DONE]) or an error event."""
+    await resp.prepare(request)
+    if chat:
+        await resp.write(_sse(chunk(None, first=True)))
+    while True:
+        event = await queue.get()
+        if event[0] == "delta":
+            await resp.write(_sse(chunk(event[1])))
+        elif event[0] == "done":
+            stats, telemetry = event[1], event[2]
+            last = chunk(None, stats.finish_reason)
+            last["usage"] = usage(stats)
+            last["telemetry"] = telemetry
+            await resp.write(_sse(last))
+            await resp.write(b"data: [DONE]\n\n")
+            break
+        else:
+            exc = event[1]
+            err = {"message": str(exc), "type": "route_error" if isinstance(exc, RouteError) else
+                   "server_error", "code": getattr(exc, "code", "internal"),
+                   "status": getattr(exc, "status", 500)}
+            await resp.write(_sse({"error": err}))
+            break
+    await resp.write_eof()
+
+
 async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool) -> web.StreamResponse:
-    gw: Gateway = request.app["gateway"]
+    gw: Gateway = request.app[GATEWAY]
     params, max_tokens, stop, stream = parse_params(body, gw.config.default_max_tokens)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -225,7 +254,8 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
     def emit(event):
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
-    work = loop.run_in_executor(gw.pool, gw.run, ids, params, max_tokens, stop, emit, cancelled)
+    work = loop.run_in_executor(gw.pool, gw.run, ids, params, max_tokens, stop, emit, cancelled,
+                                "messages" if chat else "prompt")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
@@ -249,29 +279,10 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
 
         if stream:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            if chat:
-                await resp.write(_sse(chunk(None, first=True)))
-            while True:
-                event = await queue.get()
-                if event[0] == "delta":
-                    await resp.write(_sse(chunk(event[1])))
-                elif event[0] == "done":
-                    stats, telemetry = event[1], event[2]
-                    last = chunk(None, stats.finish_reason)
-                    last["usage"] = usage(stats)
-                    last["telemetry"] = telemetry
-                    await resp.write(_sse(last))
-                    await resp.write(b"data: [DONE]\n\n")
-                    break
-                else:
-                    exc = event[1]
-                    err = {"message": str(exc), "type": "route_error" if isinstance(exc, RouteError) else
-                           "server_error", "code": getattr(exc, "code", "internal"),
-                           "status": getattr(exc, "status", 500)}
-                    await resp.write(_sse({"error": err}))
-                    break
-            await resp.write_eof()
+            try:
+                await _stream(resp, request, queue, chunk, usage, chat)
+            except ConnectionResetError:
+                pass  # the client left; `finally` below stops the worker
             return resp
         parts = []
         while True:
@@ -310,7 +321,7 @@ async def _read_body(request: web.Request) -> dict:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (OpenAI): messages rendered with the GGUF chat template."""
-    gw: Gateway = request.app["gateway"]
+    gw: Gateway = request.app[GATEWAY]
     try:
         body = await _read_body(request)
         messages = body.get("messages")
@@ -332,7 +343,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` (OpenAI): a plain ``prompt`` string (or a list holding one)."""
-    gw: Gateway = request.app["gateway"]
+    gw: Gateway = request.app[GATEWAY]
     try:
         body = await _read_body(request)
         prompt = body.get("prompt")
@@ -347,14 +358,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     """``GET /v1/models``: the one model this gateway serves."""
-    gw: Gateway = request.app["gateway"]
+    gw: Gateway = request.app[GATEWAY]
     return web.json_response({"object": "list", "data": [
         {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "ggufswarm"}]})
 
 
 async def health(request: web.Request) -> web.Response:
     """``GET /health``: the configured route."""
-    gw: Gateway = request.app["gateway"]
+    gw: Gateway = request.app[GATEWAY]
     return web.json_response({"status": "ok", "model": gw.model_name, "route": gw.config.route})
 
 
@@ -362,7 +373,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     """The gateway's aiohttp app; the vocabulary is loaded at startup, the route on first use."""
     gw = Gateway(config)
     app = web.Application(client_max_size=16 * 2 ** 20)
-    app["gateway"] = gw
+    app[GATEWAY] = gw
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)

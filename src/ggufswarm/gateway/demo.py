@@ -77,6 +77,7 @@ def _interrupt(signum, frame):
 def run_demo(args) -> int:
     """Start the cluster, stream ``args.prompt``, print telemetry, stop everything (also on Ctrl-C/SIGTERM)."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     path = resolve_model(args.model)
     cfg = load_config(GGUFModelFile(path))
     specs = even_split(cfg.n_layers, args.nodes)

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 import uuid
 import zlib
@@ -36,6 +35,7 @@ from ..runtime.shard import ShardExecutor, ShardSpec
 
 WIRE_DTYPES = ("f16", "bf16", "f32")
 JSON = "application/json"
+NODE = web.AppKey("node", object)
 
 
 @dataclass
@@ -157,7 +157,7 @@ def _session_id(text) -> uuid.UUID:
 
 async def open_session(request: web.Request) -> web.Response:
     """``POST /v1/sessions`` {session_id, max_length, next_hop, sampling, wire_dtype, top_logprobs} → 201."""
-    state: NodeState = request.app["node"]
+    state: NodeState = request.app[NODE]
     try:
         body = await _read_json(request)
         sid = _session_id(body.get("session_id", uuid.uuid4()))
@@ -199,7 +199,7 @@ async def open_session(request: web.Request) -> web.Response:
 
 async def close_session(request: web.Request) -> web.Response:
     """``DELETE /v1/sessions/{id}`` → 200 {closed, kv_tokens}; 404 unknown_session."""
-    state: NodeState = request.app["node"]
+    state: NodeState = request.app[NODE]
     try:
         session = state.store.close(_session_id(request.match_info["sid"]))
     except Exception as exc:  # noqa: BLE001
@@ -209,7 +209,7 @@ async def close_session(request: web.Request) -> web.Response:
 
 async def truncate_session(request: web.Request) -> web.Response:
     """``POST /v1/sessions/{id}/truncate`` {length} → 200 {length}: roll the KV cache back."""
-    state: NodeState = request.app["node"]
+    state: NodeState = request.app[NODE]
     try:
         body = await _read_json(request)
         length = body.get("length")
@@ -245,10 +245,14 @@ async def _push(state: NodeState, url: str, frame: bytes, timeout_s: float) -> d
 
 async def step(request: web.Request) -> web.Response:
     """``POST /v1/step``: one frame (application/octet-stream) → 200 JSON ``{token, logprobs, hops}``."""
-    state: NodeState = request.app["node"]
+    state: NodeState = request.app[NODE]
     t0 = time.perf_counter()
     try:
-        body = await request.read()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ProtocolError("too_many_tokens", f"frame body over {state.max_body} bytes: more than "
+                                                   f"max_step_tokens {state.config.max_step_tokens} tokens") from None
         frame = decode_frame(body, state.cfg.n_embd, state.config.max_step_tokens)
         kind = "decode" if frame.n_tokens == 1 else "prefill"
         state.bytes_in.labels(kind).inc(len(body))
@@ -298,12 +302,12 @@ async def step(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """``GET /health`` → 200 JSON (see NodeState.health)."""
-    return _json(request.app["node"].health())
+    return _json(request.app[NODE].health())
 
 
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics`` → Prometheus text format from this app's own registry."""
-    data = generate_latest(request.app["node"].registry)
+    data = generate_latest(request.app[NODE].registry)
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -335,7 +339,7 @@ def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.A
     """The node's aiohttp app; loads the shard unless ``executor`` is given. Raises as load_executor."""
     state = NodeState(config, executor or load_executor(config))
     app = web.Application(client_max_size=state.max_body + 1024)
-    app["node"] = state
+    app[NODE] = state
     app.router.add_post("/v1/sessions", open_session)
     app.router.add_delete("/v1/sessions/{sid}", close_session)
     app.router.add_post("/v1/sessions/{sid}/truncate", truncate_session)
@@ -380,7 +384,7 @@ async def serve(app: web.Application, host: str, port: int, ready=None) -> None:
 def run_node(config: NodeConfig) -> int:
     """``ggufswarm node``: load the shard, serve it, print one ready line to stdout; exit 0 on SIGINT/SIGTERM."""
     app = make_app(config)
-    state: NodeState = app["node"]
+    state: NodeState = app[NODE]
     spec = state.spec
 
     def ready(url: str) -> None:
@@ -389,5 +393,4 @@ def run_node(config: NodeConfig) -> int:
               f"kv_budget {state.store.budget_tokens} tokens", flush=True)
 
     asyncio.run(serve(app, config.host, config.port, ready))
-    print("ggufswarm node: stopped", file=sys.stderr, flush=True)
     return 0

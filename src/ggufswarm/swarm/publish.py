@@ -1,0 +1,79 @@
+"""Publishing a model artifact: manifest + torrent registered with the tracker, then seeded."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..artifact.gguf_file import split_paths
+from ..artifact.manifest import Manifest
+from .torrent import DEFAULT_PIECE_SIZE, Swarm, info_hash, make_torrent, save_path_for
+
+
+class TrackerError(RuntimeError):
+    """The tracker refused a request or could not be reached (the message says which)."""
+
+
+def tracker_call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0) -> dict:
+    """JSON request to the tracker; TrackerError with the tracker's reason on a 4xx/5xx or no connection."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            reason = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            reason = e.reason
+        raise TrackerError(f"tracker {url}: {e.code} {reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise TrackerError(f"cannot reach tracker {url}: {getattr(e, 'reason', e)}") from None
+
+
+@dataclass
+class Published:
+    """What ``publish`` registered: the manifest, the torrent, its v1 info-hash."""
+
+    manifest: Manifest
+    torrent: bytes
+    info_hash: str
+
+
+def publish(model_path: Path, tracker: str, name: str | None = None, data_dir: Path | None = None,
+            web_seeds: list[str] = (), piece_size: int = DEFAULT_PIECE_SIZE) -> Published:
+    """Index ``model_path`` (a GGUF or any file of a split set), make its torrent (announcing to
+    ``tracker``), register both with the tracker under ``name`` and write them into ``data_dir``.
+
+    Raises GGUFError for a bad file and TrackerError when the tracker refuses.
+    """
+    paths = split_paths(Path(model_path))
+    manifest = Manifest.from_gguf(paths[0], name)
+    torrent = make_torrent(paths, piece_size, trackers=[tracker.rstrip("/") + "/announce"], web_seeds=list(web_seeds))
+    manifest.info_hash, manifest.piece_size, manifest.web_seeds = info_hash(torrent), piece_size, list(web_seeds)
+    tracker_call(f"{tracker.rstrip('/')}/manifests/{manifest.name}", "PUT",
+                 {"manifest": json.loads(manifest.to_json()), "torrent_hex": torrent.hex()})
+    if data_dir is not None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / f"{manifest.name}.manifest.json").write_text(manifest.to_json())
+        (data_dir / f"{manifest.name}.torrent").write_bytes(torrent)
+    return Published(manifest, torrent, manifest.info_hash)
+
+
+def seed_forever(published: Published, model_path: Path, stop: threading.Event | None = None) -> None:
+    """Seed the published files until SIGINT/SIGTERM (or ``stop`` is set)."""
+    stop = stop or threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    swarm = Swarm()
+    try:
+        swarm.seed(published.torrent, save_path_for(split_paths(Path(model_path))))
+        while not stop.wait(1.0):
+            pass
+    finally:
+        swarm.close()

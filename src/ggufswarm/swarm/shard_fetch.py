@@ -1,0 +1,69 @@
+"""A node's side of the swarm: choose a layer range, fetch just its bytes, keep seeding them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..artifact.manifest import Manifest
+from ..runtime.shard import ShardSpec
+from ..tracker.routing import Advertisement
+from .publish import tracker_call
+from .torrent import FetchStats, Swarm
+
+
+def choose_layers(manifest: Manifest, ads: list[Advertisement], budget_bytes: int) -> ShardSpec:
+    """The layer range the swarm covers least (fewest advertisements per layer, summed), as wide as
+    ``budget_bytes`` of block weights allows (at least one layer); embed/head when it touches the ends."""
+    n = manifest.n_layers
+    per_layer = manifest.layer_bytes()
+    cover = [0] * n
+    for ad in ads:
+        for i in range(max(0, ad.layers[0]), min(n, ad.layers[1])):
+            cover[i] += 1
+    width, total = 0, 0
+    while width < n and total + per_layer[width] <= budget_bytes:
+        total += per_layer[width]
+        width += 1
+    width = max(width, 1)
+    best = min(range(n - width + 1), key=lambda s: (sum(cover[s:s + width]), s))
+    return ShardSpec(best, best + width, embed=best == 0, head=best + width == n)
+
+
+@dataclass
+class FetchedShard:
+    """A shard's bytes on local disk: the (sparse) GGUF path, its spec, the swarm seeding it."""
+
+    path: Path
+    spec: ShardSpec
+    manifest: Manifest
+    swarm: Swarm
+    torrent: bytes
+    stats: FetchStats
+
+
+def fetch_shard(tracker: str, name: str, layers: str, embed: bool, head: bool, data_dir: Path,
+                budget_bytes: int = 8 << 30, progress: bool = True, timeout: float = 1800.0) -> FetchedShard:
+    """Fetch from the swarm only the pieces a shard needs (header + its tensors), verified, into
+    ``data_dir``; returns with the swarm still seeding them. ``layers``: ``"START:END"`` or ``"auto"``.
+
+    Raises TrackerError (unknown model, tracker down), ValueError (bad range), SwarmError (fetch failed).
+    """
+    base = tracker.rstrip("/")
+    found = tracker_call(f"{base}/manifests/{name}")
+    manifest = Manifest.from_json(json.dumps(found["manifest"]))
+    torrent = bytes.fromhex(found["torrent_hex"])
+    if layers == "auto":
+        ads = [Advertisement(a["node_id"], a["url"], a["model"], tuple(a["layers"]), a["embed"], a["head"], a["state"])
+               for a in tracker_call(f"{base}/nodes?model={name}")["nodes"]]
+        spec = choose_layers(manifest, ads, budget_bytes)
+    else:
+        spec = ShardSpec.parse(layers, manifest.n_layers, embed, head)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    swarm = Swarm()
+    ranges = manifest.byte_ranges(spec.start, spec.end, spec.embed, spec.head)
+    stats = swarm.fetch(torrent, data_dir, ranges, timeout=timeout, progress=progress)
+    first = manifest.files[0]["name"]
+    path = data_dir / first if len(manifest.files) == 1 else next(data_dir.glob(f"*/{first}"))
+    return FetchedShard(path, spec, manifest, swarm, torrent, stats)

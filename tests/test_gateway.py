@@ -1,0 +1,207 @@
+"""OpenAI-compatible gateway over 3 node processes: greedy equality with `ggufswarm generate`, streaming,
+the official openai client, telemetry, concurrency, request validation."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from route_fixtures import cluster, gateway, http, reference  # noqa: F401 - fixtures
+
+SHORT = "The capital of France is"
+CHAT = "Name three colors."
+
+
+@pytest.fixture(scope="module")
+def long_prompt(reference_text, gemma):
+    """Over 600 tokens of real text."""
+    text = reference_text[:3400]
+    n = len(gemma.prompt_ids(text))
+    assert 600 < n < 1000, n
+    return text
+
+
+def sse(url: str, path: str, body: dict) -> tuple[list[dict], list[str]]:
+    """POST a streamed request; (parsed chunks, raw data lines). Asserts it ends with data: [DONE]."""
+    req = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        lines = [line.decode().strip() for line in resp if line.strip()]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]], lines
+
+
+def completion(url: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, dict]:
+    """Greedy /v1/completions; (text, final body or final chunk)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if stream:
+        chunks, _ = sse(url, "/v1/completions", body)
+        return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]
+    status, out = http("POST", url + "/v1/completions", body, timeout=300)
+    assert status == 200, out
+    return out["choices"][0]["text"], out
+
+
+def check_telemetry(final: dict, cluster, prompt_tokens: int, completion_tokens: int) -> None:
+    t = final["telemetry"]
+    assert t["route"] == [{"node": n.url, "layers": [n.spec.start, n.spec.end]} for n in cluster]
+    assert t["prompt_tokens"] == prompt_tokens and t["completion_tokens"] == completion_tokens
+    assert t["ttft_ms"] > 0 and t["prefill_tok_s"] > 0 and t["decode_tok_s"] > 0
+    assert [h["node"] for h in t["hops"]] == [n.url for n in cluster]
+    for hop in t["hops"]:
+        for key in ("compute_ms", "network_ms"):
+            assert hop[key]["mean"] >= 0 and hop[key]["p95"] >= hop[key]["mean"] * 0.5
+        assert hop["compute_ms"]["mean"] > 0
+        assert hop["kv_tokens"] == prompt_tokens + completion_tokens - 1
+    assert t["hops"][1]["payload_bytes_per_decode_token"] <= 2 * 640 + 128
+    assert t["kv_tokens_held"] == {n.url: prompt_tokens + completion_tokens - 1 for n in cluster}
+    assert final["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}
+
+
+def test_models(gateway):
+    status, body = http("GET", gateway + "/v1/models")
+    assert status == 200 and body["object"] == "list" and body["data"][0]["owned_by"] == "ggufswarm"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_short_prompt_greedy_equals_generate(gateway, cluster, gemma, stream):
+    ref_text, ref_tokens = reference(gemma, SHORT, 24)
+    text, final = completion(gateway, SHORT, 24, stream)
+    assert text == ref_text
+    assert final["choices"][0]["finish_reason"] == "length"
+    check_telemetry(final, cluster, len(gemma.prompt_ids(SHORT)), len(ref_tokens))
+
+
+def test_greedy_equals_generate_cli(gateway, ggufswarm_cli):
+    """The literal reference: the ``ggufswarm generate`` command's stdout."""
+    import subprocess
+    out = subprocess.run([*ggufswarm_cli, "generate", SHORT, "--temperature", "0", "--max-tokens", "24",
+                          "--threads", "1"], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert completion(gateway, SHORT, 24, stream=True)[0] + "\n" == out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_long_prompt_greedy_equals_generate(gateway, cluster, gemma, long_prompt, stream):
+    ref_text, ref_tokens = reference(gemma, long_prompt, 12)
+    text, final = completion(gateway, long_prompt, 12, stream)
+    assert text == ref_text
+    check_telemetry(final, cluster, len(gemma.prompt_ids(long_prompt)), len(ref_tokens))
+
+
+def test_chat_stream_greedy_equals_generate_chat(gateway, gemma):
+    ref_text, ref_tokens = reference(gemma, CHAT, 40, chat=True)
+    chunks, _ = sse(gateway, "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": CHAT}], "max_tokens": 40, "temperature": 0})
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == ref_text
+    final = chunks[-1]
+    assert final["choices"][0]["finish_reason"] == ("stop" if len(ref_tokens) < 40 else "length")
+    assert final["usage"]["completion_tokens"] == len(ref_tokens) and "telemetry" in final
+
+
+def test_openai_client(gateway, gemma):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    ref_text, ref_tokens = reference(gemma, CHAT, 40, chat=True)
+    messages = [{"role": "user", "content": CHAT}]
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
+    assert out.choices[0].message.content == ref_text
+    assert out.usage.completion_tokens == len(ref_tokens)
+    assert out.model_extra["telemetry"]["route"][0]["layers"] == [0, 6]
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,
+                                            stream=True)
+    parts, last = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        last = chunk
+    assert "".join(parts) == ref_text
+    assert last.model_extra["telemetry"]["completion_tokens"] == len(ref_tokens)
+    ref_short, _ = reference(gemma, SHORT, 24)
+    comp = client.completions.create(model=model, prompt=SHORT, max_tokens=24, temperature=0)
+    assert comp.choices[0].text == ref_short
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt=SHORT, max_tokens=24, temperature=0, stream=True) if c.choices)
+    assert streamed == ref_short
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=messages, temperature=-1)
+
+
+def test_ten_concurrent_streams(gateway, gemma):
+    prompts = ["The capital of France is", "The capital of Germany is", "My favourite fruit is",
+               "The ocean is", "In the morning I"]
+    refs = {p: reference(gemma, p, 10)[0] for p in prompts}
+    jobs = [prompts[i % len(prompts)] for i in range(10)]
+
+    def run(prompt):
+        chunks, _ = sse(gateway, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0})
+        return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["telemetry"]["session"]
+
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(run, jobs))
+    assert [text for text, _ in results] == [refs[p] for p in jobs]
+    assert len({sid for _, sid in results}) == 10  # separate sessions
+
+
+def test_client_disconnect_releases_sessions(gateway, cluster):
+    import time
+    from http.client import HTTPConnection
+    conn = HTTPConnection("127.0.0.1", int(gateway.rsplit(":", 1)[1]), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": SHORT, "max_tokens": 300, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.readline().startswith(b"data: ")
+    assert http("GET", cluster[0].url + "/health")[1]["sessions"] == 1
+    conn.close()  # the client goes away mid-stream: the gateway stops and closes the route session
+    deadline = time.monotonic() + 20
+    while any(http("GET", n.url + "/health")[1]["sessions"] for n in cluster):
+        assert time.monotonic() < deadline, "route session left open after the client disconnected"
+        time.sleep(0.2)
+
+
+def test_seeded_sampling_is_reproducible(gateway):
+    body = {"prompt": SHORT, "max_tokens": 12, "temperature": 0.9, "seed": 1234}
+    a = http("POST", gateway + "/v1/completions", body)[1]["choices"][0]["text"]
+    b = "".join(c["choices"][0]["text"] for c in sse(gateway, "/v1/completions", body)[0])
+    assert a == b
+
+
+def test_stop_strings(gateway, gemma):
+    ref_text, _ = reference(gemma, SHORT, 24)
+    stop = ref_text[8:12]
+    text, final = completion_with(gateway, {"prompt": SHORT, "max_tokens": 24, "temperature": 0, "stop": [stop]})
+    assert text == ref_text[:ref_text.index(stop)] and final["choices"][0]["finish_reason"] == "stop"
+
+
+def completion_with(url, body):
+    status, out = http("POST", url + "/v1/completions", body)
+    assert status == 200, out
+    return out["choices"][0]["text"], out
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", b"{oops", None),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop": [1, 2]}, "stop"),
+    ("/v1/completions", {"prompt": "x " * 40000, "max_tokens": 4}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages"),
+])
+def test_bad_requests(gateway, path, body, param):
+    status, out = http("POST", gateway + path, body)
+    assert status == 400 and out["error"]["message"]
+    if param:
+        assert out["error"]["param"] == param
+    assert http("GET", gateway + "/v1/models")[0] == 200
