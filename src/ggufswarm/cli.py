@@ -76,10 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="example, a 2-node route of an 18-layer model:\n"
                               "  ggufswarm node --layers 0:9 --embed --port 8471\n"
                               "  ggufswarm node --layers 9:18 --head --port 8472")
-    n.add_argument("--layers", required=True, metavar="START:END", help="layer range to serve, e.g. 0:6")
+    n.add_argument("--layers", required=True, metavar="START:END",
+                   help="layer range to serve, e.g. 0:6; with --tracker also 'auto' (the range the swarm covers least)")
     n.add_argument("--embed", action="store_true", help="also run the embedding stage (first shard of a route)")
     n.add_argument("--head", action="store_true", help="also run output norm, LM head and sampler (last shard)")
-    n.add_argument("--model", metavar="PATH", help="GGUF file; default: embedded Gemma 3 270M")
+    n.add_argument("--model", metavar="PATH|NAME",
+                   help="GGUF file; with --tracker the published model name. Default: embedded Gemma 3 270M")
+    n.add_argument("--tracker", metavar="URL", help="fetch the shard from the swarm this tracker knows, "
+                   "seed it, and advertise this node there (heartbeats; deregisters on shutdown)")
+    n.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR",
+                   help="where swarm-fetched shards are kept (sparse files; default ./ggufswarm-data)")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
     n.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
@@ -103,8 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve /v1/chat/completions, /v1/completions and /v1/models over a route of "
                                    "nodes given by hand (first node has --embed, last --head). Streaming (SSE) and "
                                    "non-streamed; the last chunk / the body carries usage and a telemetry object.")
-    w.add_argument("--route", required=True, metavar="URL1,URL2,...", help="node URLs in layer order")
-    w.add_argument("--model", metavar="PATH", help="GGUF file for the tokenizer; default: embedded Gemma 3 270M")
+    w.add_argument("--route", metavar="URL1,URL2,...", help="node URLs in layer order (or use --tracker)")
+    w.add_argument("--tracker", metavar="URL", help="plan a route per session from this tracker instead of --route")
+    w.add_argument("--model", metavar="PATH|NAME", help="GGUF file for the tokenizer (with --tracker: the "
+                   "published model name; its header is fetched from the swarm). Default: embedded Gemma 3 270M")
+    w.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR", help="where the fetched header goes")
     w.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     w.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     w.add_argument("--hop-timeout", type=float, default=30.0, metavar="S",
@@ -115,9 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
 
     d = sub.add_parser("demo", help="start N nodes + a gateway on loopback and stream one answer (the main job)",
-                       description="Start --nodes node processes with an even layer split of the model, a gateway "
-                                   "on free loopback ports, send PROMPT through the OpenAI API and stream the "
-                                   "answer to stdout; telemetry goes to stderr. Everything stops at the end (or on "
+                       description="The whole story on loopback: a tracker, a publisher seeding the model, --nodes "
+                                   "node processes each fetching only its layers (even split) through the swarm, "
+                                   "a gateway routing through the tracker; sends PROMPT through the OpenAI API and "
+                                   "streams the answer to stdout; telemetry goes to stderr. Everything stops at the end (or on "
                                    "Ctrl-C). --serve keeps the cluster up and prints the gateway URL.")
     d.add_argument("prompt", nargs="?", default=None, help=f"prompt (default: {DEMO_PROMPT!r})")
     d.add_argument("--nodes", type=int, default=3, help="node processes (default 3)")
@@ -131,6 +141,33 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=None, help="PyTorch threads per node (default: cores / nodes)")
     d.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-hop timeout (default 30)")
     d.add_argument("--wire-dtype", choices=["f16", "bf16", "f32"], default="f16", help="frame dtype (default f16)")
+    d.add_argument("--no-swarm", action="store_true",
+                   help="skip the tracker and swarm: nodes load the local file, the gateway gets the route by hand")
+
+    t = sub.add_parser("tracker", help="registry of nodes, manifests and routes; BitTorrent tracker of the swarms",
+                       description="Serve the tracker: node registry with heartbeats (TTL expiry), shard "
+                                   "advertisements, manifests by name, the BitTorrent announce endpoint (/announce), "
+                                   "route queries (/route?model=NAME&max_length=N) and a live status page at /. "
+                                   "State is kept in SQLite and survives a restart.")
+    t.add_argument("--db", default="ggufswarm-tracker.sqlite", metavar="PATH", help="SQLite file (default ./ggufswarm-tracker.sqlite)")
+    t.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    t.add_argument("--port", type=int, default=8470, help="TCP port (default 8470)")
+    t.add_argument("--ttl", type=float, default=15.0, metavar="S", help="forget nodes silent this long (default 15)")
+
+    u = sub.add_parser("publish", help="publish a GGUF to the swarm: manifest + torrent to the tracker, then seed",
+                       description="Index MODEL.gguf (or a split set), write its manifest (tensor index, layer byte "
+                                   "ranges) and a hybrid v1+v2 torrent (SHA-256 verified pieces), register both with "
+                                   "the tracker under NAME and seed until stopped (Ctrl-C).")
+    u.add_argument("model", nargs="?", default=None, help="GGUF file; default: embedded Gemma 3 270M")
+    u.add_argument("--name", default=None, help="published name (default: the file name without .gguf)")
+    u.add_argument("--tracker", required=True, metavar="URL", help="tracker URL, e.g. http://127.0.0.1:8470")
+    u.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR", help="where the manifest and torrent are written")
+    u.add_argument("--web-seed", action="append", default=[], metavar="URL", help="HTTP URL serving the file (repeatable)")
+    u.add_argument("--piece-size", type=int, default=256 * 1024, metavar="BYTES", help="torrent piece size (default 262144)")
+    u.add_argument("--no-seed", action="store_true", help="register and exit without seeding")
+
+    st = sub.add_parser("status", help="what a tracker sees: nodes, their layer ranges as coverage bars, capacity")
+    st.add_argument("--tracker", required=True, metavar="URL", help="tracker URL")
     return parser
 
 
@@ -188,15 +225,18 @@ def cmd_node(args) -> int:
         layers=args.layers, embed=args.embed, head=args.head, model=args.model, host=args.host, port=args.port,
         dtype=args.dtype, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,
         session_ttl_s=args.session_ttl, hop_timeout_s=args.hop_timeout, max_step_tokens=args.max_step_tokens,
-        workers=args.workers, exit_with_parent=args.exit_with_parent))
+        workers=args.workers, exit_with_parent=args.exit_with_parent, tracker=args.tracker, data_dir=args.data_dir))
 
 
 def cmd_gateway(args) -> int:
     from .gateway import GatewayConfig, run_gateway
-    route = [u.strip() for u in args.route.split(",") if u.strip()]
+    if not args.route and not args.tracker:
+        raise ValueError("give --route URL1,URL2,... or --tracker URL")
+    route = [u.strip() for u in (args.route or "").split(",") if u.strip()]
     return run_gateway(GatewayConfig(route=route, model=args.model, host=args.host, port=args.port,
                                      hop_timeout_s=args.hop_timeout, wire_dtype=args.wire_dtype,
-                                     default_max_tokens=args.max_tokens))
+                                     default_max_tokens=args.max_tokens, tracker=args.tracker,
+                                     data_dir=args.data_dir))
 
 
 def cmd_demo(args) -> int:
@@ -204,8 +244,36 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def cmd_tracker(args) -> int:
+    from .tracker.app import TrackerConfig
+    from .tracker.service import run_tracker
+    return run_tracker(TrackerConfig(db=args.db, ttl_s=args.ttl), args.host, args.port)
+
+
+def cmd_publish(args) -> int:
+    from pathlib import Path
+
+    from .artifact.default_model import resolve_model
+    from .swarm.publish import publish, seed_forever
+    path = resolve_model(args.model)
+    published = publish(path, args.tracker, args.name, Path(args.data_dir), args.web_seed, args.piece_size)
+    m = published.manifest
+    print(f"published {m.name}: {m.arch}, {m.n_layers} layers, {sum(f['bytes'] for f in m.files)} bytes, "
+          f"info-hash {published.info_hash}", flush=True)
+    if not args.no_seed:
+        print("seeding; Ctrl-C stops", file=sys.stderr, flush=True)
+        seed_forever(published, path)
+    return 0
+
+
+def cmd_status(args) -> int:
+    from .tracker.service import status_text
+    print(status_text(args.tracker))
+    return 0
+
+
 COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "node": cmd_node, "gateway": cmd_gateway,
-            "demo": cmd_demo}
+            "demo": cmd_demo, "tracker": cmd_tracker, "publish": cmd_publish, "status": cmd_status}
 
 
 def main(argv: list[str] | None = None) -> int:

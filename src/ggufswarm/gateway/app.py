@@ -16,6 +16,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 
@@ -25,6 +26,7 @@ from ..client.generate import GenerationStats, generate
 from ..client.remote import RemoteRoute, RouteError
 from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
+from ..model.config import MAX_CONTEXT
 
 JSON = "application/json"
 GATEWAY = web.AppKey("gateway", object)
@@ -43,6 +45,8 @@ class GatewayConfig:
     wire_dtype: str = "f16"
     default_max_tokens: int = 512
     workers: int = 64
+    tracker: str | None = None        # plan a route per session from this tracker (``route`` unused)
+    data_dir: str = "ggufswarm-data"  # where the vocabulary (GGUF header) fetched from the swarm goes
 
 
 class RequestError(Exception):
@@ -163,13 +167,33 @@ class Gateway:
         self.created = int(time.time())
 
     def load(self) -> None:
-        """Read the GGUF header and vocabulary (blocking). Raises GGUFError / OSError."""
+        """Read the GGUF header and vocabulary (blocking); with a tracker, fetch only the header from the
+        swarm first. Raises GGUFError / OSError / TrackerError."""
+        if self.config.tracker:
+            from ..swarm.shard_fetch import fetch_header
+            self.model_name = self.config.model or "gemma-3-270m-q4_k_m"
+            path, self._swarm = fetch_header(self.config.tracker, self.model_name, Path(self.config.data_dir))
+            file = GGUFModelFile(path)
+            self.tokenizer = Tokenizer(str(file.path), file.metadata)
+            return
         file = GGUFModelFile(resolve_model(self.config.model))
         self.tokenizer = Tokenizer(str(file.path), file.metadata)
         self.model_name = self.model_name or file.path.stem
 
-    def route(self) -> RemoteRoute:
-        """The route, asking each node's /health the first time (blocking). Raises RouteError / ValueError."""
+    def route(self, max_length: int = 1) -> RemoteRoute:
+        """The route, asking each node's /health the first time (blocking). Raises RouteError / ValueError.
+
+        With a tracker, a new route is planned for every session (sticky for that session), so new
+        sessions see nodes that came and went; ``max_length`` (tokens) must fit every node's free KV.
+        """
+        if self.config.tracker:
+            from ..swarm.publish import TrackerError, tracker_call
+            base = self.config.tracker.rstrip("/")
+            try:
+                planned = tracker_call(f"{base}/route?model={self.model_name}&max_length={max_length}")
+            except TrackerError as exc:
+                raise RouteError(str(exc), 503, "no_route") from None
+            return RemoteRoute([hop["url"] for hop in planned["route"]], self.config.hop_timeout_s)
         with self._route_lock:
             if self._route is None:
                 try:
@@ -183,7 +207,7 @@ class Gateway:
         """Worker thread: open a route session, generate, emit ("open"|"delta"|"done"|"error", ...) events."""
         session = None
         try:
-            route = self.route()
+            route = self.route(min(len(ids) + max(max_tokens, 1), MAX_CONTEXT))
             limit = route.max_length
             if len(ids) >= limit:
                 raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",
@@ -357,10 +381,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """``GET /v1/models``: the one model this gateway serves."""
+    """``GET /v1/models``: the model this gateway serves (with a tracker: if the swarm can serve it end to end)."""
     gw: Gateway = request.app[GATEWAY]
+    names = [gw.model_name]
+    if gw.config.tracker:
+        from ..swarm.publish import TrackerError, tracker_call
+        try:
+            servable = await asyncio.get_running_loop().run_in_executor(
+                None, tracker_call, gw.config.tracker.rstrip("/") + "/models")
+            names = [n for n in names if n in servable["models"]]
+        except TrackerError:
+            names = []
     return web.json_response({"object": "list", "data": [
-        {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "ggufswarm"}]})
+        {"id": n, "object": "model", "created": gw.created, "owned_by": "ggufswarm"} for n in names]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -429,7 +462,8 @@ def run_gateway(config: GatewayConfig) -> int:
     app = make_app(config)
 
     def ready(url: str) -> None:
-        print(f"ggufswarm gateway ready: {url}/v1 route {','.join(config.route)}", flush=True)
+        where = f"tracker {config.tracker}" if config.tracker else f"route {','.join(config.route)}"
+        print(f"ggufswarm gateway ready: {url}/v1 {where}", flush=True)
 
     asyncio.run(serve(app, config.host, config.port, ready))
     print("ggufswarm gateway: stopped", file=sys.stderr, flush=True)

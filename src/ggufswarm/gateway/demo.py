@@ -5,15 +5,22 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
+import tempfile
 import signal
 import sys
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..model import load_config
 from ..node.launch import start_nodes, stop_nodes
+from ..swarm.publish import publish
+from ..swarm.torrent import Swarm, save_path_for
+from ..tracker.app import TrackerConfig
+from ..tracker.app import make_app as make_tracker_app
 from ..runtime.shard import even_split
 from .app import GatewayConfig, ServerThread, make_app
 
@@ -74,6 +81,16 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def wait_servable(tracker_url: str, name: str, timeout: float) -> None:
+    """Wait until the tracker can route ``name`` end to end (nodes advertise right after they listen)."""
+    from ..swarm.publish import tracker_call
+    deadline = time.monotonic() + timeout
+    while name not in tracker_call(f"{tracker_url}/models")["models"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the tracker cannot route {name} after {timeout:g} s")
+        time.sleep(0.1)
+
+
 def run_demo(args) -> int:
     """Start the cluster, stream ``args.prompt``, print telemetry, stop everything (also on Ctrl-C/SIGTERM)."""
     signal.signal(signal.SIGTERM, _interrupt)
@@ -85,12 +102,33 @@ def run_demo(args) -> int:
     print(f"ggufswarm demo: starting {args.nodes} nodes ({threads} thread(s) each): "
           + ", ".join(f"{s.start}:{s.end}" for s in specs), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    nodes, gateway = [], None
+    nodes, gateway, tracker, seeder, work = [], None, None, None, None
     try:
-        nodes = start_nodes(specs, str(path), threads, extra=["--hop-timeout", str(args.timeout)])
-        gateway = ServerThread(make_app(GatewayConfig([n.url for n in nodes], model=str(path),
-                                                      hop_timeout_s=args.timeout,
-                                                      wire_dtype=args.wire_dtype)), port=args.port)
+        if args.no_swarm:
+            nodes = start_nodes(specs, str(path), threads, extra=["--hop-timeout", str(args.timeout)])
+            config = GatewayConfig([n.url for n in nodes], model=str(path), hop_timeout_s=args.timeout,
+                                   wire_dtype=args.wire_dtype)
+        else:
+            # the whole story: tracker, a publisher seeding the model, nodes fetching only their layers
+            work = Path(tempfile.mkdtemp(prefix="ggufswarm-demo-"))
+            tracker = ServerThread(make_tracker_app(TrackerConfig(db=str(work / "tracker.sqlite"))), port=0)
+            tracker_url = tracker.start()
+            name = path.name.removesuffix(".gguf")
+            published = publish(path, tracker_url, name, work / "publisher")
+            seeder = Swarm()
+            seeder.seed(published.torrent, save_path_for([path]))
+            print(f"ggufswarm demo: tracker {tracker_url}; published {name} "
+                  f"({published.manifest.files[0]['bytes'] / 2**20:.0f} MiB) and seeding it", file=sys.stderr, flush=True)
+            nodes = start_nodes(specs, name, threads, extra=["--hop-timeout", str(args.timeout), "--tracker", tracker_url],
+                                per_node=lambda i: ["--data-dir", str(work / f"node{i}")], timeout=600)
+            fetched = [sum(f.stat().st_blocks * 512 for f in (work / f"node{i}").rglob("*.gguf")) for i in range(len(nodes))]
+            print("ggufswarm demo: nodes fetched " + ", ".join(
+                f"{s.start}:{s.end} {b / 2**20:.0f} MiB" for s, b in zip(specs, fetched)) + " from the swarm",
+                file=sys.stderr, flush=True)
+            wait_servable(tracker_url, name, timeout=30)
+            config = GatewayConfig([], model=name, tracker=tracker_url, data_dir=str(work / "gateway"),
+                                   hop_timeout_s=args.timeout, wire_dtype=args.wire_dtype)
+        gateway = ServerThread(make_app(config), port=args.port)
         base = gateway.start() + "/v1"
         print(f"ggufswarm demo: cluster up in {time.perf_counter() - t0:.1f} s; gateway {base}",
               file=sys.stderr, flush=True)
@@ -119,3 +157,9 @@ def run_demo(args) -> int:
         if gateway is not None:
             gateway.stop()
         stop_nodes(nodes)
+        if seeder is not None:
+            seeder.close()
+        if tracker is not None:
+            tracker.stop()
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)

@@ -56,15 +56,19 @@ def node_command(spec: ShardSpec, model: str | None = None, port: int = 0, threa
 
 
 def start_nodes(specs: list[ShardSpec], model: str | None = None, threads: int | None = None,
-                extra: list[str] | None = None, timeout: float = 120.0, stderr=None) -> list[NodeProcess]:
+                extra: list[str] | None = None, timeout: float = 120.0, stderr=None,
+                per_node=None) -> list[NodeProcess]:
     """Start one node per spec (in parallel) and wait for each one's ready line.
+
+    ``per_node(i) -> list[str]``: extra arguments for node ``i`` only (e.g. its own data directory).
 
     Raises RuntimeError (after stopping the others) when a node exits or is not ready within ``timeout`` s.
     """
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     nodes, lines = [], queue.Queue()
     for i, spec in enumerate(specs):
-        proc = subprocess.Popen(node_command(spec, model, 0, threads, extra), stdout=subprocess.PIPE,
+        args = list(extra or []) + (per_node(i) if per_node else [])
+        proc = subprocess.Popen(node_command(spec, model, 0, threads, args), stdout=subprocess.PIPE,
                                 stderr=stderr, stdin=subprocess.DEVNULL, text=True, env=env)
         nodes.append(NodeProcess("", spec, proc))
 

@@ -16,7 +16,9 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import aiohttp
 import torch
@@ -56,6 +58,10 @@ class NodeConfig:
     max_step_tokens: int = 4096
     workers: int = 4
     exit_with_parent: bool = False
+    tracker: str | None = None       # with a tracker: ``model`` is a published name, fetched from the swarm
+    data_dir: str = "ggufswarm-data"  # where swarm-fetched shards are stored (sparse files)
+    heartbeat_s: float = 5.0
+    swarm_name: str | None = None     # the published name advertised to the tracker (set after a fetch)
 
 
 class NodeState:
@@ -64,6 +70,8 @@ class NodeState:
     def __init__(self, config: NodeConfig, executor: ShardExecutor):
         self.config = config
         self.executor = executor
+        self.node_id = uuid.uuid4().hex
+        self.url = ""
         self.spec = executor.spec
         self.cfg = executor.cfg
         budget = config.kv_budget_tokens
@@ -324,6 +332,49 @@ async def _watch_parent(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def advertisement(state: NodeState) -> dict:
+    """This node's shard advertisement for the tracker (free KV in tokens, mean decode compute in ms)."""
+    reg = state.registry
+    n = reg.get_sample_value("ggufswarm_node_step_seconds_count", {"kind": "decode"}) or 0.0
+    total = reg.get_sample_value("ggufswarm_node_step_seconds_sum", {"kind": "decode"}) or 0.0
+    return {"node_id": state.node_id, "url": state.url, "model": state.config.swarm_name or state.config.model,
+            "layers": [state.spec.start, state.spec.end], "embed": state.spec.embed, "head": state.spec.head,
+            "state": "ready", "free_kv_tokens": state.store.budget_tokens - state.store.reserved_tokens,
+            "decode_ms": round(1e3 * total / n, 3) if n else 0.0}
+
+
+async def _heartbeats(state: NodeState) -> None:
+    """Advertise to the tracker once listening, then every ``heartbeat_s`` seconds (at most a third of
+    the tracker's TTL, which it returns); tracker errors are reported once, never fatal."""
+    url = state.config.tracker.rstrip("/") + "/nodes/heartbeat"
+    interval, warned = state.config.heartbeat_s, False
+    while not state.url:  # advertise as soon as we listen
+        await asyncio.sleep(0.05)
+    while True:
+        try:
+            async with state.client.post(url, json=advertisement(state), timeout=aiohttp.ClientTimeout(total=5)) as r:
+                ok = r.status == 200
+                body = await r.json(content_type=None) if ok else None
+                reason = "" if ok else (await r.text())[:200]
+            if ok and isinstance(body, dict) and body.get("ttl_s"):
+                interval = min(state.config.heartbeat_s, float(body["ttl_s"]) / 3)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            ok, reason = False, str(exc) or type(exc).__name__
+        if not ok and not warned:
+            print(f"ggufswarm node: tracker heartbeat failed ({reason}); still serving", file=sys.stderr, flush=True)
+        warned = not ok
+        await asyncio.sleep(interval)
+
+
+async def _deregister(state: NodeState) -> None:
+    try:
+        async with state.client.delete(f"{state.config.tracker.rstrip('/')}/nodes/{state.node_id}",
+                                       timeout=aiohttp.ClientTimeout(total=3)):
+            pass
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        pass
+
+
 def load_executor(config: NodeConfig) -> ShardExecutor:
     """Load the shard named by ``config`` (reads only its tensors). Raises GGUFError / ValueError."""
     file = GGUFModelFile(resolve_model(config.model))
@@ -352,9 +403,13 @@ def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.A
         tasks = [asyncio.create_task(_reaper(state))]
         if config.exit_with_parent:
             tasks.append(asyncio.create_task(_watch_parent(os.getppid())))
+        if config.tracker:
+            tasks.append(asyncio.create_task(_heartbeats(state)))
         yield
         for t in tasks:
             t.cancel()
+        if config.tracker:
+            await _deregister(state)
         await state.client.close()
         state.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -382,15 +437,33 @@ async def serve(app: web.Application, host: str, port: int, ready=None) -> None:
 
 
 def run_node(config: NodeConfig) -> int:
-    """``ggufswarm node``: load the shard, serve it, print one ready line to stdout; exit 0 on SIGINT/SIGTERM."""
+    """``ggufswarm node``: load the shard, serve it, print one ready line to stdout; exit 0 on SIGINT/SIGTERM.
+
+    With ``config.tracker``, first fetches the shard's bytes from the swarm (``layers`` may be
+    ``"auto"``), seeds them while serving, and advertises to the tracker until shut down.
+    """
+    fetched = None
+    if config.tracker:
+        from ..swarm.shard_fetch import fetch_shard
+        name = config.model or "gemma-3-270m-q4_k_m"
+        fetched = fetch_shard(config.tracker, name, config.layers, config.embed, config.head, Path(config.data_dir))
+        print(f"ggufswarm node: fetched layers {fetched.spec.start}:{fetched.spec.end} of {name}: "
+              f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s", file=sys.stderr, flush=True)
+        config = replace(config, layers=f"{fetched.spec.start}:{fetched.spec.end}", embed=fetched.spec.embed,
+                         head=fetched.spec.head, model=str(fetched.path), swarm_name=name)
     app = make_app(config)
     state: NodeState = app[NODE]
     spec = state.spec
 
     def ready(url: str) -> None:
+        state.url = url
         stages = "".join([" +embed" if spec.embed else "", " +head" if spec.head else ""])
         print(f"ggufswarm node ready: {url} layers {spec.start}:{spec.end}{stages} "
               f"kv_budget {state.store.budget_tokens} tokens", flush=True)
 
-    asyncio.run(serve(app, config.host, config.port, ready))
+    try:
+        asyncio.run(serve(app, config.host, config.port, ready))
+    finally:
+        if fetched is not None:
+            fetched.swarm.close()
     return 0

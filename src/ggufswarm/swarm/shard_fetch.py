@@ -67,3 +67,19 @@ def fetch_shard(tracker: str, name: str, layers: str, embed: bool, head: bool, d
     first = manifest.files[0]["name"]
     path = data_dir / first if len(manifest.files) == 1 else next(data_dir.glob(f"*/{first}"))
     return FetchedShard(path, spec, manifest, swarm, torrent, stats)
+
+
+def fetch_header(tracker: str, name: str, data_dir: Path, progress: bool = False) -> tuple[Path, Swarm]:
+    """Fetch only the GGUF header(s) of ``name`` (metadata + vocabulary, no tensors) for a tokenizer.
+
+    Returns the sparse file's path and the swarm (seeding what it holds; close it when done).
+    """
+    found = tracker_call(f"{tracker.rstrip('/')}/manifests/{name}")
+    manifest = Manifest.from_json(json.dumps(found["manifest"]))
+    torrent = bytes.fromhex(found["torrent_hex"])
+    data_dir.mkdir(parents=True, exist_ok=True)
+    swarm = Swarm()
+    swarm.fetch(torrent, data_dir, manifest.byte_ranges(0, 0), progress=progress)
+    first = manifest.files[0]["name"]
+    path = data_dir / first if len(manifest.files) == 1 else next(data_dir.glob(f"*/{first}"))
+    return path, swarm

@@ -146,7 +146,8 @@ class Swarm:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fetching shard", leave=False)
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fetching shard", leave=False,
+                       disable=None)  # None: no bar when stderr is not a terminal
         try:
             while True:
                 have = [i for i in wanted if handle.have_piece(i)]
