@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import torch
 import pytest
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
@@ -110,3 +111,41 @@ def test_seeding_wrong_files_is_a_clear_error(artifact, tmp_path, gemma_path):
     (tmp_path / gemma_path.name).write_bytes(b"not the model")
     with pytest.raises(SwarmError, match="differ from the torrent"):
         Swarm().seed(torrent, tmp_path, timeout=30)
+
+
+def test_split_set_is_one_artifact(tiny_dir, tmp_path):
+    from tinymodels import write_tiny_model
+    from ggufswarm.client.local import LocalModel
+
+    src = tiny_dir / "splitpub"
+    src.mkdir()
+    first = write_tiny_model(src / "tiny.gguf", "llama", n_layers=4, split_max_tensors=12)
+    manifest = Manifest.from_gguf(first, name="tiny")
+    assert len(manifest.files) > 1
+    torrent = make_torrent(sorted(src.glob("tiny-*.gguf")))
+    seeder, leech = Swarm(), Swarm()
+    try:
+        seeder.seed(torrent, src.parent)
+        leech.fetch(torrent, tmp_path, manifest.byte_ranges(0, 4, embed=True, head=True),
+                    peers=[("127.0.0.1", seeder.port)], timeout=60, progress=False)
+    finally:
+        seeder.close()
+        leech.close()
+    fetched = tmp_path / src.name / first.name
+    ids = list(range(3, 20))
+    assert torch.equal(LocalModel.load(fetched).session(32).logits(ids), LocalModel.load(first).session(32).logits(ids))
+
+
+def test_auto_layers_pick_the_least_covered_range(artifact):
+    from ggufswarm.swarm.shard_fetch import choose_layers
+    from ggufswarm.tracker.routing import Advertisement
+
+    manifest, _ = artifact
+    per_layer = manifest.layer_bytes()
+    six_layers = sum(per_layer[:6]) + 1
+    ads = [Advertisement("a", "u", "m", (0, 6), True), Advertisement("b", "u", "m", (6, 12))]
+    spec = choose_layers(manifest, ads, six_layers)
+    assert (spec.start, spec.end, spec.head) == (12, 18, True)
+    spec = choose_layers(manifest, ads + [Advertisement("c", "u", "m", (12, 18), head=True)] * 2, six_layers)
+    assert (spec.start, spec.end) == (0, 6)  # ties on coverage go to the lowest range
+    assert choose_layers(manifest, [], 1).end - choose_layers(manifest, [], 1).start == 1

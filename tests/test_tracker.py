@@ -116,3 +116,17 @@ def test_status_page_renders_in_headless_chromium(tmp_path, tiny_artifact):
         dom = out.stdout
         assert "tiny" in dom and "http://node-a" in dom and "http://node-b" in dom, out.stderr[-2000:]
         assert "loading" in dom and "2:4" in dom
+
+
+def test_status_command_draws_coverage(tmp_path, tiny_artifact, ggufswarm_cli):
+    path, manifest = tiny_artifact
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
+        call(f"{url}/manifests/tiny", "PUT", {"manifest": json.loads(manifest.to_json()),
+                                              "torrent_hex": make_torrent([path]).hex()})
+        beat(url, "node-a", (0, 2))
+        out = subprocess.run([*ggufswarm_cli, "status", "--tracker", url], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "tiny  (4 layers, 1 nodes)" in out.stdout and "█" in out.stdout and "not servable: layers [2, 3]" in out.stdout
+        dead = subprocess.run([*ggufswarm_cli, "status", "--tracker", "http://127.0.0.1:9"], capture_output=True,
+                              text=True, timeout=60)
+        assert dead.returncode == 1 and "cannot reach tracker" in dead.stderr and "Traceback" not in dead.stderr

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "seed it, and advertise this node there (heartbeats; deregisters on shutdown)")
     n.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR",
                    help="where swarm-fetched shards are kept (sparse files; default ./ggufswarm-data)")
+    n.add_argument("--memory-budget", type=float, default=8192.0, metavar="MB",
+                   help="with --layers auto: take as many layers as fit in this many MiB of weights (default 8192)")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
     n.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
@@ -225,7 +227,8 @@ def cmd_node(args) -> int:
         layers=args.layers, embed=args.embed, head=args.head, model=args.model, host=args.host, port=args.port,
         dtype=args.dtype, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,
         session_ttl_s=args.session_ttl, hop_timeout_s=args.hop_timeout, max_step_tokens=args.max_step_tokens,
-        workers=args.workers, exit_with_parent=args.exit_with_parent, tracker=args.tracker, data_dir=args.data_dir))
+        workers=args.workers, exit_with_parent=args.exit_with_parent, tracker=args.tracker, data_dir=args.data_dir,
+        memory_budget_mb=args.memory_budget))
 
 
 def cmd_gateway(args) -> int:

@@ -62,6 +62,7 @@ class NodeConfig:
     data_dir: str = "ggufswarm-data"  # where swarm-fetched shards are stored (sparse files)
     heartbeat_s: float = 5.0
     swarm_name: str | None = None     # the published name advertised to the tracker (set after a fetch)
+    memory_budget_mb: float = 8192.0  # with layers "auto": most MiB of block weights (encoded) to take on
 
 
 class NodeState:
@@ -446,7 +447,8 @@ def run_node(config: NodeConfig) -> int:
     if config.tracker:
         from ..swarm.shard_fetch import fetch_shard
         name = config.model or "gemma-3-270m-q4_k_m"
-        fetched = fetch_shard(config.tracker, name, config.layers, config.embed, config.head, Path(config.data_dir))
+        fetched = fetch_shard(config.tracker, name, config.layers, config.embed, config.head, Path(config.data_dir),
+                              budget_bytes=int(config.memory_budget_mb * 2**20))
         print(f"ggufswarm node: fetched layers {fetched.spec.start}:{fetched.spec.end} of {name}: "
               f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s", file=sys.stderr, flush=True)
         config = replace(config, layers=f"{fetched.spec.start}:{fetched.spec.end}", embed=fetched.spec.embed,

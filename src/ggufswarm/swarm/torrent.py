@@ -57,14 +57,18 @@ def info_hash(torrent: bytes) -> str:
 
 
 def pieces_for_ranges(torrent: bytes, ranges: list[tuple[int, int, int]]) -> set[int]:
-    """Piece indices that overlap byte ranges ``(file index, begin, end)`` of the torrent's files."""
+    """Piece indices that overlap byte ranges ``(file index, begin, end)`` of the artifact's files
+    (index in artifact order, pad files not counted)."""
     ti = lt.torrent_info(lt.bdecode(torrent))
+    fs = ti.layout()
+    # hybrid torrents interleave pad files; the artifact's file i is the i-th real file
+    real = [i for i in range(fs.num_files()) if not fs.file_flags(i) & lt.file_storage.flag_pad_file]
     pieces: set[int] = set()
     for file_index, begin, end in ranges:
         if end <= begin:
             continue
-        first = ti.map_file(file_index, begin, 1).piece
-        last = ti.map_file(file_index, end - 1, 1).piece
+        first = ti.map_file(real[file_index], begin, 1).piece
+        last = ti.map_file(real[file_index], end - 1, 1).piece
         pieces.update(range(first, last + 1))
     return pieces
 
