@@ -47,26 +47,27 @@ def test_dequantization_equals_llama_cpp(gemma_path, gemma_f32_path):
         assert np.array_equal(ours.read_tensor(name), ref.read_tensor(name)), name
 
 
-def test_teacher_forced_vs_llama_cpp_f32(teacher_forced, gemma_f32_llama_cpp):
-    ids, ours = teacher_forced
-    ref = _llama_cpp_logits(gemma_f32_llama_cpp, ids)
+def _compare(label: str, ids: list[int], ours: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, float]:
+    """Top-1 agreement per position and perplexity ratio (ours / reference), printed."""
     agree = ours.argmax(-1) == ref.argmax(-1)
     ppl_ours, ppl_ref = math.exp(_nll(ours, ids).mean()), math.exp(_nll(ref, ids).mean())
-    print(f"vs llama.cpp F32: top-1 {agree.mean():.4f} (past 512: {agree[512:].mean():.4f}), "
+    print(f"vs {label}: top-1 {agree.mean():.4f} (past 512: {agree[512:].mean():.4f}), "
           f"ppl {ppl_ours:.4f} vs {ppl_ref:.4f}, max |Δlogit| {np.abs(ours - ref).max():.4f}")
+    return agree, ppl_ours / ppl_ref
+
+
+def test_teacher_forced_vs_llama_cpp_f32(teacher_forced, gemma_f32_llama_cpp):
+    ids, ours = teacher_forced
+    agree, ratio = _compare("llama.cpp F32", ids, ours, _llama_cpp_logits(gemma_f32_llama_cpp, ids))
     assert agree.mean() >= 0.98
     assert agree[512:].mean() >= 0.98
-    assert abs(ppl_ours / ppl_ref - 1) < 0.01
+    assert abs(ratio - 1) < 0.01
 
 
 def test_teacher_forced_vs_llama_cpp_q4_k_m(teacher_forced, gemma_llama_cpp):
     ids, ours = teacher_forced
-    ref = _llama_cpp_logits(gemma_llama_cpp, ids)
-    agree = ours.argmax(-1) == ref.argmax(-1)
-    ppl_ours, ppl_ref = math.exp(_nll(ours, ids).mean()), math.exp(_nll(ref, ids).mean())
-    print(f"vs llama.cpp Q4_K_M kernels: top-1 {agree.mean():.4f} (past 512: {agree[512:].mean():.4f}), "
-          f"ppl {ppl_ours:.4f} vs {ppl_ref:.4f}")
-    assert abs(ppl_ours / ppl_ref - 1) < 0.01
+    agree, ratio = _compare("llama.cpp Q4_K_M kernels", ids, ours, _llama_cpp_logits(gemma_llama_cpp, ids))
+    assert abs(ratio - 1) < 0.01
     assert agree.mean() >= 0.93  # the kernels' own activation rounding; see the module docstring
 
 
