@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PROMPT ?= Explain in two sentences why the sky is blue.
+PROMPT ?=
 
 .PHONY: setup demo test test-deps bench clean
 
@@ -17,7 +17,7 @@ $(BIN)/ggufswarm: pyproject.toml
 setup: $(BIN)/ggufswarm
 
 demo: setup
-	$(BIN)/ggufswarm demo "$(PROMPT)"
+	$(BIN)/ggufswarm demo $(if $(PROMPT),"$(PROMPT)",)
 
 # The tracker's status page is checked in headless Chromium (Debian package; needs root or sudo).
 test-deps:

@@ -90,3 +90,22 @@ def test_missing_file_and_bad_split(ggufswarm_cli, tiny_dir):
 def test_help_teaches(ggufswarm_cli):
     out = run(ggufswarm_cli, "generate", "--help")
     assert out.returncode == 0 and "--split" in out.stdout and "greedy" in out.stdout
+
+
+def test_bad_numbers_are_one_line_errors(ggufswarm_cli, tiny_dir):
+    path = write_tiny_model(tiny_dir / "cli-nums.gguf", "llama")
+    for args in (["generate", "hi", "--threads", "-3"], ["generate", "hi", "--max-tokens", "-1"],
+                 ["perplexity", "x.txt", "--chunks", "0"]):
+        out = run(ggufswarm_cli, *args, "--model", str(path))
+        assert out.returncode != 0 and "Traceback" not in out.stderr and "must be at least" in out.stderr
+
+
+def test_perplexity_chunks_limit(ggufswarm_cli, tiny_dir, tmp_path):
+    path = write_tiny_model(tiny_dir / "cli-ppl.gguf", "llama")
+    text = tmp_path / "t.txt"
+    text.write_text("the a of and to in is it that was " * 20)
+    one = run(ggufswarm_cli, "perplexity", str(text), "--model", str(path), "--ctx-size", "16", "--chunks", "1")
+    assert one.returncode == 0, one.stderr
+    assert one.stderr.count("[") == 1 and one.stdout.startswith("perplexity: ")
+    dir_err = run(ggufswarm_cli, "perplexity", str(tmp_path), "--model", str(path))
+    assert_one_line_error(dir_err, "is a directory")

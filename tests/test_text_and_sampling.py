@@ -126,3 +126,9 @@ def test_jinja_chat_template_from_gguf_metadata():
     tok.bos_token, tok.eos_token = "<s>", "</s>"
     out = tok.render_chat([{"role": "user", "content": "hi"}])
     assert out == "<s><|user|>hi\n<|assistant|>"
+
+
+def test_sampling_settings_types_are_checked():
+    for bad in (dict(seed=1e30), dict(seed=2**64), dict(top_k=1.5), dict(temperature="hot"), dict(top_p=float("nan"))):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad).validate()

@@ -126,7 +126,15 @@ def test_status_command_draws_coverage(tmp_path, tiny_artifact, ggufswarm_cli):
         beat(url, "node-a", (0, 2))
         out = subprocess.run([*ggufswarm_cli, "status", "--tracker", url], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        assert "tiny  (4 layers, 1 nodes)" in out.stdout and "█" in out.stdout and "not servable: layers [2, 3]" in out.stdout
+        assert "tiny  (4 layers, 1 node)" in out.stdout and "█" in out.stdout and "not servable: layers 2:4" in out.stdout
         dead = subprocess.run([*ggufswarm_cli, "status", "--tracker", "http://127.0.0.1:9"], capture_output=True,
                               text=True, timeout=60)
         assert dead.returncode == 1 and "cannot reach tracker" in dead.stderr and "Traceback" not in dead.stderr
+
+
+def test_heartbeat_with_bad_numbers_is_400(tmp_path):
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
+        for extra in ({"decode_ms": float("nan")}, {"free_kv_tokens": 10**30}, {"decode_ms": -1}):
+            status, body = beat(url, "a", (0, 2), **extra)
+            assert status == 400 and body["error"]["code"] == "bad_advertisement", extra
+        assert beat(url, "a", (0, 2))[0] == 200

@@ -34,7 +34,6 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch (default: all cores)")
 
 
-DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="UTF-8 text file")
     _model_args(p)
     p.add_argument("--ctx-size", type=int, default=512, help="tokens per chunk (default 512)")
-    p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
+    p.add_argument("--chunks", type=int, default=None, help="score only the first N chunks (N >= 1)")
 
     n = sub.add_parser("node", help="serve one shard (a layer range) over HTTP",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -77,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "  ggufswarm node --layers 0:9 --embed --port 8471\n"
                               "  ggufswarm node --layers 9:18 --head --port 8472")
     n.add_argument("--layers", required=True, metavar="START:END",
-                   help="layer range to serve, e.g. 0:6; with --tracker also 'auto' (the range the swarm covers least)")
+                   help="layer range to serve, e.g. 0:6; with --tracker also 'auto': as many layers as fit in "
+                        "--memory-budget, placed where the swarm has the fewest nodes (embed/head follow the range)")
     n.add_argument("--embed", action="store_true", help="also run the embedding stage (first shard of a route)")
     n.add_argument("--head", action="store_true", help="also run output norm, LM head and sampler (last shard)")
     n.add_argument("--model", metavar="PATH|NAME",
@@ -131,13 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "a gateway routing through the tracker; sends PROMPT through the OpenAI API and "
                                    "streams the answer to stdout; telemetry goes to stderr. Everything stops at the end (or on "
                                    "Ctrl-C). --serve keeps the cluster up and prints the gateway URL.")
-    d.add_argument("prompt", nargs="?", default=None, help=f"prompt (default: {DEMO_PROMPT!r})")
+    d.add_argument("prompt", nargs="?", default=None,
+                   help="prompt (default: a question for chat models, 'The sky is blue because' for base models)")
     d.add_argument("--nodes", type=int, default=3, help="node processes (default 3)")
     d.add_argument("--model", metavar="PATH", help="GGUF file; default: embedded Gemma 3 270M")
     d.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     d.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     d.add_argument("--seed", type=int, default=None, help="sampling seed")
-    d.add_argument("--raw", action="store_true", help="send the prompt as a plain completion (no chat template)")
+    d.add_argument("--raw", action="store_true", help="send the prompt as a plain completion (no chat template; "
+                   "automatic for base models, whose GGUF has no chat template)")
     d.add_argument("--serve", action="store_true", help="keep the cluster up after the prompt; print the gateway URL")
     d.add_argument("--port", type=int, default=0, help="gateway port (default: any free port)")
     d.add_argument("--threads", type=int, default=None, help="PyTorch threads per node (default: cores / nodes)")
@@ -184,6 +186,9 @@ def cmd_generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed).validate()
     model = LocalModel.load(args.model, args.split, args.dtype)
+    if args.chat and not model.tokenizer.chat_template:
+        print(f"note: the GGUF has no chat template (a base model?); using llama.cpp's built-in "
+              f"'{model.tokenizer.builtin_template}' template", file=sys.stderr)
     ids = model.prompt_ids(prompt, chat=args.chat)
     limit = model.config.max_length
     if len(ids) >= limit:
@@ -203,19 +208,22 @@ def cmd_perplexity(args) -> int:
     from .client.local import LocalModel
     from .client.perplexity import perplexity
 
-    with open(args.file, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except IsADirectoryError:
+        raise ValueError(f"{args.file}: is a directory, not a text file") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{args.file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     model = LocalModel.load(args.model, args.split, args.dtype)
     tokens = model.tokenizer.encode(text)
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos else None
-    if args.chunks:
-        tokens = tokens[:args.chunks * args.ctx_size]
 
     def all_logits(chunk):
         return model.session(len(chunk)).logits(chunk, all_positions=True)
 
     ppl = float("nan")
-    for done, ppl in perplexity(all_logits, tokens, args.ctx_size, bos):
+    for done, ppl in perplexity(all_logits, tokens, args.ctx_size, bos, args.chunks):
         print(f"[{done}] {ppl:.4f}", file=sys.stderr, flush=True)
     print(f"perplexity: {ppl:.4f}")
     return 0
@@ -281,10 +289,18 @@ COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "node": cmd_
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ggufswarm`` console script; known errors become one line on stderr, exit 1."""
-    args = build_parser().parse_args(argv)
-    if getattr(args, "threads", None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:
+        parser.error(f"--threads must be at least 1, got {threads}")
+    for flag in ("max_tokens", "chunks"):
+        value = getattr(args, flag, None)
+        if value is not None and value < (1 if flag == "chunks" else 0):
+            parser.error(f"--{flag.replace('_', '-')} must be at least {1 if flag == 'chunks' else 0}, got {value}")
+    if threads:
         import torch
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
     from .artifact.gguf_file import GGUFError
     from .model import UnsupportedArchitecture
     from .runtime.kv import ContextOverflow

@@ -195,6 +195,8 @@ class GGUFModelFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise GGUFError(f"{self.path}: is a directory, not a GGUF file")
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: no such file")
         self.paths = split_paths(self.path)

@@ -88,8 +88,9 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
     t0 = time.perf_counter()
     token = session.step(prompt_ids) if max_tokens > 0 else None
     t_first = time.perf_counter()
-    stats.ttft_ms = (t_first - t0) * 1e3
-    stats.prefill_tok_s = len(prompt_ids) / max(t_first - t0, 1e-9)
+    if token is not None:  # max_tokens 0: nothing ran, no timings to report
+        stats.ttft_ms = (t_first - t0) * 1e3
+        stats.prefill_tok_s = len(prompt_ids) / max(t_first - t0, 1e-9)
     while token is not None:
         delta = stream.push(token)
         if stream.stopped:

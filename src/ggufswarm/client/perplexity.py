@@ -22,17 +22,18 @@ def chunk_nll(logits: torch.Tensor, tokens: list[int]) -> list[float]:
 
 
 def perplexity(all_logits: Callable[[list[int]], torch.Tensor], tokens: list[int], n_ctx: int,
-               bos_id: int | None) -> Iterator[tuple[int, float]]:
+               bos_id: int | None, max_chunks: int | None = None) -> Iterator[tuple[int, float]]:
     """Yield ``(chunks_done, running perplexity)`` per chunk, as ``llama-perplexity`` prints them.
 
     ``tokens``: the whole text tokenized once (BOS included when the model adds it). It is cut into
     ``len(tokens) // n_ctx`` consecutive chunks; each chunk's first token is replaced by BOS (when
     ``bos_id`` is not None) and run in a fresh context by ``all_logits(chunk) -> [n_ctx, n_vocab]``;
-    the second half of each chunk is scored. Raises ValueError when fewer than ``2 * n_ctx`` tokens.
+    the second half of each chunk is scored; ``max_chunks`` stops early. Raises ValueError when the
+    text has fewer than ``2 * n_ctx`` tokens (llama-perplexity's own requirement).
     """
     if n_ctx < 4:
         raise ValueError(f"ctx size must be at least 4 tokens, got {n_ctx}")
-    n_chunks = len(tokens) // n_ctx
+    n_chunks = len(tokens) // n_ctx if max_chunks is None else min(max_chunks, len(tokens) // n_ctx)
     if len(tokens) < 2 * n_ctx:
         raise ValueError(f"need at least {2 * n_ctx} tokens for ctx size {n_ctx}, the text has {len(tokens)}")
     nll, count = 0.0, 0

@@ -29,7 +29,18 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> "SamplingParams":
-        """ValueError naming the first out-of-range setting."""
+        """ValueError naming the first setting of the wrong type or out of range."""
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        for name in ("top_k", "repeat_last_n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+                raise ValueError(f"{name} must be an integer in [0, 2^31), got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

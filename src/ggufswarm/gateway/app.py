@@ -81,8 +81,9 @@ def _number(body: dict, name: str, default, lo=None, hi=None, kind=float):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=name)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise RequestError(f"{name} must be in [{lo}, {hi}], got {value!r}", param=name)
+    if value != value or (lo is not None and value < lo) or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
+        raise RequestError(f"{name} must be {bound}, got {value!r}", param=name)
     return kind(value)
 
 
@@ -343,11 +344,23 @@ async def _read_body(request: web.Request) -> dict:
     return body
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_model(gw: "Gateway", body: dict) -> None:
+    """A request naming another model than the one served gets 404 ``model_not_found`` (as OpenAI does)."""
+    name = body.get("model")
+    if name is not None and name != gw.model_name:
+        raise RequestError(f"model {name!r} is not served here; this gateway serves {gw.model_name!r}",
+                           404, "model_not_found", "model")
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (OpenAI): messages rendered with the GGUF chat template."""
     gw: Gateway = request.app[GATEWAY]
     try:
         body = await _read_body(request)
+        _check_model(gw, body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", param="messages")
@@ -355,6 +368,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise RequestError("each message needs a role and content", param="messages")
+            if m["role"] not in CHAT_ROLES:
+                raise RequestError(f"message role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}",
+                                   param="messages")
             turns.append({"role": m["role"], "content": _message_text(m.get("content"))})
         try:
             ids = gw.tokenizer.encode(gw.tokenizer.render_chat(turns))
@@ -370,6 +386,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
     try:
         body = await _read_body(request)
+        _check_model(gw, body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]

@@ -24,7 +24,8 @@ from ..tracker.app import make_app as make_tracker_app
 from ..runtime.shard import even_split
 from .app import GatewayConfig, ServerThread, make_app
 
-DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."   # for chat (instruction-tuned) models
+DEFAULT_COMPLETION = "The sky is blue because"                      # for base models (no chat template)
 
 
 def stream_completion(base_url: str, body: dict, chat: bool = True, out=sys.stdout, timeout: float = 600.0) -> dict:
@@ -96,7 +97,12 @@ def run_demo(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     path = resolve_model(args.model)
-    cfg = load_config(GGUFModelFile(path))
+    file = GGUFModelFile(path)
+    cfg = load_config(file)
+    chat = not args.raw and bool(file.metadata.get("tokenizer.chat_template"))
+    if not args.raw and not chat:
+        print("ggufswarm demo: the model has no chat template (a base model): sending the prompt as a plain "
+              "completion", file=sys.stderr, flush=True)
     specs = even_split(cfg.n_layers, args.nodes)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     print(f"ggufswarm demo: starting {args.nodes} nodes ({threads} thread(s) each): "
@@ -132,16 +138,17 @@ def run_demo(args) -> int:
         base = gateway.start() + "/v1"
         print(f"ggufswarm demo: cluster up in {time.perf_counter() - t0:.1f} s; gateway {base}",
               file=sys.stderr, flush=True)
-        prompt = args.prompt if args.prompt is not None else (None if args.serve else DEFAULT_PROMPT)
+        default = DEFAULT_PROMPT if chat else DEFAULT_COMPLETION
+        prompt = args.prompt if args.prompt is not None else (None if args.serve else default)
         if prompt is not None:
             body = {"max_tokens": args.max_tokens, "temperature": args.temperature}
             if args.seed is not None:
                 body["seed"] = args.seed
-            if args.raw:
-                body["prompt"] = prompt
-            else:
+            if chat:
                 body["messages"] = [{"role": "user", "content": prompt}]
-            final = stream_completion(base, body, chat=not args.raw)
+            else:
+                body["prompt"] = prompt
+            final = stream_completion(base, body, chat=chat)
             sys.stdout.write("\n")
             sys.stdout.flush()
             if final.get("telemetry"):

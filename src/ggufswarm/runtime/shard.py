@@ -44,6 +44,8 @@ class ShardSpec:
 
     def validate(self, n_layers: int) -> None:
         """ValueError unless ``0 <= start <= end <= n_layers`` and the shard does something."""
+        if self.start > self.end:
+            raise ValueError(f"layer range {self.start}:{self.end} is reversed (START must be <= END)")
         if not 0 <= self.start <= self.end <= n_layers:
             raise ValueError(f"layer range {self.start}:{self.end} is outside the model's 0:{n_layers}")
         if self.start == self.end and not (self.embed or self.head):

@@ -67,8 +67,10 @@ def make_app(config: TrackerConfig) -> web.Application:
             ad = Advertisement(str(b["node_id"]), str(b["url"]), str(b["model"]), (int(b["layers"][0]), int(b["layers"][1])),
                                bool(b.get("embed")), bool(b.get("head")), str(b.get("state", "ready")),
                                int(b.get("free_kv_tokens", 0)), float(b.get("decode_ms", 0.0)), dict(b.get("extra", {})))
+            if not (0 <= ad.free_kv_tokens < 2**62 and 0.0 <= ad.decode_ms < 1e9 and ad.layers[1] < 2**31):
+                raise ValueError("free_kv_tokens, decode_ms and layers must be finite, non-negative and in range")
             registry.heartbeat(ad)
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             return _error(400, "bad_advertisement", f"bad advertisement: {exc}")
         return web.json_response({"ok": True, "ttl_s": config.ttl_s})
 
@@ -191,6 +193,7 @@ td,th{padding:4px 10px;text-align:left;border-bottom:1px solid #ddd}
 .seg{height:100%} .ready{background:#2a9d8f} .loading{background:#e9c46a} .fetching{background:#f4a261}
 </style></head><body>
 <h1>ggufswarm tracker</h1><div id="models">loading…</div>
+<noscript>This page draws the live view with JavaScript; the same data is at <a href="/status.json">/status.json</a>.</noscript>
 <script>
 const esc = (t) => String(t).replace(/[&<>"']/g, (c) => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;',"'":'&#39;'}[c]));
 async function refresh(){

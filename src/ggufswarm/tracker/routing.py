@@ -33,20 +33,21 @@ class Advertisement:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
 
+def gaps(covered: set[int], n_layers: int) -> list[tuple[int, int]]:
+    """Half-open ranges ``[(start, end)]`` of the layers in ``range(n_layers)`` not in ``covered``."""
+    out, start = [], None
+    for i in range(n_layers + 1):
+        if i < n_layers and i not in covered:
+            start = i if start is None else start
+        elif start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
 def uncovered(ads: list[Advertisement], n_layers: int) -> list[tuple[int, int]]:
     """Layer ranges ``[(start, end)]`` no advertisement in ``ads`` covers."""
-    covered = [False] * n_layers
-    for ad in ads:
-        for i in range(max(ad.layers[0], 0), min(ad.layers[1], n_layers)):
-            covered[i] = True
-    gaps, start = [], None
-    for i, c in enumerate(covered + [True]):
-        if not c and start is None:
-            start = i
-        elif c and start is not None:
-            gaps.append((start, i))
-            start = None
-    return gaps
+    return gaps({i for ad in ads for i in range(max(ad.layers[0], 0), min(ad.layers[1], n_layers))}, n_layers)
 
 
 def plan_route(ads: list[Advertisement], n_layers: int, max_length: int, hop_ms: float = 1.0,
@@ -62,14 +63,14 @@ def plan_route(ads: list[Advertisement], n_layers: int, max_length: int, hop_ms:
     """
     load = load or {}
     ready = [a for a in ads if a.state == "ready"]
-    gaps = uncovered(ready, n_layers)
-    if gaps:
-        names = ", ".join(f"{s}:{e}" for s, e in gaps)
+    missing = uncovered(ready, n_layers)
+    if missing:
+        names = ", ".join(f"{s}:{e}" for s, e in missing)
         raise NoRoute(f"layers {names} are not served by any ready node")
     fit = [a for a in ready if a.free_kv_tokens >= max_length]
-    gaps = uncovered(fit, n_layers)
-    if gaps:
-        names = ", ".join(f"{s}:{e}" for s, e in gaps)
+    missing = uncovered(fit, n_layers)
+    if missing:
+        names = ", ".join(f"{s}:{e}" for s, e in missing)
         raise NoRoute(f"no node serving layers {names} has {max_length} tokens of free KV cache")
     # Dijkstra over layer boundaries 0..n_layers; edge = one shard. Cost: (latency, load) lexicographic.
     best: dict[int, tuple[float, int]] = {0: (0.0, 0)}

@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
-from aiohttp import web
+from pathlib import Path
 
 from ..swarm.publish import tracker_call
 from .app import TrackerConfig, coverage_bar, make_app
+from .routing import gaps
 
 
 def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
-    """Serve the tracker until interrupted."""
-    print(f"tracker on http://{host}:{port}  (db {config.db}, node TTL {config.ttl_s:.0f} s; status page at /)",
-          flush=True)
-    web.run_app(make_app(config), host=host, port=port, print=None)
+    """Serve the tracker until SIGINT/SIGTERM; prints one ready line once listening.
+
+    Raises ValueError when the database's directory does not exist, OSError when the port is taken.
+    """
+    import asyncio
+
+    from ..node.server import serve
+
+    db_dir = Path(config.db).expanduser().resolve().parent
+    if config.db != ":memory:" and not db_dir.is_dir():
+        raise ValueError(f"--db {config.db}: directory {db_dir} does not exist")
+
+    def ready(url: str) -> None:
+        print(f"ggufswarm tracker ready: {url}  (db {config.db}, node TTL {config.ttl_s:g} s; status page at /)",
+              flush=True)
+
+    asyncio.run(serve(make_app(config), host, port, ready))
     return 0
 
 
@@ -22,15 +36,17 @@ def status_text(tracker: str) -> str:
     lines = []
     for name, m in snapshot["models"].items():
         n = m["n_layers"]
-        lines.append(f"{name}  ({n} layers, {len(m['nodes'])} nodes)")
+        count = len(m["nodes"])
+        lines.append(f"{name}  ({n} layers, {count} node{'s' if count != 1 else ''})")
         covered = set()
-        for node in m["nodes"]:
+        for node in sorted(m["nodes"], key=lambda a: (a["layers"][0], a["layers"][1], a["url"])):
             s, e = node["layers"]
             if node["state"] == "ready":
                 covered.update(range(s, e))
-            stages = ("+embed " if node["embed"] else "") + ("+head" if node["head"] else "")
+            stages = " ".join(x for x, on in (("+embed", node["embed"]), ("+head", node["head"])) if on)
             lines.append(f"  {coverage_bar(n, (s, e))}  {s:>3}:{e:<3} {node['state']:<8} "
-                         f"kv free {node['free_kv_tokens']:>7}  {node['decode_ms']:6.1f} ms  {node['url']} {stages}")
-        missing = sorted(set(range(n)) - covered)
-        lines.append("  servable end to end" if not missing else f"  not servable: layers {missing} have no ready node")
+                         f"kv free {node['free_kv_tokens']:>7}  {node['decode_ms']:6.1f} ms  {node['url']} {stages}".rstrip())
+        missing = gaps(covered, n)
+        lines.append("  servable end to end" if not missing else
+                     "  not servable: layers " + ", ".join(f"{a}:{b}" for a, b in missing) + " have no ready node")
     return "\n".join(lines) if lines else "no models published"

@@ -1,0 +1,46 @@
+"""Gateway request validation that happens before any node is contacted."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from ggufswarm.gateway.app import GatewayConfig, ServerThread, make_app
+
+
+@pytest.fixture(scope="module")
+def gateway(gemma_path):
+    server = ServerThread(make_app(GatewayConfig(route=["http://127.0.0.1:9"], model=str(gemma_path))))
+    yield server.start()
+    server.stop()
+
+
+def post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_unknown_model_is_404(gateway):
+    status, body = post(f"{gateway}/v1/completions", {"model": "nope", "prompt": "hi"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def test_unknown_role_and_bad_numbers_are_400(gateway):
+    status, body = post(f"{gateway}/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]})
+    assert status == 400 and "role" in body["error"]["message"]
+    status, body = post(f"{gateway}/v1/completions", {"prompt": "hi", "max_tokens": -5})
+    assert status == 400 and body["error"]["message"] == "max_tokens must be >= 0, got -5"
+    status, body = post(f"{gateway}/v1/completions", {"prompt": "hi", "seed": 2**70})
+    assert status == 400 and "seed" in body["error"]["message"]
+
+
+def test_unreachable_node_is_a_5xx_naming_it(gateway):
+    status, body = post(f"{gateway}/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert 500 <= status < 600 and "127.0.0.1:9" in body["error"]["message"]
