@@ -42,9 +42,14 @@ def bench_llama_cpp(path, ids, n_decode, threads):
     t0 = time.perf_counter()
     llm.eval(ids)
     prefill_s = time.perf_counter() - t0
+    n_vocab = llm.n_vocab()
+
+    def last_logits():  # the last evaluated position's logits, straight from llama.cpp
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
     t0 = time.perf_counter()
     for _ in range(n_decode):
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits()))
         llm.eval([tok])
     decode_s = time.perf_counter() - t0
     return load_s, len(ids) / prefill_s, n_decode / decode_s
