@@ -36,6 +36,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 
+def _token_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", default=None, metavar="SECRET",
+                   help="swarm token: nodes and tracker answer only requests carrying it (401 otherwise); "
+                        "default $GGUFSWARM_TOKEN, none = an open swarm")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ggufswarm", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
@@ -172,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="what a tracker sees: nodes, their layer ranges as coverage bars, capacity")
     st.add_argument("--tracker", required=True, metavar="URL", help="tracker URL")
+    for p in (n, w, d, t, u, st):
+        _token_arg(p)
     return parser
 
 
@@ -301,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         import torch
         torch.set_num_threads(threads)
+    if getattr(args, "token", None):
+        from .protocol.auth import TOKEN_ENV
+        os.environ[TOKEN_ENV] = args.token  # every server and client of this process (and its children) uses it
     from .artifact.gguf_file import GGUFError
     from .model import UnsupportedArchitecture
     from .runtime.kv import ContextOverflow

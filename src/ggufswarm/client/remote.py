@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ..protocol import encode_tokens
+from ..protocol.auth import auth_headers
 from .sampling import SamplingParams
 
 
@@ -48,7 +50,7 @@ def _conn(url: str, timeout: float) -> http.client.HTTPConnection:
 
 def _request(conn: http.client.HTTPConnection, url: str, method: str, path: str, body: bytes | None = None,
              content_type: str = "application/json") -> tuple[int, bytes]:
-    headers = {"Content-Type": content_type} if body is not None else {}
+    headers = {"Content-Type": content_type, **auth_headers()} if body is not None else auth_headers()
     try:
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
@@ -179,7 +181,7 @@ class RemoteSession:
     def __init__(self, route: RemoteRoute, max_length: int, sampling: SamplingParams, wire_dtype: str = "f16",
                  top_logprobs: int = 0):
         self.route = route
-        self.id = uuid.uuid4()
+        self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
         self.max_length = max_length
         self.position = 0
         self.step_no = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import signal
@@ -17,6 +18,7 @@ from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..model import load_config
 from ..node.launch import start_nodes, stop_nodes
+from ..protocol.auth import TOKEN_ENV, swarm_token
 from ..swarm.publish import publish
 from ..swarm.torrent import Swarm, save_path_for
 from ..tracker.app import TrackerConfig
@@ -107,6 +109,8 @@ def run_demo(args) -> int:
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     print(f"ggufswarm demo: starting {args.nodes} nodes ({threads} thread(s) each): "
           + ", ".join(f"{s.start}:{s.end}" for s in specs), file=sys.stderr, flush=True)
+    if not swarm_token():  # the demo's swarm is private: a fresh token, inherited by the node processes
+        os.environ[TOKEN_ENV] = secrets.token_urlsafe(24)
     t0 = time.perf_counter()
     nodes, gateway, tracker, seeder, work = [], None, None, None, None
     try:

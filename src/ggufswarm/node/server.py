@@ -17,7 +17,7 @@ import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -30,6 +30,7 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..client.sampling import SamplingParams
 from ..model import load_config
 from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden, error_body
+from ..protocol.auth import auth_headers, swarm_token, token_middleware
 from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE
 from ..runtime.kv import ContextOverflow
 from ..runtime.sessions import SessionError, SessionStore
@@ -63,6 +64,7 @@ class NodeConfig:
     heartbeat_s: float = 5.0
     swarm_name: str | None = None     # the published name advertised to the tracker (set after a fetch)
     memory_budget_mb: float = 8192.0  # with layers "auto": most MiB of block weights (encoded) to take on
+    token: str | None = field(default_factory=swarm_token)  # swarm token required on every endpoint
 
 
 class NodeState:
@@ -169,7 +171,7 @@ async def open_session(request: web.Request) -> web.Response:
     state: NodeState = request.app[NODE]
     try:
         body = await _read_json(request)
-        sid = _session_id(body.get("session_id", uuid.uuid4()))
+        sid = _session_id(body.get("session_id") or uuid.UUID(bytes=os.urandom(16)))  # 128 random bits
         max_length = body.get("max_length")
         if not isinstance(max_length, int) or isinstance(max_length, bool):
             raise ProtocolError("bad_request", f"max_length must be an integer, got {max_length!r}")
@@ -390,7 +392,7 @@ def load_executor(config: NodeConfig) -> ShardExecutor:
 def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.Application:
     """The node's aiohttp app; loads the shard unless ``executor`` is given. Raises as load_executor."""
     state = NodeState(config, executor or load_executor(config))
-    app = web.Application(client_max_size=state.max_body + 1024)
+    app = web.Application(client_max_size=state.max_body + 1024, middlewares=[token_middleware(config.token)])
     app[NODE] = state
     app.router.add_post("/v1/sessions", open_session)
     app.router.add_delete("/v1/sessions/{sid}", close_session)
@@ -400,7 +402,7 @@ def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.A
     app.router.add_get("/metrics", metrics)
 
     async def lifecycle(app):
-        state.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        state.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers())
         tasks = [asyncio.create_task(_reaper(state))]
         if config.exit_with_parent:
             tasks.append(asyncio.create_task(_watch_parent(os.getppid())))

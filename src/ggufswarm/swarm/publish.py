@@ -6,12 +6,14 @@ import json
 import signal
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..artifact.gguf_file import split_paths
 from ..artifact.manifest import Manifest
+from ..protocol.auth import auth_headers, swarm_token
 from .torrent import DEFAULT_PIECE_SIZE, Swarm, info_hash, make_torrent, save_path_for
 
 
@@ -22,7 +24,8 @@ class TrackerError(RuntimeError):
 def tracker_call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0) -> dict:
     """JSON request to the tracker; TrackerError with the tracker's reason on a 4xx/5xx or no connection."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **auth_headers()})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
@@ -54,7 +57,10 @@ def publish(model_path: Path, tracker: str, name: str | None = None, data_dir: P
     """
     paths = split_paths(Path(model_path))
     manifest = Manifest.from_gguf(paths[0], name)
-    torrent = make_torrent(paths, piece_size, trackers=[tracker.rstrip("/") + "/announce"], web_seeds=list(web_seeds))
+    announce = tracker.rstrip("/") + "/announce"
+    if swarm_token():  # BitTorrent clients cannot send headers: the token rides in the announce URL
+        announce += "?" + urllib.parse.urlencode({"token": swarm_token()})
+    torrent = make_torrent(paths, piece_size, trackers=[announce], web_seeds=list(web_seeds))
     manifest.info_hash, manifest.piece_size, manifest.web_seeds = info_hash(torrent), piece_size, list(web_seeds)
     tracker_call(f"{tracker.rstrip('/')}/manifests/{manifest.name}", "PUT",
                  {"manifest": json.loads(manifest.to_json()), "torrent_hex": torrent.hex()})

@@ -6,13 +6,14 @@ import json
 import socket
 import struct
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from urllib.parse import unquote_to_bytes
 
 import libtorrent as lt
 from aiohttp import web
 
 from ..artifact.manifest import Manifest
+from ..protocol.auth import swarm_token, token_middleware
 from .registry import Registry
 from .routing import Advertisement, NoRoute, plan_route
 
@@ -27,6 +28,7 @@ class TrackerConfig:
     db: str = "tracker.sqlite"
     ttl_s: float = 15.0
     hop_ms: float = 1.0
+    token: str | None = field(default_factory=swarm_token)  # swarm token required on every endpoint
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
@@ -53,7 +55,7 @@ async def _json_body(request: web.Request) -> dict:
 
 def make_app(config: TrackerConfig) -> web.Application:
     """The tracker as an aiohttp app (tests drive it in process; ``ggufswarm tracker`` serves it)."""
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=64 << 20, middlewares=[token_middleware(config.token)])
     registry = Registry(config.db, config.ttl_s)
     routed: Counter[str] = Counter()  # sessions handed each node (load spreading)
 
@@ -108,9 +110,9 @@ def make_app(config: TrackerConfig) -> web.Application:
             info_hash, peer_id, port = q["info_hash"], q["peer_id"], int(q["port"])
             left = int(q.get("left", b"0") or 0)
         except (KeyError, ValueError):
-            return web.Response(body=lt.bencode({"failure reason": "info_hash, peer_id and port are required"}))
+            return web.Response(body=lt.bencode({"failure reason": b"info_hash, peer_id and port are required"}))
         if len(info_hash) != 20 or not 0 < port < 65536:
-            return web.Response(body=lt.bencode({"failure reason": "bad info_hash or port"}))
+            return web.Response(body=lt.bencode({"failure reason": b"bad info_hash or port"}))
         ip = request.remote or "127.0.0.1"
         peers = registry.announce(info_hash, peer_id, ip, port, left, q.get("event", b"").decode("latin-1"))
         compact = b"".join(socket.inet_aton(p_ip) + struct.pack(">H", p_port) for p_ip, p_port in peers

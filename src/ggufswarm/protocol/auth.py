@@ -1,0 +1,40 @@
+"""The swarm token: internal endpoints (nodes, tracker) answer only requests that carry it."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+
+from aiohttp import web
+
+TOKEN_ENV = "GGUFSWARM_TOKEN"
+TOKEN_HEADER = "X-Ggufswarm-Token"
+
+
+def swarm_token() -> str | None:
+    """The swarm token from ``$GGUFSWARM_TOKEN`` (``--token`` sets it), or None for an open swarm."""
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def auth_headers() -> dict[str, str]:
+    """Headers that authenticate an internal request (empty without a token)."""
+    token = swarm_token()
+    return {TOKEN_HEADER: token} if token else {}
+
+
+def token_middleware(token: str | None):
+    """aiohttp middleware: without a matching ``X-Ggufswarm-Token`` header (or ``token`` query parameter,
+    for peers that cannot set headers, such as BitTorrent clients announcing) → 401 JSON error."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if token:
+            given = request.headers.get(TOKEN_HEADER) or request.query.get("token") or ""
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                body = {"error": {"code": "unauthorized", "message": "missing or wrong swarm token "
+                                                                     f"({TOKEN_HEADER} header)"}}
+                return web.Response(status=401, text=json.dumps(body), content_type="application/json")
+        return await handler(request)
+
+    return check

@@ -1,0 +1,66 @@
+"""The swarm token: every route of a node and of the tracker answers 401 without it.
+
+The routes are enumerated from the apps themselves, so a new endpoint cannot slip by.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tinymodels import write_tiny_model
+
+from ggufswarm.gateway.app import ServerThread
+from ggufswarm.node.server import NodeConfig
+from ggufswarm.node.server import make_app as make_node_app
+from ggufswarm.protocol.auth import TOKEN_HEADER
+from ggufswarm.tracker.app import TrackerConfig
+from ggufswarm.tracker.app import make_app as make_tracker_app
+
+TOKEN = "s3cret-swarm-token"
+
+
+def status_of(url: str, method: str, headers: dict) -> int:
+    data = b"{}" if method in ("POST", "PUT") else None
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def concrete(path: str) -> str:
+    return path.replace("{sid}", "00000000-0000-0000-0000-000000000000").replace("{name}", "x") \
+               .replace("{node_id}", "x")
+
+
+@pytest.fixture(scope="module")
+def apps(tiny_dir):
+    model = write_tiny_model(tiny_dir / "auth.gguf", "llama", n_layers=2)
+    node = make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model), token=TOKEN))
+    tracker = make_tracker_app(TrackerConfig(db=":memory:", token=TOKEN))
+    servers = [ServerThread(node), ServerThread(tracker)]
+    urls = [s.start() for s in servers]
+    yield list(zip((node, tracker), urls))
+    for s in servers:
+        s.stop()
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["node", "tracker"])
+def test_every_route_needs_the_token(apps, which):
+    app, url = apps[which]
+    routes = [(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"]
+    assert len(routes) >= 6
+    for method, path in routes:
+        assert status_of(url + concrete(path), method, {}) == 401, (method, path)
+        assert status_of(url + concrete(path), method, {TOKEN_HEADER: "wrong"}) == 401, (method, path)
+        assert status_of(url + concrete(path), method, {TOKEN_HEADER: TOKEN}) != 401, (method, path)
+
+
+def test_health_with_token(apps):
+    _, url = apps[0]
+    assert status_of(url + "/health", "GET", {TOKEN_HEADER: TOKEN}) == 200
+    assert status_of(url + "/health?token=" + TOKEN, "GET", {}) == 200  # query form, for BitTorrent announces
