@@ -347,20 +347,20 @@ async def _read_body(request: web.Request) -> dict:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _check_model(gw: "Gateway", body: dict) -> None:
-    """A request naming another model than the one served gets 404 ``model_not_found`` (as OpenAI does)."""
+def _check_model(gw: "Gateway", body: dict) -> dict:
+    """``body``, unless it names another model than the one served: 404 ``model_not_found`` (as OpenAI)."""
     name = body.get("model")
     if name is not None and name != gw.model_name:
         raise RequestError(f"model {name!r} is not served here; this gateway serves {gw.model_name!r}",
                            404, "model_not_found", "model")
+    return body
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (OpenAI): messages rendered with the GGUF chat template."""
     gw: Gateway = request.app[GATEWAY]
     try:
-        body = await _read_body(request)
-        _check_model(gw, body)
+        body = _check_model(gw, await _read_body(request))
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", param="messages")
@@ -385,8 +385,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` (OpenAI): a plain ``prompt`` string (or a list holding one)."""
     gw: Gateway = request.app[GATEWAY]
     try:
-        body = await _read_body(request)
-        _check_model(gw, body)
+        body = _check_model(gw, await _read_body(request))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]

@@ -79,6 +79,11 @@ class ShardExecutor:
     Weights are read from the GGUF (only this shard's tensors), dequantized to ``dtype``
     (float32 default, bfloat16 option). State lives in SessionKV objects made by ``new_session``;
     the executor itself is stateless between calls, so sessions are isolated.
+
+    ``numerics="exact"`` multiplies by the exactly dequantized weights; ``"llama.cpp"`` first rounds
+    activations as ggml's CPU kernels do for quantized weights (Q8_0/Q8_K, ``VEC_DOT_ACTIVATION``)
+    and uses ggml's f16 GELU table, to compare with llama.cpp tightly. Raises GGUFError,
+    UnsupportedArchitecture, or ValueError for a bad spec or numerics.
     """
 
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, dtype: torch.dtype = torch.float32,
