@@ -44,3 +44,29 @@ def test_unknown_role_and_bad_numbers_are_400(gateway):
 def test_unreachable_node_is_a_5xx_naming_it(gateway):
     status, body = post(f"{gateway}/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert 500 <= status < 600 and "127.0.0.1:9" in body["error"]["message"]
+
+
+def test_api_keys(gemma_path):
+    server = ServerThread(make_app(GatewayConfig(route=["http://127.0.0.1:9"], model=str(gemma_path),
+                                                 api_keys=("k1", "k2"))))
+    url = server.start()
+    try:
+        def get(headers):
+            req = urllib.request.Request(f"{url}/v1/models", headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        status, body = get({})
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert get({"Authorization": "Bearer nope"})[0] == 401
+        assert get({"Authorization": "Bearer k2"})[0] == 200
+        import openai
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k1")
+        assert [m.id for m in client.models.list()] == [gemma_path.stem]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="bad").models.list()
+    finally:
+        server.stop()

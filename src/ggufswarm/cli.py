@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", metavar="PATH|NAME", help="GGUF file for the tokenizer (with --tracker: the "
                    "published model name; its header is fetched from the swarm). Default: embedded Gemma 3 270M")
     w.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR", help="where the fetched header goes")
+    w.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: open API)")
     w.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     w.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     w.add_argument("--hop-timeout", type=float, default=30.0, metavar="S",
@@ -255,6 +257,7 @@ def cmd_gateway(args) -> int:
     return run_gateway(GatewayConfig(route=route, model=args.model, host=args.host, port=args.port,
                                      hop_timeout_s=args.hop_timeout, wire_dtype=args.wire_dtype,
                                      default_max_tokens=args.max_tokens, tracker=args.tracker,
+                                     api_keys=tuple(args.api_key),
                                      data_dir=args.data_dir))
 
 

@@ -9,6 +9,7 @@ concurrent requests proceed concurrently. The final stream chunk and the non-str
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import sys
 import threading
@@ -45,6 +46,7 @@ class GatewayConfig:
     wire_dtype: str = "f16"
     default_max_tokens: int = 512
     workers: int = 64
+    api_keys: tuple[str, ...] = ()    # when set, /v1/* needs ``Authorization: Bearer KEY`` (OpenAI style)
     tracker: str | None = None        # plan a route per session from this tracker (``route`` unused)
     data_dir: str = "ggufswarm-data"  # where the vocabulary (GGUF header) fetched from the swarm goes
 
@@ -418,10 +420,25 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "model": gw.model_name, "route": gw.config.route})
 
 
+def api_key_middleware(keys: tuple[str, ...]):
+    """With API keys configured, ``/v1/*`` answers 401 (OpenAI's ``invalid_api_key``) without a valid
+    ``Authorization: Bearer KEY``; ``/health`` stays open."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if keys and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip().encode()
+            if not any(hmac.compare_digest(given, k.encode()) for k in keys):
+                return _error_response(RequestError("missing or invalid API key", 401, "invalid_api_key"))
+        return await handler(request)
+
+    return check
+
+
 def make_app(config: GatewayConfig) -> web.Application:
     """The gateway's aiohttp app; the vocabulary is loaded at startup, the route on first use."""
     gw = Gateway(config)
-    app = web.Application(client_max_size=16 * 2 ** 20)
+    app = web.Application(client_max_size=16 * 2 ** 20, middlewares=[api_key_middleware(tuple(config.api_keys))])
     app[GATEWAY] = gw
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
