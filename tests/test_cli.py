@@ -25,14 +25,12 @@ def assert_one_line_error(out, *needles):
 def test_generate_streams_completion_and_telemetry(ggufswarm_cli, gemma):
     out = run(ggufswarm_cli, "generate", "The capital of France is", "--max-tokens", "12", "--temperature", "0")
     assert out.returncode == 0, out.stderr
-    session = gemma.session(64)
     ids = gemma.tokenizer.encode("The capital of France is")
     from ggufswarm.client.generate import generate
     from ggufswarm.client.sampling import SamplingParams
     expected = "".join(generate(gemma.session(64, SamplingParams(temperature=0)), gemma.tokenizer, ids, 12))
     assert out.stdout == expected + "\n"
     assert "TTFT" in out.stderr and "tok/s" in out.stderr and "prompt tokens: 6" in out.stderr
-    del session
 
 
 def test_generate_split_equals_single(ggufswarm_cli):

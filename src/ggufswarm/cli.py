@@ -191,8 +191,6 @@ def cmd_generate(args) -> int:
     from .client.sampling import SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if args.max_tokens < 0:
-        raise ValueError("--max-tokens must be >= 0")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed).validate()
     model = LocalModel.load(args.model, args.split, args.dtype)

@@ -42,8 +42,7 @@ class LocalSession:
     def step(self, token_ids: list[int]) -> int:
         """See RouteSession.step."""
         self.history.extend(token_ids)
-        token = self.sampler.sample(self.logits(token_ids)[-1], self.history)
-        return token
+        return self.sampler.sample(self.logits(token_ids)[-1], self.history)
 
     def truncate(self, length: int) -> None:
         """Roll every shard back to ``length`` tokens."""

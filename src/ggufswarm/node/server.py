@@ -109,9 +109,21 @@ class NodeState:
         for kind in ("prefill", "decode"):  # export the series before the first step
             for metric in (self.steps, self.step_seconds, self.bytes_in, self.bytes_out):
                 metric.labels(kind)
-        # plain counters for /health (a test can read them without parsing Prometheus text)
-        self.totals = {"steps": 0, "decode_steps": 0, "prefill_steps": 0, "bytes_in_decode": 0, "bytes_in_prefill": 0,
-                       "bytes_out_decode": 0, "bytes_out_prefill": 0, "replays": 0, "errors": 0}
+
+    def totals(self) -> dict:
+        """Plain counters for /health (read from the Prometheus registry, so a test need not parse its text)."""
+        def value(name: str, kind: str | None = None) -> int:
+            return int(self.registry.get_sample_value(name, {"kind": kind} if kind else {}) or 0)
+
+        out = {"replays": value("ggufswarm_node_step_replays_total"),
+               "errors": int(sum(m.value for f in self.registry.collect() if f.name == "ggufswarm_node_errors"
+                                 for m in f.samples if m.name.endswith("_total")))}
+        for kind in ("decode", "prefill"):
+            out[kind + "_steps"] = value("ggufswarm_node_steps_total", kind)
+            out["bytes_in_" + kind] = value("ggufswarm_node_payload_bytes_in_total", kind)
+            out["bytes_out_" + kind] = value("ggufswarm_node_payload_bytes_out_total", kind)
+        out["steps"] = out["decode_steps"] + out["prefill_steps"]
+        return out
 
     def health(self) -> dict:
         """The ``/health`` body: shard, model shape, limits and counters."""
@@ -124,7 +136,7 @@ class NodeState:
             "max_step_tokens": self.config.max_step_tokens, "hop_timeout_s": self.config.hop_timeout_s,
             "session_ttl_s": s.ttl_s, "sessions": len(s.sessions), "kv_budget_tokens": s.budget_tokens,
             "kv_tokens_reserved": s.reserved_tokens, "kv_tokens_held": s.held_tokens,
-            "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals,
+            "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals(),
         }
 
 
@@ -145,7 +157,6 @@ def _error(state: NodeState, exc: Exception) -> web.Response:
     else:
         code, status, message = "internal", 500, f"{type(exc).__name__}: {exc}"
     state.errors.labels(code).inc()
-    state.totals["errors"] += 1
     return web.Response(body=error_body(code, message), status=status, content_type=JSON)
 
 
@@ -267,7 +278,6 @@ async def step(request: web.Request) -> web.Response:
         frame = decode_frame(body, state.cfg.n_embd, state.config.max_step_tokens)
         kind = "decode" if frame.n_tokens == 1 else "prefill"
         state.bytes_in.labels(kind).inc(len(body))
-        state.totals["bytes_in_" + kind] += len(body)
         if (frame.dtype == "ids") != state.spec.embed:
             want = "token ids (dtype ids)" if state.spec.embed else "hidden states (f16, bf16 or f32)"
             raise ProtocolError("bad_dtype", f"layers {state.spec.start}:{state.spec.end} take {want}; "
@@ -278,7 +288,6 @@ async def step(request: web.Request) -> web.Response:
             record = state.store.replay(session, frame.step, digest, frame.start, frame.n_tokens)
             if record is not None:
                 state.replays.inc()
-                state.totals["replays"] += 1
                 if record.reply is not None:
                     return web.Response(body=record.reply, content_type=JSON)
             else:
@@ -287,8 +296,6 @@ async def step(request: web.Request) -> web.Response:
                                                     frame.start, frame.data, frame.token_ids, frame.sample)
                 state.steps.labels(kind).inc()
                 state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
-                state.totals["steps"] += 1
-                state.totals[kind + "_steps"] += 1
             hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
             if state.spec.head:
                 reply = {"token": record.token, "hops": [hop]}
@@ -299,7 +306,6 @@ async def step(request: web.Request) -> web.Response:
                 out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,
                                     ids, frame.flags & FLAG_NO_SAMPLE)
                 state.bytes_out.labels(kind).inc(len(out))
-                state.totals["bytes_out_" + kind] += len(out)
                 t_push = time.perf_counter()
                 reply = await _push(state, session.next_hop, out, session.hop_timeout_s)
                 hop["push_ms"] = round((time.perf_counter() - t_push) * 1e3, 3)
