@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?=
 
-.PHONY: setup demo test test-deps bench clean
+.PHONY: setup demo test test-deps bench faults clean
 
 $(BIN)/ggufswarm: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ test-deps:
 
 test: setup test-deps
 	$(BIN)/python -m pytest -q
+
+# Fault suite alone, with its table: 20 trials SIGKILLing a random node of a live 3-node route.
+faults: setup
+	$(BIN)/python -m pytest -q -s tests/test_faults.py
 
 bench: setup
 	$(BIN)/python bench/bench_generate.py

@@ -1,4 +1,4 @@
-"""The swarm token: every route of a node and of the tracker answers 401 without it.
+"""The swarm token: every route of a node, of the tracker and of the snapshot cache answers 401 without it.
 
 The routes are enumerated from the apps themselves, so a new endpoint cannot slip by.
 """
@@ -12,6 +12,8 @@ import pytest
 
 from tinymodels import write_tiny_model
 
+from ggufswarm.cache.app import CacheConfig
+from ggufswarm.cache.app import make_app as make_cache_app
 from ggufswarm.gateway.app import ServerThread
 from ggufswarm.node.server import NodeConfig
 from ggufswarm.node.server import make_app as make_node_app
@@ -34,26 +36,27 @@ def status_of(url: str, method: str, headers: dict) -> int:
 
 def concrete(path: str) -> str:
     return path.replace("{sid}", "00000000-0000-0000-0000-000000000000").replace("{name}", "x") \
-               .replace("{node_id}", "x")
+               .replace("{node_id}", "x").replace("{key}", "0" * 64)
 
 
 @pytest.fixture(scope="module")
-def apps(tiny_dir):
+def apps(tiny_dir, tmp_path_factory):
     model = write_tiny_model(tiny_dir / "auth.gguf", "llama", n_layers=2)
     node = make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model), token=TOKEN))
     tracker = make_tracker_app(TrackerConfig(db=":memory:", token=TOKEN))
-    servers = [ServerThread(node), ServerThread(tracker)]
+    cache = make_cache_app(CacheConfig(dir=str(tmp_path_factory.mktemp("cache")), max_bytes=2 ** 20, token=TOKEN))
+    servers = [ServerThread(node), ServerThread(tracker), ServerThread(cache)]
     urls = [s.start() for s in servers]
-    yield list(zip((node, tracker), urls))
+    yield list(zip((node, tracker, cache), urls))
     for s in servers:
         s.stop()
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["node", "tracker"])
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["node", "tracker", "cache"])
 def test_every_route_needs_the_token(apps, which):
     app, url = apps[which]
     routes = [(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"]
-    assert len(routes) >= 6
+    assert len(routes) >= 5
     for method, path in routes:
         assert status_of(url + concrete(path), method, {}) == 401, (method, path)
         assert status_of(url + concrete(path), method, {TOKEN_HEADER: "wrong"}) == 401, (method, path)

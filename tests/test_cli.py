@@ -107,3 +107,30 @@ def test_perplexity_chunks_limit(ggufswarm_cli, tiny_dir, tmp_path):
     assert one.stderr.count("[") == 1 and one.stdout.startswith("perplexity: ")
     dir_err = run(ggufswarm_cli, "perplexity", str(tmp_path), "--model", str(path))
     assert_one_line_error(dir_err, "is a directory")
+
+
+def test_cache_command_serves_and_stops(ggufswarm_cli, tmp_path):
+    """``ggufswarm cache`` prints a ready line, needs the swarm token, and stops cleanly on SIGTERM."""
+    import json
+    import os
+    import signal
+    import urllib.error
+    import urllib.request
+    env = dict(os.environ, GGUFSWARM_TOKEN="t0k", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([*ggufswarm_cli, "cache", "--dir", str(tmp_path / "c"), "--port", "0",
+                             "--max-bytes", "64M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ggufswarm cache ready: http://"), line + proc.stderr.read()
+        url = line.split()[3]
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(url + "/health", timeout=10)
+        assert denied.value.code == 401
+        req = urllib.request.Request(url + "/health", headers={"X-Ggufswarm-Token": "t0k"})
+        health = json.loads(urllib.request.urlopen(req, timeout=10).read())
+        assert health["max_bytes"] == 64 * 2 ** 20 and health["snapshots"] == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    bad = run(ggufswarm_cli, "cache", "--dir", str(tmp_path), "--max-bytes", "lots")
+    assert bad.returncode != 0 and "size must be" in bad.stderr

@@ -63,3 +63,15 @@ def test_first_needs_embedding_and_last_needs_head():
     no_head = Advertisement("c", "http://c", "m", (12, 18), head=False, free_kv_tokens=10_000)
     with pytest.raises(NoRoute):
         plan_route([ad("a", 0, 6), ad("b", 6, 12), no_head], 18, 1024)
+
+
+def test_span_plans_a_replacement_for_one_hop():
+    ads = [ad("a", 0, 6), ad("b", 6, 12), ad("b2", 6, 9), ad("b3", 9, 12), ad("c", 12, 18), ad("x", 3, 15)]
+    assert ids(plan_route(ads, 18, 1024, span=(6, 12))) == ["b"]
+    without_b = [a for a in ads if a.node_id != "b"]
+    assert ids(plan_route(without_b, 18, 1024, span=(6, 12))) == ["b2", "b3"]  # two nodes may replace one
+    assert ids(plan_route(ads, 18, 1024, span=(12, 18))) == ["c"]  # ends with the head
+    with pytest.raises(NoRoute, match="layers 6:9 are not served"):
+        plan_route([a for a in without_b if a.node_id not in ("b2", "x")], 18, 1024, span=(6, 12))
+    with pytest.raises(NoRoute, match="span"):
+        plan_route(ads, 18, 1024, span=(12, 6))

@@ -1,9 +1,10 @@
-"""Command line: ``ggufswarm demo | generate | perplexity | node | gateway``."""
+"""Command line: ``ggufswarm demo | generate | perplexity | node | gateway | tracker | publish | status | cache``."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 EXAMPLES = """examples:
@@ -36,9 +37,17 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 
+def _size(text: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?", text.strip().upper())
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"size must be a positive number of bytes, optionally with K/M/G/T, "
+                                         f"got {text!r}")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
+
+
 def _token_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=None, metavar="SECRET",
-                   help="swarm token: nodes and tracker answer only requests carrying it (401 otherwise); "
+                   help="swarm token: nodes, tracker and cache answer only requests carrying it (401 otherwise); "
                         "default $GGUFSWARM_TOKEN, none = an open swarm")
 
 
@@ -112,13 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens one frame may carry; larger gets 413 (default 4096)")
     n.add_argument("--workers", type=int, default=4, help="threads running steps of different sessions (default 4)")
     n.add_argument("--exit-with-parent", action="store_true", help="exit when the parent process dies")
+    n.add_argument("--cache", metavar="URL", help="snapshot cache server (ggufswarm cache): snapshot sessions' KV "
+                   "there after prefill and every --snapshot-every tokens (in the background), and restore from it "
+                   "when a route is repaired or a prompt starts with a cached prefix")
+    n.add_argument("--snapshot-every", type=int, default=32, metavar="N",
+                   help="with --cache: snapshot each session every N decoded tokens (default 32; 0 = after "
+                        "prefill only)")
 
     w = sub.add_parser("gateway", help="OpenAI-compatible API over a route of nodes",
                        description="Serve /v1/chat/completions, /v1/completions and /v1/models over a route of "
                                    "nodes given by hand (first node has --embed, last --head). Streaming (SSE) and "
                                    "non-streamed; the last chunk / the body carries usage and a telemetry object.")
     w.add_argument("--route", metavar="URL1,URL2,...", help="node URLs in layer order (or use --tracker)")
-    w.add_argument("--tracker", metavar="URL", help="plan a route per session from this tracker instead of --route")
+    w.add_argument("--tracker", metavar="URL", help="plan a route per session from this tracker instead of --route, and repair it when a node "
+                   "fails (a replacement restores the failed layers' KV snapshot from the nodes' --cache)")
     w.add_argument("--model", metavar="PATH|NAME", help="GGUF file for the tokenizer (with --tracker: the "
                    "published model name; its header is fetched from the swarm). Default: embedded Gemma 3 270M")
     w.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR", help="where the fetched header goes")
@@ -178,9 +194,26 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--piece-size", type=int, default=256 * 1024, metavar="BYTES", help="torrent piece size (default 262144)")
     u.add_argument("--no-seed", action="store_true", help="register and exit without seeding")
 
+    c = sub.add_parser("cache", help="prefix KV snapshot cache for nodes (route repair, prefix reuse)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Serve prefix KV snapshots: nodes started with --cache URL store each\n"
+                                   "session's KV of their layers here (content-addressed by model, layer range and\n"
+                                   "token prefix; SHA-256 checked on every read; least recently used evicted past\n"
+                                   "--max-bytes). A replacement node restores from it when the gateway repairs a\n"
+                                   "route, and a new session whose prompt starts with a cached prefix skips\n"
+                                   "recomputing it.",
+                       epilog="example:\n  ggufswarm cache --dir ./ggufswarm-cache --port 8475 --max-bytes 8G\n"
+                              "  ggufswarm node --layers 0:9 --embed --cache http://127.0.0.1:8475")
+    c.add_argument("--dir", required=True, metavar="PATH", help="directory for snapshots and their index (created)")
+    c.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    c.add_argument("--port", type=int, default=8475, help="TCP port (default 8475; 0 = any free port)")
+    c.add_argument("--max-bytes", type=_size, default=4 * 2 ** 30, metavar="N",
+                   help="size cap; least recently used snapshots are evicted past it (bytes, or with K/M/G; "
+                        "default 4G)")
+
     st = sub.add_parser("status", help="what a tracker sees: nodes, their layer ranges as coverage bars, capacity")
     st.add_argument("--tracker", required=True, metavar="URL", help="tracker URL")
-    for p in (n, w, d, t, u, st):
+    for p in (n, w, d, t, u, st, c):
         _token_arg(p)
     return parser
 
@@ -244,7 +277,12 @@ def cmd_node(args) -> int:
         dtype=args.dtype, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,
         session_ttl_s=args.session_ttl, hop_timeout_s=args.hop_timeout, max_step_tokens=args.max_step_tokens,
         workers=args.workers, exit_with_parent=args.exit_with_parent, tracker=args.tracker, data_dir=args.data_dir,
-        memory_budget_mb=args.memory_budget))
+        memory_budget_mb=args.memory_budget, cache=args.cache, snapshot_every=args.snapshot_every))
+
+
+def cmd_cache(args) -> int:
+    from .cache.app import CacheConfig, run_cache
+    return run_cache(CacheConfig(dir=args.dir, max_bytes=args.max_bytes), args.host, args.port)
 
 
 def cmd_gateway(args) -> int:
@@ -293,7 +331,8 @@ def cmd_status(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "node": cmd_node, "gateway": cmd_gateway,
-            "demo": cmd_demo, "tracker": cmd_tracker, "publish": cmd_publish, "status": cmd_status}
+            "demo": cmd_demo, "tracker": cmd_tracker, "publish": cmd_publish, "status": cmd_status,
+            "cache": cmd_cache}
 
 
 def main(argv: list[str] | None = None) -> int:

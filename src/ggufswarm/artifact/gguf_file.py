@@ -9,6 +9,7 @@ builds a numpy view per array element and takes ~20 s on Gemma 3's 262144-token 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import struct
@@ -203,11 +204,14 @@ class GGUFModelFile:
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self.header_bytes = 0
+        self._header_sizes: list[int] = []
+        self._fingerprint: str | None = None
         for i, p in enumerate(self.paths):
             metadata, tensors, header_bytes = _read_header(p)
             if i == 0:
                 self.metadata = metadata
             self.header_bytes += header_bytes
+            self._header_sizes.append(header_bytes)
             for t in tensors:
                 self.tensors[t.name] = t
         expected = self.metadata.get("split.tensors.count")
@@ -222,6 +226,19 @@ class GGUFModelFile:
         if not isinstance(arch, str):
             raise GGUFError(f"{self.path}: GGUF has no general.architecture key")
         return arch
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of every file's GGUF header (metadata + tensor table): names what the artifact
+        holds without reading the tensor data. Equal for a full file and its swarm-fetched sparse copy.
+        Not counted in ``bytes_read``."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            for p, n in zip(self.paths, self._header_sizes):
+                with open(p, "rb") as f:
+                    digest.update(f.read(n))
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     def layer_tensor_bytes(self, start: int, end: int) -> int:
         """Encoded bytes of all ``blk.N.*`` tensors with ``start <= N < end``."""

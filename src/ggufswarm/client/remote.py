@@ -7,23 +7,29 @@ import json
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from ..cache.snapshot import BLOCK_TOKENS
 from ..protocol import encode_tokens
 from ..protocol.auth import auth_headers
 from .sampling import SamplingParams
 
 
 class RouteError(RuntimeError):
-    """A route operation failed. ``status``: HTTP status to pass on; ``code``: protocol error code.
+    """A route operation failed. ``status``: HTTP status to pass on; ``code``: protocol error code;
+    ``hop``: URL of the node that failed (the message names it too)."""
 
-    The message names the node (URL) that failed."""
-
-    def __init__(self, message: str, status: int = 502, code: str = "hop_failed"):
+    def __init__(self, message: str, status: int = 502, code: str = "hop_failed", hop: str | None = None):
         super().__init__(message)
         self.status = status
         self.code = code
+        self.hop = hop
+
+
+# Errors that mean a node of the route is gone or lost the session: a repair can replace it.
+REPAIRABLE = frozenset({"hop_failed", "hop_timeout", "internal", "unknown_session"})
 
 
 @dataclass(frozen=True)
@@ -57,10 +63,10 @@ def _request(conn: http.client.HTTPConnection, url: str, method: str, path: str,
         return resp.status, resp.read()
     except TimeoutError:
         conn.close()
-        raise RouteError(f"node {url} did not answer within {conn.timeout:g} s", 504, "hop_timeout") from None
+        raise RouteError(f"node {url} did not answer within {conn.timeout:g} s", 504, "hop_timeout", url) from None
     except (OSError, http.client.HTTPException) as exc:
         conn.close()
-        raise RouteError(f"node {url} failed: {type(exc).__name__}: {exc}", 502, "hop_failed") from None
+        raise RouteError(f"node {url} failed: {type(exc).__name__}: {exc}", 502, "hop_failed", url) from None
 
 
 def _check(url: str, status: int, body: bytes, what: str) -> dict:
@@ -73,7 +79,7 @@ def _check(url: str, status: int, body: bytes, what: str) -> dict:
         message = err.get("message") or body[:200].decode(errors="replace")
         code = err.get("code", "hop_failed")
         raise RouteError(f"{what} on node {url}: {message}" if url not in message else message,
-                         status if status >= 400 else 502, code)
+                         status if status >= 400 else 502, code, err.get("hop") or url)
     return data
 
 
@@ -90,17 +96,29 @@ class RemoteRoute:
     ``hop_timeout_s``: seconds one hop may take to answer. Node i of n waits ``(n - 1 - i) x`` that for
     its next hop, and the client ``n x`` that (+1 s) for the first node, so the deepest failing hop
     times out first and the error names it. Raises RouteError when a node is unreachable and
-    ValueError when the shards do not chain.
+    ValueError when the shards do not chain. ``part=True`` accepts a chain covering only some layers
+    (the replacement for a failed hop's span).
     """
 
-    def __init__(self, urls: list[str], hop_timeout_s: float = 30.0):
+    def __init__(self, urls: list[str], hop_timeout_s: float = 30.0, part: bool = False):
         if not urls:
             raise ValueError("a route needs at least one node URL")
         self.hop_timeout_s = hop_timeout_s
-        self.hops = [self._describe(u.rstrip("/")) for u in urls]
-        self.timeout_s = hop_timeout_s * len(self.hops) + 1.0
+        self._set_hops([self._describe(u.rstrip("/")) for u in urls], part)
+
+    @classmethod
+    def of_hops(cls, hops: list[Hop], hop_timeout_s: float) -> "RemoteRoute":
+        """A route over already described hops (no /health calls); ValueError when they do not chain."""
+        route = cls.__new__(cls)
+        route.hop_timeout_s = hop_timeout_s
+        route._set_hops(list(hops))
+        return route
+
+    def _set_hops(self, hops: list[Hop], part: bool = False) -> None:
+        self.hops = hops
+        self.timeout_s = self.hop_timeout_s * len(self.hops) + 1.0
         first, last = self.hops[0], self.hops[-1]
-        if not first.embed or not last.head or first.start != 0 or last.end != last.n_layers:
+        if not part and (not first.embed or not last.head or first.start != 0 or last.end != last.n_layers):
             raise ValueError(f"route must start at layer 0 with the embedding stage and end at layer "
                              f"{last.n_layers} with the head; got {self.describe()}")
         for a, b in zip(self.hops, self.hops[1:]):
@@ -126,48 +144,62 @@ class RemoteRoute:
         return min(h.max_length for h in self.hops)
 
     def open(self, max_length: int, sampling: SamplingParams | None = None, wire_dtype: str = "f16",
-             top_logprobs: int = 0) -> "RemoteSession":
-        """Open a session on every node (head first); RouteError (with the node's status) when one refuses."""
-        return RemoteSession(self, max_length, sampling or SamplingParams(), wire_dtype, top_logprobs)
+             top_logprobs: int = 0, replan=None, reuse_prefix: bool = True) -> "RemoteSession":
+        """Open a session on every node (head first); RouteError (with the node's status) when one refuses.
+
+        ``replan(exclude, span) -> RemoteRoute``: plans a replacement for the layers ``span`` avoiding the
+        node URLs in ``exclude``; with it the session repairs itself when a node fails (see RemoteSession).
+        """
+        return RemoteSession(self, max_length, sampling or SamplingParams(), wire_dtype, top_logprobs, replan,
+                             reuse_prefix)
 
 
 @dataclass
 class StepTiming:
-    """Per-hop numbers of one step (ms, bytes)."""
+    """Per-hop numbers of one step (ms, bytes), in route order; ``urls`` names the hops."""
 
     n_tokens: int
     compute_ms: list[float]
     network_ms: list[float]
     bytes_in: list[int]
     kv_tokens: list[int]
+    urls: list[str] = field(default_factory=list)
 
 
 @dataclass
 class RouteTelemetry:
-    """What a session measured: one StepTiming per step."""
+    """What a session measured: one StepTiming per step, and each repair of its route."""
 
     steps: list[StepTiming] = field(default_factory=list)
+    repairs: list[dict] = field(default_factory=list)
+    prefix_tokens_restored: int = 0
 
     def summary(self, route: RemoteRoute) -> dict:
         """Per-hop compute/network ms (mean, p95) over decode steps, payload bytes per decode token, KV held."""
         decode = [s for s in self.steps if s.n_tokens == 1]
         prefill = [s for s in self.steps if s.n_tokens > 1]
+
+        def per_hop(steps: list[StepTiming], url: str, field_name: str) -> list[float]:
+            return [getattr(s, field_name)[s.urls.index(url)] for s in steps if url in s.urls]
+
         hops = []
-        for i, hop in enumerate(route.hops):
-            comp = [s.compute_ms[i] for s in decode]
-            net = [s.network_ms[i] for s in decode]
+        for hop in route.hops:
+            comp = per_hop(decode, hop.url, "compute_ms")
+            net = per_hop(decode, hop.url, "network_ms")
+            sent = per_hop(decode, hop.url, "bytes_in")
+            kv = per_hop(self.steps, hop.url, "kv_tokens")
             hops.append({
                 "node": hop.url, "layers": [hop.start, hop.end],
                 "compute_ms": {"mean": round(sum(comp) / len(comp), 3) if comp else 0.0, "p95": round(_pct(comp, .95), 3)},
                 "network_ms": {"mean": round(sum(net) / len(net), 3) if net else 0.0, "p95": round(_pct(net, .95), 3)},
-                "prefill_compute_ms": round(sum(s.compute_ms[i] for s in prefill), 3),
-                "payload_bytes_per_decode_token": round(sum(s.bytes_in[i] for s in decode) / len(decode), 1)
-                if decode else 0.0,
-                "kv_tokens": self.steps[-1].kv_tokens[i] if self.steps else 0,
+                "prefill_compute_ms": round(sum(per_hop(prefill, hop.url, "compute_ms")), 3),
+                "payload_bytes_per_decode_token": round(sum(sent) / len(sent), 1) if sent else 0.0,
+                "kv_tokens": kv[-1] if kv else 0,
             })
         return {"hops": hops,
                 "payload_bytes_per_decode_token": round(sum(h["payload_bytes_per_decode_token"] for h in hops), 1),
-                "kv_tokens_held": {h["node"]: h["kv_tokens"] for h in hops}}
+                "kv_tokens_held": {h["node"]: h["kv_tokens"] for h in hops},
+                "prefix_tokens_restored": self.prefix_tokens_restored, "repairs": list(self.repairs)}
 
 
 class RemoteSession:
@@ -176,35 +208,55 @@ class RemoteSession:
 
     Steps are numbered from 1; a step whose connection drops is sent once more with the same number
     (the node answers a retry from its record, never applying it twice).
+
+    Route repair (with ``replan``): when a step fails because a node died, timed out, answered 5xx or
+    lost the session, the failed node's layer span is re-planned without it, the new nodes open the
+    session and restore the longest cached prefix snapshot of the history (``/restore``), every other
+    node is truncated to the common position, the tokens since then are replayed, and the step is
+    sent again: the caller sees the same tokens as without the failure (greedy sampling). Each repair
+    is recorded in ``telemetry.repairs``. Without ``replan`` the RouteError is raised.
+
+    Prefix reuse (``reuse_prefix``): the first step restores the longest cached prefix of the prompt on
+    every node and computes only the rest.
     """
 
+    MAX_REPAIRS_PER_STEP = 3
+
     def __init__(self, route: RemoteRoute, max_length: int, sampling: SamplingParams, wire_dtype: str = "f16",
-                 top_logprobs: int = 0):
+                 top_logprobs: int = 0, replan=None, reuse_prefix: bool = True):
         self.route = route
         self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
         self.max_length = max_length
-        self.position = 0
+        self.sampling = sampling.validate()
+        self.wire_dtype = wire_dtype
+        self.top_logprobs = top_logprobs
+        self.replan = replan
+        self.reuse_prefix = reuse_prefix
+        self.position = 0      # tokens every node of the route holds
+        self.tokens: list[int] = []  # the whole history fed so far (position <= len(tokens) during a repair)
         self.step_no = 0
         self.telemetry = RouteTelemetry()
         self.last_logprobs = None
         self._conns = {}
         self._opened: list[str] = []
-        sampling = sampling.validate()
+        self._excluded: set[str] = set()
         try:
             for i in reversed(range(len(route.hops))):
-                hop = route.hops[i]
-                body = {"session_id": str(self.id), "max_length": max_length, "wire_dtype": wire_dtype,
-                        "next_hop": route.hops[i + 1].url if i + 1 < len(route.hops) else None,
-                        "hop_timeout_s": route.hop_timeout_s * max(len(route.hops) - 1 - i, 1)}
-                if hop.head:
-                    body["sampling"] = sampling.to_dict()
-                    body["top_logprobs"] = top_logprobs
-                _check(hop.url, *_request(self._conn(hop.url), hop.url, "POST", "/v1/sessions",
-                                          json.dumps(body).encode()), "open session")
-                self._opened.append(hop.url)
+                self._open_on(route.hops, i)
         except BaseException:
             self.close()
             raise
+
+    def _open_on(self, hops: list[Hop], i: int) -> None:
+        hop = hops[i]
+        body = {"session_id": str(self.id), "max_length": self.max_length, "wire_dtype": self.wire_dtype,
+                "next_hop": hops[i + 1].url if i + 1 < len(hops) else None,
+                "hop_timeout_s": self.route.hop_timeout_s * max(len(hops) - 1 - i, 1)}
+        if hop.head:
+            body["sampling"] = self.sampling.to_dict()
+            body["top_logprobs"] = self.top_logprobs
+        self._call(hop.url, "POST", "/v1/sessions", body, "open session")
+        self._opened.append(hop.url)
 
     def _conn(self, url: str) -> http.client.HTTPConnection:
         conn = self._conns.get(url)
@@ -212,22 +264,52 @@ class RemoteSession:
             conn = self._conns[url] = _conn(url, self.route.timeout_s)
         return conn
 
+    def _call(self, url: str, method: str, path: str, body: dict | None, what: str) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        return _check(url, *_request(self._conn(url), url, method, path, data), what)
+
     def step(self, token_ids: list[int], sample: bool = True) -> int | None:
         """Feed ``token_ids`` (prefill: many, decode: one) through the route; the head's sampled next token id.
 
         Prompts longer than the route's smallest max_step_tokens go in chunks (only the last is sampled).
-        Raises RouteError naming the failing node (status/code from the node), ValueError for no ids.
+        Raises RouteError naming the failing node (status/code from the node) when it cannot be repaired,
+        ValueError for no ids.
         """
         if not token_ids:
             raise ValueError("a step needs at least one token id")
-        limit = min(h.max_step_tokens for h in self.route.hops)
+        if self.reuse_prefix and not self.tokens and len(token_ids) > BLOCK_TOKENS:
+            restored = self._restore_prefix(token_ids[:-1])  # at least one token is computed: it is sampled
+            self.tokens.extend(token_ids[:restored])
+            token_ids = token_ids[restored:]
         token = None
-        for i in range(0, len(token_ids), limit):
-            chunk = token_ids[i:i + limit]
-            token = self._step(chunk, sample and i + limit >= len(token_ids))
+        i = 0
+        while i < len(token_ids):
+            chunk = token_ids[i:i + min(h.max_step_tokens for h in self.route.hops)]
+            i += len(chunk)
+            token = self._step(chunk, sample and i >= len(token_ids))
         return token
 
     def _step(self, ids: list[int], sample: bool) -> int | None:
+        """One chunk, repairing the route (at most MAX_REPAIRS_PER_STEP times) when a node fails."""
+        repairs, pending = 0, None
+        while True:
+            try:
+                if pending is not None:
+                    self._repair(pending)
+                    pending = None
+                while self.position < len(self.tokens):  # replay after a repair
+                    chunk = self.tokens[self.position:self.position + min(h.max_step_tokens for h in self.route.hops)]
+                    self._send(chunk, False)
+                token = self._send(ids, sample)
+                self.tokens.extend(ids)
+                return token
+            except RouteError as exc:
+                if self.replan is None or exc.code not in REPAIRABLE or repairs >= self.MAX_REPAIRS_PER_STEP:
+                    raise
+                repairs += 1
+                pending = exc
+
+    def _send(self, ids: list[int], sample: bool) -> int | None:
         first = self.route.hops[0]
         self.step_no += 1
         frame = encode_tokens(self.id, self.step_no, self.position, ids, sample)
@@ -250,16 +332,91 @@ class RemoteSession:
             network.append(max(outer - hop["handle_ms"], 0.0))
             outer = hop.get("push_ms", 0.0)
         self.telemetry.steps.append(StepTiming(len(ids), [h["compute_ms"] for h in hops], network,
-                                               [h["bytes_in"] for h in hops], [h["kv_tokens"] for h in hops]))
+                                               [h["bytes_in"] for h in hops], [h["kv_tokens"] for h in hops],
+                                               [h.url for h in self.route.hops]))
         self.last_logprobs = reply.get("logprobs")
         return reply["token"]
+
+    # -- prefix snapshots --------------------------------------------------------------------------
+    def _restore_many(self, hops: list[Hop], tokens: list[int]) -> dict[str, int]:
+        """``/restore`` on each of ``hops`` at once; tokens each now holds (0 for a node that failed)."""
+        def one(hop: Hop) -> int:
+            conn = _conn(hop.url, self.route.timeout_s)  # own connection: the calls run in parallel
+            try:
+                body = json.dumps({"tokens": tokens, "step": self.step_no}).encode()
+                reply = _check(hop.url, *_request(conn, hop.url, "POST", f"/v1/sessions/{self.id}/restore", body),
+                               "restore")
+                return int(reply["length"])
+            finally:
+                conn.close()
+
+        with ThreadPoolExecutor(max_workers=max(len(hops), 1)) as pool:
+            return dict(zip((h.url for h in hops), pool.map(one, hops)))
+
+    def _rewind(self, hops: list[Hop], held: dict[str, int], length: int, relink: bool) -> None:
+        """Truncate every hop holding more than ``length`` tokens (all of them with ``relink``, which also
+        sets each one's next_hop to its successor in ``hops``) and set their step counters to ``step_no``."""
+        for i, hop in enumerate(hops):
+            if relink or held.get(hop.url, 0) > length:
+                body = {"length": length, "step": self.step_no}
+                if relink and not hop.head:
+                    body["next_hop"] = hops[i + 1].url
+                self._call(hop.url, "POST", f"/v1/sessions/{self.id}/truncate", body, "truncate")
+        self.position = length
+
+    def _restore_prefix(self, prompt: list[int]) -> int:
+        """Restore the longest cached prefix of ``prompt`` on every node; tokens restored (0: none)."""
+        try:
+            held = self._restore_many(self.route.hops, prompt)
+            length = min(held.values())
+            self._rewind(self.route.hops, held, length, relink=False)
+        except RouteError:  # a failing node shows again at the first step, which repairs the route
+            for hop in self.route.hops:
+                try:
+                    self._call(hop.url, "POST", f"/v1/sessions/{self.id}/truncate", {"length": 0}, "truncate")
+                except RouteError:
+                    pass
+            self.position = 0
+            return 0
+        self.telemetry.prefix_tokens_restored = length
+        return length
+
+    def _repair(self, exc: RouteError) -> None:
+        """Replace the node named by ``exc`` (see the class docstring). RouteError when no replacement exists."""
+        t0 = time.perf_counter()
+        old = self.route
+        failed = next((h for h in old.hops if h.url == exc.hop), old.hops[0])
+        self._excluded.add(failed.url)
+        try:
+            spare = self.replan(frozenset(self._excluded), (failed.start, failed.end))
+        except RouteError as err:
+            raise RouteError(f"node {failed.url} (layers {failed.start}:{failed.end}) failed ({exc}); no replacement: "
+                             f"{err}", 503, "no_replacement", failed.url) from None
+        i = old.hops.index(failed)
+        hops = old.hops[:i] + spare.hops + old.hops[i + 1:]
+        self.route = RemoteRoute.of_hops(hops, old.hop_timeout_s)
+        self._conns.pop(failed.url, None)
+        if failed.url in self._opened:
+            self._opened.remove(failed.url)
+        target = self.position
+        fresh = [h for h in spare.hops if h.url not in self._opened]
+        for h in reversed(fresh):
+            self._open_on(hops, hops.index(h))
+        held = self._restore_many(fresh, self.tokens[:target]) if fresh else {}
+        length = min([target] + list(held.values()))
+        self.position = length  # if this repair fails midway, the next one starts from here
+        self._rewind(hops, held, length, relink=True)
+        self.telemetry.repairs.append({
+            "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code, "message": str(exc)[:300],
+            "replacement": [h.url for h in spare.hops], "restored_tokens": length,
+            "tokens_replayed": target - length, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
     def truncate(self, length: int) -> None:
         """Roll every node back to ``length`` tokens; RouteError when a node refuses."""
         for hop in self.route.hops:
-            _check(hop.url, *_request(self._conn(hop.url), hop.url, "POST", f"/v1/sessions/{self.id}/truncate",
-                                      json.dumps({"length": length}).encode()), "truncate")
+            self._call(hop.url, "POST", f"/v1/sessions/{self.id}/truncate", {"length": length}, "truncate")
         self.position = length
+        del self.tokens[length:]
 
     def close(self) -> None:
         """Release the session on every node it was opened on (best effort: errors are ignored)."""

@@ -6,9 +6,13 @@ top-k → top-p → min-p → temperature → draw.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
+
+
+_FLOAT_MAX = torch.finfo(torch.float64).max
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 raise ValueError(f"{name} must be a number, got {value!r}")
+            if isinstance(value, int) and abs(value) > _FLOAT_MAX:  # it is used as a float when sampling
+                raise ValueError(f"{name} must be within the float range, got an integer of {len(str(value))} digits")
         for name in ("top_k", "repeat_last_n"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
@@ -62,7 +68,11 @@ class Sampler:
     """Draws token ids for one session; holds its RNG so the same seed gives the same tokens."""
 
     def __init__(self, params: SamplingParams):
-        self.params = params.validate()
+        """ValueError (from ``SamplingParams.validate``) for settings of the wrong type or out of range."""
+        params = params.validate()
+        # as floats: torch takes a Python int scalar as int64, and larger ones (temperature 2**64) overflow
+        self.params = replace(params, **{name: float(getattr(params, name))
+                                         for name in ("temperature", "top_p", "min_p", "repeat_penalty")})
         self.generator = torch.Generator()
         if params.seed is None:
             self.generator.seed()
@@ -78,7 +88,9 @@ class Sampler:
             logits = logits.clone()
             ids = torch.tensor(sorted(set(history[-p.repeat_last_n:])), dtype=torch.long)
             vals = logits[ids]
-            logits[ids] = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            penalized = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            # an extreme penalty overflows (x / 1e-300, 0 * inf): keep the logits finite
+            logits[ids] = penalized.nan_to_num(nan=0.0, posinf=_F32_MAX, neginf=-_F32_MAX)
         if p.temperature <= 0:
             return int(torch.argmax(logits))
         k = p.top_k if 0 < p.top_k < logits.numel() else logits.numel()
@@ -92,7 +104,10 @@ class Sampler:
             keep &= probs >= p.min_p * probs[0]
         keep[0] = True
         values, ids = values[keep], ids[keep]
-        probs = torch.softmax(values / p.temperature, dim=-1)
+        scaled = values / p.temperature
+        if not bool(torch.isfinite(scaled).all()):  # a tiny temperature overflows (or rounds to 0 in float32):
+            scaled = (values.double() - float(values[0])) / p.temperature  # softmax is shift-invariant
+        probs = torch.softmax(scaled, dim=-1)
         return int(ids[torch.multinomial(probs, 1, generator=self.generator)])
 
 

@@ -183,20 +183,30 @@ class Gateway:
         self.tokenizer = Tokenizer(str(file.path), file.metadata)
         self.model_name = self.model_name or file.path.stem
 
-    def route(self, max_length: int = 1) -> RemoteRoute:
+    def route(self, max_length: int = 1, exclude=(), span: tuple[int, int] | None = None) -> RemoteRoute:
         """The route, asking each node's /health the first time (blocking). Raises RouteError / ValueError.
 
         With a tracker, a new route is planned for every session (sticky for that session), so new
         sessions see nodes that came and went; ``max_length`` (tokens) must fit every node's free KV.
+        ``exclude`` (node URLs) and ``span`` (layers ``(start, end)``) plan a replacement for a failed hop.
         """
         if self.config.tracker:
+            from urllib.parse import urlencode
+
             from ..swarm.publish import TrackerError, tracker_call
-            base = self.config.tracker.rstrip("/")
+            query = {"model": self.model_name, "max_length": max_length}
+            if exclude:
+                query["exclude"] = ",".join(sorted(exclude))
+            if span:
+                query["start"], query["end"] = span
             try:
-                planned = tracker_call(f"{base}/route?model={self.model_name}&max_length={max_length}")
+                planned = tracker_call(f"{self.config.tracker.rstrip('/')}/route?{urlencode(query)}")
+                return RemoteRoute([hop["url"] for hop in planned["route"]], self.config.hop_timeout_s,
+                                   part=span is not None)
             except TrackerError as exc:
                 raise RouteError(str(exc), 503, "no_route") from None
-            return RemoteRoute([hop["url"] for hop in planned["route"]], self.config.hop_timeout_s)
+            except ValueError as exc:
+                raise RouteError(f"bad route from the tracker: {exc}", 502, "bad_route") from None
         with self._route_lock:
             if self._route is None:
                 try:
@@ -216,12 +226,16 @@ class Gateway:
                 raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",
                                    code="context_length_exceeded", param=prompt_param)
             max_length = min(limit, len(ids) + max(max_tokens, 1))
-            session = route.open(max_length, params, self.config.wire_dtype)
+            replan = None
+            if self.config.tracker:  # repair: a replacement for a failed hop's span, from the tracker
+                def replan(exclude, span):
+                    return self.route(max_length, exclude, span)
+            session = route.open(max_length, params, self.config.wire_dtype, replan=replan)
             emit(("open", session))
             stats = GenerationStats()
             for delta in generate(_Guarded(session, cancelled), self.tokenizer, ids, max_tokens, stop, stats):
                 emit(("delta", delta))
-            emit(("done", stats, self.telemetry(route, session, stats)))
+            emit(("done", stats, self.telemetry(session, stats)))
         except Cancelled:
             emit(("error", RequestError("client went away", 499, "cancelled")))
         except Exception as exc:  # noqa: BLE001 - handed to the event loop
@@ -230,13 +244,14 @@ class Gateway:
             if session is not None:
                 session.close()
 
-    def telemetry(self, route: RemoteRoute, session, stats: GenerationStats) -> dict:
-        """The ``telemetry`` object of a finished generation (ms, tok/s, bytes, tokens)."""
-        per_hop = session.telemetry.summary(route)
-        return {"route": route.describe(), "session": str(session.id), "wire_dtype": self.config.wire_dtype,
+    def telemetry(self, session, stats: GenerationStats) -> dict:
+        """The ``telemetry`` object of a finished generation (ms, tok/s, bytes, tokens; the route as it
+        ended, after any repairs, each listed in ``repairs``)."""
+        per_hop = session.telemetry.summary(session.route)
+        return {"route": session.route.describe(), "session": str(session.id), "wire_dtype": self.config.wire_dtype,
                 "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
                 "ttft_ms": round(stats.ttft_ms, 2), "prefill_tok_s": round(stats.prefill_tok_s, 2),
-                "decode_tok_s": round(stats.decode_tok_s, 2), **per_hop, "repairs": 0}
+                "decode_tok_s": round(stats.decode_tok_s, 2), **per_hop}
 
 
 def _sse(obj) -> bytes:

@@ -15,6 +15,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..artifact.default_model import resolve_model
+from ..cache.app import CacheConfig
+from ..cache.app import make_app as make_cache_app
 from ..artifact.gguf_file import GGUFModelFile
 from ..model import load_config
 from ..node.launch import start_nodes, stop_nodes
@@ -71,12 +73,18 @@ def telemetry_summary(t: dict) -> str:
     lines = ["route: " + " → ".join(f"{h['node']} [{h['layers'][0]}:{h['layers'][1]}]" for h in t["route"]),
              f"prompt {t['prompt_tokens']} tokens, completion {t['completion_tokens']} tokens, "
              f"TTFT {t['ttft_ms']:.0f} ms, prefill {t['prefill_tok_s']:.1f} tok/s, decode {t['decode_tok_s']:.1f} tok/s, "
-             f"{t['payload_bytes_per_decode_token']:.0f} payload B per decode token ({t['wire_dtype']} frames)"]
+             f"{t['payload_bytes_per_decode_token']:.0f} payload B per decode token ({t['wire_dtype']} frames)"
+             + (f", {t['prefix_tokens_restored']} prompt tokens restored from the snapshot cache"
+                if t.get("prefix_tokens_restored") else "")]
     for i, h in enumerate(t["hops"], 1):
         lines.append(f"  hop {i} {h['node']}: compute {h['compute_ms']['mean']:.1f} ms "
                      f"(p95 {h['compute_ms']['p95']:.1f}), network {h['network_ms']['mean']:.1f} ms "
                      f"(p95 {h['network_ms']['p95']:.1f}), {h['payload_bytes_per_decode_token']:.0f} B/token, "
                      f"KV {h['kv_tokens']} tokens")
+    for r in t.get("repairs", []):
+        lines.append(f"  repair: {r['hop']} [{r['layers'][0]}:{r['layers'][1]}] failed ({r['cause']}) → "
+                     f"{', '.join(r['replacement'])}: {r['restored_tokens']} tokens restored, "
+                     f"{r['tokens_replayed']} replayed, {r['ms']:.0f} ms")
     return "\n".join(lines)
 
 
@@ -112,7 +120,7 @@ def run_demo(args) -> int:
     if not swarm_token():  # the demo's swarm is private: a fresh token, inherited by the node processes
         os.environ[TOKEN_ENV] = secrets.token_urlsafe(24)
     t0 = time.perf_counter()
-    nodes, gateway, tracker, seeder, work = [], None, None, None, None
+    nodes, gateway, tracker, seeder, work, cache = [], None, None, None, None, None
     try:
         if args.no_swarm:
             nodes = start_nodes(specs, str(path), threads, extra=["--hop-timeout", str(args.timeout)])
@@ -123,13 +131,16 @@ def run_demo(args) -> int:
             work = Path(tempfile.mkdtemp(prefix="ggufswarm-demo-"))
             tracker = ServerThread(make_tracker_app(TrackerConfig(db=str(work / "tracker.sqlite"))), port=0)
             tracker_url = tracker.start()
+            cache = ServerThread(make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2 ** 30)), port=0)
+            cache_url = cache.start()
             name = path.name.removesuffix(".gguf")
             published = publish(path, tracker_url, name, work / "publisher")
             seeder = Swarm()
             seeder.seed(published.torrent, save_path_for([path]))
-            print(f"ggufswarm demo: tracker {tracker_url}; published {name} "
+            print(f"ggufswarm demo: tracker {tracker_url}; snapshot cache {cache_url}; published {name} "
                   f"({published.manifest.files[0]['bytes'] / 2**20:.0f} MiB) and seeding it", file=sys.stderr, flush=True)
-            nodes = start_nodes(specs, name, threads, extra=["--hop-timeout", str(args.timeout), "--tracker", tracker_url],
+            nodes = start_nodes(specs, name, threads, extra=["--hop-timeout", str(args.timeout), "--tracker", tracker_url,
+                                                             "--cache", cache_url],
                                 per_node=lambda i: ["--data-dir", str(work / f"node{i}")], timeout=600)
             fetched = [sum(f.stat().st_blocks * 512 for f in (work / f"node{i}").rglob("*.gguf")) for i in range(len(nodes))]
             print("ggufswarm demo: nodes fetched " + ", ".join(
@@ -172,5 +183,7 @@ def run_demo(args) -> int:
             seeder.close()
         if tracker is not None:
             tracker.stop()
+        if cache is not None:
+            cache.stop()
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)

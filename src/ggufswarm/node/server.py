@@ -2,7 +2,7 @@
 
 Endpoints (docs/protocol.md): ``POST /v1/sessions`` (open), ``POST /v1/step`` (a frame: prefill or
 decode), ``POST /v1/sessions/{id}/truncate``, ``DELETE /v1/sessions/{id}``, ``GET /health``,
-``GET /metrics``. A non-head node pushes its output frame straight to the session's next hop and
+``GET /metrics``, ``POST /v1/sessions/{id}/restore`` (fill from the snapshot cache). A non-head node pushes its output frame straight to the session's next hop and
 answers with the head's reply, its own hop timings prepended.
 """
 
@@ -65,6 +65,8 @@ class NodeConfig:
     swarm_name: str | None = None     # the published name advertised to the tracker (set after a fetch)
     memory_budget_mb: float = 8192.0  # with layers "auto": most MiB of block weights (encoded) to take on
     token: str | None = field(default_factory=swarm_token)  # swarm token required on every endpoint
+    cache: str | None = None          # snapshot cache server URL (``ggufswarm cache``)
+    snapshot_every: int = 32          # with a cache: snapshot each session every N tokens after its prefill
 
 
 class NodeState:
@@ -84,6 +86,10 @@ class NodeState:
             self.store.budget_tokens = min(budget, int(config.kv_budget_mb * 2 ** 20) // per_token)
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="shard")
         self.client: aiohttp.ClientSession | None = None
+        self.snapshots = None
+        if config.cache:
+            from .snapshots import SnapshotLink, shard_of
+            self.snapshots = SnapshotLink(config.cache, shard_of(executor), config.snapshot_every, lambda: self.client)
         self.max_body = HEADER_SIZE + config.max_step_tokens * (self.cfg.n_embd * 4 + 4)
         reg = self.registry = CollectorRegistry()
         store = self.store
@@ -137,6 +143,7 @@ class NodeState:
             "session_ttl_s": s.ttl_s, "sessions": len(s.sessions), "kv_budget_tokens": s.budget_tokens,
             "kv_tokens_reserved": s.reserved_tokens, "kv_tokens_held": s.held_tokens,
             "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals(),
+            "cache": self.config.cache, "snapshots": self.snapshots.counters if self.snapshots else None,
         }
 
 
@@ -145,8 +152,9 @@ def _json(obj, status: int = 200) -> web.Response:
 
 
 def _error(state: NodeState, exc: Exception) -> web.Response:
+    hop = None
     if isinstance(exc, ProtocolError):
-        code, status, message = exc.code, exc.status, exc.message
+        code, status, message, hop = exc.code, exc.status, exc.message, exc.hop
     elif isinstance(exc, SessionError):
         err = ProtocolError(exc.code, str(exc))
         code, status, message = err.code, err.status, err.message
@@ -154,10 +162,18 @@ def _error(state: NodeState, exc: Exception) -> web.Response:
         code, status, message = "context_overflow", 400, str(exc)
     elif isinstance(exc, ValueError):
         code, status, message = ("bad_token" if "token id" in str(exc) else "bad_request"), 400, str(exc)
+    elif isinstance(exc, web.HTTPRequestEntityTooLarge):  # a JSON body over the app's client_max_size
+        code, status, message = "bad_request", 400, f"request body too large: {exc.text}"
+    elif isinstance(exc, RecursionError):  # json.loads of a body nested thousands of levels deep
+        code, status, message = "bad_request", 400, f"body is not usable JSON: {exc}"
+    elif type(exc) is LookupError:  # codecs: the Content-Type names a charset Python does not know
+        code, status, message = "bad_request", 400, f"cannot decode the body: {exc}"
+    elif isinstance(exc, web.RequestPayloadError):  # e.g. Content-Encoding: gzip over bytes that are not gzip
+        code, status, message = "bad_request", 400, f"cannot read the body: {exc}"
     else:
         code, status, message = "internal", 500, f"{type(exc).__name__}: {exc}"
     state.errors.labels(code).inc()
-    return web.Response(body=error_body(code, message), status=status, content_type=JSON)
+    return web.Response(body=error_body(code, message, hop), status=status, content_type=JSON)
 
 
 async def _read_json(request: web.Request) -> dict:
@@ -186,21 +202,18 @@ async def open_session(request: web.Request) -> web.Response:
         max_length = body.get("max_length")
         if not isinstance(max_length, int) or isinstance(max_length, bool):
             raise ProtocolError("bad_request", f"max_length must be an integer, got {max_length!r}")
-        next_hop = body.get("next_hop")
-        if state.spec.head and next_hop:
-            raise ProtocolError("bad_request", "this node holds the head stage; it takes no next_hop")
-        if not state.spec.head and not (isinstance(next_hop, str) and next_hop.startswith(("http://", "https://"))):
-            raise ProtocolError("bad_request", f"layers {state.spec.start}:{state.spec.end} are not the last shard: "
-                                               f"next_hop must be the next node's http:// URL, got {next_hop!r}")
+        next_hop = _next_hop(state, body.get("next_hop"))
         wire = body.get("wire_dtype", "f16")
         if wire not in WIRE_DTYPES:
             raise ProtocolError("bad_dtype", f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire!r}")
         n_logprobs = body.get("top_logprobs", 0)
-        if not isinstance(n_logprobs, int) or not 0 <= n_logprobs <= 20:
+        if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or not 0 <= n_logprobs <= 20:
             raise ProtocolError("bad_request", f"top_logprobs must be an integer in 0..20, got {n_logprobs!r}")
         hop_timeout = body.get("hop_timeout_s", state.config.hop_timeout_s)
-        if isinstance(hop_timeout, bool) or not isinstance(hop_timeout, (int, float)) or not hop_timeout > 0:
-            raise ProtocolError("bad_request", f"hop_timeout_s must be a positive number, got {hop_timeout!r}")
+        if (isinstance(hop_timeout, bool) or not isinstance(hop_timeout, (int, float))
+                or not 0 < hop_timeout <= sys.float_info.max):  # finite: it becomes a float timeout
+            raise ProtocolError("bad_request", f"hop_timeout_s must be a positive finite number of seconds, "
+                                               f"got {hop_timeout!r}")
         sampling = body.get("sampling") or {}
         if not isinstance(sampling, dict):
             raise ProtocolError("bad_request", "sampling must be an object")
@@ -208,8 +221,7 @@ async def open_session(request: web.Request) -> web.Response:
             params = SamplingParams(**sampling).validate()
         except TypeError as exc:
             raise ProtocolError("bad_request", f"sampling: {exc}") from None
-        session = state.store.open(sid, max_length, next_hop.rstrip("/") if next_hop else None, params, wire,
-                                   n_logprobs)
+        session = state.store.open(sid, max_length, next_hop, params, wire, n_logprobs)
         session.lock = asyncio.Lock()
         session.hop_timeout_s = float(hop_timeout)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
@@ -229,20 +241,91 @@ async def close_session(request: web.Request) -> web.Response:
     return _json({"closed": str(session.id), "kv_tokens": session.length})
 
 
+def _next_hop(state: NodeState, next_hop) -> str | None:
+    """A validated next_hop for this shard: None on the head, the next node's http(s) URL otherwise."""
+    if state.spec.head and next_hop:
+        raise ProtocolError("bad_request", "this node holds the head stage; it takes no next_hop")
+    if not state.spec.head and not (isinstance(next_hop, str) and next_hop.startswith(("http://", "https://"))
+                                    and len(next_hop) <= 2048):
+        raise ProtocolError("bad_request", f"layers {state.spec.start}:{state.spec.end} are not the last shard: "
+                                           f"next_hop must be the next node's http:// URL, got {next_hop!r}"[:300])
+    return next_hop.rstrip("/") if next_hop else None
+
+
+def _step_field(body: dict):
+    step = body.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2 ** 63):
+        raise ProtocolError("bad_request", f"step must be an integer in [0, 2**63), got {step!r}"[:300])
+    return step
+
+
 async def truncate_session(request: web.Request) -> web.Response:
-    """``POST /v1/sessions/{id}/truncate`` {length} → 200 {length}: roll the KV cache back."""
+    """``POST /v1/sessions/{id}/truncate`` {length[, step][, next_hop]} → 200 {length}: roll the KV cache back.
+
+    Route repair also sets ``step`` (the last step number applied; the next is ``step + 1``) and, for a
+    node whose successor was replaced, ``next_hop``.
+    """
     state: NodeState = request.app[NODE]
     try:
         body = await _read_json(request)
         length = body.get("length")
         if not isinstance(length, int) or isinstance(length, bool):
             raise ProtocolError("bad_request", f"length must be an integer, got {length!r}")
+        step_no = _step_field(body)
+        next_hop = _next_hop(state, body["next_hop"]) if "next_hop" in body else None
         session = state.store.get(_session_id(request.match_info["sid"]))
         async with session.lock:
             state.store.truncate(session.id, length)
+            if step_no is not None:
+                state.store.set_step(session, step_no)
+            if "next_hop" in body:
+                session.next_hop = next_hop
     except Exception as exc:  # noqa: BLE001
         return _error(state, exc)
     return _json({"session_id": str(session.id), "length": session.length})
+
+
+async def restore_session(request: web.Request) -> web.Response:
+    """``POST /v1/sessions/{id}/restore`` {tokens[, step]} → 200 {length, reason}: fill an empty session's KV
+    cache with the longest cached prefix of ``tokens`` (whole blocks of 16 tokens) from the snapshot cache.
+
+    ``length`` 0 when there is no cache, no cached prefix, or the cache fails (the caller recomputes).
+    409 session_not_empty when the session already holds tokens; 400 bad_token for ids out of vocabulary.
+    """
+    state: NodeState = request.app[NODE]
+    t0 = time.perf_counter()
+    try:
+        body = await _read_json(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise ProtocolError("bad_request", "tokens must be a list of token ids")
+        step_no = _step_field(body)
+        session = state.store.get(_session_id(request.match_info["sid"]))
+        if len(tokens) > session.max_length:
+            raise ProtocolError("context_overflow", f"{len(tokens)} tokens exceed the session's max_length "
+                                                    f"{session.max_length}")
+        if tokens and not 0 <= min(tokens) <= max(tokens) < state.cfg.n_vocab:
+            raise ProtocolError("bad_token", f"token id out of range [0, {state.cfg.n_vocab})")
+        async with session.lock:
+            if session.length:
+                raise ProtocolError("session_not_empty", f"session holds {session.length} tokens; restore needs "
+                                                         "an empty session (truncate to 0 first)")
+            snap, length, reason = (None, 0, "no cache configured") if state.snapshots is None else \
+                await state.snapshots.fetch(tokens)
+            if snap is not None:
+                n = length
+                session.kv.load([k[:n] for k in snap.keys], [v[:n] for v in snap.values])
+                session.history[:] = tokens[:n]
+                session.history_complete = True
+                session.snapshot_at = n
+                state.snapshots.counters["restored"] += 1
+                state.snapshots.counters["restored_tokens"] += n
+            if step_no is not None:
+                state.store.set_step(session, step_no)
+    except Exception as exc:  # noqa: BLE001
+        return _error(state, exc)
+    return _json({"session_id": str(session.id), "length": session.length, "reason": reason,
+                  "ms": round((time.perf_counter() - t0) * 1e3, 3)})
 
 
 async def _push(state: NodeState, url: str, frame: bytes, timeout_s: float) -> dict:
@@ -254,15 +337,16 @@ async def _push(state: NodeState, url: str, frame: bytes, timeout_s: float) -> d
             if resp.status != 200:
                 try:
                     err = json.loads(body)["error"]
-                    code, message = err["code"], err["message"]
-                except (ValueError, KeyError, TypeError):
-                    code, message = "hop_failed", body[:200].decode(errors="replace")
-                raise ProtocolError(code, f"next hop {url}: {message}", resp.status)
+                    code, message, hop = err["code"], err["message"], err.get("hop")
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    code, message, hop = "hop_failed", body[:200].decode(errors="replace"), None
+                # the failed node: the one a deeper hop named, else the next hop itself
+                raise ProtocolError(code, f"next hop {url}: {message}", resp.status, hop or url)
             return json.loads(body)
     except asyncio.TimeoutError:
-        raise ProtocolError("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s") from None
+        raise ProtocolError("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s", hop=url) from None
     except aiohttp.ClientError as exc:
-        raise ProtocolError("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}") from None
+        raise ProtocolError("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}", hop=url) from None
 
 
 async def step(request: web.Request) -> web.Response:
@@ -312,6 +396,8 @@ async def step(request: web.Request) -> web.Response:
                 reply["hops"].insert(0, hop)
             hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             record.reply = json.dumps(reply).encode()
+            if state.snapshots is not None:
+                state.snapshots.after_step(session, kind == "prefill" and frame.sample)
             return web.Response(body=record.reply, content_type=JSON)
     except Exception as exc:  # noqa: BLE001
         return _error(state, exc)
@@ -403,6 +489,7 @@ def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.A
     app.router.add_post("/v1/sessions", open_session)
     app.router.add_delete("/v1/sessions/{sid}", close_session)
     app.router.add_post("/v1/sessions/{sid}/truncate", truncate_session)
+    app.router.add_post("/v1/sessions/{sid}/restore", restore_session)
     app.router.add_post("/v1/step", step)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -417,6 +504,9 @@ def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.A
         yield
         for t in tasks:
             t.cancel()
+        if state.snapshots is not None:
+            await state.snapshots.drain(5.0)
+            state.snapshots.close()
         if config.tracker:
             await _deregister(state)
         await state.client.close()

@@ -6,6 +6,7 @@ import json
 
 # code -> HTTP status (docs/protocol.md, "Errors")
 ERROR_STATUS = {
+    "unauthorized": 401,        # no or wrong swarm token (X-Ggufswarm-Token)
     "bad_request": 400,         # JSON body missing / malformed / wrong field types
     "bad_frame": 400,           # frame too short, bad magic, lengths that do not add up
     "unsupported_version": 400, # frame protocol version this node does not speak
@@ -16,6 +17,7 @@ ERROR_STATUS = {
     "context_overflow": 400,    # the step would pass the session's max_length
     "unknown_session": 404,     # no such session on this node (never opened, closed or expired)
     "session_exists": 409,      # open with an id already in use
+    "session_not_empty": 409,   # restore into a session that already holds tokens
     "step_conflict": 409,       # same step number, different content
     "stale_step": 409,          # step number below the last one applied
     "step_gap": 409,            # step number skips ahead
@@ -23,6 +25,10 @@ ERROR_STATUS = {
     "too_many_tokens": 413,     # n_tokens above the node's max_step_tokens
     "kv_budget_full": 429,      # the node's KV budget is taken by other sessions: retry later
     "kv_budget_too_small": 503, # this session's max_length alone exceeds the node's whole budget
+    "bad_snapshot": 400,        # cache: an upload that is not a snapshot blob, or shorter than one block
+    "unknown_snapshot": 404,    # cache: no snapshot under that key (never stored, or evicted)
+    "snapshot_corrupt": 410,    # cache: the stored bytes failed their SHA-256 check; deleted
+    "snapshot_too_large": 413,  # cache: upload over the server's limit
     "internal": 500,            # a bug; the message says what
     "hop_failed": 502,          # the next hop answered with an error or dropped the connection
     "hop_timeout": 504,         # the next hop did not answer within the hop timeout
@@ -32,17 +38,21 @@ ERROR_STATUS = {
 class ProtocolError(Exception):
     """An error with a machine-readable ``code`` (a key of ERROR_STATUS) and an HTTP ``status``."""
 
-    def __init__(self, code: str, message: str, status: int | None = None):
+    def __init__(self, code: str, message: str, status: int | None = None, hop: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status or ERROR_STATUS.get(code, 500)
+        self.hop = hop  # URL of the node that failed, when the error is about a node further down the route
 
     def body(self) -> bytes:
-        """The JSON error body ``{"error": {"code", "message"}}`` (UTF-8)."""
-        return error_body(self.code, self.message)
+        """The JSON error body ``{"error": {"code", "message"[, "hop"]}}`` (UTF-8)."""
+        return error_body(self.code, self.message, self.hop)
 
 
-def error_body(code: str, message: str) -> bytes:
-    """``{"error": {"code": code, "message": message}}`` as UTF-8 JSON bytes."""
-    return json.dumps({"error": {"code": code, "message": message}}).encode()
+def error_body(code: str, message: str, hop: str | None = None) -> bytes:
+    """``{"error": {"code": code, "message": message}}`` as UTF-8 JSON bytes; ``hop``: the failed node's URL."""
+    err = {"code": code, "message": message}
+    if hop:
+        err["hop"] = hop
+    return json.dumps({"error": err}).encode()

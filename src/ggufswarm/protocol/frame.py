@@ -165,7 +165,8 @@ def decode_frame(body: bytes, n_embd: int | None = None, max_tokens: int | None 
         if dtype == "f16":
             arr = np.frombuffer(body, dtype="<f2", count=count, offset=HEADER_SIZE).astype(np.float32)
             if scale_exp:
-                arr *= np.float32(2.0 ** scale_exp)
+                with np.errstate(over="ignore"):  # overflow gives inf, refused as non_finite below
+                    arr *= np.float32(2.0 ** scale_exp)
         elif dtype == "bf16":
             raw = np.frombuffer(body, dtype="<u2", count=count, offset=HEADER_SIZE).astype(np.uint32) << 16
             arr = raw.view(np.float32)

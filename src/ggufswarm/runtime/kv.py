@@ -71,6 +71,7 @@ class SessionKV:
         self.max_length = check_max_length(max_length)
         self.layers = [LayerKV(n_head_kv, head_dim, max_length, dtype) for _ in range(n_layers)]
         self.length = 0
+        self.epoch = 0  # bumped by every truncate/load: positions below ``length`` may have been rewritten
 
     def reserve(self, n_tokens: int) -> None:
         """Raise ContextOverflow unless ``n_tokens`` more tokens fit under ``max_length``."""
@@ -83,8 +84,27 @@ class SessionKV:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: session holds {self.length} tokens")
         self.length = length
+        self.epoch += 1
         for layer in self.layers:
             layer.length = length
+
+    def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Replace the whole cache with ``keys[i]`` / ``values[i]`` ``[n, n_head_kv, head_dim]`` per layer
+        (a restored snapshot; converted to this cache's dtype). ValueError for a wrong layer count or
+        shape, ContextOverflow past ``max_length``; the cache is unchanged then."""
+        if len(keys) != len(self.layers) or len(values) != len(self.layers):
+            raise ValueError(f"snapshot has {len(keys)} layers, this shard {len(self.layers)}")
+        n = keys[0].shape[0] if keys else 0
+        want = tuple(self.layers[0].k.shape[1:]) if self.layers else ()
+        for k, v in zip(keys, values):
+            if k.shape[0] != n or tuple(k.shape[1:]) != want or v.shape != k.shape:
+                raise ValueError(f"snapshot K/V shape {tuple(k.shape)} does not fit [n, {want}]")
+        if n > self.max_length:
+            raise ContextOverflow(f"snapshot holds {n} tokens; the session's max_length is {self.max_length}")
+        self.truncate(0)
+        for layer, k, v in zip(self.layers, keys, values):
+            layer.append(k.to(layer.k.dtype), v.to(layer.v.dtype))
+        self.length = n
 
     def nbytes(self) -> int:
         """Bytes allocated for all layers of this session."""

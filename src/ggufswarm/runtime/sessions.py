@@ -75,7 +75,9 @@ class Session:
     wire_dtype: str = "f16"
     sampler: Sampler | None = None
     n_logprobs: int = 0
-    history: list[int] = field(default_factory=list)
+    history: list[int] = field(default_factory=list)  # token ids of every position held (sampler, snapshots)
+    history_complete: bool = True  # False once a step arrived without its token ids
+    snapshot_at: int = 0  # position of the last snapshot taken (tokens)
     last: StepRecord | None = None
     last_used: float = field(default_factory=time.monotonic)
     busy: int = 0
@@ -181,9 +183,18 @@ class SessionStore:
         session = self.get(session_id)
         session.kv.truncate(length)
         del session.history[length:]
+        session.snapshot_at = min(session.snapshot_at, length)
         if session.last is not None:
             session.last = StepRecord(session.last.step, -1, -1, 0, reply=None)
         return session
+
+    @staticmethod
+    def set_step(session: Session, step: int) -> None:
+        """Make ``step`` the last step applied (the next one is ``step + 1``): after a route repair every
+        node of the route, old or new, continues from the same step number. ValueError when negative."""
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2 ** 63:
+            raise ValueError(f"step must be an integer in [0, 2**63), got {step!r}")
+        session.last = StepRecord(step, -1, -1, 0) if step else None
 
     # -- steps -------------------------------------------------------------------------------
     @staticmethod
@@ -216,24 +227,39 @@ class SessionStore:
 
         ``inputs``: int64 ids ``[T]`` (embedding shard) or float32 hidden ``[T, n_embd]``;
         ``token_ids``: the route's input ids ``[T]`` (the head's sampler history), may be None.
-        Raises ContextOverflow / ValueError from the executor; the KV cache is then unchanged.
+        Raises ContextOverflow / ValueError from the executor, and ValueError("token id ...") when a
+        ``token_ids`` entry is outside ``[0, n_vocab)``; on any error the KV cache and the session's
+        history are unchanged.
         """
+        n_vocab = self.executor.cfg.n_vocab
+        if token_ids is not None and token_ids.numel() and (int(token_ids.min()) < 0
+                                                            or int(token_ids.max()) >= n_vocab):
+            raise ValueError(f"token id out of range [0, {n_vocab}) in the frame's token-id trailer")
         session.busy += 1
         try:
             t0 = time.perf_counter()
+            kept = (session.kv.length, len(session.history), session.history_complete)
             out = self.executor.forward(session.kv, inputs)
             record = StepRecord(step, digest, start, inputs.shape[0])
-            if self.executor.spec.head:
+            try:
                 ids = token_ids if token_ids is not None else (inputs if inputs.dim() == 1 else None)
                 if ids is not None:
                     session.history.extend(ids.tolist())
-                if sample:
-                    logits = out[-1]
-                    record.token = session.sampler.sample(logits, session.history)
-                    if session.n_logprobs:
-                        record.logprobs = top_logprobs(logits, session.n_logprobs)
-            else:
-                record.output = out
+                else:
+                    session.history_complete = False
+                if self.executor.spec.head:
+                    if sample:
+                        logits = out[-1]
+                        record.token = session.sampler.sample(logits, session.history)
+                        if session.n_logprobs:
+                            record.logprobs = top_logprobs(logits, session.n_logprobs)
+                else:
+                    record.output = out
+            except BaseException:  # a step that fails after the forward pass leaves the session as it was
+                session.kv.truncate(kept[0])
+                del session.history[kept[1]:]
+                session.history_complete = kept[2]
+                raise
             record.compute_ms = (time.perf_counter() - t0) * 1e3
             session.last = record
             return record

@@ -129,8 +129,14 @@ def make_app(config: TrackerConfig) -> web.Application:
         layers = n_layers(model)
         if layers is None:
             return _error(404, "unknown_model", f"no model named {model!r} is published")
+        exclude = {u.rstrip("/") for u in request.query.get("exclude", "").split(",") if u}
         try:
-            chain = plan_route(registry.nodes(model), layers, max_length, config.hop_ms, routed)
+            span = (int(request.query.get("start", "0")), int(request.query.get("end", str(layers))))
+        except ValueError:
+            return _error(400, "bad_request", "start and end must be layer indices")
+        try:
+            ads = [a for a in registry.nodes(model) if a.url.rstrip("/") not in exclude]
+            chain = plan_route(ads, layers, max_length, config.hop_ms, routed, span)
         except NoRoute as exc:
             return _error(503, "no_route", f"{model}: {exc}")
         routed.update(a.node_id for a in chain)

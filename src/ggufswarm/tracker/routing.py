@@ -51,17 +51,29 @@ def uncovered(ads: list[Advertisement], n_layers: int) -> list[tuple[int, int]]:
 
 
 def plan_route(ads: list[Advertisement], n_layers: int, max_length: int, hop_ms: float = 1.0,
-               load: dict[str, int] | None = None) -> list[Advertisement]:
+               load: dict[str, int] | None = None, span: tuple[int, int] | None = None) -> list[Advertisement]:
     """The chain ``[ad_0, ..., ad_k]`` with ``ad_0`` holding the embedding stage and layers from 0,
     each next one starting where the previous ended, the last holding the head and ending at
     ``n_layers``, that minimizes ``sum(decode_ms + hop_ms)``; only ready nodes with
     ``free_kv_tokens >= max_length`` qualify. Among equal-latency chains, nodes with fewer sessions
     in ``load`` (node_id → sessions routed) are preferred, which spreads load.
 
+    ``span=(start, end)`` plans only that part of the route (a replacement for a failed hop): the chain
+    starts at ``start`` (with the embedding stage when 0) and ends at ``end`` (with the head when
+    ``n_layers``).
+
     Raises NoRoute naming the layers not served ("layers 6:12 are not served"), or the reason no
     chain fits (no free KV, no embedding/head stage, ranges that do not line up).
     """
     load = load or {}
+    first, last = span or (0, n_layers)
+    if not 0 <= first < last <= n_layers:
+        raise NoRoute(f"span {first}:{last} is not inside layers 0:{n_layers}")
+    outside = set(range(first)) | set(range(last, n_layers))
+
+    def uncovered(group: list[Advertisement], n: int) -> list[tuple[int, int]]:
+        return gaps(outside | {i for a in group for i in range(max(a.layers[0], 0), min(a.layers[1], n))}, n)
+
     ready = [a for a in ads if a.state == "ready"]
     missing = uncovered(ready, n_layers)
     if missing:
@@ -73,16 +85,16 @@ def plan_route(ads: list[Advertisement], n_layers: int, max_length: int, hop_ms:
         names = ", ".join(f"{s}:{e}" for s, e in missing)
         raise NoRoute(f"no node serving layers {names} has {max_length} tokens of free KV cache")
     # Dijkstra over layer boundaries 0..n_layers; edge = one shard. Cost: (latency, load) lexicographic.
-    best: dict[int, tuple[float, int]] = {0: (0.0, 0)}
+    best: dict[int, tuple[float, int]] = {first: (0.0, 0)}
     prev: dict[int, Advertisement] = {}
-    heap: list[tuple[float, int, int]] = [(0.0, 0, 0)]
+    heap: list[tuple[float, int, int]] = [(0.0, 0, first)]
     while heap:
         cost, spread, pos = heapq.heappop(heap)
-        if (cost, spread) > best.get(pos, (float("inf"), 0)) or pos == n_layers:
+        if (cost, spread) > best.get(pos, (float("inf"), 0)) or pos == last:
             continue
         for ad in fit:
             start, end = ad.layers
-            if start != pos or end <= start:
+            if start != pos or end <= start or end > last:
                 continue
             if pos == 0 and not ad.embed:
                 continue
@@ -93,11 +105,11 @@ def plan_route(ads: list[Advertisement], n_layers: int, max_length: int, hop_ms:
                 best[end] = key
                 prev[end] = ad
                 heapq.heappush(heap, (key[0], key[1], end))
-    if n_layers not in prev:
-        raise NoRoute(f"the served ranges do not chain from layer 0 (with embedding) to {n_layers} (with head) "
-                      "without overlapping")
-    route, pos = [], n_layers
-    while pos != 0:
+    if last not in prev:
+        raise NoRoute(f"the served ranges do not chain from layer {first}{' (with embedding)' if first == 0 else ''} "
+                      f"to {last}{' (with head)' if last == n_layers else ''} without overlapping")
+    route, pos = [], last
+    while pos != first:
         ad = prev[pos]
         route.append(ad)
         pos = ad.layers[0]

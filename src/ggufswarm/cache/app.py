@@ -1,0 +1,173 @@
+"""aiohttp app of the cache server (``ggufswarm cache``): store, fetch and look up prefix KV snapshots.
+
+Endpoints (docs/protocol.md, "Snapshot cache"), all behind the swarm token:
+``POST /v1/snapshots`` (a snapshot blob → 201 ``{key, n_tokens, bytes, blocks, evicted}``),
+``GET /v1/snapshots/{key}`` (the blob, SHA-256 checked; header ``X-Ggufswarm-Sha256``),
+``POST /v1/lookup`` (``{model, layers, dtype, tokens}`` → ``{key, length}``), ``GET /health``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+from ..model.config import MAX_CONTEXT
+from ..protocol.auth import swarm_token, token_middleware
+from ..protocol.errors import ProtocolError, error_body
+from .snapshot import KV_DTYPES, Shard, SnapshotError
+from .store import SnapshotCorrupt, SnapshotMissing, SnapshotStore
+
+STORE = web.AppKey("store", SnapshotStore)
+KEY_RE = re.compile(r"[0-9a-f]{64}")
+SHA_HEADER = "X-Ggufswarm-Sha256"
+
+
+@dataclass
+class CacheConfig:
+    """Cache server settings: blob directory, size cap (bytes), largest accepted upload (bytes)."""
+
+    dir: str
+    max_bytes: int = 4 * 2 ** 30
+    max_upload_bytes: int = 2 ** 30
+    token: str | None = field(default_factory=swarm_token)
+
+
+def _fail(exc: Exception) -> web.Response:
+    if isinstance(exc, SnapshotCorrupt):
+        err = ProtocolError("snapshot_corrupt", f"snapshot {exc.args[0]} failed its SHA-256 check and was deleted")
+    elif isinstance(exc, SnapshotMissing):
+        err = ProtocolError("unknown_snapshot", f"no snapshot {exc.args[0]} (never stored, or evicted)")
+    elif isinstance(exc, SnapshotError):
+        err = ProtocolError("bad_snapshot", str(exc))
+    elif isinstance(exc, ProtocolError):
+        err = exc
+    else:
+        err = ProtocolError("internal", f"{type(exc).__name__}: {exc}")
+    return web.Response(body=error_body(err.code, err.message), status=err.status, content_type="application/json")
+
+
+async def put_snapshot(request: web.Request) -> web.Response:
+    """``POST /v1/snapshots``: store a blob; 201, or 400 bad_snapshot / 413 too large."""
+    store = request.app[STORE]
+    try:
+        try:
+            blob = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise ProtocolError("snapshot_too_large", f"snapshot upload over {exc.max_size} bytes") from None
+        info = await asyncio.get_running_loop().run_in_executor(None, store.put, blob)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
+        return _fail(exc)
+    return web.json_response(info, status=201)
+
+
+async def get_snapshot(request: web.Request) -> web.Response:
+    """``GET /v1/snapshots/{key}``: the blob (application/octet-stream); 404 unknown_snapshot, 410 snapshot_corrupt."""
+    store = request.app[STORE]
+    key = request.match_info["key"]
+    try:
+        if not KEY_RE.fullmatch(key):
+            raise ProtocolError("bad_request", "a snapshot key is 64 lowercase hex digits")
+        blob = await asyncio.get_running_loop().run_in_executor(None, store.get, key)
+    except Exception as exc:  # noqa: BLE001
+        return _fail(exc)
+    return web.Response(body=blob, content_type="application/octet-stream",
+                        headers={SHA_HEADER: hashlib.sha256(blob).hexdigest()})
+
+
+def parse_lookup(body) -> tuple[Shard, list[int]]:
+    """The shard and tokens of a lookup body ``{model, layers: [start, end], dtype, tokens}``; ProtocolError."""
+    if not isinstance(body, dict):
+        raise ProtocolError("bad_request", "body must be a JSON object")
+    model, layers, dtype, tokens = body.get("model"), body.get("layers"), body.get("dtype"), body.get("tokens")
+    if not isinstance(model, str) or not re.fullmatch(r"[0-9a-f]{64}", model):
+        raise ProtocolError("bad_request", "model must be the 64-hex-digit GGUF fingerprint")
+    if not (isinstance(layers, list) and len(layers) == 2 and all(type(x) is int and 0 <= x <= 100_000 for x in layers)
+            and layers[0] < layers[1]):
+        raise ProtocolError("bad_request", f"layers must be [start, end] with start < end, got {layers!r}")
+    if dtype not in KV_DTYPES:
+        raise ProtocolError("bad_request", f"dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+    if not (isinstance(tokens, list) and len(tokens) <= MAX_CONTEXT and all(type(t) is int and 0 <= t < 2 ** 31
+                                                                           for t in tokens)):
+        raise ProtocolError("bad_request", f"tokens must be a list of at most {MAX_CONTEXT} non-negative int32 ids")
+    return Shard(model, layers[0], layers[1], dtype), tokens
+
+
+async def lookup(request: web.Request) -> web.Response:
+    """``POST /v1/lookup``: the longest cached whole-block prefix → 200 ``{key, length}`` (``key`` null when none)."""
+    store = request.app[STORE]
+    try:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise ProtocolError("bad_request", f"body is not JSON: {exc}") from None
+        shard, tokens = parse_lookup(body)
+        found = await asyncio.get_running_loop().run_in_executor(None, store.lookup, shard, tokens)
+    except Exception as exc:  # noqa: BLE001
+        return _fail(exc)
+    key, length = found or (None, 0)
+    return web.json_response({"key": key, "length": length})
+
+
+def health_body(store: SnapshotStore) -> dict:
+    s = store.stats
+    return {"status": "ok", "snapshots": store.count, "bytes": store.total_bytes, "max_bytes": store.max_bytes,
+            "hits": s.hits, "misses": s.misses, "evictions": s.evictions, "corrupt": s.corrupt}
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: counts, bytes held, hit/miss/eviction counters."""
+    return web.json_response(health_body(request.app[STORE]))
+
+
+def make_app(config: CacheConfig) -> web.Application:
+    """The cache server's aiohttp app over a SnapshotStore in ``config.dir``. Raises OSError for a bad dir."""
+    store = SnapshotStore(config.dir, config.max_bytes)
+    app = web.Application(client_max_size=config.max_upload_bytes, middlewares=[token_middleware(config.token)])
+    app[STORE] = store
+    registry = CollectorRegistry()
+    for name, doc, fn in (("snapshots", "Snapshots stored", lambda: store.count),
+                          ("bytes", "Bytes of stored snapshots", lambda: store.total_bytes),
+                          ("hits", "Lookups that found a cached prefix", lambda: store.stats.hits),
+                          ("misses", "Lookups that found none", lambda: store.stats.misses),
+                          ("evictions", "Snapshots evicted (LRU, size cap)", lambda: store.stats.evictions)):
+        Gauge(f"ggufswarm_cache_{name}", doc, registry=registry).set_function(fn)
+
+    async def metrics(request: web.Request) -> web.Response:
+        """``GET /metrics``: Prometheus text format."""
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_post("/v1/snapshots", put_snapshot)
+    app.router.add_get("/v1/snapshots/{key}", get_snapshot)
+    app.router.add_post("/v1/lookup", lookup)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    async def close(_app) -> None:
+        store.close()
+
+    app.on_cleanup.append(close)
+    return app
+
+
+def run_cache(config: CacheConfig, host: str, port: int) -> int:
+    """``ggufswarm cache``: serve until SIGINT/SIGTERM, printing one ready line to stdout."""
+    from ..node.server import serve
+
+    app = make_app(config)
+    store = app[STORE]
+
+    def ready(url: str) -> None:
+        print(f"ggufswarm cache ready: {url}  (dir {Path(config.dir).resolve()}, {store.count} snapshots, "
+              f"{store.total_bytes / 2**20:.1f} of {config.max_bytes / 2**20:.0f} MiB)", flush=True)
+
+    asyncio.run(serve(app, host, port, ready))
+    print("ggufswarm cache: stopped", file=sys.stderr, flush=True)
+    return 0
+
+

@@ -1,0 +1,145 @@
+"""Prefix KV snapshots: one shard's KV cache at a position, as a safetensors blob, and its content addresses.
+
+A snapshot holds, for the token prefix ``tokens[0:n]`` and the layers ``[start, end)`` of one model
+(named by its GGUF header fingerprint) in one KV dtype:
+
+* ``tokens``: int32 ``[n]``;
+* ``k.{i}``, ``v.{i}`` for ``i`` in ``0..end-start-1``: ``[n, n_head_kv, head_dim]`` in the KV dtype;
+* metadata ``format``, ``model``, ``layers`` (``"start:end"``), ``dtype``, ``n_tokens``.
+
+Attention is causal, so the KV of positions ``< m`` depends only on ``tokens[0:m]``: a snapshot of
+``n`` tokens serves every prefix ``m <= n`` of its tokens. The cache indexes a snapshot under the
+hash of each whole block of ``BLOCK_TOKENS`` tokens it holds (a hash chain, as vLLM's automatic prefix
+caching does), so one lookup finds the longest cached prefix of any token sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+FORMAT = "ggufswarm-kv/1"
+BLOCK_TOKENS = 16  # prefix granularity: snapshots are found and restored in whole blocks of this many tokens
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class SnapshotError(ValueError):
+    """A blob that is not a valid snapshot, or one that does not fit the shard it is restored into."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What a snapshot is of: model fingerprint (hex), layer range ``[start, end)``, KV dtype name."""
+
+    model: str
+    start: int
+    end: int
+    dtype: str
+
+    def tag(self) -> bytes:
+        return f"{self.model}\0{self.start}:{self.end}\0{self.dtype}".encode()
+
+
+def _ids(tokens) -> bytes:
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def snapshot_key(shard: Shard, tokens) -> str:
+    """Content address of a snapshot (hex SHA-256 of shard + the int32 token prefix)."""
+    return hashlib.sha256(FORMAT.encode() + b"\0" + shard.tag() + b"\0" + _ids(tokens)).hexdigest()
+
+
+def prefix_hashes(shard: Shard, tokens) -> list[str]:
+    """Chain hashes of the whole ``BLOCK_TOKENS`` blocks of ``tokens``: entry ``k-1`` names the prefix
+    ``tokens[0:k*BLOCK_TOKENS]`` of this shard (hex SHA-256, each over the previous one and the block)."""
+    ids = _ids(tokens)
+    h = hashlib.sha256(b"ggufswarm-prefix/1\0" + shard.tag()).digest()
+    out = []
+    step = 4 * BLOCK_TOKENS
+    for off in range(0, len(ids) - step + 1, step):
+        h = hashlib.sha256(h + ids[off:off + step]).digest()
+        out.append(h.hex())
+    return out
+
+
+@dataclass
+class Snapshot:
+    """A decoded snapshot: ``tokens`` int64 ``[n]``, per-layer ``keys`` / ``values`` ``[n, n_head_kv, head_dim]``."""
+
+    shard: Shard
+    tokens: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def key(self) -> str:
+        return snapshot_key(self.shard, self.tokens.tolist())
+
+
+def encode_snapshot(shard: Shard, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> bytes:
+    """A safetensors blob of one shard's KV for ``tokens`` (``keys[i]`` / ``values[i]``: ``[n, ...]`` per layer,
+    already sliced to ``len(tokens)`` positions). Copies the tensors; safe to call off the event loop."""
+    n = len(tokens)
+    if len(keys) != shard.end - shard.start or len(values) != len(keys):
+        raise SnapshotError(f"layers {shard.start}:{shard.end} need {shard.end - shard.start} K/V pairs, got "
+                            f"{len(keys)}/{len(values)}")
+    tensors = {"tokens": torch.tensor(tokens, dtype=torch.int32)}
+    for i, (k, v) in enumerate(zip(keys, values)):
+        if k.shape[0] != n or v.shape[0] != n:
+            raise SnapshotError(f"layer {i}: K/V hold {k.shape[0]}/{v.shape[0]} positions, tokens {n}")
+        tensors[f"k.{i}"] = k.contiguous()
+        tensors[f"v.{i}"] = v.contiguous()
+    meta = {"format": FORMAT, "model": shard.model, "layers": f"{shard.start}:{shard.end}", "dtype": shard.dtype,
+            "n_tokens": str(n)}
+    return st_save(tensors, metadata=meta)
+
+
+def decode_snapshot(blob: bytes) -> Snapshot:
+    """Parse and check a snapshot blob; SnapshotError when it is not one or its parts disagree."""
+    try:
+        tensors = st_load(blob)
+        meta = _metadata(blob)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise SnapshotError(f"not a safetensors snapshot: {exc}") from None
+    if meta.get("format") != FORMAT:
+        raise SnapshotError(f"snapshot format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        start, end = (int(x) for x in meta["layers"].split(":"))
+        shard = Shard(meta["model"], start, end, meta["dtype"])
+        n = int(meta["n_tokens"])
+    except (KeyError, ValueError):
+        raise SnapshotError(f"snapshot metadata incomplete: {meta}") from None
+    tokens = tensors.get("tokens")
+    if tokens is None or tokens.dtype != torch.int32 or tokens.shape != (n,) or shard.dtype not in KV_DTYPES:
+        raise SnapshotError("snapshot tokens missing or not int32 [n_tokens], or unknown dtype")
+    keys, values = [], []
+    for i in range(end - start):
+        k, v = tensors.get(f"k.{i}"), tensors.get(f"v.{i}")
+        if k is None or v is None or k.shape[0] != n or v.shape != k.shape or k.dtype != KV_DTYPES[shard.dtype]:
+            raise SnapshotError(f"snapshot layer {i} K/V missing or mis-shaped")
+        keys.append(k)
+        values.append(v)
+    return Snapshot(shard, tokens.long(), keys, values)
+
+
+def _metadata(blob: bytes) -> dict:
+    """The ``__metadata__`` of a safetensors blob (its JSON header, after the 8-byte length)."""
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + n]).get("__metadata__") or {}
+
+
+def snapshot_meta(blob: bytes) -> tuple[Shard, list[int]]:
+    """Shard and token ids of a snapshot blob without materializing its K/V (for the cache server's index).
+    SnapshotError when it is not a snapshot."""
+    snap = decode_snapshot(blob)
+    return snap.shard, snap.tokens.tolist()

@@ -1,0 +1,134 @@
+"""A node's link to the snapshot cache: background KV snapshots of its sessions, and restores from it.
+
+Snapshots are taken after a sampled prefill and each time a session reaches a multiple of ``every`` tokens. Taking one costs the
+step nothing: the step handler only records views of the KV buffers (positions ``< n`` are never
+written again unless the session is truncated, which bumps ``SessionKV.epoch``); serialization and
+upload run on a separate thread and task, and a snapshot whose session was truncated meanwhile is
+dropped. One snapshot per session is in flight at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+
+from ..cache.app import SHA_HEADER
+from ..cache.snapshot import BLOCK_TOKENS, Shard, SnapshotError, decode_snapshot, encode_snapshot
+from ..runtime.sessions import Session
+
+DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+class SnapshotLink:
+    """Snapshots to and restores from the cache server at ``url`` for one shard.
+
+    ``every``: tokens between snapshots of a session after its prefill (0 = after prefill only).
+    ``counters``: a dict of ints the node exports (written, bytes, dropped, failed, restored).
+    """
+
+    def __init__(self, url: str, shard: Shard, every: int, client_factory):
+        self.url = url.rstrip("/")
+        self.shard = shard
+        self.every = every
+        self._client = client_factory  # () -> aiohttp.ClientSession (the node's, with the swarm token)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
+        self._inflight: set = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._warned = False
+        self.counters = {"written": 0, "bytes": 0, "dropped": 0, "failed": 0, "restored": 0, "restored_tokens": 0}
+
+    # -- snapshots ---------------------------------------------------------------------------------
+    def after_step(self, session: Session, prefill_sampled: bool) -> None:
+        """Called by the step handler after a step: schedule a snapshot when one is due. Never blocks."""
+        n = session.length
+        if n < BLOCK_TOKENS or not session.history_complete or len(session.history) != n \
+                or session.id in self._inflight:
+            return
+        # decode snapshots land on multiples of ``every`` (whole blocks when it is a multiple of BLOCK_TOKENS)
+        due = prefill_sampled or (self.every > 0 and n // self.every > session.snapshot_at // self.every)
+        if not due:
+            return
+        session.snapshot_at = n
+        keys = [layer.k[:n] for layer in session.kv.layers]
+        values = [layer.v[:n] for layer in session.kv.layers]
+        self._inflight.add(session.id)
+        task = asyncio.get_running_loop().create_task(
+            self._write(session, list(session.history), keys, values, session.kv.epoch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _write(self, session: Session, tokens, keys, values, epoch: int) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            blob = await loop.run_in_executor(self._pool, encode_snapshot, self.shard, tokens, keys, values)
+            if session.kv.epoch != epoch:  # truncated while we copied: positions may have been rewritten
+                self.counters["dropped"] += 1
+                return
+            async with self._client().post(self.url + "/v1/snapshots", data=blob,
+                                           headers={"Content-Type": "application/octet-stream"},
+                                           timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                if resp.status != 201:
+                    raise RuntimeError(f"cache answered {resp.status}: {(await resp.text())[:200]}")
+            self.counters["written"] += 1
+            self.counters["bytes"] += len(blob)
+            self._warned = False
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, SnapshotError) as exc:
+            self.counters["failed"] += 1
+            if not self._warned:
+                print(f"ggufswarm node: snapshot to {self.url} failed ({exc}); still serving", file=sys.stderr,
+                      flush=True)
+                self._warned = True
+        finally:
+            self._inflight.discard(session.id)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Wait for snapshots in flight (at shutdown, and for tests)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+
+    # -- restores ----------------------------------------------------------------------------------
+    async def fetch(self, tokens: list[int]) -> tuple[object, int, str]:
+        """The longest cached whole-block prefix of ``tokens`` for this shard: ``(snapshot, length, reason)``.
+
+        ``snapshot`` is None (``length`` 0) on a miss or when the cache fails in any way (unreachable,
+        corrupt, a blob that does not match): a restore falls back to recomputing, it never fails.
+        """
+        client = self._client()
+        try:
+            body = {"model": self.shard.model, "layers": [self.shard.start, self.shard.end],
+                    "dtype": self.shard.dtype, "tokens": tokens}
+            async with client.post(self.url + "/v1/lookup", json=body, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status != 200:
+                    return None, 0, f"cache lookup answered {r.status}"
+                found = await r.json()
+            if not found.get("key"):
+                return None, 0, "no cached prefix"
+            async with client.get(f"{self.url}/v1/snapshots/{found['key']}",
+                                  timeout=aiohttp.ClientTimeout(total=60)) as r:
+                if r.status != 200:
+                    return None, 0, f"cache answered {r.status} for snapshot {found['key'][:12]}"
+                blob = await r.read()
+                sha = r.headers.get(SHA_HEADER)
+            loop = asyncio.get_running_loop()
+            if sha != await loop.run_in_executor(self._pool, lambda: hashlib.sha256(blob).hexdigest()):
+                return None, 0, "snapshot failed its SHA-256 check in transit"
+            snap = await loop.run_in_executor(self._pool, decode_snapshot, blob)
+            length = int(found["length"])
+            if snap.shard != self.shard or snap.n_tokens < length or snap.tokens[:length].tolist() != tokens[:length]:
+                return None, 0, "cached snapshot does not match this shard or prefix"
+            return snap, length, "restored"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+            return None, 0, f"cache failed: {type(exc).__name__}: {exc}"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def shard_of(executor) -> Shard:
+    """The Shard (model fingerprint, layers, KV dtype) a node's executor computes."""
+    return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, DTYPE_NAMES[str(executor.dtype)])
+

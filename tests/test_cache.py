@@ -1,0 +1,174 @@
+"""Prefix KV snapshots: the content-addressed store (prefix index, LRU, hash checks) and node snapshot/restore."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+import uuid
+
+import pytest
+import torch
+
+from apphost import AppThread
+from route_fixtures import http
+from tinymodels import write_tiny_model
+
+from ggufswarm.cache.app import CacheConfig
+from ggufswarm.cache.app import make_app as make_cache_app
+from ggufswarm.cache.snapshot import BLOCK_TOKENS, Shard, SnapshotError, decode_snapshot, encode_snapshot, snapshot_key
+from ggufswarm.cache.store import SnapshotCorrupt, SnapshotMissing, SnapshotStore
+from ggufswarm.node.server import NodeConfig
+from ggufswarm.node.server import make_app as make_node_app
+from ggufswarm.protocol import encode_tokens
+
+SHARD = Shard("ab" * 32, 0, 2, "float32")
+
+
+def blob_for(tokens, shard=SHARD, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = len(tokens)
+    keys = [torch.randn(n, 1, 8, generator=g) for _ in range(shard.end - shard.start)]
+    values = [torch.randn(n, 1, 8, generator=g) for _ in range(shard.end - shard.start)]
+    return encode_snapshot(shard, tokens, keys, values), keys, values
+
+
+def test_snapshot_round_trip_and_rejects():
+    tokens = list(range(40))
+    blob, keys, values = blob_for(tokens)
+    snap = decode_snapshot(blob)
+    assert snap.shard == SHARD and snap.tokens.tolist() == tokens and snap.key == snapshot_key(SHARD, tokens)
+    assert all(torch.equal(a, b) for a, b in zip(snap.keys + snap.values, keys + values))
+    for bad in (b"", b"garbage" * 10, blob[:100]):
+        with pytest.raises(SnapshotError):
+            decode_snapshot(bad)
+
+
+def test_store_prefix_lookup_supersede_lru_and_corruption(tmp_path):
+    store = SnapshotStore(tmp_path / "c", max_bytes=10 ** 6)
+    a = list(range(100, 140))  # 40 tokens: 2 whole blocks
+    info = store.put(blob_for(a)[0])
+    assert info["blocks"] == 40 // BLOCK_TOKENS and info["n_tokens"] == 40
+    assert store.lookup(SHARD, a + [1, 2, 3]) == (info["key"], 32)
+    assert store.lookup(SHARD, a[:20] + [7] * 30) == (info["key"], 16)  # diverges inside block 2
+    assert store.lookup(SHARD, [7] + a) is None
+    assert store.lookup(Shard(SHARD.model, 0, 2, "bfloat16"), a) is None  # other dtype, other address
+    assert store.lookup(Shard(SHARD.model, 2, 4, "float32"), a) is None  # other layers
+    # a longer snapshot of the same tokens takes over every block: the older blob is deleted
+    longer = store.put(blob_for(a + list(range(24)))[0])
+    assert store.count == 1 and store.lookup(SHARD, a + list(range(24))) == (longer["key"], 64)
+    with pytest.raises(SnapshotMissing):
+        store.get(info["key"])
+    # LRU under the size cap: the least recently read snapshot goes first
+    size = len(blob_for(list(range(32)))[0])
+    small = SnapshotStore(tmp_path / "lru", max_bytes=2 * size + 10)
+    k1 = small.put(blob_for([1] * 32)[0])["key"]
+    k2 = small.put(blob_for([2] * 32)[0])["key"]
+    small.get(k1)
+    k3 = small.put(blob_for([3] * 32)[0])
+    assert k3["evicted"] == [k2] and small.count == 2 and small.stats.evictions == 1
+    # bytes changed on disk fail the SHA-256 check on read: deleted, reported as corrupt
+    path = small._path(k1)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(SnapshotCorrupt):
+        small.get(k1)
+    assert small.count == 1 and small.lookup(SHARD, [1] * 32) is None
+    # shorter than a block, or not a snapshot: refused
+    with pytest.raises(SnapshotError):
+        store.put(blob_for([1] * (BLOCK_TOKENS - 1))[0])
+    with pytest.raises(SnapshotError):
+        store.put(b"not a snapshot")
+    # the index survives a restart
+    store.close()
+    again = SnapshotStore(tmp_path / "c", max_bytes=10 ** 6)
+    assert again.lookup(SHARD, a) == (longer["key"], 32)
+
+
+def test_cache_server_http(tmp_path):
+    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10 ** 6))) as url:
+        blob = blob_for(list(range(48)))[0]
+        req = urllib.request.Request(url + "/v1/snapshots", data=blob, method="POST")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            info = json.loads(r.read())
+            assert r.status == 201 and info["blocks"] == 3
+        with urllib.request.urlopen(f"{url}/v1/snapshots/{info['key']}", timeout=10) as r:
+            assert r.read() == blob
+        status, found = http("POST", url + "/v1/lookup", {"model": SHARD.model, "layers": [0, 2],
+                                                          "dtype": "float32", "tokens": list(range(40))})
+        assert status == 200 and found == {"key": info["key"], "length": 32}
+        assert http("GET", f"{url}/v1/snapshots/{'0' * 64}")[0] == 404
+        assert http("GET", f"{url}/v1/snapshots/nothex")[1]["error"]["code"] == "bad_request"
+        assert http("POST", url + "/v1/snapshots", b"junk")[1]["error"]["code"] == "bad_snapshot"
+        for body in ({}, {"model": "x", "layers": [0, 2], "dtype": "float32", "tokens": []},
+                     {"model": SHARD.model, "layers": [2, 0], "dtype": "float32", "tokens": []},
+                     {"model": SHARD.model, "layers": [0, 2], "dtype": "float32", "tokens": [-1]}):
+            assert http("POST", url + "/v1/lookup", body)[0] == 400
+        h = http("GET", url + "/health")[1]
+        assert h["snapshots"] == 1 and h["hits"] == 1
+
+
+def step(url, sid, step_no, start, ids, sample=True):
+    return http("POST", url + "/v1/step", encode_tokens(sid, step_no, start, ids, sample))
+
+
+def open_session(url, max_length=128):
+    sid = uuid.uuid4()
+    status, body = http("POST", url + "/v1/sessions", {"session_id": str(sid), "max_length": max_length,
+                                                       "sampling": {"temperature": 0}, "top_logprobs": 5})
+    assert status == 201, body
+    return sid
+
+
+def test_node_snapshots_and_restores(tiny_dir, tmp_path):
+    """A node with --cache snapshots after prefill and every N tokens; a new session restores the longest
+    cached prefix and continues exactly as one that computed it."""
+    model = write_tiny_model(tiny_dir / "cache-llama.gguf", "llama", n_layers=2)
+    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10 ** 8))) as cache, \
+            AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
+                                                       cache=cache, snapshot_every=8))) as node:
+        prompt = [5 + (i * 7) % 300 for i in range(40)]
+        a = open_session(node)
+        status, first = step(node, a, 1, 0, prompt)
+        assert status == 200
+        tokens = prompt + [first["token"]]
+        for i in range(10):  # 40 + 10 decode steps: snapshots after prefill (40) and at 48
+            status, reply = step(node, a, 2 + i, len(tokens) - 1, [tokens[-1]])
+            tokens.append(reply["token"])
+        deadline = time.monotonic() + 20
+        while http("GET", node + "/health")[1]["snapshots"]["written"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        h = http("GET", node + "/health")[1]
+        assert h["snapshots"]["written"] >= 2 and h["snapshots"]["failed"] == 0
+        assert http("GET", cache + "/health")[1]["snapshots"] == 1  # the later snapshot took over the first
+
+        # a new session whose prompt shares 45 tokens: restore 32 (whole blocks), compute the rest
+        b = open_session(node)
+        status, restored = http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens[:45], "step": 0})
+        assert status == 200 and restored["length"] == 32, restored
+        status, got = step(node, b, 1, 32, tokens[32:45])
+        c = open_session(node)
+        status, want = step(node, c, 1, 0, tokens[:45])
+        assert got["token"] == want["token"]
+        for (ta, la), (tb, lb) in zip(got["logprobs"], want["logprobs"]):
+            assert ta == tb and abs(la - lb) < 1e-4
+        # restoring into a session that holds tokens is refused; bad ids are refused; the node keeps serving
+        assert http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens})[1]["error"]["code"] == \
+            "session_not_empty"
+        d = open_session(node)
+        assert http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": [10 ** 6] * 20})[0] == 400
+        assert http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": "x"})[0] == 400
+        # a miss restores nothing
+        status, miss = http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": [3] * 40})
+        assert status == 200 and miss["length"] == 0
+
+
+def test_restore_without_a_reachable_cache_recomputes(tiny_dir):
+    model = write_tiny_model(tiny_dir / "cache-llama.gguf", "llama", n_layers=2)
+    with AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
+                                                    cache="http://127.0.0.1:9"))) as node:
+        sid = open_session(node)
+        status, body = http("POST", f"{node}/v1/sessions/{sid}/restore", {"tokens": list(range(40))})
+        assert status == 200 and body["length"] == 0 and "cache failed" in body["reason"]
+        assert step(node, sid, 1, 0, list(range(40)))[0] == 200
