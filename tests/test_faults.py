@@ -39,12 +39,13 @@ MAX_TOKENS = 24
 TTL_S = 3.0
 
 
-def stream(base: str, prompt: str, on_delta) -> tuple[str, dict]:
-    """Stream a greedy completion; ``on_delta(i)`` after the i-th text delta. (text, telemetry)."""
+def stream(base: str, prompt: str, on_delta, **sampling) -> tuple[str, dict]:
+    """Stream a completion (greedy unless ``sampling`` says otherwise); ``on_delta(i)`` after the i-th text
+    delta. (text, telemetry)."""
     parts = urlsplit(base)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                                        "stream": True}), {"Content-Type": "application/json"})
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, **sampling}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
     text, telemetry, n = [], None, 0
@@ -146,6 +147,23 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma):
     for row in rows:
         print("  ".join(str(x) for x in row))
     assert len(rows) == TRIALS and all(r[8] for r in rows)
+    # seeded sampling survives a repair too: draws are keyed by (seed, position), not a running RNG
+    seeded = {"temperature": 0.9, "seed": 11}
+    want, _ = stream(base, PROMPT, lambda i: None, **seeded)
+    head = {}
+
+    def kill_head(i):
+        if i == 5:
+            head["node"] = next(n for n in nodes if n.spec.head and n.proc.poll() is None
+                                and health(n.url)["sessions"] > 0)
+            head["node"].kill()
+
+    got, telemetry = stream(base, PROMPT, kill_head, **seeded)
+    assert [r["hop"] for r in telemetry["repairs"]] == [head["node"].url] and got == want
+    i = nodes.index(head["node"])
+    wait_for(lambda: head["node"].url not in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]},
+             3 * TTL_S)
+    nodes[i] = swarm["launch"](i)
 
 
 def test_prefix_reuse_restores_a_shared_600_token_prefix(swarm, gemma, reference_text):

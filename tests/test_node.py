@@ -313,3 +313,33 @@ def test_dead_node_fails_in_flight_request_naming_the_hop(cluster, spares, gemma
     other.close()
     assert tokens == ref
     assert_serving(cluster, gemma)
+
+
+def test_repair_without_snapshots_replays_the_whole_history(cluster, gemma, gemma_path):
+    """No cache: the replacement restores nothing, so the whole history is replayed; output unchanged."""
+    _, ref = reference(gemma, PROMPT, 8)
+    doomed, spare = start_nodes([ShardSpec(12, 18, head=True)] * 2, str(gemma_path), threads=1)
+    asked = []
+
+    def replan(exclude, span):
+        asked.append((set(exclude), span))
+        return RemoteRoute([spare.url], HOP_TIMEOUT, part=True)
+
+    try:
+        session = RemoteRoute(urls(cluster)[:2] + [doomed.url], HOP_TIMEOUT).open(32, GREEDY, replan=replan)
+        prompt = gemma.prompt_ids(PROMPT)
+        tokens = [session.step(prompt)]
+        for _ in range(3):
+            tokens.append(session.step([tokens[-1]]))
+        doomed.kill()
+        while len(tokens) < len(ref):
+            tokens.append(session.step([tokens[-1]]))
+        session.close()
+        assert tokens == ref
+        assert asked == [({doomed.url}, (12, 18))]
+        [repair] = session.telemetry.repairs
+        assert repair["hop"] == doomed.url and repair["cause"] == "hop_failed"
+        assert repair["restored_tokens"] == 0 and repair["tokens_replayed"] == len(prompt) + 3
+        assert [h.url for h in session.route.hops] == urls(cluster)[:2] + [spare.url]
+    finally:
+        stop_nodes([doomed, spare])

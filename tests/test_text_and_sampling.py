@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -88,20 +90,23 @@ def test_same_seed_same_tokens():
     p = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7)
     a = [Sampler(p).sample(logits) for _ in range(1)]
     s1, s2 = Sampler(p), Sampler(p)
-    seq1 = [s1.sample(logits) for _ in range(50)]
-    seq2 = [s2.sample(logits) for _ in range(50)]
+    seq1 = [s1.sample(logits, [0] * i) for i in range(50)]
+    seq2 = [s2.sample(logits, [0] * i) for i in range(50)]
     assert seq1 == seq2 and a[0] == seq1[0]
     assert len(set(seq1)) > 5  # it does sample
+    # each draw depends on (seed, position) only: a new sampler (a repaired route's new head) continues alike
+    assert [Sampler(p).sample(logits, [0] * i) for i in range(30, 50)] == seq1[30:]
+    assert [Sampler(replace(p, seed=8)).sample(logits, [0] * i) for i in range(50)] != seq1
 
 
 def test_filters_restrict_candidates():
     logits = torch.tensor([5.0, 4.0, 3.0, 0.0, -1.0, -2.0])
     top_k = Sampler(SamplingParams(temperature=5.0, top_k=2, top_p=1.0, min_p=0.0, seed=1))
-    assert {top_k.sample(logits) for _ in range(200)} == {0, 1}
+    assert {top_k.sample(logits, [0] * i) for i in range(200)} == {0, 1}
     min_p = Sampler(SamplingParams(temperature=5.0, top_k=0, top_p=1.0, min_p=0.3, seed=1))
-    assert {min_p.sample(logits) for _ in range(200)} == {0, 1}  # p(2)/p(0) = e^-2 < 0.3
+    assert {min_p.sample(logits, [0] * i) for i in range(200)} == {0, 1}  # p(2)/p(0) = e^-2 < 0.3
     top_p = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0, seed=1))
-    assert {top_p.sample(logits) for _ in range(200)} == {0}  # p(0) ≈ 0.66 ≥ 0.5
+    assert {top_p.sample(logits, [0] * i) for i in range(200)} == {0}  # p(0) ≈ 0.66 ≥ 0.5
 
 
 def test_repetition_penalty():

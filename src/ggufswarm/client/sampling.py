@@ -65,7 +65,8 @@ class SamplingParams:
 
 
 class Sampler:
-    """Draws token ids for one session; holds its RNG so the same seed gives the same tokens."""
+    """Draws token ids for one session. Each draw's randomness is keyed by (seed, position): the same
+    seed gives the same tokens, also after a route repair hands the session to a new head node."""
 
     def __init__(self, params: SamplingParams):
         """ValueError (from ``SamplingParams.validate``) for settings of the wrong type or out of range."""
@@ -73,11 +74,8 @@ class Sampler:
         # as floats: torch takes a Python int scalar as int64, and larger ones (temperature 2**64) overflow
         self.params = replace(params, **{name: float(getattr(params, name))
                                          for name in ("temperature", "top_p", "min_p", "repeat_penalty")})
+        self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,)))
         self.generator = torch.Generator()
-        if params.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(params.seed)
 
     def sample(self, logits: torch.Tensor, history: list[int] | None = None) -> int:
         """One token id from float32 logits ``[n_vocab]``; ``history`` = previous token ids (for the penalty)."""
@@ -108,6 +106,8 @@ class Sampler:
         if not bool(torch.isfinite(scaled).all()):  # a tiny temperature overflows (or rounds to 0 in float32):
             scaled = (values.double() - float(values[0])) / p.temperature  # softmax is shift-invariant
         probs = torch.softmax(scaled, dim=-1)
+        position = len(history) if history else 0
+        self.generator.manual_seed((self.seed * 1_000_003 + position) % 2 ** 63)
         return int(ids[torch.multinomial(probs, 1, generator=self.generator)])
 
 

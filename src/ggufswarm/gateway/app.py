@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import secrets
 import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aiohttp import web
@@ -226,6 +227,8 @@ class Gateway:
                 raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",
                                    code="context_length_exceeded", param=prompt_param)
             max_length = min(limit, len(ids) + max(max_tokens, 1))
+            if params.seed is None:  # a seed of our own: a repaired route draws the same tokens (see Sampler)
+                params = replace(params, seed=secrets.randbits(62))
             replan = None
             if self.config.tracker:  # repair: a replacement for a failed hop's span, from the tracker
                 def replan(exclude, span):
