@@ -77,6 +77,7 @@ def _raw(**kw):
     (_raw(n_tokens=10 ** 9), "too_many_tokens"),
     (_raw(dtype=DTYPE_CODES["ids"], n_embd=4) + b"\0" * 4, "bad_shape"),
     (_raw() + struct.pack("<4f", 1, float("nan"), 0, 0), "non_finite"),
+    (_raw(reserved=7) + b"\0" * 16, "bad_frame"),
 ])
 def test_bad_frames_are_rejected_with_a_code(body, code):
     with pytest.raises(FrameError) as e:

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from ..model.config import MAX_CONTEXT
 from ..protocol.auth import swarm_token, token_middleware
-from ..protocol.errors import ProtocolError, error_body
+from ..protocol.errors import ProtocolError, error_body, json_errors_middleware
 from .snapshot import KV_DTYPES, Shard, SnapshotError
 from .store import SnapshotCorrupt, SnapshotMissing, SnapshotStore
 
@@ -129,7 +129,7 @@ async def health(request: web.Request) -> web.Response:
 def make_app(config: CacheConfig) -> web.Application:
     """The cache server's aiohttp app over a SnapshotStore in ``config.dir``. Raises OSError for a bad dir."""
     store = SnapshotStore(config.dir, config.max_bytes)
-    app = web.Application(client_max_size=config.max_upload_bytes, middlewares=[token_middleware(config.token)])
+    app = web.Application(client_max_size=config.max_upload_bytes, middlewares=[token_middleware(config.token), json_errors_middleware()])
     app[STORE] = store
     registry = CollectorRegistry()
     for name, doc, fn in (("snapshots", "Snapshots stored", lambda: store.count),

@@ -20,8 +20,8 @@ class SamplingParams:
     """Sampling settings of one session. ``temperature <= 0`` means greedy (argmax).
 
     ``top_k = 0``, ``top_p = 1``, ``min_p = 0`` and ``repeat_penalty = 1`` disable those filters;
-    ``repeat_last_n`` is the window (tokens) the penalty looks back over. ``seed = None`` draws
-    from a random seed.
+    ``repeat_last_n`` is the window (tokens) the penalty looks back over (0 = no penalty, as llama.cpp).
+    ``seed = None`` draws from a random seed.
     """
 
     temperature: float = 0.8
@@ -81,7 +81,7 @@ class Sampler:
         """One token id from float32 logits ``[n_vocab]``; ``history`` = previous token ids (for the penalty)."""
         p = self.params
         logits = logits.float()
-        if p.repeat_penalty != 1.0 and history:
+        if p.repeat_penalty != 1.0 and history and p.repeat_last_n > 0:  # llama.cpp: penalty_last_n 0 = off
             # llama.cpp penalties: positive logits divided, negative multiplied (CTRL paper, arXiv:1909.05858)
             logits = logits.clone()
             ids = torch.tensor(sorted(set(history[-p.repeat_last_n:])), dtype=torch.long)

@@ -31,6 +31,7 @@ from ..client.sampling import SamplingParams
 from ..model import load_config
 from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden, error_body
 from ..protocol.auth import auth_headers, swarm_token, token_middleware
+from ..protocol.errors import json_errors_middleware
 from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE
 from ..runtime.kv import ContextOverflow
 from ..runtime.sessions import SessionError, SessionStore
@@ -484,7 +485,7 @@ def load_executor(config: NodeConfig) -> ShardExecutor:
 def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.Application:
     """The node's aiohttp app; loads the shard unless ``executor`` is given. Raises as load_executor."""
     state = NodeState(config, executor or load_executor(config))
-    app = web.Application(client_max_size=state.max_body + 1024, middlewares=[token_middleware(config.token)])
+    app = web.Application(client_max_size=state.max_body + 1024, middlewares=[token_middleware(config.token), json_errors_middleware()])
     app[NODE] = state
     app.router.add_post("/v1/sessions", open_session)
     app.router.add_delete("/v1/sessions/{sid}", close_session)

@@ -15,6 +15,8 @@ ERROR_STATUS = {
     "bad_token": 400,           # token id outside the vocabulary
     "non_finite": 400,          # a frame carries NaN/inf
     "context_overflow": 400,    # the step would pass the session's max_length
+    "not_found": 404,           # no endpoint at this path
+    "method_not_allowed": 405,  # the path exists, not with this HTTP method
     "unknown_session": 404,     # no such session on this node (never opened, closed or expired)
     "session_exists": 409,      # open with an id already in use
     "session_not_empty": 409,   # restore into a session that already holds tokens
@@ -56,3 +58,24 @@ def error_body(code: str, message: str, hop: str | None = None) -> bytes:
     if hop:
         err["hop"] = hop
     return json.dumps({"error": err}).encode()
+
+
+def json_errors_middleware():
+    """aiohttp middleware: the router's own 404 / 405 (no such path, wrong method) answered as JSON
+    errors ``not_found`` / ``method_not_allowed`` like every other error of the protocol."""
+    from aiohttp import web
+
+    @web.middleware
+    async def to_json(request, handler):
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+            code = "not_found" if exc.status == 404 else "method_not_allowed"
+            message = (f"no endpoint {request.method} {request.path}" if code == "not_found" else
+                       f"{request.path} does not take {request.method} (allowed: "
+                       f"{', '.join(sorted(getattr(exc, 'allowed_methods', ()) or ()))})")
+            headers = {"Allow": ",".join(sorted(exc.allowed_methods))} if code == "method_not_allowed" else None
+            return web.Response(body=error_body(code, message), status=exc.status, content_type="application/json",
+                                headers=headers)
+
+    return to_json

@@ -133,11 +133,13 @@ def decode_frame(body: bytes, n_embd: int | None = None, max_tokens: int | None 
         raise FrameError("bad_frame", f"bad magic {bytes(body[:4])!r}: not a ggufswarm frame (expected {MAGIC!r})")
     if len(body) < HEADER_SIZE:
         raise FrameError("bad_frame", f"frame is {len(body)} bytes; the header alone is {HEADER_SIZE}")
-    magic, version, code, flags, scale_exp, sid, step, start, n_tokens, width, _ = HEADER.unpack_from(body)
+    magic, version, code, flags, scale_exp, sid, step, start, n_tokens, width, reserved = HEADER.unpack_from(body)
     if magic != MAGIC:
         raise FrameError("bad_frame", f"bad magic {magic!r}: not a ggufswarm frame (expected {MAGIC!r})")
     if version != PROTOCOL_VERSION:
         raise FrameError("unsupported_version", f"frame version {version}; this node speaks {PROTOCOL_VERSION}")
+    if reserved != 0:
+        raise FrameError("bad_frame", f"reserved header field is {reserved}; it must be 0 in version {version}")
     dtype = DTYPE_NAMES.get(code)
     if dtype is None:
         raise FrameError("bad_dtype", f"unknown dtype code {code} (known: {DTYPE_CODES})")
