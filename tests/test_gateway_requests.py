@@ -70,3 +70,12 @@ def test_api_keys(gemma_path):
             openai.OpenAI(base_url=f"{url}/v1", api_key="bad").models.list()
     finally:
         server.stop()
+
+
+def test_unknown_paths_and_methods_are_json_errors(gateway):
+    status, body = post(f"{gateway}/v1/embeddings", {"input": "hi"})
+    assert status == 404 and body["error"]["code"] == "not_found"
+    req = urllib.request.Request(f"{gateway}/v1/models", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 405 and json.loads(err.value.read())["error"]["code"] == "method_not_allowed"

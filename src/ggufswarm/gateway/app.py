@@ -440,7 +440,7 @@ async def health(request: web.Request) -> web.Response:
 
 def api_key_middleware(keys: tuple[str, ...]):
     """With API keys configured, ``/v1/*`` answers 401 (OpenAI's ``invalid_api_key``) without a valid
-    ``Authorization: Bearer KEY``; ``/health`` stays open."""
+    ``Authorization: Bearer KEY``; ``/health`` stays open. Unknown paths / methods: JSON 404 / 405."""
 
     @web.middleware
     async def check(request: web.Request, handler):
@@ -448,7 +448,14 @@ def api_key_middleware(keys: tuple[str, ...]):
             given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip().encode()
             if not any(hmac.compare_digest(given, k.encode()) for k in keys):
                 return _error_response(RequestError("missing or invalid API key", 401, "invalid_api_key"))
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:  # the router's own answers, as OpenAI-style JSON errors
+            return _error_response(RequestError(f"no endpoint {request.method} {request.path}", 404, "not_found"))
+        except web.HTTPMethodNotAllowed as exc:
+            return _error_response(RequestError(f"{request.path} does not take {request.method} (allowed: "
+                                                f"{', '.join(sorted(exc.allowed_methods))})", 405,
+                                                "method_not_allowed"))
 
     return check
 
