@@ -116,7 +116,8 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma):
 
         def on_delta(i):
             if i == kill_at:  # one route session is open: the nodes holding it form the route
-                route = [n for n in nodes if n.proc.poll() is None and health(n.url)["sessions"] > 0]
+                route = sorted((n for n in nodes if n.proc.poll() is None and health(n.url)["sessions"] > 0),
+                               key=lambda n: n.spec.start)
                 assert len(route) == 3
                 victim["node"] = rng.choice(route)
                 victim["node"].kill()
