@@ -316,30 +316,40 @@ def test_dead_node_fails_in_flight_request_naming_the_hop(cluster, spares, gemma
 
 
 def test_repair_without_snapshots_replays_the_whole_history(cluster, gemma, gemma_path):
-    """No cache: the replacement restores nothing, so the whole history is replayed; output unchanged."""
-    _, ref = reference(gemma, PROMPT, 8)
-    doomed, spare = start_nodes([ShardSpec(12, 18, head=True)] * 2, str(gemma_path), threads=1)
+    """No cache: the replacement restores nothing, so the whole history is replayed; output unchanged.
+    First a SIGKILLed head (connection refused), then a SIGSTOPped one (hop timeout) are replaced."""
+    _, ref = reference(gemma, PROMPT, 10)
+    doomed, hung, spare = start_nodes([ShardSpec(12, 18, head=True)] * 3, str(gemma_path), threads=1)
+    replacements = [hung, spare]
     asked = []
 
     def replan(exclude, span):
         asked.append((set(exclude), span))
-        return RemoteRoute([spare.url], HOP_TIMEOUT, part=True)
+        return RemoteRoute([replacements.pop(0).url], 2.0, part=True)
 
     try:
-        session = RemoteRoute(urls(cluster)[:2] + [doomed.url], HOP_TIMEOUT).open(32, GREEDY, replan=replan)
+        session = RemoteRoute(urls(cluster)[:2] + [doomed.url], 2.0).open(32, GREEDY, replan=replan)
         prompt = gemma.prompt_ids(PROMPT)
         tokens = [session.step(prompt)]
         for _ in range(3):
             tokens.append(session.step([tokens[-1]]))
         doomed.kill()
+        for _ in range(3):
+            tokens.append(session.step([tokens[-1]]))
+        hung.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
         while len(tokens) < len(ref):
             tokens.append(session.step([tokens[-1]]))
         session.close()
         assert tokens == ref
-        assert asked == [({doomed.url}, (12, 18))]
-        [repair] = session.telemetry.repairs
-        assert repair["hop"] == doomed.url and repair["cause"] == "hop_failed"
-        assert repair["restored_tokens"] == 0 and repair["tokens_replayed"] == len(prompt) + 3
+        assert time.monotonic() - t0 < 15  # the hung hop is given up on after its hop timeout (2 s x depth)
+        assert asked == [({doomed.url}, (12, 18)), ({doomed.url, hung.url}, (12, 18))]
+        first, second = session.telemetry.repairs
+        assert first["hop"] == doomed.url and first["cause"] == "hop_failed"
+        assert first["restored_tokens"] == 0 and first["tokens_replayed"] == len(prompt) + 3
+        assert second["hop"] == hung.url and second["cause"] == "hop_timeout"
+        assert second["restored_tokens"] == 0 and second["tokens_replayed"] == len(prompt) + 6
         assert [h.url for h in session.route.hops] == urls(cluster)[:2] + [spare.url]
     finally:
-        stop_nodes([doomed, spare])
+        hung.proc.send_signal(signal.SIGCONT)
+        stop_nodes([doomed, hung, spare])
