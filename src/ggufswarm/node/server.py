@@ -2,8 +2,8 @@
 
 Endpoints (docs/protocol.md): ``POST /v1/sessions`` (open), ``POST /v1/step`` (a frame: prefill or
 decode), ``POST /v1/sessions/{id}/truncate``, ``DELETE /v1/sessions/{id}``, ``GET /health``,
-``GET /metrics``, ``POST /v1/sessions/{id}/restore`` (fill from the snapshot cache). A non-head node pushes its output frame straight to the session's next hop and
-answers with the head's reply, its own hop timings prepended.
+``GET /metrics``, ``POST /v1/sessions/{id}/restore`` (fill from the snapshot cache). A non-head
+node pushes its output frame straight to the session's next hop and answers with the head's reply, its own hop timings prepended.
 """
 
 from __future__ import annotations
@@ -350,16 +350,24 @@ async def _push(state: NodeState, url: str, frame: bytes, timeout_s: float) -> d
         raise ProtocolError("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}", hop=url) from None
 
 
+def _frame_too_large(state: NodeState) -> ProtocolError:
+    return ProtocolError("too_many_tokens", f"frame body over {state.max_body} bytes: more than "
+                                            f"max_step_tokens {state.config.max_step_tokens} tokens")
+
+
 async def step(request: web.Request) -> web.Response:
     """``POST /v1/step``: one frame (application/octet-stream) → 200 JSON ``{token, logprobs, hops}``."""
     state: NodeState = request.app[NODE]
     t0 = time.perf_counter()
     try:
+        if (request.content_length or 0) > state.max_body + 1024:
+            raise _frame_too_large(state)
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise ProtocolError("too_many_tokens", f"frame body over {state.max_body} bytes: more than "
-                                                   f"max_step_tokens {state.config.max_step_tokens} tokens") from None
+            raise _frame_too_large(state) from None
+        if len(body) > state.max_body + 1024:  # a chunked body (no Content-Length) under the app's JSON limit
+            raise _frame_too_large(state)
         frame = decode_frame(body, state.cfg.n_embd, state.config.max_step_tokens)
         kind = "decode" if frame.n_tokens == 1 else "prefill"
         state.bytes_in.labels(kind).inc(len(body))
@@ -485,7 +493,9 @@ def load_executor(config: NodeConfig) -> ShardExecutor:
 def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.Application:
     """The node's aiohttp app; loads the shard unless ``executor`` is given. Raises as load_executor."""
     state = NodeState(config, executor or load_executor(config))
-    app = web.Application(client_max_size=state.max_body + 1024, middlewares=[token_middleware(config.token), json_errors_middleware()])
+    # bodies: one frame of max_step_tokens f32 rows, or a JSON restore of up to 128K token ids
+    app = web.Application(client_max_size=max(state.max_body, 2 * 2 ** 20) + 1024,
+                          middlewares=[token_middleware(config.token), json_errors_middleware()])
     app[NODE] = state
     app.router.add_post("/v1/sessions", open_session)
     app.router.add_delete("/v1/sessions/{sid}", close_session)
