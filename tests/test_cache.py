@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 import uuid
 
@@ -172,3 +173,46 @@ def test_restore_without_a_reachable_cache_recomputes(tiny_dir):
         status, body = http("POST", f"{node}/v1/sessions/{sid}/restore", {"tokens": list(range(40))})
         assert status == 200 and body["length"] == 0 and "cache failed" in body["reason"]
         assert step(node, sid, 1, 0, list(range(40)))[0] == 200
+
+
+def test_store_refuses_poisoned_snapshots_and_handles_its_directory(tmp_path):
+    store = SnapshotStore(tmp_path / "c", max_bytes=10 ** 6)
+    tokens = list(range(32))
+    keys = [torch.zeros(32, 1, 8), torch.full((32, 1, 8), float("nan"))]
+    with pytest.raises(SnapshotError, match="NaN"):
+        store.put(encode_snapshot(SHARD, tokens, keys, [torch.zeros(32, 1, 8), torch.zeros(32, 1, 8)]))
+    with pytest.raises(SnapshotError, match="non-negative"):
+        store.put(blob_for([-1] + tokens[1:])[0])
+    with pytest.raises(SnapshotError, match="fingerprint"):
+        store.put(blob_for(tokens, Shard("not-hex", 0, 2, "float32"))[0])
+    with pytest.raises(SnapshotError, match="holds at most"):
+        SnapshotStore(tmp_path / "tiny", max_bytes=100).put(blob_for(tokens)[0])
+    for i in range(3):
+        store.put(blob_for([i] * 32)[0])
+    store.close()
+    smaller = SnapshotStore(tmp_path / "c", max_bytes=len(blob_for([0] * 32)[0]) + 10)  # restarted with a lower cap
+    assert smaller.count == 1 and smaller.total_bytes <= smaller.max_bytes
+    assert sum(1 for p in (tmp_path / "c").iterdir() if p.is_dir()) == 1  # emptied subfolders are removed
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        SnapshotStore(tmp_path / "file", max_bytes=10)
+
+
+def test_cache_server_limits(tmp_path):
+    config = CacheConfig(dir=str(tmp_path), max_bytes=2000, max_upload_bytes=4096)
+    with AppThread(lambda: make_cache_app(config)) as url:
+        status, body = http("POST", url + "/v1/snapshots", b"\0" * 5000)
+        assert status == 413 and body["error"]["code"] == "snapshot_too_large"
+        status, body = http("POST", url + "/v1/snapshots", blob_for(list(range(32)))[0])
+        assert status == 413 and body["error"]["code"] == "snapshot_too_large"  # bigger than the whole cache
+        req = urllib.request.Request(url + "/v1/lookup", data=b"[" * 100000, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 413  # over max_upload_bytes before it is even parsed
+        req = urllib.request.Request(url + "/v1/lookup", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json; charset=bogus"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 400 and json.loads(err.value.read())["error"]["code"] == "bad_request"
+        assert http("GET", url + "/health")[0] == 200

@@ -63,6 +63,8 @@ def test_api_keys(gemma_path):
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
         assert get({"Authorization": "Bearer nope"})[0] == 401
         assert get({"Authorization": "Bearer k2"})[0] == 200
+        assert get({"Authorization": "bearer k2"})[0] == 200  # the scheme is case-insensitive (RFC 9110)
+        assert get({"Authorization": "k2"})[0] == 401  # but it must be there
         import openai
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k1")
         assert [m.id for m in client.models.list()] == [gemma_path.stem]
@@ -79,3 +81,15 @@ def test_unknown_paths_and_methods_are_json_errors(gateway):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=30)
     assert err.value.code == 405 and json.loads(err.value.read())["error"]["code"] == "method_not_allowed"
+
+
+def test_unreadable_bodies_are_4xx(gateway):
+    for data, headers, status, code in (
+            (b"[" * 100000, {"Content-Type": "application/json"}, 400, "bad_request"),
+            (b"{}", {"Content-Type": "application/json; charset=bogus"}, 400, "bad_request"),
+            (b"not gzip", {"Content-Type": "application/json", "Content-Encoding": "gzip"}, 400, "bad_request"),
+            (b"x" * (17 * 2 ** 20), {"Content-Type": "application/json"}, 413, "body_too_large")):
+        req = urllib.request.Request(f"{gateway}/v1/completions", data=data, method="POST", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == status and json.loads(err.value.read())["error"]["code"] == code, data[:20]

@@ -99,20 +99,28 @@ def test_libtorrent_peers_find_each_other_through_the_tracker(tmp_path, gemma_pa
             leech.close()
 
 
-def test_status_page_renders_in_headless_chromium(tmp_path, tiny_artifact):
+@pytest.mark.parametrize("token", [None, "page-t0ken"], ids=["open", "private"])
+def test_status_page_renders_in_headless_chromium(tmp_path, tiny_artifact, token):
+    """The live page in a real browser; in a private swarm it is opened as ``/?token=…`` and its
+    requests for /status.json carry the token too."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.fail("chromium is not installed (.ci/run installs it with apt-get)")
     path, manifest = tiny_artifact
-    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
-        call(f"{url}/manifests/tiny", "PUT", {"manifest": json.loads(manifest.to_json()),
-                                              "torrent_hex": make_torrent([path]).hex()})
-        beat(url, "node-a", (0, 2))
-        beat(url, "node-b", (2, 4), state="loading")
+    query = f"?token={token}" if token else ""
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:", token=token))) as base:
+        call(f"{base}/manifests/tiny{query}", "PUT", {"manifest": json.loads(manifest.to_json()),
+                                                      "torrent_hex": make_torrent([path]).hex()})
+        call(f"{base}/nodes/heartbeat{query}", "POST", {"node_id": "node-a", "url": "http://node-a", "model": "tiny",
+                                                        "layers": [0, 2], "embed": True, "head": False,
+                                                        "state": "ready", "free_kv_tokens": 4096, "decode_ms": 5.0})
+        call(f"{base}/nodes/heartbeat{query}", "POST", {"node_id": "node-b", "url": "http://node-b", "model": "tiny",
+                                                        "layers": [2, 4], "embed": False, "head": True,
+                                                        "state": "loading", "free_kv_tokens": 4096, "decode_ms": 5.0})
         out = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                               "--disable-background-networking", "--disable-component-update", "--disable-sync",
                               f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000",
-                              "--dump-dom", f"{url}/"], capture_output=True, text=True, timeout=60)
+                              "--dump-dom", f"{base}/{query}"], capture_output=True, text=True, timeout=60)
         dom = out.stdout
         assert "tiny" in dom and "http://node-a" in dom and "http://node-b" in dom, out.stderr[-2000:]
         assert "loading" in dom and "2:4" in dom

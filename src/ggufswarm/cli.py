@@ -125,13 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "there after prefill and every --snapshot-every tokens (in the background), and restore from it "
                    "when a route is repaired or a prompt starts with a cached prefix")
     n.add_argument("--snapshot-every", type=int, default=32, metavar="N",
-                   help="with --cache: snapshot each session every N decoded tokens (default 32; 0 = after "
-                        "prefill only)")
+                   help="with --cache: snapshot a session after its prefill and whenever it reaches a multiple "
+                        "of N tokens (default 32; a multiple of 16 wastes nothing; 0 = after prefill only)")
 
     w = sub.add_parser("gateway", help="OpenAI-compatible API over a route of nodes",
                        description="Serve /v1/chat/completions, /v1/completions and /v1/models over a route of "
-                                   "nodes given by hand (first node has --embed, last --head). Streaming (SSE) and "
-                                   "non-streamed; the last chunk / the body carries usage and a telemetry object.")
+                                   "nodes: given by hand (--route; first node has --embed, last --head), or planned "
+                                   "per session by a tracker (--tracker), which also repairs routes whose nodes "
+                                   "fail. Streaming (SSE) and non-streamed; the last chunk / the body carries usage "
+                                   "and a telemetry object.")
     w.add_argument("--route", metavar="URL1,URL2,...", help="node URLs in layer order (or use --tracker)")
     w.add_argument("--tracker", metavar="URL", help="plan a route per session from this tracker instead of --route, and repair it when a node "
                    "fails (a replacement restores the failed layers' KV snapshot from the nodes' --cache)")
@@ -187,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "ranges) and a hybrid v1+v2 torrent (SHA-256 verified pieces), register both with "
                                    "the tracker under NAME and seed until stopped (Ctrl-C).")
     u.add_argument("model", nargs="?", default=None, help="GGUF file; default: embedded Gemma 3 270M")
-    u.add_argument("--name", default=None, help="published name (default: the file name without .gguf)")
+    u.add_argument("--name", default=None, help="published name (default: the file name without .gguf; for the "
+                                                "embedded model gemma-3-270m-q4_k_m)")
     u.add_argument("--tracker", required=True, metavar="URL", help="tracker URL, e.g. http://127.0.0.1:8470")
     u.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR", help="where the manifest and torrent are written")
     u.add_argument("--web-seed", action="append", default=[], metavar="URL", help="HTTP URL serving the file (repeatable)")
@@ -211,7 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size cap; least recently used snapshots are evicted past it (bytes, or with K/M/G; "
                         "default 4G)")
 
-    st = sub.add_parser("status", help="what a tracker sees: nodes, their layer ranges as coverage bars, capacity")
+    st = sub.add_parser("status", help="what a tracker sees: nodes, their layer ranges as coverage bars, capacity",
+                        description="Print, per published model, every node the tracker knows: its layer range as a "
+                                    "coverage bar, state, free KV tokens, decode ms and URL, and whether the model "
+                                    "can be served end to end (else which layers have no ready node).")
     st.add_argument("--tracker", required=True, metavar="URL", help="tracker URL")
     for p in (n, w, d, t, u, st, c):
         _token_arg(p)
@@ -272,6 +278,10 @@ def cmd_perplexity(args) -> int:
 
 def cmd_node(args) -> int:
     from .node import NodeConfig, run_node
+    if args.snapshot_every < 0:
+        raise ValueError(f"--snapshot-every must be >= 0, got {args.snapshot_every}")
+    if args.cache is not None and not args.cache.startswith(("http://", "https://")):
+        raise ValueError(f"--cache must be the cache server's http:// URL, got {args.cache!r}")
     return run_node(NodeConfig(
         layers=args.layers, embed=args.embed, head=args.head, model=args.model, host=args.host, port=args.port,
         dtype=args.dtype, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,

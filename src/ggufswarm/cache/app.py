@@ -20,11 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from ..model.config import MAX_CONTEXT
 from ..protocol.auth import swarm_token, token_middleware
-from ..protocol.errors import ProtocolError, error_body, json_errors_middleware
+from ..protocol.errors import ProtocolError, body_error, error_body, json_errors_middleware
 from .snapshot import KV_DTYPES, Shard, SnapshotError
-from .store import SnapshotCorrupt, SnapshotMissing, SnapshotStore
+from .store import SnapshotCorrupt, SnapshotMissing, SnapshotStore, SnapshotTooLarge
 
 STORE = web.AppKey("store", SnapshotStore)
+CONFIG = web.AppKey("config", object)
 KEY_RE = re.compile(r"[0-9a-f]{64}")
 SHA_HEADER = "X-Ggufswarm-Sha256"
 
@@ -44,23 +45,28 @@ def _fail(exc: Exception) -> web.Response:
         err = ProtocolError("snapshot_corrupt", f"snapshot {exc.args[0]} failed its SHA-256 check and was deleted")
     elif isinstance(exc, SnapshotMissing):
         err = ProtocolError("unknown_snapshot", f"no snapshot {exc.args[0]} (never stored, or evicted)")
+    elif isinstance(exc, SnapshotTooLarge):
+        err = ProtocolError("snapshot_too_large", str(exc))
     elif isinstance(exc, SnapshotError):
         err = ProtocolError("bad_snapshot", str(exc))
     elif isinstance(exc, ProtocolError):
         err = exc
+    elif body_error(exc) is not None:
+        err = body_error(exc)
     else:
         err = ProtocolError("internal", f"{type(exc).__name__}: {exc}")
     return web.Response(body=error_body(err.code, err.message), status=err.status, content_type="application/json")
 
 
 async def put_snapshot(request: web.Request) -> web.Response:
-    """``POST /v1/snapshots``: store a blob; 201, or 400 bad_snapshot / 413 too large."""
+    """``POST /v1/snapshots``: store a blob; 201, or 400 bad_snapshot / 413 snapshot_too_large."""
     store = request.app[STORE]
     try:
         try:
             blob = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise ProtocolError("snapshot_too_large", f"snapshot upload over {exc.max_size} bytes") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise ProtocolError("snapshot_too_large", f"snapshot upload over {request.app[CONFIG].max_upload_bytes} "
+                                                      "bytes, this server's limit") from None
         info = await asyncio.get_running_loop().run_in_executor(None, store.put, blob)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
         return _fail(exc)
@@ -131,6 +137,7 @@ def make_app(config: CacheConfig) -> web.Application:
     store = SnapshotStore(config.dir, config.max_bytes)
     app = web.Application(client_max_size=config.max_upload_bytes, middlewares=[token_middleware(config.token), json_errors_middleware()])
     app[STORE] = store
+    app[CONFIG] = config
     registry = CollectorRegistry()
     for name, doc, fn in (("snapshots", "Snapshots stored", lambda: store.count),
                           ("bytes", "Bytes of stored snapshots", lambda: store.total_bytes),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,7 +106,8 @@ def encode_snapshot(shard: Shard, tokens: list[int], keys: list[torch.Tensor], v
 
 
 def decode_snapshot(blob: bytes) -> Snapshot:
-    """Parse and check a snapshot blob; SnapshotError when it is not one or its parts disagree."""
+    """Parse and check a snapshot blob; SnapshotError when it is not one, its parts disagree, or its K/V
+    hold NaN/inf (a restore must never poison a session; the cache refuses such uploads too)."""
     try:
         tensors = st_load(blob)
         meta = _metadata(blob)
@@ -119,14 +121,20 @@ def decode_snapshot(blob: bytes) -> Snapshot:
         n = int(meta["n_tokens"])
     except (KeyError, ValueError):
         raise SnapshotError(f"snapshot metadata incomplete: {meta}") from None
+    if not re.fullmatch(r"[0-9a-f]{64}", shard.model) or not 0 <= start < end:
+        raise SnapshotError("snapshot model must be a 64-hex-digit GGUF fingerprint and layers start:end")
     tokens = tensors.get("tokens")
     if tokens is None or tokens.dtype != torch.int32 or tokens.shape != (n,) or shard.dtype not in KV_DTYPES:
         raise SnapshotError("snapshot tokens missing or not int32 [n_tokens], or unknown dtype")
+    if n and int(tokens.min()) < 0:
+        raise SnapshotError("snapshot token ids must be non-negative")
     keys, values = [], []
     for i in range(end - start):
         k, v = tensors.get(f"k.{i}"), tensors.get(f"v.{i}")
         if k is None or v is None or k.shape[0] != n or v.shape != k.shape or k.dtype != KV_DTYPES[shard.dtype]:
             raise SnapshotError(f"snapshot layer {i} K/V missing or mis-shaped")
+        if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+            raise SnapshotError(f"snapshot layer {i} K/V hold NaN/inf")
         keys.append(k)
         values.append(v)
     return Snapshot(shard, tokens.long(), keys, values)

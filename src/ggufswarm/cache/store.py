@@ -29,6 +29,10 @@ class SnapshotMissing(KeyError):
     """No snapshot under this key (never stored, evicted, or dropped after failing its hash check)."""
 
 
+class SnapshotTooLarge(SnapshotError):
+    """A snapshot bigger than the whole cache."""
+
+
 class SnapshotCorrupt(SnapshotMissing):
     """The stored bytes no longer match their SHA-256; the blob has been deleted."""
 
@@ -53,6 +57,8 @@ class SnapshotStore:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise NotADirectoryError(f"--dir {self.root}: exists and is not a directory")
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.stats = StoreStats()
@@ -63,6 +69,8 @@ class SnapshotStore:
         for (key,) in self._db.execute("SELECT key FROM blobs").fetchall():  # drop rows whose file is gone
             if not self._path(key).is_file():
                 self._drop(key)
+        with self._lock:
+            self._evict(self.max_bytes)  # restarted with a smaller cap
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.kv"
@@ -71,7 +79,25 @@ class SnapshotStore:
     def _drop(self, key: str) -> None:
         self._db.execute("DELETE FROM blobs WHERE key = ?", (key,))
         self._db.execute("DELETE FROM prefixes WHERE key = ?", (key,))
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        try:
+            path.parent.rmdir()  # only when empty
+        except OSError:
+            pass
+
+    def _evict(self, limit: int, keep: str = "") -> list[str]:
+        """Drop least recently used blobs (never ``keep``) until at most ``limit`` bytes remain."""
+        total, evicted = self.total_bytes, []
+        for k, size in self._db.execute("SELECT key, size FROM blobs WHERE key != ? ORDER BY last_used",
+                                        (keep,)).fetchall():
+            if total <= limit:
+                break
+            self._drop(k)
+            total -= size
+            evicted.append(k)
+            self.stats.evictions += 1
+        return evicted
 
     def _prefix_rows(self, hashes: list[str]) -> list[tuple[str, int]]:
         rows = []
@@ -105,16 +131,15 @@ class SnapshotStore:
             raise SnapshotError(f"snapshot holds {len(tokens)} tokens; the cache keeps whole blocks of "
                                 f"{BLOCK_TOKENS}")
         if len(blob) > self.max_bytes:
-            raise SnapshotError(f"snapshot is {len(blob)} bytes; this cache holds at most {self.max_bytes}")
+            raise SnapshotTooLarge(f"snapshot is {len(blob)} bytes; this cache holds at most {self.max_bytes}")
         key = snapshot_key(shard, tokens)
         hashes = prefix_hashes(shard, tokens)
         path = self._path(key)
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(f".tmp{threading.get_ident()}")
+        tmp = self.root / f".{key}.tmp{threading.get_ident()}"
         tmp.write_bytes(blob)
         sha = hashlib.sha256(blob).hexdigest()
-        evicted = []
-        with self._lock:
+        with self._lock:  # (eviction removes emptied subfolders under this lock)
+            path.parent.mkdir(exist_ok=True)
             os.replace(tmp, path)
             self._db.execute("INSERT OR REPLACE INTO blobs VALUES (?,?,?,?,?)", (key, len(blob), sha, len(tokens),
                                                                                time.time()))
@@ -124,15 +149,7 @@ class SnapshotStore:
             for k in old - {key}:  # snapshots whose every block now points at the new one
                 if self._db.execute("SELECT 1 FROM prefixes WHERE key = ? LIMIT 1", (k,)).fetchone() is None:
                     self._drop(k)
-            total = self.total_bytes
-            for k, size in self._db.execute("SELECT key, size FROM blobs WHERE key != ? ORDER BY last_used",
-                                            (key,)).fetchall():
-                if total <= self.max_bytes:
-                    break
-                self._drop(k)
-                total -= size
-                evicted.append(k)
-                self.stats.evictions += 1
+            evicted = self._evict(self.max_bytes, keep=key)
         return {"key": key, "n_tokens": len(tokens), "bytes": len(blob), "blocks": len(hashes), "evicted": evicted}
 
     def get(self, key: str) -> bytes:

@@ -29,6 +29,7 @@ from ..client.remote import RemoteRoute, RouteError
 from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 from ..model.config import MAX_CONTEXT
+from ..protocol.errors import body_error
 
 JSON = "application/json"
 GATEWAY = web.AppKey("gateway", object)
@@ -359,6 +360,11 @@ async def _read_body(request: web.Request) -> dict:
         body = await request.json()
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(f"body is not JSON: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - over the size limit, too deep, bad charset or encoding
+        err = body_error(exc)
+        if err is None:
+            raise
+        raise RequestError(err.message, err.status, err.code) from None
     if not isinstance(body, dict):
         raise RequestError("body must be a JSON object")
     return body
@@ -445,7 +451,8 @@ def api_key_middleware(keys: tuple[str, ...]):
     @web.middleware
     async def check(request: web.Request, handler):
         if keys and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip().encode()
+            scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+            given = given.strip().encode() if scheme.lower() == "bearer" else b""
             if not any(hmac.compare_digest(given, k.encode()) for k in keys):
                 return _error_response(RequestError("missing or invalid API key", 401, "invalid_api_key"))
         try:

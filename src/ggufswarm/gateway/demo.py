@@ -119,6 +119,8 @@ def run_demo(args) -> int:
           + ", ".join(f"{s.start}:{s.end}" for s in specs), file=sys.stderr, flush=True)
     if not swarm_token():  # the demo's swarm is private: a fresh token, inherited by the node processes
         os.environ[TOKEN_ENV] = secrets.token_urlsafe(24)
+        print("ggufswarm demo: private swarm: made a swarm token (nodes, tracker and cache answer 401 without it)",
+              file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     nodes, gateway, tracker, seeder, work, cache = [], None, None, None, None, None
     try:

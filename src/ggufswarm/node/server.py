@@ -31,7 +31,7 @@ from ..client.sampling import SamplingParams
 from ..model import load_config
 from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden, error_body
 from ..protocol.auth import auth_headers, swarm_token, token_middleware
-from ..protocol.errors import json_errors_middleware
+from ..protocol.errors import body_error, json_errors_middleware
 from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE
 from ..runtime.kv import ContextOverflow
 from ..runtime.sessions import SessionError, SessionStore
@@ -163,14 +163,8 @@ def _error(state: NodeState, exc: Exception) -> web.Response:
         code, status, message = "context_overflow", 400, str(exc)
     elif isinstance(exc, ValueError):
         code, status, message = ("bad_token" if "token id" in str(exc) else "bad_request"), 400, str(exc)
-    elif isinstance(exc, web.HTTPRequestEntityTooLarge):  # a JSON body over the app's client_max_size
-        code, status, message = "bad_request", 400, f"request body too large: {exc.text}"
-    elif isinstance(exc, RecursionError):  # json.loads of a body nested thousands of levels deep
-        code, status, message = "bad_request", 400, f"body is not usable JSON: {exc}"
-    elif type(exc) is LookupError:  # codecs: the Content-Type names a charset Python does not know
-        code, status, message = "bad_request", 400, f"cannot decode the body: {exc}"
-    elif isinstance(exc, web.RequestPayloadError):  # e.g. Content-Encoding: gzip over bytes that are not gzip
-        code, status, message = "bad_request", 400, f"cannot read the body: {exc}"
+    elif (err := body_error(exc)) is not None:  # too large, too deep, unknown charset, bad encoding
+        code, status, message = err.code, err.status, err.message
     else:
         code, status, message = "internal", 500, f"{type(exc).__name__}: {exc}"
     state.errors.labels(code).inc()

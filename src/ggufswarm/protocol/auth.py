@@ -33,7 +33,7 @@ def token_middleware(token: str | None):
             given = request.headers.get(TOKEN_HEADER) or request.query.get("token") or ""
             if not hmac.compare_digest(given.encode(), token.encode()):
                 body = {"error": {"code": "unauthorized", "message": "missing or wrong swarm token "
-                                                                     f"({TOKEN_HEADER} header)"}}
+                                                                     f"({TOKEN_HEADER} header or ?token=)"}}
                 return web.Response(status=401, text=json.dumps(body), content_type="application/json")
         return await handler(request)
 

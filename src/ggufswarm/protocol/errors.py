@@ -25,6 +25,7 @@ ERROR_STATUS = {
     "step_gap": 409,            # step number skips ahead
     "position_mismatch": 409,   # frame start position != tokens the session holds
     "too_many_tokens": 413,     # n_tokens above the node's max_step_tokens
+    "body_too_large": 413,      # a JSON request body over the server's limit
     "kv_budget_full": 429,      # the node's KV budget is taken by other sessions: retry later
     "kv_budget_too_small": 503, # this session's max_length alone exceeds the node's whole budget
     "bad_snapshot": 400,        # cache: an upload that is not a snapshot blob, or shorter than one block
@@ -79,3 +80,23 @@ def json_errors_middleware():
                                 headers=headers)
 
     return to_json
+
+
+def body_error(exc: BaseException) -> "ProtocolError | None":
+    """The protocol error for a request body that could not be read or parsed, or None for other errors.
+
+    Maps aiohttp's over-limit body (413 ``body_too_large``), a body nested too deep for ``json``
+    (RecursionError), an unknown charset in Content-Type (LookupError) and an undecodable
+    Content-Encoding (RequestPayloadError) to one error each, so servers answer them instead of 500.
+    """
+    from aiohttp import web
+
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return ProtocolError("body_too_large", f"request body too large: {exc.text}")
+    if isinstance(exc, RecursionError):
+        return ProtocolError("bad_request", f"body is not usable JSON: {exc}")
+    if type(exc) is LookupError:  # codecs: only this exact type (KeyError / IndexError are bugs)
+        return ProtocolError("bad_request", f"cannot decode the body: {exc}")
+    if isinstance(exc, web.RequestPayloadError):
+        return ProtocolError("bad_request", f"cannot read the body: {exc}")
+    return None

@@ -205,7 +205,7 @@ td,th{padding:4px 10px;text-align:left;border-bottom:1px solid #ddd}
 <script>
 const esc = (t) => String(t).replace(/[&<>"']/g, (c) => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;',"'":'&#39;'}[c]));
 async function refresh(){
-  const r = await fetch('/status.json'); const s = await r.json(); let h = '';
+  const r = await fetch('/status.json' + location.search); const s = await r.json(); let h = '';
   for (const [name, m] of Object.entries(s.models)) {
     h += `<h2>${esc(name)} <small>(${m.n_layers} layers, ${m.nodes.length} nodes)</small></h2>`;
     h += '<table><tr><th>node</th><th>layers</th><th>coverage</th><th>state</th><th>free KV tokens</th><th>decode ms</th></tr>';
