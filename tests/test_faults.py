@@ -54,7 +54,8 @@ def stream(base: str, prompt: str, on_delta, **sampling) -> tuple[str, dict]:
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         event = json.loads(line[6:])
-        assert "error" not in event, f"{event['error']['code']}: {event['error']['message']}"
+        assert "error" not in event, (f"{event['error']['code']}: {event['error']['message']} "
+                                      f"telemetry={json.dumps(event.get('telemetry'))}")
         delta = event["choices"][0]["text"]
         if delta:
             text.append(delta)
@@ -202,3 +203,7 @@ def test_no_replacement_is_a_clear_error(swarm):
     with pytest.raises(AssertionError, match="no_replacement") as err:
         stream(swarm["gateway"], PROMPT, lambda i: i == 3 and middle[1].kill())
     assert middle[1].url in str(err.value) and "layers 6:12" in str(err.value)
+    # the error event still reports the session, with the repair it could not make
+    failed = json.loads(str(err.value).split("telemetry=", 1)[1].split("\n", 1)[0])
+    [attempt] = failed["repairs"]
+    assert attempt["hop"] == middle[1].url and attempt["replacement"] is None and "6:12" in attempt["error"]

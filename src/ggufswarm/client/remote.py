@@ -390,6 +390,9 @@ class RemoteSession:
         try:
             spare = self.replan(frozenset(self._excluded), (failed.start, failed.end))
         except RouteError as err:
+            self.telemetry.repairs.append({
+                "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code, "message": str(exc)[:300],
+                "replacement": None, "error": str(err)[:300], "ms": round((time.perf_counter() - t0) * 1e3, 1)})
             raise RouteError(f"node {failed.url} (layers {failed.start}:{failed.end}) failed ({exc}); no replacement: "
                              f"{err}", 503, "no_replacement", failed.url) from None
         i = old.hops.index(failed)

@@ -76,7 +76,10 @@ def _error_response(exc: Exception) -> web.Response:
     else:
         err = {"message": f"{type(exc).__name__}: {exc}", "type": "server_error", "param": None, "code": "internal"}
         status = 500
-    return web.Response(body=json.dumps({"error": err}).encode(), status=status, content_type=JSON)
+    body = {"error": err}
+    if getattr(exc, "telemetry", None):
+        body["telemetry"] = exc.telemetry
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON)
 
 
 def _number(body: dict, name: str, default, lo=None, hi=None, kind=float):
@@ -243,6 +246,9 @@ class Gateway:
         except Cancelled:
             emit(("error", RequestError("client went away", 499, "cancelled")))
         except Exception as exc:  # noqa: BLE001 - handed to the event loop
+            if session is not None:  # what the session did before it failed (repairs attempted, route)
+                exc.telemetry = {"route": session.route.describe(), "session": str(session.id),
+                                 "repairs": list(session.telemetry.repairs)}
             emit(("error", exc))
         finally:
             if session is not None:
@@ -285,7 +291,10 @@ async def _stream(resp: web.StreamResponse, request: web.Request, queue: asyncio
             err = {"message": str(exc), "type": "route_error" if isinstance(exc, RouteError) else
                    "server_error", "code": getattr(exc, "code", "internal"),
                    "status": getattr(exc, "status", 500)}
-            await resp.write(_sse({"error": err}))
+            event = {"error": err}
+            if getattr(exc, "telemetry", None):
+                event["telemetry"] = exc.telemetry
+            await resp.write(_sse(event))
             break
     await resp.write_eof()
 
