@@ -147,7 +147,7 @@ def _metadata(blob: bytes) -> dict:
 
 
 def snapshot_meta(blob: bytes) -> tuple[Shard, list[int]]:
-    """Shard and token ids of a snapshot blob without materializing its K/V (for the cache server's index).
-    SnapshotError when it is not a snapshot."""
+    """Shard and token ids of a snapshot blob, after the full check of decode_snapshot (the cache server
+    indexes only valid snapshots). SnapshotError when it is not one."""
     snap = decode_snapshot(blob)
     return snap.shard, snap.tokens.tolist()

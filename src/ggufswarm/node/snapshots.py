@@ -1,7 +1,7 @@
 """A node's link to the snapshot cache: background KV snapshots of its sessions, and restores from it.
 
-Snapshots are taken after a sampled prefill and each time a session reaches a multiple of ``every`` tokens. Taking one costs the
-step nothing: the step handler only records views of the KV buffers (positions ``< n`` are never
+Snapshots are taken after a sampled prefill and each time a session reaches a multiple of ``every``
+tokens. Taking one costs the step nothing: the step handler only records views of the KV buffers (positions ``< n`` are never
 written again unless the session is truncated, which bumps ``SessionKV.epoch``); serialization and
 upload run on a separate thread and task, and a snapshot whose session was truncated meanwhile is
 dropped. One snapshot per session is in flight at a time.
@@ -17,11 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 
 from ..cache.app import SHA_HEADER
-from ..cache.snapshot import BLOCK_TOKENS, Shard, SnapshotError, decode_snapshot, encode_snapshot
+from ..cache.snapshot import BLOCK_TOKENS, KV_DTYPES, Shard, SnapshotError, decode_snapshot, encode_snapshot
 from ..runtime.sessions import Session
-
-DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
-
 
 class SnapshotLink:
     """Snapshots to and restores from the cache server at ``url`` for one shard.
@@ -130,5 +127,6 @@ class SnapshotLink:
 
 def shard_of(executor) -> Shard:
     """The Shard (model fingerprint, layers, KV dtype) a node's executor computes."""
-    return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, DTYPE_NAMES[str(executor.dtype)])
+    dtype = next(name for name, dt in KV_DTYPES.items() if dt == executor.dtype)
+    return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, dtype)
 
