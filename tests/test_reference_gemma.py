@@ -34,10 +34,10 @@ def _llama_cpp_logits(llm, ids: list[int]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def teacher_forced(gemma, reference_text):
-    ids = gemma.tokenizer.encode(reference_text)[:1600]
+def teacher_forced(gemma_torch, reference_text):
+    ids = gemma_torch.tokenizer.encode(reference_text)[:1600]
     assert len(ids) >= 1500
-    return ids, gemma.session(len(ids)).logits(ids, all_positions=True).numpy()
+    return ids, gemma_torch.session(len(ids)).logits(ids, all_positions=True).numpy()
 
 
 def test_dequantization_equals_llama_cpp(gemma_path, gemma_f32_path):
@@ -96,19 +96,19 @@ def llama_cpp_greedy(llm, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def test_greedy_tokens_match_llama_cpp(gemma, gemma_f32_llama_cpp, reference_text):
+def test_greedy_tokens_match_llama_cpp(gemma_torch, gemma_f32_llama_cpp, reference_text):
     prompts = PROMPTS + ["Summarize the following text.\n\n" + reference_text[:3500] + "\n\nSummary:"]
-    assert len(gemma.tokenizer.encode(prompts[-1])) > 600
+    assert len(gemma_torch.tokenizer.encode(prompts[-1])) > 600
     matches = []
     for prompt in prompts:
-        ids = gemma.tokenizer.encode(prompt)
-        session = gemma.session(len(ids) + 16, SamplingParams(temperature=0))
+        ids = gemma_torch.tokenizer.encode(prompt)
+        session = gemma_torch.session(len(ids) + 16, SamplingParams(temperature=0))
         ours = [session.step(ids)]
         while len(ours) < 16:
             ours.append(session.step([ours[-1]]))
         ref = llama_cpp_greedy(gemma_f32_llama_cpp, ids, 16)
         matches.append(ours == ref)
-        print(f"{'ok  ' if ours == ref else 'DIFF'} {prompt[:30]!r}: {gemma.tokenizer.decode(ours)!r}")
+        print(f"{'ok  ' if ours == ref else 'DIFF'} {prompt[:30]!r}: {gemma_torch.tokenizer.decode(ours)!r}")
     assert sum(matches) >= 9, matches
 
 
@@ -124,7 +124,7 @@ def _llama_cpp_perplexity(llm, tokens: list[int], n_ctx: int, bos: int) -> float
     return math.exp(nll / count)
 
 
-def test_perplexity_cli_matches_llama_cpp(gemma, gemma_llama_cpp, reference_text, tmp_path, ggufswarm_cli):
+def test_perplexity_cli_matches_llama_cpp(gemma_torch, gemma_llama_cpp, reference_text, tmp_path, ggufswarm_cli):
     text_file = tmp_path / "text.txt"
     text_file.write_text(reference_text, encoding="utf-8")
     out = subprocess.run([*ggufswarm_cli, "perplexity", str(text_file), "--ctx-size", "256", "--split", "9"],
@@ -133,7 +133,7 @@ def test_perplexity_cli_matches_llama_cpp(gemma, gemma_llama_cpp, reference_text
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("perplexity: ")
     ours = float(last.split()[-1])
-    tokens = gemma.tokenizer.encode(reference_text)
-    ref = _llama_cpp_perplexity(gemma_llama_cpp, tokens, 256, gemma.tokenizer.bos_id)
+    tokens = gemma_torch.tokenizer.encode(reference_text)
+    ref = _llama_cpp_perplexity(gemma_llama_cpp, tokens, 256, gemma_torch.tokenizer.bos_id)
     print(f"perplexity CLI {ours:.4f}, llama.cpp (Q4_K_M) {ref:.4f}")
     assert abs(ours / ref - 1) < 0.01

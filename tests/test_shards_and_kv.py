@@ -16,7 +16,8 @@ from ggufswarm.runtime.shard import ShardExecutor, ShardSpec, split_at
 
 @pytest.fixture(scope="module")
 def tiny_gemma(tiny_dir):
-    return LocalModel.load(write_tiny_model(tiny_dir / "kv-gemma3.gguf", "gemma3", n_layers=6, sliding_window=8))
+    return LocalModel.load(write_tiny_model(tiny_dir / "kv-gemma3.gguf", "gemma3", n_layers=6, sliding_window=8),
+                           backend="torch")
 
 
 def _chained(model: LocalModel, points: list[int]) -> list[ShardExecutor]:
@@ -42,12 +43,12 @@ def test_split_invariance_bitwise_tiny(tiny_gemma, points):
         assert torch.equal(_run(whole, kv_w, [tok]), _run(parts, kv_p, [tok]))
 
 
-def test_split_invariance_bitwise_gemma(gemma):
-    parts = [ShardExecutor(gemma.file, spec, config=gemma.config) for spec in split_at(18, [6, 12])]
-    parts[0].token_embd = gemma.shards[0].token_embd  # share the embedding (same tensor) to save memory
-    parts[-1].output = parts[-1].head_weights["output"] = gemma.shards[0].output
-    whole = gemma.shards
-    ids = gemma.tokenizer.encode("Split invariance: the same logits, bit for bit, from chained shards.")
+def test_split_invariance_bitwise_gemma(gemma_torch):
+    parts = [ShardExecutor(gemma_torch.file, spec, config=gemma_torch.config) for spec in split_at(18, [6, 12])]
+    parts[0].token_embd = gemma_torch.shards[0].token_embd  # share the embedding (same tensor) to save memory
+    parts[-1].output = parts[-1].head_weights["output"] = gemma_torch.shards[0].output
+    whole = gemma_torch.shards
+    ids = gemma_torch.tokenizer.encode("Split invariance: the same logits, bit for bit, from chained shards.")
     kv_w, kv_p = [s.new_session(128) for s in whole], [s.new_session(128) for s in parts]
     assert torch.equal(_run(whole, kv_w, ids), _run(parts, kv_p, ids))
     tok = 1000
@@ -75,10 +76,10 @@ def test_kv_cache_equals_recompute(tiny_gemma):
     torch.testing.assert_close(torch.cat(steps), full, rtol=1e-4, atol=1e-4)
 
 
-def test_kv_cache_equals_recompute_gemma(gemma):
-    ids = gemma.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
-    full = gemma.session(128).logits(ids, all_positions=True)
-    session = gemma.session(128)
+def test_kv_cache_equals_recompute_gemma(gemma_torch):
+    ids = gemma_torch.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    full = gemma_torch.session(128).logits(ids, all_positions=True)
+    session = gemma_torch.session(128)
     steps = [session.logits(ids[:5], all_positions=True)] + [session.logits([t]) for t in ids[5:]]
     torch.testing.assert_close(torch.cat(steps), full, rtol=1e-3, atol=2e-3)
 

@@ -31,8 +31,17 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="GGUF file (or first file of a split set); default: embedded Gemma 3 270M")
     p.add_argument("--split", type=_split, metavar="A,B,...", default=None,
                    help="run the model as in-process chained shards cut at these layers")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default float32)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch (default: all cores)")
+    _backend_args(p)
+
+
+def _backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["llama.cpp", "torch"], default="llama.cpp",
+                   help="shard backend: llama.cpp (default: llama.cpp's own graphs and quantized kernels, bitwise "
+                        "equal to llama.cpp) or torch (the PyTorch reference: dequantized weights, f32/bf16)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="torch backend's compute dtype (default float32)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads: llama.cpp's decode and batch threads, or PyTorch's (default: all cores)")
 
 
 
@@ -105,8 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --layers auto: take as many layers as fit in this many MiB of weights (default 8192)")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
-    n.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
-    n.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch (default: all cores)")
+    _backend_args(n)
+    n.add_argument("--ctx-size", type=int, default=4096, metavar="TOKENS",
+                   help="llama.cpp backend: KV cells per session, i.e. the longest session this node takes "
+                        "(capped by the model's context; allocated up front for --max-sessions; default 4096)")
+    n.add_argument("--max-sessions", type=int, default=4, metavar="N",
+                   help="llama.cpp backend: sessions held at once (default 4); KV memory = N x --ctx-size x "
+                        "this shard's KV bytes per token")
     n.add_argument("--kv-budget", type=int, default=262144, metavar="TOKENS",
                    help="KV budget: tokens all sessions may reserve together (each reserves its max_length); "
                         "an open that does not fit gets 429 (full, retry later) or 503 (never fits). Default 262144")
@@ -168,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "automatic for base models, whose GGUF has no chat template)")
     d.add_argument("--serve", action="store_true", help="keep the cluster up after the prompt; print the gateway URL")
     d.add_argument("--port", type=int, default=0, help="gateway port (default: any free port)")
-    d.add_argument("--threads", type=int, default=None, help="PyTorch threads per node (default: cores / nodes)")
+    d.add_argument("--threads", type=int, default=None, help="threads per node (default: cores / nodes)")
+    d.add_argument("--backend", choices=["llama.cpp", "torch"], default="llama.cpp",
+                   help="the nodes' shard backend (default llama.cpp)")
     d.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-hop timeout (default 30)")
     d.add_argument("--wire-dtype", choices=["f16", "bf16", "f32"], default="f16", help="frame dtype (default f16)")
     d.add_argument("--no-swarm", action="store_true",
@@ -224,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _context_for(max_tokens: int) -> int:
+    """KV cells the llama.cpp backend reserves for one generate session: prompt room plus the completion."""
+    return max(4096, max_tokens + 2048)
+
+
 def cmd_generate(args) -> int:
     from .client.generate import GenerationStats, generate
     from .client.local import LocalModel
@@ -232,7 +253,8 @@ def cmd_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed).validate()
-    model = LocalModel.load(args.model, args.split, args.dtype)
+    model = LocalModel.load(args.model, args.split, args.dtype, args.backend, args.threads,
+                            max_length=_context_for(args.max_tokens))
     if args.chat and not model.tokenizer.chat_template:
         print(f"note: the GGUF has no chat template (a base model?); using llama.cpp's built-in "
               f"'{model.tokenizer.builtin_template}' template", file=sys.stderr)
@@ -262,7 +284,8 @@ def cmd_perplexity(args) -> int:
         raise ValueError(f"{args.file}: is a directory, not a text file") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"{args.file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    model = LocalModel.load(args.model, args.split, args.dtype)
+    model = LocalModel.load(args.model, args.split, args.dtype, args.backend, args.threads,
+                            max_length=args.ctx_size, all_logits=True)
     tokens = model.tokenizer.encode(text)
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos else None
 
@@ -284,7 +307,8 @@ def cmd_node(args) -> int:
         raise ValueError(f"--cache must be the cache server's http:// URL, got {args.cache!r}")
     return run_node(NodeConfig(
         layers=args.layers, embed=args.embed, head=args.head, model=args.model, host=args.host, port=args.port,
-        dtype=args.dtype, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,
+        dtype=args.dtype, backend=args.backend, threads=args.threads, ctx_size=args.ctx_size,
+        max_sessions=args.max_sessions, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,
         session_ttl_s=args.session_ttl, hop_timeout_s=args.hop_timeout, max_step_tokens=args.max_step_tokens,
         workers=args.workers, exit_with_parent=args.exit_with_parent, tracker=args.tracker, data_dir=args.data_dir,
         memory_budget_mb=args.memory_budget, cache=args.cache, snapshot_every=args.snapshot_every))
@@ -356,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag, None)
         if value is not None and value < (1 if flag == "chunks" else 0):
             parser.error(f"--{flag.replace('_', '-')} must be at least {1 if flag == 'chunks' else 0}, got {value}")
-    if threads:
+    if threads and getattr(args, "backend", None) == "torch":
         import torch
         torch.set_num_threads(threads)
     if getattr(args, "token", None):

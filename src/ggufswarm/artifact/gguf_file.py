@@ -103,8 +103,11 @@ class _Cursor:
         return self.scalar(vtype)
 
 
-def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo], int]:
-    """Parse one GGUF file's header. Returns (metadata, tensors, header_bytes).
+def _read_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple], list[TensorInfo], int]:
+    """Parse one GGUF file's header. Returns (metadata, metadata_types, tensors, header_bytes).
+
+    ``metadata_types[key]`` is ``(GGUFValueType, item GGUFValueType or None)``, what a writer needs
+    to write the value back unchanged.
 
     Raises GGUFError for a non-GGUF file or a header/tensor table that runs past the end.
     """
@@ -124,9 +127,15 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo], int]:
         if n_tensors > 1_000_000 or n_kv > 1_000_000:
             raise GGUFError(f"{path}: implausible header counts (tensors={n_tensors}, kv={n_kv})")
         metadata: dict[str, Any] = {}
+        types: dict[str, tuple] = {}
         for _ in range(n_kv):
             key = cur.string()
-            metadata[key] = cur.value(GGUFValueType(cur.scalar(GGUFValueType.UINT32)))
+            vtype = GGUFValueType(cur.scalar(GGUFValueType.UINT32))
+            item = GGUFValueType(cur.scalar(GGUFValueType.UINT32)) if vtype == GGUFValueType.ARRAY else None
+            if item is not None:
+                cur.pos -= 4
+            metadata[key] = cur.value(vtype)
+            types[key] = (vtype, item)
         raw_tensors = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -154,7 +163,7 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo], int]:
                 f"{path}: truncated GGUF: tensor {name} ends at byte {info.offset + info.n_bytes}, "
                 f"file has {size} bytes")
         tensors.append(info)
-    return metadata, tensors, data_start
+    return metadata, types, tensors, data_start
 
 
 def split_paths(path: Path) -> list[Path]:
@@ -202,14 +211,15 @@ class GGUFModelFile:
             raise GGUFError(f"{self.path}: no such file")
         self.paths = split_paths(self.path)
         self.metadata: dict[str, Any] = {}
+        self.metadata_types: dict[str, tuple] = {}  # key -> (GGUFValueType, array item type or None)
         self.tensors: dict[str, TensorInfo] = {}
         self.header_bytes = 0
         self._header_sizes: list[int] = []
         self._fingerprint: str | None = None
         for i, p in enumerate(self.paths):
-            metadata, tensors, header_bytes = _read_header(p)
+            metadata, types, tensors, header_bytes = _read_header(p)
             if i == 0:
-                self.metadata = metadata
+                self.metadata, self.metadata_types = metadata, types
             self.header_bytes += header_bytes
             self._header_sizes.append(header_bytes)
             for t in tensors:

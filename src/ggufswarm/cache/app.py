@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from ..model.config import MAX_CONTEXT
 from ..protocol.auth import swarm_token, token_middleware
 from ..protocol.errors import ProtocolError, body_error, error_body, json_errors_middleware
-from .snapshot import KV_DTYPES, Shard, SnapshotError
+from .snapshot import KV_DTYPES, STATE_DTYPE, Shard, SnapshotError
 from .store import SnapshotCorrupt, SnapshotMissing, SnapshotStore, SnapshotTooLarge
 
 STORE = web.AppKey("store", SnapshotStore)
@@ -97,8 +97,9 @@ def parse_lookup(body) -> tuple[Shard, list[int]]:
     if not (isinstance(layers, list) and len(layers) == 2 and all(type(x) is int and 0 <= x <= 100_000 for x in layers)
             and layers[0] < layers[1]):
         raise ProtocolError("bad_request", f"layers must be [start, end] with start < end, got {layers!r}")
-    if dtype not in KV_DTYPES:
-        raise ProtocolError("bad_request", f"dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+    if dtype not in KV_DTYPES and dtype != STATE_DTYPE:
+        raise ProtocolError("bad_request", f"dtype must be one of {', '.join([*KV_DTYPES, STATE_DTYPE])}, "
+                                           f"got {dtype!r}")
     if not (isinstance(tokens, list) and len(tokens) <= MAX_CONTEXT and all(type(t) is int and 0 <= t < 2 ** 31
                                                                            for t in tokens)):
         raise ProtocolError("bad_request", f"tokens must be a list of at most {MAX_CONTEXT} non-negative int32 ids")

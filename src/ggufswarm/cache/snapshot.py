@@ -4,7 +4,11 @@ A snapshot holds, for the token prefix ``tokens[0:n]`` and the layers ``[start, 
 (named by its GGUF header fingerprint) in one KV dtype:
 
 * ``tokens``: int32 ``[n]``;
-* ``k.{i}``, ``v.{i}`` for ``i`` in ``0..end-start-1``: ``[n, n_head_kv, head_dim]`` in the KV dtype;
+* torch backend: ``k.{i}``, ``v.{i}`` for ``i`` in ``0..end-start-1``: ``[n, n_head_kv, head_dim]`` in the
+  KV dtype (``float32``, ``bfloat16``, ``float16``);
+* llama.cpp backend (dtype ``llama.cpp-f16``): ``state``, uint8 ``[bytes]``: the sequence's KV cells as
+  ``llama_state_seq_get_data`` writes them (llama.cpp's own format; only a llama.cpp shard of the same
+  model and layers restores it, and the dtype in the key keeps the backends apart);
 * metadata ``format``, ``model``, ``layers`` (``"start:end"``), ``dtype``, ``n_tokens``.
 
 Attention is causal, so the KV of positions ``< m`` depends only on ``tokens[0:m]``: a snapshot of
@@ -28,6 +32,7 @@ from safetensors.torch import save as st_save
 FORMAT = "ggufswarm-kv/1"
 BLOCK_TOKENS = 16  # prefix granularity: snapshots are found and restored in whole blocks of this many tokens
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STATE_DTYPE = "llama.cpp-f16"  # a llama.cpp sequence state (f16 KV cache) instead of per-layer K/V tensors
 
 
 class SnapshotError(ValueError):
@@ -71,12 +76,14 @@ def prefix_hashes(shard: Shard, tokens) -> list[str]:
 
 @dataclass
 class Snapshot:
-    """A decoded snapshot: ``tokens`` int64 ``[n]``, per-layer ``keys`` / ``values`` ``[n, n_head_kv, head_dim]``."""
+    """A decoded snapshot: ``tokens`` int64 ``[n]``, per-layer ``keys`` / ``values`` ``[n, n_head_kv, head_dim]``
+    (torch), or ``state`` (llama.cpp sequence state bytes, keys/values empty)."""
 
     shard: Shard
     tokens: torch.Tensor
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    state: bytes | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -87,10 +94,19 @@ class Snapshot:
         return snapshot_key(self.shard, self.tokens.tolist())
 
 
-def encode_snapshot(shard: Shard, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> bytes:
+def encode_snapshot(shard: Shard, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+                    state: bytes | None = None) -> bytes:
     """A safetensors blob of one shard's KV for ``tokens`` (``keys[i]`` / ``values[i]``: ``[n, ...]`` per layer,
-    already sliced to ``len(tokens)`` positions). Copies the tensors; safe to call off the event loop."""
+    already sliced to ``len(tokens)`` positions; or a llama.cpp ``state`` holding exactly those positions).
+    Copies the tensors; safe to call off the event loop."""
     n = len(tokens)
+    meta = {"format": FORMAT, "model": shard.model, "layers": f"{shard.start}:{shard.end}", "dtype": shard.dtype,
+            "n_tokens": str(n)}
+    if shard.dtype == STATE_DTYPE:
+        if state is None:
+            raise SnapshotError("a llama.cpp snapshot needs the sequence state")
+        return st_save({"tokens": torch.tensor(tokens, dtype=torch.int32),
+                        "state": torch.frombuffer(bytearray(state), dtype=torch.uint8)}, metadata=meta)
     if len(keys) != shard.end - shard.start or len(values) != len(keys):
         raise SnapshotError(f"layers {shard.start}:{shard.end} need {shard.end - shard.start} K/V pairs, got "
                             f"{len(keys)}/{len(values)}")
@@ -100,8 +116,6 @@ def encode_snapshot(shard: Shard, tokens: list[int], keys: list[torch.Tensor], v
             raise SnapshotError(f"layer {i}: K/V hold {k.shape[0]}/{v.shape[0]} positions, tokens {n}")
         tensors[f"k.{i}"] = k.contiguous()
         tensors[f"v.{i}"] = v.contiguous()
-    meta = {"format": FORMAT, "model": shard.model, "layers": f"{shard.start}:{shard.end}", "dtype": shard.dtype,
-            "n_tokens": str(n)}
     return st_save(tensors, metadata=meta)
 
 
@@ -124,10 +138,16 @@ def decode_snapshot(blob: bytes) -> Snapshot:
     if not re.fullmatch(r"[0-9a-f]{64}", shard.model) or not 0 <= start < end:
         raise SnapshotError("snapshot model must be a 64-hex-digit GGUF fingerprint and layers start:end")
     tokens = tensors.get("tokens")
-    if tokens is None or tokens.dtype != torch.int32 or tokens.shape != (n,) or shard.dtype not in KV_DTYPES:
+    if tokens is None or tokens.dtype != torch.int32 or tokens.shape != (n,) or \
+            (shard.dtype not in KV_DTYPES and shard.dtype != STATE_DTYPE):
         raise SnapshotError("snapshot tokens missing or not int32 [n_tokens], or unknown dtype")
     if n and int(tokens.min()) < 0:
         raise SnapshotError("snapshot token ids must be non-negative")
+    if shard.dtype == STATE_DTYPE:
+        state = tensors.get("state")
+        if state is None or state.dtype != torch.uint8 or state.dim() != 1 or len(tensors) != 2:
+            raise SnapshotError("llama.cpp snapshot needs exactly a uint8 [bytes] state and its tokens")
+        return Snapshot(shard, tokens.long(), [], [], state.numpy().tobytes())
     keys, values = [], []
     for i in range(end - start):
         k, v = tensors.get(f"k.{i}"), tensors.get(f"v.{i}")

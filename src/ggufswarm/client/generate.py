@@ -8,7 +8,6 @@ from typing import Iterator, Protocol
 
 import torch
 
-from ..runtime.shard import ShardExecutor
 from .sampling import Sampler, SamplingParams
 from .tokenizer import TextStream, Tokenizer
 
@@ -24,9 +23,9 @@ class RouteSession(Protocol):
 
 
 class LocalSession:
-    """A session on in-process chained shards (``[0,a) + [a,b) + ... + [z,n)``): one SessionKV each."""
+    """A session on in-process chained shards (``[0,a) + [a,b) + ... + [z,n)``): one KV cache each (any backend)."""
 
-    def __init__(self, shards: list[ShardExecutor], max_length: int, sampling: SamplingParams):
+    def __init__(self, shards: list, max_length: int, sampling: SamplingParams):
         self.shards = shards
         self.kvs = [s.new_session(max_length) for s in shards]
         self.sampler = Sampler(sampling)
@@ -51,7 +50,10 @@ class LocalSession:
         del self.history[length:]
 
     def close(self) -> None:
-        """Drop the KV caches."""
+        """Drop the KV caches (a llama.cpp shard frees the session's sequence)."""
+        for kv in self.kvs:
+            if hasattr(kv, "close"):
+                kv.close()
         self.kvs = []
 
 

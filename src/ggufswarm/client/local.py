@@ -5,17 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import torch
-
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
-from ..model import ModelConfig, load_config
-from ..runtime.shard import ShardExecutor, ShardSpec, split_at
+from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
+from ..runtime.shard import ShardSpec, split_at
 from .generate import LocalSession
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -23,24 +19,29 @@ class LocalModel:
     """A whole model as in-process chained shards (one shard unless ``split`` points are given)."""
 
     file: GGUFModelFile
-    config: ModelConfig
+    config: object  # ModelConfig (torch) or ShardModelInfo (llama.cpp): n_layers, n_embd, n_vocab, max_length
     tokenizer: Tokenizer
-    shards: list[ShardExecutor]
+    shards: list
+    backend: str = DEFAULT_BACKEND
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, split: list[int] | None = None,
-             dtype: str = "float32") -> "LocalModel":
-        """Load ``path`` (default: the embedded Gemma 3 270M) cut at ``split`` layer indices.
+             dtype: str = "float32", backend: str = DEFAULT_BACKEND, threads: int | None = None,
+             max_length: int = 4096, all_logits: bool = False) -> "LocalModel":
+        """Load ``path`` (default: the embedded Gemma 3 270M) cut at ``split`` layer indices, on ``backend``.
 
-        Raises GGUFError, UnsupportedArchitecture, or ValueError for bad split points / dtype.
+        ``max_length``: longest session the llama.cpp backend holds KV for (tokens; the torch
+        backend grows its cache as needed); ``all_logits``: sessions will ask for every position's
+        logits (perplexity). Raises GGUFError, or ValueError for an unsupported architecture, bad
+        split points or dtype.
         """
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         file = GGUFModelFile(resolve_model(path))
-        config = load_config(file)
+        config = model_config(file, backend)
         specs = split_at(config.n_layers, split or [])
-        shards = [ShardExecutor(file, spec, DTYPES[dtype], config) for spec in specs]
-        return cls(file, config, Tokenizer(str(file.path), file.metadata), shards)
+        shards = [load_shard(file, spec, backend, config=config, dtype=dtype, threads=threads,
+                             max_length=min(max_length, config.max_length), max_sessions=1, all_logits=all_logits)
+                  for spec in specs]
+        return cls(file, config, Tokenizer(str(file.path), file.metadata), shards, backend)
 
     def session(self, max_length: int | None = None, sampling: SamplingParams | None = None) -> LocalSession:
         """A new session over all shards; ``max_length`` defaults to the model's limit (≤ 128K)."""

@@ -18,7 +18,7 @@ from ..artifact.default_model import resolve_model
 from ..cache.app import CacheConfig
 from ..cache.app import make_app as make_cache_app
 from ..artifact.gguf_file import GGUFModelFile
-from ..model import load_config
+from ..runtime.backends import model_config
 from ..node.launch import start_nodes, stop_nodes
 from ..protocol.auth import TOKEN_ENV, swarm_token
 from ..swarm.publish import publish
@@ -108,14 +108,14 @@ def run_demo(args) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     path = resolve_model(args.model)
     file = GGUFModelFile(path)
-    cfg = load_config(file)
+    cfg = model_config(file, args.backend)
     chat = not args.raw and bool(file.metadata.get("tokenizer.chat_template"))
     if not args.raw and not chat:
         print("ggufswarm demo: the model has no chat template (a base model): sending the prompt as a plain "
               "completion", file=sys.stderr, flush=True)
     specs = even_split(cfg.n_layers, args.nodes)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
-    print(f"ggufswarm demo: starting {args.nodes} nodes ({threads} thread(s) each): "
+    print(f"ggufswarm demo: starting {args.nodes} {args.backend} nodes ({threads} thread(s) each): "
           + ", ".join(f"{s.start}:{s.end}" for s in specs), file=sys.stderr, flush=True)
     if not swarm_token():  # the demo's swarm is private: a fresh token, inherited by the node processes
         os.environ[TOKEN_ENV] = secrets.token_urlsafe(24)
@@ -125,7 +125,7 @@ def run_demo(args) -> int:
     nodes, gateway, tracker, seeder, work, cache = [], None, None, None, None, None
     try:
         if args.no_swarm:
-            nodes = start_nodes(specs, str(path), threads, extra=["--hop-timeout", str(args.timeout)])
+            nodes = start_nodes(specs, str(path), threads, extra=["--hop-timeout", str(args.timeout), "--backend", args.backend])
             config = GatewayConfig([n.url for n in nodes], model=str(path), hop_timeout_s=args.timeout,
                                    wire_dtype=args.wire_dtype)
         else:
@@ -141,10 +141,11 @@ def run_demo(args) -> int:
             seeder.seed(published.torrent, save_path_for([path]))
             print(f"ggufswarm demo: tracker {tracker_url}; snapshot cache {cache_url}; published {name} "
                   f"({published.manifest.files[0]['bytes'] / 2**20:.0f} MiB) and seeding it", file=sys.stderr, flush=True)
-            nodes = start_nodes(specs, name, threads, extra=["--hop-timeout", str(args.timeout), "--tracker", tracker_url,
+            nodes = start_nodes(specs, name, threads, extra=["--hop-timeout", str(args.timeout), "--backend", args.backend, "--tracker", tracker_url,
                                                              "--cache", cache_url],
                                 per_node=lambda i: ["--data-dir", str(work / f"node{i}")], timeout=600)
-            fetched = [sum(f.stat().st_blocks * 512 for f in (work / f"node{i}").rglob("*.gguf")) for i in range(len(nodes))]
+            fetched = [sum(f.stat().st_blocks * 512 for f in (work / f"node{i}").rglob("*.gguf") if "shards" not in f.parts)
+                       for i in range(len(nodes))]
             print("ggufswarm demo: nodes fetched " + ", ".join(
                 f"{s.start}:{s.end} {b / 2**20:.0f} MiB" for s, b in zip(specs, fetched)) + " from the swarm",
                 file=sys.stderr, flush=True)

@@ -21,21 +21,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
-import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.sampling import SamplingParams
-from ..model import load_config
 from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden, error_body
 from ..protocol.auth import auth_headers, swarm_token, token_middleware
 from ..protocol.errors import body_error, json_errors_middleware
 from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE
 from ..runtime.kv import ContextOverflow
 from ..runtime.sessions import SessionError, SessionStore
-from ..runtime.shard import ShardExecutor, ShardSpec
+from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
+from ..runtime.shard import ShardSpec
 
 WIRE_DTYPES = ("f16", "bf16", "f32")
 JSON = "application/json"
@@ -52,7 +51,11 @@ class NodeConfig:
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
-    dtype: str = "float32"
+    dtype: str = "float32"            # torch backend's compute dtype
+    backend: str = DEFAULT_BACKEND    # "llama.cpp" or "torch" (runtime.backends)
+    threads: int | None = None        # llama.cpp decode/batch threads (None: all cores)
+    ctx_size: int = 4096              # llama.cpp: KV cells per session = the longest session (tokens)
+    max_sessions: int = 4             # llama.cpp: sessions at once (sequence ids of the context)
     kv_budget_tokens: int = 262144
     kv_budget_mb: float | None = None
     session_ttl_s: float = 300.0
@@ -73,7 +76,7 @@ class NodeConfig:
 class NodeState:
     """Everything a node's handlers share: the shard, its session store, metrics, the next-hop client."""
 
-    def __init__(self, config: NodeConfig, executor: ShardExecutor):
+    def __init__(self, config: NodeConfig, executor):
         self.config = config
         self.executor = executor
         self.node_id = uuid.uuid4().hex
@@ -81,6 +84,8 @@ class NodeState:
         self.spec = executor.spec
         self.cfg = executor.cfg
         budget = config.kv_budget_tokens
+        if executor.backend == "llama.cpp":  # the context's cells are the budget: allocated up front
+            budget = min(budget, executor.n_ctx_seq * executor.n_seq_max)
         self.store = SessionStore(executor, budget, config.session_ttl_s)
         if config.kv_budget_mb is not None:
             per_token = max(self.store.kv_bytes_per_token(), 1)
@@ -90,7 +95,8 @@ class NodeState:
         self.snapshots = None
         if config.cache:
             from .snapshots import SnapshotLink, shard_of
-            self.snapshots = SnapshotLink(config.cache, shard_of(executor), config.snapshot_every, lambda: self.client)
+            self.snapshots = SnapshotLink(config.cache, shard_of(executor), config.snapshot_every, lambda: self.client,
+                                          executor)
         self.max_body = HEADER_SIZE + config.max_step_tokens * (self.cfg.n_embd * 4 + 4)
         reg = self.registry = CollectorRegistry()
         store = self.store
@@ -309,7 +315,13 @@ async def restore_session(request: web.Request) -> web.Response:
                 await state.snapshots.fetch(tokens)
             if snap is not None:
                 n = length
-                session.kv.load([k[:n] for k in snap.keys], [v[:n] for v in snap.values])
+                if snap.state is not None:  # llama.cpp: the whole state, then back to the shared prefix
+                    await asyncio.get_running_loop().run_in_executor(
+                        state.pool, state.executor.load_state, session.kv, snap.state, snap.n_tokens)
+                    if n < snap.n_tokens:
+                        session.kv.truncate(n)
+                else:
+                    session.kv.load([k[:n] for k in snap.keys], [v[:n] for v in snap.values])
                 session.history[:] = tokens[:n]
                 session.history_complete = True
                 session.snapshot_at = n
@@ -473,18 +485,30 @@ async def _deregister(state: NodeState) -> None:
         pass
 
 
-def load_executor(config: NodeConfig) -> ShardExecutor:
-    """Load the shard named by ``config`` (reads only its tensors). Raises GGUFError / ValueError."""
+def load_executor(config: NodeConfig):
+    """Load the shard named by ``config`` on its backend (reads only its tensors).
+
+    llama.cpp: ``max_sessions`` sequences of ``ctx_size`` KV cells each (capped by the model's
+    context and by ``kv_budget_tokens`` / ``kv_budget_mb``), its derived shard GGUF written under
+    ``data_dir/shards``. Raises GGUFError / ValueError (an unsupported architecture included).
+    """
     file = GGUFModelFile(resolve_model(config.model))
-    model_cfg = load_config(file)
+    model_cfg = model_config(file, config.backend)
     spec = ShardSpec.parse(config.layers, model_cfg.n_layers, config.embed, config.head)
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if config.dtype not in dtypes:
-        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {config.dtype!r}")
-    return ShardExecutor(file, spec, dtypes[config.dtype], model_cfg)
+    if config.max_sessions < 1 or config.ctx_size < 1:
+        raise ValueError("--max-sessions and --ctx-size must be at least 1")
+    per_session = min(config.ctx_size, model_cfg.max_length, max(config.kv_budget_tokens // config.max_sessions, 1))
+    if config.kv_budget_mb is not None and config.backend == "llama.cpp":  # the context is allocated whole
+        from ..runtime.llamacpp.backend import kv_bytes_per_token
+        per_token = max(kv_bytes_per_token(file, spec), 1)
+        per_session = max(1, min(per_session, int(config.kv_budget_mb * 2 ** 20) // per_token // config.max_sessions))
+    shard = load_shard(file, spec, config.backend, config=model_cfg, dtype=config.dtype, threads=config.threads,
+                       max_length=per_session, max_sessions=config.max_sessions,
+                       cache_dir=Path(config.data_dir) / "shards")
+    return shard
 
 
-def make_app(config: NodeConfig, executor: ShardExecutor | None = None) -> web.Application:
+def make_app(config: NodeConfig, executor=None) -> web.Application:
     """The node's aiohttp app; loads the shard unless ``executor`` is given. Raises as load_executor."""
     state = NodeState(config, executor or load_executor(config))
     # bodies: one frame of max_step_tokens f32 rows, or a JSON restore of up to 128K token ids

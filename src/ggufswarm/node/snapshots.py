@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 
 from ..cache.app import SHA_HEADER
-from ..cache.snapshot import BLOCK_TOKENS, KV_DTYPES, Shard, SnapshotError, decode_snapshot, encode_snapshot
+from ..cache.snapshot import (BLOCK_TOKENS, KV_DTYPES, STATE_DTYPE, Shard, SnapshotError, decode_snapshot,
+                              encode_snapshot)
 from ..runtime.sessions import Session
 
 class SnapshotLink:
@@ -27,8 +28,9 @@ class SnapshotLink:
     ``counters``: a dict of ints the node exports (written, bytes, dropped, failed, restored).
     """
 
-    def __init__(self, url: str, shard: Shard, every: int, client_factory):
+    def __init__(self, url: str, shard: Shard, every: int, client_factory, executor=None):
         self.url = url.rstrip("/")
+        self.executor = executor  # a llama.cpp shard: its sequence state is copied under the session's lock
         self.shard = shard
         self.every = every
         self._client = client_factory  # () -> aiohttp.ClientSession (the node's, with the swarm token)
@@ -50,18 +52,41 @@ class SnapshotLink:
         if not due:
             return
         session.snapshot_at = n
-        keys = [layer.k[:n] for layer in session.kv.layers]
-        values = [layer.v[:n] for layer in session.kv.layers]
         self._inflight.add(session.id)
-        task = asyncio.get_running_loop().create_task(
-            self._write(session, list(session.history), keys, values, session.kv.epoch))
+        if self.shard.dtype == STATE_DTYPE:
+            task = asyncio.get_running_loop().create_task(self._write_state(session))
+        else:
+            keys = [layer.k[:n] for layer in session.kv.layers]
+            values = [layer.v[:n] for layer in session.kv.layers]
+            task = asyncio.get_running_loop().create_task(
+                self._write(session, list(session.history), keys, values, session.kv.epoch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _write(self, session: Session, tokens, keys, values, epoch: int) -> None:
+    async def _write_state(self, session: Session) -> None:
+        """llama.cpp: copy the sequence state once the step handler releases the session (the next step
+        of the session waits for the copy, ~1 ms per MB), then encode and upload as ``_write``."""
+        try:
+            async with session.lock:
+                n = session.length
+                if session.kv.closed or not session.history_complete or len(session.history) != n:
+                    self._inflight.discard(session.id)
+                    return
+                tokens = list(session.history)
+                state = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self.executor.state_bytes, session.kv)
+                epoch = session.kv.epoch
+        except Exception as exc:  # noqa: BLE001 - a snapshot never fails the session
+            self._inflight.discard(session.id)
+            self.counters["failed"] += 1
+            print(f"ggufswarm node: snapshot state copy failed ({exc}); still serving", file=sys.stderr, flush=True)
+            return
+        await self._write(session, tokens, [], [], epoch, state)
+
+    async def _write(self, session: Session, tokens, keys, values, epoch: int, state: bytes | None = None) -> None:
         try:
             loop = asyncio.get_running_loop()
-            blob = await loop.run_in_executor(self._pool, encode_snapshot, self.shard, tokens, keys, values)
+            blob = await loop.run_in_executor(self._pool, encode_snapshot, self.shard, tokens, keys, values, state)
             if session.kv.epoch != epoch:  # truncated while we copied: positions may have been rewritten
                 self.counters["dropped"] += 1
                 return
@@ -126,7 +151,9 @@ class SnapshotLink:
 
 
 def shard_of(executor) -> Shard:
-    """The Shard (model fingerprint, layers, KV dtype) a node's executor computes."""
+    """The Shard (model fingerprint, layers, KV dtype or llama.cpp state) a node's executor computes."""
+    if executor.backend == "llama.cpp":
+        return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, STATE_DTYPE)
     dtype = next(name for name, dt in KV_DTYPES.items() if dt == executor.dtype)
     return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, dtype)
 

@@ -15,7 +15,6 @@ import torch
 
 from ..client.sampling import Sampler, SamplingParams, top_logprobs
 from .kv import ContextOverflow, SessionKV, check_max_length
-from .shard import ShardExecutor
 
 
 class SessionError(Exception):
@@ -90,14 +89,22 @@ class Session:
         return self.kv.length
 
 
+def _free(session: Session) -> None:
+    """Release a dropped session's KV now (a llama.cpp sequence id and its cells; torch frees on GC)."""
+    close = getattr(session.kv, "close", None)
+    if close is not None:
+        close()
+
+
 class SessionStore:
-    """Sessions of one shard with a KV budget in tokens (each session reserves its ``max_length``).
+    """Sessions of one shard (any backend, see ``runtime.backends``) with a KV budget in tokens
+    (each session reserves its ``max_length``).
 
     ``budget_tokens``: the most tokens all open sessions may reserve together; ``ttl_s``: idle
     seconds after which a session is dropped (by ``expire``, also tried before refusing an open).
     """
 
-    def __init__(self, executor: ShardExecutor, budget_tokens: int, ttl_s: float = 300.0):
+    def __init__(self, executor, budget_tokens: int, ttl_s: float = 300.0):
         self.executor = executor
         self.budget_tokens = budget_tokens
         self.ttl_s = ttl_s
@@ -117,8 +124,7 @@ class SessionStore:
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token costs on this shard (all its layers, keys and values)."""
-        cfg, ex = self.executor.cfg, self.executor
-        return len(ex.spec.layers) * cfg.n_head_kv * cfg.head_dim * 2 * torch.empty(0, dtype=ex.dtype).element_size()
+        return self.executor.kv_bytes_per_token()
 
     def open(self, session_id: uuid.UUID, max_length: int, next_hop: str | None = None,
              sampling: SamplingParams | None = None, wire_dtype: str = "f16", n_logprobs: int = 0) -> Session:
@@ -145,7 +151,12 @@ class SessionStore:
             if max_length > free:
                 raise AdmissionRefused(f"KV budget full: {free} of {self.budget_tokens} tokens free, session asks "
                                        f"max_length {max_length}; retry later or ask for less")
-            kv = self.executor.new_session(max_length)
+            try:
+                kv = self.executor.new_session(max_length)
+            except RuntimeError as exc:  # llama.cpp: no free sequence slot, or max_length over its cells
+                if getattr(exc, "code", None) in ("kv_budget_full", "kv_budget_too_small"):
+                    raise AdmissionRefused(str(exc), exc.code) from None
+                raise
             session = Session(session_id, kv, max_length, next_hop, wire_dtype, sampler, n_logprobs)
             self.sessions[session_id] = session
         return session
@@ -164,6 +175,7 @@ class SessionStore:
             session = self.sessions.pop(session_id, None)
         if session is None:
             raise UnknownSession(f"unknown session {session_id} (never opened on this node, closed, or expired)")
+        _free(session)
         return session
 
     def expire(self, now: float | None = None) -> list[uuid.UUID]:
@@ -174,7 +186,7 @@ class SessionStore:
     def _expire_locked(self, now: float) -> list[uuid.UUID]:
         dead = [sid for sid, s in self.sessions.items() if not s.busy and now - s.last_used > self.ttl_s]
         for sid in dead:
-            del self.sessions[sid]
+            _free(self.sessions.pop(sid))
         return dead
 
     def truncate(self, session_id: uuid.UUID, length: int) -> Session:

@@ -136,6 +136,12 @@ class ShardExecutor:
             return None
         return VEC_DOT_ACTIVATION.get(self.model.tensors[name].ggml_type.name)
 
+    backend = "torch"
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token costs on this shard (all its layers, keys and values, in ``dtype``)."""
+        return len(self.spec.layers) * self.cfg.n_head_kv * self.cfg.head_dim * 2 * self.dtype.itemsize
+
     def new_session(self, max_length: int) -> SessionKV:
         """An empty KV cache for this shard's layers; ContextOverflow when max_length is over the cap."""
         return SessionKV(len(self.spec.layers), self.cfg.n_head_kv, self.cfg.head_dim, max_length, self.dtype)

@@ -1,0 +1,432 @@
+"""llama.cpp shard backend: one layer range run by llama.cpp's own graphs and kernels over its C API.
+
+One llama.cpp context per shard; every route session is one sequence id in it (``n_seq_max``
+sessions at most), each with its own KV stream of ``n_ctx_seq`` cells (llama.cpp's non-unified
+KV, as llama-server's default): a session's attention never sees another's cells, so interleaved
+sessions compute exactly what each would alone, and the node's KV budget is
+``n_seq_max * n_ctx_seq`` tokens. Hidden states enter through ``llama_batch.embd`` (float32
+``[n_tokens, n_embd]``); a non-head shard's output is its last block's ``l_out-{n-1}`` tensor,
+copied out by a compiled eval callback (``_graph_tap.c``) that then stops the graph before the
+output norm and LM head. The head shard returns llama.cpp's logits. Truncation is
+``llama_memory_seq_rm``; snapshots are ``llama_state_seq_get_data`` / ``llama_state_seq_set_data``.
+
+The same context, batch splitting (``n_ubatch``) and thread count as llama.cpp's own full-model
+run give bitwise-equal results: the tests compare 3-shard chains with ``llama_cpp.Llama``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import llama_cpp as L
+from llama_cpp import _logger as _llama_logger
+
+from ...artifact.gguf_file import GGUFModelFile
+from ..kv import ContextOverflow, check_max_length
+from ..shard import ShardSpec
+from . import _graph_tap
+from .derive import TokenEmbedding, UnsupportedShard, n_model_layers, rules_for, shard_path
+
+_BACKEND_READY = False
+_BACKEND_LOCK = threading.Lock()
+MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
+STATE_FORMAT = "llama.cpp-seq-state-v1"
+
+
+class GraphTap(ctypes.Structure):
+    """ctypes mirror of ``struct gs_tap`` in ``_graph_tap.c`` (same field order)."""
+
+    _fields_ = [
+        ("get_name", ctypes.c_void_p),
+        ("tensor_get", ctypes.c_void_p),
+        ("nbytes", ctypes.c_void_p),
+        ("dst", ctypes.c_void_p),
+        ("capacity", ctypes.c_size_t),
+        ("filled", ctypes.c_size_t),
+        ("stop", ctypes.c_int32),
+        ("overflow", ctypes.c_int32),
+        ("target", ctypes.c_char * 64),
+    ]
+
+
+def _ensure_backend() -> None:
+    """Initialise llama.cpp once per process and keep its log to errors only."""
+    global _BACKEND_READY
+    with _BACKEND_LOCK:
+        if not _BACKEND_READY:
+            _llama_logger.set_verbose(False)
+            L.llama_backend_init()
+            _BACKEND_READY = True
+
+
+def _ggml_functions() -> tuple[int, int, int]:
+    """Addresses of ggml_get_name, ggml_backend_tensor_get and ggml_nbytes in the ggml llama-cpp-python loaded."""
+    lib_dir = Path(L.llama_cpp.__file__).parent / "lib"
+    candidates = sorted(lib_dir.glob("libggml-base.*")) + sorted(lib_dir.glob("ggml-base.*"))
+    if not candidates:
+        raise RuntimeError(f"cannot find ggml's base library next to llama-cpp-python ({lib_dir})")
+    lib = ctypes.CDLL(str(candidates[0]))
+    return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                 for name in ("ggml_get_name", "ggml_backend_tensor_get", "ggml_nbytes"))
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp refused a call (model load, context creation, decode); the message says which and why."""
+
+
+class KVCellsFull(LlamaCppError):
+    """No room for a session: all sequence slots taken (``code`` kv_budget_full), a ``max_length`` over
+    the cells of one session (kv_budget_too_small), or no free KV cells for a step."""
+
+    def __init__(self, message: str, code: str = "kv_budget_full"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ShardModelInfo:
+    """What the node and clients need to know of the model a llama.cpp shard belongs to."""
+
+    arch: str
+    n_layers: int          # blocks a route covers (MTP/nextn blocks excluded)
+    n_embd: int
+    n_vocab: int
+    context_length: int    # trained context (tokens)
+
+    @property
+    def max_length(self) -> int:
+        """Longest session this model allows: min(trained context, 128K cap)."""
+        return min(self.context_length, 131072)
+
+
+def model_info(model: GGUFModelFile) -> ShardModelInfo:
+    """ShardModelInfo from a GGUF header; UnsupportedShard for an architecture outside the table."""
+    arch = model.architecture
+    rules_for(arch)
+    md = model.metadata
+    if "token_embd.weight" in model.tensors:
+        n_vocab = model.tensors["token_embd.weight"].shape[0]
+    else:
+        n_vocab = int(md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", [])))
+    return ShardModelInfo(arch, n_model_layers(model), int(md[f"{arch}.embedding_length"]), n_vocab,
+                          int(md.get(f"{arch}.context_length", 4096)))
+
+
+def kv_bytes_per_token(model: GGUFModelFile, spec: ShardSpec) -> int:
+    """f16 K and V bytes one token costs in llama.cpp's cache over blocks ``[spec.start, spec.end)``.
+
+    From the GGUF's per-layer KV head counts and key/value lengths (``src/llama-kv-cache.cpp`` sizes
+    each layer ``n_embd_k_gqa + n_embd_v_gqa`` per cell); MLA models cache the compressed latent
+    ``kv_lora_rank + rope dims`` instead.
+    """
+    md, arch = model.metadata, model.architecture
+    layers = range(spec.start, spec.end)
+
+    def per_layer(key: str, default: int) -> list[int]:
+        v = md.get(f"{arch}.{key}", default)
+        return [int(v[i]) for i in layers] if isinstance(v, list) else [int(v)] * len(layers)
+
+    if f"{arch}.attention.kv_lora_rank" in md:
+        rope = int(md.get(f"{arch}.rope.dimension_count", 0))
+        return len(layers) * (int(md[f"{arch}.attention.kv_lora_rank"]) + rope) * 2
+    n_head = per_layer("attention.head_count", 1)
+    n_kv = per_layer("attention.head_count_kv", n_head[0] if n_head else 1)
+    head_dim = int(md[f"{arch}.embedding_length"]) // max(n_head[0], 1) if n_head else 0
+    k = int(md.get(f"{arch}.attention.key_length", head_dim))
+    v = int(md.get(f"{arch}.attention.value_length", head_dim))
+    return sum(h * (k + v) for h in n_kv) * 2
+
+
+class SeqKV:
+    """One session's KV cache on a llama.cpp shard: a sequence id of the shard's context.
+
+    ``length``: tokens held (= position of the next token); ``epoch`` is bumped by every
+    truncate/restore. Same contract as ``runtime.kv.SessionKV``.
+    """
+
+    def __init__(self, shard: "LlamaCppShard", seq_id: int, max_length: int):
+        self.shard = shard
+        self.seq_id = seq_id
+        self.max_length = check_max_length(max_length)
+        self.length = 0
+        self.epoch = 0
+        self.closed = False
+
+    def reserve(self, n_tokens: int) -> None:
+        """Raise ContextOverflow unless ``n_tokens`` more tokens fit under ``max_length``."""
+        if self.length + n_tokens > self.max_length:
+            raise ContextOverflow(
+                f"session holds {self.length} tokens; {n_tokens} more would exceed max_length {self.max_length}")
+
+    def truncate(self, length: int) -> None:
+        """Roll back to ``length`` tokens (``llama_memory_seq_rm``); ValueError past the end."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate to {length}: session holds {self.length} tokens")
+        self.shard._seq_rm(self.seq_id, length)
+        self.length = length
+        self.epoch += 1
+
+    def nbytes(self) -> int:
+        """KV bytes this session's tokens occupy in the context."""
+        return self.length * self.shard.kv_bytes_per_token()
+
+    def close(self) -> None:
+        """Free the sequence's KV cells and its id (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self.shard._release(self.seq_id)
+
+    def __del__(self):  # a session dropped without close() (e.g. expired) still frees its cells
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class LlamaCppShard:
+    """Runs blocks ``[spec.start, spec.end)`` (plus embedding and/or head stage) through llama.cpp.
+
+    ``n_ctx_seq``: KV cells of each session (its longest ``max_length``, tokens; llama.cpp rounds
+    it up to a multiple of 256); ``n_seq_max``: most sessions at once;
+    ``n_batch``: most tokens in one step (bigger steps are refused); ``n_ubatch``: llama.cpp's
+    physical batch (512 as in llama.cpp's defaults: keep equal to the reference run for bitwise
+    results); ``threads``: llama.cpp decode and batch threads; ``cache_dir``: where derived shard
+    GGUFs are written; ``all_logits``: the head will be asked for every position's logits
+    (perplexity) — otherwise its compute buffer is sized for one output row.
+
+    Raises UnsupportedShard (architecture/range), LlamaCppError (llama.cpp refused the file or
+    the context), ValueError (bad parameters).
+    """
+
+    backend = "llama.cpp"
+    dtype = torch.float16  # KV cache element type (llama.cpp's default f16 cache)
+
+    def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
+                 n_batch: int = 2048, n_ubatch: int = 512, threads: int | None = None,
+                 cache_dir: str | os.PathLike | None = None, all_logits: bool = False):
+        self.model = model
+        self.cfg = model_info(model)
+        spec.validate(self.cfg.n_layers)
+        if spec.start == spec.end:
+            raise UnsupportedShard("the llama.cpp backend runs at least one block per shard")
+        if not 1 <= n_seq_max <= MAX_SEQUENCES:
+            raise ValueError(f"n_seq_max must be in 1..{MAX_SEQUENCES}, got {n_seq_max}")
+        self.spec = spec
+        self.n_batch = n_batch
+        self.threads = threads or max(1, os.cpu_count() or 1)
+        _ensure_backend()
+        cache_dir = Path(cache_dir or Path.home() / ".cache" / "ggufswarm" / "shards")
+        # The whole model with its head runs from the original file and takes token ids directly.
+        self.takes_tokens = spec.embed and spec.head
+        self.path = shard_path(model, spec.start, spec.end, spec.head, cache_dir)
+        self.embedding = TokenEmbedding(model) if spec.embed and not spec.head else None
+        self._lock = threading.RLock()  # reentrant: SeqKV.__del__ may run inside a step
+        self._free_seqs = list(range(n_seq_max - 1, -1, -1))
+        self._kv_bytes = kv_bytes_per_token(model, spec)
+
+        mparams = L.llama_model_default_params()
+        mparams.use_mmap = True
+        self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise LlamaCppError(f"llama.cpp could not load {self.path} (see its error above)")
+        n_embd = L.llama_model_n_embd(self._model)
+        if n_embd != self.cfg.n_embd:
+            raise LlamaCppError(f"{self.path}: n_embd {n_embd}, expected {self.cfg.n_embd}")
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = n_ctx_seq * n_seq_max
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(n_ubatch, n_batch)
+        cparams.n_seq_max = n_seq_max
+        cparams.n_threads = self.threads
+        cparams.n_threads_batch = self.threads
+        cparams.kv_unified = False  # one KV stream per session (see the module docstring)
+        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED  # llama.cpp's CPU default (auto -> on)
+        cparams.swa_full = True  # sliding-window layers keep every position, so truncate is exact
+        cparams.no_perf = True
+        if spec.head and not all_logits:
+            cparams.n_outputs_max = 1
+        self._tap = None
+        if not spec.head:
+            self._capture = np.empty((n_batch, n_embd), dtype=np.float32)
+            get_name, tensor_get, nbytes = _ggml_functions()
+            if ctypes.sizeof(GraphTap) != _graph_tap.tap_size():
+                raise LlamaCppError("graph tap struct mismatch: rebuild the package (pip install -e .)")
+            self._tap = GraphTap(get_name, tensor_get, nbytes, self._capture.ctypes.data, self._capture.nbytes,
+                                 0, 1, 0, f"l_out-{spec.end - spec.start - 1}".encode())
+            cparams.cb_eval = L.ggml_backend_sched_eval_callback(_graph_tap.callback_address())
+            cparams.cb_eval_user_data = ctypes.addressof(self._tap)
+        self._ctx = L.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            L.llama_model_free(self._model)
+            raise LlamaCppError(f"llama.cpp could not create a context (n_ctx_seq {n_ctx_seq}, n_seq_max {n_seq_max})")
+        self.n_ctx_seq = L.llama_n_ctx_seq(self._ctx)
+        self.n_seq_max = n_seq_max
+        self._mem = L.llama_get_memory(self._ctx)
+        self.n_vocab_out = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
+        self._batch = L.llama_batch_init(n_batch, 0 if self.takes_tokens else n_embd, 1)
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(n_batch,))
+        self._n_seq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))
+        self._out = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
+        self._n_seq[:] = 1
+
+    # -- accounting ----------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token costs on this shard (all its layers, keys and values, f16)."""
+        return self._kv_bytes
+
+    # -- sessions ------------------------------------------------------------------------------
+    def new_session(self, max_length: int) -> SeqKV:
+        """A new sequence id for a session.
+
+        Raises ContextOverflow past the 128K cap, KVCellsFull when ``max_length`` exceeds ``n_ctx_seq``
+        or all ``n_seq_max`` sequence ids are taken."""
+        check_max_length(max_length)
+        if max_length > self.n_ctx_seq:
+            raise KVCellsFull(f"max_length {max_length} exceeds this shard's {self.n_ctx_seq} KV cells per session "
+                              f"(node --ctx-size)", "kv_budget_too_small")
+        with self._lock:
+            if not self._free_seqs:
+                raise KVCellsFull(f"all {self.n_seq_max} session slots of this shard are in use")
+            seq = self._free_seqs.pop()
+        return SeqKV(self, seq, max_length)
+
+    def _seq_rm(self, seq_id: int, start: int) -> None:
+        with self._lock:
+            if not L.llama_memory_seq_rm(self._mem, seq_id, start, -1):
+                raise LlamaCppError(f"llama.cpp cannot truncate sequence {seq_id} to {start} tokens")
+
+    def _release(self, seq_id: int) -> None:
+        if not getattr(self, "_ctx", None):
+            return
+        with self._lock:
+            L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+            self._free_seqs.append(seq_id)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def forward(self, kv: SeqKV, inputs: torch.Tensor, logits: str = "last") -> torch.Tensor:
+        """Run one prefill (T > 1) or decode (T = 1) step of a session.
+
+        ``inputs``: token ids ``[T]`` (int) when the shard has the embedding stage, else hidden
+        states ``[T, n_embd]`` (float, converted to float32). Returns float32 hidden states
+        ``[T, n_embd]`` (the last block's output), or at the head float32 logits ``[1, n_vocab]``
+        (``logits="last"``) or ``[T, n_vocab]`` (``"all"``).
+
+        Raises ContextOverflow past ``max_length``, ValueError for wrong shapes / ids / a step over
+        ``n_batch`` tokens, KVCellsFull when the context has no free cells, LlamaCppError when
+        llama.cpp fails; on any error the session's KV cache is as before the call.
+        """
+        if kv.closed or kv.shard is not self:
+            raise ValueError("session is closed or belongs to another shard")
+        n_tokens = int(inputs.shape[0])
+        if n_tokens == 0:
+            raise ValueError("a step needs at least one token")
+        if n_tokens > self.n_batch:
+            raise ValueError(f"a step holds at most {self.n_batch} tokens on this shard, got {n_tokens}")
+        kv.reserve(n_tokens)
+        if self.spec.embed:
+            if inputs.dim() != 1:
+                raise ValueError(f"the first shard takes token ids [n_tokens], got shape {tuple(inputs.shape)}")
+            ids = inputs.numpy().astype(np.int32, copy=False)
+            if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.n_vocab:
+                raise ValueError(f"token id out of range [0, {self.cfg.n_vocab})")
+            embd = None if self.takes_tokens else self.embedding(ids)
+        else:
+            if inputs.dim() != 2 or inputs.shape[1] != self.cfg.n_embd:
+                raise ValueError(f"expected hidden states [n_tokens, {self.cfg.n_embd}], got {tuple(inputs.shape)}")
+            embd = inputs.to(torch.float32).numpy()
+            ids = None
+        all_out = not self.spec.head or logits == "all"
+        with self._lock:
+            batch = self._batch
+            batch.n_tokens = n_tokens
+            self._pos[:n_tokens] = np.arange(kv.length, kv.length + n_tokens, dtype=np.int32)
+            for i in range(n_tokens):
+                batch.seq_id[i][0] = kv.seq_id
+            self._out[:n_tokens] = 1 if all_out else 0
+            self._out[n_tokens - 1] = 1
+            if embd is None:
+                ctypes.memmove(batch.token, ids.ctypes.data, n_tokens * 4)
+            else:
+                embd = np.ascontiguousarray(embd, dtype=np.float32)
+                ctypes.memmove(batch.embd, embd.ctypes.data, embd.nbytes)
+            if self._tap is not None:
+                self._tap.filled = 0
+                self._tap.overflow = 0
+            rc = L.llama_decode(self._ctx, batch)
+            if rc == 1:
+                raise KVCellsFull(f"no free KV cells for {n_tokens} tokens ({self.n_ctx_seq} cells per session)")
+            if rc != 0:
+                raise LlamaCppError(f"llama_decode failed with code {rc}")
+            if self._tap is not None:
+                got = self._tap.filled // (4 * self.cfg.n_embd)
+                if self._tap.overflow or got != n_tokens:
+                    L.llama_memory_seq_rm(self._mem, kv.seq_id, kv.length, -1)
+                    raise LlamaCppError(f"captured {got} hidden-state rows for {n_tokens} tokens "
+                                        f"(tensor {self._tap.target.decode()})")
+                out = torch.from_numpy(self._capture[:n_tokens].copy())
+            elif logits == "all":
+                ptr = L.llama_get_logits(self._ctx)
+                out = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_tokens, self.n_vocab_out)).copy())
+            else:
+                ptr = L.llama_get_logits_ith(self._ctx, -1)
+                out = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(1, self.n_vocab_out)).copy())
+            kv.length += n_tokens
+        return out
+
+    # -- snapshots -----------------------------------------------------------------------------
+    def state_bytes(self, kv: SeqKV) -> bytes:
+        """The session's KV cells as llama.cpp serializes them (``llama_state_seq_get_data``)."""
+        with self._lock:
+            size = L.llama_state_seq_get_size(self._ctx, kv.seq_id)
+            buf = (ctypes.c_uint8 * size)()
+            got = L.llama_state_seq_get_data(self._ctx, buf, size, kv.seq_id)
+        if got != size:
+            raise LlamaCppError(f"llama.cpp wrote {got} of {size} state bytes")
+        return bytes(buf)
+
+    def load_state(self, kv: SeqKV, data: bytes, n_tokens: int) -> None:
+        """Replace the session's KV with a state from ``state_bytes`` holding ``n_tokens`` tokens.
+
+        Raises ContextOverflow past ``max_length`` and LlamaCppError when llama.cpp rejects the data
+        (the session is then empty).
+        """
+        if n_tokens > kv.max_length:
+            raise ContextOverflow(f"snapshot holds {n_tokens} tokens; the session's max_length is {kv.max_length}")
+        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        with self._lock:
+            L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
+            got = L.llama_state_seq_set_data(self._ctx, src, len(data), kv.seq_id)
+            held = L.llama_memory_seq_pos_max(self._mem, kv.seq_id) + 1
+        kv.epoch += 1
+        if got == 0 or held != n_tokens:
+            with self._lock:
+                L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
+            kv.length = 0
+            raise LlamaCppError(f"llama.cpp rejected the state ({len(data)} bytes; holds {held} tokens, "
+                                f"expected {n_tokens})")
+        kv.length = n_tokens
+
+    def close(self) -> None:
+        """Free the context, batch and model (idempotent)."""
+        if getattr(self, "_ctx", None):
+            L.llama_batch_free(self._batch)
+            L.llama_free(self._ctx)
+            L.llama_model_free(self._model)
+            self._ctx = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+__all__ = ["kv_bytes_per_token", "KVCellsFull", "LlamaCppError", "LlamaCppShard", "STATE_FORMAT", "SeqKV", "ShardModelInfo",
+           "UnsupportedShard", "model_info"]

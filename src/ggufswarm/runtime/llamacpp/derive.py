@@ -1,0 +1,301 @@
+"""Derived shard GGUFs: blocks ``[a, b)`` of a model renumbered from 0, metadata fixed so llama.cpp runs them as it would inside the whole model.
+
+llama.cpp builds a model's graph from ``{arch}.block_count`` and per-layer hyperparameters that
+it either reads from arrays or computes from the *absolute* layer index (the sliding-window
+pattern, leading dense blocks, MTP/nextn blocks). A shard file therefore has to say explicitly
+what each of its layers was in the whole model. The rules live in ``ARCH_RULES``, one entry per
+architecture, taken from llama.cpp's ``src/models/<arch>.cpp`` (``load_arch_hparams``) and
+``src/llama-hparams.cpp`` (``set_swa_pattern``) as bundled with llama-cpp-python 0.3.36:
+
+* every ``{arch}.*`` array with one entry per block is sliced to ``[a, b)``;
+* ``sliding_window_pattern`` is written as a per-layer bool array (llama.cpp accepts an array;
+  its default pattern counts from the shard's own layer 0, which is wrong for most ``a``);
+* ``leading_dense_block_count`` becomes ``max(0, lead - a)``;
+* MTP/nextn blocks (the last ``nextn_predict_layers`` blocks) are dropped: no shard serves them;
+* heuristics llama.cpp applies to the layer count are resolved from the whole model and written
+  out, or the range is refused when llama.cpp cannot be told (Gemma 3 27B's attention scale).
+
+A shard without the head stage carries a one-token vocabulary (tokenizer model ``none``, a zero
+one-row embedding and output): it receives hidden states through ``llama_batch.embd`` and never
+sees token ids, so the 262144-row embedding and the LM head stay out of its memory. The
+embedding lookup of the first shard runs in numpy (``embed_tokens``), which is bit-exact with
+ggml's ``get_rows`` (both dequantize with ggml's block formats) plus the per-architecture input
+scale llama.cpp applies to token input only (``ArchRules.token_scale``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize
+
+from ...artifact.gguf_file import GGUFModelFile, dequantize_q8_0
+
+
+class UnsupportedShard(ValueError):
+    """The llama.cpp backend cannot run this architecture or this layer range; the message says why."""
+
+
+@dataclass(frozen=True)
+class ArchRules:
+    """What llama.cpp derives from the absolute layer index or the layer count, for one architecture.
+
+    ``swa_pattern``: llama.cpp's default sliding-window period when the GGUF has none (0: no SWA);
+    ``swa_dense_first``: the pattern's first layer is the full-attention one;
+    ``leading_dense``: the model has ``leading_dense_block_count``; ``nextn``: it may carry MTP blocks;
+    ``token_scale``: factor llama.cpp applies to token embeddings only (not to ``batch.embd``), as a
+    function of ``n_embd``; ``check``: raises UnsupportedShard for ranges llama.cpp would misread,
+    and may return extra metadata to write; ``embd_input``: set when the architecture's graph aborts
+    on hidden-state input, which leaves only the whole model runnable.
+    """
+
+    swa_pattern: int = 0
+    swa_dense_first: bool = False
+    leading_dense: bool = False
+    nextn: bool = False
+    token_scale: Callable[[int], np.float32] | None = None
+    check: Callable[[GGUFModelFile, int, int], dict[str, Any]] | None = None
+    embd_input: str | None = None  # why llama.cpp's graph refuses ``batch.embd`` (then: whole model only)
+
+
+def _gemma3_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    n = model.metadata["gemma3.block_count"]
+    if n == 62 and (b - a) != n:  # src/models/gemma3.cpp: the 27B's attention scale is chosen by layer count
+        raise UnsupportedShard("gemma3 with 62 blocks (27B): llama.cpp picks its attention scale from the "
+                               "layer count, so a layer range of it would compute a different model")
+    return {}
+
+
+def _deepseek2_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/models/deepseek2.cpp: "lite" (no q_lora_rank) and the GLM-4.7-Lite gating default are
+    # inferred from the layer count and the vocabulary size; resolve both from the whole model.
+    md = model.metadata
+    n_vocab = md.get("deepseek2.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
+    n_layer = md["deepseek2.block_count"] - md.get("deepseek2.nextn_predict_layers", 0)
+
+    def lite(n: int) -> bool:
+        return n in (26, 27) or (n == 48 and n_vocab == 128256)
+
+    extra: dict[str, Any] = {}
+    if lite(n_layer) and not lite(b - a):
+        extra["deepseek2.attention.q_lora_rank"] = (0, GGUFValueType.UINT32)
+    elif lite(b - a) and not lite(n_layer):
+        raise UnsupportedShard(f"deepseek2: a shard of {b - a} layers would be read as a 'lite' model by "
+                               f"llama.cpp; choose a different range")
+    if not md.get("deepseek2.expert_gating_func"):
+        glm_lite = n_layer in (47, 48) and n_vocab == 154880
+        extra["deepseek2.expert_gating_func"] = (2 if glm_lite else 1, GGUFValueType.UINT32)  # sigmoid : softmax
+    return extra
+
+
+def _sqrt_n_embd(n_embd: int) -> np.float32:
+    return np.sqrt(np.float32(n_embd))  # sqrtf(n_embd), src/models/gemma3.cpp
+
+
+ARCH_RULES: dict[str, ArchRules] = {
+    "llama": ArchRules(),
+    "qwen2": ArchRules(),
+    "qwen3": ArchRules(),
+    "qwen2moe": ArchRules(),
+    "qwen3moe": ArchRules(),
+    "gemma3": ArchRules(swa_pattern=6, token_scale=_sqrt_n_embd, check=_gemma3_check),
+    "deepseek": ArchRules(leading_dense=True),
+    "deepseek2": ArchRules(leading_dense=True, nextn=True, check=_deepseek2_check),
+    "glm4moe": ArchRules(leading_dense=True, nextn=True,
+                         embd_input="src/models/glm4-moe.cpp aborts on embedding input unless the model uses M-RoPE "
+                                    "(\"does not support multimodal\"); a layer range needs a llama.cpp change"),
+    "gpt-oss": ArchRules(swa_pattern=2),
+}
+
+
+def rules_for(arch: str) -> ArchRules:
+    """The ArchRules of ``arch``; UnsupportedShard naming the supported ones otherwise."""
+    try:
+        return ARCH_RULES[arch]
+    except KeyError:
+        raise UnsupportedShard(
+            f"architecture {arch!r} is not supported by the llama.cpp backend (supported: "
+            f"{', '.join(sorted(ARCH_RULES))}); try --backend torch") from None
+
+
+def n_model_layers(model: GGUFModelFile) -> int:
+    """Blocks a route must cover: ``block_count`` less the MTP/nextn blocks (which no shard runs)."""
+    arch = model.architecture
+    return int(model.metadata[f"{arch}.block_count"]) - int(model.metadata.get(f"{arch}.nextn_predict_layers", 0))
+
+
+def _swa_layers(model: GGUFModelFile, rules: ArchRules) -> list[bool] | None:
+    """Per-layer sliding-window flags of the whole model, as llama.cpp computes them (None: no SWA)."""
+    arch = model.architecture
+    md = model.metadata
+    if not rules.swa_pattern or not md.get(f"{arch}.attention.sliding_window"):
+        return None
+    n = int(md[f"{arch}.block_count"])
+    key = f"{arch}.attention.sliding_window_pattern"
+    value = md.get(key)
+    if isinstance(value, list):
+        return [bool(v) for v in value]
+    period = int(value) if value is not None else rules.swa_pattern
+    if rules.swa_dense_first:
+        return [period == 0 or il % period != 0 for il in range(n)]
+    return [period == 0 or il % period < period - 1 for il in range(n)]
+
+
+def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
+    """Metadata of the shard GGUF for blocks ``[start, end)``: key → (value, type, array item type).
+
+    Raises UnsupportedShard for an architecture outside ``ARCH_RULES`` or a range llama.cpp cannot run.
+    """
+    arch = model.architecture
+    rules = rules_for(arch)
+    n_blocks = int(model.metadata[f"{arch}.block_count"])
+    if not 0 <= start < end <= n_model_layers(model):
+        raise UnsupportedShard(f"layer range {start}:{end} is outside the model's 0:{n_model_layers(model)}")
+    whole = start == 0 and end == n_model_layers(model) and head
+    if rules.embd_input and not whole:
+        raise UnsupportedShard(f"{arch}: only the whole model runs on the llama.cpp backend: {rules.embd_input}")
+    extra = rules.check(model, start, end) if rules.check else {}
+    out: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {}
+    for key, value in model.metadata.items():
+        vtype, item = model.metadata_types[key]
+        if key.startswith("split."):
+            continue
+        if not head and key.startswith("tokenizer."):
+            continue
+        if key.startswith(f"{arch}.") and isinstance(value, list) and len(value) == n_blocks:
+            value = value[start:end]  # per-layer array
+        out[key] = (value, vtype, item)
+    out[f"{arch}.block_count"] = (end - start, GGUFValueType.UINT32, None)
+    if rules.nextn:
+        out[f"{arch}.nextn_predict_layers"] = (0, GGUFValueType.UINT32, None)
+    if rules.leading_dense and f"{arch}.leading_dense_block_count" in model.metadata:
+        lead = int(model.metadata[f"{arch}.leading_dense_block_count"])
+        out[f"{arch}.leading_dense_block_count"] = (max(0, lead - start), GGUFValueType.UINT32, None)
+    swa = _swa_layers(model, rules)
+    if swa is not None:
+        out[f"{arch}.attention.sliding_window_pattern"] = (swa[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
+    for key, (value, vtype) in extra.items():
+        out[key] = (value, vtype, None)
+    if not head:
+        out["tokenizer.ggml.model"] = ("none", GGUFValueType.STRING, None)
+        out[f"{arch}.vocab_size"] = (1, GGUFValueType.UINT32, None)
+    return out
+
+
+def _tensor_source(model: GGUFModelFile, name: str) -> np.ndarray:
+    """The raw bytes of tensor ``name`` as a read-only memory map (uint8 ``[n_bytes]``), read lazily."""
+    info = model.tensors[name]
+    return np.memmap(info.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.n_bytes,))
+
+
+def derive_shard(model: GGUFModelFile, start: int, end: int, head: bool, dest: str | os.PathLike) -> Path:
+    """Write the shard GGUF of blocks ``[start, end)`` (plus output norm and LM head when ``head``) to ``dest``.
+
+    Reads only the shard's tensors (and the header) from ``model``, so a sparse swarm-fetched file
+    works. Written to a temporary name and renamed, so a crash never leaves a half file behind.
+    Raises UnsupportedShard as ``shard_metadata``; OSError on a write failure.
+    """
+    arch = model.architecture
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    metadata = shard_metadata(model, start, end, head)
+    writer = GGUFWriter(str(tmp), arch)
+    writer.kv_data[0].clear()  # GGUFWriter pre-adds general.architecture; we copy every key in order
+    for key, (value, vtype, item) in metadata.items():
+        writer.add_key_value(key, value, vtype, sub_type=item)
+    n_blocks = int(model.metadata[f"{arch}.block_count"])
+    n_layer = n_model_layers(model)
+    for name, info in model.tensors.items():
+        layer = info.layer
+        if layer is not None:
+            if not start <= layer < end or layer >= n_layer:
+                continue
+            new_name = f"blk.{layer - start}.{name.split('.', 2)[2]}"
+        elif name in ("token_embd.weight", "output.weight", "output_norm.weight"):
+            if not head:
+                continue
+            new_name = name
+        else:
+            new_name = name  # global tensors a block may use (e.g. rope_freqs)
+        block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        byte_shape = (*info.shape[:-1], info.shape[-1] // block * type_size)  # the writer takes raw bytes' shape
+        writer.add_tensor(new_name, _tensor_source(model, name), raw_shape=byte_shape, raw_dtype=info.ggml_type)
+    if not head:
+        n_embd = int(model.metadata[f"{arch}.embedding_length"])
+        writer.add_tensor("token_embd.weight", np.zeros((1, n_embd), np.float32))
+        writer.add_tensor("output.weight", np.zeros((1, n_embd), np.float32))
+        writer.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    assert n_blocks >= end
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, dest)
+    return dest
+
+
+class TokenEmbedding:
+    """The embedding stage in numpy: token ids → the hidden states llama.cpp's first block receives.
+
+    Bit-exact with ggml's ``get_rows`` on the (quantized) ``token_embd`` tensor followed by the
+    architecture's token-input scale (``ArchRules.token_scale``; Gemma: ``sqrtf(n_embd)``,
+    ``src/models/gemma3.cpp``). Only the rows asked for are read (memory-mapped).
+    """
+
+    def __init__(self, model: GGUFModelFile):
+        info = model.tensors["token_embd.weight"]
+        self.n_vocab, self.n_embd = info.shape
+        self.qtype = info.ggml_type
+        block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        self.row_bytes = self.n_embd // block * type_size
+        self.rows = _tensor_source(model, "token_embd.weight").reshape(self.n_vocab, self.row_bytes)
+        rules = rules_for(model.architecture)
+        self.scale = rules.token_scale(self.n_embd) if rules.token_scale else None
+
+    def __call__(self, token_ids: np.ndarray) -> np.ndarray:
+        """int ids ``[T]`` → float32 ``[T, n_embd]``; ValueError for an id outside ``[0, n_vocab)``."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_vocab):
+            raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        raw = np.ascontiguousarray(self.rows[ids])
+        if self.qtype == GGMLQuantizationType.F32:
+            x = raw.view(np.float32).reshape(len(ids), self.n_embd)
+        elif self.qtype == GGMLQuantizationType.F16:
+            x = raw.view(np.float16).astype(np.float32).reshape(len(ids), self.n_embd)
+        elif self.qtype == GGMLQuantizationType.Q8_0:
+            x = dequantize_q8_0(raw.reshape(-1)).reshape(len(ids), self.n_embd)
+        else:
+            x = dequantize(raw, self.qtype).astype(np.float32, copy=False).reshape(len(ids), self.n_embd)
+        if self.scale is not None:
+            x = x * self.scale
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def shard_file_name(model: GGUFModelFile, start: int, end: int, head: bool) -> str:
+    """A name that identifies the derived file: model fingerprint, range, head stage, format version."""
+    return f"{model.fingerprint[:16]}-{start}-{end}{'-head' if head else ''}-v1.gguf"
+
+
+def shard_path(model: GGUFModelFile, start: int, end: int, head: bool, cache_dir: str | os.PathLike) -> Path:
+    """The derived shard GGUF for ``[start, end)`` under ``cache_dir``, written on first use.
+
+    The whole model with its head (``start == 0``, ``end == n_layers``) is the original file itself.
+    """
+    if start == 0 and end == n_model_layers(model) and head and n_model_layers(model) == int(
+            model.metadata[f"{model.architecture}.block_count"]) and len(model.paths) == 1:
+        rules_for(model.architecture)
+        return model.path
+    path = Path(cache_dir) / shard_file_name(model, start, end, head)
+    if not path.exists():
+        derive_shard(model, start, end, head, path)
+    return path
+
+
+__all__ = ["ARCH_RULES", "ArchRules", "TokenEmbedding", "UnsupportedShard", "derive_shard", "n_model_layers",
+           "rules_for", "shard_metadata", "shard_path"]

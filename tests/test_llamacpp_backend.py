@@ -1,0 +1,225 @@
+"""llama.cpp backend: chained shards are bitwise equal to llama.cpp's own full-model run.
+
+The reference is llama-cpp-python's ``Llama`` on the original GGUF (its own context, batch and
+graph code), run in the same test with the same threads (2), ubatch (512) and flash attention
+(llama.cpp's CPU default). Our shards are derived GGUFs run through the C API with hidden states
+passed as float32, so equality must be exact, not approximate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tinymodels import write_tiny_model
+from tinymoe import write_tiny_moe_model
+
+from ggufswarm.artifact.default_model import smollm2_path
+from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.client.local import LocalModel
+from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.runtime.llamacpp.backend import LlamaCppError, LlamaCppShard, model_info
+from ggufswarm.runtime.llamacpp.derive import UnsupportedShard, rules_for
+from ggufswarm.runtime.shard import ShardSpec, split_at
+
+THREADS = 2
+N_DECODE = 20
+
+
+def llama_cpp_run(path, ids: list[int], n_decode: int, n_ctx: int = 2048):
+    """llama.cpp's full model: all prefill logits, then ``n_decode`` greedy steps (tokens, their logits)."""
+    import llama_cpp
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=512, logits_all=True, n_threads=THREADS,
+                          flash_attn=True, verbose=False)
+    try:
+        llm.eval(ids)
+        prefill = np.array(llm.scores[:len(ids)])
+        tokens, decode = [], []
+        for _ in range(n_decode):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tokens.append(tok)
+            llm.eval([tok])
+            decode.append(np.array(llm.scores[llm.n_tokens - 1]))
+        return prefill, tokens, decode
+    finally:
+        llm.close()
+
+
+def chain(path, points: list[int], tmp_path, n_ctx: int = 2048, sessions: int = 1) -> list[LlamaCppShard]:
+    file = GGUFModelFile(path)
+    specs = split_at(model_info(file).n_layers, points)
+    return [LlamaCppShard(file, s, n_ctx_seq=n_ctx, n_seq_max=sessions, threads=THREADS, all_logits=True,
+                          cache_dir=tmp_path) for s in specs]
+
+
+def run_chain(shards, kvs, ids: list[int], logits: str = "all") -> np.ndarray:
+    x = torch.tensor(ids)
+    for shard, kv in zip(shards, kvs):
+        x = shard.forward(kv, x, logits=logits)
+    return x.numpy()
+
+
+def assert_chain_equals_llama_cpp(path, points, ids, tmp_path, n_ctx=2048):
+    prefill, tokens, decode = llama_cpp_run(path, ids, N_DECODE, n_ctx)
+    shards = chain(path, points, tmp_path, n_ctx)
+    kvs = [s.new_session(n_ctx) for s in shards]
+    out = run_chain(shards, kvs, ids)
+    assert out.shape == prefill.shape
+    assert np.array_equal(out, prefill), f"prefill max |diff| {np.abs(out - prefill).max()}"
+    for i, tok in enumerate(tokens):
+        out = run_chain(shards, kvs, [tok], "last")[0]
+        assert np.array_equal(out, decode[i]), f"decode step {i}: max |diff| {np.abs(out - decode[i]).max()}"
+    for s in shards:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def long_ids(gemma_path, reference_text):
+    from ggufswarm.client.tokenizer import Tokenizer
+    file = GGUFModelFile(gemma_path)
+    ids = Tokenizer(str(gemma_path), file.metadata).encode(reference_text[:4000])
+    assert len(ids) > 700
+    return ids[:720]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("points", [[6, 12], [4, 10], [7, 13]], ids=["6,12", "4,10", "7,13"])
+def test_gemma_shards_bitwise(gemma_path, points, tmp_path):
+    ids = LocalModel.load(gemma_path, backend="llama.cpp", max_length=64).prompt_ids("The quick brown fox jumps over")
+    assert_chain_equals_llama_cpp(gemma_path, points, ids, tmp_path)
+
+
+@pytest.mark.slow
+def test_gemma_shards_bitwise_past_sliding_window(gemma_path, long_ids, tmp_path):
+    """720 tokens: past the 512-token window, with a split not aligned to the 6-layer pattern."""
+    assert_chain_equals_llama_cpp(gemma_path, [4, 10], long_ids, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("points", [[10, 20], [7, 13]], ids=["10,20", "7,13"])
+def test_smollm2_shards_bitwise(points, tmp_path):
+    path = smollm2_path()
+    model = LocalModel.load(path, backend="llama.cpp", max_length=64)
+    assert model.file.architecture == "llama" and model.config.n_layers == 30
+    ids = model.prompt_ids("What is the capital of France?", chat=True)
+    assert_chain_equals_llama_cpp(path, points, ids, tmp_path)
+
+
+TINY = [("llama", lambda p: write_tiny_model(p, "llama", n_layers=6)),
+        ("qwen3", lambda p: write_tiny_model(p, "qwen3", n_layers=6, quant=True)),
+        ("gemma3", lambda p: write_tiny_model(p, "gemma3", n_layers=6, sliding_window=16)),
+        *[(a, lambda p, a=a: write_tiny_moe_model(p, a)) for a in ("qwen3moe", "deepseek", "deepseek2", "gpt-oss")]]
+
+
+@pytest.mark.parametrize("arch,write", TINY, ids=[a for a, _ in TINY])
+def test_tiny_architectures_bitwise(arch, write, tiny_dir, tmp_path):
+    """3-shard chains [0,2)+[2,4)+[4,6) of random-weight models: leading dense blocks end inside / at a cut
+    (deepseek, deepseek2), sliding-window layers (gemma3, gpt-oss), MLA (deepseek2), experts (the MoE ones)."""
+    path = write(tiny_dir / f"bitwise-{arch}.gguf")
+    rng = np.random.default_rng(3)
+    ids = [1] + rng.integers(3, 384, 40).tolist()  # past the sliding windows (16, 8)
+    assert_chain_equals_llama_cpp(path, [2, 4], ids, tmp_path, n_ctx=256)
+
+
+def test_glm4moe_runs_whole_model_only(tiny_dir, tmp_path):
+    """llama.cpp's glm4moe graph aborts on hidden-state input: layer ranges are refused with the reason
+    (before llama.cpp could abort the process); the whole model runs and equals llama.cpp."""
+    path = write_tiny_moe_model(tiny_dir / "bitwise-glm4moe.gguf", "glm4moe")
+    file = GGUFModelFile(path)
+    with pytest.raises(UnsupportedShard, match="only the whole model.*glm4-moe.cpp"):
+        LlamaCppShard(file, ShardSpec(2, 4), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+    ids = [1] + np.random.default_rng(3).integers(3, 384, 40).tolist()
+    assert_chain_equals_llama_cpp(path, [], ids, tmp_path, n_ctx=256)
+
+
+@pytest.mark.slow
+def test_sessions_interleave_truncate_and_restore(gemma_path, tmp_path):
+    """Two sessions interleaved equal each alone; truncate-then-decode equals a fresh session; a sequence
+    state copied out of one context and loaded into another shard instance continues identically."""
+    shards = chain(gemma_path, [6, 12], tmp_path, n_ctx=512, sessions=2)
+    model = LocalModel.load(gemma_path, backend="llama.cpp", max_length=64)
+    a_ids, b_ids = model.prompt_ids("Once upon a time"), model.prompt_ids("def fibonacci(n):")
+
+    def solo(ids, n=8):
+        kvs = [s.new_session(512) for s in shards]
+        outs = [run_chain(shards, kvs, ids, "last")]
+        for _ in range(n):
+            outs.append(run_chain(shards, kvs, [int(outs[-1].argmax())], "last"))
+        for kv in kvs:
+            kv.close()
+        return outs
+
+    ref_a, ref_b = solo(a_ids), solo(b_ids)
+    kva, kvb = [s.new_session(512) for s in shards], [s.new_session(512) for s in shards]
+    got_a, got_b = [run_chain(shards, kva, a_ids, "last")], [run_chain(shards, kvb, b_ids, "last")]
+    for _ in range(8):
+        got_a.append(run_chain(shards, kva, [int(got_a[-1].argmax())], "last"))
+        got_b.append(run_chain(shards, kvb, [int(got_b[-1].argmax())], "last"))
+    assert all(np.array_equal(x, y) for x, y in zip(got_a, ref_a))
+    assert all(np.array_equal(x, y) for x, y in zip(got_b, ref_b))
+
+    # truncate session b back to its prompt and decode again: equals the fresh run
+    for kv in kvb:
+        kv.truncate(len(b_ids) - 1)
+    redo = run_chain(shards, kvb, [b_ids[-1]], "last")
+    assert np.array_equal(redo, ref_b[0])
+
+    # copy session a's state (every shard) into a second set of shard instances, continue there
+    states = [s.state_bytes(kv) for s, kv in zip(shards, kva)]
+    held = kva[0].length
+    others = chain(gemma_path, [6, 12], tmp_path, n_ctx=512)
+    kvo = [s.new_session(512) for s in others]
+    for s, kv, st in zip(others, kvo, states):
+        s.load_state(kv, st, held)
+    nxt = int(got_a[-1].argmax())
+    assert np.array_equal(run_chain(others, kvo, [nxt], "last"), run_chain(shards, kva, [nxt], "last"))
+    with pytest.raises(LlamaCppError):
+        others[0].load_state(kvo[0], b"not a llama.cpp state", 4)
+    assert kvo[0].length == 0  # a rejected state leaves the session empty, never half-loaded
+    for s in shards + others:
+        s.close()
+
+
+@pytest.mark.slow
+def test_generate_backends_agree_on_greedy_prefix(gemma_path):
+    """The default in-process path is llama.cpp; split and unsplit give the same greedy tokens."""
+    one = LocalModel.load(gemma_path, max_length=128)
+    three = LocalModel.load(gemma_path, split=[4, 10], max_length=128)
+    assert one.backend == "llama.cpp"
+    ids = one.prompt_ids("The capital of France is")
+    outs = []
+    for model in (one, three):
+        session = model.session(len(ids) + 12, SamplingParams(temperature=0))
+        toks = [session.step(ids)]
+        for _ in range(11):
+            toks.append(session.step([toks[-1]]))
+        session.close()
+        outs.append(toks)
+    assert outs[0] == outs[1]
+
+
+def test_bad_input(tiny_dir, tmp_path):
+    path = write_tiny_model(tiny_dir / "bad-input-llama.gguf", "llama", n_layers=6)
+    file = GGUFModelFile(path)
+    with pytest.raises(UnsupportedShard, match="not supported by the llama.cpp backend.*--backend torch"):
+        rules_for("mamba")
+    mid = LlamaCppShard(file, ShardSpec(2, 4), n_ctx_seq=256, n_seq_max=1, threads=1, cache_dir=tmp_path)
+    kv = mid.new_session(256)
+    with pytest.raises(ValueError, match=r"expected hidden states \[n_tokens, 256\]"):
+        mid.forward(kv, torch.zeros(3, 255))
+    with pytest.raises(ValueError, match="at most"):
+        mid.forward(kv, torch.zeros(mid.n_batch + 1, 256))
+    assert kv.length == 0
+    out = mid.forward(kv, torch.ones(2, 256))  # still serving
+    assert out.shape == (2, 256) and kv.length == 2
+    first = LlamaCppShard(file, ShardSpec(0, 2, embed=True), n_ctx_seq=256, n_seq_max=1, threads=1, cache_dir=tmp_path)
+    kv0 = first.new_session(256)
+    with pytest.raises(ValueError, match="token id out of range"):
+        first.forward(kv0, torch.tensor([1, 384]))
+    with pytest.raises(Exception, match="kv_budget|sequence|session slots"):
+        first.new_session(256)  # its only slot is taken
+    with pytest.raises(Exception, match="cells per session"):
+        kv0.close()
+        first.new_session(100_000)
+    for s in (mid, first):
+        s.close()

@@ -1,0 +1,236 @@
+"""Tiny random-weight mixture-of-experts GGUFs, written with the ``gguf`` writer.
+
+The companion of ``tinymodels`` for the MoE architectures of llama.cpp that we cannot
+download at test time: ``qwen3moe``, ``deepseek`` (DeepSeek-MoE v1), ``deepseek2`` (MLA attention,
+DeepSeek-V2/V3 style), ``glm4moe`` (GLM-4.5) and ``gpt-oss``. Every file has the same small
+SentencePiece-style vocabulary as ``tinymodels`` (``N_VOCAB`` = 384 tokens) and all-F32 weights, so
+llama.cpp loads it and a forward pass takes milliseconds.
+
+Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the shards
+``[0, 2) [2, 4) [4, 6)``):
+
+* ``qwen3moe``: 8 experts, top-2, q/k RMS norms, normalised top-k softmax weights, every block MoE.
+* ``deepseek``: 1 leading dense block (split point 2 falls after it), 8 experts top-2 plus
+  2 shared experts, softmax gating, no weight normalisation.
+* ``deepseek2``: MLA attention with a q LoRA (``q_lora_rank``, i.e. not the "lite" variant),
+  ``kv_lora_rank``, decoupled rope head dims, the split ``attn_k_b``/``attn_v_b`` tensors
+  (``key_length_mla``/``value_length_mla`` set, the absorbed-MLA form llama.cpp converts to),
+  3 leading dense blocks (split point 2 falls inside them, 4 after them), 8 experts top-2 plus
+  1 shared expert, sigmoid gating with ``exp_probs_b`` selection bias, normalised weights scaled
+  by ``expert_weights_scale`` (DeepSeek-V3 style).
+* ``glm4moe``: 2 leading dense blocks (split point 2 is exactly their end), q/k/v biases,
+  q/k norms, partial rotary (``rope.dimension_count`` = head_dim / 2), ``post_attention_norm``
+  as the FFN norm, sigmoid gating with ``exp_probs_b``, 1 shared expert, no MTP/nextn layers.
+* ``gpt-oss``: alternating sliding-window / full attention (window 8, layers 0, 2, 4 are the
+  sliding ones), attention sinks, q/k/v/o biases, router and expert biases, SwiGLU-OAI experts
+  in F32 (no MXFP4), softmax over the selected router logits.
+
+Any of the per-architecture settings in ``MOE_DEFAULTS`` can be changed with keyword overrides,
+e.g. ``write_tiny_moe_model(p, "deepseek2", n_dense_lead=1, expert_gating_func=1)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFWriter
+
+from tinymodels import N_VOCAB, _vocab
+
+MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss")
+
+# expert_gating_func values (llama.cpp's llama_expert_gating_func_type)
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2
+
+_COMMON: dict[str, Any] = dict(
+    n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256, n_ff_exp=64, n_expert=8,
+    n_expert_used=2, context_length=4096, rope_freq_base=10000.0, rms_eps=1e-6,
+)
+
+MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3moe": dict(_COMMON),
+    "deepseek": dict(_COMMON, n_head_kv=4, n_dense_lead=1, n_expert_shared=2),
+    "deepseek2": dict(
+        {k: v for k, v in _COMMON.items() if k not in ("n_head_kv", "head_dim")},  # MLA: own head dims
+        n_dense_lead=3, n_expert_shared=1, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, expert_gating_func=GATING_SIGMOID, expert_weights_norm=True,
+        expert_weights_scale=2.5, exp_probs_b=True,
+    ),
+    "glm4moe": dict(
+        _COMMON, n_dense_lead=2, n_expert_shared=1, rope_dim=16, expert_gating_func=GATING_SIGMOID,
+        expert_weights_norm=True, expert_weights_scale=1.0,
+    ),
+    "gpt-oss": dict(_COMMON, sliding_window=8, n_swa_pattern=2),
+}
+
+
+def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random-weight MoE ``arch`` GGUF (one of ``MOE_ARCHS``) to ``path`` and return ``path``.
+
+    ``overrides`` replace entries of ``MOE_DEFAULTS[arch]`` (unknown names raise ``TypeError``).
+    All tensors are F32; expert tensors are 3-D, numpy shape ``(n_expert, n_out, n_in)``.
+    """
+    if arch not in MOE_DEFAULTS:
+        raise ValueError(f"unknown MoE architecture {arch!r}; expected one of {MOE_ARCHS}")
+    cfg = dict(MOE_DEFAULTS[arch])
+    unknown = set(overrides) - set(cfg)
+    if unknown:
+        raise TypeError(f"unknown settings for {arch}: {sorted(unknown)}")
+    cfg.update(overrides)
+    c = _Cfg(cfg)
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), arch)
+
+    def kv_u32(key: str, value: int) -> None:
+        w.add_uint32(f"{arch}.{key}", int(value))
+
+    def kv_f32(key: str, value: float) -> None:
+        w.add_float32(f"{arch}.{key}", float(value))
+
+    w.add_block_count(n_layers)
+    w.add_context_length(c.context_length)
+    w.add_embedding_length(c.n_embd)
+    w.add_feed_forward_length(c.n_ff)
+    w.add_head_count(c.n_head)
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_rope_freq_base(c.rope_freq_base)
+    w.add_file_type(0)  # all F32
+    kv_u32("expert_count", c.n_expert)
+    kv_u32("expert_used_count", c.n_expert_used)
+    kv_u32("expert_feed_forward_length", c.n_ff_exp)
+    if "n_dense_lead" in cfg:
+        kv_u32("leading_dense_block_count", c.n_dense_lead)
+    if "n_expert_shared" in cfg:
+        kv_u32("expert_shared_count", c.n_expert_shared)
+    if "expert_gating_func" in cfg:
+        kv_u32("expert_gating_func", c.expert_gating_func)
+    if "expert_weights_scale" in cfg:
+        kv_f32("expert_weights_scale", c.expert_weights_scale)
+    if "expert_weights_norm" in cfg:
+        w.add_bool(f"{arch}.expert_weights_norm", bool(c.expert_weights_norm))
+
+    if arch == "deepseek2":
+        # MLA converted to MQA with one big kv head (what convert_hf_to_gguf.py writes)
+        kv_u32("attention.head_count_kv", 1)
+        kv_u32("attention.q_lora_rank", c.q_lora_rank)
+        kv_u32("attention.kv_lora_rank", c.kv_lora_rank)
+        kv_u32("attention.key_length", c.kv_lora_rank + c.qk_rope_head_dim)
+        kv_u32("attention.value_length", c.kv_lora_rank)
+        kv_u32("attention.key_length_mla", c.qk_nope_head_dim + c.qk_rope_head_dim)
+        kv_u32("attention.value_length_mla", c.v_head_dim)
+        kv_u32("rope.dimension_count", c.qk_rope_head_dim)
+        kv_u32("vocab_size", N_VOCAB)
+    else:
+        kv_u32("attention.head_count_kv", c.n_head_kv)
+        kv_u32("attention.key_length", c.head_dim)
+        kv_u32("attention.value_length", c.head_dim)
+        kv_u32("rope.dimension_count", c.rope_dim if arch == "glm4moe" else c.head_dim)
+    if arch == "glm4moe":
+        kv_u32("nextn_predict_layers", 0)
+    if arch == "gpt-oss":
+        kv_u32("attention.sliding_window", c.sliding_window)
+        kv_u32("attention.sliding_window_pattern", c.n_swa_pattern)
+
+    tokens, scores, types = _vocab()
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+    def f32(name: str, *shape: int, scale: float = 0.05, offset: float = 0.0) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * scale + offset).astype(np.float32))
+
+    def norm(name: str, dim: int) -> None:
+        f32(name, dim, scale=0.1, offset=1.0)
+
+    def matrix(name: str, *shape: int, scale: float = 1.0) -> None:
+        """A weight of numpy shape ``(..., n_out, n_in)``, entries ~ N(0, scale^2 / n_in)."""
+        f32(name, *shape, scale=scale * shape[-1] ** -0.5)
+
+    e, d = c.n_embd, c.n_expert
+    f32("token_embd.weight", N_VOCAB, e, scale=0.5)
+    norm("output_norm.weight", e)
+    matrix("output.weight", N_VOCAB, e)
+    for il in range(n_layers):
+        p = f"blk.{il}."
+        norm(p + "attn_norm.weight", e)
+        moe = il >= cfg.get("n_dense_lead", 0)
+
+        # --- attention
+        if arch == "deepseek2":
+            k_mla = c.qk_nope_head_dim + c.qk_rope_head_dim
+            norm(p + "attn_q_a_norm.weight", c.q_lora_rank)
+            norm(p + "attn_kv_a_norm.weight", c.kv_lora_rank)
+            matrix(p + "attn_q_a.weight", c.q_lora_rank, e)
+            matrix(p + "attn_q_b.weight", c.n_head * k_mla, c.q_lora_rank)
+            matrix(p + "attn_kv_a_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, e)
+            # kv_b split per head; k_b is stored transposed (it maps q_nope into the kv latent):
+            # ggml {nope, kv_lora_rank, n_head}, v_b ggml {kv_lora_rank, v_head_dim, n_head}
+            matrix(p + "attn_k_b.weight", c.n_head, c.kv_lora_rank, c.qk_nope_head_dim)
+            matrix(p + "attn_v_b.weight", c.n_head, c.v_head_dim, c.kv_lora_rank)
+            matrix(p + "attn_output.weight", e, c.n_head * c.v_head_dim)
+        else:
+            q_dim, kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+            if arch == "deepseek" and q_dim != e:
+                raise ValueError("deepseek needs n_head * head_dim == n_embd")
+            matrix(p + "attn_q.weight", q_dim, e)
+            matrix(p + "attn_k.weight", kv_dim, e)
+            matrix(p + "attn_v.weight", kv_dim, e)
+            matrix(p + "attn_output.weight", e, q_dim)
+            if arch in ("glm4moe", "gpt-oss"):
+                f32(p + "attn_q.bias", q_dim, scale=0.1)
+                f32(p + "attn_k.bias", kv_dim, scale=0.1)
+                f32(p + "attn_v.bias", kv_dim, scale=0.1)
+            if arch in ("qwen3moe", "glm4moe"):
+                norm(p + "attn_q_norm.weight", c.head_dim)
+                norm(p + "attn_k_norm.weight", c.head_dim)
+            if arch == "gpt-oss":
+                f32(p + "attn_output.bias", e, scale=0.02)
+                f32(p + "attn_sinks.weight", c.n_head, scale=0.5)
+
+        # --- FFN norm: glm4moe and gpt-oss call it post_attention_norm
+        norm(p + ("post_attention_norm.weight" if arch in ("glm4moe", "gpt-oss") else "ffn_norm.weight"), e)
+
+        # --- FFN
+        if not moe:
+            matrix(p + "ffn_gate.weight", c.n_ff, e)
+            matrix(p + "ffn_up.weight", c.n_ff, e)
+            matrix(p + "ffn_down.weight", e, c.n_ff)
+            continue
+        f = c.n_ff_exp
+        matrix(p + "ffn_gate_inp.weight", d, e, scale=2.0)  # a sharper router: top-k differs per token
+        matrix(p + "ffn_gate_exps.weight", d, f, e)
+        matrix(p + "ffn_up_exps.weight", d, f, e)
+        matrix(p + "ffn_down_exps.weight", d, e, f)
+        if arch == "glm4moe" or (arch == "deepseek2" and c.exp_probs_b):
+            f32(p + "exp_probs_b.bias", d, scale=0.1)
+        if arch == "gpt-oss":
+            f32(p + "ffn_gate_inp.bias", d, scale=0.1)
+            f32(p + "ffn_gate_exps.bias", d, f, scale=0.05)
+            f32(p + "ffn_up_exps.bias", d, f, scale=0.05)
+            f32(p + "ffn_down_exps.bias", d, e, scale=0.02)
+        if cfg.get("n_expert_shared", 0) > 0:
+            fs = f * c.n_expert_shared
+            matrix(p + "ffn_gate_shexp.weight", fs, e)
+            matrix(p + "ffn_up_shexp.weight", fs, e)
+            matrix(p + "ffn_down_shexp.weight", e, fs)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+class _Cfg:
+    """Attribute access to a settings dict."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
