@@ -10,7 +10,7 @@ LLAMA_CPP_VERSION := 0.3.36
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 WHEELS := $(HOME)/.cache/ggufswarm/wheels/$(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
 
-.PHONY: setup demo test test-deps bench faults clean llamacpp-tools
+.PHONY: setup demo test test-deps bench bench-llamacpp faults clean llamacpp-tools
 
 $(BIN)/ggufswarm: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,11 @@ faults: setup
 
 bench: setup
 	$(BIN)/python bench/bench_generate.py
+
+# llama.cpp backend vs llama.cpp (in-process, llama-bench, RPC) and the route, one table; THREADS=1, ARGS=--quick
+THREADS ?= 1
+bench-llamacpp: setup
+	$(BIN)/python bench/bench_llamacpp.py --threads $(THREADS) $(ARGS)
 
 # llama.cpp's own tools (rpc-server, llama-bench, llama-perplexity, llama-cli, llama-server), built from the
 # llama.cpp that llama-cpp-python 0.3.36 bundles, into .cache/llamacpp-tools/0.3.36/bin (no-op when present).

@@ -73,6 +73,47 @@ def reference(model, prompt: str, max_tokens: int, chat: bool = False) -> tuple[
     return _REFS[key]
 
 
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Москва — столица",
+    "東京は日本の",
+    "I love pizza 🍕 because",
+    "Translate to French: The cat sits on the mat.\nFrench:",
+    "1, 2, 3, 5, 8, 13,",
+    "<html>\n<head>\n<title>",
+    "Once upon a time, in a small village,",
+]
+
+
+def greedy_prompts(reference_text: str) -> list[str]:
+    """Ten varied prompts (code, Cyrillic, Japanese, emoji, HTML, one over 600 Gemma tokens)."""
+    return GREEDY_PROMPTS + ["Summarize the following text.\n\n" + reference_text[:3500] + "\n\nSummary:"]
+
+
+def llama_cpp_greedy_tokens(path, prompts_ids: list[list[int]], n: int, threads: int = 1) -> list[list[int]]:
+    """llama.cpp's own full model (llama-cpp-python, flash attention as llama.cpp's CPU default): ``n`` greedy
+    tokens per prompt. Threads matter: llama.cpp's split-KV attention divides the cache by thread count."""
+    import llama_cpp
+    import numpy as np
+    llm = llama_cpp.Llama(str(path), n_ctx=2048, n_batch=2048, n_ubatch=512, logits_all=False, n_threads=threads,
+                          n_threads_batch=threads, flash_attn=True, verbose=False)
+    out = []
+    try:
+        for ids in prompts_ids:
+            llm.reset()
+            llm.eval(ids)
+            toks = []
+            for _ in range(n):
+                last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+                toks.append(int(np.argmax(last)))
+                llm.eval([toks[-1]])
+            out.append(toks)
+    finally:
+        llm.close()
+    return out
+
+
 def http(method: str, url: str, body: bytes | dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
     """One HTTP request; (status, parsed JSON body). dict bodies are sent as JSON, bytes as octet-stream."""
     headers = {}

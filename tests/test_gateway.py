@@ -58,7 +58,7 @@ def check_telemetry(final: dict, cluster, prompt_tokens: int, completion_tokens:
             assert hop[key]["mean"] >= 0 and hop[key]["p95"] >= hop[key]["mean"] * 0.5
         assert hop["compute_ms"]["mean"] > 0
         assert hop["kv_tokens"] == prompt_tokens + completion_tokens - 1
-    assert t["hops"][1]["payload_bytes_per_decode_token"] <= 2 * 640 + 128
+    assert t["hops"][1]["payload_bytes_per_decode_token"] == 48 + 4 * 640 + 4  # f32 frame: header, row, token id
     assert t["kv_tokens_held"] == {n.url: prompt_tokens + completion_tokens - 1 for n in cluster}
     assert final["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                               "total_tokens": prompt_tokens + completion_tokens}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from route_fixtures import greedy_prompts, llama_cpp_greedy_tokens
 from tinymodels import write_tiny_model
 from tinymoe import write_tiny_moe_model
 
@@ -181,27 +182,28 @@ def test_sessions_interleave_truncate_and_restore(gemma_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_generate_backends_agree_on_greedy_prefix(gemma_path):
-    """The default in-process path is llama.cpp; split and unsplit give the same greedy tokens."""
-    one = LocalModel.load(gemma_path, max_length=128)
-    three = LocalModel.load(gemma_path, split=[4, 10], max_length=128)
+def test_greedy_equals_llama_cpp_single_and_split(gemma_path, reference_text):
+    """Ten varied prompts, 24 greedy tokens: the default in-process path (llama.cpp backend), as one shard
+    and as [0,4)+[4,10)+[10,18), equals llama.cpp's own greedy tokens 10/10."""
+    one = LocalModel.load(gemma_path, max_length=1024, threads=1)
+    three = LocalModel.load(gemma_path, split=[4, 10], max_length=1024, threads=1)
     assert one.backend == "llama.cpp"
-    ids = one.prompt_ids("The capital of France is")
-    outs = []
+    prompts = [one.prompt_ids(p) for p in greedy_prompts(reference_text)]
+    refs = llama_cpp_greedy_tokens(gemma_path, prompts, 24)
     for model in (one, three):
-        session = model.session(len(ids) + 12, SamplingParams(temperature=0))
-        toks = [session.step(ids)]
-        for _ in range(11):
-            toks.append(session.step([toks[-1]]))
-        session.close()
-        outs.append(toks)
-    assert outs[0] == outs[1]
+        for ids, ref in zip(prompts, refs):
+            session = model.session(len(ids) + 32, SamplingParams(temperature=0))
+            toks = [session.step(ids)]
+            while len(toks) < 24:
+                toks.append(session.step([toks[-1]]))
+            session.close()
+            assert toks == ref, (len(model.shards), model.tokenizer.decode(ids[:8]))
 
 
 def test_bad_input(tiny_dir, tmp_path):
     path = write_tiny_model(tiny_dir / "bad-input-llama.gguf", "llama", n_layers=6)
     file = GGUFModelFile(path)
-    with pytest.raises(UnsupportedShard, match="not supported by the llama.cpp backend.*--backend torch"):
+    with pytest.raises(UnsupportedShard, match="unsupported architecture 'mamba' for the llama.cpp backend"):
         rules_for("mamba")
     mid = LlamaCppShard(file, ShardSpec(2, 4), n_ctx_seq=256, n_seq_max=1, threads=1, cache_dir=tmp_path)
     kv = mid.new_session(256)
@@ -223,3 +225,31 @@ def test_bad_input(tiny_dir, tmp_path):
         first.new_session(100_000)
     for s in (mid, first):
         s.close()
+
+
+@pytest.mark.slow
+def test_head_samples_with_llama_cpp_sampler_chain(gemma_path):
+    """A seeded draw at the llama.cpp head equals llama-cpp-python's own sampler chain (top-k, top-p, min-p,
+    temperature, dist) given the same logits and the position's dist seed."""
+    import llama_cpp
+
+    from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler, draw_seed
+    llm = llama_cpp.Llama(str(gemma_path), n_ctx=256, n_threads=1, flash_attn=True, verbose=False)
+    try:
+        ids = llm.tokenize(b"Once upon a time")
+        llm.eval(ids)
+        logits = torch.from_numpy(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                                        shape=(llm.n_vocab(),)).copy())
+        drawn = set()
+        for seed in range(8):
+            ours = LlamaCppSampler(SamplingParams(temperature=1.3, top_k=50, top_p=0.9, min_p=0.02, seed=seed))
+            llm.set_seed(draw_seed(seed, len(ids)))
+            theirs = llm.sample(top_k=50, top_p=0.9, min_p=0.02, temp=1.3)
+            got = ours.sample(logits, ids)
+            assert got == theirs, seed
+            drawn.add(got)
+        assert len(drawn) > 1  # the seeds really draw different tokens
+    finally:
+        llm.close()
+    model = LocalModel.load(gemma_path, max_length=64, threads=1)
+    assert isinstance(model.session(32).sampler, LlamaCppSampler)

@@ -18,7 +18,8 @@ from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.protocol import encode_hidden, encode_tokens
 from ggufswarm.runtime.shard import ShardSpec
-from route_fixtures import HOP_TIMEOUT, cluster, health, http, reference  # noqa: F401 - fixtures
+from route_fixtures import (HOP_TIMEOUT, cluster, greedy_prompts, health, http, llama_cpp_greedy_tokens,  # noqa: F401
+                            reference)
 
 PROMPT = "The capital of France is"
 N_EMBD = 640
@@ -73,7 +74,30 @@ def test_route_session_matches_local_greedy(cluster, gemma):
     assert all(health(n.url)["sessions"] == 0 for n in cluster)
 
 
+def test_route_greedy_equals_llama_cpp(cluster, gemma, gemma_path, reference_text):
+    """Ten varied prompts, 24 greedy tokens through the 3-node llama.cpp route: with f32 frames equal to
+    llama.cpp's own full-model run for 10/10 (the default), with f16 frames for at least 9/10."""
+    prompts = [gemma.prompt_ids(p) for p in greedy_prompts(reference_text)]
+    assert len(prompts[-1]) > 600
+    refs = llama_cpp_greedy_tokens(gemma_path, prompts, 24)
+    route = RemoteRoute(urls(cluster), HOP_TIMEOUT)
+    for wire in ("f32", "f16"):
+        same = []
+        for ids, ref in zip(prompts, refs):
+            session = route.open(len(ids) + 32, GREEDY, wire_dtype=wire)
+            toks = [session.step(ids)]
+            while len(toks) < 24:
+                toks.append(session.step([toks[-1]]))
+            session.close()
+            same.append(toks == ref)
+        print(f"route greedy, {wire} frames: {sum(same)}/10 equal to llama.cpp")
+        assert sum(same) >= (10 if wire == "f32" else 9), (wire, same)
+
+
 def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma):
+    """A prompt over max_step_tokens goes in chunks; only the last chunk samples. Seeded draws through the
+    route (f32 frames) equal the in-process model fed the same chunks: llama.cpp's numerics depend on the
+    step size, so the reference must chunk the same way."""
     import dataclasses
     sampling = SamplingParams(temperature=1.0, seed=7)
     ids = gemma.prompt_ids("A short story about a brave little robot")
@@ -81,13 +105,22 @@ def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma)
     for chunk in (4096, 4):
         route = RemoteRoute(urls(cluster), HOP_TIMEOUT)
         route.hops[1] = dataclasses.replace(route.hops[1], max_step_tokens=chunk)
-        session = route.open(64, sampling)
+        session = route.open(64, sampling, wire_dtype="f32")
         tokens = [session.step(ids)]
         for _ in range(5):
             tokens.append(session.step([tokens[-1]]))
         session.close()
         runs.append((tokens, len(session.telemetry.steps)))
-    assert runs[0][0] == runs[1][0]  # same seeded draws: the chunks before the last did not touch the RNG
+        local = gemma.session(64, sampling)
+        cut = (len(ids) - 1) // chunk * chunk  # the last chunk holds the rest
+        for i in range(0, cut, chunk):
+            local.logits(ids[i:i + chunk])
+        local.history.extend(ids[:cut])
+        expected = [local.step(ids[cut:])]
+        for _ in range(5):
+            expected.append(local.step([expected[-1]]))
+        local.close()
+        assert tokens == expected, chunk
     assert runs[1][1] == runs[0][1] + (len(ids) + 3) // 4 - 1
 
 
@@ -224,14 +257,36 @@ def test_too_many_tokens(cluster, gemma):
 
 @pytest.fixture(scope="module")
 def spares(gemma_path):
-    """Two extra 12:18 +head nodes with a 2048-token KV budget and a 2 s session TTL."""
+    """Two extra 12:18 +head nodes (torch backend) with a 2048-token KV budget and a 2 s session TTL."""
     nodes = start_nodes([ShardSpec(12, 18, head=True)] * 2, str(gemma_path), threads=1,
-                        extra=["--kv-budget", "2048", "--session-ttl", "2"])
+                        extra=["--kv-budget", "2048", "--session-ttl", "2", "--backend", "torch"])
     yield nodes
     stop_nodes(nodes)
 
 
+def test_kv_budget_admission_llama_cpp(gemma_path):
+    """llama.cpp: KV cells are allocated up front, --max-sessions sequences of --ctx-size cells each; the
+    budget is their product, a session longer than one sequence's cells never fits."""
+    node = start_nodes([ShardSpec(12, 18, head=True)], str(gemma_path), threads=1,
+                       extra=["--ctx-size", "1024", "--max-sessions", "2"])[0]
+    try:
+        url = node.url
+        assert health(url)["kv_budget_tokens"] == 2048
+        status, body = http("POST", url + "/v1/sessions", {"max_length": 1500})
+        assert status == 503 and body["error"]["code"] == "kv_budget_too_small" and "1024" in body["error"]["message"]
+        opened = [http("POST", url + "/v1/sessions", {"max_length": 1000}) for _ in range(2)]
+        assert [s for s, _ in opened] == [201, 201]
+        status, body = http("POST", url + "/v1/sessions", {"max_length": 16})
+        assert status == 429 and body["error"]["code"] == "kv_budget_full"
+        assert http("DELETE", f"{url}/v1/sessions/{opened[0][1]['session_id']}")[0] == 200
+        status, body = http("POST", url + "/v1/sessions", {"max_length": 1000})  # the freed sequence is reused
+        assert status == 201
+    finally:
+        stop_nodes([node])
+
+
 def test_kv_budget_admission_and_idle_expiry(spares):
+    """torch backend: sessions share one token budget (each reserves its max_length)."""
     url = spares[0].url
     status, body = http("POST", url + "/v1/sessions", {"max_length": 4096})
     assert status == 503 and body["error"]["code"] == "kv_budget_too_small" and "2048" in body["error"]["message"]

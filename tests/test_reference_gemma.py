@@ -10,16 +10,19 @@ Two references:
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
-from ggufswarm.client.perplexity import chunk_nll
 from ggufswarm.client.sampling import SamplingParams
+
+DATA = Path(__file__).parent / "data"
 
 
 def _nll(logits: np.ndarray, ids: list[int]) -> np.ndarray:
@@ -112,28 +115,33 @@ def test_greedy_tokens_match_llama_cpp(gemma_torch, gemma_f32_llama_cpp, referen
     assert sum(matches) >= 9, matches
 
 
-def _llama_cpp_perplexity(llm, tokens: list[int], n_ctx: int, bos: int) -> float:
-    """llama-perplexity's definition, computed from llama.cpp's logits."""
-    nll, count = 0.0, 0
-    for i in range(len(tokens) // n_ctx):
-        chunk = list(tokens[i * n_ctx:(i + 1) * n_ctx])
-        chunk[0] = bos
-        scores = chunk_nll(torch.from_numpy(_llama_cpp_logits(llm, chunk)), chunk)
-        nll += sum(scores)
-        count += len(scores)
-    return math.exp(nll / count)
-
-
-def test_perplexity_cli_matches_llama_cpp(gemma_torch, gemma_llama_cpp, reference_text, tmp_path, ggufswarm_cli):
-    text_file = tmp_path / "text.txt"
-    text_file.write_text(reference_text, encoding="utf-8")
-    out = subprocess.run([*ggufswarm_cli, "perplexity", str(text_file), "--ctx-size", "256", "--split", "9"],
-                         capture_output=True, text=True, timeout=600)
+def _cli_perplexity(ggufswarm_cli, *args: str) -> float:
+    out = subprocess.run([*ggufswarm_cli, "perplexity", str(DATA / "gpl-3.0-excerpt.txt"), "--ctx-size", "256",
+                          "--split", "9", *args], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("perplexity: ")
-    ours = float(last.split()[-1])
-    tokens = gemma_torch.tokenizer.encode(reference_text)
-    ref = _llama_cpp_perplexity(gemma_llama_cpp, tokens, 256, gemma_torch.tokenizer.bos_id)
-    print(f"perplexity CLI {ours:.4f}, llama.cpp (Q4_K_M) {ref:.4f}")
+    return float(last.split()[-1])
+
+
+def _llama_perplexity_figure(ctx_size: int) -> float:
+    """``llama-perplexity``'s own final estimate on the same text (a fixture: tests/data/llama_perplexity_gemma.json,
+    made by tests/data/make_llama_perplexity_fixture.sh with the llama.cpp that llama-cpp-python bundles)."""
+    runs = json.loads((DATA / "llama_perplexity_gemma.json").read_text())["runs"]
+    return next(r["ppl"] for r in runs if r["ctx_size"] == ctx_size)
+
+
+@pytest.mark.slow
+def test_perplexity_cli_llama_cpp_backend_matches_llama_perplexity(ggufswarm_cli):
+    """The default (llama.cpp) backend, as two shards: within 0.1% of llama-perplexity's figure."""
+    ours, ref = _cli_perplexity(ggufswarm_cli, "--threads", "2"), _llama_perplexity_figure(256)
+    print(f"perplexity CLI (llama.cpp backend, split at 9) {ours:.4f}, llama-perplexity {ref:.4f}")
+    assert abs(ours / ref - 1) < 0.001
+
+
+@pytest.mark.slow
+def test_perplexity_cli_torch_backend_near_llama_perplexity(ggufswarm_cli):
+    """The torch reference (exact dequantized weights, no 8-bit activation rounding): within 1%."""
+    ours, ref = _cli_perplexity(ggufswarm_cli, "--backend", "torch"), _llama_perplexity_figure(256)
+    print(f"perplexity CLI (torch backend) {ours:.4f}, llama-perplexity {ref:.4f}")
     assert abs(ours / ref - 1) < 0.01

@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--hop-timeout", type=float, default=30.0, metavar="S",
                    help="seconds one hop may take to answer a step; a dead or hung node fails the request "
                         "within this, naming the node (default 30)")
-    w.add_argument("--wire-dtype", choices=["f16", "bf16", "f32"], default="f16",
-                   help="hidden-state frame dtype between nodes (default f16, range-extended; see docs/protocol.md)")
+    w.add_argument("--wire-dtype", choices=["f16", "bf16", "f32"], default="f32",
+                   help="hidden-state frame dtype between nodes (default f32: the route computes exactly what "
+                        "llama.cpp computes; f16 (range-extended) or bf16 halve the bytes; see docs/protocol.md)")
     w.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
 
     d = sub.add_parser("demo", help="start N nodes + a gateway on loopback and stream one answer (the main job)",
@@ -186,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", choices=["llama.cpp", "torch"], default="llama.cpp",
                    help="the nodes' shard backend (default llama.cpp)")
     d.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-hop timeout (default 30)")
-    d.add_argument("--wire-dtype", choices=["f16", "bf16", "f32"], default="f16", help="frame dtype (default f16)")
+    d.add_argument("--wire-dtype", choices=["f16", "bf16", "f32"], default="f32",
+                   help="frame dtype (default f32: the route computes exactly what llama.cpp does; f16 halves the bytes)")
     d.add_argument("--no-swarm", action="store_true",
                    help="skip the tracker and swarm: nodes load the local file, the gateway gets the route by hand")
 

@@ -28,7 +28,7 @@ class LocalSession:
     def __init__(self, shards: list, max_length: int, sampling: SamplingParams):
         self.shards = shards
         self.kvs = [s.new_session(max_length) for s in shards]
-        self.sampler = Sampler(sampling)
+        self.sampler = getattr(shards[-1], "sampler_class", Sampler)(sampling)
         self.history: list[int] = []
 
     def logits(self, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:

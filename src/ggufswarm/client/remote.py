@@ -143,7 +143,7 @@ class RemoteRoute:
         """The longest session every node of the route can hold (tokens)."""
         return min(h.max_length for h in self.hops)
 
-    def open(self, max_length: int, sampling: SamplingParams | None = None, wire_dtype: str = "f16",
+    def open(self, max_length: int, sampling: SamplingParams | None = None, wire_dtype: str = "f32",
              top_logprobs: int = 0, replan=None, reuse_prefix: bool = True) -> "RemoteSession":
         """Open a session on every node (head first); RouteError (with the node's status) when one refuses.
 
@@ -221,8 +221,9 @@ class RemoteSession:
     """
 
     MAX_REPAIRS_PER_STEP = 3
+    OPEN_WAIT_S = 60.0  # how long an open waits for a node's free session slot (kv_budget_full) before failing
 
-    def __init__(self, route: RemoteRoute, max_length: int, sampling: SamplingParams, wire_dtype: str = "f16",
+    def __init__(self, route: RemoteRoute, max_length: int, sampling: SamplingParams, wire_dtype: str = "f32",
                  top_logprobs: int = 0, replan=None, reuse_prefix: bool = True):
         self.route = route
         self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
@@ -255,7 +256,19 @@ class RemoteSession:
         if hop.head:
             body["sampling"] = self.sampling.to_dict()
             body["top_logprobs"] = self.top_logprobs
-        self._call(hop.url, "POST", "/v1/sessions", body, "open session")
+        # A node whose session slots are all taken answers 429 kv_budget_full: wait for one (as llama-server
+        # queues requests beyond --parallel). Every session opens head first, so the ones holding this node's
+        # slots already hold the later nodes too and will finish: waiting cannot deadlock.
+        deadline, pause = time.monotonic() + self.OPEN_WAIT_S, 0.02
+        while True:
+            try:
+                self._call(hop.url, "POST", "/v1/sessions", body, "open session")
+                break
+            except RouteError as exc:
+                if exc.code != "kv_budget_full" or time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.5)
         self._opened.append(hop.url)
 
     def _conn(self, url: str) -> http.client.HTTPConnection:

@@ -45,7 +45,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 0
     hop_timeout_s: float = 30.0
-    wire_dtype: str = "f16"
+    wire_dtype: str = "f32"
     default_max_tokens: int = 512
     workers: int = 64
     api_keys: tuple[str, ...] = ()    # when set, /v1/* needs ``Authorization: Bearer KEY`` (OpenAI style)

@@ -17,7 +17,8 @@ def family(arch: str) -> ModuleType:
         return FAMILIES[arch]
     except KeyError:
         raise UnsupportedArchitecture(
-            f"unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED)})") from None
+            f"unsupported architecture '{arch}' for the torch backend (supported: {', '.join(SUPPORTED)}); "
+            f"the llama.cpp backend (the default) runs more") from None
 
 
 def load_config(model_file) -> ModelConfig:

@@ -204,7 +204,7 @@ async def open_session(request: web.Request) -> web.Response:
         if not isinstance(max_length, int) or isinstance(max_length, bool):
             raise ProtocolError("bad_request", f"max_length must be an integer, got {max_length!r}")
         next_hop = _next_hop(state, body.get("next_hop"))
-        wire = body.get("wire_dtype", "f16")
+        wire = body.get("wire_dtype", "f32")
         if wire not in WIRE_DTYPES:
             raise ProtocolError("bad_dtype", f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire!r}")
         n_logprobs = body.get("top_logprobs", 0)

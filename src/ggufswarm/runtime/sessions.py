@@ -71,7 +71,7 @@ class Session:
     kv: SessionKV
     max_length: int
     next_hop: str | None = None
-    wire_dtype: str = "f16"
+    wire_dtype: str = "f32"
     sampler: Sampler | None = None
     n_logprobs: int = 0
     history: list[int] = field(default_factory=list)  # token ids of every position held (sampler, snapshots)
@@ -127,7 +127,7 @@ class SessionStore:
         return self.executor.kv_bytes_per_token()
 
     def open(self, session_id: uuid.UUID, max_length: int, next_hop: str | None = None,
-             sampling: SamplingParams | None = None, wire_dtype: str = "f16", n_logprobs: int = 0) -> Session:
+             sampling: SamplingParams | None = None, wire_dtype: str = "f32", n_logprobs: int = 0) -> Session:
         """Open a session reserving ``max_length`` tokens of the budget.
 
         Raises ContextOverflow (max_length out of 1..model limit), SessionError("session_exists"),
@@ -139,7 +139,7 @@ class SessionStore:
             raise AdmissionRefused(f"max_length {max_length} exceeds this node's whole KV budget of "
                                    f"{self.budget_tokens} tokens", "kv_budget_too_small")
         if self.executor.spec.head:
-            sampler = Sampler(sampling or SamplingParams())
+            sampler = self.executor.sampler_class(sampling or SamplingParams())
         else:
             sampler = None
         with self._lock:

@@ -11,6 +11,7 @@ import torch
 from ..artifact.gguf_file import GGUFModelFile
 from ..model import ModelConfig, family, load_config
 from ..model.blocks import linear, rms_norm, rope_tables
+from ..client.sampling import Sampler
 from .kv import ContextOverflow, SessionKV
 
 NUMERICS = ("llama.cpp", "exact")
@@ -137,6 +138,7 @@ class ShardExecutor:
         return VEC_DOT_ACTIVATION.get(self.model.tensors[name].ggml_type.name)
 
     backend = "torch"
+    sampler_class = Sampler  # the head draws with the PyTorch sampler (llama.cpp's chain, re-implemented)
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token costs on this shard (all its layers, keys and values, in ``dtype``)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +27,12 @@ import numpy as np
 import torch
 
 import llama_cpp as L
-from llama_cpp import _logger as _llama_logger
 
 from ...artifact.gguf_file import GGUFModelFile
 from ..kv import ContextOverflow, check_max_length
 from ..shard import ShardSpec
 from . import _graph_tap
+from .sampling import LlamaCppSampler
 from .derive import TokenEmbedding, UnsupportedShard, n_model_layers, rules_for, shard_path
 
 _BACKEND_READY = False
@@ -56,12 +57,25 @@ class GraphTap(ctypes.Structure):
     ]
 
 
+_LOG_ERROR, _LOG_CONT = 4, 5  # enum ggml_log_level (ggml.h); llama-cpp-python's own filter predates this order
+_log_state = {"error": False}
+
+
+@L.llama_log_callback
+def _log_errors_only(level: int, text: bytes, user_data) -> None:
+    """llama.cpp's log, errors only (and their continuation lines), to stderr."""
+    if level != _LOG_CONT:
+        _log_state["error"] = level == _LOG_ERROR
+    if _log_state["error"]:
+        sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+
 def _ensure_backend() -> None:
     """Initialise llama.cpp once per process and keep its log to errors only."""
     global _BACKEND_READY
     with _BACKEND_LOCK:
         if not _BACKEND_READY:
-            _llama_logger.set_verbose(False)
+            L.llama_log_set(_log_errors_only, ctypes.c_void_p(0))
             L.llama_backend_init()
             _BACKEND_READY = True
 
@@ -207,6 +221,7 @@ class LlamaCppShard:
 
     backend = "llama.cpp"
     dtype = torch.float16  # KV cache element type (llama.cpp's default f16 cache)
+    sampler_class = LlamaCppSampler  # the head draws with llama.cpp's sampler chain
 
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
                  n_batch: int = 2048, n_ubatch: int = 512, threads: int | None = None,
@@ -250,8 +265,10 @@ class LlamaCppShard:
         cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED  # llama.cpp's CPU default (auto -> on)
         cparams.swa_full = True  # sliding-window layers keep every position, so truncate is exact
         cparams.no_perf = True
-        if spec.head and not all_logits:
-            cparams.n_outputs_max = 1
+        # outputs llama.cpp may return per ubatch (sizes the LM head's compute buffer: 512 x n_vocab floats would
+        # be 512 MiB for Gemma); llama.cpp asserts it is at least n_seq_max (src/llama-context.cpp output_reserve)
+        self.max_outputs = n_batch if all_logits or not spec.head else n_seq_max
+        cparams.n_outputs_max = self.max_outputs
         self._tap = None
         if not spec.head:
             self._capture = np.empty((n_batch, n_embd), dtype=np.float32)
@@ -330,6 +347,9 @@ class LlamaCppShard:
         if n_tokens > self.n_batch:
             raise ValueError(f"a step holds at most {self.n_batch} tokens on this shard, got {n_tokens}")
         kv.reserve(n_tokens)
+        if self.spec.head and logits == "all" and n_tokens > self.max_outputs:
+            raise ValueError(f"this head returns at most {self.max_outputs} rows of logits per step "
+                             f"(load it with all_logits=True for perplexity)")
         if self.spec.embed:
             if inputs.dim() != 1:
                 raise ValueError(f"the first shard takes token ids [n_tokens], got shape {tuple(inputs.shape)}")

@@ -118,9 +118,11 @@ def rules_for(arch: str) -> ArchRules:
     try:
         return ARCH_RULES[arch]
     except KeyError:
+        from ...model import SUPPORTED as TORCH_ARCHS
+        hint = "; --backend torch runs it" if arch in TORCH_ARCHS else ""
         raise UnsupportedShard(
-            f"architecture {arch!r} is not supported by the llama.cpp backend (supported: "
-            f"{', '.join(sorted(ARCH_RULES))}); try --backend torch") from None
+            f"unsupported architecture '{arch}' for the llama.cpp backend (supported: "
+            f"{', '.join(sorted(ARCH_RULES))}){hint}") from None
 
 
 def n_model_layers(model: GGUFModelFile) -> int:
