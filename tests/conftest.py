@@ -22,9 +22,12 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma(gemma_path):
-    """Gemma 3 270M as one in-process shard on the default backend (llama.cpp): the reference of route tests."""
+    """Gemma 3 270M as one in-process shard on the default backend (llama.cpp): the reference of route tests.
+
+    One thread, as the test nodes: llama.cpp's split-KV attention (a cache of 512+ cells) divides the
+    cells among the threads, so the thread count is part of its numerics."""
     from ggufswarm.client.local import LocalModel
-    return LocalModel.load(gemma_path, max_length=4096)
+    return LocalModel.load(gemma_path, max_length=4096, threads=1)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from ..model.config import MAX_CONTEXT
 from ..protocol.auth import swarm_token, token_middleware
 from ..protocol.errors import ProtocolError, body_error, error_body, json_errors_middleware
-from .snapshot import KV_DTYPES, STATE_DTYPE, Shard, SnapshotError
+from .snapshot import KV_DTYPES, STATE_DTYPE, Shard, SnapshotError, valid_scope
 from .store import SnapshotCorrupt, SnapshotMissing, SnapshotStore, SnapshotTooLarge
 
 STORE = web.AppKey("store", SnapshotStore)
@@ -88,7 +88,7 @@ async def get_snapshot(request: web.Request) -> web.Response:
 
 
 def parse_lookup(body) -> tuple[Shard, list[int]]:
-    """The shard and tokens of a lookup body ``{model, layers: [start, end], dtype, tokens}``; ProtocolError."""
+    """The shard and tokens of a lookup body ``{model, layers: [start, end], dtype, tokens[, scope]}``; ProtocolError."""
     if not isinstance(body, dict):
         raise ProtocolError("bad_request", "body must be a JSON object")
     model, layers, dtype, tokens = body.get("model"), body.get("layers"), body.get("dtype"), body.get("tokens")
@@ -103,7 +103,10 @@ def parse_lookup(body) -> tuple[Shard, list[int]]:
     if not (isinstance(tokens, list) and len(tokens) <= MAX_CONTEXT and all(type(t) is int and 0 <= t < 2 ** 31
                                                                            for t in tokens)):
         raise ProtocolError("bad_request", f"tokens must be a list of at most {MAX_CONTEXT} non-negative int32 ids")
-    return Shard(model, layers[0], layers[1], dtype), tokens
+    scope = body.get("scope", "")
+    if not valid_scope(scope):
+        raise ProtocolError("bad_request", "scope must be empty or a 32-hex-digit session id")
+    return Shard(model, layers[0], layers[1], dtype, scope), tokens
 
 
 async def lookup(request: web.Request) -> web.Response:

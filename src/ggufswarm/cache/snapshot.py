@@ -41,15 +41,28 @@ class SnapshotError(ValueError):
 
 @dataclass(frozen=True)
 class Shard:
-    """What a snapshot is of: model fingerprint (hex), layer range ``[start, end)``, KV dtype name."""
+    """What a snapshot is of: model fingerprint (hex), layer range ``[start, end)``, KV dtype name, and a
+    ``scope``: "" (any session may restore it) or the hex id of the one session whose snapshots these are.
+
+    llama.cpp's results depend on how tokens were grouped into steps, so a llama.cpp node scopes its
+    snapshots to their session: a route repair restores exactly what that session computed, and no other
+    session's differently-grouped KV. (Causal attention with batch-invariant kernels, as the torch
+    backend's, needs no scope: the KV of a prefix is the same whoever computed it.)"""
 
     model: str
     start: int
     end: int
     dtype: str
+    scope: str = ""
 
     def tag(self) -> bytes:
-        return f"{self.model}\0{self.start}:{self.end}\0{self.dtype}".encode()
+        scope = f"\0{self.scope}" if self.scope else ""
+        return f"{self.model}\0{self.start}:{self.end}\0{self.dtype}{scope}".encode()
+
+
+def valid_scope(scope) -> bool:
+    """Whether ``scope`` is "" or a 32-hex-digit session id."""
+    return isinstance(scope, str) and (scope == "" or re.fullmatch(r"[0-9a-f]{32}", scope) is not None)
 
 
 def _ids(tokens) -> bytes:
@@ -101,7 +114,7 @@ def encode_snapshot(shard: Shard, tokens: list[int], keys: list[torch.Tensor], v
     Copies the tensors; safe to call off the event loop."""
     n = len(tokens)
     meta = {"format": FORMAT, "model": shard.model, "layers": f"{shard.start}:{shard.end}", "dtype": shard.dtype,
-            "n_tokens": str(n)}
+            "n_tokens": str(n), "scope": shard.scope}
     if shard.dtype == STATE_DTYPE:
         if state is None:
             raise SnapshotError("a llama.cpp snapshot needs the sequence state")
@@ -131,12 +144,13 @@ def decode_snapshot(blob: bytes) -> Snapshot:
         raise SnapshotError(f"snapshot format {meta.get('format')!r}, expected {FORMAT!r}")
     try:
         start, end = (int(x) for x in meta["layers"].split(":"))
-        shard = Shard(meta["model"], start, end, meta["dtype"])
+        shard = Shard(meta["model"], start, end, meta["dtype"], meta.get("scope", ""))
         n = int(meta["n_tokens"])
     except (KeyError, ValueError):
         raise SnapshotError(f"snapshot metadata incomplete: {meta}") from None
-    if not re.fullmatch(r"[0-9a-f]{64}", shard.model) or not 0 <= start < end:
-        raise SnapshotError("snapshot model must be a 64-hex-digit GGUF fingerprint and layers start:end")
+    if not re.fullmatch(r"[0-9a-f]{64}", shard.model) or not 0 <= start < end or not valid_scope(shard.scope):
+        raise SnapshotError("snapshot model must be a 64-hex-digit GGUF fingerprint, layers start:end, "
+                            "scope empty or a 32-hex-digit session id")
     tokens = tensors.get("tokens")
     if tokens is None or tokens.dtype != torch.int32 or tokens.shape != (n,) or \
             (shard.dtype not in KV_DTYPES and shard.dtype != STATE_DTYPE):

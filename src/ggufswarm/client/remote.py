@@ -235,6 +235,9 @@ class RemoteSession:
         self.reuse_prefix = reuse_prefix
         self.position = 0      # tokens every node of the route holds
         self.tokens: list[int] = []  # the whole history fed so far (position <= len(tokens) during a repair)
+        # Positions where a step ended. llama.cpp's numerics depend on how tokens are grouped into steps, so a
+        # repair rolls back to one of these and replays the same steps: the output stays bit for bit the same.
+        self.boundaries: set[int] = {0}
         self.step_no = 0
         self.telemetry = RouteTelemetry()
         self.last_logprobs = None
@@ -310,8 +313,10 @@ class RemoteSession:
                 if pending is not None:
                     self._repair(pending)
                     pending = None
-                while self.position < len(self.tokens):  # replay after a repair
-                    chunk = self.tokens[self.position:self.position + min(h.max_step_tokens for h in self.route.hops)]
+                while self.position < len(self.tokens):  # replay after a repair, step by original step
+                    end = min(b for b in self.boundaries | {len(self.tokens)} if b > self.position)
+                    chunk = self.tokens[self.position:min(end, self.position + min(h.max_step_tokens
+                                                                                   for h in self.route.hops))]
                     self._send(chunk, False)
                 token = self._send(ids, sample)
                 self.tokens.extend(ids)
@@ -338,6 +343,7 @@ class RemoteSession:
         rtt = (time.perf_counter() - t0) * 1e3
         reply = _check(first.url, status, body, f"step {self.step_no}")
         self.position += len(ids)
+        self.boundaries.add(self.position)
         hops = reply["hops"]
         network = []
         outer = rtt
@@ -383,6 +389,7 @@ class RemoteSession:
             held = self._restore_many(self.route.hops, prompt)
             length = min(held.values())
             self._rewind(self.route.hops, held, length, relink=False)
+            self.boundaries.add(length)
         except RouteError:  # a failing node shows again at the first step, which repairs the route
             for hop in self.route.hops:
                 try:
@@ -419,7 +426,7 @@ class RemoteSession:
         for h in reversed(fresh):
             self._open_on(hops, hops.index(h))
         held = self._restore_many(fresh, self.tokens[:target]) if fresh else {}
-        length = min([target] + list(held.values()))
+        length = max(b for b in self.boundaries if b <= min([target] + list(held.values())))
         self.position = length  # if this repair fails midway, the next one starts from here
         self._rewind(hops, held, length, relink=True)
         self.telemetry.repairs.append({
@@ -433,6 +440,7 @@ class RemoteSession:
             self._call(hop.url, "POST", f"/v1/sessions/{self.id}/truncate", {"length": length}, "truncate")
         self.position = length
         del self.tokens[length:]
+        self.boundaries = {b for b in self.boundaries if b <= length} | {length}
 
     def close(self) -> None:
         """Release the session on every node it was opened on (best effort: errors are ignored)."""

@@ -312,7 +312,7 @@ async def restore_session(request: web.Request) -> web.Response:
                 raise ProtocolError("session_not_empty", f"session holds {session.length} tokens; restore needs "
                                                          "an empty session (truncate to 0 first)")
             snap, length, reason = (None, 0, "no cache configured") if state.snapshots is None else \
-                await state.snapshots.fetch(tokens)
+                await state.snapshots.fetch(session.id, tokens)
             if snap is not None:
                 n = length
                 if snap.state is not None:  # llama.cpp: the whole state, then back to the shared prefix

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import aiohttp
 
@@ -38,6 +39,7 @@ class SnapshotLink:
         self._inflight: set = set()
         self._tasks: set[asyncio.Task] = set()
         self._warned = False
+        self.scoped = shard.dtype == STATE_DTYPE  # llama.cpp: snapshots belong to their session (Shard.scope)
         self.counters = {"written": 0, "bytes": 0, "dropped": 0, "failed": 0, "restored": 0, "restored_tokens": 0}
 
     # -- snapshots ---------------------------------------------------------------------------------
@@ -83,10 +85,15 @@ class SnapshotLink:
             return
         await self._write(session, tokens, [], [], epoch, state)
 
+    def shard_for(self, session_id) -> Shard:
+        """The Shard a session's snapshots are filed under (scoped to the session on llama.cpp)."""
+        return replace(self.shard, scope=session_id.hex) if self.scoped else self.shard
+
     async def _write(self, session: Session, tokens, keys, values, epoch: int, state: bytes | None = None) -> None:
         try:
             loop = asyncio.get_running_loop()
-            blob = await loop.run_in_executor(self._pool, encode_snapshot, self.shard, tokens, keys, values, state)
+            blob = await loop.run_in_executor(self._pool, encode_snapshot, self.shard_for(session.id), tokens, keys,
+                                              values, state)
             if session.kv.epoch != epoch:  # truncated while we copied: positions may have been rewritten
                 self.counters["dropped"] += 1
                 return
@@ -113,16 +120,17 @@ class SnapshotLink:
             await asyncio.wait(list(self._tasks), timeout=timeout)
 
     # -- restores ----------------------------------------------------------------------------------
-    async def fetch(self, tokens: list[int]) -> tuple[object, int, str]:
+    async def fetch(self, session_id, tokens: list[int]) -> tuple[object, int, str]:
         """The longest cached whole-block prefix of ``tokens`` for this shard: ``(snapshot, length, reason)``.
 
         ``snapshot`` is None (``length`` 0) on a miss or when the cache fails in any way (unreachable,
         corrupt, a blob that does not match): a restore falls back to recomputing, it never fails.
         """
         client = self._client()
+        shard = self.shard_for(session_id)
         try:
-            body = {"model": self.shard.model, "layers": [self.shard.start, self.shard.end],
-                    "dtype": self.shard.dtype, "tokens": tokens}
+            body = {"model": shard.model, "layers": [shard.start, shard.end], "dtype": shard.dtype,
+                    "scope": shard.scope, "tokens": tokens}
             async with client.post(self.url + "/v1/lookup", json=body, timeout=aiohttp.ClientTimeout(total=10)) as r:
                 if r.status != 200:
                     return None, 0, f"cache lookup answered {r.status}"
@@ -140,8 +148,13 @@ class SnapshotLink:
                 return None, 0, "snapshot failed its SHA-256 check in transit"
             snap = await loop.run_in_executor(self._pool, decode_snapshot, blob)
             length = int(found["length"])
-            if snap.shard != self.shard or snap.n_tokens < length or snap.tokens[:length].tolist() != tokens[:length]:
+            held = snap.tokens.tolist()
+            if snap.shard != shard or snap.n_tokens < length or held[:length] != tokens[:length]:
                 return None, 0, "cached snapshot does not match this shard or prefix"
+            # the index finds whole 16-token blocks; the snapshot may share more (up to the step where it was
+            # taken): restore all of that, so a route repair can roll back to a step boundary and replay exactly
+            while length < min(len(held), len(tokens)) and held[length] == tokens[length]:
+                length += 1
             return snap, length, "restored"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
             return None, 0, f"cache failed: {type(exc).__name__}: {exc}"
