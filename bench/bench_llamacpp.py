@@ -8,20 +8,15 @@ Rows (prefill: one prompt of --prefill tokens; decode: --decode greedy tokens af
 2. ``llama-bench -fa 1`` on the whole model, and llama.cpp RPC: ``llama-bench --rpc`` over three local
    ``rpc-server -t 1`` processes, ``-ngl 99 -ts 6/6/7`` (blocks 0-5 / 6-11 / 12-17 + output, the route's
    cut; the token embedding stays in the llama-bench process). Only when the binaries exist under
-   .cache/llamacpp-tools/0.3.36/bin (``make llamacpp-tools``); they run with AMX switched off (see below).
+   .cache/llamacpp-tools/0.3.36/bin (``make llamacpp-tools``, built without AMX like the wheel).
 3. ``generate`` in-process on the llama.cpp backend: 1 shard, and 3 chained shards (split 6,12).
 4. ``generate`` in-process on the torch backend (1 shard, float32).
-5. The route (``ggufswarm node`` processes on loopback, ``even_split(18, n)``, f16 frames, node defaults:
+5. The route (``ggufswarm node`` processes on loopback, ``even_split(18, n)``, f32 frames (the default), node defaults:
    --ctx-size 4096, --max-sessions 4) with 1, 2 and 3 llama.cpp nodes, and 3 torch nodes; for each node
    its RSS after the run next to the file bytes of what it serves.
 
 Columns: prefill and decode tok/s, their ratios to row 1, and RSS MiB / shard MiB per node. Each engine is
 warmed up by a short untimed generation before it is timed; each row's raw numbers are printed as it ends.
-
-AMX: ggml's AMX kernels SIGSEGV on these VMs (ggml_backend_amx_mul_mat); llama-cpp-python's wheel is
-built without them (Makefile), but the llama.cpp tools build still contains them, so llama-bench and
-rpc-server run with an LD_PRELOAD shim (compiled here with cc) that makes AMX unavailable at run time:
-llama.cpp then picks the same CPU_REPACK kernels as the wheel.
 
 Targets (the issue): in-process decode >= 0.95x llama.cpp; 3-node route decode >= 0.85x llama.cpp
 single-process at 1 thread and >= 1.0x llama.cpp RPC with 3 servers; prefill >= 0.9x llama.cpp.
@@ -40,7 +35,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -69,26 +63,6 @@ MIB = 1024 * 1024
 N_LAYERS = 18  # Gemma 3 270M
 RPC_SPLIT = "6/6/7"  # 19 units (18 blocks + output) -> blocks 0-5, 6-11, 12-17 + output: the 3-node route's cut
 NODE_CTX, NODE_SESSIONS = 4096, 4  # ggufswarm node defaults (--ctx-size, --max-sessions)
-
-NO_AMX_C = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <errno.h>
-#include <stdarg.h>
-#include <sys/syscall.h>
-/* Fail arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA): ggml_amx_init() then reports AMX unavailable. */
-long syscall(long n, ...) {
-    va_list ap; long a[6];
-    va_start(ap, n);
-    for (int i = 0; i < 6; i++) a[i] = va_arg(ap, long);
-    va_end(ap);
-    if (n == SYS_arch_prctl && a[0] == 0x1023) { errno = EPERM; return -1; }
-    static long (*real)(long, ...);
-    if (!real) real = (long (*)(long, ...))dlsym(RTLD_NEXT, "syscall");
-    return real(n, a[0], a[1], a[2], a[3], a[4], a[5]);
-}
-"""
-
 
 def say(msg: str) -> None:
     print(msg, flush=True)
@@ -227,18 +201,6 @@ def bench_route(f: GGUFModelFile, n_nodes: int, ids: list[int], n_decode: int, t
 
 
 # -- llama.cpp tools -------------------------------------------------------------------------------------
-def no_amx_shim(tmp: Path) -> str | None:
-    """Path of the LD_PRELOAD library that hides AMX from ggml (None when no C compiler)."""
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        return None
-    src, lib = tmp / "noamx.c", tmp / "noamx.so"
-    src.write_text(NO_AMX_C)
-    r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src), "-ldl"], capture_output=True,
-                       text=True)
-    return str(lib) if r.returncode == 0 else None
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -405,19 +367,12 @@ def main() -> int:
             f"(make llamacpp-tools)")
         notes.append(f"llama-bench and llama.cpp RPC rows skipped: binaries not found under {TOOLS_BIN}")
     else:
-        with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
-            env = dict(os.environ)
-            shim = no_amx_shim(Path(tmp))
-            if shim:
-                env["LD_PRELOAD"] = shim
-            else:
-                notes.append("no C compiler for the no-AMX shim: llama-bench / rpc-server ran as built "
-                             "(they SIGSEGV in ggml_backend_amx_mul_mat where AMX is advertised but unusable)")
-            row("llama-bench (whole model)", "1",
-                lambda: llama_bench(path, ["-t", str(T), "-p", str(len(ids)), "-n", str(args.decode), "-fa", "1"],
-                                    env, reps)[0])
-            rpc = row("llama.cpp RPC: llama-bench + 3 rpc-server", "4 (client + 3 servers)",
-                      lambda: bench_rpc(f, len(ids), args.decode, T, env, reps))
+        env = dict(os.environ)
+        row("llama-bench (whole model)", "1",
+            lambda: llama_bench(path, ["-t", str(T), "-p", str(len(ids)), "-n", str(args.decode), "-fa", "1"],
+                                env, reps)[0])
+        rpc = row("llama.cpp RPC: llama-bench + 3 rpc-server", "4 (client + 3 servers)",
+                  lambda: bench_rpc(f, len(ids), args.decode, T, env, reps))
         if rpc:
             notes.append(f"llama.cpp RPC: llama-bench -t {T} --rpc (3 x rpc-server -t 1 on 127.0.0.1) -ngl 99 "
                          f"-ts {RPC_SPLIT} -fa 1. Placement llama.cpp reported: {rpc['layout']}. The output layer "

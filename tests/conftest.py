@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -92,6 +93,14 @@ def tiny_dir(tmp_path_factory) -> Path:
 def ggufswarm_cli():
     """Command prefix that runs the ggufswarm CLI of this checkout."""
     return [sys.executable, "-m", "ggufswarm.cli"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_garbage_between_modules():
+    """llama.cpp contexts and models (hundreds of MB each) are freed with their Python owners; run the cycle
+    collector after every module so owners caught in reference cycles do not pile up across modules."""
+    yield
+    gc.collect()
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

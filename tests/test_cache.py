@@ -123,12 +123,12 @@ def open_session(url, max_length=128):
 
 
 def test_node_snapshots_and_restores(tiny_dir, tmp_path):
-    """A node with --cache snapshots after prefill and every N tokens; a new session restores the longest
-    cached prefix and continues exactly as one that computed it."""
+    """torch backend: a node with --cache snapshots after prefill and every N tokens; a new session restores
+    the longest cached prefix and continues exactly as one that computed it."""
     model = write_tiny_model(tiny_dir / "cache-llama.gguf", "llama", n_layers=2)
     with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10 ** 8))) as cache, \
             AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
-                                                       cache=cache, snapshot_every=8))) as node:
+                                                       cache=cache, snapshot_every=8, backend="torch"))) as node:
         prompt = [5 + (i * 7) % 300 for i in range(40)]
         a = open_session(node)
         status, first = step(node, a, 1, 0, prompt)
@@ -144,11 +144,12 @@ def test_node_snapshots_and_restores(tiny_dir, tmp_path):
         assert h["snapshots"]["written"] >= 2 and h["snapshots"]["failed"] == 0
         assert http("GET", cache + "/health")[1]["snapshots"] == 1  # the later snapshot took over the first
 
-        # a new session whose prompt shares 45 tokens: restore 32 (whole blocks), compute the rest
+        # a new session whose prompt shares 45 tokens: the index finds 32 (whole blocks), the snapshot holds
+        # them all; restore all but the last (it is computed and sampled)
         b = open_session(node)
-        status, restored = http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens[:45], "step": 0})
-        assert status == 200 and restored["length"] == 32, restored
-        status, got = step(node, b, 1, 32, tokens[32:45])
+        status, restored = http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens[:44], "step": 0})
+        assert status == 200 and restored["length"] == 44, restored
+        status, got = step(node, b, 1, 44, tokens[44:45])
         c = open_session(node)
         status, want = step(node, c, 1, 0, tokens[:45])
         assert got["token"] == want["token"]
@@ -163,6 +164,37 @@ def test_node_snapshots_and_restores(tiny_dir, tmp_path):
         # a miss restores nothing
         status, miss = http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": [3] * 40})
         assert status == 200 and miss["length"] == 0
+
+
+def test_llama_cpp_node_restores_its_own_session_state(tiny_dir, tmp_path):
+    """llama.cpp backend: snapshots are llama.cpp sequence states scoped to their session. Another session
+    finds nothing; the same session, rolled back to 0, restores up to the step it snapshotted and continues
+    bit for bit; a torch snapshot of the same tokens is never offered to it."""
+    model = write_tiny_model(tiny_dir / "cache-llama.gguf", "llama", n_layers=2)
+    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10 ** 8))) as cache, \
+            AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
+                                                       cache=cache, snapshot_every=8, data_dir=str(tmp_path))))\
+            as node:
+        assert http("GET", node + "/health")[1]["backend"] == "llama.cpp"
+        prompt = [5 + (i * 7) % 300 for i in range(40)]
+        a = open_session(node)
+        status, first = step(node, a, 1, 0, prompt)
+        tokens, replies = prompt + [first["token"]], [first]
+        for i in range(10):  # snapshots after the prefill (40) and at 48
+            status, reply = step(node, a, 2 + i, len(tokens) - 1, [tokens[-1]])
+            tokens.append(reply["token"])
+            replies.append(reply)
+        deadline = time.monotonic() + 20
+        while http("GET", node + "/health")[1]["snapshots"]["written"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http("GET", node + "/health")[1]["snapshots"]["written"] >= 2
+        b = open_session(node)
+        assert http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens[:45]})[1]["length"] == 0
+        assert http("POST", f"{node}/v1/sessions/{a}/truncate", {"length": 0, "step": 11})[0] == 200
+        status, restored = http("POST", f"{node}/v1/sessions/{a}/restore", {"tokens": tokens[:45], "step": 5})
+        assert status == 200 and restored["length"] == 45, restored  # past the 32-token block: to its own step
+        status, again = step(node, a, 6, 45, [tokens[45]])
+        assert again["token"] == replies[6]["token"] and again["logprobs"] == replies[6]["logprobs"]
 
 
 def test_restore_without_a_reachable_cache_recomputes(tiny_dir):

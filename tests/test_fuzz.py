@@ -111,7 +111,7 @@ def nodes(model_path):
 
 @pytest.fixture(scope="module")
 def local(model_path):
-    return LocalModel.load(model_path)
+    return LocalModel.load(model_path, max_sessions=4)
 
 
 @pytest.fixture(scope="module")

@@ -253,3 +253,17 @@ def test_head_samples_with_llama_cpp_sampler_chain(gemma_path):
         llm.close()
     model = LocalModel.load(gemma_path, max_length=64, threads=1)
     assert isinstance(model.session(32).sampler, LlamaCppSampler)
+
+
+def test_sampler_penalties_follow_llama_cpp():
+    """With a repeat penalty, greedy and sampled draws go through llama.cpp's penalties sampler: positive
+    logits of recent tokens are divided, negative ones multiplied (the CTRL rule llama.cpp uses)."""
+    from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
+    logits = torch.zeros(100)
+    logits[7], logits[9] = 5.0, 4.0
+    greedy = LlamaCppSampler(SamplingParams(temperature=0, repeat_penalty=2.0, repeat_last_n=4))
+    assert greedy.sample(logits, [1, 2, 3]) == 7
+    assert greedy.sample(logits, [1, 2, 7]) == 9  # 5 / 2 < 4
+    assert greedy.sample(logits, [7, 1, 2, 3, 4]) == 7  # 7 is outside the last 4
+    hot = LlamaCppSampler(SamplingParams(temperature=0.5, top_k=2, repeat_penalty=100.0, seed=3))
+    assert {hot.sample(logits, [7] * n) for n in range(1, 20)} == {9}

@@ -408,3 +408,23 @@ def test_repair_without_snapshots_replays_the_whole_history(cluster, gemma, gemm
     finally:
         hung.proc.send_signal(signal.SIGCONT)
         stop_nodes([doomed, hung, spare])
+
+
+def test_gateway_ends_an_answer_at_the_route_context_with_length(gemma_path):
+    """Nodes holding 64 tokens per session: a request asking for more stops at the context with
+    finish_reason "length" (every sampled token but the last is fed back), instead of failing midway."""
+    node = start_nodes([ShardSpec(0, 18, embed=True, head=True)], str(gemma_path), threads=1,
+                       extra=["--ctx-size", "64"])[0]
+    server = ServerThread(make_app(GatewayConfig([node.url], model=str(gemma_path), hop_timeout_s=HOP_TIMEOUT)))
+    try:
+        base = server.start()
+        assert health(node.url)["max_length"] == 256  # llama.cpp rounds a session's cells up to 256
+        status, body = http("POST", base + "/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 1000,
+                                                               "temperature": 0})
+        assert status == 200, body
+        prompt_tokens = body["usage"]["prompt_tokens"]
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 256 - prompt_tokens + 1
+    finally:
+        server.stop()
+        stop_nodes([node])

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--tracker", metavar="URL", help="fetch the shard from the swarm this tracker knows, "
                    "seed it, and advertise this node there (heartbeats; deregisters on shutdown)")
     n.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR",
-                   help="where swarm-fetched shards are kept (sparse files; default ./ggufswarm-data)")
+                   help="where swarm-fetched shards (sparse files) and the llama.cpp backend's derived shard GGUFs "
+                        "(DIR/shards, one per layer range, reused across restarts) are kept; default ./ggufswarm-data")
     n.add_argument("--memory-budget", type=float, default=8192.0, metavar="MB",
                    help="with --layers auto: take as many layers as fit in this many MiB of weights (default 8192)")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -256,7 +257,7 @@ def cmd_generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed).validate()
     model = LocalModel.load(args.model, args.split, args.dtype, args.backend, args.threads,
-                            max_length=_context_for(args.max_tokens))
+                            max_length=_context_for(args.max_tokens), max_sessions=1)
     if args.chat and not model.tokenizer.chat_template:
         print(f"note: the GGUF has no chat template (a base model?); using llama.cpp's built-in "
               f"'{model.tokenizer.builtin_template}' template", file=sys.stderr)

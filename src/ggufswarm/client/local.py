@@ -27,19 +27,21 @@ class LocalModel:
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, split: list[int] | None = None,
              dtype: str = "float32", backend: str = DEFAULT_BACKEND, threads: int | None = None,
-             max_length: int = 4096, all_logits: bool = False) -> "LocalModel":
+             max_length: int = 4096, all_logits: bool = False, max_sessions: int = 2) -> "LocalModel":
         """Load ``path`` (default: the embedded Gemma 3 270M) cut at ``split`` layer indices, on ``backend``.
 
         ``max_length``: longest session the llama.cpp backend holds KV for (tokens; the torch
-        backend grows its cache as needed); ``all_logits``: sessions will ask for every position's
-        logits (perplexity). Raises GGUFError, or ValueError for an unsupported architecture, bad
+        backend grows its cache as needed); ``max_sessions``: sessions open at once on the llama.cpp
+        backend (its KV is allocated up front for all of them); ``all_logits``: sessions will ask
+        for every position's logits (perplexity). Raises GGUFError, or ValueError for an unsupported architecture, bad
         split points or dtype.
         """
         file = GGUFModelFile(resolve_model(path))
         config = model_config(file, backend)
         specs = split_at(config.n_layers, split or [])
         shards = [load_shard(file, spec, backend, config=config, dtype=dtype, threads=threads,
-                             max_length=min(max_length, config.max_length), max_sessions=1, all_logits=all_logits)
+                             max_length=min(max_length, config.max_length), max_sessions=max_sessions,
+                             all_logits=all_logits)
                   for spec in specs]
         return cls(file, config, Tokenizer(str(file.path), file.metadata), shards, backend)
 

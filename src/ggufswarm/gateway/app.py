@@ -240,7 +240,9 @@ class Gateway:
             session = route.open(max_length, params, self.config.wire_dtype, replan=replan)
             emit(("open", session))
             stats = GenerationStats()
-            for delta in generate(_Guarded(session, cancelled), self.tokenizer, ids, max_tokens, stop, stats):
+            # a session holds max_length tokens: the prompt, then every sampled token but the last is fed back
+            budget = min(max_tokens, max_length - len(ids) + 1)  # past it the answer ends with "length"
+            for delta in generate(_Guarded(session, cancelled), self.tokenizer, ids, budget, stop, stats):
                 emit(("delta", delta))
             emit(("done", stats, self.telemetry(session, stats)))
         except Cancelled:

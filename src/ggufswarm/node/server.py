@@ -144,7 +144,8 @@ class NodeState:
         return {
             "status": "ok", "protocol": PROTOCOL_VERSION, "model": self.executor.model.path.name,
             "arch": self.cfg.arch, "n_layers": self.cfg.n_layers, "n_embd": self.cfg.n_embd,
-            "n_vocab": self.cfg.n_vocab, "max_length": self.cfg.max_length,
+            "n_vocab": self.cfg.n_vocab, "backend": self.executor.backend,
+            "max_length": min(self.cfg.max_length, getattr(self.executor, "n_ctx_seq", self.cfg.max_length)),
             "layers": [self.spec.start, self.spec.end], "embed": self.spec.embed, "head": self.spec.head,
             "max_step_tokens": self.config.max_step_tokens, "hop_timeout_s": self.config.hop_timeout_s,
             "session_ttl_s": s.ttl_s, "sessions": len(s.sessions), "kv_budget_tokens": s.budget_tokens,
@@ -495,8 +496,9 @@ def load_executor(config: NodeConfig):
     file = GGUFModelFile(resolve_model(config.model))
     model_cfg = model_config(file, config.backend)
     spec = ShardSpec.parse(config.layers, model_cfg.n_layers, config.embed, config.head)
-    if config.max_sessions < 1 or config.ctx_size < 1:
-        raise ValueError("--max-sessions and --ctx-size must be at least 1")
+    for flag, value in (("--max-sessions", config.max_sessions), ("--ctx-size", config.ctx_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     per_session = min(config.ctx_size, model_cfg.max_length, max(config.kv_budget_tokens // config.max_sessions, 1))
     if config.kv_budget_mb is not None and config.backend == "llama.cpp":  # the context is allocated whole
         from ..runtime.llamacpp.backend import kv_bytes_per_token

@@ -38,11 +38,11 @@ class LlamaCppSampler(Sampler):
         super().__init__(params)
         self._data: np.ndarray | None = None
 
-    def _chain(self, history: list[int], position: int):
+    def _chain(self, history: list[int], position: int, n_vocab: int):
         p = self.params
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         if p.repeat_penalty != 1.0 and p.repeat_last_n > 0 and history:
-            pen = L.llama_sampler_init_penalties(p.repeat_last_n, p.repeat_penalty, 0.0, 0.0)
+            pen = L.llama_sampler_init_penalties(n_vocab, p.repeat_last_n, p.repeat_penalty, 0.0, 0.0)
             for tok in history[-p.repeat_last_n:]:
                 L.llama_sampler_accept(pen, tok)
             L.llama_sampler_chain_add(chain, pen)
@@ -72,7 +72,7 @@ class LlamaCppSampler(Sampler):
         data["logit"] = values
         data["p"] = 0.0
         arr = L.llama_token_data_array(data.ctypes.data_as(L.llama_token_data_p), n, -1, False)
-        chain = self._chain(history, len(history))
+        chain = self._chain(history, len(history), n)
         try:
             L.llama_sampler_apply(chain, ctypes.byref(arr))
             if not 0 <= arr.selected < arr.size:
