@@ -42,17 +42,11 @@ def llama_cpp_model(path, n_ctx: int = 2048, logits_all: bool = True):
     """llama.cpp (llama-cpp-python) on ``path``: 2 threads, f32 KV cache so the reference is not
     rounded to f16 before the comparison."""
     import llama_cpp
-    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=512, logits_all=logits_all,
-                           n_threads=2, type_k=0, type_v=0, verbose=False)
+    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, logits_all=logits_all,
+                           n_threads=2, type_k=0, type_v=0, verbose=False)  # n_batch 512: 512 rows of logits at once
 
 
-@pytest.fixture(scope="session")
-def gemma_llama_cpp(gemma_path):
-    """llama.cpp on the Q4_K_M file itself (its quantized CPU kernels)."""
-    return llama_cpp_model(gemma_path)
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gemma_f32_path(gemma_path, tmp_path_factory) -> Path:
     """The Gemma file dequantized to F32 *by llama.cpp* (``llama_model_quantize`` to ALL_F32).
 
@@ -72,7 +66,7 @@ def gemma_f32_path(gemma_path, tmp_path_factory) -> Path:
     out.unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gemma_f32_llama_cpp(gemma_f32_path):
     """llama.cpp on its own F32 dequantization of the Gemma file."""
     return llama_cpp_model(gemma_f32_path)

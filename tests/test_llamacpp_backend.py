@@ -168,7 +168,7 @@ def test_sessions_interleave_truncate_and_restore(gemma_path, tmp_path):
     # copy session a's state (every shard) into a second set of shard instances, continue there
     states = [s.state_bytes(kv) for s, kv in zip(shards, kva)]
     held = kva[0].length
-    others = chain(gemma_path, [6, 12], tmp_path, n_ctx=512)
+    others = chain(gemma_path, [6, 12], tmp_path, n_ctx=512, sessions=2)  # llama.cpp states hold the stream count
     kvo = [s.new_session(512) for s in others]
     for s, kv, st in zip(others, kvo, states):
         s.load_state(kv, st, held)
@@ -177,6 +177,10 @@ def test_sessions_interleave_truncate_and_restore(gemma_path, tmp_path):
     with pytest.raises(LlamaCppError):
         others[0].load_state(kvo[0], b"not a llama.cpp state", 4)
     assert kvo[0].length == 0  # a rejected state leaves the session empty, never half-loaded
+    single = chain(gemma_path, [6, 12], tmp_path, n_ctx=512, sessions=1)[0]
+    with pytest.raises(LlamaCppError):  # a context with another number of sequences refuses the state
+        single.load_state(single.new_session(512), states[0], held)
+    single.close()
     for s in shards + others:
         s.close()
 

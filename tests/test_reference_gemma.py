@@ -1,11 +1,11 @@
 """The real model (Gemma 3 270M Q4_K_M) against llama.cpp, computed in the same run via llama-cpp-python.
 
-Two references:
-* llama.cpp on the Q4_K_M file: its CPU kernels round every activation to 8 bits (Q8_0/Q8_K)
-  before the dot product with quantized weights, so it is itself ~4% away (top-1) from its own
-  F32 run of the same weights. Perplexity must agree within 1%.
-* llama.cpp on the same file dequantized to F32 by llama.cpp (``llama_model_quantize``): what the
-  GGUF means without kernel rounding. Top-1 ≥ 98%, perplexity within 1%, greedy tokens equal.
+The torch backend (exact dequantized weights) is judged against llama.cpp on the same file
+dequantized to F32 by llama.cpp (``llama_model_quantize``): what the GGUF means without the 8-bit
+activation rounding of llama.cpp's quantized kernels. Top-1 ≥ 98%, perplexity within 1%, greedy
+tokens equal for 9 of 10 prompts. (The quantized kernels themselves are the llama.cpp backend's,
+bitwise: tests/test_llamacpp_backend.py.) Perplexity on both backends is checked against
+``llama-perplexity``'s own figure.
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ DATA = Path(__file__).parent / "data"
 
 
 def _nll(logits: np.ndarray, ids: list[int]) -> np.ndarray:
-    logp = torch.log_softmax(torch.from_numpy(logits[:-1]).double(), dim=-1)
-    return -logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+    """NLL (nats) of ids[1:] from logits[:-1], in float64, 200 rows at a time (a row is 262144 wide)."""
+    out = []
+    for i in range(0, len(ids) - 1, 200):
+        logp = torch.log_softmax(torch.from_numpy(logits[i:min(i + 200, len(ids) - 1)]).double(), dim=-1)
+        out.append(-logp.gather(1, torch.tensor(ids[i + 1:i + 1 + logp.shape[0]])[:, None])[:, 0].numpy())
+    return np.concatenate(out)
 
 
 def _llama_cpp_logits(llm, ids: list[int]) -> np.ndarray:
@@ -40,7 +44,9 @@ def _llama_cpp_logits(llm, ids: list[int]) -> np.ndarray:
 def teacher_forced(gemma_torch, reference_text):
     ids = gemma_torch.tokenizer.encode(reference_text)[:1600]
     assert len(ids) >= 1500
-    return ids, gemma_torch.session(len(ids)).logits(ids, all_positions=True).numpy()
+    session = gemma_torch.session(len(ids))  # in steps of 400 tokens: the 262144-wide logits stay small
+    return ids, np.concatenate([session.logits(ids[i:i + 400], all_positions=True).numpy()
+                                for i in range(0, len(ids), 400)])
 
 
 def test_dequantization_equals_llama_cpp(gemma_path, gemma_f32_path):
@@ -55,7 +61,7 @@ def _compare(label: str, ids: list[int], ours: np.ndarray, ref: np.ndarray) -> t
     agree = ours.argmax(-1) == ref.argmax(-1)
     ppl_ours, ppl_ref = math.exp(_nll(ours, ids).mean()), math.exp(_nll(ref, ids).mean())
     print(f"vs {label}: top-1 {agree.mean():.4f} (past 512: {agree[512:].mean():.4f}), "
-          f"ppl {ppl_ours:.4f} vs {ppl_ref:.4f}, max |Δlogit| {np.abs(ours - ref).max():.4f}")
+          f"ppl {ppl_ours:.4f} vs {ppl_ref:.4f}, max |Δlogit| {max(np.abs(a - b).max() for a, b in zip(ours, ref)):.4f}")
     return agree, ppl_ours / ppl_ref
 
 
@@ -65,13 +71,6 @@ def test_teacher_forced_vs_llama_cpp_f32(teacher_forced, gemma_f32_llama_cpp):
     assert agree.mean() >= 0.98
     assert agree[512:].mean() >= 0.98
     assert abs(ratio - 1) < 0.01
-
-
-def test_teacher_forced_vs_llama_cpp_q4_k_m(teacher_forced, gemma_llama_cpp):
-    ids, ours = teacher_forced
-    agree, ratio = _compare("llama.cpp Q4_K_M kernels", ids, ours, _llama_cpp_logits(gemma_llama_cpp, ids))
-    assert abs(ratio - 1) < 0.01
-    assert agree.mean() >= 0.93  # the kernels' own activation rounding; see the module docstring
 
 
 PROMPTS = [

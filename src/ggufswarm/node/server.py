@@ -314,15 +314,18 @@ async def restore_session(request: web.Request) -> web.Response:
                                                          "an empty session (truncate to 0 first)")
             snap, length, reason = (None, 0, "no cache configured") if state.snapshots is None else \
                 await state.snapshots.fetch(session.id, tokens)
-            if snap is not None:
-                n = length
-                if snap.state is not None:  # llama.cpp: the whole state, then back to the shared prefix
+            n = length
+            if snap is not None and snap.state is not None:  # llama.cpp: the whole state, then the shared prefix
+                try:
                     await asyncio.get_running_loop().run_in_executor(
                         state.pool, state.executor.load_state, session.kv, snap.state, snap.n_tokens)
                     if n < snap.n_tokens:
                         session.kv.truncate(n)
-                else:
-                    session.kv.load([k[:n] for k in snap.keys], [v[:n] for v in snap.values])
+                except (RuntimeError, ValueError) as exc:  # e.g. taken by a node with other --max-sessions
+                    snap, reason = None, f"snapshot not loadable here: {exc}"
+            elif snap is not None:
+                session.kv.load([k[:n] for k in snap.keys], [v[:n] for v in snap.values])
+            if snap is not None:
                 session.history[:] = tokens[:n]
                 session.history_complete = True
                 session.snapshot_at = n
