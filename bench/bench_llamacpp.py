@@ -16,7 +16,7 @@ Rows (prefill: one prompt of --prefill tokens; decode: --decode greedy tokens af
    its RSS after the run next to the file bytes of what it serves.
 
 Columns: prefill and decode tok/s, their ratios to row 1, and RSS MiB / shard MiB per node. Each engine is
-warmed up by a short untimed generation before it is timed; each row's raw numbers are printed as it ends.
+warmed up by an untimed generation of the same prompt (4 tokens) before it is timed; each row's raw numbers are printed as it ends.
 
 Targets (the issue): in-process decode >= 0.95x llama.cpp; 3-node route decode >= 0.85x llama.cpp
 single-process at 1 thread and >= 1.0x llama.cpp RPC with 3 servers; prefill >= 0.9x llama.cpp.
@@ -134,7 +134,7 @@ def bench_llama_cpp_python(path: str, ids: list[int], n_decode: int, threads: in
         t2 = time.perf_counter()
         return len(prompt) / (t1 - t0), n / (t2 - t1)
 
-    generate(ids[:16], 4)  # warm-up
+    generate(ids, 4)  # warm-up: the same shapes as the timed run (buffers allocated, pages faulted in)
     prefill, decode = generate(ids, n_decode)
     del llm
     gc.collect()
@@ -146,8 +146,8 @@ def bench_local(path: str, ids: list[int], n_decode: int, threads: int, backend:
     model = LocalModel.load(path, split=split, backend=backend, threads=threads,
                             max_length=max(2048, len(ids) + n_decode + 16))
     try:
-        warm = model.session(64, GREEDY)
-        run_session(warm, ids[:16], 4)
+        warm = model.session(len(ids) + 16, GREEDY)
+        run_session(warm, ids, 4)
         warm.close()
         session = model.session(len(ids) + n_decode + 8, GREEDY)
         prefill, decode = run_session(session, ids, n_decode)
@@ -177,8 +177,8 @@ def bench_route(f: GGUFModelFile, n_nodes: int, ids: list[int], n_decode: int, t
             raise
         try:
             route = RemoteRoute([n.url for n in nodes], 120.0)
-            warm = route.open(64, GREEDY)
-            run_session(warm, ids[:16], 4)
+            warm = route.open(len(ids) + 16, GREEDY)
+            run_session(warm, ids, 4)
             warm.close()
             session = route.open(need, GREEDY)
             prefill, decode = run_session(session, ids, n_decode)
