@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from route_fixtures import greedy_prompts
+
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.sampling import SamplingParams
 
@@ -73,19 +75,6 @@ def test_teacher_forced_vs_llama_cpp_f32(teacher_forced, gemma_f32_llama_cpp):
     assert abs(ratio - 1) < 0.01
 
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Москва — столица",
-    "東京は日本の",
-    "I love pizza 🍕 because",
-    "Translate to French: The cat sits on the mat.\nFrench:",
-    "1, 2, 3, 5, 8, 13,",
-    "<html>\n<head>\n<title>",
-    "Once upon a time, in a small village,",
-]
-
-
 def llama_cpp_greedy(llm, ids: list[int], n: int) -> list[int]:
     """n greedy tokens from llama.cpp: argmax of its logits, fed back one at a time."""
     llm.reset()
@@ -99,7 +88,7 @@ def llama_cpp_greedy(llm, ids: list[int], n: int) -> list[int]:
 
 
 def test_greedy_tokens_match_llama_cpp(gemma_torch, gemma_f32_llama_cpp, reference_text):
-    prompts = PROMPTS + ["Summarize the following text.\n\n" + reference_text[:3500] + "\n\nSummary:"]
+    prompts = greedy_prompts(reference_text)
     assert len(gemma_torch.tokenizer.encode(prompts[-1])) > 600
     matches = []
     for prompt in prompts:

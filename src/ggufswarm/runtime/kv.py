@@ -61,7 +61,21 @@ class LayerKV:
         return self.k.nbytes + self.v.nbytes
 
 
-class SessionKV:
+class KVPosition:
+    """What every backend's per-session KV cache shares: ``length`` (tokens held = position of the next
+    token), ``max_length`` and the overflow check."""
+
+    length: int
+    max_length: int
+
+    def reserve(self, n_tokens: int) -> None:
+        """Raise ContextOverflow unless ``n_tokens`` more tokens fit under ``max_length``."""
+        if self.length + n_tokens > self.max_length:
+            raise ContextOverflow(
+                f"session holds {self.length} tokens; {n_tokens} more would exceed max_length {self.max_length}")
+
+
+class SessionKV(KVPosition):
     """One session's KV cache on one shard: a LayerKV per layer of the shard, and the position.
 
     ``length`` is the number of tokens held (= position of the next token).
@@ -72,12 +86,6 @@ class SessionKV:
         self.layers = [LayerKV(n_head_kv, head_dim, max_length, dtype) for _ in range(n_layers)]
         self.length = 0
         self.epoch = 0  # bumped by every truncate/load: positions below ``length`` may have been rewritten
-
-    def reserve(self, n_tokens: int) -> None:
-        """Raise ContextOverflow unless ``n_tokens`` more tokens fit under ``max_length``."""
-        if self.length + n_tokens > self.max_length:
-            raise ContextOverflow(
-                f"session holds {self.length} tokens; {n_tokens} more would exceed max_length {self.max_length}")
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` tokens (drop positions ``>= length``); ValueError past the end."""

@@ -29,7 +29,7 @@ import torch
 import llama_cpp as L
 
 from ...artifact.gguf_file import GGUFModelFile
-from ..kv import ContextOverflow, check_max_length
+from ..kv import ContextOverflow, KVPosition, check_max_length
 from ..shard import ShardSpec
 from . import _graph_tap
 from .sampling import LlamaCppSampler
@@ -158,7 +158,7 @@ def kv_bytes_per_token(model: GGUFModelFile, spec: ShardSpec) -> int:
     return sum(h * (k + v) for h in n_kv) * 2
 
 
-class SeqKV:
+class SeqKV(KVPosition):
     """One session's KV cache on a llama.cpp shard: a sequence id of the shard's context.
 
     ``length``: tokens held (= position of the next token); ``epoch`` is bumped by every
@@ -172,12 +172,6 @@ class SeqKV:
         self.length = 0
         self.epoch = 0
         self.closed = False
-
-    def reserve(self, n_tokens: int) -> None:
-        """Raise ContextOverflow unless ``n_tokens`` more tokens fit under ``max_length``."""
-        if self.length + n_tokens > self.max_length:
-            raise ContextOverflow(
-                f"session holds {self.length} tokens; {n_tokens} more would exceed max_length {self.max_length}")
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` tokens (``llama_memory_seq_rm``); ValueError past the end."""
