@@ -211,7 +211,6 @@ def derive_shard(model: GGUFModelFile, start: int, end: int, head: bool, dest: s
     writer.kv_data[0].clear()  # GGUFWriter pre-adds general.architecture; we copy every key in order
     for key, (value, vtype, item) in metadata.items():
         writer.add_key_value(key, value, vtype, sub_type=item)
-    n_blocks = int(model.metadata[f"{arch}.block_count"])
     n_layer = n_model_layers(model)
     for name, info in model.tensors.items():
         layer = info.layer
@@ -233,12 +232,14 @@ def derive_shard(model: GGUFModelFile, start: int, end: int, head: bool, dest: s
         writer.add_tensor("token_embd.weight", np.zeros((1, n_embd), np.float32))
         writer.add_tensor("output.weight", np.zeros((1, n_embd), np.float32))
         writer.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
-    assert n_blocks >= end
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, dest)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
     return dest
 
 
