@@ -62,7 +62,7 @@ _REFS: dict = {}
 
 def reference(model, prompt: str, max_tokens: int, chat: bool = False) -> tuple[str, list[int]]:
     """Greedy completion by the in-process path of ``ggufswarm generate --temperature 0`` (text, token ids)."""
-    key = (prompt, max_tokens, chat)
+    key = (id(model), prompt, max_tokens, chat)  # per model: the llama.cpp and torch references differ
     if key not in _REFS:
         ids = model.prompt_ids(prompt, chat=chat)
         stats = GenerationStats()
