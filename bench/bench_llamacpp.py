@@ -29,6 +29,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -110,24 +111,39 @@ def run_session(session, ids: list[int], n_decode: int) -> tuple[float, float]:
     return len(ids) / (t1 - t0), n_decode / (t2 - t1)
 
 
+class LlamaSession:
+    """llama.cpp in-process (llama-cpp-python) as a RouteSession: greedy on the last position's logits. The
+    reference of every ratio: n_batch 2048, n_ubatch 512, flash attention. ``reset()`` empties its context."""
+
+    def __init__(self, path: str, n_ctx: int, threads: int):
+        import llama_cpp
+        import numpy as np
+
+        self._lib, self._np = llama_cpp, np
+        self.llm = llama_cpp.Llama(path, n_ctx=max(2048, n_ctx), n_batch=2048, n_ubatch=512, n_threads=threads,
+                                   n_threads_batch=threads, flash_attn=True, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def reset(self) -> "LlamaSession":
+        self.llm.reset()  # n_tokens = 0: the next eval drops the KV cells
+        return self
+
+    def step(self, tokens: list[int]) -> int:
+        self.llm.eval(tokens)
+        ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(self._np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
+
+    def close(self) -> None:
+        self.llm.close()
+
+
 def bench_interleaved(path: str, ids: list[int], n_decode: int, threads: int, rounds: int) -> dict[str, dict]:
     """In one process, llama.cpp and the llama.cpp backend (1 shard, 3 shards) timed in turn ``rounds`` times:
     the median prefill / decode tok/s of each. Alternating cancels the drift of a shared machine, which moves a
     single run by +-15% here."""
     import statistics
 
-    import llama_cpp
-    import numpy as np
-
-    llm = llama_cpp.Llama(path, n_ctx=max(2048, len(ids) + n_decode + 16), n_batch=2048, n_ubatch=512,
-                          n_threads=threads, n_threads_batch=threads, flash_attn=True, verbose=False)
-
-    class LlamaSession:  # llama-cpp-python as a RouteSession: greedy on the last logits
-        def step(self, tokens: list[int]) -> int:
-            llm.eval(tokens)
-            return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
-                       .argmax())
-
+    ref = LlamaSession(path, len(ids) + n_decode + 16, threads)
     engines = {"llama.cpp": None,
                "backend, 1 shard": LocalModel.load(path, backend="llama.cpp", threads=threads, max_length=2048),
                "backend, 3 shards": LocalModel.load(path, split=[6, 12], backend="llama.cpp", threads=threads,
@@ -135,48 +151,22 @@ def bench_interleaved(path: str, ids: list[int], n_decode: int, threads: int, ro
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for r in range(rounds + 1):  # round 0 warms every engine up with the timed shapes
         for name, model in engines.items():
-            if model is None:
-                llm.reset()
-                session = LlamaSession()
-            else:
-                session = model.session(len(ids) + n_decode + 8, GREEDY)
+            session = ref.reset() if model is None else model.session(len(ids) + n_decode + 8, GREEDY)
             result = run_session(session, ids, n_decode)
             if model is not None:
                 session.close()
             if r:
                 times[name].append(result)
-    llm.close()
+    ref.close()
     return {name: {"prefill": statistics.median(t[0] for t in ts), "decode": statistics.median(t[1] for t in ts)}
             for name, ts in times.items()}
 
 
 def bench_llama_cpp_python(path: str, ids: list[int], n_decode: int, threads: int) -> dict:
-    import llama_cpp
-    import numpy as np
-
-    llm = llama_cpp.Llama(path, n_ctx=max(2048, len(ids) + n_decode + 16), n_batch=2048, n_ubatch=512,
-                          n_threads=threads, n_threads_batch=threads, flash_attn=True, verbose=False)
-    n_vocab = llm.n_vocab()
-
-    def argmax() -> int:
-        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        return int(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).argmax())
-
-    def generate(prompt: list[int], n: int) -> tuple[float, float]:
-        llm.reset()  # n_tokens = 0: the next eval drops the KV cells
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        token = argmax()
-        t1 = time.perf_counter()
-        for _ in range(n):
-            llm.eval([token])
-            token = argmax()
-        t2 = time.perf_counter()
-        return len(prompt) / (t1 - t0), n / (t2 - t1)
-
-    generate(ids, 4)  # warm-up: the same shapes as the timed run (buffers allocated, pages faulted in)
-    prefill, decode = generate(ids, n_decode)
-    del llm
+    ref = LlamaSession(path, len(ids) + n_decode + 16, threads)
+    run_session(ref.reset(), ids, 4)  # warm-up: the same shapes as the timed run (buffers allocated, pages faulted in)
+    prefill, decode = run_session(ref.reset(), ids, n_decode)
+    ref.close()
     gc.collect()
     return {"prefill": prefill, "decode": decode}
 
@@ -247,8 +237,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llama_bench(path: str, args: list[str], env: dict, reps: int) -> tuple[dict, str]:
-    """Run llama-bench (JSON); returns ({'prefill', 'decode'} tok/s, its stderr)."""
+def llama_bench(path: str, args: list[str], env: dict, reps: int, depth: int = 0) -> tuple[dict, str]:
+    """Run llama-bench (JSON); returns ({'prefill', 'decode'} tok/s, its stderr). Prefill is its pp test
+    from an empty context; decode its tg test after ``depth`` tokens (pass ``-d 0,depth`` in ``args``)."""
     cmd = [str(TOOLS_BIN / "llama-bench"), "-m", path, *args, "-r", str(reps), "-o", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode != 0:
@@ -256,9 +247,9 @@ def llama_bench(path: str, args: list[str], env: dict, reps: int) -> tuple[dict,
         raise RuntimeError(f"llama-bench exited with {r.returncode}{sig}: {' '.join(cmd)}\n{r.stderr[-2000:]}")
     out = {}
     for entry in json.loads(r.stdout):
-        if entry["n_prompt"] and not entry["n_gen"]:
+        if entry["n_prompt"] and not entry["n_gen"] and not entry.get("n_depth"):
             out["prefill"] = entry["avg_ts"]
-        elif entry["n_gen"] and not entry["n_prompt"]:
+        elif entry["n_gen"] and not entry["n_prompt"] and entry.get("n_depth", 0) == depth:
             out["decode"] = entry["avg_ts"]
     return out, r.stderr
 
@@ -283,13 +274,14 @@ def rpc_layout(stderr: str) -> str:
     return "; ".join(spans) + (f" ({'; '.join(buffers)})" if buffers else "")
 
 
-def bench_rpc(f: GGUFModelFile, n_prefill: int, n_decode: int, threads: int, env: dict, reps: int) -> dict:
-    """llama-bench over 3 rpc-server processes; peak RSS of each server while it runs."""
+@contextlib.contextmanager
+def rpc_servers(threads: int, env: dict, n: int = 3):
+    """``n`` local ``rpc-server -t threads`` processes; yields their ``host:port`` list. Stopped on exit."""
     servers, ports = [], []
     try:
-        for _ in range(3):
+        for _ in range(n):
             port = free_port()
-            servers.append(subprocess.Popen([str(TOOLS_BIN / "rpc-server"), "-t", "1", "-H", "127.0.0.1",
+            servers.append(subprocess.Popen([str(TOOLS_BIN / "rpc-server"), "-t", str(threads), "-H", "127.0.0.1",
                                              "-p", str(port)], stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env))
             ports.append(port)
@@ -305,6 +297,27 @@ def bench_rpc(f: GGUFModelFile, n_prefill: int, n_decode: int, threads: int, env
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"rpc-server on port {port} not listening within 30 s") from None
                     time.sleep(0.1)
+        yield servers, [f"127.0.0.1:{p}" for p in ports]
+    finally:
+        for proc in servers:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in servers:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def rpc_bench_args(threads: int, addrs: list[str]) -> list[str]:
+    """llama-bench flags of the RPC rows: every layer on the rpc-servers, cut as the 3-node route."""
+    return ["-t", str(threads), "-fa", "1", "--rpc", ",".join(addrs), "-ngl", "99", "-ts", RPC_SPLIT]
+
+
+def bench_rpc(f: GGUFModelFile, n_prefill: int, n_decode: int, threads: int, env: dict, reps: int) -> dict:
+    """llama-bench over 3 rpc-server processes; peak RSS of each server while it runs."""
+    with rpc_servers(threads, env) as (servers, addrs):
         peak = [0, 0, 0]
         done = threading.Event()
 
@@ -321,10 +334,8 @@ def bench_rpc(f: GGUFModelFile, n_prefill: int, n_decode: int, threads: int, env
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            rpc = ",".join(f"127.0.0.1:{p}" for p in ports)
-            out, err = llama_bench(str(f.path), ["-t", str(threads), "-p", str(n_prefill), "-n", str(n_decode),
-                                                 "-fa", "1", "--rpc", rpc, "-ngl", "99", "-ts", RPC_SPLIT, "-v"],
-                                   env, reps)
+            out, err = llama_bench(str(f.path), ["-p", str(n_prefill), "-n", str(n_decode), "-d", f"0,{n_prefill}",
+                                                 *rpc_bench_args(threads, addrs), "-v"], env, reps, n_prefill)
         finally:
             done.set()
             sampler.join()
@@ -332,21 +343,108 @@ def bench_rpc(f: GGUFModelFile, n_prefill: int, n_decode: int, threads: int, env
         specs = [ShardSpec(0, 6, embed=True), ShardSpec(6, 12), ShardSpec(12, 18, head=True)]
         out["mem"] = [(r, shard_bytes(f, s, embed_in_shard=False)) for r, s in zip(peak, specs)]
         return out
-    finally:
-        for proc in servers:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in servers:
+
+
+def bench_route_interleaved(f: GGUFModelFile, ids: list[int], n_decode: int, threads: int, rounds: int,
+                            env: dict | None) -> dict[str, dict]:
+    """The 3-node route, llama.cpp in-process and (with ``env``: the tools are built) llama.cpp RPC over 3
+    rpc-servers, all started once and timed in turn for ``rounds`` rounds after an untimed warm-up round.
+
+    Returns per engine the median prefill / decode tok/s, and for the route the median of its per-round
+    ratios to each other engine (``"ratio_<engine>"``): a ratio taken inside one round compares runs seconds
+    apart, so the drift of a shared machine (+-15 % here over minutes) mostly cancels."""
+    import statistics
+
+    path = str(f.path)
+    llm = LlamaSession(path, len(ids) + n_decode + 16, threads)
+    need = len(ids) + n_decode + 8
+    extra = ["--ctx-size", str(need)] if need > NODE_CTX else []
+    times: dict[str, list[tuple[float, float]]] = {"llama.cpp": [], "route": [], "rpc": []}
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(tempfile.NamedTemporaryFile("w+", prefix="bench-nodes-", suffix=".log"))
+        nodes = start_nodes(even_split(N_LAYERS, 3), path, threads=threads, extra=extra, stderr=log)
+        stack.callback(stop_nodes, nodes)
+        route = RemoteRoute([n.url for n in nodes], 120.0)
+        addrs = stack.enter_context(rpc_servers(threads, env))[1] if env is not None else None
+        for r in range(rounds + 1):
+            ref = run_session(llm.reset(), ids, n_decode)
+            session = route.open(need, GREEDY)
             try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                got = run_session(session, ids, n_decode)
+            finally:
+                session.close()
+            rpc = None
+            if addrs is not None:
+                out = llama_bench(path, ["-p", str(len(ids)), "-n", str(n_decode), "-d", f"0,{len(ids)}",
+                                         *rpc_bench_args(threads, addrs)], env, 1, len(ids))[0]
+                rpc = (out["prefill"], out["decode"])
+            if r:
+                times["llama.cpp"].append(ref)
+                times["route"].append(got)
+                if rpc:
+                    times["rpc"].append(rpc)
+            say(f"  round {r}{' (warm-up)' if not r else ''}: llama.cpp {ref[0]:.1f} / {ref[1]:.1f}, route "
+                f"{got[0]:.1f} / {got[1]:.1f}" + (f", RPC {rpc[0]:.1f} / {rpc[1]:.1f}" if rpc else "")
+                + " tok/s (prefill / decode)")
+    llm.close()
+    out = {name: {"prefill": statistics.median(t[0] for t in ts), "decode": statistics.median(t[1] for t in ts)}
+           for name, ts in times.items() if ts}
+    for other in ("llama.cpp", "rpc"):
+        if times[other]:
+            out["route"][f"ratio_{other}"] = {
+                key: statistics.median(a[k] / b[k] for a, b in zip(times["route"], times[other]))
+                for k, key in enumerate(("prefill", "decode"))}
+    return out
 
 
 # -- table -----------------------------------------------------------------------------------------------
 def fmt(x, spec=".1f") -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+def route_table(f: GGUFModelFile, ids: list[int], n_decode: int, T: int, rounds: int, have_tools: bool) -> dict:
+    """Print the interleaved route / llama.cpp / RPC table (bench_route_interleaved); its numbers."""
+    say(f"3-node route vs llama.cpp and llama.cpp RPC, interleaved ({rounds} rounds; nodes, rpc-servers and "
+        f"llama.cpp stay loaded; each round runs all of them in turn):")
+    rinter = bench_route_interleaved(f, ids, n_decode, T, rounds, dict(os.environ) if have_tools else None)
+    say("| engine | prefill tok/s | decode tok/s | route prefill ratio | route decode ratio |")
+    say("|---|---:|---:|---:|---:|")
+    names = {"llama.cpp": "llama.cpp in-process", "rpc": "llama.cpp RPC (llama-bench + 3 rpc-server)",
+             "route": "route, 3 llama.cpp nodes"}
+    for name, r in rinter.items():
+        ratio_of = rinter["route"].get(f"ratio_{name}")
+        say(f"| {names[name]} | {r['prefill']:.1f} | {r['decode']:.1f} | "
+            + (f"{ratio_of['prefill']:.2f} | {ratio_of['decode']:.2f} |" if ratio_of else "| |"))
+    say("Route ratios: median over the rounds of (route / engine) in the same round.")
+    return rinter
+
+
+def report_targets(inter: dict | None, rinter: dict, T: int) -> None:
+    """The issue's targets, from the interleaved tables (``inter`` None: the in-process ones not run)."""
+    say("Targets (issue):")
+    local1, ref_inter = (inter["backend, 1 shard"], inter["llama.cpp"]) if inter else (None, None)
+
+    def check(label: str, value: float | None, goal: float) -> None:
+        if value is None:
+            say(f"- {label}: n/a")
+        else:
+            say(f"- {label}: {value:.2f}x (target >= {goal:.2f}x) {'ok' if value >= goal else 'MISSED'}")
+
+    def ratio(a, b, key):
+        return a[key] / b[key] if a and b else None
+
+    def route_ratio(other, key):
+        r = rinter["route"].get(f"ratio_{other}")
+        return r[key] if r else None
+
+    check("in-process decode (llama.cpp backend, 1 shard) vs llama.cpp, interleaved", ratio(local1, ref_inter,
+                                                                                         "decode"), 0.95)
+    check("3-node route decode vs llama.cpp single process, interleaved" + ("" if T == 1 else
+          f" (target is for 1 thread; ran {T})"), route_ratio("llama.cpp", "decode"), 0.85)
+    check("3-node route decode vs llama.cpp RPC (3 servers), interleaved", route_ratio("rpc", "decode"), 1.0)
+    check("in-process prefill (llama.cpp backend, 1 shard) vs llama.cpp, interleaved", ratio(local1, ref_inter,
+                                                                                          "prefill"), 0.9)
+    check("3-node route prefill vs llama.cpp, interleaved", route_ratio("llama.cpp", "prefill"), 0.9)
 
 
 def main() -> int:
@@ -356,6 +454,8 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=64, help="greedy tokens decoded after the prompt (default 64)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved in-process comparison (default 3)")
     ap.add_argument("--quick", action="store_true", help="smoke run: --prefill 64 --decode 8, llama-bench -r 1")
+    ap.add_argument("--route-only", action="store_true",
+                    help="only the interleaved comparison of the 3-node route, llama.cpp and llama.cpp RPC")
     args = ap.parse_args()
     if args.quick:
         args.prefill, args.decode, args.rounds = 64, 8, 1
@@ -374,6 +474,11 @@ def main() -> int:
     say(f"prefill: {len(ids)}-token prompt; decode: {args.decode} greedy tokens; load average "
         f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     say("")
+
+    have_tools = all((TOOLS_BIN / b).is_file() for b in ("llama-bench", "rpc-server"))
+    if args.route_only:
+        report_targets(None, route_table(f, ids, args.decode, T, args.rounds, have_tools), T)
+        return 0
 
     rows: list[tuple[str, str, dict | None]] = []
     notes: list[str] = []
@@ -401,7 +506,6 @@ def main() -> int:
     ref = row("llama.cpp in-process (llama-cpp-python)", "1",
               lambda: bench_llama_cpp_python(path, ids, args.decode, T))
 
-    have_tools = all((TOOLS_BIN / b).is_file() for b in ("llama-bench", "rpc-server"))
     rpc = None
     if not have_tools:
         say(f"[llama-bench / llama.cpp RPC] skipped: no llama-bench / rpc-server under {TOOLS_BIN} "
@@ -410,8 +514,8 @@ def main() -> int:
     else:
         env = dict(os.environ)
         row("llama-bench (whole model)", "1",
-            lambda: llama_bench(path, ["-t", str(T), "-p", str(len(ids)), "-n", str(args.decode), "-fa", "1"],
-                                env, reps)[0])
+            lambda: llama_bench(path, ["-t", str(T), "-p", str(len(ids)), "-n", str(args.decode), "-fa", "1",
+                                      "-d", f"0,{len(ids)}"], env, reps, len(ids))[0])
         rpc = row("llama.cpp RPC: llama-bench + 3 rpc-server", "4 (client + 3 servers)",
                   lambda: bench_rpc(f, len(ids), args.decode, T, env, reps))
         if rpc:
@@ -421,7 +525,7 @@ def main() -> int:
                          f"process (CPU_Mapped); rpc-servers hold weights in plain CPU buffers (no CPU_REPACK). "
                          f"RSS is each server's peak during the run; shard MiB excludes token_embd (client side).")
         notes.append("llama-bench: prefill is its pp test (random tokens, its own warm-up, average of "
-                     f"{reps} run(s)); decode is its tg test (from an empty context, not after the prompt).")
+                     f"{reps} run(s)); decode is its tg test after a context of the prompt's length (-d), like every other row.")
 
     row("generate in-process, llama.cpp backend, 1 shard", "1",
         lambda: bench_local(path, ids, args.decode, T, "llama.cpp", None))
@@ -469,26 +573,9 @@ def main() -> int:
         say(f"| {name} | {r['prefill']:.1f} | {r['decode']:.1f} | {r['prefill'] / inter['llama.cpp']['prefill']:.2f}"
             f" | {r['decode'] / inter['llama.cpp']['decode']:.2f} |")
     say("")
-    say("Targets (issue):")
-    local1, ref_inter = inter["backend, 1 shard"], inter["llama.cpp"]
-
-    def check(label: str, value: float | None, goal: float) -> None:
-        if value is None:
-            say(f"- {label}: n/a")
-        else:
-            say(f"- {label}: {value:.2f}x (target >= {goal:.2f}x) {'ok' if value >= goal else 'MISSED'}")
-
-    def ratio(a, b, key):
-        return a[key] / b[key] if a and b else None
-
-    check("in-process decode (llama.cpp backend, 1 shard) vs llama.cpp, interleaved", ratio(local1, ref_inter,
-                                                                                         "decode"), 0.95)
-    check("3-node route decode vs llama.cpp single process" + ("" if T == 1 else f" (target is for 1 thread; "
-          f"ran {T})"), ratio(route.get(3), ref, "decode"), 0.85)
-    check("3-node route decode vs llama.cpp RPC (3 servers)", ratio(route.get(3), rpc, "decode"), 1.0)
-    check("in-process prefill (llama.cpp backend, 1 shard) vs llama.cpp, interleaved", ratio(local1, ref_inter,
-                                                                                          "prefill"), 0.9)
-    check("3-node route prefill vs llama.cpp", ratio(route.get(3), ref, "prefill"), 0.9)
+    rinter = route_table(f, ids, args.decode, T, args.rounds, have_tools)
+    say("")
+    report_targets(inter, rinter, T)
     return 0 if ref is not None else 1
 
 
