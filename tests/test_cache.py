@@ -17,10 +17,13 @@ from tinymodels import write_tiny_model
 
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
-from ggufswarm.cache.snapshot import BLOCK_TOKENS, Shard, SnapshotError, decode_snapshot, encode_snapshot, snapshot_key
+from ggufswarm.cache.snapshot import (BLOCK_TOKENS, STATE_DTYPE, Shard, SnapshotError, decode_snapshot,
+                                      encode_snapshot, snapshot_key)
+from ggufswarm.client.remote import RemoteSession
 from ggufswarm.cache.store import SnapshotCorrupt, SnapshotMissing, SnapshotStore
 from ggufswarm.node.server import NodeConfig
 from ggufswarm.node.server import make_app as make_node_app
+from ggufswarm.node.snapshots import grouped_length
 from ggufswarm.protocol import encode_tokens
 
 SHARD = Shard("ab" * 32, 0, 2, "float32")
@@ -43,6 +46,31 @@ def test_snapshot_round_trip_and_rejects():
     for bad in (b"", b"garbage" * 10, blob[:100]):
         with pytest.raises(SnapshotError):
             decode_snapshot(bad)
+    assert snap.boundaries == []
+    # a llama.cpp state with the step boundaries of the computation that made it
+    state = Shard("cd" * 32, 0, 2, STATE_DTYPE)
+    snap = decode_snapshot(encode_snapshot(state, tokens, [], [], b"\1\2\3", boundaries=[32, 33, 40]))
+    assert snap.boundaries == [32, 33, 40] and snap.state == b"\1\2\3"
+    for bad in ([0, 40], [33, 32], [32, 32], [41]):
+        with pytest.raises(SnapshotError, match="boundaries"):
+            encode_snapshot(state, tokens, [], [], b"\1", boundaries=bad)
+
+
+def test_restorable_length_follows_the_steps():
+    """A llama.cpp snapshot restores to its last step boundary inside the shared prefix; for a repair, to the
+    last one where its steps and the session's agree. A route keeps the longest prefix all nodes restored with
+    the same steps (torch nodes report no steps: only their length counts)."""
+    bounds = [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    assert grouped_length(bounds, 45) == 45 and grouped_length(bounds, 39) == 0 and grouped_length(bounds, 60) == 48
+    assert grouped_length(bounds, 47, [40, 41, 42, 43, 44, 45, 46, 47]) == 47
+    assert grouped_length(bounds, 47, [40, 41, 43, 47]) == 41  # the session's third step ended elsewhere
+    assert grouped_length(bounds, 47, [20, 47]) == 0
+    common = RemoteSession._common_prefix
+    assert common({"a": (45, [40, 44, 45]), "b": (44, [40, 44])}) == (44, [40, 44])
+    assert common({"a": (45, [40, 44, 45]), "b": (45, [40, 43, 45])}) == (40, [40])
+    assert common({"a": (45, [40, 44, 45]), "t": (42, None)}) == (40, [40])
+    assert common({"t": (42, None), "u": (30, None)}) == (30, [])
+    assert common({"a": (0, []), "b": (45, [45])}) == (0, [])
 
 
 def test_store_prefix_lookup_supersede_lru_and_corruption(tmp_path):
@@ -166,10 +194,11 @@ def test_node_snapshots_and_restores(tiny_dir, tmp_path):
         assert status == 200 and miss["length"] == 0
 
 
-def test_llama_cpp_node_restores_its_own_session_state(tiny_dir, tmp_path):
-    """llama.cpp backend: snapshots are llama.cpp sequence states scoped to their session. Another session
-    finds nothing; the same session, rolled back to 0, restores up to the step it snapshotted and continues
-    bit for bit; a torch snapshot of the same tokens is never offered to it."""
+def test_llama_cpp_node_restores_any_session_at_step_boundaries(tiny_dir, tmp_path):
+    """llama.cpp backend: a snapshot (a llama.cpp sequence state) carries the steps that computed it and is
+    restored, into any session, only up to one of them: there the KV is exactly what llama.cpp left after
+    those steps, so a session continuing from it answers bit for bit as the one that took it. A prefix that
+    ends inside a step restores nothing; a repair (``boundaries``) restores only as far as the steps agree."""
     model = write_tiny_model(tiny_dir / "cache-llama.gguf", "llama", n_layers=2)
     with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10 ** 8))) as cache, \
             AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
@@ -180,7 +209,7 @@ def test_llama_cpp_node_restores_its_own_session_state(tiny_dir, tmp_path):
         a = open_session(node)
         status, first = step(node, a, 1, 0, prompt)
         tokens, replies = prompt + [first["token"]], [first]
-        for i in range(10):  # snapshots after the prefill (40) and at 48
+        for i in range(10):  # steps end at 40, 41, ..., 50; snapshots after the prefill (40) and at 48
             status, reply = step(node, a, 2 + i, len(tokens) - 1, [tokens[-1]])
             tokens.append(reply["token"])
             replies.append(reply)
@@ -188,13 +217,26 @@ def test_llama_cpp_node_restores_its_own_session_state(tiny_dir, tmp_path):
         while http("GET", node + "/health")[1]["snapshots"]["written"] < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert http("GET", node + "/health")[1]["snapshots"]["written"] >= 2
+        # another session sharing 45 tokens restores all of them (45 is where a decode step ended) and continues
+        # exactly as session a did from there
         b = open_session(node)
-        assert http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens[:45]})[1]["length"] == 0
-        assert http("POST", f"{node}/v1/sessions/{a}/truncate", {"length": 0, "step": 11})[0] == 200
-        status, restored = http("POST", f"{node}/v1/sessions/{a}/restore", {"tokens": tokens[:45], "step": 5})
-        assert status == 200 and restored["length"] == 45, restored  # past the 32-token block: to its own step
-        status, again = step(node, a, 6, 45, [tokens[45]])
+        status, restored = http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens[:45], "step": 0})
+        assert status == 200 and restored["length"] == 45 and restored["boundaries"] == list(range(40, 46))
+        status, again = step(node, b, 1, 45, [tokens[45]])
         assert again["token"] == replies[6]["token"] and again["logprobs"] == replies[6]["logprobs"]
+        # a prompt sharing only 38 tokens: no step of the snapshot ends inside them (the prefill ran to 40)
+        c = open_session(node)
+        status, none = http("POST", f"{node}/v1/sessions/{c}/restore", {"tokens": prompt[:38] + [1, 2, 3]})
+        assert status == 200 and none["length"] == 0 and "step" in none["reason"]
+        # a repair names its own steps: restored only as far as they agree with the snapshot's
+        for own, want in (([40, 41, 42, 43, 44, 45, 46, 47], 47), ([40, 41, 43, 47], 41), ([20, 47], 0)):
+            d = open_session(node)
+            status, got = http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": tokens[:47], "boundaries": own})
+            assert status == 200 and got["length"] == want, (own, got)
+            http("DELETE", f"{node}/v1/sessions/{d}")
+        status, bad = http("POST", f"{node}/v1/sessions/{c}/restore", {"tokens": tokens[:47], "boundaries": [41, 40]})
+        assert status == 400 and bad["error"]["code"] == "bad_request"
+        assert http("GET", node + "/health")[0] == 200
 
 
 def test_restore_without_a_reachable_cache_recomputes(tiny_dir):

@@ -176,23 +176,39 @@ def _two_prompts(model, reference_text) -> list[str]:
     return [shared + " In short, the first point is", shared + " Summarizing the second section:"]
 
 
-def test_llama_cpp_snapshots_are_scoped_to_their_session(swarm, gemma, reference_text):
-    """On llama.cpp nodes a snapshot restores only into the session that took it: llama.cpp's numerics
-    depend on how tokens were grouped into steps, so another request's KV would change the output. A second
-    request sharing a 600-token prefix therefore computes it (nothing restored) and equals a cold run."""
-    prompts = _two_prompts(gemma, reference_text)
+def test_llama_cpp_prefix_reuse_continues_a_conversation(swarm, gemma):
+    """llama.cpp nodes: a follow-up request whose prompt is the first request's prompt, its answer and more
+    restores the first request's KV from the snapshots (every node of its route) up to a step boundary, and
+    computes only the rest. The answer equals llama.cpp running the same steps: the first prompt in one step,
+    the answer's tokens one by one (as they were decoded), then the rest of the follow-up in one step — what
+    llama-server's prompt cache does with a conversation in one slot."""
     nodes = swarm["nodes"]
 
     def written():
         return sum(health(n.url)["snapshots"]["written"] for n in nodes if n.proc.poll() is None)
 
+    first_ids = gemma.prompt_ids(PROMPT)
     before = written()
-    first_text, first = stream(swarm["gateway"], prompts[0], lambda i: None)
-    wait_for(lambda: written() >= before + 3, 30)  # every hop's post-prefill snapshot is in the cache
-    second_text, second = stream(swarm["gateway"], prompts[1], lambda i: None)
-    assert first["prefix_tokens_restored"] == 0 and second["prefix_tokens_restored"] == 0
-    assert first_text == reference(gemma, prompts[0], MAX_TOKENS)[0]
-    assert second_text == reference(gemma, prompts[1], MAX_TOKENS)[0]
+    answer, first = stream(swarm["gateway"], PROMPT, lambda i: None)
+    assert answer == reference(gemma, PROMPT, MAX_TOKENS)[0]
+    # per hop: the snapshot after the prefill and one at each multiple of 16 passed while decoding
+    fed = len(first_ids) + MAX_TOKENS - 1
+    wait_for(lambda: written() >= before + 3 * (1 + fed // 16 - len(first_ids) // 16), 30)
+    follow_up = PROMPT + answer + " Then the keeper"
+    text, second = stream(swarm["gateway"], follow_up, lambda i: None)
+    ids = gemma.prompt_ids(follow_up)
+    restored = second["prefix_tokens_restored"]
+    assert ids[:len(first_ids)] == first_ids and len(first_ids) <= restored <= fed, (restored, len(first_ids), fed)
+    with one_thread():
+        local = gemma.session(len(ids) + MAX_TOKENS + 8, SamplingParams(temperature=0))
+        local.logits(ids[:len(first_ids)])
+        for token in ids[len(first_ids):restored]:
+            local.logits([token])
+        local.history[:] = ids[:restored]
+        want = "".join(generate(local, gemma.tokenizer, ids[restored:], MAX_TOKENS))
+    assert text == want
+    print(f"\nprefix reuse (llama.cpp): TTFT {first['ttft_ms']:.0f} ms → {second['ttft_ms']:.0f} ms "
+          f"({restored} of {second['prompt_tokens']} prompt tokens restored)")
 
 
 @pytest.fixture(scope="module")

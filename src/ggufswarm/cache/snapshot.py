@@ -9,6 +9,8 @@ A snapshot holds, for the token prefix ``tokens[0:n]`` and the layers ``[start, 
 * llama.cpp backend (dtype ``llama.cpp-f16``): ``state``, uint8 ``[bytes]``: the sequence's KV cells as
   ``llama_state_seq_get_data`` writes them (llama.cpp's own format; only a llama.cpp shard of the same
   model and layers restores it, and the dtype in the key keeps the backends apart);
+* ``boundaries`` (optional), int32 ``[k]``: the positions where the steps that computed the KV ended
+  (llama.cpp's numerics depend on that grouping: its nodes restore only up to one of these);
 * metadata ``format``, ``model``, ``layers`` (``"start:end"``), ``dtype``, ``n_tokens``.
 
 Attention is causal, so the KV of positions ``< m`` depends only on ``tokens[0:m]``: a snapshot of
@@ -22,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,10 +46,9 @@ class Shard:
     """What a snapshot is of: model fingerprint (hex), layer range ``[start, end)``, KV dtype name, and a
     ``scope``: "" (any session may restore it) or the hex id of the one session whose snapshots these are.
 
-    llama.cpp's results depend on how tokens were grouped into steps, so a llama.cpp node scopes its
-    snapshots to their session: a route repair restores exactly what that session computed, and no other
-    session's differently-grouped KV. (Causal attention with batch-invariant kernels, as the torch
-    backend's, needs no scope: the KV of a prefix is the same whoever computed it.)"""
+    Nodes file their snapshots unscoped, so any session can reuse any other's prefix; a llama.cpp snapshot
+    carries its step boundaries instead, which keeps its restores exact (see SnapshotLink.fetch). A scope
+    keeps snapshots private to one session, for a caller that wants that."""
 
     model: str
     start: int
@@ -97,6 +98,7 @@ class Snapshot:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     state: bytes | None = None
+    boundaries: list[int] = field(default_factory=list)  # step ends of the computation (see encode_snapshot)
 
     @property
     def n_tokens(self) -> int:
@@ -108,22 +110,28 @@ class Snapshot:
 
 
 def encode_snapshot(shard: Shard, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
-                    state: bytes | None = None) -> bytes:
+                    state: bytes | None = None, boundaries: list[int] | None = None) -> bytes:
     """A safetensors blob of one shard's KV for ``tokens`` (``keys[i]`` / ``values[i]``: ``[n, ...]`` per layer,
     already sliced to ``len(tokens)`` positions; or a llama.cpp ``state`` holding exactly those positions).
-    Copies the tensors; safe to call off the event loop."""
+    ``boundaries``: the positions where the steps that computed it ended (ascending, each in ``1..n``; stored
+    as int32 ``boundaries``): a llama.cpp snapshot is restored only up to one of them. Copies the tensors;
+    safe to call off the event loop. SnapshotError for parts that do not fit together."""
     n = len(tokens)
+    bounds = list(boundaries or [])
+    if any(not 0 < b <= n for b in bounds) or bounds != sorted(set(bounds)):
+        raise SnapshotError(f"boundaries must ascend within 1..{n}, got {bounds[:8]}...")
+    extra = {"boundaries": torch.tensor(bounds, dtype=torch.int32)} if bounds else {}
     meta = {"format": FORMAT, "model": shard.model, "layers": f"{shard.start}:{shard.end}", "dtype": shard.dtype,
             "n_tokens": str(n), "scope": shard.scope}
     if shard.dtype == STATE_DTYPE:
         if state is None:
             raise SnapshotError("a llama.cpp snapshot needs the sequence state")
         return st_save({"tokens": torch.tensor(tokens, dtype=torch.int32),
-                        "state": torch.frombuffer(bytearray(state), dtype=torch.uint8)}, metadata=meta)
+                        "state": torch.frombuffer(bytearray(state), dtype=torch.uint8), **extra}, metadata=meta)
     if len(keys) != shard.end - shard.start or len(values) != len(keys):
         raise SnapshotError(f"layers {shard.start}:{shard.end} need {shard.end - shard.start} K/V pairs, got "
                             f"{len(keys)}/{len(values)}")
-    tensors = {"tokens": torch.tensor(tokens, dtype=torch.int32)}
+    tensors = {"tokens": torch.tensor(tokens, dtype=torch.int32), **extra}
     for i, (k, v) in enumerate(zip(keys, values)):
         if k.shape[0] != n or v.shape[0] != n:
             raise SnapshotError(f"layer {i}: K/V hold {k.shape[0]}/{v.shape[0]} positions, tokens {n}")
@@ -157,11 +165,18 @@ def decode_snapshot(blob: bytes) -> Snapshot:
         raise SnapshotError("snapshot tokens missing or not int32 [n_tokens], or unknown dtype")
     if n and int(tokens.min()) < 0:
         raise SnapshotError("snapshot token ids must be non-negative")
+    bounds = tensors.pop("boundaries", None)
+    if bounds is not None:
+        if bounds.dtype != torch.int32 or bounds.dim() != 1:
+            raise SnapshotError("snapshot boundaries must be int32 [k]")
+        bounds = bounds.tolist()
+        if any(not 0 < b <= n for b in bounds) or bounds != sorted(set(bounds)):
+            raise SnapshotError(f"snapshot boundaries must ascend within 1..{n}")
     if shard.dtype == STATE_DTYPE:
         state = tensors.get("state")
         if state is None or state.dtype != torch.uint8 or state.dim() != 1 or len(tensors) != 2:
             raise SnapshotError("llama.cpp snapshot needs exactly a uint8 [bytes] state and its tokens")
-        return Snapshot(shard, tokens.long(), [], [], state.numpy().tobytes())
+        return Snapshot(shard, tokens.long(), [], [], state.numpy().tobytes(), bounds or [])
     keys, values = [], []
     for i in range(end - start):
         k, v = tensors.get(f"k.{i}"), tensors.get(f"v.{i}")
@@ -171,7 +186,7 @@ def decode_snapshot(blob: bytes) -> Snapshot:
             raise SnapshotError(f"snapshot layer {i} K/V hold NaN/inf")
         keys.append(k)
         values.append(v)
-    return Snapshot(shard, tokens.long(), keys, values)
+    return Snapshot(shard, tokens.long(), keys, values, boundaries=bounds or [])
 
 
 def _metadata(blob: bytes) -> dict:

@@ -357,20 +357,41 @@ class RemoteSession:
         return reply["token"]
 
     # -- prefix snapshots --------------------------------------------------------------------------
-    def _restore_many(self, hops: list[Hop], tokens: list[int]) -> dict[str, int]:
-        """``/restore`` on each of ``hops`` at once; tokens each now holds (0 for a node that failed)."""
-        def one(hop: Hop) -> int:
+    def _restore_many(self, hops: list[Hop], tokens: list[int],
+                      boundaries: list[int] | None = None) -> dict[str, tuple[int, list[int] | None]]:
+        """``/restore`` on each of ``hops`` at once: per node URL the tokens it now holds and, from a llama.cpp
+        node, the step boundaries of what it restored (None from a torch node). ``boundaries``: the session's
+        own step ends, for a repair (the node then restores only a prefix computed with exactly those steps)."""
+        def one(hop: Hop) -> tuple[int, list[int] | None]:
             conn = _conn(hop.url, self.route.timeout_s)  # own connection: the calls run in parallel
             try:
-                body = json.dumps({"tokens": tokens, "step": self.step_no}).encode()
-                reply = _check(hop.url, *_request(conn, hop.url, "POST", f"/v1/sessions/{self.id}/restore", body),
-                               "restore")
-                return int(reply["length"])
+                body = {"tokens": tokens, "step": self.step_no}
+                if boundaries is not None:
+                    body["boundaries"] = boundaries
+                reply = _check(hop.url, *_request(conn, hop.url, "POST", f"/v1/sessions/{self.id}/restore",
+                                                  json.dumps(body).encode()), "restore")
+                return int(reply["length"]), reply.get("boundaries")
             finally:
                 conn.close()
 
         with ThreadPoolExecutor(max_workers=max(len(hops), 1)) as pool:
             return dict(zip((h.url for h in hops), pool.map(one, hops)))
+
+    @staticmethod
+    def _common_prefix(held: dict[str, tuple[int, list[int] | None]]) -> tuple[int, list[int]]:
+        """The longest prefix every node can keep, and its step boundaries: no longer than any node holds, and
+        on llama.cpp nodes (which report boundaries) ending at a step boundary they all share with the same
+        steps before it — otherwise their KV would come from differently grouped computations."""
+        cap = min(length for length, _ in held.values())
+        lists = [b for _, b in held.values() if b is not None]
+        if not lists:
+            return cap, []
+        common: list[int] = []
+        for column in zip(*lists):
+            if column[0] > cap or any(b != column[0] for b in column):
+                break
+            common.append(column[0])
+        return (common[-1] if common else 0), common
 
     def _rewind(self, hops: list[Hop], held: dict[str, int], length: int, relink: bool) -> None:
         """Truncate every hop holding more than ``length`` tokens (all of them with ``relink``, which also
@@ -387,8 +408,9 @@ class RemoteSession:
         """Restore the longest cached prefix of ``prompt`` on every node; tokens restored (0: none)."""
         try:
             held = self._restore_many(self.route.hops, prompt)
-            length = min(held.values())
-            self._rewind(self.route.hops, held, length, relink=False)
+            length, steps = self._common_prefix(held)
+            self._rewind(self.route.hops, {url: n for url, (n, _) in held.items()}, length, relink=False)
+            self.boundaries.update(steps)
             self.boundaries.add(length)
         except RouteError:  # a failing node shows again at the first step, which repairs the route
             for hop in self.route.hops:
@@ -425,7 +447,9 @@ class RemoteSession:
         fresh = [h for h in spare.hops if h.url not in self._opened]
         for h in reversed(fresh):
             self._open_on(hops, hops.index(h))
-        held = self._restore_many(fresh, self.tokens[:target]) if fresh else {}
+        own = sorted(b for b in self.boundaries if 0 < b <= target)
+        held = {url: n for url, (n, _) in self._restore_many(fresh, self.tokens[:target], own).items()} \
+            if fresh else {}
         length = max(b for b in self.boundaries if b <= min([target] + list(held.values())))
         self.position = length  # if this repair fails midway, the next one starts from here
         self._rewind(hops, held, length, relink=True)

@@ -32,6 +32,7 @@ from ..protocol.auth import auth_headers, swarm_token, token_middleware
 from ..protocol.errors import body_error, json_errors_middleware
 from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE
 from ..runtime.kv import ContextOverflow
+from .link import HopLinks, encode_reply, reply_error
 from ..runtime.sessions import SessionError, SessionStore
 from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
 from ..runtime.shard import ShardSpec
@@ -91,7 +92,11 @@ class NodeState:
             per_token = max(self.store.kv_bytes_per_token(), 1)
             self.store.budget_tokens = min(budget, int(config.kv_budget_mb * 2 ** 20) // per_token)
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="shard")
+        # a shard whose steps serialize on one lock (llama.cpp: one context) runs idle decode steps inline (see step)
+        self.inline_lock = getattr(executor, "step_lock", None)
         self.client: aiohttp.ClientSession | None = None
+        self.links = HopLinks(lambda: self.client)  # to next hops (node/link.py)
+        self.links_in: set[web.WebSocketResponse] = set()  # from previous hops
         self.snapshots = None
         if config.cache:
             from .snapshots import SnapshotLink, shard_of
@@ -152,6 +157,7 @@ class NodeState:
             "kv_tokens_reserved": s.reserved_tokens, "kv_tokens_held": s.held_tokens,
             "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals(),
             "cache": self.config.cache, "snapshots": self.snapshots.counters if self.snapshots else None,
+            "links": {"in": len(self.links_in), **self.links.counts()},
         }
 
 
@@ -159,7 +165,8 @@ def _json(obj, status: int = 200) -> web.Response:
     return web.Response(body=json.dumps(obj).encode(), status=status, content_type=JSON)
 
 
-def _error(state: NodeState, exc: Exception) -> web.Response:
+def _error_reply(state: NodeState, exc: Exception) -> tuple[int, bytes]:
+    """(HTTP status, JSON error body) for ``exc``; counted in the node's error metric."""
     hop = None
     if isinstance(exc, ProtocolError):
         code, status, message, hop = exc.code, exc.status, exc.message, exc.hop
@@ -175,7 +182,12 @@ def _error(state: NodeState, exc: Exception) -> web.Response:
     else:
         code, status, message = "internal", 500, f"{type(exc).__name__}: {exc}"
     state.errors.labels(code).inc()
-    return web.Response(body=error_body(code, message, hop), status=status, content_type=JSON)
+    return status, error_body(code, message, hop)
+
+
+def _error(state: NodeState, exc: Exception) -> web.Response:
+    status, body = _error_reply(state, exc)
+    return web.Response(body=body, status=status, content_type=JSON)
 
 
 async def _read_json(request: web.Request) -> dict:
@@ -288,11 +300,17 @@ async def truncate_session(request: web.Request) -> web.Response:
 
 
 async def restore_session(request: web.Request) -> web.Response:
-    """``POST /v1/sessions/{id}/restore`` {tokens[, step]} → 200 {length, reason}: fill an empty session's KV
-    cache with the longest cached prefix of ``tokens`` (whole blocks of 16 tokens) from the snapshot cache.
+    """``POST /v1/sessions/{id}/restore`` {tokens[, step][, boundaries]} → 200 {length, reason[, boundaries]}:
+    fill an empty session's KV cache with the longest cached prefix of ``tokens`` from the snapshot cache.
+
+    On a llama.cpp node the prefix ends where a step of the cached computation ended, and the reply's
+    ``boundaries`` lists those step ends (up to ``length``): the route keeps only a prefix all its nodes
+    restored with the same steps. ``boundaries`` in the request (a route repair: the session's step ends)
+    restores only a prefix computed with exactly those steps (SnapshotLink.fetch).
 
     ``length`` 0 when there is no cache, no cached prefix, or the cache fails (the caller recomputes).
-    409 session_not_empty when the session already holds tokens; 400 bad_token for ids out of vocabulary.
+    409 session_not_empty when the session already holds tokens; 400 bad_token for ids out of vocabulary,
+    bad_request for boundaries that are not ascending positions.
     """
     state: NodeState = request.app[NODE]
     t0 = time.perf_counter()
@@ -302,6 +320,10 @@ async def restore_session(request: web.Request) -> web.Response:
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
             raise ProtocolError("bad_request", "tokens must be a list of token ids")
         step_no = _step_field(body)
+        wanted = body.get("boundaries")
+        if wanted is not None and (not isinstance(wanted, list) or not all(type(b) is int for b in wanted)
+                                   or wanted != sorted(set(wanted)) or (wanted and wanted[0] <= 0)):
+            raise ProtocolError("bad_request", "boundaries must be ascending positive token positions")
         session = state.store.get(_session_id(request.match_info["sid"]))
         if len(tokens) > session.max_length:
             raise ProtocolError("context_overflow", f"{len(tokens)} tokens exceed the session's max_length "
@@ -313,7 +335,7 @@ async def restore_session(request: web.Request) -> web.Response:
                 raise ProtocolError("session_not_empty", f"session holds {session.length} tokens; restore needs "
                                                          "an empty session (truncate to 0 first)")
             snap, length, reason = (None, 0, "no cache configured") if state.snapshots is None else \
-                await state.snapshots.fetch(session.id, tokens)
+                await state.snapshots.fetch(tokens, wanted)
             n = length
             if snap is not None and snap.state is not None:  # llama.cpp: the whole state, then the shared prefix
                 try:
@@ -327,6 +349,8 @@ async def restore_session(request: web.Request) -> web.Response:
                 session.kv.load([k[:n] for k in snap.keys], [v[:n] for v in snap.values])
             if snap is not None:
                 session.history[:] = tokens[:n]
+                session.boundaries[:] = [b for b in snap.boundaries if b <= n]
+                session.grouping_cut = bool(n) and n not in session.boundaries  # torch: any prefix restores
                 session.history_complete = True
                 session.snapshot_at = n
                 state.snapshots.counters["restored"] += 1
@@ -335,29 +359,23 @@ async def restore_session(request: web.Request) -> web.Response:
                 state.store.set_step(session, step_no)
     except Exception as exc:  # noqa: BLE001
         return _error(state, exc)
-    return _json({"session_id": str(session.id), "length": session.length, "reason": reason,
-                  "ms": round((time.perf_counter() - t0) * 1e3, 3)})
+    reply = {"session_id": str(session.id), "length": session.length, "reason": reason,
+             "ms": round((time.perf_counter() - t0) * 1e3, 3)}
+    if state.executor.backend == "llama.cpp":
+        reply["boundaries"] = session.boundaries
+    return _json(reply)
 
 
 async def _push(state: NodeState, url: str, frame: bytes, timeout_s: float) -> dict:
-    """POST ``frame`` to ``url``/v1/step; the parsed reply. ProtocolError naming the hop on any failure."""
+    """Send ``frame`` to the next hop ``url`` over its link; the parsed reply. ProtocolError naming the hop on
+    any failure (the hop's own error, passed on, or hop_failed / hop_timeout)."""
+    status, body = await state.links.step(url, frame, timeout_s)
+    if status != 200:
+        raise reply_error(body, status, url)
     try:
-        async with state.client.post(url + "/v1/step", data=frame, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                     headers={"Content-Type": "application/octet-stream"}) as resp:
-            body = await resp.read()
-            if resp.status != 200:
-                try:
-                    err = json.loads(body)["error"]
-                    code, message, hop = err["code"], err["message"], err.get("hop")
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    code, message, hop = "hop_failed", body[:200].decode(errors="replace"), None
-                # the failed node: the one a deeper hop named, else the next hop itself
-                raise ProtocolError(code, f"next hop {url}: {message}", resp.status, hop or url)
-            return json.loads(body)
-    except asyncio.TimeoutError:
-        raise ProtocolError("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s", hop=url) from None
-    except aiohttp.ClientError as exc:
-        raise ProtocolError("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}", hop=url) from None
+        return json.loads(body)
+    except ValueError:
+        raise ProtocolError("hop_failed", f"next hop {url} answered a step with non-JSON", hop=url) from None
 
 
 def _frame_too_large(state: NodeState) -> ProtocolError:
@@ -376,7 +394,51 @@ async def step(request: web.Request) -> web.Response:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _frame_too_large(state) from None
-        if len(body) > state.max_body + 1024:  # a chunked body (no Content-Length) under the app's JSON limit
+    except Exception as exc:  # noqa: BLE001
+        return _error(state, exc)
+    status, reply = await _apply_frame(state, body, t0)
+    return web.Response(body=reply, status=status, content_type=JSON)
+
+
+async def link(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/link``: a WebSocket on which a previous hop sends step frames (binary messages, each the
+    body of a ``POST /v1/step``); each is answered by one binary message (node/link.py: frame key, status,
+    JSON reply). Frames are applied concurrently, each session's in order; a bad frame gets its error
+    reply and the link stays open."""
+    state: NodeState = request.app[NODE]
+    ws = web.WebSocketResponse(max_msg_size=state.max_body + 1024, autoping=True)
+    await ws.prepare(request)
+    state.links_in.add(ws)
+    tasks: set[asyncio.Task] = set()
+
+    async def answer(body: bytes, t0: float) -> None:
+        status, reply = await _apply_frame(state, body, t0)
+        if not ws.closed:
+            try:
+                await ws.send_bytes(encode_reply(body, status, reply))
+            except (ConnectionError, RuntimeError):
+                pass  # the previous hop went away: it retries or repairs the route
+
+    try:
+        async for msg in ws:
+            t0 = time.perf_counter()
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                task = asyncio.create_task(answer(msg.data, t0))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            elif msg.type == aiohttp.WSMsgType.TEXT:
+                status, reply = _error_reply(state, ProtocolError("bad_frame", "a link takes binary frames"))
+                await ws.send_bytes(encode_reply(b"", status, reply))
+    finally:
+        state.links_in.discard(ws)
+    return ws
+
+
+async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, bytes]:
+    """Apply one step frame (the body of ``POST /v1/step`` or a link message) received at ``t0``
+    (perf_counter s): (HTTP status, JSON reply bytes) — ``{token, logprobs, hops}``, or an error body."""
+    try:
+        if len(body) > state.max_body + 1024:  # a chunked body (no Content-Length) or a link message
             raise _frame_too_large(state)
         frame = decode_frame(body, state.cfg.n_embd, state.config.max_step_tokens)
         kind = "decode" if frame.n_tokens == 1 else "prefill"
@@ -392,11 +454,21 @@ async def step(request: web.Request) -> web.Response:
             if record is not None:
                 state.replays.inc()
                 if record.reply is not None:
-                    return web.Response(body=record.reply, content_type=JSON)
+                    return 200, record.reply
             else:
-                loop = asyncio.get_running_loop()
-                record = await loop.run_in_executor(state.pool, state.store.apply, session, frame.step, digest,
-                                                    frame.start, frame.data, frame.token_ids, frame.sample)
+                args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample)
+                lock = state.inline_lock if frame.n_tokens == 1 else None
+                if lock is not None and lock.acquire(blocking=False):
+                    # A decode step when the shard is idle runs right here on the event loop: it takes a few ms,
+                    # and the hand-off to a worker thread and back costs ~0.5 ms (about 10 % of a hop's step;
+                    # bench/bench_llamacpp.py). With the shard busy (a prefill, a snapshot) it queues in the pool,
+                    # so the loop never waits for another step.
+                    try:
+                        record = state.store.apply(*args)
+                    finally:
+                        lock.release()
+                else:
+                    record = await asyncio.get_running_loop().run_in_executor(state.pool, state.store.apply, *args)
                 state.steps.labels(kind).inc()
                 state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
             hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
@@ -417,9 +489,9 @@ async def step(request: web.Request) -> web.Response:
             record.reply = json.dumps(reply).encode()
             if state.snapshots is not None:
                 state.snapshots.after_step(session, kind == "prefill" and frame.sample)
-            return web.Response(body=record.reply, content_type=JSON)
+            return 200, record.reply
     except Exception as exc:  # noqa: BLE001
-        return _error(state, exc)
+        return _error_reply(state, exc)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -525,6 +597,7 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.router.add_post("/v1/sessions/{sid}/truncate", truncate_session)
     app.router.add_post("/v1/sessions/{sid}/restore", restore_session)
     app.router.add_post("/v1/step", step)
+    app.router.add_get("/v1/link", link)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
 
@@ -543,9 +616,15 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
             state.snapshots.close()
         if config.tracker:
             await _deregister(state)
+        await state.links.close()
         await state.client.close()
         state.pool.shutdown(wait=False, cancel_futures=True)
 
+    async def close_links_in(app):  # else the server waits for previous hops to hang up (shutdown_timeout)
+        for ws in list(state.links_in):
+            await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"node shutting down")
+
+    app.on_shutdown.append(close_links_in)
     app.cleanup_ctx.append(lifecycle)
     return app
 

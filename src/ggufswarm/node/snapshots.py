@@ -13,7 +13,6 @@ import asyncio
 import hashlib
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import aiohttp
 
@@ -39,7 +38,6 @@ class SnapshotLink:
         self._inflight: set = set()
         self._tasks: set[asyncio.Task] = set()
         self._warned = False
-        self.scoped = shard.dtype == STATE_DTYPE  # llama.cpp: snapshots belong to their session (Shard.scope)
         self.counters = {"written": 0, "bytes": 0, "dropped": 0, "failed": 0, "restored": 0, "restored_tokens": 0}
 
     # -- snapshots ---------------------------------------------------------------------------------
@@ -61,7 +59,8 @@ class SnapshotLink:
             keys = [layer.k[:n] for layer in session.kv.layers]
             values = [layer.v[:n] for layer in session.kv.layers]
             task = asyncio.get_running_loop().create_task(
-                self._write(session, list(session.history), keys, values, session.kv.epoch))
+                self._write(session, list(session.history), keys, values, session.kv.epoch,
+                            boundaries=list(session.boundaries)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -75,6 +74,7 @@ class SnapshotLink:
                     self._inflight.discard(session.id)
                     return
                 tokens = list(session.history)
+                boundaries = list(session.boundaries)
                 state = await asyncio.get_running_loop().run_in_executor(
                     self._pool, self.executor.state_bytes, session.kv)
                 epoch = session.kv.epoch
@@ -83,17 +83,14 @@ class SnapshotLink:
             self.counters["failed"] += 1
             print(f"ggufswarm node: snapshot state copy failed ({exc}); still serving", file=sys.stderr, flush=True)
             return
-        await self._write(session, tokens, [], [], epoch, state)
+        await self._write(session, tokens, [], [], epoch, state, boundaries)
 
-    def shard_for(self, session_id) -> Shard:
-        """The Shard a session's snapshots are filed under (scoped to the session on llama.cpp)."""
-        return replace(self.shard, scope=session_id.hex) if self.scoped else self.shard
-
-    async def _write(self, session: Session, tokens, keys, values, epoch: int, state: bytes | None = None) -> None:
+    async def _write(self, session: Session, tokens, keys, values, epoch: int, state: bytes | None = None,
+                     boundaries: list[int] | None = None) -> None:
         try:
             loop = asyncio.get_running_loop()
-            blob = await loop.run_in_executor(self._pool, encode_snapshot, self.shard_for(session.id), tokens, keys,
-                                              values, state)
+            blob = await loop.run_in_executor(self._pool, encode_snapshot, self.shard, tokens, keys, values, state,
+                                              boundaries)
             if session.kv.epoch != epoch:  # truncated while we copied: positions may have been rewritten
                 self.counters["dropped"] += 1
                 return
@@ -120,14 +117,20 @@ class SnapshotLink:
             await asyncio.wait(list(self._tasks), timeout=timeout)
 
     # -- restores ----------------------------------------------------------------------------------
-    async def fetch(self, session_id, tokens: list[int]) -> tuple[object, int, str]:
-        """The longest cached whole-block prefix of ``tokens`` for this shard: ``(snapshot, length, reason)``.
+    async def fetch(self, tokens: list[int], boundaries: list[int] | None = None) -> tuple[object, int, str]:
+        """The longest cached prefix of ``tokens`` for this shard: ``(snapshot, length, reason)``.
+
+        The cache finds whole 16-token blocks; ``length`` extends to every token the snapshot shares. On a
+        llama.cpp shard (whose numerics depend on how tokens were grouped into steps) ``length`` is then cut
+        back to a step boundary of the snapshot: the restored KV is exactly what llama.cpp left after those
+        steps. With ``boundaries`` (a route repair: the session's own step ends, ascending) the snapshot's
+        steps must also be the session's, up to ``length``: the repaired session continues bit for bit.
 
         ``snapshot`` is None (``length`` 0) on a miss or when the cache fails in any way (unreachable,
         corrupt, a blob that does not match): a restore falls back to recomputing, it never fails.
         """
         client = self._client()
-        shard = self.shard_for(session_id)
+        shard = self.shard
         try:
             body = {"model": shard.model, "layers": [shard.start, shard.end], "dtype": shard.dtype,
                     "scope": shard.scope, "tokens": tokens}
@@ -155,12 +158,29 @@ class SnapshotLink:
             # taken): restore all of that, so a route repair can roll back to a step boundary and replay exactly
             while length < min(len(held), len(tokens)) and held[length] == tokens[length]:
                 length += 1
+            if snap.state is not None:
+                length = grouped_length(snap.boundaries, length, boundaries)
+                if not length:
+                    return None, 0, "no step of the cached computation ends inside the shared prefix" + (
+                        "" if boundaries is None else " with this session's steps")
             return snap, length, "restored"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
             return None, 0, f"cache failed: {type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def grouped_length(snapshot_bounds: list[int], shared: int, wanted: list[int] | None = None) -> int:
+    """The longest restorable prefix of a llama.cpp snapshot: its last step boundary ``<= shared`` tokens, and
+    with ``wanted`` (ascending step ends of the session being repaired) the last one up to which both lists
+    agree (0: none)."""
+    best = 0
+    for i, b in enumerate(snapshot_bounds):
+        if b > shared or (wanted is not None and (i >= len(wanted) or wanted[i] != b)):
+            break
+        best = b
+    return best
 
 
 def shard_of(executor) -> Shard:

@@ -77,6 +77,11 @@ class Session:
     history: list[int] = field(default_factory=list)  # token ids of every position held (sampler, snapshots)
     history_complete: bool = True  # False once a step arrived without its token ids
     snapshot_at: int = 0  # position of the last snapshot taken (tokens)
+    # Positions where the steps that filled the KV cache ended, in order, up to the first cut (a truncation or
+    # restore inside a step: later steps are not recorded). llama.cpp's numerics depend on this grouping, so a
+    # snapshot carries it and is restored only to one of these positions (see SnapshotLink.fetch).
+    boundaries: list[int] = field(default_factory=list)
+    grouping_cut: bool = False
     last: StepRecord | None = None
     last_used: float = field(default_factory=time.monotonic)
     busy: int = 0
@@ -87,6 +92,13 @@ class Session:
     def length(self) -> int:
         """Tokens held in the KV cache (= position of the next token)."""
         return self.kv.length
+
+
+def cut_boundaries(session: Session, length: int) -> None:
+    """Keep the session's step boundaries up to ``length`` tokens; a ``length`` inside a step is a cut."""
+    if length and length not in session.boundaries:
+        session.grouping_cut = True
+    del session.boundaries[sum(1 for b in session.boundaries if b <= length):]
 
 
 def _free(session: Session) -> None:
@@ -195,6 +207,7 @@ class SessionStore:
         session = self.get(session_id)
         session.kv.truncate(length)
         del session.history[length:]
+        cut_boundaries(session, length)
         session.snapshot_at = min(session.snapshot_at, length)
         if session.last is not None:
             session.last = StepRecord(session.last.step, -1, -1, 0, reply=None)
@@ -273,6 +286,8 @@ class SessionStore:
                 session.history_complete = kept[2]
                 raise
             record.compute_ms = (time.perf_counter() - t0) * 1e3
+            if not session.grouping_cut:
+                session.boundaries.append(session.kv.length)
             session.last = record
             return record
         finally:
@@ -281,4 +296,4 @@ class SessionStore:
 
 
 __all__ = ["AdmissionRefused", "ContextOverflow", "Session", "SessionError", "SessionStore", "StepConflict",
-           "StepRecord", "UnknownSession"]
+           "StepRecord", "UnknownSession", "cut_boundaries"]

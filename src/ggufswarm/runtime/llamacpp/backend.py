@@ -287,6 +287,12 @@ class LlamaCppShard:
         self._out = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
         self._n_seq[:] = 1
 
+    @property
+    def step_lock(self) -> threading.RLock:
+        """The lock every step, truncate and state call of this shard holds (llama.cpp's context is not
+        thread-safe): a caller that acquires it without blocking knows its step will not wait."""
+        return self._lock
+
     # -- accounting ----------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token costs on this shard (all its layers, keys and values, f16)."""

@@ -1,0 +1,188 @@
+"""Hop links: one WebSocket from a node to each next hop, carrying the step frames of every session.
+
+``POST /v1/step`` costs a whole HTTP request per frame (~1.7 ms a hop on loopback, measured with
+bench/bench_llamacpp.py: request objects, header parsing and middleware on both sides). A link sends the
+same frame bytes as one binary WebSocket message (``GET /v1/link`` on the next hop) and gets one binary
+message back (~0.15 ms round trip), so a decode token pays that once per hop instead.
+
+Reply message (docs/protocol.md): the 24 bytes at offset 8 of the frame it answers (session id and step
+number: the key that matches a reply to its frame, since the replies to different sessions may come in
+any order), a little-endian uint16 HTTP status, then the JSON body ``POST /v1/step`` would answer.
+
+A next hop without ``/v1/link`` (an older node, a test double) is remembered and reached by
+``POST /v1/step`` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Callable
+
+import aiohttp
+
+from ..protocol import ProtocolError
+
+log = logging.getLogger(__name__)
+
+KEY = slice(8, 32)      # session id (16 bytes) + step (uint64) in the frame header
+KEY_SIZE = 24
+REPLY_HEAD = KEY_SIZE + 2  # key + uint16 status
+NO_KEY = bytes(KEY_SIZE)   # the key of a reply to a message too short to carry one
+
+
+def frame_key(frame: bytes) -> bytes:
+    """The 24-byte key of a frame (session id + step), or NO_KEY when it is shorter than a header."""
+    key = frame[KEY]
+    return key if len(key) == KEY_SIZE else NO_KEY
+
+
+def encode_reply(frame: bytes, status: int, body: bytes) -> bytes:
+    """The link message answering ``frame``: key, uint16 ``status``, ``body`` (JSON bytes)."""
+    return frame_key(frame) + status.to_bytes(2, "little") + body
+
+
+def _error(code: str, message: str, hop: str) -> ProtocolError:
+    return ProtocolError(code, message, hop=hop)
+
+
+class _Link:
+    """One open WebSocket to a next hop, with the replies it still waits for."""
+
+    def __init__(self, url: str, ws: aiohttp.ClientWebSocketResponse):
+        self.url = url
+        self.ws = ws
+        self.pending: dict[bytes, asyncio.Future] = {}
+        self.reader: asyncio.Task | None = None
+
+    async def read(self, on_close: Callable[["_Link"], None]) -> None:
+        reason = "closed"
+        try:
+            async for msg in self.ws:
+                if msg.type != aiohttp.WSMsgType.BINARY or len(msg.data) < REPLY_HEAD:
+                    log.warning("link to %s: unexpected %s message; ignored", self.url, msg.type.name)
+                    continue
+                fut = self.pending.get(bytes(msg.data[:KEY_SIZE]))
+                if fut is not None and not fut.done():
+                    fut.set_result((int.from_bytes(msg.data[KEY_SIZE:REPLY_HEAD], "little"),
+                                    bytes(msg.data[REPLY_HEAD:])))
+            if self.ws.exception() is not None:
+                reason = f"failed: {type(self.ws.exception()).__name__}: {self.ws.exception()}"
+        except Exception as exc:  # noqa: BLE001 - any failure ends the link; its waiters learn why
+            reason = f"failed: {type(exc).__name__}: {exc}"
+        finally:
+            on_close(self)
+            for fut in self.pending.values():
+                if not fut.done():
+                    fut.set_exception(_error("hop_failed", f"next hop {self.url} failed: link {reason}", self.url))
+
+
+class HopLinks:
+    """The links of one node, one per next-hop URL, opened on first use and again after one closes.
+
+    ``client``: returns the node's aiohttp ClientSession (it carries the swarm token header).
+    """
+
+    def __init__(self, client: Callable[[], aiohttp.ClientSession]):
+        self._client = client
+        self._links: dict[str, _Link] = {}
+        self._opening: dict[str, asyncio.Future] = {}
+        self._http_only: set[str] = set()
+
+    async def _link(self, url: str, timeout_s: float) -> _Link | None:
+        link = self._links.get(url)
+        if link is not None and not link.ws.closed:
+            return link
+        if url in self._http_only:
+            return None
+        opening = self._opening.get(url)
+        if opening is None:
+            opening = self._opening[url] = asyncio.ensure_future(self._open(url, timeout_s))
+            opening.add_done_callback(lambda _f: self._opening.pop(url, None))
+        return await asyncio.shield(opening)
+
+    async def _open(self, url: str, timeout_s: float) -> _Link | None:
+        try:
+            ws = await asyncio.wait_for(self._client().ws_connect(url + "/v1/link", max_msg_size=0, autoping=True),
+                                        timeout_s)
+        except aiohttp.WSServerHandshakeError as exc:
+            if exc.status in (404, 405):  # a next hop without links: plain POST /v1/step from now on
+                self._http_only.add(url)
+                return None
+            raise _error("hop_failed", f"next hop {url} refused a link: {exc.status} {exc.message}", url) from None
+        except asyncio.TimeoutError:
+            raise _error("hop_timeout", f"next hop {url} did not open a link within {timeout_s:g} s", url) from None
+        except aiohttp.ClientError as exc:
+            raise _error("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}", url) from None
+        link = _Link(url, ws)
+        self._links[url] = link
+        link.reader = asyncio.create_task(link.read(self._closed))
+        return link
+
+    def _closed(self, link: _Link) -> None:
+        if self._links.get(link.url) is link:
+            del self._links[link.url]
+
+    async def step(self, url: str, frame: bytes, timeout_s: float) -> tuple[int, bytes]:
+        """Send one step frame to ``url`` and wait ``timeout_s`` seconds at most for its reply.
+
+        Returns (HTTP status, JSON body bytes) as ``POST url/v1/step`` would. Raises ProtocolError
+        ``hop_timeout`` (no reply in time) or ``hop_failed`` (the link could not be opened or closed
+        before the reply), naming ``url`` as the hop.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        link = await self._link(url, timeout_s)
+        if link is None:
+            return await self._post(url, frame, timeout_s)
+        key = frame_key(frame)
+        fut = link.pending[key] = loop.create_future()
+        try:
+            try:
+                await link.ws.send_bytes(frame)
+            except (aiohttp.ClientError, ConnectionError, RuntimeError) as exc:
+                raise _error("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}", url) from None
+            try:
+                return await asyncio.wait_for(fut, max(deadline - loop.time(), 0.001))
+            except asyncio.TimeoutError:
+                raise _error("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s", url) from None
+        finally:
+            if link.pending.get(key) is fut:
+                del link.pending[key]
+
+    async def _post(self, url: str, frame: bytes, timeout_s: float) -> tuple[int, bytes]:
+        try:
+            async with self._client().post(url + "/v1/step", data=frame, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                           headers={"Content-Type": "application/octet-stream"}) as resp:
+                return resp.status, await resp.read()
+        except asyncio.TimeoutError:
+            raise _error("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s", url) from None
+        except aiohttp.ClientError as exc:
+            raise _error("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}", url) from None
+
+    def counts(self) -> dict:
+        """``{"out": links open, "http_only": next hops reached by POST /v1/step}`` (for /health)."""
+        return {"out": sum(1 for link in self._links.values() if not link.ws.closed), "http_only": len(self._http_only)}
+
+    async def close(self) -> None:
+        """Close every link (their waiters get hop_failed)."""
+        for link in list(self._links.values()):
+            await link.ws.close()
+            if link.reader is not None:
+                await link.reader
+        self._links.clear()
+
+
+def reply_error(body: bytes, status: int, url: str) -> ProtocolError:
+    """The ProtocolError for a next hop's error reply (``status`` >= 400, JSON ``{"error": ...}``)."""
+    try:
+        err = json.loads(body)["error"]
+        code, message, hop = err["code"], err["message"], err.get("hop")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        code, message, hop = "hop_failed", body[:200].decode(errors="replace"), None
+    # the failed node: the one a deeper hop named, else the next hop itself
+    return ProtocolError(code, f"next hop {url}: {message}", status, hop or url)
+
+
+__all__ = ["HopLinks", "encode_reply", "frame_key", "reply_error"]

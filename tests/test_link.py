@@ -1,0 +1,135 @@
+"""Hop links: nodes pass step frames to their next hop over one WebSocket (``GET /v1/link``), fall back to
+``POST /v1/step`` for a next hop without links, and answer bad link messages with an error, still serving."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from apphost import AppThread
+from route_fixtures import http
+from tinymodels import write_tiny_model
+
+from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.node.link import NO_KEY, REPLY_HEAD, frame_key
+from ggufswarm.node.server import NodeConfig
+from ggufswarm.node.server import make_app as make_node_app
+from ggufswarm.protocol import decode_frame, encode_tokens
+from ggufswarm.protocol.frame import HEADER_SIZE
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = [5 + (i * 11) % 300 for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def tiny_route(tiny_dir):
+    """A tiny llama split over two in-process nodes ([0,1) + embedding, [1,2) + head), and the whole model."""
+    model = str(write_tiny_model(tiny_dir / "link-llama.gguf", "llama", n_layers=2))
+    with AppThread(lambda: make_node_app(NodeConfig(layers="0:1", embed=True, model=model,
+                                                    data_dir=str(tiny_dir / "n0")))) as first, \
+            AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=model,
+                                                       data_dir=str(tiny_dir / "n1")))) as head, \
+            AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=model,
+                                                       data_dir=str(tiny_dir / "n2")))) as whole:
+        yield {"first": first, "head": head, "whole": whole, "model": model}
+
+
+def greedy(urls: list[str], n: int = 6) -> list[int]:
+    session = RemoteRoute(urls).open(64, GREEDY)
+    try:
+        out = [session.step(PROMPT)]
+        for _ in range(n - 1):
+            out.append(session.step([out[-1]]))
+        return out
+    finally:
+        session.close()
+
+
+def test_route_steps_travel_over_one_link(tiny_route):
+    """Every step of every session from the first node to the head goes over one WebSocket, and the route
+    answers as the whole model on one node."""
+    want = greedy([tiny_route["whole"]])
+    assert greedy([tiny_route["first"], tiny_route["head"]]) == want
+    assert greedy([tiny_route["first"], tiny_route["head"]]) == want
+    assert http("GET", tiny_route["first"] + "/health")[1]["links"] == {"in": 0, "out": 1, "http_only": 0}
+    assert http("GET", tiny_route["head"] + "/health")[1]["links"]["in"] == 1
+
+
+def test_next_hop_without_links_gets_plain_posts(tiny_route):
+    """A next hop that has no /v1/link (an older node) is reached by POST /v1/step: asked for a link once."""
+    seen = {"link": 0, "step": 0}
+
+    async def step(request):
+        seen["step"] += 1
+        frame = decode_frame(await request.read())
+        return web.json_response({"token": 7 + frame.n_tokens,
+                                  "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}]})
+
+    @web.middleware
+    async def count(request, handler):
+        seen["link"] += request.path == "/v1/link"
+        return await handler(request)
+
+    def fake_head():
+        app = web.Application(middlewares=[count])
+        app.router.add_post("/v1/step", step)
+        return app
+
+    with AppThread(fake_head) as fake:
+        sid = uuid.uuid4()
+        status, _ = http("POST", tiny_route["first"] + "/v1/sessions",
+                         {"session_id": str(sid), "max_length": 64, "next_hop": fake})
+        assert status == 201
+        for i, ids in enumerate((PROMPT, [3], [4])):
+            status, reply = http("POST", tiny_route["first"] + "/v1/step",
+                                 encode_tokens(sid, i + 1, 0 if i == 0 else len(PROMPT) + i - 1, ids))
+            assert status == 200 and reply["token"] == 7 + len(ids) and len(reply["hops"]) == 2
+        assert seen == {"link": 1, "step": 3}
+        assert http("GET", tiny_route["first"] + "/health")[1]["links"]["http_only"] == 1
+        http("DELETE", f"{tiny_route['first']}/v1/sessions/{sid}")
+
+
+def test_bad_link_messages_get_errors_and_the_node_keeps_serving(tiny_route):
+    """Text, a short message, a malformed frame and an unknown session each get an error reply (keyed to the
+    frame when it has a header); a message over the frame size limit closes that link only."""
+    head = tiny_route["head"]
+
+    async def talk():
+        async with aiohttp.ClientSession() as client:
+            ws = await client.ws_connect(head + "/v1/link")
+
+            async def ask(send) -> tuple[bytes, int, bytes]:
+                await send
+                msg = await ws.receive(timeout=30)
+                assert msg.type == aiohttp.WSMsgType.BINARY
+                data = msg.data
+                return data[:24], int.from_bytes(data[24:REPLY_HEAD], "little"), data[REPLY_HEAD:]
+
+            key, status, body = await ask(ws.send_str("hello"))
+            assert key == NO_KEY and status == 400 and b"bad_frame" in body
+            key, status, body = await ask(ws.send_bytes(b"GSWF"))
+            assert key == NO_KEY and status == 400 and b"bad_frame" in body
+            unknown = encode_tokens(uuid.uuid4(), 1, 0, [1, 2, 3])
+            key, status, body = await ask(ws.send_bytes(unknown))
+            assert status == 400 and b"bad_dtype" in body and key == frame_key(unknown)  # head takes hidden states
+            bad = bytearray(unknown)
+            bad[4] = 99  # protocol version
+            key, status, body = await ask(ws.send_bytes(bytes(bad)))
+            assert status == 400 and b"unsupported_version" in body and key == frame_key(unknown)
+            try:  # over max_step_tokens rows: the node drops the link as soon as it reads the length
+                await ws.send_bytes(b"\0" * (HEADER_SIZE + 4096 * (256 * 4 + 4) + 2048))
+            except ConnectionError:
+                pass
+            msg = await ws.receive(timeout=30)
+            assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR)
+            assert ws.close_code in (None, aiohttp.WSCloseCode.MESSAGE_TOO_BIG, aiohttp.WSCloseCode.ABNORMAL_CLOSURE)
+            await ws.close()
+
+    asyncio.run(talk())
+    assert http("GET", head + "/health")[0] == 200
+    assert greedy([tiny_route["first"], head], 3) == greedy([tiny_route["whole"]], 3)
