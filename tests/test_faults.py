@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from apphost import AppThread
-from route_fixtures import health, one_thread, reference
+from route_fixtures import health, http, one_thread, reference
 
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.client.generate import generate
@@ -259,6 +259,37 @@ def test_prefix_reuse_restores_a_shared_600_token_prefix(torch_route, gemma_torc
     assert second_text == want
     print(f"\nprefix reuse (torch): TTFT {first['ttft_ms']:.0f} ms → {second['ttft_ms']:.0f} ms "
           f"({second['prefix_tokens_restored']} of {second['prompt_tokens']} prompt tokens restored)")
+
+
+def test_next_hop_must_be_a_registered_node(swarm):
+    """With a tracker, a node takes as next_hop only a node the tracker lists for its model: a session that
+    names any other URL (an SSRF attempt: the node would post to it with the swarm token) is refused at open
+    and at relink, and nothing reaches that URL."""
+    seen = []
+
+    def listener():
+        from aiohttp import web
+
+        async def record(request):
+            seen.append(request.path)
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", record)
+        return app
+
+    first = next(n for n in swarm["nodes"] if n.spec.start == 0 and n.proc.poll() is None)
+    second = next(n for n in swarm["nodes"] if n.spec.start == 6 and n.proc.poll() is None)
+    with AppThread(listener) as url:
+        status, body = http("POST", first.url + "/v1/sessions", {"max_length": 64, "next_hop": url})
+        assert status == 403 and body["error"]["code"] == "next_hop_unknown", body
+        status, opened = http("POST", first.url + "/v1/sessions", {"max_length": 64, "next_hop": second.url})
+        assert status == 201, opened
+        sid = opened["session_id"]
+        status, body = http("POST", f"{first.url}/v1/sessions/{sid}/truncate", {"length": 0, "next_hop": url})
+        assert status == 403 and body["error"]["code"] == "next_hop_unknown"
+        http("DELETE", f"{first.url}/v1/sessions/{sid}")
+    assert seen == []
 
 
 def test_no_replacement_is_a_clear_error(swarm):

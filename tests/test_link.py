@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import aiohttp
@@ -133,3 +134,29 @@ def test_bad_link_messages_get_errors_and_the_node_keeps_serving(tiny_route):
     asyncio.run(talk())
     assert http("GET", head + "/health")[0] == 200
     assert greedy([tiny_route["first"], head], 3) == greedy([tiny_route["whole"]], 3)
+
+
+def test_next_hop_must_be_a_bare_node_url_and_its_body_is_never_echoed(tiny_route):
+    """A next_hop with a path, query, user info or no port is refused at open; a next hop that is not a node
+    (here a listener answering private text) gets hop_failed without any of its body in the error."""
+    first = tiny_route["first"]
+    for bad in ("http://127.0.0.1:9/admin", "http://user:pw@127.0.0.1:9", "http://127.0.0.1:9/?x=1",
+                "http://127.0.0.1", "ftp://127.0.0.1:9", "http://127.0.0.1:99999", "http://127.0.0.1:9#f"):
+        status, body = http("POST", first + "/v1/sessions", {"max_length": 64, "next_hop": bad})
+        assert status == 400 and body["error"]["code"] == "bad_request", (bad, body)
+
+    async def private(request):
+        return web.Response(text="secret-internal-data", status=200 if request.method == "GET" else 500)
+
+    def listener():
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", private)
+        return app
+
+    with AppThread(listener) as url:
+        sid = uuid.uuid4()
+        assert http("POST", first + "/v1/sessions", {"session_id": str(sid), "max_length": 64,
+                                                    "next_hop": url})[0] == 201
+        status, body = http("POST", first + "/v1/step", encode_tokens(sid, 1, 0, PROMPT))
+        assert status == 502 and body["error"]["code"] == "hop_failed" and "secret" not in json.dumps(body)
+    assert http("GET", first + "/health")[0] == 200

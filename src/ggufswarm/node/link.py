@@ -23,6 +23,7 @@ from typing import Callable
 import aiohttp
 
 from ..protocol import ProtocolError
+from ..protocol.errors import ERROR_STATUS
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +179,12 @@ def reply_error(body: bytes, status: int, url: str) -> ProtocolError:
     """The ProtocolError for a next hop's error reply (``status`` >= 400, JSON ``{"error": ...}``)."""
     try:
         err = json.loads(body)["error"]
-        code, message, hop = err["code"], err["message"], err.get("hop")
+        code, message, hop = str(err["code"]), str(err["message"])[:2000], err.get("hop")
+        if code not in ERROR_STATUS or (hop is not None and not isinstance(hop, str)):
+            raise ValueError("not a protocol error")
     except (ValueError, KeyError, TypeError, AttributeError):
-        code, message, hop = "hop_failed", body[:200].decode(errors="replace"), None
+        # not a node's protocol error: its body is never passed on (the next hop may not be a node at all)
+        code, message, hop = "hop_failed", f"answered {status} with {len(body)} bytes that are not a protocol error", None
     # the failed node: the one a deeper hop named, else the next hop itself
     return ProtocolError(code, f"next hop {url}: {message}", status, hop or url)
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -97,6 +98,9 @@ class NodeState:
         self.client: aiohttp.ClientSession | None = None
         self.links = HopLinks(lambda: self.client)  # to next hops (node/link.py)
         self.links_in: set[web.WebSocketResponse] = set()  # from previous hops
+        self.link_tasks: set[asyncio.Task] = set()  # frames from links being applied
+        self.peers: set[str] = set()  # node URLs the tracker listed for this model (next_hop check), and when
+        self.peers_at = 0.0
         self.snapshots = None
         if config.cache:
             from .snapshots import SnapshotLink, shard_of
@@ -217,6 +221,7 @@ async def open_session(request: web.Request) -> web.Response:
         if not isinstance(max_length, int) or isinstance(max_length, bool):
             raise ProtocolError("bad_request", f"max_length must be an integer, got {max_length!r}")
         next_hop = _next_hop(state, body.get("next_hop"))
+        await _check_registered(state, next_hop)
         wire = body.get("wire_dtype", "f32")
         if wire not in WIRE_DTYPES:
             raise ProtocolError("bad_dtype", f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire!r}")
@@ -256,14 +261,52 @@ async def close_session(request: web.Request) -> web.Response:
 
 
 def _next_hop(state: NodeState, next_hop) -> str | None:
-    """A validated next_hop for this shard: None on the head, the next node's http(s) URL otherwise."""
+    """A validated next_hop for this shard: None on the head, the next node's ``http(s)://HOST:PORT`` otherwise
+    (no path, query, fragment or user info: a node posts frames, with the swarm token, only to another node's
+    endpoints). ProtocolError bad_request otherwise."""
     if state.spec.head and next_hop:
         raise ProtocolError("bad_request", "this node holds the head stage; it takes no next_hop")
-    if not state.spec.head and not (isinstance(next_hop, str) and next_hop.startswith(("http://", "https://"))
-                                    and len(next_hop) <= 2048):
+    if state.spec.head:
+        return None
+    bad = not (isinstance(next_hop, str) and len(next_hop) <= 2048)
+    if not bad:
+        try:
+            parts = urlsplit(next_hop)
+            bad = (parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None
+                   or parts.username is not None or parts.password is not None or parts.path not in ("", "/")
+                   or parts.query or parts.fragment or "?" in next_hop or "#" in next_hop)
+        except ValueError:  # a port out of range or not a number
+            bad = True
+    if bad:
         raise ProtocolError("bad_request", f"layers {state.spec.start}:{state.spec.end} are not the last shard: "
-                                           f"next_hop must be the next node's http:// URL, got {next_hop!r}"[:300])
-    return next_hop.rstrip("/") if next_hop else None
+                                           f"next_hop must be the next node's http://HOST:PORT (no path, query "
+                                           f"or user info), got {next_hop!r}"[:300])
+    return next_hop.rstrip("/")
+
+
+async def _check_registered(state: NodeState, url: str | None) -> None:
+    """With a tracker, a next_hop must be a node the tracker lists for this node's model (the list is cached
+    for 5 s and fetched again on a miss). ProtocolError next_hop_unknown (403) or tracker_unavailable (503)."""
+    if url is None or not state.config.tracker:
+        return
+    now = time.monotonic()
+    if url in state.peers and now - state.peers_at < 5.0:
+        return
+    model = state.config.swarm_name or state.config.model or ""
+    try:
+        async with state.client.get(state.config.tracker.rstrip("/") + "/nodes", params={"model": model},
+                                    timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                raise ValueError(f"HTTP {resp.status}")
+            listed = (await resp.json())["nodes"]
+        state.peers = {str(n["url"]).rstrip("/") for n in listed}
+        state.peers_at = now
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+        raise ProtocolError("tracker_unavailable", f"cannot check next_hop {url} with the tracker: "
+                                                   f"{type(exc).__name__}") from None
+    if url not in state.peers:
+        raise ProtocolError("next_hop_unknown", f"next_hop {url} is not a node the tracker lists for model "
+                                                f"{model!r}; refused")
 
 
 def _step_field(body: dict):
@@ -287,6 +330,7 @@ async def truncate_session(request: web.Request) -> web.Response:
             raise ProtocolError("bad_request", f"length must be an integer, got {length!r}")
         step_no = _step_field(body)
         next_hop = _next_hop(state, body["next_hop"]) if "next_hop" in body else None
+        await _check_registered(state, next_hop)
         session = state.store.get(_session_id(request.match_info["sid"]))
         async with session.lock:
             state.store.truncate(session.id, length)
@@ -409,7 +453,7 @@ async def link(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(max_msg_size=state.max_body + 1024, autoping=True)
     await ws.prepare(request)
     state.links_in.add(ws)
-    tasks: set[asyncio.Task] = set()
+    tasks = state.link_tasks  # strong references: the loop keeps only weak ones to running tasks
 
     async def answer(body: bytes, t0: float) -> None:
         status, reply = await _apply_frame(state, body, t0)

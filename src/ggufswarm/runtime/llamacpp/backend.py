@@ -360,7 +360,7 @@ class LlamaCppShard:
         else:
             if inputs.dim() != 2 or inputs.shape[1] != self.cfg.n_embd:
                 raise ValueError(f"expected hidden states [n_tokens, {self.cfg.n_embd}], got {tuple(inputs.shape)}")
-            embd = inputs.to(torch.float32).numpy()
+            embd = (inputs if inputs.dtype == torch.float32 else inputs.to(torch.float32)).numpy()
             ids = None
         all_out = not self.spec.head or logits == "all"
         with self._lock:
