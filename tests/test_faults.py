@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from apphost import AppThread
-from route_fixtures import health, http, one_thread, reference
+from route_fixtures import health, one_thread, reference
+from route_fixtures import http as http_json
 
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.client.generate import generate
@@ -281,14 +282,14 @@ def test_next_hop_must_be_a_registered_node(swarm):
     first = next(n for n in swarm["nodes"] if n.spec.start == 0 and n.proc.poll() is None)
     second = next(n for n in swarm["nodes"] if n.spec.start == 6 and n.proc.poll() is None)
     with AppThread(listener) as url:
-        status, body = http("POST", first.url + "/v1/sessions", {"max_length": 64, "next_hop": url})
+        status, body = http_json("POST", first.url + "/v1/sessions", {"max_length": 64, "next_hop": url})
         assert status == 403 and body["error"]["code"] == "next_hop_unknown", body
-        status, opened = http("POST", first.url + "/v1/sessions", {"max_length": 64, "next_hop": second.url})
+        status, opened = http_json("POST", first.url + "/v1/sessions", {"max_length": 64, "next_hop": second.url})
         assert status == 201, opened
         sid = opened["session_id"]
-        status, body = http("POST", f"{first.url}/v1/sessions/{sid}/truncate", {"length": 0, "next_hop": url})
+        status, body = http_json("POST", f"{first.url}/v1/sessions/{sid}/truncate", {"length": 0, "next_hop": url})
         assert status == 403 and body["error"]["code"] == "next_hop_unknown"
-        http("DELETE", f"{first.url}/v1/sessions/{sid}")
+        http_json("DELETE", f"{first.url}/v1/sessions/{sid}")
     assert seen == []
 
 
