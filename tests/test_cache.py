@@ -15,12 +15,13 @@ from apphost import AppThread
 from route_fixtures import http
 from tinymodels import write_tiny_model
 
+from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
 from ggufswarm.cache.snapshot import (BLOCK_TOKENS, STATE_DTYPE, Shard, SnapshotError, decode_snapshot,
                                       encode_snapshot, snapshot_key)
 from ggufswarm.client.remote import RemoteSession
-from ggufswarm.cache.store import SnapshotCorrupt, SnapshotMissing, SnapshotStore
+from ggufswarm.cache.store import SnapshotCorrupt, SnapshotExists, SnapshotMissing, SnapshotStore
 from ggufswarm.node.server import NodeConfig
 from ggufswarm.node.server import make_app as make_node_app
 from ggufswarm.node.snapshots import grouped_length
@@ -83,6 +84,13 @@ def test_store_prefix_lookup_supersede_lru_and_corruption(tmp_path):
     assert store.lookup(SHARD, [7] + a) is None
     assert store.lookup(Shard(SHARD.model, 0, 2, "bfloat16"), a) is None  # other dtype, other address
     assert store.lookup(Shard(SHARD.model, 2, 4, "float32"), a) is None  # other layers
+    # the first blob under a key stays: the same bytes again are a no-op, other bytes are refused
+    again = store.put(blob_for(a)[0])
+    assert again["key"] == info["key"] and again["existing"] and store.count == 1
+    with pytest.raises(SnapshotExists, match="first upload stays"):
+        store.put(blob_for(a, seed=1)[0])
+    assert decode_snapshot(store.get(info["key"])).content_digest() == decode_snapshot(blob_for(a)[0]).content_digest()
+    assert store.stats.refused == 1
     # a longer snapshot of the same tokens takes over every block: the older blob is deleted
     longer = store.put(blob_for(a + list(range(24)))[0])
     assert store.count == 1 and store.lookup(SHARD, a + list(range(24))) == (longer["key"], 64)
@@ -224,6 +232,23 @@ def test_llama_cpp_node_restores_any_session_at_step_boundaries(tiny_dir, tmp_pa
         assert status == 200 and restored["length"] == 45 and restored["boundaries"] == list(range(40, 46))
         status, again = step(node, b, 1, 45, [tokens[45]])
         assert again["token"] == replies[6]["token"] and again["logprobs"] == replies[6]["logprobs"]
+        http("DELETE", f"{node}/v1/sessions/{b}")
+        found = http("POST", cache + "/v1/lookup", {"model": GGUFModelFile(model).fingerprint, "layers": [0, 2],
+                                                    "dtype": STATE_DTYPE, "tokens": tokens[:48]})[1]
+        with urllib.request.urlopen(f"{cache}/v1/snapshots/{found['key']}", timeout=10) as resp:
+            stored = decode_snapshot(resp.read())
+        shard, real_state = stored.shard, stored.state
+        assert stored.node == http("GET", node + "/health")[1]["node_id"] and stored.boundaries == list(range(40, 49))
+        # nobody can replace a snapshot others restore: an upload of other bytes under the same key is refused
+        poisoned = encode_snapshot(shard, tokens[:48], [], [], bytes(len(real_state)), boundaries=list(range(40, 49)),
+                                   node="intruder")
+        status, refused = http("POST", cache + "/v1/snapshots", poisoned)
+        assert status == 409 and refused["error"]["code"] == "snapshot_exists" and "intruder" in \
+            refused["error"]["message"]
+        e = open_session(node)
+        assert http("POST", f"{node}/v1/sessions/{e}/restore", {"tokens": tokens[:45]})[1]["length"] == 45
+        assert step(node, e, 1, 45, [tokens[45]])[1]["logprobs"] == replies[6]["logprobs"]
+        http("DELETE", f"{node}/v1/sessions/{e}")
         # a prompt sharing only 38 tokens: no step of the snapshot ends inside them (the prefill ran to 40)
         c = open_session(node)
         status, none = http("POST", f"{node}/v1/sessions/{c}/restore", {"tokens": prompt[:38] + [1, 2, 3]})

@@ -186,7 +186,9 @@ def test_llama_cpp_prefix_reuse_continues_a_conversation(swarm, gemma):
     nodes = swarm["nodes"]
 
     def written():
-        return sum(health(n.url)["snapshots"]["written"] for n in nodes if n.proc.poll() is None)
+        # taken and handed to the cache: stored, or kept there already (the first blob for a key stays)
+        return sum(health(n.url)["snapshots"]["written"] + health(n.url)["snapshots"]["kept"]
+                   for n in nodes if n.proc.poll() is None)
 
     first_ids = gemma.prompt_ids(PROMPT)
     before = written()
@@ -237,7 +239,7 @@ def test_prefix_reuse_restores_a_shared_600_token_prefix(torch_route, gemma_torc
     nodes = torch_route["nodes"]
 
     def written():
-        return sum(health(n.url)["snapshots"]["written"] for n in nodes)
+        return sum(health(n.url)["snapshots"]["written"] + health(n.url)["snapshots"]["kept"] for n in nodes)
 
     before = written()
     first_text, first = stream(torch_route["gateway"], prompts[0], lambda i: None)

@@ -22,7 +22,7 @@ from ..model.config import MAX_CONTEXT
 from ..protocol.auth import swarm_token, token_middleware
 from ..protocol.errors import ProtocolError, body_error, error_body, json_errors_middleware
 from .snapshot import KV_DTYPES, STATE_DTYPE, Shard, SnapshotError, valid_scope
-from .store import SnapshotCorrupt, SnapshotMissing, SnapshotStore, SnapshotTooLarge
+from .store import SnapshotCorrupt, SnapshotExists, SnapshotMissing, SnapshotStore, SnapshotTooLarge
 
 STORE = web.AppKey("store", SnapshotStore)
 CONFIG = web.AppKey("config", object)
@@ -45,6 +45,8 @@ def _fail(exc: Exception) -> web.Response:
         err = ProtocolError("snapshot_corrupt", f"snapshot {exc.args[0]} failed its SHA-256 check and was deleted")
     elif isinstance(exc, SnapshotMissing):
         err = ProtocolError("unknown_snapshot", f"no snapshot {exc.args[0]} (never stored, or evicted)")
+    elif isinstance(exc, SnapshotExists):
+        err = ProtocolError("snapshot_exists", str(exc))
     elif isinstance(exc, SnapshotTooLarge):
         err = ProtocolError("snapshot_too_large", str(exc))
     elif isinstance(exc, SnapshotError):
@@ -59,7 +61,8 @@ def _fail(exc: Exception) -> web.Response:
 
 
 async def put_snapshot(request: web.Request) -> web.Response:
-    """``POST /v1/snapshots``: store a blob; 201, or 400 bad_snapshot / 413 snapshot_too_large."""
+    """``POST /v1/snapshots``: store a blob; 201 (200: the same bytes were already there), or 400 bad_snapshot /
+    409 snapshot_exists (other bytes hold the key: the first upload stays) / 413 snapshot_too_large."""
     store = request.app[STORE]
     try:
         try:
@@ -70,7 +73,7 @@ async def put_snapshot(request: web.Request) -> web.Response:
         info = await asyncio.get_running_loop().run_in_executor(None, store.put, blob)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
         return _fail(exc)
-    return web.json_response(info, status=201)
+    return web.json_response(info, status=200 if info["existing"] else 201)
 
 
 async def get_snapshot(request: web.Request) -> web.Response:
@@ -128,7 +131,7 @@ async def lookup(request: web.Request) -> web.Response:
 def health_body(store: SnapshotStore) -> dict:
     s = store.stats
     return {"status": "ok", "snapshots": store.count, "bytes": store.total_bytes, "max_bytes": store.max_bytes,
-            "hits": s.hits, "misses": s.misses, "evictions": s.evictions, "corrupt": s.corrupt}
+            "hits": s.hits, "misses": s.misses, "evictions": s.evictions, "corrupt": s.corrupt, "refused": s.refused}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -147,7 +150,8 @@ def make_app(config: CacheConfig) -> web.Application:
                           ("bytes", "Bytes of stored snapshots", lambda: store.total_bytes),
                           ("hits", "Lookups that found a cached prefix", lambda: store.stats.hits),
                           ("misses", "Lookups that found none", lambda: store.stats.misses),
-                          ("evictions", "Snapshots evicted (LRU, size cap)", lambda: store.stats.evictions)):
+                          ("evictions", "Snapshots evicted (LRU, size cap)", lambda: store.stats.evictions),
+                          ("refused", "Uploads refused: another blob holds their key", lambda: store.stats.refused)):
         Gauge(f"ggufswarm_cache_{name}", doc, registry=registry).set_function(fn)
 
     async def metrics(request: web.Request) -> web.Response:

@@ -99,6 +99,7 @@ class Snapshot:
     values: list[torch.Tensor]
     state: bytes | None = None
     boundaries: list[int] = field(default_factory=list)  # step ends of the computation (see encode_snapshot)
+    node: str = ""  # id of the node that took it ("" when unnamed)
 
     @property
     def n_tokens(self) -> int:
@@ -108,13 +109,23 @@ class Snapshot:
     def key(self) -> str:
         return snapshot_key(self.shard, self.tokens.tolist())
 
+    def content_digest(self) -> str:
+        """SHA-256 of what the snapshot holds (shard, tokens, boundaries, K/V or state), not of its blob: the
+        blob's JSON header lists its metadata in no fixed order, and names the node that took it."""
+        h = hashlib.sha256(self.shard.tag() + b"\0" + _ids(self.tokens.tolist()) + b"\0" + _ids(self.boundaries))
+        for t in self.keys + self.values:
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(self.state or b"")
+        return h.hexdigest()
+
 
 def encode_snapshot(shard: Shard, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
-                    state: bytes | None = None, boundaries: list[int] | None = None) -> bytes:
+                    state: bytes | None = None, boundaries: list[int] | None = None, node: str = "") -> bytes:
     """A safetensors blob of one shard's KV for ``tokens`` (``keys[i]`` / ``values[i]``: ``[n, ...]`` per layer,
     already sliced to ``len(tokens)`` positions; or a llama.cpp ``state`` holding exactly those positions).
     ``boundaries``: the positions where the steps that computed it ended (ascending, each in ``1..n``; stored
-    as int32 ``boundaries``): a llama.cpp snapshot is restored only up to one of them. Copies the tensors;
+    as int32 ``boundaries``): a llama.cpp snapshot is restored only up to one of them. ``node``: the id of
+    the node taking it (metadata ``node``; the cache logs it when it refuses an upload). Copies the tensors;
     safe to call off the event loop. SnapshotError for parts that do not fit together."""
     n = len(tokens)
     bounds = list(boundaries or [])
@@ -122,7 +133,7 @@ def encode_snapshot(shard: Shard, tokens: list[int], keys: list[torch.Tensor], v
         raise SnapshotError(f"boundaries must ascend within 1..{n}, got {bounds[:8]}...")
     extra = {"boundaries": torch.tensor(bounds, dtype=torch.int32)} if bounds else {}
     meta = {"format": FORMAT, "model": shard.model, "layers": f"{shard.start}:{shard.end}", "dtype": shard.dtype,
-            "n_tokens": str(n), "scope": shard.scope}
+            "n_tokens": str(n), "scope": shard.scope, "node": str(node)[:64]}
     if shard.dtype == STATE_DTYPE:
         if state is None:
             raise SnapshotError("a llama.cpp snapshot needs the sequence state")
@@ -165,6 +176,7 @@ def decode_snapshot(blob: bytes) -> Snapshot:
         raise SnapshotError("snapshot tokens missing or not int32 [n_tokens], or unknown dtype")
     if n and int(tokens.min()) < 0:
         raise SnapshotError("snapshot token ids must be non-negative")
+    node = str(meta.get("node", ""))[:64]
     bounds = tensors.pop("boundaries", None)
     if bounds is not None:
         if bounds.dtype != torch.int32 or bounds.dim() != 1:
@@ -176,7 +188,7 @@ def decode_snapshot(blob: bytes) -> Snapshot:
         state = tensors.get("state")
         if state is None or state.dtype != torch.uint8 or state.dim() != 1 or len(tensors) != 2:
             raise SnapshotError("llama.cpp snapshot needs exactly a uint8 [bytes] state and its tokens")
-        return Snapshot(shard, tokens.long(), [], [], state.numpy().tobytes(), bounds or [])
+        return Snapshot(shard, tokens.long(), [], [], state.numpy().tobytes(), bounds or [], node)
     keys, values = [], []
     for i in range(end - start):
         k, v = tensors.get(f"k.{i}"), tensors.get(f"v.{i}")
@@ -186,7 +198,7 @@ def decode_snapshot(blob: bytes) -> Snapshot:
             raise SnapshotError(f"snapshot layer {i} K/V hold NaN/inf")
         keys.append(k)
         values.append(v)
-    return Snapshot(shard, tokens.long(), keys, values, boundaries=bounds or [])
+    return Snapshot(shard, tokens.long(), keys, values, boundaries=bounds or [], node=node)
 
 
 def _metadata(blob: bytes) -> dict:

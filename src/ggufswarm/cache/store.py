@@ -9,6 +9,7 @@ took over all its blocks) is deleted at once, so a session snapshotting every N 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sqlite3
 import threading
@@ -16,7 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .snapshot import BLOCK_TOKENS, Shard, SnapshotError, prefix_hashes, snapshot_key, snapshot_meta
+from .snapshot import BLOCK_TOKENS, Shard, SnapshotError, decode_snapshot, prefix_hashes, snapshot_key
+
+log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS blobs (key TEXT PRIMARY KEY, size INTEGER, sha256 TEXT, n_tokens INTEGER, last_used REAL);
@@ -33,18 +36,30 @@ class SnapshotTooLarge(SnapshotError):
     """A snapshot bigger than the whole cache."""
 
 
+class SnapshotExists(SnapshotError):
+    """A different blob is already stored under this key: the first one stays (``node``: who sent the new one)."""
+
+    def __init__(self, key: str, node: str):
+        super().__init__(f"snapshot {key} already holds other bytes; the first upload stays (this one came from "
+                         f"node {node or 'unnamed'})")
+        self.key = key
+        self.node = node
+
+
 class SnapshotCorrupt(SnapshotMissing):
     """The stored bytes no longer match their SHA-256; the blob has been deleted."""
 
 
 @dataclass
 class StoreStats:
-    """Counters since start: lookups that found a prefix / found none, snapshots evicted, corrupt reads."""
+    """Counters since start: lookups that found a prefix / found none, snapshots evicted, corrupt reads, and
+    uploads refused because another blob already holds their key."""
 
     hits: int = 0
     misses: int = 0
     evictions: int = 0
     corrupt: int = 0
+    refused: int = 0
 
 
 class SnapshotStore:
@@ -123,10 +138,13 @@ class SnapshotStore:
 
         Every whole block of its tokens is indexed to it (taking over from older, shorter snapshots of
         the same tokens, which are then deleted); least recently used blobs are evicted to stay under
-        ``max_bytes``. Raises SnapshotError for a blob that is not a snapshot, is shorter than one block,
-        or alone exceeds ``max_bytes``.
+        ``max_bytes``. The first blob stored under a key stays: the same bytes again are a no-op (``existing``
+        True), other bytes raise SnapshotExists (nobody can replace what other sessions restore). Raises
+        SnapshotError for a blob that is not a snapshot, is shorter than one block, or alone exceeds
+        ``max_bytes``.
         """
-        shard, tokens = snapshot_meta(blob)
+        snap = decode_snapshot(blob)
+        shard, tokens = snap.shard, snap.tokens.tolist()
         if len(tokens) < BLOCK_TOKENS:
             raise SnapshotError(f"snapshot holds {len(tokens)} tokens; the cache keeps whole blocks of "
                                 f"{BLOCK_TOKENS}")
@@ -134,10 +152,24 @@ class SnapshotStore:
             raise SnapshotTooLarge(f"snapshot is {len(blob)} bytes; this cache holds at most {self.max_bytes}")
         key = snapshot_key(shard, tokens)
         hashes = prefix_hashes(shard, tokens)
+        sha = hashlib.sha256(blob).hexdigest()
+        with self._lock:
+            row = self._db.execute("SELECT sha256 FROM blobs WHERE key = ?", (key,)).fetchone()
+        if row is not None:
+            try:
+                same = row[0] == sha or decode_snapshot(self.get(key)).content_digest() == snap.content_digest()
+            except SnapshotMissing:  # unreadable now (corrupt, evicted meanwhile): the new blob takes the key
+                same, row = False, None
+        if row is not None:
+            if not same:
+                self.stats.refused += 1
+                log.warning("refused a different snapshot for existing key %s from node %s", key, snap.node or "?")
+                raise SnapshotExists(key, snap.node)
+            return {"key": key, "n_tokens": len(tokens), "bytes": len(blob), "blocks": len(hashes), "evicted": [],
+                    "existing": True}
         path = self._path(key)
         tmp = self.root / f".{key}.tmp{threading.get_ident()}"
         tmp.write_bytes(blob)
-        sha = hashlib.sha256(blob).hexdigest()
         with self._lock:  # (eviction removes emptied subfolders under this lock)
             path.parent.mkdir(exist_ok=True)
             os.replace(tmp, path)
@@ -150,7 +182,8 @@ class SnapshotStore:
                 if self._db.execute("SELECT 1 FROM prefixes WHERE key = ? LIMIT 1", (k,)).fetchone() is None:
                     self._drop(k)
             evicted = self._evict(self.max_bytes, keep=key)
-        return {"key": key, "n_tokens": len(tokens), "bytes": len(blob), "blocks": len(hashes), "evicted": evicted}
+        return {"key": key, "n_tokens": len(tokens), "bytes": len(blob), "blocks": len(hashes), "evicted": evicted,
+                "existing": False}
 
     def get(self, key: str) -> bytes:
         """The blob stored under ``key``, checked against its SHA-256.

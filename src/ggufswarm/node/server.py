@@ -105,7 +105,7 @@ class NodeState:
         if config.cache:
             from .snapshots import SnapshotLink, shard_of
             self.snapshots = SnapshotLink(config.cache, shard_of(executor), config.snapshot_every, lambda: self.client,
-                                          executor)
+                                          executor, self.node_id)
         self.max_body = HEADER_SIZE + config.max_step_tokens * (self.cfg.n_embd * 4 + 4)
         reg = self.registry = CollectorRegistry()
         store = self.store
@@ -151,7 +151,7 @@ class NodeState:
         """The ``/health`` body: shard, model shape, limits and counters."""
         s = self.store
         return {
-            "status": "ok", "protocol": PROTOCOL_VERSION, "model": self.executor.model.path.name,
+            "status": "ok", "protocol": PROTOCOL_VERSION, "node_id": self.node_id, "model": self.executor.model.path.name,
             "arch": self.cfg.arch, "n_layers": self.cfg.n_layers, "n_embd": self.cfg.n_embd,
             "n_vocab": self.cfg.n_vocab, "backend": self.executor.backend,
             "max_length": min(self.cfg.max_length, getattr(self.executor, "n_ctx_seq", self.cfg.max_length)),

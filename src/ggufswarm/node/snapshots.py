@@ -28,17 +28,20 @@ class SnapshotLink:
     ``counters``: a dict of ints the node exports (written, bytes, dropped, failed, restored).
     """
 
-    def __init__(self, url: str, shard: Shard, every: int, client_factory, executor=None):
+    def __init__(self, url: str, shard: Shard, every: int, client_factory, executor=None, node_id: str = ""):
         self.url = url.rstrip("/")
         self.executor = executor  # a llama.cpp shard: its sequence state is copied under the session's lock
         self.shard = shard
+        self.node_id = node_id  # recorded in every snapshot this node takes
         self.every = every
         self._client = client_factory  # () -> aiohttp.ClientSession (the node's, with the swarm token)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._inflight: set = set()
         self._tasks: set[asyncio.Task] = set()
         self._warned = False
-        self.counters = {"written": 0, "bytes": 0, "dropped": 0, "failed": 0, "restored": 0, "restored_tokens": 0}
+        # written: stored; kept: the cache already held that key (the same bytes, or another node's: first wins)
+        self.counters = {"written": 0, "kept": 0, "bytes": 0, "dropped": 0, "failed": 0, "restored": 0,
+                         "restored_tokens": 0}
 
     # -- snapshots ---------------------------------------------------------------------------------
     def after_step(self, session: Session, prefill_sampled: bool) -> None:
@@ -90,13 +93,16 @@ class SnapshotLink:
         try:
             loop = asyncio.get_running_loop()
             blob = await loop.run_in_executor(self._pool, encode_snapshot, self.shard, tokens, keys, values, state,
-                                              boundaries)
+                                              boundaries, self.node_id)
             if session.kv.epoch != epoch:  # truncated while we copied: positions may have been rewritten
                 self.counters["dropped"] += 1
                 return
             async with self._client().post(self.url + "/v1/snapshots", data=blob,
                                            headers={"Content-Type": "application/octet-stream"},
                                            timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                if resp.status in (200, 409):  # the key is taken (by these bytes or others): the first stays
+                    self.counters["kept"] += 1
+                    return
                 if resp.status != 201:
                     raise RuntimeError(f"cache answered {resp.status}: {(await resp.text())[:200]}")
             self.counters["written"] += 1

@@ -31,6 +31,7 @@ ERROR_STATUS = {
     "kv_budget_too_small": 503, # this session's max_length alone exceeds the node's whole budget
     "bad_snapshot": 400,        # cache: an upload that is not a snapshot blob, or shorter than one block
     "unknown_snapshot": 404,    # cache: no snapshot under that key (never stored, or evicted)
+    "snapshot_exists": 409,     # cache: other bytes are already stored under that key (the first upload stays)
     "snapshot_corrupt": 410,    # cache: the stored bytes failed their SHA-256 check; deleted
     "snapshot_too_large": 413,  # cache: upload over the server's limit
     "internal": 500,            # a bug; the message says what
