@@ -134,3 +134,13 @@ def test_cache_command_serves_and_stops(ggufswarm_cli, tmp_path):
         assert proc.wait(10) == 0
     bad = run(ggufswarm_cli, "cache", "--dir", str(tmp_path), "--max-bytes", "lots")
     assert bad.returncode != 0 and "size must be" in bad.stderr
+
+
+def test_model_alias_smollm2(ggufswarm_cli):
+    """``--model smollm2`` names the chat model the set-up installs (a file of that name would win)."""
+    from ggufswarm.artifact.default_model import resolve_model, smollm2_path
+    assert resolve_model("smollm2") == smollm2_path() and resolve_model("x.gguf").name == "x.gguf"
+    args = ["Name a color.", "--chat", "--max-tokens", "4", "--temperature", "0"]
+    by_name = run(ggufswarm_cli, "generate", *args, "--model", "smollm2")
+    by_path = run(ggufswarm_cli, "generate", *args, "--model", str(smollm2_path()))
+    assert by_name.returncode == 0 and by_name.stdout == by_path.stdout and by_name.stdout.strip(), by_name.stderr

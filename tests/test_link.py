@@ -132,6 +132,8 @@ def test_bad_link_messages_get_errors_and_the_node_keeps_serving(tiny_route):
             await ws.close()
 
     asyncio.run(talk())
+    status, body = http("GET", head + "/v1/link")  # no Upgrade header: a JSON error, as every endpoint answers
+    assert status == 400 and body["error"]["code"] == "bad_request" and "WebSocket" in body["error"]["message"]
     assert http("GET", head + "/health")[0] == 200
     assert greedy([tiny_route["first"], head], 3) == greedy([tiny_route["whole"]], 3)
 

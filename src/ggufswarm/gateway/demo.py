@@ -173,10 +173,21 @@ def run_demo(args) -> int:
                 print(telemetry_summary(final["telemetry"]), file=sys.stderr, flush=True)
         if args.serve:
             print(base, flush=True)
+            if tracker is not None:  # what a user needs to watch the swarm or add a node to it
+                print(f"ggufswarm demo: to add a node or watch the swarm: export {TOKEN_ENV}={swarm_token()}; "
+                      f"ggufswarm node --tracker {tracker_url} --model {name} --layers auto --cache {cache_url} "
+                      f"--port 0; ggufswarm status --tracker {tracker_url}", file=sys.stderr, flush=True)
             print("ggufswarm demo: serving; Ctrl-C stops the cluster", file=sys.stderr, flush=True)
-            while all(n.proc.poll() is None for n in nodes):
+            gone: set[int] = set()
+            while True:  # a node that dies is reported; the gateway keeps serving (and repairs, given a spare)
+                for i, n in enumerate(nodes):
+                    if i not in gone and n.proc.poll() is not None:
+                        gone.add(i)
+                        print(f"ggufswarm demo: node {n.url} (layers {n.spec.start}:{n.spec.end}) exited with "
+                              f"{n.proc.returncode}; requests need a node serving those layers again"
+                              + ("" if tracker is not None else " (no tracker: restart the demo)"),
+                              file=sys.stderr, flush=True)
                 time.sleep(0.5)
-            raise RuntimeError("a node exited; stopping the cluster")
         return 0
     finally:
         if gateway is not None:

@@ -451,6 +451,9 @@ async def link(request: web.Request) -> web.StreamResponse:
     reply and the link stays open."""
     state: NodeState = request.app[NODE]
     ws = web.WebSocketResponse(max_msg_size=state.max_body + 1024, autoping=True)
+    if not ws.can_prepare(request).ok:
+        return _error(state, ProtocolError("bad_request", "GET /v1/link opens a WebSocket: send Connection: Upgrade "
+                                                          "and Upgrade: websocket (docs/protocol.md, \"Links\")"))
     await ws.prepare(request)
     state.links_in.add(ws)
     tasks = state.link_tasks  # strong references: the loop keeps only weak ones to running tasks
