@@ -295,6 +295,27 @@ def test_next_hop_must_be_a_registered_node(swarm):
     assert seen == []
 
 
+def test_new_requests_plan_around_a_dead_node_the_tracker_still_lists(swarm):
+    """A node killed while idle stays on the tracker's list until its TTL: a new request whose plan picks it
+    fails to open there, plans again without it (and later requests avoid it), and completes."""
+    nodes, tracker = swarm["nodes"], swarm["tracker"]
+    victim = next(n for n in nodes if n.spec.start == 0 and n.proc.poll() is None)
+    victim.kill()
+    listed = 0
+    deadline = time.monotonic() + 2 * TTL_S
+    while time.monotonic() < deadline:
+        still = victim.url in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]}
+        text, telemetry = stream(swarm["gateway"], PROMPT, lambda i: None, max_tokens=2)
+        assert text and victim.url not in {h["node"] for h in telemetry["route"]}
+        listed += still
+    assert listed >= 2, "the tracker forgot the node before two requests could be planned"
+    i = nodes.index(victim)
+    wait_for(lambda: victim.url not in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]},
+             3 * TTL_S)
+    nodes[i] = swarm["launch"](i)
+    wait_for(lambda: nodes[i].url in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]}, 30)
+
+
 def test_no_replacement_is_a_clear_error(swarm):
     """With both nodes of a span gone, the repair finds no replacement: the stream ends with a 503
     ``no_replacement`` error naming the failed node. (Last in this module: it leaves 6:12 unserved.)"""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import pytest
 
-from ggufswarm.gateway.app import GatewayConfig, ServerThread, make_app
+from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.gateway.app import GatewayConfig, RequestError, ServerThread, chat_turns, make_app
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +95,47 @@ def test_unreadable_bodies_are_4xx(gateway):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=30)
         assert err.value.code == status and json.loads(err.value.read())["error"]["code"] == code, data[:20]
+
+
+def test_lone_surrogates_and_empty_prompts_without_bos_are_400(gateway):
+    raw = b'{"prompt": "hi \\ud800 there", "max_tokens": 2}'  # valid JSON; no text holds a lone surrogate
+    req = urllib.request.Request(f"{gateway}/v1/completions", data=raw, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    body = json.loads(err.value.read())
+    assert err.value.code == 400 and "surrogate" in body["error"]["message"] and "d800" in body["error"]["message"]
+    status, body = post(f"{gateway}/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]})
+    assert status == 400 and "surrogate" in body["error"]["message"]
+
+
+def test_empty_prompt_on_a_model_without_bos():
+    from ggufswarm.artifact.default_model import smollm2_path
+    assert GGUFModelFile(smollm2_path()).metadata.get("tokenizer.ggml.add_bos_token") is not True
+    server = ServerThread(make_app(GatewayConfig(route=["http://127.0.0.1:9"], model=str(smollm2_path()))))
+    url = server.start()
+    try:
+        status, body = post(f"{url}/v1/completions", {"prompt": "", "max_tokens": 2})
+        assert status == 400 and body["error"]["param"] == "prompt" and "BOS" in body["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_roles_developer_and_missing_content():
+    """``developer`` becomes ``system`` for a template without that role; a message needs content (an assistant
+    turn making tool calls excepted)."""
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert chat_turns(msgs, "{% for m in messages %}{{ m.role }}{% endfor %}")[0]["role"] == "system"
+    assert chat_turns(msgs, "{% if m.role == 'developer' %}{% endif %}")[0]["role"] == "developer"
+    with pytest.raises(RequestError, match=r"messages\[1\] \(user\) has no content"):
+        chat_turns([msgs[0], {"role": "user"}], None)
+    assert chat_turns([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}], None) == \
+        [{"role": "assistant", "content": ""}]
+
+
+def test_developer_message_reaches_the_route(gateway):
+    status, body = post(f"{gateway}/v1/chat/completions", {"messages": [
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert 500 <= status < 600 and "127.0.0.1:9" in body["error"]["message"]  # valid: it went on to the (dead) node
+    status, body = post(f"{gateway}/v1/chat/completions", {"messages": [{"role": "user"}]})
+    assert status == 400 and "no content" in body["error"]["message"]

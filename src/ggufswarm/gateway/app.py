@@ -25,7 +25,7 @@ from aiohttp import web
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.generate import GenerationStats, generate
-from ..client.remote import RemoteRoute, RouteError
+from ..client.remote import REPAIRABLE, RemoteRoute, RouteError
 from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 from ..model.config import MAX_CONTEXT
@@ -172,7 +172,23 @@ class Gateway:
         self.model_name = config.model_name
         self._route: RemoteRoute | None = None
         self._route_lock = threading.Lock()
+        self._suspects: dict[str, float] = {}  # node URL -> until when new routes avoid it (monotonic s)
         self.created = int(time.time())
+
+    SUSPECT_S = 30.0  # how long new routes avoid a node that failed (the tracker forgets it after its TTL)
+    OPEN_ATTEMPTS = 3  # plans tried for one session when opening it fails on a node
+
+    def suspect(self, url: str) -> None:
+        """Avoid ``url`` in new routes for SUSPECT_S seconds (it failed an open or a step)."""
+        with self._route_lock:
+            self._suspects[url] = time.monotonic() + self.SUSPECT_S
+
+    def suspects(self) -> set[str]:
+        """Node URLs new routes avoid now."""
+        now = time.monotonic()
+        with self._route_lock:
+            self._suspects = {u: t for u, t in self._suspects.items() if t > now}
+            return set(self._suspects)
 
     def load(self) -> None:
         """Read the GGUF header and vocabulary (blocking); with a tracker, fetch only the header from the
@@ -194,24 +210,30 @@ class Gateway:
         With a tracker, a new route is planned for every session (sticky for that session), so new
         sessions see nodes that came and went; ``max_length`` (tokens) must fit every node's free KV.
         ``exclude`` (node URLs) and ``span`` (layers ``(start, end)``) plan a replacement for a failed hop.
+        Nodes that failed lately (``suspects``) are avoided too, unless no route exists without them.
         """
         if self.config.tracker:
             from urllib.parse import urlencode
 
             from ..swarm.publish import TrackerError, tracker_call
-            query = {"model": self.model_name, "max_length": max_length}
-            if exclude:
-                query["exclude"] = ",".join(sorted(exclude))
-            if span:
-                query["start"], query["end"] = span
-            try:
-                planned = tracker_call(f"{self.config.tracker.rstrip('/')}/route?{urlencode(query)}")
-                return RemoteRoute([hop["url"] for hop in planned["route"]], self.config.hop_timeout_s,
-                                   part=span is not None)
-            except TrackerError as exc:
-                raise RouteError(str(exc), 503, "no_route") from None
-            except ValueError as exc:
-                raise RouteError(f"bad route from the tracker: {exc}", 502, "bad_route") from None
+            avoid = set(exclude) | self.suspects()
+            while True:
+                query = {"model": self.model_name, "max_length": max_length}
+                if avoid:
+                    query["exclude"] = ",".join(sorted(avoid))
+                if span:
+                    query["start"], query["end"] = span
+                try:
+                    planned = tracker_call(f"{self.config.tracker.rstrip('/')}/route?{urlencode(query)}")
+                    return RemoteRoute([hop["url"] for hop in planned["route"]], self.config.hop_timeout_s,
+                                       part=span is not None)
+                except TrackerError as exc:
+                    if avoid != set(exclude):  # perhaps a suspect is back: try the nodes it was avoiding
+                        avoid = set(exclude)
+                        continue
+                    raise RouteError(str(exc), 503, "no_route") from None
+                except ValueError as exc:
+                    raise RouteError(f"bad route from the tracker: {exc}", 502, "bad_route") from None
         with self._route_lock:
             if self._route is None:
                 try:
@@ -225,19 +247,17 @@ class Gateway:
         """Worker thread: open a route session, generate, emit ("open"|"delta"|"done"|"error", ...) events."""
         session = None
         try:
-            route = self.route(min(len(ids) + max(max_tokens, 1), MAX_CONTEXT))
-            limit = route.max_length
-            if len(ids) >= limit:
-                raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",
-                                   code="context_length_exceeded", param=prompt_param)
-            max_length = min(limit, len(ids) + max(max_tokens, 1))
             if params.seed is None:  # a seed of our own: a repaired route draws the same tokens (see Sampler)
                 params = replace(params, seed=secrets.randbits(62))
-            replan = None
-            if self.config.tracker:  # repair: a replacement for a failed hop's span, from the tracker
-                def replan(exclude, span):
-                    return self.route(max_length, exclude, span)
-            session = route.open(max_length, params, self.config.wire_dtype, replan=replan)
+            for attempt in range(self.OPEN_ATTEMPTS):
+                try:
+                    session, max_length = self._open(ids, params, max_tokens, prompt_param)
+                    break
+                except RouteError as exc:  # a node of the plan is gone (the tracker still lists it): plan again
+                    if not self.config.tracker or exc.code not in REPAIRABLE or not exc.hop \
+                            or attempt + 1 == self.OPEN_ATTEMPTS:
+                        raise
+                    self.suspect(exc.hop)
             emit(("open", session))
             stats = GenerationStats()
             # a session holds max_length tokens: the prompt, then every sampled token but the last is fed back
@@ -255,6 +275,22 @@ class Gateway:
         finally:
             if session is not None:
                 session.close()
+
+    def _open(self, ids: list[int], params: SamplingParams, max_tokens: int, prompt_param: str):
+        """Plan a route and open a session on it: (RemoteSession, its max_length). RouteError, RequestError."""
+        route = self.route(min(len(ids) + max(max_tokens, 1), MAX_CONTEXT))
+        limit = route.max_length
+        if len(ids) >= limit:
+            raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",
+                               code="context_length_exceeded", param=prompt_param)
+        max_length = min(limit, len(ids) + max(max_tokens, 1))
+        replan = None
+        if self.config.tracker:  # repair: a replacement for a failed hop's span, from the tracker
+            def replan(exclude, span):
+                for url in exclude:  # nodes this session saw fail: new sessions avoid them too
+                    self.suspect(url)
+                return self.route(max_length, exclude, span)
+        return route.open(max_length, params, self.config.wire_dtype, replan=replan), max_length
 
     def telemetry(self, session, stats: GenerationStats) -> dict:
         """The ``telemetry`` object of a finished generation (ms, tok/s, bytes, tokens; the route as it
@@ -378,10 +414,39 @@ async def _read_body(request: web.Request) -> dict:
         raise RequestError(err.message, err.status, err.code) from None
     if not isinstance(body, dict):
         raise RequestError("body must be a JSON object")
+    try:  # JSON may escape a lone UTF-16 surrogate ("\\ud800"): no text can hold it, no tokenizer can take it
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"body holds a lone UTF-16 surrogate (\\u{ord(exc.object[exc.start]):04x}), which is not "
+                           f"text; send valid Unicode") from None
     return body
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_turns(messages, template: str | None) -> list[dict[str, str]]:
+    """The ``[{"role", "content"}]`` turns the chat template renders, from OpenAI ``messages``.
+
+    ``developer`` (what current OpenAI clients send instead of ``system``) becomes ``system`` when the
+    template has no ``developer`` role. RequestError (400, param ``messages``) for a message that is not an
+    object, has an unknown role, or has no content (only an assistant turn that makes tool calls may omit it).
+    """
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] needs a role and content", param="messages")
+        role = m["role"]
+        if role not in CHAT_ROLES:
+            raise RequestError(f"message role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", param="messages")
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            raise RequestError(f"messages[{i}] ({role}) has no content", param="messages")
+        if role == "developer" and "developer" not in (template or ""):
+            role = "system"
+        turns.append({"role": role, "content": _message_text(m.get("content"))})
+    return turns
 
 
 def _check_model(gw: "Gateway", body: dict) -> dict:
@@ -398,17 +463,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
     try:
         body = _check_model(gw, await _read_body(request))
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list", param="messages")
-        turns = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise RequestError("each message needs a role and content", param="messages")
-            if m["role"] not in CHAT_ROLES:
-                raise RequestError(f"message role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}",
-                                   param="messages")
-            turns.append({"role": m["role"], "content": _message_text(m.get("content"))})
+        turns = chat_turns(body.get("messages"), gw.tokenizer.chat_template)
         try:
             ids = gw.tokenizer.encode(gw.tokenizer.render_chat(turns))
         except ValueError as exc:
@@ -428,7 +483,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise RequestError("prompt must be a string", param="prompt")
-        return await _complete(request, gw.tokenizer.encode(prompt), body, chat=False)
+        ids = gw.tokenizer.encode(prompt)
+        if not ids:  # a model without BOS has nothing to start from
+            raise RequestError("prompt is empty and this model adds no BOS token: give at least one token of text",
+                               param="prompt")
+        return await _complete(request, ids, body, chat=False)
     except Exception as exc:  # noqa: BLE001
         return _error_response(exc)
 
