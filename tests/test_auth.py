@@ -5,6 +5,7 @@ The routes are enumerated from the apps themselves, so a new endpoint cannot sli
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 
@@ -67,3 +68,24 @@ def test_health_with_token(apps):
     _, url = apps[0]
     assert status_of(url + "/health", "GET", {TOKEN_HEADER: TOKEN}) == 200
     assert status_of(url + "/health?token=" + TOKEN, "GET", {}) == 200  # query form, for BitTorrent announces
+
+
+def test_the_token_is_never_in_a_torrent(apps, tmp_path, monkeypatch):
+    """A published torrent announces with a key derived from the token (it opens /announce only), so the
+    token is not in the .torrent, the manifest the tracker serves, or the tracker's database."""
+    import libtorrent as lt
+
+    from ggufswarm.protocol.auth import TOKEN_ENV, announce_key
+    from ggufswarm.swarm.publish import publish, tracker_call
+
+    _, tracker = apps[1]
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    model = write_tiny_model(tmp_path / "published.gguf", "llama", n_layers=2)
+    published = publish(model, tracker, "tiny")
+    served = tracker_call(f"{tracker}/manifests/tiny")
+    for blob in (published.torrent, bytes.fromhex(served["torrent_hex"]), json.dumps(served).encode()):
+        assert TOKEN.encode() not in blob
+    announce = lt.bdecode(published.torrent)[b"announce"].decode()
+    assert announce.endswith("/announce?swarm_key=" + announce_key(TOKEN))
+    assert status_of(announce + "&info_hash=" + "%00" * 20 + "&peer_id=x&port=1", "GET", {}) == 200
+    assert status_of(tracker + "/status.json?swarm_key=" + announce_key(TOKEN), "GET", {}) == 401  # announce only

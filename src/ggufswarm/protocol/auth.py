@@ -23,6 +23,13 @@ def auth_headers() -> dict[str, str]:
     return {TOKEN_HEADER: token} if token else {}
 
 
+def announce_key(token: str) -> str:
+    """The key BitTorrent clients announce with (``/announce?swarm_key=…``, written into every .torrent): an HMAC of
+    the swarm token, so the token itself is never in a torrent, a manifest or the tracker's database. It lets
+    its holder announce and nothing else."""
+    return hmac.new(token.encode(), b"ggufswarm-announce/1", "sha256").hexdigest()[:40]
+
+
 def token_middleware(token: str | None):
     """aiohttp middleware: without a matching ``X-Ggufswarm-Token`` header (or ``token`` query parameter,
     for peers that cannot set headers, such as BitTorrent clients announcing) → 401 JSON error."""
@@ -31,6 +38,9 @@ def token_middleware(token: str | None):
     async def check(request: web.Request, handler):
         if token:
             given = request.headers.get(TOKEN_HEADER) or request.query.get("token") or ""
+            key = request.query.get("swarm_key") if request.path == "/announce" else None
+            if key is not None and hmac.compare_digest(key.encode(), announce_key(token).encode()):
+                return await handler(request)
             if not hmac.compare_digest(given.encode(), token.encode()):
                 body = {"error": {"code": "unauthorized", "message": "missing or wrong swarm token "
                                                                      f"({TOKEN_HEADER} header or ?token=)"}}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..artifact.gguf_file import split_paths
 from ..artifact.manifest import Manifest
-from ..protocol.auth import auth_headers, swarm_token
+from ..protocol.auth import announce_key, auth_headers, swarm_token
 from .torrent import DEFAULT_PIECE_SIZE, Swarm, info_hash, make_torrent, save_path_for
 
 
@@ -58,8 +58,8 @@ def publish(model_path: Path, tracker: str, name: str | None = None, data_dir: P
     paths = split_paths(Path(model_path))
     manifest = Manifest.from_gguf(paths[0], name)
     announce = tracker.rstrip("/") + "/announce"
-    if swarm_token():  # BitTorrent clients cannot send headers: the token rides in the announce URL
-        announce += "?" + urllib.parse.urlencode({"token": swarm_token()})
+    if swarm_token():  # BitTorrent clients cannot send headers: a key derived from the token rides in the URL
+        announce += "?" + urllib.parse.urlencode({"swarm_key": announce_key(swarm_token())})
     torrent = make_torrent(paths, piece_size, trackers=[announce], web_seeds=list(web_seeds))
     manifest.info_hash, manifest.piece_size, manifest.web_seeds = info_hash(torrent), piece_size, list(web_seeds)
     tracker_call(f"{tracker.rstrip('/')}/manifests/{manifest.name}", "PUT",
