@@ -139,3 +139,18 @@ def test_developer_message_reaches_the_route(gateway):
     assert 500 <= status < 600 and "127.0.0.1:9" in body["error"]["message"]  # valid: it went on to the (dead) node
     status, body = post(f"{gateway}/v1/chat/completions", {"messages": [{"role": "user"}]})
     assert status == 400 and "no content" in body["error"]["message"]
+
+
+def test_open_gateway_beyond_loopback_warns(gemma_path):
+    """Without --api-key on a non-loopback address the gateway says, at start, who can use it."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "gateway", "--route", "http://127.0.0.1:9",
+                             "--model", str(gemma_path), "--host", "0.0.0.0", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "ggufswarm gateway ready" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "without --api-key" in err

@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "published model name; its header is fetched from the swarm). Default: embedded Gemma 3 270M")
     w.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR", help="where the fetched header goes")
     w.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: open API)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: open API: anyone who "
+                        "reaches the port can generate; the gateway warns when it listens beyond loopback without one)")
     w.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     w.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     w.add_argument("--hop-timeout", type=float, default=30.0, metavar="S",

@@ -590,11 +590,27 @@ class ServerThread:
         self._thread.join(timeout)
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name to listen on) is only reachable from this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def run_gateway(config: GatewayConfig) -> int:
     """``ggufswarm gateway``: serve until SIGINT/SIGTERM, printing one ready line to stdout."""
     from ..node.server import serve
 
     app = make_app(config)
+    if not config.api_keys and not _loopback(config.host):
+        print(f"ggufswarm gateway: WARNING: listening on {config.host} without --api-key: anyone who can reach "
+              f"this port can generate (and hold KV cache on every node of the swarm); set --api-key",
+              file=sys.stderr, flush=True)
 
     def ready(url: str) -> None:
         where = f"tracker {config.tracker}" if config.tracker else f"route {','.join(config.route)}"
