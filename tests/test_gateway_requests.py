@@ -154,3 +154,4 @@ def test_open_gateway_beyond_loopback_warns(gemma_path):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "without --api-key" in err
+

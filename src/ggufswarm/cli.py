@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: open API: anyone who "
                         "reaches the port can generate; the gateway warns when it listens beyond loopback without one)")
+    w.add_argument("--literal-prompts", action="store_true",
+                   help="/v1/completions: tokenize control-token text in a prompt (e.g. <start_of_turn>) as plain "
+                        "text; by default it is read as the control token, as llama-server does (chat messages are "
+                        "always plain text)")
     w.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     w.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     w.add_argument("--hop-timeout", type=float, default=30.0, metavar="S",
@@ -335,7 +339,7 @@ def cmd_gateway(args) -> int:
     return run_gateway(GatewayConfig(route=route, model=args.model, host=args.host, port=args.port,
                                      hop_timeout_s=args.hop_timeout, wire_dtype=args.wire_dtype,
                                      default_max_tokens=args.max_tokens, tracker=args.tracker,
-                                     api_keys=tuple(args.api_key),
+                                     api_keys=tuple(args.api_key), prompt_special=not args.literal_prompts,
                                      data_dir=args.data_dir))
 
 

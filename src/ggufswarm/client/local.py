@@ -50,9 +50,10 @@ class LocalModel:
         return LocalSession(self.shards, max_length or self.config.max_length, sampling or SamplingParams())
 
     def prompt_ids(self, prompt: str, chat: bool = False) -> list[int]:
-        """Token ids of a plain prompt, or of a one-turn chat rendered with the GGUF's template."""
+        """Token ids of a plain prompt, or of a one-turn chat rendered with the GGUF's template (the prompt's
+        text is never read as control tokens there: Tokenizer.encode_chat)."""
         if chat:
-            prompt = self.tokenizer.render_chat([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
 

@@ -6,6 +6,7 @@ import codecs
 import contextlib
 import datetime
 import os
+import re
 from typing import Any
 
 import jinja2
@@ -94,6 +95,61 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of a token sequence (invalid UTF-8 replaced)."""
         return b"".join(self.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
+
+    @property
+    def control_pattern(self) -> "re.Pattern | None":
+        """A regex matching the text of any control token (``tokenizer.ggml.token_type`` 3: turn markers such
+        as ``<start_of_turn>`` or ``<|im_start|>``), longest first; None when the vocabulary has none."""
+        if not hasattr(self, "_control_rx"):
+            tokens = self.metadata.get("tokenizer.ggml.tokens") or []
+            types = self.metadata.get("tokenizer.ggml.token_type") or []
+            control = sorted({t for t, ty in zip(tokens, types) if ty == 3 and t}, key=len, reverse=True)
+            self._control_rx = re.compile("|".join(map(re.escape, control))) if control else None
+        return self._control_rx
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template, where only the template writes control
+        tokens: text in a message that looks like one (``<|im_end|>``, ``<start_of_turn>``) is tokenized as
+        the literal text it is, so a message cannot forge a turn.
+
+        Messages without such text give exactly ``encode(render_chat(messages))``. Otherwise the template is
+        rendered with a placeholder per message to find where each message's text lands, the template's
+        parts are tokenized with control tokens and the messages' without. ValueError when the template
+        rejects the messages, or transforms a message holding control-token text beyond recognition.
+        """
+        rendered = self.render_chat(messages, add_generation_prompt)
+        rx = self.control_pattern
+        if rx is None or not any(rx.search(m.get("content") or "") for m in messages):
+            return self.encode(rendered)
+        marks = [f"@@ggufswarm-message-{i}-{os.urandom(4).hex()}@@" for i in range(len(messages))]
+        skeleton = self.render_chat([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                    add_generation_prompt)
+        parts = re.split("(" + "|".join(map(re.escape, marks)) + ")", skeleton)
+        pieces, rebuilt = [], ""
+        for i, part in enumerate(parts):
+            if i % 2 == 0:
+                pieces.append((part, True))
+                rebuilt += part
+                continue
+            text = messages[marks.index(part)].get("content") or ""
+            for candidate in (text, text.strip()):  # as given, or as a template that trims it writes it
+                if rendered.startswith(rebuilt + candidate):
+                    break
+            else:
+                raise ValueError("a message holds control-token text and the chat template rewrites messages, so "
+                                 "it cannot be sent as literal text")
+            pieces.append((candidate, False))
+            rebuilt += candidate
+        if rebuilt != rendered:
+            raise ValueError("a message holds control-token text and the chat template renders messages in a way "
+                             "that cannot be split safely")
+        ids: list[int] = []
+        for text, template in pieces:
+            if text:
+                ids += self.encode(text, add_bos=False, special=template)
+        if self.add_bos and self.bos_id >= 0 and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``[{"role", "content"}]``) with the GGUF's ``tokenizer.chat_template`` (jinja2).

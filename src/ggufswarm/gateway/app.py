@@ -51,6 +51,9 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = ()    # when set, /v1/* needs ``Authorization: Bearer KEY`` (OpenAI style)
     tracker: str | None = None        # plan a route per session from this tracker (``route`` unused)
     data_dir: str = "ggufswarm-data"  # where the vocabulary (GGUF header) fetched from the swarm goes
+    # /v1/completions: read control-token text in a raw prompt as control tokens (as llama-server does), or
+    # as literal text (``--literal-prompts``). Chat messages are always literal (Tokenizer.encode_chat).
+    prompt_special: bool = True
 
 
 class RequestError(Exception):
@@ -465,7 +468,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = _check_model(gw, await _read_body(request))
         turns = chat_turns(body.get("messages"), gw.tokenizer.chat_template)
         try:
-            ids = gw.tokenizer.encode(gw.tokenizer.render_chat(turns))
+            ids = gw.tokenizer.encode_chat(turns)
         except ValueError as exc:
             raise RequestError(str(exc), param="messages") from None
         return await _complete(request, ids, body, chat=True)
@@ -483,7 +486,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise RequestError("prompt must be a string", param="prompt")
-        ids = gw.tokenizer.encode(prompt)
+        ids = gw.tokenizer.encode(prompt, special=gw.config.prompt_special)
         if not ids:  # a model without BOS has nothing to start from
             raise RequestError("prompt is empty and this model adds no BOS token: give at least one token of text",
                                param="prompt")
