@@ -232,3 +232,28 @@ def test_literal_prompts_flag(gateway, cluster, gemma_path, gemma):
         literal.stop()
     assert status == 200 and out["usage"]["prompt_tokens"] == len(gemma.tokenizer.encode(prompt, special=False))
     assert len(gemma.tokenizer.encode(prompt, special=False)) != len(gemma.tokenizer.encode(prompt))
+
+
+def test_client_leaving_a_non_streamed_request_frees_every_node(gateway, cluster):
+    """A client that disconnects from a non-streamed request stops its generation: within 2 s no node holds
+    its session or KV any more."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    from route_fixtures import health
+
+    parts = urlsplit(gateway)
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}).encode()
+    sock = socket.create_connection((parts.hostname, parts.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 30
+    while not all(health(n.url)["sessions"] for n in cluster):  # generating on every node
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    sock.close()
+    left = time.monotonic()
+    while any(health(n.url)["sessions"] or health(n.url)["kv_tokens_held"] for n in cluster):
+        assert time.monotonic() - left < 2.0, [health(n.url)["sessions"] for n in cluster]
+        time.sleep(0.05)

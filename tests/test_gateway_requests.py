@@ -155,3 +155,25 @@ def test_open_gateway_beyond_loopback_warns(gemma_path):
         _, err = proc.communicate(timeout=30)
     assert "without --api-key" in err
 
+
+
+def test_a_huge_prompt_does_not_stall_the_gateway(gateway):
+    """Tokenizing a 1 MB prompt runs off the event loop: /health answers meanwhile."""
+    import threading
+    import time
+
+    done = threading.Event()
+
+    def huge():
+        post(f"{gateway}/v1/chat/completions", {"messages": [{"role": "user", "content": "lorem ipsum " * 90000}]})
+        done.set()
+
+    threading.Thread(target=huge, daemon=True).start()
+    slowest = 0.0
+    while not done.is_set():
+        t0 = time.monotonic()
+        with urllib.request.urlopen(f"{gateway}/health", timeout=30) as r:
+            assert r.status == 200
+        slowest = max(slowest, time.monotonic() - t0)
+        time.sleep(0.02)
+    assert slowest < 0.5, slowest

@@ -355,8 +355,22 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
+    async def next_event():
+        # aiohttp does not cancel a handler whose client hung up: look for that while waiting, so a non-streamed
+        # request whose client left stops its generation (and frees its KV on every node) within a second
+        while True:
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client went away")
+            try:
+                return await asyncio.wait_for(queue.get(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
     try:
-        event = await queue.get()
+        try:
+            event = await next_event()
+        except ConnectionResetError:
+            return web.Response(status=499)
         if event[0] == "error":
             return _error_response(event[1])
 
@@ -382,7 +396,10 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
             return resp
         parts = []
         while True:
-            event = await queue.get()
+            try:
+                event = await next_event()
+            except ConnectionResetError:
+                return web.Response(status=499)  # nobody reads it; `finally` below stops the worker
             if event[0] == "delta":
                 parts.append(event[1])
             elif event[0] == "done":
@@ -468,7 +485,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = _check_model(gw, await _read_body(request))
         turns = chat_turns(body.get("messages"), gw.tokenizer.chat_template)
         try:
-            ids = gw.tokenizer.encode_chat(turns)
+            # off the event loop: a 1 MB prompt takes ~1 s to render and tokenize, other requests go on meanwhile
+            ids = await asyncio.get_running_loop().run_in_executor(gw.pool, gw.tokenizer.encode_chat, turns)
         except ValueError as exc:
             raise RequestError(str(exc), param="messages") from None
         return await _complete(request, ids, body, chat=True)
@@ -486,7 +504,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise RequestError("prompt must be a string", param="prompt")
-        ids = gw.tokenizer.encode(prompt, special=gw.config.prompt_special)
+        ids = await asyncio.get_running_loop().run_in_executor(  # off the event loop, as for chat
+            gw.pool, lambda: gw.tokenizer.encode(prompt, special=gw.config.prompt_special))
         if not ids:  # a model without BOS has nothing to start from
             raise RequestError("prompt is empty and this model adds no BOS token: give at least one token of text",
                                param="prompt")
