@@ -162,3 +162,27 @@ def test_next_hop_must_be_a_bare_node_url_and_its_body_is_never_echoed(tiny_rout
         status, body = http("POST", first + "/v1/step", encode_tokens(sid, 1, 0, PROMPT))
         assert status == 502 and body["error"]["code"] == "hop_failed" and "secret" not in json.dumps(body)
     assert http("GET", first + "/health")[0] == 200
+
+
+def test_a_client_that_dies_frees_its_sessions_within_its_lease(tiny_route):
+    """A session opened with a lease is dropped by every node once idle that long (not only after the
+    node's 300 s session TTL); one whose client renews it, or keeps stepping, stays."""
+    import time
+
+    urls = [tiny_route["first"], tiny_route["head"]]
+    before = [http("GET", u + "/health")[1]["sessions"] for u in urls]  # other tests' sessions, if any
+    route = RemoteRoute(urls)
+    abandoned = route.open(64, GREEDY, lease_s=1.0)
+    abandoned.step(PROMPT)  # then its client "dies": no more steps, no close
+    kept = route.open(64, GREEDY, lease_s=1.0)
+    token = kept.step(PROMPT)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3.0:
+        kept.renew() if time.monotonic() - t0 < 1.5 else None
+        token = kept.step([token]) if time.monotonic() - t0 >= 1.5 else token
+        time.sleep(0.2)
+    assert [http("GET", u + "/health")[1]["sessions"] - b for u, b in zip(urls, before)] == [1, 1]  # the live one
+    kept.close()
+    status, body = http("POST", f"{urls[0]}/v1/sessions/{abandoned.id}/renew", None)
+    assert status == 404 and body["error"]["code"] == "unknown_session"
+    assert http("POST", urls[0] + "/v1/sessions", {"max_length": 8, "next_hop": urls[1], "lease_s": -1})[0] == 400

@@ -144,14 +144,18 @@ class RemoteRoute:
         return min(h.max_length for h in self.hops)
 
     def open(self, max_length: int, sampling: SamplingParams | None = None, wire_dtype: str = "f32",
-             top_logprobs: int = 0, replan=None, reuse_prefix: bool = True) -> "RemoteSession":
+             top_logprobs: int = 0, replan=None, reuse_prefix: bool = True,
+             lease_s: float | None = None) -> "RemoteSession":
         """Open a session on every node (head first); RouteError (with the node's status) when one refuses.
+
+        ``lease_s``: the nodes drop the session after that many idle seconds (not only after their session
+        TTL): a client that dies frees the route's KV that soon. The session renews it while it waits.
 
         ``replan(exclude, span) -> RemoteRoute``: plans a replacement for the layers ``span`` avoiding the
         node URLs in ``exclude``; with it the session repairs itself when a node fails (see RemoteSession).
         """
         return RemoteSession(self, max_length, sampling or SamplingParams(), wire_dtype, top_logprobs, replan,
-                             reuse_prefix)
+                             reuse_prefix, lease_s)
 
 
 @dataclass
@@ -224,7 +228,7 @@ class RemoteSession:
     OPEN_WAIT_S = 60.0  # how long an open waits for a node's free session slot (kv_budget_full) before failing
 
     def __init__(self, route: RemoteRoute, max_length: int, sampling: SamplingParams, wire_dtype: str = "f32",
-                 top_logprobs: int = 0, replan=None, reuse_prefix: bool = True):
+                 top_logprobs: int = 0, replan=None, reuse_prefix: bool = True, lease_s: float | None = None):
         self.route = route
         self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
         self.max_length = max_length
@@ -233,6 +237,8 @@ class RemoteSession:
         self.top_logprobs = top_logprobs
         self.replan = replan
         self.reuse_prefix = reuse_prefix
+        self.lease_s = lease_s
+        self._renewed = time.monotonic()
         self.position = 0      # tokens every node of the route holds
         self.tokens: list[int] = []  # the whole history fed so far (position <= len(tokens) during a repair)
         # Positions where a step ended. llama.cpp's numerics depend on how tokens are grouped into steps, so a
@@ -259,6 +265,8 @@ class RemoteSession:
         if hop.head:
             body["sampling"] = self.sampling.to_dict()
             body["top_logprobs"] = self.top_logprobs
+        if self.lease_s is not None:
+            body["lease_s"] = self.lease_s
         # A node whose session slots are all taken answers 429 kv_budget_full: wait for one (as llama-server
         # queues requests beyond --parallel). Every session opens head first, so the ones holding this node's
         # slots already hold the later nodes too and will finish: waiting cannot deadlock.
@@ -272,6 +280,8 @@ class RemoteSession:
                     raise
                 time.sleep(pause)
                 pause = min(pause * 2, 0.5)
+                if self.lease_s is not None and time.monotonic() - self._renewed > self.lease_s / 3:
+                    self.renew()  # the nodes opened already hold the session for us meanwhile
         self._opened.append(hop.url)
 
     def _conn(self, url: str) -> http.client.HTTPConnection:
@@ -457,6 +467,12 @@ class RemoteSession:
             "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code, "message": str(exc)[:300],
             "replacement": [h.url for h in spare.hops], "restored_tokens": length,
             "tokens_replayed": target - length, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+
+    def renew(self) -> None:
+        """Restart the idle clock (lease) of the session on every node it is open on; RouteError on a refusal."""
+        for url in list(self._opened):
+            self._call(url, "POST", f"/v1/sessions/{self.id}/renew", None, "renew")
+        self._renewed = time.monotonic()
 
     def truncate(self, length: int) -> None:
         """Roll every node back to ``length`` tokens; RouteError when a node refuses."""

@@ -54,6 +54,7 @@ class GatewayConfig:
     # /v1/completions: read control-token text in a raw prompt as control tokens (as llama-server does), or
     # as literal text (``--literal-prompts``). Chat messages are always literal (Tokenizer.encode_chat).
     prompt_special: bool = True
+    session_lease_s: float = 30.0  # nodes drop a session idle this long: a gateway that dies frees its KV that soon
 
 
 class RequestError(Exception):
@@ -293,7 +294,8 @@ class Gateway:
                 for url in exclude:  # nodes this session saw fail: new sessions avoid them too
                     self.suspect(url)
                 return self.route(max_length, exclude, span)
-        return route.open(max_length, params, self.config.wire_dtype, replan=replan), max_length
+        return route.open(max_length, params, self.config.wire_dtype, replan=replan,
+                          lease_s=self.config.session_lease_s), max_length
 
     def telemetry(self, session, stats: GenerationStats) -> dict:
         """The ``telemetry`` object of a finished generation (ms, tok/s, bytes, tokens; the route as it

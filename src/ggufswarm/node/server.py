@@ -228,6 +228,10 @@ async def open_session(request: web.Request) -> web.Response:
         n_logprobs = body.get("top_logprobs", 0)
         if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or not 0 <= n_logprobs <= 20:
             raise ProtocolError("bad_request", f"top_logprobs must be an integer in 0..20, got {n_logprobs!r}")
+        lease = body.get("lease_s")
+        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
+                                  or not 0 < lease <= sys.float_info.max):
+            raise ProtocolError("bad_request", f"lease_s must be a positive number of seconds, got {lease!r}")
         hop_timeout = body.get("hop_timeout_s", state.config.hop_timeout_s)
         if (isinstance(hop_timeout, bool) or not isinstance(hop_timeout, (int, float))
                 or not 0 < hop_timeout <= sys.float_info.max):  # finite: it becomes a float timeout
@@ -243,11 +247,24 @@ async def open_session(request: web.Request) -> web.Response:
         session = state.store.open(sid, max_length, next_hop, params, wire, n_logprobs)
         session.lock = asyncio.Lock()
         session.hop_timeout_s = float(hop_timeout)
+        session.lease_s = float(lease) if lease is not None else None
     except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
         return _error(state, exc)
     return _json({"session_id": str(sid), "max_length": max_length, "layers": [state.spec.start, state.spec.end],
                   "kv_tokens_reserved": state.store.reserved_tokens, "kv_budget_tokens": state.store.budget_tokens},
                  201)
+
+
+async def renew_session(request: web.Request) -> web.Response:
+    """``POST /v1/sessions/{id}/renew`` → 200 {session_id, lease_s}: the client is alive; the session's idle
+    clock restarts (its lease, or the node's session TTL, counts from now). 404 unknown_session."""
+    state: NodeState = request.app[NODE]
+    try:
+        session = state.store.get(_session_id(request.match_info["sid"]))
+        session.last_used = time.monotonic()
+    except Exception as exc:  # noqa: BLE001
+        return _error(state, exc)
+    return _json({"session_id": str(session.id), "lease_s": session.lease_s or state.store.ttl_s})
 
 
 async def close_session(request: web.Request) -> web.Response:
@@ -495,50 +512,61 @@ async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, b
             raise ProtocolError("bad_dtype", f"layers {state.spec.start}:{state.spec.end} take {want}; "
                                              f"got a {frame.dtype} frame")
         session = state.store.get(frame.session_id)
-        async with session.lock:
-            digest = zlib.crc32(body)
-            record = state.store.replay(session, frame.step, digest, frame.start, frame.n_tokens)
-            if record is not None:
-                state.replays.inc()
-                if record.reply is not None:
-                    return 200, record.reply
-            else:
-                args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample)
-                lock = state.inline_lock if frame.n_tokens == 1 else None
-                if lock is not None and lock.acquire(blocking=False):
-                    # A decode step when the shard is idle runs right here on the event loop: it takes a few ms,
-                    # and the hand-off to a worker thread and back costs ~0.5 ms (about 10 % of a hop's step;
-                    # bench/bench_llamacpp.py). With the shard busy (a prefill, a snapshot) it queues in the pool,
-                    # so the loop never waits for another step.
-                    try:
-                        record = state.store.apply(*args)
-                    finally:
-                        lock.release()
-                else:
-                    record = await asyncio.get_running_loop().run_in_executor(state.pool, state.store.apply, *args)
-                state.steps.labels(kind).inc()
-                state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
-            hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
-            if state.spec.head:
-                reply = {"token": record.token, "hops": [hop]}
-                if record.logprobs is not None:
-                    reply["logprobs"] = record.logprobs
-            else:
-                ids = frame.data if frame.dtype == "ids" else frame.token_ids
-                out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,
-                                    ids, frame.flags & FLAG_NO_SAMPLE)
-                state.bytes_out.labels(kind).inc(len(out))
-                t_push = time.perf_counter()
-                reply = await _push(state, session.next_hop, out, session.hop_timeout_s)
-                hop["push_ms"] = round((time.perf_counter() - t_push) * 1e3, 3)
-                reply["hops"].insert(0, hop)
-            hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-            record.reply = json.dumps(reply).encode()
-            if state.snapshots is not None:
-                state.snapshots.after_step(session, kind == "prefill" and frame.sample)
-            return 200, record.reply
+        session.stepping += 1  # in a step until its reply is back: never expired meanwhile (next hops may be slow)
+        try:
+            return await _apply_session_frame(state, session, frame, body, kind, t0)
+        finally:
+            session.stepping -= 1
+            session.last_used = time.monotonic()
     except Exception as exc:  # noqa: BLE001
         return _error_reply(state, exc)
+
+
+async def _apply_session_frame(state: NodeState, session, frame, body: bytes, kind: str,
+                               t0: float) -> tuple[int, bytes]:
+    """The part of _apply_frame that runs under the session's lock. Raises what the step raises."""
+    async with session.lock:
+        digest = zlib.crc32(body)
+        record = state.store.replay(session, frame.step, digest, frame.start, frame.n_tokens)
+        if record is not None:
+            state.replays.inc()
+            if record.reply is not None:
+                return 200, record.reply
+        else:
+            args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample)
+            lock = state.inline_lock if frame.n_tokens == 1 else None
+            if lock is not None and lock.acquire(blocking=False):
+                # A decode step when the shard is idle runs right here on the event loop: it takes a few ms,
+                # and the hand-off to a worker thread and back costs ~0.5 ms (about 10 % of a hop's step;
+                # bench/bench_llamacpp.py). With the shard busy (a prefill, a snapshot) it queues in the pool,
+                # so the loop never waits for another step.
+                try:
+                    record = state.store.apply(*args)
+                finally:
+                    lock.release()
+            else:
+                record = await asyncio.get_running_loop().run_in_executor(state.pool, state.store.apply, *args)
+            state.steps.labels(kind).inc()
+            state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
+        hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
+        if state.spec.head:
+            reply = {"token": record.token, "hops": [hop]}
+            if record.logprobs is not None:
+                reply["logprobs"] = record.logprobs
+        else:
+            ids = frame.data if frame.dtype == "ids" else frame.token_ids
+            out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,
+                                ids, frame.flags & FLAG_NO_SAMPLE)
+            state.bytes_out.labels(kind).inc(len(out))
+            t_push = time.perf_counter()
+            reply = await _push(state, session.next_hop, out, session.hop_timeout_s)
+            hop["push_ms"] = round((time.perf_counter() - t_push) * 1e3, 3)
+            reply["hops"].insert(0, hop)
+        hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        record.reply = json.dumps(reply).encode()
+        if state.snapshots is not None:
+            state.snapshots.after_step(session, kind == "prefill" and frame.sample)
+        return 200, record.reply
 
 
 async def health(request: web.Request) -> web.Response:
@@ -553,7 +581,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _reaper(state: NodeState) -> None:
-    period = max(0.05, min(state.store.ttl_s / 4, 10.0))
+    period = max(0.05, min(state.store.ttl_s / 4, 1.0))  # leases may be a few seconds
     while True:
         await asyncio.sleep(period)
         state.store.expire()
@@ -643,6 +671,7 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.router.add_delete("/v1/sessions/{sid}", close_session)
     app.router.add_post("/v1/sessions/{sid}/truncate", truncate_session)
     app.router.add_post("/v1/sessions/{sid}/restore", restore_session)
+    app.router.add_post("/v1/sessions/{sid}/renew", renew_session)
     app.router.add_post("/v1/step", step)
     app.router.add_get("/v1/link", link)
     app.router.add_get("/health", health)

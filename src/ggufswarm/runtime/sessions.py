@@ -85,7 +85,9 @@ class Session:
     last: StepRecord | None = None
     last_used: float = field(default_factory=time.monotonic)
     busy: int = 0
+    stepping: int = 0  # the server's count of steps in flight (waiting for the next hops too); touched by one thread
     hop_timeout_s: float | None = None  # seconds to wait for next_hop's answer (the server's to use)
+    lease_s: float | None = None  # idle seconds after which the session is dropped (None: the store's ttl_s)
     lock: object = None  # for the server (e.g. an asyncio.Lock serializing this session's steps)
 
     @property
@@ -191,12 +193,14 @@ class SessionStore:
         return session
 
     def expire(self, now: float | None = None) -> list[uuid.UUID]:
-        """Drop sessions idle for more than ``ttl_s`` (never one in the middle of a step); returns their ids."""
+        """Drop sessions idle for more than ``ttl_s``, or their own shorter ``lease_s`` (never one in the middle of a
+        step); returns their ids."""
         with self._lock:
             return self._expire_locked(time.monotonic() if now is None else now)
 
     def _expire_locked(self, now: float) -> list[uuid.UUID]:
-        dead = [sid for sid, s in self.sessions.items() if not s.busy and now - s.last_used > self.ttl_s]
+        dead = [sid for sid, s in self.sessions.items()
+                if not s.busy and not s.stepping and now - s.last_used > min(self.ttl_s, s.lease_s or self.ttl_s)]
         for sid in dead:
             _free(self.sessions.pop(sid))
         return dead
