@@ -78,3 +78,49 @@ def test_dead_node_expires_and_new_routes_avoid_it(gemma_path, tmp_path):
                 gateway.stop()
             stop_nodes(nodes)
             seeder.close()
+
+
+def test_node_started_before_its_tracker_and_model_waits_then_serves(tmp_path, tiny_dir):
+    """Start order does not matter: a node started before the tracker is up, and before its model is
+    published, says what it waits for (one line each) and serves once both exist."""
+    import socket
+    import sys
+    import threading
+
+    from tinymodels import write_tiny_model
+
+    from ggufswarm.node.launch import node_command
+
+    model = write_tiny_model(tiny_dir / "late.gguf", "llama", n_layers=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tracker_url = f"http://127.0.0.1:{port}"
+    cmd = node_command(ShardSpec(0, 2, embed=True, head=True), "late", extra=["--tracker", tracker_url,
+                                                                             "--data-dir", str(tmp_path / "node")])
+    proc = subprocess.Popen([sys.executable, *cmd[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    seeder = None
+    try:
+        time.sleep(3)
+        assert proc.poll() is None and any("waiting for the tracker" in ln for ln in lines), lines
+        tracker = ServerThread(make_tracker_app(TrackerConfig(db=":memory:")), port=port)
+        tracker.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not any("to be published" in ln for ln in lines):
+                assert time.monotonic() < deadline and proc.poll() is None, lines
+                time.sleep(0.2)
+            published = publish(model, tracker_url, "late", tmp_path / "publisher")
+            seeder = Swarm()
+            seeder.seed(published.torrent, save_path_for([model]))
+            ready = proc.stdout.readline()
+            assert ready.startswith("ggufswarm node ready:"), (ready, lines)
+        finally:
+            tracker.stop()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        if seeder is not None:
+            seeder.close()

@@ -724,6 +724,33 @@ async def serve(app: web.Application, host: str, port: int, ready=None) -> None:
         await runner.cleanup()
 
 
+def wait_for_model(tracker: str, name: str, every_s: float = 2.0, parent: int | None = None) -> None:
+    """Block until ``tracker`` answers and has ``name`` published, saying once (one line) what it waits for:
+    start order does not matter. Raises TrackerError for any other refusal (a wrong token, say), SystemExit
+    when ``parent`` (a pid) is gone (``--exit-with-parent``)."""
+    from ..swarm.publish import TrackerError, tracker_call
+
+    said = None
+    while True:
+        if parent is not None and os.getppid() != parent:
+            raise SystemExit(1)
+        try:
+            tracker_call(f"{tracker.rstrip('/')}/manifests/{name}", timeout=10)
+            if said:
+                print(f"ggufswarm node: {name} is published; fetching", file=sys.stderr, flush=True)
+            return
+        except TrackerError as exc:
+            if exc.status not in (None, 404):
+                raise
+            why = (f"waiting for the tracker {tracker} to answer" if exc.status is None else
+                   f"waiting for model {name!r} to be published on {tracker} (ggufswarm publish --name {name})")
+            if why != said:
+                print(f"ggufswarm node: {why}; retrying every {every_s:g} s (Ctrl-C stops)", file=sys.stderr,
+                      flush=True)
+                said = why
+        time.sleep(every_s)
+
+
 def run_node(config: NodeConfig) -> int:
     """``ggufswarm node``: load the shard, serve it, print one ready line to stdout; exit 0 on SIGINT/SIGTERM.
 
@@ -734,6 +761,7 @@ def run_node(config: NodeConfig) -> int:
     if config.tracker:
         from ..swarm.shard_fetch import fetch_shard
         name = config.model or "gemma-3-270m-q4_k_m"
+        wait_for_model(config.tracker, name, parent=os.getppid() if config.exit_with_parent else None)
         fetched = fetch_shard(config.tracker, name, config.layers, config.embed, config.head, Path(config.data_dir),
                               budget_bytes=int(config.memory_budget_mb * 2**20))
         print(f"ggufswarm node: fetched layers {fetched.spec.start}:{fetched.spec.end} of {name}: "

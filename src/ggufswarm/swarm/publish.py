@@ -18,7 +18,12 @@ from .torrent import DEFAULT_PIECE_SIZE, Swarm, info_hash, make_torrent, save_pa
 
 
 class TrackerError(RuntimeError):
-    """The tracker refused a request or could not be reached (the message says which)."""
+    """The tracker refused a request or could not be reached (the message says which). ``status``: its HTTP
+    status, or None when it could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 def tracker_call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0) -> dict:
@@ -34,7 +39,7 @@ def tracker_call(url: str, method: str = "GET", body: dict | None = None, timeou
             reason = json.loads(e.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
             reason = e.reason
-        raise TrackerError(f"tracker {url}: {e.code} {reason}") from None
+        raise TrackerError(f"tracker {url}: {e.code} {reason}", e.code) from None
     except (urllib.error.URLError, OSError) as e:
         raise TrackerError(f"cannot reach tracker {url}: {getattr(e, 'reason', e)}") from None
 
