@@ -328,6 +328,7 @@ def test_no_replacement_is_a_clear_error(swarm):
     with pytest.raises(AssertionError, match="no_replacement") as err:
         stream(swarm["gateway"], PROMPT, lambda i: i == 3 and middle[1].kill())
     assert middle[1].url in str(err.value) and "layers 6:12" in str(err.value)
+    assert swarm["tracker"] not in str(err.value)  # the tracker's reason, never its address
     # the error event still reports the session, with the repair it could not make
     failed = json.loads(str(err.value).split("telemetry=", 1)[1].split("\n", 1)[0])
     [attempt] = failed["repairs"]

@@ -235,7 +235,8 @@ class Gateway:
                     if avoid != set(exclude):  # perhaps a suspect is back: try the nodes it was avoiding
                         avoid = set(exclude)
                         continue
-                    raise RouteError(str(exc), 503, "no_route") from None
+                    # the tracker's reason, not its URL: API clients need not learn the swarm's addresses
+                    raise RouteError(f"no route for {max_length} tokens: {exc.reason}", 503, "no_route") from None
                 except ValueError as exc:
                     raise RouteError(f"bad route from the tracker: {exc}", 502, "bad_route") from None
         with self._route_lock:

@@ -21,9 +21,10 @@ class TrackerError(RuntimeError):
     """The tracker refused a request or could not be reached (the message says which). ``status``: its HTTP
     status, or None when it could not be reached."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, reason: str | None = None):
         super().__init__(message)
         self.status = status
+        self.reason = reason or message  # the tracker's own words, without its URL (for API clients)
 
 
 def tracker_call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0) -> dict:
@@ -39,9 +40,10 @@ def tracker_call(url: str, method: str = "GET", body: dict | None = None, timeou
             reason = json.loads(e.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
             reason = e.reason
-        raise TrackerError(f"tracker {url}: {e.code} {reason}", e.code) from None
+        raise TrackerError(f"tracker {url}: {e.code} {reason}", e.code, str(reason)) from None
     except (urllib.error.URLError, OSError) as e:
-        raise TrackerError(f"cannot reach tracker {url}: {getattr(e, 'reason', e)}") from None
+        raise TrackerError(f"cannot reach tracker {url}: {getattr(e, 'reason', e)}", None,
+                           "the tracker cannot be reached") from None
 
 
 @dataclass
