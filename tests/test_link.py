@@ -186,3 +186,52 @@ def test_a_client_that_dies_frees_its_sessions_within_its_lease(tiny_route):
     status, body = http("POST", f"{urls[0]}/v1/sessions/{abandoned.id}/renew", None)
     assert status == 404 and body["error"]["code"] == "unknown_session"
     assert http("POST", urls[0] + "/v1/sessions", {"max_length": 8, "next_hop": urls[1], "lease_s": -1})[0] == 400
+
+
+def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
+    """Telemetry lists every repair attempt: one whose replacement fails while restoring (recorded with its
+    error), then the one that finds no replacement left."""
+    from dataclasses import replace
+
+    from ggufswarm.client.remote import RouteError
+
+    async def opened(request):
+        return web.json_response({"session_id": (await request.json())["session_id"]}, status=201)
+
+    async def broken(request):
+        return web.json_response({"error": {"code": "internal", "message": "disk on fire"}}, status=500)
+
+    async def closed(request):
+        return web.json_response({"closed": True})
+
+    def spare_app():
+        app = web.Application()
+        app.router.add_post("/v1/sessions", opened)
+        app.router.add_post("/v1/sessions/{sid}/restore", broken)
+        app.router.add_delete("/v1/sessions/{sid}", closed)
+        return app
+
+    with AppThread(spare_app) as fake:
+        route = RemoteRoute([tiny_route["first"], tiny_route["head"]])
+        spare = RemoteRoute.__new__(RemoteRoute)
+        spare.hop_timeout_s = 30.0
+        spare._set_hops([replace(route.hops[1], url=fake)], part=True)
+
+        def replan(exclude, span):
+            if fake in exclude:
+                raise RouteError(f"no node serves layers {span[0]}:{span[1]} any more", 503, "no_route")
+            return spare
+
+        session = route.open(64, GREEDY, replan=replan)
+        try:
+            token = session.step(PROMPT)
+            http("DELETE", f"{tiny_route['head']}/v1/sessions/{session.id}")  # the head lost the session
+            with pytest.raises(RouteError) as err:
+                session.step([token])
+            assert err.value.code == "no_replacement"
+            first, last = session.telemetry.repairs
+            assert first["hop"] == tiny_route["head"] and first["replacement"] == [fake]
+            assert "disk on fire" in first["error"] and first["tokens_replayed"] == 0
+            assert last["hop"] == fake and last["replacement"] is None and "any more" in last["error"]
+        finally:
+            session.close()

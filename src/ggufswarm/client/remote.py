@@ -454,15 +454,22 @@ class RemoteSession:
         if failed.url in self._opened:
             self._opened.remove(failed.url)
         target = self.position
-        fresh = [h for h in spare.hops if h.url not in self._opened]
-        for h in reversed(fresh):
-            self._open_on(hops, hops.index(h))
-        own = sorted(b for b in self.boundaries if 0 < b <= target)
-        held = {url: n for url, (n, _) in self._restore_many(fresh, self.tokens[:target], own).items()} \
-            if fresh else {}
-        length = max(b for b in self.boundaries if b <= min([target] + list(held.values())))
-        self.position = length  # if this repair fails midway, the next one starts from here
-        self._rewind(hops, held, length, relink=True)
+        try:
+            fresh = [h for h in spare.hops if h.url not in self._opened]
+            for h in reversed(fresh):
+                self._open_on(hops, hops.index(h))
+            own = sorted(b for b in self.boundaries if 0 < b <= target)
+            held = {url: n for url, (n, _) in self._restore_many(fresh, self.tokens[:target], own).items()} \
+                if fresh else {}
+            length = max(b for b in self.boundaries if b <= min([target] + list(held.values())))
+            self.position = length  # if this repair fails midway, the next one starts from here
+            self._rewind(hops, held, length, relink=True)
+        except RouteError as err:  # failed halfway (the replacement failed too): recorded, then the caller retries
+            self.telemetry.repairs.append({
+                "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code,
+                "message": str(exc)[:300], "replacement": [h.url for h in spare.hops], "restored_tokens": 0,
+                "tokens_replayed": 0, "error": str(err)[:300], "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+            raise
         self.telemetry.repairs.append({
             "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code, "message": str(exc)[:300],
             "replacement": [h.url for h in spare.hops], "restored_tokens": length,
