@@ -213,9 +213,7 @@ def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
 
     with AppThread(spare_app) as fake:
         route = RemoteRoute([tiny_route["first"], tiny_route["head"]])
-        spare = RemoteRoute.__new__(RemoteRoute)
-        spare.hop_timeout_s = 30.0
-        spare._set_hops([replace(route.hops[1], url=fake)], part=True)
+        spare = RemoteRoute.of_hops([replace(route.hops[1], url=fake)], 30.0, part=True)
 
         def replan(exclude, span):
             if fake in exclude:

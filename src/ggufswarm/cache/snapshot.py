@@ -205,10 +205,3 @@ def _metadata(blob: bytes) -> dict:
     """The ``__metadata__`` of a safetensors blob (its JSON header, after the 8-byte length)."""
     n = int.from_bytes(blob[:8], "little")
     return json.loads(blob[8:8 + n]).get("__metadata__") or {}
-
-
-def snapshot_meta(blob: bytes) -> tuple[Shard, list[int]]:
-    """Shard and token ids of a snapshot blob, after the full check of decode_snapshot (the cache server
-    indexes only valid snapshots). SnapshotError when it is not one."""
-    snap = decode_snapshot(blob)
-    return snap.shard, snap.tokens.tolist()

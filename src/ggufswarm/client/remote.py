@@ -107,11 +107,12 @@ class RemoteRoute:
         self._set_hops([self._describe(u.rstrip("/")) for u in urls], part)
 
     @classmethod
-    def of_hops(cls, hops: list[Hop], hop_timeout_s: float) -> "RemoteRoute":
-        """A route over already described hops (no /health calls); ValueError when they do not chain."""
+    def of_hops(cls, hops: list[Hop], hop_timeout_s: float, part: bool = False) -> "RemoteRoute":
+        """A route over already described hops (no /health calls; ``part`` as in the constructor); ValueError
+        when they do not chain."""
         route = cls.__new__(cls)
         route.hop_timeout_s = hop_timeout_s
-        route._set_hops(list(hops))
+        route._set_hops(list(hops), part)
         return route
 
     def _set_hops(self, hops: list[Hop], part: bool = False) -> None:

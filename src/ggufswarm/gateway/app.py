@@ -220,8 +220,8 @@ class Gateway:
             from urllib.parse import urlencode
 
             from ..swarm.publish import TrackerError, tracker_call
-            avoid = set(exclude) | self.suspects()
-            while True:
+            plans = [set(exclude) | self.suspects(), set(exclude)]  # then the suspects too: perhaps one is back
+            for avoid in plans[:1] if plans[0] == plans[1] else plans:
                 query = {"model": self.model_name, "max_length": max_length}
                 if avoid:
                     query["exclude"] = ",".join(sorted(avoid))
@@ -232,13 +232,11 @@ class Gateway:
                     return RemoteRoute([hop["url"] for hop in planned["route"]], self.config.hop_timeout_s,
                                        part=span is not None)
                 except TrackerError as exc:
-                    if avoid != set(exclude):  # perhaps a suspect is back: try the nodes it was avoiding
-                        avoid = set(exclude)
-                        continue
                     # the tracker's reason, not its URL: API clients need not learn the swarm's addresses
-                    raise RouteError(f"no route for {max_length} tokens: {exc.reason}", 503, "no_route") from None
+                    refused = RouteError(f"no route for {max_length} tokens: {exc.reason}", 503, "no_route")
                 except ValueError as exc:
                     raise RouteError(f"bad route from the tracker: {exc}", 502, "bad_route") from None
+            raise refused
         with self._route_lock:
             if self._route is None:
                 try:
