@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 
 import aiohttp
@@ -15,7 +16,7 @@ from apphost import AppThread
 from route_fixtures import http
 from tinymodels import write_tiny_model
 
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.remote import RemoteRoute, StepLink
 from ggufswarm.client.sampling import SamplingParams
 from ggufswarm.node.link import NO_KEY, REPLY_HEAD, frame_key
 from ggufswarm.node.server import NodeConfig
@@ -51,14 +52,33 @@ def greedy(urls: list[str], n: int = 6) -> list[int]:
         session.close()
 
 
+def links_in_drop_to(url: str, want: int, deadline_s: float = 5.0) -> dict:
+    """Poll ``url``'s /health until its incoming link count is ``want`` (a closed link is noticed
+    asynchronously); its ``links`` then."""
+    end = time.monotonic() + deadline_s
+    while True:
+        links = http("GET", url + "/health")[1]["links"]
+        if links["in"] == want or time.monotonic() > end:
+            return links
+        time.sleep(0.02)
+
+
 def test_route_steps_travel_over_one_link(tiny_route):
-    """Every step of every session from the first node to the head goes over one WebSocket, and the route
-    answers as the whole model on one node."""
+    """Every step of every session from the first node to the head goes over one WebSocket, the client's
+    steps reach the first node over a link of their own (closed with the session), and the route answers as
+    the whole model on one node."""
     want = greedy([tiny_route["whole"]])
     assert greedy([tiny_route["first"], tiny_route["head"]]) == want
     assert greedy([tiny_route["first"], tiny_route["head"]]) == want
-    assert http("GET", tiny_route["first"] + "/health")[1]["links"] == {"in": 0, "out": 1, "http_only": 0}
+    assert links_in_drop_to(tiny_route["first"], 0) == {"in": 0, "out": 1, "http_only": 0}
     assert http("GET", tiny_route["head"] + "/health")[1]["links"]["in"] == 1
+    session = RemoteRoute([tiny_route["first"], tiny_route["head"]]).open(64, GREEDY)
+    try:
+        assert session.step(PROMPT) == want[0]
+        assert http("GET", tiny_route["first"] + "/health")[1]["links"]["in"] == 1  # the client's link
+    finally:
+        session.close()
+    assert links_in_drop_to(tiny_route["first"], 0)["in"] == 0
 
 
 def test_next_hop_without_links_gets_plain_posts(tiny_route):
@@ -93,6 +113,16 @@ def test_next_hop_without_links_gets_plain_posts(tiny_route):
         assert seen == {"link": 1, "step": 3}
         assert http("GET", tiny_route["first"] + "/health")[1]["links"]["http_only"] == 1
         http("DELETE", f"{tiny_route['first']}/v1/sessions/{sid}")
+
+        # The client's own step link falls back the same way when the first node has no links.
+        link = StepLink(fake, 5.0)
+        try:
+            for i in range(2):
+                status, body = link.step(encode_tokens(sid, i + 1, i, [3]))
+                assert status == 200 and json.loads(body)["token"] == 8
+        finally:
+            link.close()
+        assert link.http_only and seen == {"link": 2, "step": 5}
 
 
 def test_bad_link_messages_get_errors_and_the_node_keeps_serving(tiny_route):
