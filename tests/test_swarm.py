@@ -136,6 +136,48 @@ def test_split_set_is_one_artifact(tiny_dir, tmp_path):
     assert torch.equal(LocalModel.load(fetched).session(32).logits(ids), LocalModel.load(first).session(32).logits(ids))
 
 
+def test_a_stalled_fetch_says_so_and_completes_once_a_seeder_appears(tiny_dir, tmp_path, caplog):
+    """No piece arrives (the only peer does not have the torrent yet): the fetch warns within its stall time,
+    keeps retrying (reconnecting its peers), and completes, verified, once the peer seeds."""
+    import threading
+    import time
+
+    from tinymodels import write_tiny_model
+
+    src = tiny_dir / "stallpub"
+    src.mkdir()
+    model = write_tiny_model(src / "tiny.gguf", "llama", n_layers=2)
+    manifest = Manifest.from_gguf(model, name="tiny")
+    torrent = make_torrent([model])
+    seeder, leech = Swarm(), Swarm()
+    result: dict = {}
+
+    def fetch():
+        try:
+            result["stats"] = leech.fetch(torrent, tmp_path, manifest.byte_ranges(0, 2, embed=True, head=True),
+                                          peers=[("127.0.0.1", seeder.port)], timeout=60, progress=False, stall_s=0.3)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = exc
+
+    caplog.set_level("WARNING", logger="ggufswarm.swarm.torrent")
+    thread = threading.Thread(target=fetch)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 20
+        while "fetch stalled" not in caplog.text and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.05)
+        assert "fetch stalled" in caplog.text and "0/" in caplog.text and thread.is_alive()
+        seeder.seed(torrent, src)
+        thread.join(60)
+        assert not thread.is_alive() and "error" not in result, result
+    finally:
+        thread.join(60)
+        seeder.close()
+        leech.close()
+    assert result["stats"].pieces > 0
+    assert (tmp_path / model.name).read_bytes() == model.read_bytes()
+
+
 def test_auto_layers_pick_the_least_covered_range(artifact):
     from ggufswarm.swarm.shard_fetch import choose_layers
     from ggufswarm.tracker.routing import Advertisement

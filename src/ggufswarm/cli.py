@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(DIR/shards, one per layer range, reused across restarts) are kept; default ./ggufswarm-data")
     n.add_argument("--memory-budget", type=float, default=8192.0, metavar="MB",
                    help="with --layers auto: take as many layers as fit in this many MiB of weights (default 8192)")
+    n.add_argument("--fetch-timeout", type=float, default=1800.0, metavar="S",
+                   help="with --tracker: give up fetching the shard after S seconds in all (default 1800)")
+    n.add_argument("--fetch-stall", type=float, default=60.0, metavar="S",
+                   help="with --tracker: when no new piece arrives for S seconds (its only seeder died, none is "
+                        "up yet), say so and ask the tracker for peers again; repeats while stalled (default 60)")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
     _backend_args(n)
@@ -315,6 +320,9 @@ def cmd_node(args) -> int:
     from .node import NodeConfig, run_node
     if args.snapshot_every < 0:
         raise ValueError(f"--snapshot-every must be >= 0, got {args.snapshot_every}")
+    if args.fetch_timeout <= 0 or args.fetch_stall <= 0:
+        raise ValueError(f"--fetch-timeout and --fetch-stall must be > 0 seconds, got {args.fetch_timeout:g} "
+                         f"and {args.fetch_stall:g}")
     if args.cache is not None and not args.cache.startswith(("http://", "https://")):
         raise ValueError(f"--cache must be the cache server's http:// URL, got {args.cache!r}")
     return run_node(NodeConfig(
@@ -323,7 +331,8 @@ def cmd_node(args) -> int:
         max_sessions=args.max_sessions, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,
         session_ttl_s=args.session_ttl, hop_timeout_s=args.hop_timeout, max_step_tokens=args.max_step_tokens,
         workers=args.workers, exit_with_parent=args.exit_with_parent, tracker=args.tracker, data_dir=args.data_dir,
-        memory_budget_mb=args.memory_budget, cache=args.cache, snapshot_every=args.snapshot_every))
+        memory_budget_mb=args.memory_budget, fetch_timeout_s=args.fetch_timeout,
+        fetch_stall_s=args.fetch_stall, cache=args.cache, snapshot_every=args.snapshot_every))
 
 
 def cmd_cache(args) -> int:

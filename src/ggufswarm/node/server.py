@@ -70,6 +70,8 @@ class NodeConfig:
     heartbeat_s: float = 5.0
     swarm_name: str | None = None     # the published name advertised to the tracker (set after a fetch)
     memory_budget_mb: float = 8192.0  # with layers "auto": most MiB of block weights (encoded) to take on
+    fetch_timeout_s: float = 1800.0   # with a tracker: the shard fetch fails after this long in all
+    fetch_stall_s: float = 60.0       # with a tracker: warn and retry when the fetch gets no piece this long
     token: str | None = field(default_factory=swarm_token)  # swarm token required on every endpoint
     cache: str | None = None          # snapshot cache server URL (``ggufswarm cache``)
     snapshot_every: int = 32          # with a cache: snapshot each session every N tokens after its prefill
@@ -763,7 +765,8 @@ def run_node(config: NodeConfig) -> int:
         name = config.model or "gemma-3-270m-q4_k_m"
         wait_for_model(config.tracker, name, parent=os.getppid() if config.exit_with_parent else None)
         fetched = fetch_shard(config.tracker, name, config.layers, config.embed, config.head, Path(config.data_dir),
-                              budget_bytes=int(config.memory_budget_mb * 2**20))
+                              budget_bytes=int(config.memory_budget_mb * 2**20), timeout=config.fetch_timeout_s,
+                              stall_s=config.fetch_stall_s)
         print(f"ggufswarm node: fetched layers {fetched.spec.start}:{fetched.spec.end} of {name}: "
               f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s", file=sys.stderr, flush=True)
         config = replace(config, layers=f"{fetched.spec.start}:{fetched.spec.end}", embed=fetched.spec.embed,

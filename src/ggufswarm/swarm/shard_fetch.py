@@ -44,9 +44,12 @@ class FetchedShard:
 
 
 def fetch_shard(tracker: str, name: str, layers: str, embed: bool, head: bool, data_dir: Path,
-                budget_bytes: int = 8 << 30, progress: bool = True, timeout: float = 1800.0) -> FetchedShard:
+                budget_bytes: int = 8 << 30, progress: bool = True, timeout: float = 1800.0,
+                stall_s: float = 60.0) -> FetchedShard:
     """Fetch from the swarm only the pieces a shard needs (header + its tensors), verified, into
     ``data_dir``; returns with the swarm still seeding them. ``layers``: ``"START:END"`` or ``"auto"``.
+    ``timeout``: seconds in all; ``stall_s``: seconds without a new piece before it warns and retries
+    (``Swarm.fetch``).
 
     Raises TrackerError (unknown model, tracker down), ValueError (bad range), SwarmError (fetch failed).
     """
@@ -63,7 +66,7 @@ def fetch_shard(tracker: str, name: str, layers: str, embed: bool, head: bool, d
     data_dir.mkdir(parents=True, exist_ok=True)
     swarm = Swarm()
     ranges = manifest.byte_ranges(spec.start, spec.end, spec.embed, spec.head)
-    stats = swarm.fetch(torrent, data_dir, ranges, timeout=timeout, progress=progress)
+    stats = swarm.fetch(torrent, data_dir, ranges, timeout=timeout, progress=progress, stall_s=stall_s)
     first = manifest.files[0]["name"]
     path = data_dir / first if len(manifest.files) == 1 else next(data_dir.glob(f"*/{first}"))
     return FetchedShard(path, spec, manifest, swarm, torrent, stats)

@@ -7,11 +7,14 @@ and NAT-PMP are off, so a swarm stays inside the network its tracker sees.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import libtorrent as lt
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PIECE_SIZE = 256 * 1024  # small pieces keep a partial fetch tight (≤ 1 piece of waste per range edge)
 
@@ -132,12 +135,15 @@ class Swarm:
             time.sleep(0.05)
 
     def fetch(self, torrent: bytes, save_path: Path, ranges: list[tuple[int, int, int]], peers=(),
-              timeout: float = 600.0, progress: bool = True) -> FetchStats:
+              timeout: float = 600.0, progress: bool = True, stall_s: float = 60.0) -> FetchStats:
         """Download only the pieces overlapping ``ranges`` into ``save_path`` (sparse files), verified.
 
         ``peers``: extra ``(host, port)`` to connect to besides the tracker's. Shows a tqdm progress
-        bar on stderr when ``progress``. Keeps seeding what it holds afterwards. Raises SwarmError
-        on timeout.
+        bar on stderr when ``progress`` (bytes, and the peers connected). When no new piece arrives for
+        ``stall_s`` seconds (the only seeder died, none is up yet) it logs a warning saying so and retries:
+        re-announces to the tracker (which may know new seeders by then) and reconnects ``peers``; again
+        every ``stall_s`` while it stays stalled. Keeps seeding what it holds afterwards. Raises SwarmError
+        after ``timeout`` seconds in all, or on a storage error.
         """
         ti = lt.torrent_info(lt.bdecode(torrent))
         wanted = pieces_for_ranges(torrent, ranges)
@@ -152,20 +158,36 @@ class Swarm:
             from tqdm import tqdm
             bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fetching shard", leave=False,
                        disable=None)  # None: no bar when stderr is not a terminal
+        last_done, last_progress, shown_peers = -1, t0, -1
         try:
             while True:
                 have = [i for i in wanted if handle.have_piece(i)]
                 done = sum(ti.piece_size(i) for i in have)
+                st = handle.status()
+                now = time.monotonic()
                 if bar is not None:
+                    if st.num_peers != shown_peers:
+                        shown_peers = st.num_peers
+                        bar.set_postfix_str(f"{shown_peers} peer{'' if shown_peers == 1 else 's'}", refresh=False)
                     bar.update(done - bar.n)
                 if len(have) == len(wanted):
                     break
-                st = handle.status()
                 if st.errc.value():
                     raise SwarmError(f"fetch failed: {st.errc.message()}")
-                if time.monotonic() - t0 > timeout:
+                if now - t0 > timeout:
                     raise SwarmError(f"fetch timed out after {timeout:.0f} s with {len(have)}/{len(wanted)} pieces "
                                      f"({st.num_peers} peers connected)")
+                if done != last_done:
+                    last_done, last_progress = done, now
+                elif now - last_progress > stall_s:
+                    log.warning("fetch stalled: no new piece for %.0f s (%d/%d pieces, %d peers connected, %d of them "
+                                "seeds); retrying: asking the tracker for peers again (is a node holding these layers "
+                                "up?); giving up after %.0f s in all", now - last_progress, len(have), len(wanted),
+                                st.num_peers, st.num_seeds, timeout)
+                    handle.force_reannounce()
+                    for peer in peers:
+                        handle.connect_peer(peer)
+                    last_progress = now
                 time.sleep(0.05)
         finally:
             if bar is not None:
