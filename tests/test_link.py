@@ -263,3 +263,35 @@ def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
             assert last["hop"] == fake and last["replacement"] is None and "any more" in last["error"]
         finally:
             session.close()
+
+
+def test_a_node_excluded_by_one_repair_can_replace_a_later_failure(tiny_route, tiny_dir):
+    """The head fails (the session moves to a second head), then the second head fails too: the session goes
+    back to the first head, which serves again, instead of ending with no_replacement; the text is unchanged."""
+    from ggufswarm.client.remote import RouteError
+
+    first, head = tiny_route["first"], tiny_route["head"]
+    with AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=tiny_route["model"],
+                                                    data_dir=str(tiny_dir / "n3")))) as head2:
+        asked = []
+
+        def replan(exclude, span):
+            asked.append(set(exclude))
+            for url in (head, head2):
+                if url not in exclude:
+                    return RemoteRoute([url], 30.0, part=True)
+            raise RouteError(f"no node serves layers {span[0]}:{span[1]} but those excluded", 503, "no_route")
+
+        want = greedy([tiny_route["whole"]], n=4)
+        session = RemoteRoute([first, head]).open(64, GREEDY, replan=replan)
+        try:
+            out = [session.step(PROMPT)]
+            for lost in (head, head2, None):
+                if lost is not None:
+                    http("DELETE", f"{lost}/v1/sessions/{session.id}")  # that node lost the session
+                out.append(session.step([out[-1]]))
+        finally:
+            session.close()
+        assert out == want
+        assert [(r["hop"], r["replacement"]) for r in session.telemetry.repairs] == [(head, [head2]), (head2, [head])]
+        assert asked == [{head}, {head, head2}, {head2}]

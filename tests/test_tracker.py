@@ -146,3 +146,50 @@ def test_heartbeat_with_bad_numbers_is_400(tmp_path):
             status, body = beat(url, "a", (0, 2), **extra)
             assert status == 400 and body["error"]["code"] == "bad_advertisement", extra
         assert beat(url, "a", (0, 2))[0] == 200
+
+
+def test_a_reported_node_is_dropped_only_when_the_tracker_finds_it_down(tmp_path):
+    """POST /nodes/report: the tracker probes the node's /health (with the swarm token) and drops a node that
+    does not answer at once; one that answers stays; an unknown URL is 404 and nothing else is probed."""
+    import socket
+
+    from aiohttp import web
+
+    seen = []
+
+    async def health(request):
+        seen.append(request.headers.get("X-Ggufswarm-Token"))
+        return web.json_response({"ok": True})
+
+    def live_node():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        return app
+
+    with socket.socket() as s:  # a port nothing listens on: a dead node
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    headers = {"Content-Type": "application/json", "X-Ggufswarm-Token": "sekret"}
+
+    def tcall(url, method="GET", body=None):
+        req = urllib.request.Request(url, json.dumps(body).encode() if body is not None else None, headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    with AppThread(live_node) as live, \
+            AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret"))) as url:
+        for node, node_url in (("live", live), ("dead", dead)):
+            body = {"node_id": node, "url": node_url, "model": "tiny", "layers": [0, 4], "embed": True, "head": True}
+            assert tcall(f"{url}/nodes/heartbeat", "POST", body)[0] == 200
+        assert tcall(f"{url}/nodes/report", "POST", {"url": live}) == (200, {"url": live, "alive": True, "removed": 0})
+        assert seen == ["sekret"]
+        assert tcall(f"{url}/nodes/report", "POST", {"url": dead + "/"}) == (200, {"url": dead, "alive": False,
+                                                                                  "removed": 1})
+        assert [n["node_id"] for n in tcall(f"{url}/nodes")[1]["nodes"]] == ["live"]
+        status, body = tcall(f"{url}/nodes/report", "POST", {"url": "http://127.0.0.1:9"})
+        assert status == 404 and body["error"]["code"] == "unknown_node"
+        assert call(f"{url}/nodes/report", "POST", {"url": live})[0] == 401  # no token: refused, nothing probed
+        assert seen == ["sekret"]

@@ -519,6 +519,20 @@ class RemoteSession:
         self.telemetry.prefix_tokens_restored = length
         return length
 
+    def _replacement(self, failed: Hop) -> "RemoteRoute":
+        """A chain for ``failed``'s layers from ``replan``: first avoiding every node that failed this session,
+        then, when none is left, any but ``failed`` itself: a node that failed earlier may be healthy again
+        (restarted, its fault passed), and the open or restore on it tells. RouteError when there is none."""
+        span = (failed.start, failed.end)
+        try:
+            return self.replan(frozenset(self._excluded), span)
+        except RouteError:
+            if self._excluded == {failed.url}:
+                raise
+        spare = self.replan(frozenset({failed.url}), span)
+        self._excluded = {failed.url}
+        return spare
+
     def _repair(self, exc: RouteError) -> None:
         """Replace the node named by ``exc`` (see the class docstring). RouteError when no replacement exists."""
         t0 = time.perf_counter()
@@ -526,7 +540,7 @@ class RemoteSession:
         failed = next((h for h in old.hops if h.url == exc.hop), old.hops[0])
         self._excluded.add(failed.url)
         try:
-            spare = self.replan(frozenset(self._excluded), (failed.start, failed.end))
+            spare = self._replacement(failed)
         except RouteError as err:
             self.telemetry.repairs.append({
                 "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code, "message": str(exc)[:300],

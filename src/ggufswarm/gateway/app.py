@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 import sys
 import threading
@@ -30,6 +31,8 @@ from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 from ..model.config import MAX_CONTEXT
 from ..protocol.errors import body_error
+
+log = logging.getLogger(__name__)
 
 JSON = "application/json"
 GATEWAY = web.AppKey("gateway", object)
@@ -183,9 +186,22 @@ class Gateway:
     OPEN_ATTEMPTS = 3  # plans tried for one session when opening it fails on a node
 
     def suspect(self, url: str) -> None:
-        """Avoid ``url`` in new routes for SUSPECT_S seconds (it failed an open or a step)."""
+        """Avoid ``url`` in new routes for SUSPECT_S seconds (it failed an open or a step). With a tracker, a
+        newly suspected node is also reported to it (``POST /nodes/report``, in the background): the tracker
+        checks the node and, when it is down, stops routing anyone to it before its TTL runs out."""
+        now = time.monotonic()
         with self._route_lock:
-            self._suspects[url] = time.monotonic() + self.SUSPECT_S
+            new = self._suspects.get(url, 0.0) <= now
+            self._suspects[url] = now + self.SUSPECT_S
+        if new and self.config.tracker:
+            threading.Thread(target=self._report, args=(url,), name="report-node", daemon=True).start()
+
+    def _report(self, url: str) -> None:
+        from ..swarm.publish import TrackerError, tracker_call
+        try:
+            tracker_call(f"{self.config.tracker.rstrip('/')}/nodes/report", "POST", {"url": url}, timeout=10.0)
+        except TrackerError as exc:  # best effort: the node's TTL still runs out
+            log.info("reporting node %s to the tracker failed: %s", url, exc.reason)
 
     def suspects(self) -> set[str]:
         """Node URLs new routes avoid now."""

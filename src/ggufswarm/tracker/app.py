@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import socket
 import struct
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from urllib.parse import unquote_to_bytes
 
+import aiohttp
 import libtorrent as lt
 from aiohttp import web
 
 from ..artifact.manifest import Manifest
-from ..protocol.auth import swarm_token, token_middleware
+from ..protocol.auth import TOKEN_HEADER, swarm_token, token_middleware
 from .registry import Registry
 from .routing import Advertisement, NoRoute, plan_route
 
+log = logging.getLogger(__name__)
+
 ANNOUNCE_INTERVAL_S = 5
+REPORT_PROBE_S = 2.0  # how long POST /nodes/report waits for the reported node's /health
 
 
 @dataclass
@@ -58,6 +64,7 @@ def make_app(config: TrackerConfig) -> web.Application:
     app = web.Application(client_max_size=64 << 20, middlewares=[token_middleware(config.token)])
     registry = Registry(config.db, config.ttl_s)
     routed: Counter[str] = Counter()  # sessions handed each node (load spreading)
+    probe_headers = {TOKEN_HEADER: config.token} if config.token else {}  # nodes of this swarm share its token
 
     def n_layers(model: str) -> int | None:
         found = registry.manifest(model)
@@ -80,6 +87,27 @@ def make_app(config: TrackerConfig) -> web.Application:
         if not registry.deregister(request.match_info["node_id"]):
             return _error(404, "unknown_node", f"node {request.match_info['node_id']!r} is not registered")
         return web.json_response({"ok": True})
+
+    async def report(request: web.Request) -> web.Response:
+        """``POST /nodes/report {"url"}``: a client saw this node fail. The tracker checks it itself (``GET
+        /health``, 2 s) and drops its advertisements at once when it does not answer, instead of after the
+        heartbeat TTL; a node that answers stays (a report alone removes nothing). 404 for a URL no node
+        advertises; 200 ``{"url", "alive", "removed"}`` otherwise."""
+        b = await _json_body(request)
+        url = str(b.get("url", "")).rstrip("/")
+        ads = [a for a in registry.nodes() if a.url.rstrip("/") == url]
+        if not url or not ads:
+            return _error(404, "unknown_node", f"no node advertises {url!r}")
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REPORT_PROBE_S)) as http:
+                async with http.get(f"{url}/health", headers=probe_headers) as resp:
+                    alive, reason = resp.status == 200, f"/health answered {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            alive, reason = False, f"/health failed: {type(exc).__name__}"
+        removed = 0 if alive else sum(registry.deregister(a.node_id) for a in ads)
+        if removed:
+            log.warning("node %s reported failing and %s: dropped %d advertisement(s)", url, reason, removed)
+        return web.json_response({"url": url, "alive": alive, "removed": removed})
 
     async def nodes(request: web.Request) -> web.Response:
         return web.json_response({"nodes": [_ad_json(a) for a in registry.nodes(request.query.get("model"))]})
@@ -160,6 +188,7 @@ def make_app(config: TrackerConfig) -> web.Application:
 
     app.add_routes([
         web.post("/nodes/heartbeat", heartbeat), web.delete("/nodes/{node_id}", deregister), web.get("/nodes", nodes),
+        web.post("/nodes/report", report),
         web.put("/manifests/{name}", put_manifest), web.get("/manifests/{name}", get_manifest),
         web.get("/announce", announce), web.get("/route", route), web.get("/models", models),
         web.get("/status.json", status_json), web.get("/", index),
