@@ -295,3 +295,33 @@ def test_a_node_excluded_by_one_repair_can_replace_a_later_failure(tiny_route, t
         assert out == want
         assert [(r["hop"], r["replacement"]) for r in session.telemetry.repairs] == [(head, [head2]), (head2, [head])]
         assert asked == [{head}, {head, head2}, {head2}]
+
+
+def test_hop_timeouts_grow_with_the_frame(tiny_route):
+    """A node waits ``hop_timeout_s`` for its next hop's answer to a decode step, and proportionally longer for a
+    prefill chunk (x4 for 2048 tokens): a next hop that takes 2 s times out a 1-token step with a 1 s hop
+    timeout, and answers a 2048-token one in time."""
+    async def slow_step(request):
+        frame = decode_frame(await request.read())
+        await asyncio.sleep(2.0)
+        return web.json_response({"token": frame.n_tokens,
+                                  "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}]})
+
+    def slow_head():
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/step", slow_step)
+        return app
+
+    with AppThread(slow_head) as slow:
+        first = tiny_route["first"]
+        sid = uuid.uuid4()
+        assert http("POST", first + "/v1/sessions", {"session_id": str(sid), "max_length": 4096, "next_hop": slow,
+                                                    "hop_timeout_s": 1.0})[0] == 201
+        try:
+            status, body = http("POST", first + "/v1/step", encode_tokens(sid, 1, 0, [5]))
+            assert status == 504 and body["error"]["code"] == "hop_timeout" and "1 s" in body["error"]["message"]
+            http("POST", f"{first}/v1/sessions/{sid}/truncate", {"length": 0})
+            status, body = http("POST", first + "/v1/step", encode_tokens(sid, 2, 0, [5 + i % 300 for i in range(2048)]))
+            assert status == 200 and body["token"] == 2048, body
+        finally:
+            http("DELETE", f"{first}/v1/sessions/{sid}")

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import websocket
 
 from ..cache.snapshot import BLOCK_TOKENS
-from ..protocol import encode_tokens
+from ..protocol import encode_tokens, step_timeout_s
 from ..protocol.auth import auth_headers
 from .sampling import SamplingParams
 
@@ -106,16 +106,22 @@ class StepLink:
         self._ws = ws
         return ws
 
-    def step(self, frame: bytes) -> tuple[int, bytes]:
+    def step(self, frame: bytes, timeout: float | None = None) -> tuple[int, bytes]:
         """Send one step frame; (HTTP status, JSON reply bytes). RouteError ``hop_timeout`` (504) when no reply
-        comes within ``timeout`` s, ``hop_failed`` (502) when the connection fails; the link is closed then."""
+        comes within ``timeout`` s (default: the link's), ``hop_failed`` (502) when the connection fails; the
+        link is closed then."""
+        timeout = self.timeout if timeout is None else timeout
         ws = self._ws or (None if self.http_only else self._connect_checked())
         if ws is None:
             if self._conn is None:
-                self._conn = _conn(self.url, self.timeout)
+                self._conn = _conn(self.url, timeout)
+            self._conn.timeout = timeout
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout)
             return _request(self._conn, self.url, "POST", "/v1/step", frame, "application/octet-stream")
         key = frame[8:32]
         try:
+            ws.settimeout(timeout)
             ws.send_binary(frame)
             while True:
                 opcode, data = ws.recv_data()
@@ -123,7 +129,7 @@ class StepLink:
                     return int.from_bytes(data[24:26], "little"), data[26:]
         except websocket.WebSocketTimeoutException:
             self.close()
-            raise RouteError(f"node {self.url} did not answer within {self.timeout:g} s", 504, "hop_timeout",
+            raise RouteError(f"node {self.url} did not answer within {timeout:g} s", 504, "hop_timeout",
                              self.url) from None
         except (OSError, websocket.WebSocketException) as exc:
             self.close()
@@ -178,7 +184,8 @@ class RemoteRoute:
 
     ``hop_timeout_s``: seconds one hop may take to answer. Node i of n waits ``(n - 1 - i) x`` that for
     its next hop, and the client ``n x`` that (+1 s) for the first node, so the deepest failing hop
-    times out first and the error names it. Raises RouteError when a node is unreachable and
+    times out first and the error names it; both scale with a frame's size (``step_timeout_s``: x1 up to
+    512 tokens, x8 for 4096). Raises RouteError when a node is unreachable and
     ValueError when the shards do not chain. ``part=True`` accepts a chain covering only some layers
     (the replacement for a failed hop's span).
     """
@@ -429,13 +436,14 @@ class RemoteSession:
         link = self._links.get(first.url)
         if link is None:
             link = self._links[first.url] = StepLink(first.url, self.route.timeout_s)
+        timeout = step_timeout_s(self.route.timeout_s - 1.0, len(ids)) + 1.0  # long prefill chunks wait longer
         t0 = time.perf_counter()
         try:
-            status, body = link.step(frame)
+            status, body = link.step(frame, timeout)
         except RouteError as exc:
             if exc.code != "hop_failed":
                 raise
-            status, body = link.step(frame)  # a fresh connection; same step number: never applied twice
+            status, body = link.step(frame, timeout)  # a fresh connection; same step number: never applied twice
         rtt = (time.perf_counter() - t0) * 1e3
         reply = _check(first.url, status, body, f"step {self.step_no}")
         self.position += len(ids)

@@ -31,7 +31,7 @@ from ..client.sampling import SamplingParams
 from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden, error_body
 from ..protocol.auth import auth_headers, swarm_token, token_middleware
 from ..protocol.errors import body_error, json_errors_middleware
-from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE
+from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE, step_timeout_s
 from ..runtime.kv import ContextOverflow
 from .link import HopLinks, encode_reply, reply_error
 from ..runtime.sessions import SessionError, SessionStore
@@ -561,7 +561,7 @@ async def _apply_session_frame(state: NodeState, session, frame, body: bytes, ki
                                 ids, frame.flags & FLAG_NO_SAMPLE)
             state.bytes_out.labels(kind).inc(len(out))
             t_push = time.perf_counter()
-            reply = await _push(state, session.next_hop, out, session.hop_timeout_s)
+            reply = await _push(state, session.next_hop, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
             hop["push_ms"] = round((time.perf_counter() - t_push) * 1e3, 3)
             reply["hops"].insert(0, hop)
         hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)

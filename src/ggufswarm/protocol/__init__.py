@@ -2,8 +2,9 @@
 
 from .errors import ERROR_STATUS, ProtocolError, error_body
 from .frame import (DTYPE_CODES, DTYPE_NAMES, FLAG_NO_SAMPLE, FLAG_TOKEN_IDS, HEADER, HEADER_SIZE, MAGIC,
-                    PROTOCOL_VERSION, Frame, FrameError, decode_frame, encode_hidden, encode_tokens, frame_size)
+                    PROTOCOL_VERSION, Frame, FrameError, decode_frame, encode_hidden, encode_tokens, frame_size,
+                    step_timeout_s)
 
 __all__ = ["DTYPE_CODES", "DTYPE_NAMES", "ERROR_STATUS", "FLAG_NO_SAMPLE", "FLAG_TOKEN_IDS", "HEADER", "HEADER_SIZE",
            "MAGIC", "PROTOCOL_VERSION", "Frame", "FrameError", "ProtocolError", "decode_frame", "encode_hidden",
-           "encode_tokens", "error_body", "frame_size"]
+           "encode_tokens", "error_body", "frame_size", "step_timeout_s"]

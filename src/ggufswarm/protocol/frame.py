@@ -76,6 +76,17 @@ def frame_size(n_tokens: int, n_embd: int, dtype: str, token_ids: bool = False) 
     return HEADER_SIZE + payload + (4 * n_tokens if token_ids else 0)
 
 
+TIMEOUT_TOKENS = 512  # a hop's timeout covers a frame of up to this many tokens; larger frames get proportionally more
+
+
+def step_timeout_s(timeout_s: float, n_tokens: int) -> float:
+    """Seconds to wait for the reply to a frame of ``n_tokens`` tokens when ``timeout_s`` is the wait for a decode
+    step: ``timeout_s x max(1, n_tokens / 512)``. A prefill chunk's compute grows with its size (a 4096-token
+    chunk takes ~8x a 512-token one), so a fixed timeout either fails long prompts (504) or waits too long
+    for a dead hop during decode."""
+    return timeout_s * max(1.0, n_tokens / TIMEOUT_TOKENS)
+
+
 def _header(session_id: uuid.UUID, step: int, start: int, n_tokens: int, n_embd: int, dtype: str,
             flags: int, scale_exp: int = 0) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, DTYPE_CODES[dtype], flags, scale_exp, session_id.bytes,
