@@ -319,6 +319,31 @@ def test_new_requests_plan_around_a_dead_node_the_tracker_still_lists(swarm, cap
     wait_for(lambda: nodes[i].url in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]}, 30)
 
 
+def test_max_tokens_past_every_node_s_kv_is_served_up_to_the_route_s_length(swarm):
+    """A max_tokens no node has KV for (10^6: every node's free KV is far less) is no 503 no_route: the answer
+    streams, to end at the route's length with finish_reason "length" as llama-server's does (the test
+    reads a few tokens and hangs up)."""
+    parts = urlsplit(swarm["gateway"])
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 10**6, "temperature": 0,
+                                                             "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        deltas = 0
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                deltas += bool(event["choices"][0]["text"])
+                if deltas == 3:
+                    break
+        assert deltas == 3
+    finally:
+        conn.close()
+
+
 def test_no_replacement_is_a_clear_error(swarm):
     """With both nodes of a span gone, the repair finds no replacement: the stream ends with a 503
     ``no_replacement`` error naming the failed node. (Last in this module: it leaves 6:12 unserved.)"""

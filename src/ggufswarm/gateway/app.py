@@ -297,7 +297,15 @@ class Gateway:
 
     def _open(self, ids: list[int], params: SamplingParams, max_tokens: int, prompt_param: str):
         """Plan a route and open a session on it: (RemoteSession, its max_length). RouteError, RequestError."""
-        route = self.route(min(len(ids) + max(max_tokens, 1), MAX_CONTEXT))
+        want = min(len(ids) + max(max_tokens, 1), MAX_CONTEXT)
+        try:
+            route = self.route(want)
+        except RouteError as exc:
+            if exc.code != "no_route" or want <= len(ids) + 1:
+                raise
+            # No route has KV for the whole of max_tokens: take one that holds the prompt; the answer ends at
+            # its length with finish_reason "length", as llama-server's does at its context.
+            route = self.route(len(ids) + 1)
         limit = route.max_length
         if len(ids) >= limit:
             raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",
