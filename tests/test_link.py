@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 import uuid
 
 import aiohttp
@@ -325,3 +326,35 @@ def test_hop_timeouts_grow_with_the_frame(tiny_route):
             assert status == 200 and body["token"] == 2048, body
         finally:
             http("DELETE", f"{first}/v1/sessions/{sid}")
+
+
+def test_one_model_end_to_end(tiny_route, tiny_dir):
+    """Every node says which model it serves (the GGUF header fingerprint, /health and GET /v1/model, with its
+    headers to fetch); a route over nodes of two models is refused naming both; an open for another model
+    gets 409 model_mismatch and the node keeps serving."""
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+
+    first, head = tiny_route["first"], tiny_route["head"]
+    model = GGUFModelFile(tiny_route["model"])
+    health = http("GET", first + "/health")[1]
+    assert health["model_fingerprint"] == model.fingerprint and health["model_name"] == "link-llama"
+    status, info = http("GET", first + "/v1/model")
+    assert status == 200 and info["fingerprint"] == model.fingerprint and info["n_layers"] == 2
+    [file] = info["files"]
+    assert file["bytes"] == model.path.stat().st_size and file["header_bytes"] == model.header_sizes[0]
+    with urllib.request.urlopen(first + "/v1/model/header/0", timeout=10) as r:
+        assert r.read() == model.path.read_bytes()[:file["header_bytes"]]
+    assert http("GET", first + "/v1/model/header/1")[0] == 404
+
+    other = write_tiny_model(tiny_dir / "other-llama.gguf", "llama", n_layers=2, context_length=2048)
+    assert GGUFModelFile(other).fingerprint != model.fingerprint
+    with AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=str(other),
+                                                    data_dir=str(tiny_dir / "n4")))) as stranger:
+        with pytest.raises(ValueError, match=r"serves other-llama .* not link-llama"):
+            RemoteRoute([first, stranger])
+        status, body = http("POST", stranger + "/v1/sessions", {"max_length": 8, "model": model.fingerprint})
+        assert status == 409 and body["error"]["code"] == "model_mismatch" and "other-llama" in body["error"]["message"]
+    route = RemoteRoute([first, head], model=model.fingerprint)
+    assert route.model == model.fingerprint and greedy([first, head]) == greedy([tiny_route["whole"]])
+    with pytest.raises(ValueError, match="a route serves one model"):
+        RemoteRoute([first, head], model="0" * 64)

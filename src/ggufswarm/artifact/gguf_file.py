@@ -238,6 +238,12 @@ class GGUFModelFile:
         return arch
 
     @property
+    def header_sizes(self) -> list[int]:
+        """Bytes of each file's GGUF header (metadata + tensor table, up to the aligned tensor data), in
+        ``paths`` order."""
+        return list(self._header_sizes)
+
+    @property
     def fingerprint(self) -> str:
         """SHA-256 (hex) of every file's GGUF header (metadata + tensor table): names what the artifact
         holds without reading the tensor data. Equal for a full file and its swarm-fetched sparse copy.

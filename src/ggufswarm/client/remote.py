@@ -48,6 +48,8 @@ class Hop:
     n_layers: int
     max_length: int
     max_step_tokens: int
+    model_fingerprint: str | None = None  # SHA-256 of the model's GGUF headers (None: a node that does not say)
+    model_name: str | None = None
 
 
 def _conn(url: str, timeout: float) -> http.client.HTTPConnection:
@@ -186,28 +188,42 @@ class RemoteRoute:
     its next hop, and the client ``n x`` that (+1 s) for the first node, so the deepest failing hop
     times out first and the error names it; both scale with a frame's size (``step_timeout_s``: x1 up to
     512 tokens, x8 for 4096). Raises RouteError when a node is unreachable and
-    ValueError when the shards do not chain. ``part=True`` accepts a chain covering only some layers
-    (the replacement for a failed hop's span).
+    ValueError when the shards do not chain or serve different models. ``part=True`` accepts a chain
+    covering only some layers (the replacement for a failed hop's span). ``model``: the GGUF fingerprint
+    (``GGUFModelFile.fingerprint``) the client's tokenizer is for; every node must serve it (ValueError
+    naming both models otherwise), and sessions are opened with it (``model_mismatch`` from a node that
+    has changed since).
     """
 
-    def __init__(self, urls: list[str], hop_timeout_s: float = 30.0, part: bool = False):
+    def __init__(self, urls: list[str], hop_timeout_s: float = 30.0, part: bool = False, model: str | None = None):
         if not urls:
             raise ValueError("a route needs at least one node URL")
         self.hop_timeout_s = hop_timeout_s
-        self._set_hops([self._describe(u.rstrip("/")) for u in urls], part)
+        self._set_hops([self._describe(u.rstrip("/")) for u in urls], part, model)
 
     @classmethod
-    def of_hops(cls, hops: list[Hop], hop_timeout_s: float, part: bool = False) -> "RemoteRoute":
-        """A route over already described hops (no /health calls; ``part`` as in the constructor); ValueError
-        when they do not chain."""
+    def of_hops(cls, hops: list[Hop], hop_timeout_s: float, part: bool = False,
+                model: str | None = None) -> "RemoteRoute":
+        """A route over already described hops (no /health calls; ``part`` and ``model`` as in the
+        constructor); ValueError when they do not chain or serve another model."""
         route = cls.__new__(cls)
         route.hop_timeout_s = hop_timeout_s
-        route._set_hops(list(hops), part)
+        route._set_hops(list(hops), part, model)
         return route
 
-    def _set_hops(self, hops: list[Hop], part: bool = False) -> None:
+    def _set_hops(self, hops: list[Hop], part: bool = False, model: str | None = None) -> None:
         self.hops = hops
         self.timeout_s = self.hop_timeout_s * len(self.hops) + 1.0
+        # One model end to end: every node's GGUF fingerprint equals ``model`` (the client's) when given, else
+        # each other's. Sessions then open with it, so a node since restarted with another model refuses them.
+        said = [h for h in hops if h.model_fingerprint is not None]
+        self.model = model or (said[0].model_fingerprint if said else None)
+        other = next((h for h in said if h.model_fingerprint != self.model), None)
+        if other is not None:
+            mine = next((h for h in said if h.model_fingerprint == self.model), None)
+            want = f"{mine.model_name} ({self.model[:12]}, at {mine.url})" if mine else f"model {self.model[:12]}"
+            raise ValueError(f"node {other.url} serves {other.model_name} (GGUF fingerprint "
+                             f"{other.model_fingerprint[:12]}), not {want}: a route serves one model")
         first, last = self.hops[0], self.hops[-1]
         if not part and (not first.embed or not last.head or first.start != 0 or last.end != last.n_layers):
             raise ValueError(f"route must start at layer 0 with the embedding stage and end at layer "
@@ -223,7 +239,7 @@ class RemoteRoute:
         finally:
             conn.close()
         return Hop(url, h["layers"][0], h["layers"][1], h["embed"], h["head"], h["n_embd"], h["n_layers"],
-                   h["max_length"], h["max_step_tokens"])
+                   h["max_length"], h["max_step_tokens"], h.get("model_fingerprint"), h.get("model_name"))
 
     def describe(self) -> list[dict]:
         """``[{"node": URL, "layers": [start, end]}, ...]`` in route order."""
@@ -359,6 +375,8 @@ class RemoteSession:
             body["top_logprobs"] = self.top_logprobs
         if self.lease_s is not None:
             body["lease_s"] = self.lease_s
+        if self.route.model is not None:
+            body["model"] = self.route.model
         # A node whose session slots are all taken answers 429 kv_budget_full: wait for one (as llama-server
         # queues requests beyond --parallel). Every session opens head first, so the ones holding this node's
         # slots already hold the later nodes too and will finish: waiting cannot deadlock.
@@ -557,7 +575,7 @@ class RemoteSession:
                              f"{err}", 503, "no_replacement", failed.url) from None
         i = old.hops.index(failed)
         hops = old.hops[:i] + spare.hops + old.hops[i + 1:]
-        self.route = RemoteRoute.of_hops(hops, old.hop_timeout_s)
+        self.route = RemoteRoute.of_hops(hops, old.hop_timeout_s, model=old.model)
         self._conns.pop(failed.url, None)
         link = self._links.pop(failed.url, None)
         if link is not None:

@@ -149,11 +149,17 @@ class NodeState:
         out["steps"] = out["decode_steps"] + out["prefill_steps"]
         return out
 
+    @property
+    def model_name(self) -> str:
+        """The model's name: the published name with a tracker, else the GGUF file name without its extension."""
+        return self.config.swarm_name or self.executor.model.path.name.removesuffix(".gguf")
+
     def health(self) -> dict:
         """The ``/health`` body: shard, model shape, limits and counters."""
         s = self.store
         return {
             "status": "ok", "protocol": PROTOCOL_VERSION, "node_id": self.node_id, "model": self.executor.model.path.name,
+            "model_name": self.model_name, "model_fingerprint": self.executor.model.fingerprint,
             "arch": self.cfg.arch, "n_layers": self.cfg.n_layers, "n_embd": self.cfg.n_embd,
             "n_vocab": self.cfg.n_vocab, "backend": self.executor.backend,
             "max_length": min(self.cfg.max_length, getattr(self.executor, "n_ctx_seq", self.cfg.max_length)),
@@ -214,7 +220,9 @@ def _session_id(text) -> uuid.UUID:
 
 
 async def open_session(request: web.Request) -> web.Response:
-    """``POST /v1/sessions`` {session_id, max_length, next_hop, sampling, wire_dtype, top_logprobs} → 201."""
+    """``POST /v1/sessions`` {session_id, max_length, next_hop, sampling, wire_dtype, top_logprobs, lease_s,
+    hop_timeout_s, model} → 201; ``model`` (optional): the GGUF fingerprint the client expects, 409
+    ``model_mismatch`` when this node serves another model."""
     state: NodeState = request.app[NODE]
     try:
         body = await _read_json(request)
@@ -239,6 +247,11 @@ async def open_session(request: web.Request) -> web.Response:
                 or not 0 < hop_timeout <= sys.float_info.max):  # finite: it becomes a float timeout
             raise ProtocolError("bad_request", f"hop_timeout_s must be a positive finite number of seconds, "
                                                f"got {hop_timeout!r}")
+        model = body.get("model")
+        if model is not None and model != state.executor.model.fingerprint:
+            raise ProtocolError("model_mismatch", f"this node serves {state.model_name} (GGUF fingerprint "
+                                                  f"{state.executor.model.fingerprint[:12]}), the session is for "
+                                                  f"another model (fingerprint {str(model)[:12]})")
         sampling = body.get("sampling") or {}
         if not isinstance(sampling, dict):
             raise ProtocolError("bad_request", "sampling must be an object")
@@ -571,6 +584,36 @@ async def _apply_session_frame(state: NodeState, session, frame, body: bytes, ki
         return 200, record.reply
 
 
+async def model_info(request: web.Request) -> web.Response:
+    """``GET /v1/model``: what model this node serves — ``{name, fingerprint, arch, n_layers, files: [{name, bytes,
+    header_bytes}]}`` — so a client without the GGUF (a gateway started with only ``--route``) can fetch its
+    headers (``GET /v1/model/header/{i}``) for the vocabulary and chat template."""
+    state: NodeState = request.app[NODE]
+    model = state.executor.model
+    files = [{"name": p.name, "bytes": p.stat().st_size, "header_bytes": n} for p, n in zip(model.paths,
+                                                                                           model.header_sizes)]
+    return _json({"name": state.model_name, "fingerprint": model.fingerprint, "arch": state.cfg.arch,
+                  "n_layers": state.cfg.n_layers, "files": files})
+
+
+async def model_header(request: web.Request) -> web.Response:
+    """``GET /v1/model/header/{i}``: the GGUF header (metadata + tensor table) of the model's file ``i``
+    (application/octet-stream, ``header_bytes`` of ``GET /v1/model``); 404 for no such file."""
+    state: NodeState = request.app[NODE]
+    model = state.executor.model
+    try:
+        i = int(request.match_info["i"])
+        path, size = model.paths[i], model.header_sizes[i]
+        if i < 0:
+            raise IndexError
+    except (ValueError, IndexError):
+        return _error(state, ProtocolError("not_found", f"no model file {request.match_info['i']!r}: the model has "
+                                                        f"{len(model.paths)} file(s), 0..{len(model.paths) - 1}"))
+    with open(path, "rb") as f:
+        data = f.read(size)
+    return web.Response(body=data, content_type="application/octet-stream")
+
+
 async def health(request: web.Request) -> web.Response:
     """``GET /health`` → 200 JSON (see NodeState.health)."""
     return _json(request.app[NODE].health())
@@ -677,6 +720,8 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.router.add_post("/v1/step", step)
     app.router.add_get("/v1/link", link)
     app.router.add_get("/health", health)
+    app.router.add_get("/v1/model", model_info)
+    app.router.add_get("/v1/model/header/{i}", model_header)
     app.router.add_get("/metrics", metrics)
 
     async def lifecycle(app):

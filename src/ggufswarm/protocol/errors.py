@@ -20,6 +20,7 @@ ERROR_STATUS = {
     "method_not_allowed": 405,  # the path exists, not with this HTTP method
     "unknown_session": 404,     # no such session on this node (never opened, closed or expired)
     "session_exists": 409,      # open with an id already in use
+    "model_mismatch": 409,      # open for another model (fingerprint) than the one this node serves
     "session_not_empty": 409,   # restore into a session that already holds tokens
     "step_conflict": 409,       # same step number, different content
     "stale_step": 409,          # step number below the last one applied
