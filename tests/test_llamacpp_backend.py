@@ -271,3 +271,33 @@ def test_sampler_penalties_follow_llama_cpp():
     assert greedy.sample(logits, [7, 1, 2, 3, 4]) == 7  # 7 is outside the last 4
     hot = LlamaCppSampler(SamplingParams(temperature=0.5, top_k=2, repeat_penalty=100.0, seed=3))
     assert {hot.sample(logits, [7] * n) for n in range(1, 20)} == {9}
+
+
+@pytest.mark.parametrize("settings", [
+    {"logit_bias": ((3, 100.0), (11, -100.0), (40, 2.5))},
+    {"presence_penalty": 1.5, "frequency_penalty": 0.5, "penalize_from": 6},
+    {"presence_penalty": -2.0, "frequency_penalty": 2.0, "penalize_from": 0, "repeat_penalty": 1.3,
+     "repeat_last_n": 5, "logit_bias": {"4": -3.0}},
+], ids=["logit_bias", "presence_frequency", "all"])
+def test_torch_bias_and_penalties_equal_llama_cpp_samplers(settings):
+    """The torch head's logit bias and penalties (Sampler.adjust) give llama.cpp's own logit-bias and penalties
+    samplers' logits (LlamaCppSampler.adjust), to float32 rounding, and both heads then draw the same greedy
+    token; presence/frequency penalties count only the tokens from ``penalize_from`` on."""
+    from ggufswarm.client.sampling import Sampler
+    from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
+    gen = torch.Generator().manual_seed(5)
+    history = torch.randint(0, 60, (14,), generator=gen).tolist() + [4, 4, 4, 11]
+    params = SamplingParams(temperature=0, **settings)
+    for _ in range(5):
+        logits = torch.randn(64, generator=gen) * 3
+        ours, ref = Sampler(params).adjust(logits, history), LlamaCppSampler(params).adjust(logits, history)
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-5)
+        assert not torch.equal(ref, logits)  # the settings did change the logits
+        assert Sampler(params).sample(logits, history) == LlamaCppSampler(params).sample(logits, history) \
+            == int(ref.argmax())
+    if "penalize_from" in settings and not settings.get("repeat_penalty"):  # tokens before it are not penalized
+        before = set(history[:settings["penalize_from"]]) - set(history[settings["penalize_from"]:])
+        adjusted = LlamaCppSampler(params).adjust(logits, history)
+        assert before and all(adjusted[t] == logits[t] for t in before)
+    with pytest.raises(ValueError, match="logit_bias"):
+        LlamaCppSampler(SamplingParams(temperature=0, logit_bias=((64, 1.0),))).sample(torch.zeros(64), [])
