@@ -206,7 +206,13 @@ MSGS = [{"role": "user", "content": "Hi"}]
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
     (CHAT, {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
     (CHAT, {"stream": True, "stream_options": {"chunk_size": 4}}, "stream_options"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "minimum": 3}}}}, "response_format"),  # the grammar would not enforce minimum
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "oneOf": [{"type": "string"}, {"type": "integer"}]}}}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}}}}, "response_format"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CHAT, {"tool_choice": "auto"}, "tool_choice"),
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
@@ -231,6 +237,10 @@ def test_unimplemented_or_bad_parameters_are_400_naming_them(gateway, path, extr
     (CHAT, {"logprobs": True, "top_logprobs": 20, "presence_penalty": -2, "frequency_penalty": 2}),
     (CHAT, {"stream": True, "stream_options": {"include_usage": False}, "repeat_penalty": 1.1,
             "repeat_last_n": -1, "top_k": 5, "min_p": 0.1}),
+    (CHAT, {"response_format": {"type": "json_object"}}),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"$ref": "#/$defs/b"}},
+        "required": ["a"], "additionalProperties": False, "$defs": {"b": {"enum": [1, 2]}}}}}}),
     (CHAT, {"response_format": {"type": "text"}, "tool_choice": "none", "user": "u1", "store": False,
             "metadata": {"k": "v"}, "mirostat": 0, "mirostat_tau": 5.0, "typical_p": 1, "cache_prompt": True}),
 ])

@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.remote import RemoteRoute, RouteError
 from ggufswarm.client.sampling import SamplingParams
 from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
 from ggufswarm.node.launch import start_nodes, stop_nodes
@@ -509,3 +509,6 @@ def _torch_head_checks(route, gemma):
         assert no_logprobs.step(ids) == token and no_logprobs.last_token_logprob is None
     finally:
         no_logprobs.close()
+    with pytest.raises(RouteError, match="needs a llama.cpp head") as err:  # constrained decoding: llama.cpp only
+        route.open(16, SamplingParams(temperature=0, penalize_from=len(ids), grammar='root ::= "{}"'))
+    assert err.value.status == 400

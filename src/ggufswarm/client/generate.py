@@ -29,6 +29,7 @@ class LocalSession:
         self.shards = shards
         self.kvs = [s.new_session(max_length) for s in shards]
         self.sampler = getattr(shards[-1], "sampler_class", Sampler)(sampling)
+        self.sampler.bind(shards[-1])
         self.history: list[int] = []
 
     def logits(self, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:

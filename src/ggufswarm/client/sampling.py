@@ -13,6 +13,7 @@ import torch
 
 
 _FLOAT_MAX = torch.finfo(torch.float64).max
+MAX_GRAMMAR_CHARS = 2 ** 20  # a GBNF grammar of a session (characters)
 _F32_MAX = torch.finfo(torch.float32).max
 
 
@@ -31,6 +32,8 @@ class SamplingParams:
     presence penalties"; llama.cpp's penalties sampler applies the same formula).
     ``logit_bias``: ``((token id, bias), ...)`` added to the raw logits before anything else (a JSON list of
     pairs or a ``{"id": bias}`` map is normalized by ``validate``).
+    ``grammar``: a GBNF grammar (llama.cpp's format, root rule ``root``) the tokens from ``penalize_from`` on must
+    follow: constrained decoding, on a llama.cpp head only (``runtime.llamacpp.sampling``); "" = none.
     """
 
     temperature: float = 0.8
@@ -44,6 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     penalize_from: int = 0
     logit_bias: tuple = ()
+    grammar: str = ""
 
     def validate(self) -> "SamplingParams":
         """These settings with ``logit_bias`` normalized to sorted ``((int id, float bias), ...)`` (a token given twice
@@ -74,18 +78,23 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not self.repeat_penalty > 0:
             raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if not isinstance(self.grammar, str) or len(self.grammar) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters")
         return replace(self, logit_bias=_logit_bias(self.logit_bias))
 
     def to_dict(self) -> dict:
         """JSON-ready settings. The settings added after protocol 1's first nodes (penalties, ``penalize_from``,
-        ``logit_bias``) are left out while they change nothing, so such nodes still take sessions that do
+        ``logit_bias``, ``grammar``) are left out while they change nothing, so such nodes still take sessions that do
         not use them."""
         d = asdict(self)
         if not (self.presence_penalty or self.frequency_penalty):
-            for name in ("presence_penalty", "frequency_penalty", "penalize_from"):
-                del d[name]
+            del d["presence_penalty"], d["frequency_penalty"]
+        if not (self.presence_penalty or self.frequency_penalty or self.grammar):
+            del d["penalize_from"]
         if not self.logit_bias:
             del d["logit_bias"]
+        if not self.grammar:
+            del d["grammar"]
         return d
 
 
@@ -116,15 +125,25 @@ class Sampler:
     """Draws token ids for one session. Each draw's randomness is keyed by (seed, position): the same
     seed gives the same tokens, also after a route repair hands the session to a new head node."""
 
+    grammar_support = False  # see SamplingParams.grammar
+
     def __init__(self, params: SamplingParams):
-        """ValueError (from ``SamplingParams.validate``) for settings of the wrong type or out of range."""
+        """ValueError (from ``SamplingParams.validate``) for settings of the wrong type or out of range, and for a
+        ``grammar``: only a llama.cpp head (``LlamaCppSampler``) does constrained decoding."""
         params = params.validate()
+        if params.grammar and not self.grammar_support:
+            raise ValueError("grammar (constrained decoding, e.g. response_format) needs a llama.cpp head; this one "
+                             "runs the torch backend")
         # as floats: torch takes a Python int scalar as int64, and larger ones (temperature 2**64) overflow
         self.params = replace(params, **{name: float(getattr(params, name))
                                          for name in ("temperature", "top_p", "min_p", "repeat_penalty",
                                                       "presence_penalty", "frequency_penalty")})
         self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,)))
         self.generator = torch.Generator()
+
+    def bind(self, executor) -> None:
+        """Attach the head shard executor this sampler draws for (a llama.cpp head lends its vocabulary to the
+        grammar); nothing to do here."""
 
     def check_vocab(self, n_vocab: int) -> None:
         """ValueError when a ``logit_bias`` token id is outside ``[0, n_vocab)``."""

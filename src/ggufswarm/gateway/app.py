@@ -25,6 +25,7 @@ from aiohttp import web
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.generate import GenerationStats, generate
+from ..client.grammar import SchemaNotEnforceable, response_format_grammar
 from ..client.remote import REPAIRABLE, RemoteRoute, RouteError
 from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
@@ -191,8 +192,9 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
     whole context, as llama-server) are accepted as llama-server extensions; ``n_vocab`` bounds ``logit_bias``'s
     token ids; ``fim``: the model has fill-in-the-middle tokens (``suffix`` is still refused: not implemented).
     Raises RequestError (400, ``param`` naming the parameter) for a parameter that is unknown, of the wrong type,
-    out of range, or not implemented (``n``/``best_of`` > 1, ``suffix``, ``tools``, ``response_format`` other
-    than text, ``echo`` with ``logprobs``, a llama-server sampler other than the ones above).
+    out of range, or not implemented (``n``/``best_of`` > 1, ``suffix``, ``tools``, a ``response_format`` schema
+    constrained decoding cannot enforce (client.grammar), ``echo`` with ``logprobs``, a llama-server sampler
+    other than the ones above). ``response_format`` json_object / json_schema become ``params.grammar``.
     """
     _check_known(body, chat)
     if _number(body, "n", 1, 1, None, int) != 1:
@@ -248,11 +250,12 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
             opts.top_logprobs = _number(body, "top_logprobs", 0, 0, 20, int)
             if not opts.logprobs:
                 raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        fmt = body.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            kind = fmt.get("type") if isinstance(fmt, dict) else None
-            raise RequestError(f"response_format {kind!r} is not implemented (only {{\"type\": \"text\"}}): "
-                               f"this gateway has no constrained decoding yet", param="response_format")
+        try:  # constrained decoding: the head's llama.cpp grammar sampler
+            grammar = response_format_grammar(body.get("response_format"))
+        except SchemaNotEnforceable as exc:
+            raise RequestError(str(exc), param="response_format") from None
+        if grammar:
+            opts.params = replace(opts.params, grammar=grammar)
         if body.get("tools"):
             raise RequestError("tools (function calling) is not implemented by this gateway yet", param="tools")
         if body.get("tool_choice") not in (None, "none"):

@@ -153,7 +153,7 @@ class SessionStore:
         Raises ContextOverflow (max_length out of 1..model limit), SessionError("session_exists"),
         AdmissionRefused("kv_budget_too_small") when max_length alone exceeds the budget, or
         AdmissionRefused("kv_budget_full") when other sessions hold the budget (after expiring idle ones),
-        ValueError for a ``logit_bias`` token id outside the vocabulary.
+        ValueError for a ``logit_bias`` token id outside the vocabulary, or a ``grammar`` the head cannot use.
         """
         check_max_length(max_length, self.executor.cfg.max_length)
         if max_length > self.budget_tokens:
@@ -162,6 +162,7 @@ class SessionStore:
         if self.executor.spec.head:
             sampler = self.executor.sampler_class(sampling or SamplingParams())
             sampler.check_vocab(self.executor.cfg.n_vocab)
+            sampler.bind(self.executor)  # ValueError: a grammar that does not parse
         else:
             sampler = None
         with self._lock:

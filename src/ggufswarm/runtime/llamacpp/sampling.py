@@ -5,6 +5,11 @@ The chain is the one llama.cpp and llama-cpp-python build by default (``common/s
 llama.cpp's draw for the same logits, settings and dist seed. The dist seed of each draw is
 derived from the session seed and the position (``draw_seed``), not from a running RNG, so a
 route repair that hands the session to a new head continues with the same tokens.
+
+Constrained decoding (``SamplingParams.grammar``) uses llama.cpp's grammar sampler as llama.cpp's
+``common_sampler_sample`` does: draw with the chain; if the grammar rejects that token, apply the grammar to
+the logits and draw again. The grammar's state is the tokens generated so far (``history[penalize_from:]``),
+so a replacement head after a route repair rebuilds it from the replayed history.
 """
 
 from __future__ import annotations
@@ -34,9 +39,58 @@ class LlamaCppSampler(Sampler):
     Raises ValueError for settings of the wrong type or out of range (``SamplingParams.validate``).
     """
 
+    grammar_support = True
+
     def __init__(self, params: SamplingParams):
         super().__init__(params)
         self._data: np.ndarray | None = None
+        self._vocab = None
+        self._grammar = None  # llama.cpp grammar sampler, having accepted the tokens in self._accepted
+        self._accepted: list[int] = []
+
+    def bind(self, executor) -> None:
+        """Take the vocabulary of the head shard ``executor`` (``LlamaCppShard.vocab``) for the grammar; ValueError
+        when the grammar does not parse (llama.cpp's GBNF parser)."""
+        if self.params.grammar:
+            self._vocab = executor.vocab()
+            self._reset_grammar()
+
+    def _reset_grammar(self) -> None:
+        if self._grammar is not None:
+            L.llama_sampler_free(self._grammar)
+            self._grammar = None
+        self._accepted = []
+        grammar = L.llama_sampler_init_grammar(self._vocab, self.params.grammar.encode(), b"root")
+        if not grammar:
+            raise ValueError("grammar: llama.cpp could not parse it (GBNF with a rule named root)")
+        self._grammar = grammar
+
+    def __del__(self):
+        if getattr(self, "_grammar", None) is not None:
+            L.llama_sampler_free(self._grammar)
+            self._grammar = None
+
+    def _allows(self, token: int) -> bool:
+        """Whether the grammar, in its current state, allows ``token`` next."""
+        one = np.zeros(1, dtype=_TOKEN_DATA)
+        one["id"], one["logit"] = token, 0.0
+        arr = L.llama_token_data_array(one.ctypes.data_as(L.llama_token_data_p), 1, -1, False)
+        L.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        return bool(np.isfinite(one["logit"][0]))
+
+    def _sync_grammar(self, generated: list[int]) -> None:
+        """Bring the grammar to the state after ``generated`` (rebuilt when the session was rolled back). ValueError
+        for a token the grammar does not allow (llama.cpp aborts the process when such a token is accepted)."""
+        done = len(self._accepted)
+        if len(generated) < done or generated[:done] != self._accepted:
+            self._reset_grammar()
+            done = 0
+        for tok in generated[done:]:
+            if not self._allows(tok):
+                self._reset_grammar()  # the next call starts again from a clean state
+                raise ValueError(f"token {tok} does not follow the session's grammar")
+            L.llama_sampler_accept(self._grammar, tok)
+            self._accepted.append(tok)
 
     def _chain(self, history: list[int], position: int, n_vocab: int, draw: bool = True):
         p = self.params
@@ -100,14 +154,26 @@ class LlamaCppSampler(Sampler):
     def sample(self, logits: torch.Tensor, history: list[int] | None = None) -> int:
         """One token id from float32 logits ``[n_vocab]``; ``history`` = the token ids before it (its length is
         the position that keys the draw; its last ``repeat_last_n`` ids get the repeat penalty, those from
-        ``penalize_from`` on the frequency and presence penalties). ValueError for a logit_bias id past
-        ``n_vocab``."""
+        ``penalize_from`` on the frequency and presence penalties and the grammar, which must allow them).
+        ValueError for a logit_bias id past ``n_vocab``, or a generated token the grammar does not allow."""
         history = history or []
         p = self.params
-        if p.temperature <= 0 and (p.repeat_penalty == 1.0 or not history) and not p.logit_bias and not (
-                (p.frequency_penalty or p.presence_penalty) and history[p.penalize_from:]):
+        if not p.grammar:
+            return self._draw(logits, history, False)
+        if self._grammar is None:
+            raise ValueError("a grammar needs the head's vocabulary: call bind(executor) first")
+        self._sync_grammar(history[p.penalize_from:])
+        token = self._draw(logits, history, False)
+        return token if self._allows(token) else self._draw(logits, history, True)
+
+    def _draw(self, logits: torch.Tensor, history: list[int], grammar: bool) -> int:
+        p = self.params
+        if not grammar and p.temperature <= 0 and (p.repeat_penalty == 1.0 or not history) and not p.logit_bias \
+                and not ((p.frequency_penalty or p.presence_penalty) and history[p.penalize_from:]):
             return int(torch.argmax(logits))  # what llama.cpp's greedy sampler returns (first maximum)
         arr, n = self._array(logits)
+        if grammar:  # tokens the grammar does not allow get -inf
+            L.llama_sampler_apply(self._grammar, ctypes.byref(arr))
         chain = self._chain(history, len(history), n)
         try:
             L.llama_sampler_apply(chain, ctypes.byref(arr))
