@@ -230,6 +230,12 @@ def test_unimplemented_or_bad_parameters_are_400_naming_them(gateway, path, extr
     assert body["error"]["param"] == param
 
 
+def test_tools_on_a_template_without_tool_support_say_so(gateway):
+    status, body = post(gateway + CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert status == 400 and body["error"]["param"] == "tools"
+    assert "chat template has no tool support" in body["error"]["message"]  # Gemma 3's template renders no tools
+
+
 @pytest.mark.parametrize("path,extra", [
     (COMP, {"best_of": 1, "echo": True, "suffix": None, "n": 1}),
     (COMP, {"suffix": "", "logprobs": 5}),

@@ -341,3 +341,6 @@ def test_grammar_draws_follow_the_schema_and_rebuild_from_the_history(gemma):
     assert fresh.sample(seen[1], history[:4]) == history[4]  # and it recovers
     with pytest.raises(ValueError, match="llama.cpp head"):
         Sampler(params)
+    for broken in ('root ::= (', 'root ::= root "a"', 'item ::= "a"', 'root ::= undefined'):  # parse errors, no abort
+        with pytest.raises(ValueError, match="could not parse"):
+            LlamaCppSampler(SamplingParams(temperature=0, grammar=broken)).bind(head)

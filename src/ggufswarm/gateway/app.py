@@ -184,13 +184,14 @@ def _logit_bias(body: dict, n_vocab: int | None) -> tuple:
 
 
 def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab: int | None = None,
-                 fim: bool = False) -> RequestOptions:
+                 fim: bool = False, tool_template: bool = False) -> RequestOptions:
     """The checked options of an OpenAI request body for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``.
 
     Omitted settings take llama.cpp server defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05,
     repeat_penalty 1, repeat_last_n 64). ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n`` (-1: the
     whole context, as llama-server) are accepted as llama-server extensions; ``n_vocab`` bounds ``logit_bias``'s
-    token ids; ``fim``: the model has fill-in-the-middle tokens (``suffix`` is still refused: not implemented).
+    token ids; ``fim``: the model has fill-in-the-middle tokens (``suffix`` is still refused: not implemented);
+    ``tool_template``: the chat template renders ``tools`` (they are still refused, saying so).
     Raises RequestError (400, ``param`` naming the parameter) for a parameter that is unknown, of the wrong type,
     out of range, or not implemented (``n``/``best_of`` > 1, ``suffix``, ``tools``, a ``response_format`` schema
     constrained decoding cannot enforce (client.grammar), ``echo`` with ``logprobs``, a llama-server sampler
@@ -257,7 +258,9 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
         if grammar:
             opts.params = replace(opts.params, grammar=grammar)
         if body.get("tools"):
-            raise RequestError("tools (function calling) is not implemented by this gateway yet", param="tools")
+            why = ("this model's chat template renders tools, but the gateway does not implement tool calls yet"
+                   if tool_template else "this model's chat template has no tool support")
+            raise RequestError(f"tools (function calling) are not supported: {why}", param="tools")
         if body.get("tool_choice") not in (None, "none"):
             raise RequestError("tool_choice needs tools, which this gateway does not implement yet",
                                param="tool_choice")
@@ -558,7 +561,8 @@ class _Logprobs:
 async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool,
                     prompt: str | None = None) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
-    opts = parse_params(body, gw.config.default_max_tokens, chat, gw.tokenizer.n_vocab, gw.tokenizer.has_fim)
+    opts = parse_params(body, gw.config.default_max_tokens, chat, gw.tokenizer.n_vocab, gw.tokenizer.has_fim,
+                        "tools" in (gw.tokenizer.chat_template or ""))
     echo = prompt if opts.echo else None
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
