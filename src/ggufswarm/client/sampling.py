@@ -59,7 +59,7 @@ class SamplingParams:
             if isinstance(value, int) and abs(value) > _FLOAT_MAX:  # it is used as a float when sampling
                 raise ValueError(f"{name} must be within the float range, got an integer of {len(str(value))} digits")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not abs(float(getattr(self, name))) < _F32_MAX:
+            if not abs(getattr(self, name)) < _F32_MAX:
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)!r}")
         for name in ("top_k", "repeat_last_n", "penalize_from"):
             value = getattr(self, name)
@@ -113,7 +113,7 @@ def _logit_bias(value) -> tuple:
             tok = int(tok)
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < 2 ** 31:
             raise ValueError(f"logit_bias token ids must be integers in [0, 2^31), got {tok!r}")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(float(bias)) < _F32_MAX:
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) < _F32_MAX:
             raise ValueError(f"logit_bias values must be finite numbers, got {bias!r}")
         if tok in out:
             raise ValueError(f"logit_bias gives token {tok} twice")
