@@ -604,7 +604,8 @@ SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_size=12),
                                      str(uuid.UUID(int=0))]))
 JUNK = st.recursive(SCALARS, lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c,
                                                                                           max_size=4)), max_leaves=10)
-SAMPLING_KEYS = ["temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed"]
+SAMPLING_KEYS = ["temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed",
+                 "presence_penalty", "frequency_penalty", "penalize_from", "logit_bias", "grammar"]
 SAMPLING = st.one_of(st.dictionaries(st.sampled_from(SAMPLING_KEYS + ["bogus"]), st.one_of(NUMBERS, JUNK),
                                      max_size=7), JUNK)
 FIELDS = {
@@ -616,6 +617,7 @@ FIELDS = {
     "wire_dtype": st.one_of(st.sampled_from(["f16", "bf16", "f32", "int8", "F16"]), JUNK),
     "sampling": SAMPLING,
     "top_logprobs": st.one_of(NUMBERS, JUNK),
+    "logprobs": st.one_of(st.booleans(), JUNK),
     "length": st.one_of(NUMBERS, JUNK),
     "tokens": JUNK,
     "step": st.one_of(NUMBERS, JUNK),

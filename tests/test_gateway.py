@@ -9,7 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from route_fixtures import cluster, gateway, http, reference  # noqa: F401 - fixtures
+import torch
+
+from ggufswarm.client.generate import generate
+from ggufswarm.client.sampling import SamplingParams
+from route_fixtures import cluster, gateway, http, one_thread, reference  # noqa: F401 - fixtures
 
 SHORT = "The capital of France is"
 CHAT = "Name three colors."
@@ -36,15 +40,18 @@ def sse(url: str, path: str, body: dict) -> tuple[list[dict], list[str]]:
     return [json.loads(line[6:]) for line in lines[:-1]], lines
 
 
-def completion(url: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, dict]:
-    """Greedy /v1/completions; (text, final body or final chunk)."""
+def completion(url: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, dict, str]:
+    """Greedy /v1/completions; (text, final body or final chunk, finish_reason). A stream asks for usage
+    (``stream_options.include_usage``): its final chunk has no choices, only ``usage`` and ``telemetry``."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     if stream:
-        chunks, _ = sse(url, "/v1/completions", body)
-        return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]
+        chunks, _ = sse(url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        assert chunks[-1]["choices"] == [] and all(c["usage"] is None for c in chunks[:-1])
+        return "".join(c["choices"][0]["text"] for c in chunks[:-1]), chunks[-1], \
+            chunks[-2]["choices"][0]["finish_reason"]
     status, out = http("POST", url + "/v1/completions", body, timeout=300)
     assert status == 200, out
-    return out["choices"][0]["text"], out
+    return out["choices"][0]["text"], out, out["choices"][0]["finish_reason"]
 
 
 def check_telemetry(final: dict, cluster, prompt_tokens: int, completion_tokens: int) -> None:
@@ -72,9 +79,9 @@ def test_models(gateway):
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_short_prompt_greedy_equals_generate(gateway, cluster, gemma, stream):
     ref_text, ref_tokens = reference(gemma, SHORT, 24)
-    text, final = completion(gateway, SHORT, 24, stream)
+    text, final, finish = completion(gateway, SHORT, 24, stream)
     assert text == ref_text
-    assert final["choices"][0]["finish_reason"] == "length"
+    assert finish == "length"
     check_telemetry(final, cluster, len(gemma.prompt_ids(SHORT)), len(ref_tokens))
 
 
@@ -89,22 +96,31 @@ def test_greedy_equals_generate_cli(gateway, ggufswarm_cli):
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_long_prompt_greedy_equals_generate(gateway, cluster, gemma, long_prompt, stream):
     ref_text, ref_tokens = reference(gemma, long_prompt, 12)
-    text, final = completion(gateway, long_prompt, 12, stream)
+    text, final, _ = completion(gateway, long_prompt, 12, stream)
     assert text == ref_text
     check_telemetry(final, cluster, len(gemma.prompt_ids(long_prompt)), len(ref_tokens))
 
 
 def test_chat_stream_greedy_equals_generate_chat(gateway, gemma):
     ref_text, ref_tokens = reference(gemma, CHAT, 40, chat=True)
-    chunks, _ = sse(gateway, "/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": CHAT}], "max_tokens": 40, "temperature": 0})
+    body = {"messages": [{"role": "user", "content": CHAT}], "max_tokens": 40, "temperature": 0}
+    chunks, _ = sse(gateway, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    # OpenAI's shape: the usage comes in a last chunk with no choices; every chunk before it has "usage": null
+    final, usage = chunks[-2], chunks[-1]
+    assert usage["choices"] == [] and all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
     assert text == ref_text
-    final = chunks[-1]
-    assert final["choices"][0]["finish_reason"] == ("stop" if len(ref_tokens) < 40 else "length")
-    assert final["usage"]["completion_tokens"] == len(ref_tokens) and "telemetry" in final
+    assert final["choices"][0]["finish_reason"] == ("stop" if ref_tokens[-1] in gemma.tokenizer.eog_ids else "length")
+    # every generated token counts, the end-of-generation one included
+    assert usage["usage"]["completion_tokens"] == len(ref_tokens) and "telemetry" in usage
+    assert usage["usage"]["completion_tokens"] == usage["telemetry"]["completion_tokens"]
+    # with include_usage false (or no stream_options: test_ten_concurrent_streams) no chunk carries usage
+    plain, _ = sse(gateway, "/v1/chat/completions", {**body, "stream_options": {"include_usage": False}})
+    assert all("usage" not in c for c in plain) and plain[-1]["choices"][0]["finish_reason"] == \
+        final["choices"][0]["finish_reason"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in plain) == ref_text
 
 
 def test_openai_client(gateway, gemma):
@@ -151,6 +167,7 @@ def test_ten_concurrent_streams(gateway, gemma):
 
     def run(prompt):
         chunks, _ = sse(gateway, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0})
+        assert all("usage" not in c for c in chunks)  # no stream_options.include_usage: no usage (OpenAI)
         return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["telemetry"]["session"]
 
     with ThreadPoolExecutor(10) as pool:
@@ -183,10 +200,15 @@ def test_seeded_sampling_is_reproducible(gateway):
 
 
 def test_stop_strings(gateway, gemma):
-    ref_text, _ = reference(gemma, SHORT, 24)
+    ref_text, ref_tokens = reference(gemma, SHORT, 24)
     stop = ref_text[8:12]
     text, final = completion_with(gateway, {"prompt": SHORT, "max_tokens": 24, "temperature": 0, "stop": [stop]})
     assert text == ref_text[:ref_text.index(stop)] and final["choices"][0]["finish_reason"] == "stop"
+    # usage counts every generated token, the one that completed the stop string included
+    hit = next(k for k in range(1, len(ref_tokens) + 1) if stop in gemma.tokenizer.decode(ref_tokens[:k]))
+    assert final["usage"]["completion_tokens"] == hit == final["telemetry"]["completion_tokens"]
+    assert final["telemetry"]["kv_tokens_held"][final["telemetry"]["route"][0]["node"]] == \
+        final["usage"]["prompt_tokens"] + hit - 1  # every sampled token but the last was fed back
 
 
 def completion_with(url, body):
@@ -257,3 +279,170 @@ def test_client_leaving_a_non_streamed_request_frees_every_node(gateway, cluster
     while any(health(n.url)["sessions"] or health(n.url)["kv_tokens_held"] for n in cluster):
         assert time.monotonic() - left < 2.0, [health(n.url)["sessions"] for n in cluster]
         time.sleep(0.05)
+
+
+REPETITIVE = "A B A B A B A B A B A B"
+
+
+def reference_logprobs(model, ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """log_softmax of the in-process reference's raw logits before each of ``tokens`` (the prompt ``ids``, then
+    the tokens fed back one by one as the route does): float32 ``[len(tokens), n_vocab]``."""
+    with one_thread():
+        session = model.session(len(ids) + len(tokens) + 1, SamplingParams(temperature=0))
+        try:
+            rows = [session.logits(ids)[-1]]
+            rows += [session.logits([t])[-1] for t in tokens[:-1]]
+        finally:
+            session.close()
+    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+
+
+def piece(model, token: int) -> str:
+    return model.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+
+def test_chat_logprobs_through_the_openai_client(gateway, gemma):
+    """Chat ``logprobs`` / ``top_logprobs`` in OpenAI's shape, streamed and not: the sampled token's logprob is the
+    log-softmax of the reference's raw logits, the top entry under greedy, and the top 3 are the reference's."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+    ref_text, ref_tokens = reference(gemma, CHAT, 12, chat=True)
+    ref = reference_logprobs(gemma, gemma.prompt_ids(CHAT, chat=True), ref_tokens)
+    kw = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": CHAT}], max_tokens=12,
+              temperature=0, logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(**kw)
+    assert out.choices[0].message.content == ref_text
+    content = out.choices[0].logprobs.content
+    emitted = [t for t in ref_tokens if t not in gemma.tokenizer.eog_ids]  # an end-of-generation token has no entry
+    assert len(content) == len(emitted) > 0
+    for entry, tok, row in zip(content, emitted, ref):
+        assert entry.token == piece(gemma, tok) and bytes(entry.bytes) == gemma.tokenizer.token_bytes(tok)
+        assert entry.logprob <= 0 and entry.logprob == pytest.approx(float(row[tok]), abs=1e-4)
+        assert len(entry.top_logprobs) == 3
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (entry.token, entry.logprob)
+        values, ids = torch.topk(row, 3)
+        assert [bytes(a.bytes) for a in entry.top_logprobs] == [gemma.tokenizer.token_bytes(int(i)) for i in ids]
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob, e.bytes) for e in streamed] == [(e.token, e.logprob, e.bytes) for e in content]
+    plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_through_the_openai_client(gateway, gemma):
+    """``/v1/completions`` ``logprobs: 2``: tokens, token_logprobs, top_logprobs (dicts holding the sampled token
+    too), text_offset — streamed and not, against the reference's log-softmax."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+    ref_text, ref_tokens = reference(gemma, SHORT, 8)
+    ref = reference_logprobs(gemma, gemma.prompt_ids(SHORT), ref_tokens)
+    kw = dict(model=client.models.list().data[0].id, prompt=SHORT, max_tokens=8, temperature=0, logprobs=2)
+    out = client.completions.create(**kw)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == ref_text == "".join(lp.tokens)
+    assert lp.tokens == [piece(gemma, t) for t in ref_tokens]
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for tok, got, top, row in zip(ref_tokens, lp.token_logprobs, lp.top_logprobs, ref):
+        assert got <= 0 and got == pytest.approx(float(row[tok]), abs=1e-4)
+        assert top[piece(gemma, tok)] == got == max(top.values()) and 1 <= len(top) <= 3
+    chunks = list(client.completions.create(**kw, stream=True))
+    joined = {k: [x for c in chunks if c.choices and c.choices[0].logprobs for x in getattr(c.choices[0].logprobs, k)]
+              for k in ("tokens", "token_logprobs", "text_offset")}
+    assert joined == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs, "text_offset": lp.text_offset}
+
+
+def test_logit_bias_forces_and_forbids_tokens(gateway, gemma):
+    """Greedy with ``logit_bias``: -100 on the greedy token gives the reference's runner-up (whose reported
+    logprob is still that of the raw logits), +100 on a token makes every draw that token."""
+    ids = gemma.prompt_ids(SHORT)
+    _, ref_tokens = reference(gemma, SHORT, 4)
+    row = reference_logprobs(gemma, ids, ref_tokens[:1])[0]
+    second = int(torch.topk(row, 2).indices[1])
+    text, out = completion_with(gateway, {"prompt": SHORT, "max_tokens": 1, "temperature": 0, "logprobs": 0,
+                                          "logit_bias": {str(ref_tokens[0]): -100}})
+    assert out["choices"][0]["logprobs"]["tokens"] == [piece(gemma, second)] and text == piece(gemma, second)
+    assert out["choices"][0]["logprobs"]["token_logprobs"][0] == pytest.approx(float(row[second]), abs=1e-4)
+    forced = gemma.tokenizer.encode(" banana", add_bos=False)[0]
+    assert forced not in ref_tokens
+    for path, body in (("/v1/completions", {"prompt": SHORT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": CHAT}]})):
+        status, out = http("POST", gateway + path, {**body, "max_tokens": 3, "temperature": 0,
+                                                    "logit_bias": {str(forced): 100}})
+        assert status == 200, out
+        choice = out["choices"][0]
+        assert choice.get("text", choice.get("message", {}).get("content")) == piece(gemma, forced) * 3
+
+
+@pytest.mark.parametrize("settings", [{"presence_penalty": 1.5, "frequency_penalty": 1.0},
+                                      {"repeat_penalty": 1.5, "repeat_last_n": 16}], ids=["openai", "llama-server"])
+def test_penalties_change_a_repetitive_output_as_the_reference(gateway, gemma, settings):
+    """Presence / frequency (over the generated tokens, OpenAI) and repeat penalties: the gateway's greedy text is the
+    in-process reference's with the same settings, and differs from the unpenalized one."""
+    plain, _ = reference(gemma, REPETITIVE, 12)
+    ids = gemma.prompt_ids(REPETITIVE)
+    with one_thread():
+        session = gemma.session(len(ids) + 12, SamplingParams(temperature=0, penalize_from=len(ids), **settings))
+        try:
+            want = "".join(generate(session, gemma.tokenizer, ids, 12, []))
+        finally:
+            session.close()
+    text, _ = completion_with(gateway, {"prompt": REPETITIVE, "max_tokens": 12, "temperature": 0, **settings})
+    assert text == want != plain
+
+
+def test_echo(gateway, gemma):
+    """``echo``: the completion's text starts with the prompt, streamed and not (and alone with max_tokens 0)."""
+    ref_text, _ = reference(gemma, SHORT, 6)
+    body = {"prompt": SHORT, "max_tokens": 6, "temperature": 0, "echo": True}
+    assert completion_with(gateway, body)[0] == SHORT + ref_text
+    chunks, _ = sse(gateway, "/v1/completions", body)
+    assert chunks[0]["choices"][0]["text"] == SHORT and "".join(c["choices"][0]["text"] for c in chunks) == \
+        SHORT + ref_text
+    text, out = completion_with(gateway, {**body, "max_tokens": 0})
+    assert text == SHORT and out["usage"]["completion_tokens"] == 0
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+    "colors": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "maxItems": 3}},
+    "required": ["name", "age", "colors"], "additionalProperties": False}
+
+
+def test_response_format_json_through_the_openai_client(gateway, gemma):
+    """``response_format`` json_schema and json_object: constrained decoding at the head (llama.cpp's grammar
+    sampler). Greedy answers equal the in-process reference with the same grammar; greedy and sampled answers,
+    streamed or not, parse and validate against the schema."""
+    import json
+
+    from ggufswarm.client.grammar import response_format_grammar
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    cases = [(schema_format, "Give a person's name, age and favourite colors as JSON.", PERSON),
+             ({"type": "json_object"}, 'Reply with a JSON object with one key, "ok", set to true.', {"type": "object"})]
+    for response_format, prompt, schema in cases:
+        ids = gemma.prompt_ids(prompt, chat=True)
+        with one_thread():
+            session = gemma.session(len(ids) + 64, SamplingParams(
+                temperature=0, penalize_from=len(ids), grammar=response_format_grammar(response_format)))
+            try:
+                want = "".join(generate(session, gemma.tokenizer, ids, 64, []))
+            finally:
+                session.close()
+        messages = [{"role": "user", "content": prompt}]
+        out = client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
+                                             response_format=response_format)
+        assert out.choices[0].finish_reason == "stop" and out.choices[0].message.content == want
+        jsonschema.validate(json.loads(want), schema)
+    for seed in (1,):  # sampled, streamed
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": cases[0][1]}],
+                                                max_tokens=64, temperature=0.9, seed=seed, stream=True,
+                                                response_format=schema_format)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        jsonschema.validate(json.loads(text), PERSON)
+    with pytest.raises(openai.BadRequestError, match="minimum"):
+        client.chat.completions.create(model=model, messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 0}}})

@@ -177,3 +177,81 @@ def test_a_huge_prompt_does_not_stall_the_gateway(gateway):
         slowest = max(slowest, time.monotonic() - t0)
         time.sleep(0.02)
     assert slowest < 0.5, slowest
+
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    (COMP, {"n": 2}, "n"),
+    (COMP, {"best_of": 2}, "best_of"),
+    (COMP, {"suffix": " world"}, "suffix"),  # Gemma 3 270M has no fill-in-the-middle tokens
+    (COMP, {"echo": True, "logprobs": 2}, "echo"),
+    (COMP, {"logprobs": 6}, "logprobs"),  # OpenAI: 0..5
+    (COMP, {"logprobs": True}, "logprobs"),
+    (COMP, {"top_logprobs": 2}, "top_logprobs"),  # a chat parameter
+    (CHAT, {"top_logprobs": 3}, "top_logprobs"),  # needs logprobs: true
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"logprobs": 1}, "logprobs"),
+    (CHAT, {"echo": True}, "echo"),  # a completions parameter
+    (CHAT, {"logit_bias": {"262144": 5}}, "logit_bias"),  # past the vocabulary
+    (CHAT, {"logit_bias": {"12": 101}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"x": 1}}, "logit_bias"),
+    (CHAT, {"logit_bias": [[12, 1]]}, "logit_bias"),
+    (CHAT, {"presence_penalty": 2.5}, "presence_penalty"),
+    (CHAT, {"frequency_penalty": -3}, "frequency_penalty"),
+    (CHAT, {"repeat_last_n": -2}, "repeat_last_n"),
+    (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+    (CHAT, {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+    (CHAT, {"stream": True, "stream_options": {"chunk_size": 4}}, "stream_options"),
+    (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "minimum": 3}}}}, "response_format"),  # the grammar would not enforce minimum
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "oneOf": [{"type": "string"}, {"type": "integer"}]}}}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}}}}, "response_format"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
+    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"mirostat": 2}, "mirostat"),
+    (CHAT, {"typical_p": 0.5}, "typical_p"),
+    (CHAT, {"ignore_eos": True}, "ignore_eos"),
+    (CHAT, {"audio": {"voice": "x"}}, "audio"),
+    (CHAT, {"temprature": 0}, "temprature"),  # a typo is not silently ignored
+])
+def test_unimplemented_or_bad_parameters_are_400_naming_them(gateway, path, extra, param):
+    base = {"messages": MSGS} if path == CHAT else {"prompt": "Hi"}
+    status, body = post(gateway + path, {**base, "max_tokens": 2, **extra})
+    assert status == 400, body
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+    assert body["error"]["param"] == param
+
+
+def test_tools_on_a_template_without_tool_support_say_so(gateway):
+    status, body = post(gateway + CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert status == 400 and body["error"]["param"] == "tools"
+    assert "chat template has no tool support" in body["error"]["message"]  # Gemma 3's template renders no tools
+
+
+@pytest.mark.parametrize("path,extra", [
+    (COMP, {"best_of": 1, "echo": True, "suffix": None, "n": 1}),
+    (COMP, {"suffix": "", "logprobs": 5}),
+    (COMP, {"logprobs": 0, "logit_bias": {"0": -100, "262143": 100}}),
+    (CHAT, {"logprobs": True, "top_logprobs": 20, "presence_penalty": -2, "frequency_penalty": 2}),
+    (CHAT, {"stream": True, "stream_options": {"include_usage": False}, "repeat_penalty": 1.1,
+            "repeat_last_n": -1, "top_k": 5, "min_p": 0.1}),
+    (CHAT, {"response_format": {"type": "json_object"}}),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"$ref": "#/$defs/b"}},
+        "required": ["a"], "additionalProperties": False, "$defs": {"b": {"enum": [1, 2]}}}}}}),
+    (CHAT, {"response_format": {"type": "text"}, "tool_choice": "none", "user": "u1", "store": False,
+            "metadata": {"k": "v"}, "mirostat": 0, "mirostat_tau": 5.0, "typical_p": 1, "cache_prompt": True}),
+])
+def test_implemented_and_neutral_parameters_pass_validation(gateway, path, extra):
+    """Accepted bodies go on to the route (here a dead node: a 5xx naming it, not a 400)."""
+    base = {"messages": MSGS} if path == CHAT else {"prompt": "Hi"}
+    status, body = post(gateway + path, {**base, "max_tokens": 2, **extra})
+    assert 500 <= status < 600 and "127.0.0.1:9" in body["error"]["message"], body

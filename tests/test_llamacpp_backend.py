@@ -271,3 +271,76 @@ def test_sampler_penalties_follow_llama_cpp():
     assert greedy.sample(logits, [7, 1, 2, 3, 4]) == 7  # 7 is outside the last 4
     hot = LlamaCppSampler(SamplingParams(temperature=0.5, top_k=2, repeat_penalty=100.0, seed=3))
     assert {hot.sample(logits, [7] * n) for n in range(1, 20)} == {9}
+
+
+@pytest.mark.parametrize("settings", [
+    {"logit_bias": ((3, 100.0), (11, -100.0), (40, 2.5))},
+    {"presence_penalty": 1.5, "frequency_penalty": 0.5, "penalize_from": 6},
+    {"presence_penalty": -2.0, "frequency_penalty": 2.0, "penalize_from": 0, "repeat_penalty": 1.3,
+     "repeat_last_n": 5, "logit_bias": {"4": -3.0}},
+], ids=["logit_bias", "presence_frequency", "all"])
+def test_torch_bias_and_penalties_equal_llama_cpp_samplers(settings):
+    """The torch head's logit bias and penalties (Sampler.adjust) give llama.cpp's own logit-bias and penalties
+    samplers' logits (LlamaCppSampler.adjust), to float32 rounding, and both heads then draw the same greedy
+    token; presence/frequency penalties count only the tokens from ``penalize_from`` on."""
+    from ggufswarm.client.sampling import Sampler
+    from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
+    gen = torch.Generator().manual_seed(5)
+    history = torch.randint(0, 60, (14,), generator=gen).tolist() + [4, 4, 4, 11]
+    params = SamplingParams(temperature=0, **settings)
+    for _ in range(5):
+        logits = torch.randn(64, generator=gen) * 3
+        ours, ref = Sampler(params).adjust(logits, history), LlamaCppSampler(params).adjust(logits, history)
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-5)
+        assert not torch.equal(ref, logits)  # the settings did change the logits
+        assert Sampler(params).sample(logits, history) == LlamaCppSampler(params).sample(logits, history) \
+            == int(ref.argmax())
+    if "penalize_from" in settings and not settings.get("repeat_penalty"):  # tokens before it are not penalized
+        before = set(history[:settings["penalize_from"]]) - set(history[settings["penalize_from"]:])
+        adjusted = LlamaCppSampler(params).adjust(logits, history)
+        assert before and all(adjusted[t] == logits[t] for t in before)
+    with pytest.raises(ValueError, match="logit_bias"):
+        LlamaCppSampler(SamplingParams(temperature=0, logit_bias=((64, 1.0),))).sample(torch.zeros(64), [])
+
+
+def test_grammar_draws_follow_the_schema_and_rebuild_from_the_history(gemma):
+    """llama.cpp's grammar sampler at a llama.cpp head: sampled draws (random logits, so the grammar does all the
+    work) give JSON that validates; a fresh sampler handed the same history (a replacement head after a route
+    repair) or a shorter one (a rollback) draws the same tokens; a history token the grammar forbids is a
+    ValueError, never an abort; the torch head refuses grammars."""
+    import json
+
+    from ggufswarm.client.grammar import response_format_grammar
+    from ggufswarm.client.sampling import Sampler
+    from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    head, n_vocab, prompt = gemma.shards[-1], gemma.tokenizer.n_vocab, [2, 100, 200]
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=9, penalize_from=3, grammar=grammar)
+    first = LlamaCppSampler(params)
+    first.bind(head)
+    gen = torch.Generator().manual_seed(0)
+    history, seen = list(prompt), []
+    while len(seen) < 60:
+        seen.append(torch.randn(n_vocab, generator=gen) * 4)
+        token = first.sample(seen[-1], history)
+        if token in gemma.tokenizer.eog_ids:
+            break
+        history.append(token)
+    assert token in gemma.tokenizer.eog_ids
+    jsonschema.validate(json.loads(gemma.tokenizer.decode(history[3:])), schema)
+    fresh = LlamaCppSampler(params)
+    fresh.bind(head)
+    for k in (len(seen) - 1, 4, 1, 0, len(seen) - 2):  # forward, then rolled back, then forward again
+        assert fresh.sample(seen[k], history[:3 + k]) == (history[3 + k] if 3 + k < len(history) else token)
+    bad = gemma.tokenizer.encode("x", add_bos=False)[0]
+    with pytest.raises(ValueError, match="grammar"):
+        fresh.sample(seen[0], prompt + [bad])
+    assert fresh.sample(seen[1], history[:4]) == history[4]  # and it recovers
+    with pytest.raises(ValueError, match="llama.cpp head"):
+        Sampler(params)
+    for broken in ('root ::= (', 'root ::= root "a"', 'item ::= "a"', 'root ::= undefined'):  # parse errors, no abort
+        with pytest.raises(ValueError, match="could not parse"):
+            LlamaCppSampler(SamplingParams(temperature=0, grammar=broken)).bind(head)

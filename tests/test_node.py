@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.remote import RemoteRoute, RouteError
 from ggufswarm.client.sampling import SamplingParams
 from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
 from ggufswarm.node.launch import start_nodes, stop_nodes
@@ -433,3 +433,82 @@ def test_gateway_ends_an_answer_at_the_route_context_with_length(gemma_path):
     finally:
         server.stop()
         stop_nodes([node])
+
+
+def test_penalties_and_logit_bias_survive_a_head_repair(cluster, gemma, gemma_path):
+    """The head's sampler state (penalties over the session's tokens, logit bias) lives in the session's history and
+    settings: a replacement head, filled by the replay, draws what an unbroken session draws (the in-process
+    reference with the same settings), which differs from the unpenalized greedy text; logprob replies go on."""
+    from route_fixtures import one_thread
+    prompt, n = "A B A B A B A B A B A B", 12
+    ids = gemma.prompt_ids(prompt)
+    _, plain = reference(gemma, prompt, n)
+    params = SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=1.0, repeat_penalty=1.2,
+                            penalize_from=len(ids), logit_bias=((plain[1], -100.0),))
+    with one_thread():
+        local = gemma.session(len(ids) + n, params)
+        try:
+            ref = [local.step(ids)]
+            while len(ref) < n:
+                ref.append(local.step([ref[-1]]))
+        finally:
+            local.close()
+    assert ref != plain
+    doomed = start_nodes([ShardSpec(12, 18, head=True)], str(gemma_path), threads=1)[0]
+    try:
+        session = RemoteRoute(urls(cluster)[:2] + [doomed.url], 2.0).open(
+            len(ids) + n, params, top_logprobs=2, logprobs=True,
+            replan=lambda exclude, span: RemoteRoute([cluster[2].url], 2.0, part=True))
+        tokens = [session.step(ids)]
+        while len(tokens) < 5:
+            tokens.append(session.step([tokens[-1]]))
+        doomed.kill()
+        while len(tokens) < n:
+            tokens.append(session.step([tokens[-1]]))
+        assert [r["hop"] for r in session.telemetry.repairs] == [doomed.url]
+        assert tokens == ref
+        assert session.last_token_logprob <= 0 and len(session.last_logprobs) == 2
+        session.close()
+    finally:
+        stop_nodes([doomed])
+
+
+def test_torch_head_logprobs_and_logit_bias(cluster, spares, gemma, gemma_path):
+    """A torch head returns the sampled token's logprob (log-softmax of its raw logits) and the top ones; a logit
+    bias of -100 on the greedy token draws the runner-up, while the logprobs stay those of the raw logits."""
+    alive = [s for s in spares if s.proc.poll() is None]  # test_dead_node_fails_... kills them
+    own = [] if alive else start_nodes([ShardSpec(12, 18, head=True)], str(gemma_path), threads=1,
+                                       extra=["--backend", "torch"])
+    try:
+        head = (alive or own)[0].url
+        assert health(head)["backend"] == "torch"
+        _torch_head_checks(RemoteRoute(urls(cluster)[:2] + [head], HOP_TIMEOUT), gemma)
+    finally:
+        stop_nodes(own)
+
+
+def _torch_head_checks(route, gemma):
+    ids = gemma.prompt_ids(PROMPT)
+    assert route.hops[-1].head
+    plain = route.open(16, GREEDY, top_logprobs=3, logprobs=True)
+    try:
+        token = plain.step(ids)
+        top, logprob = plain.last_logprobs, plain.last_token_logprob
+    finally:
+        plain.close()
+    assert top[0] == [token, logprob] and logprob <= 0 and top[2][1] <= top[1][1] <= logprob
+    biased = route.open(16, SamplingParams(temperature=0, logit_bias=((token, -100.0),)), top_logprobs=3,
+                        logprobs=True)
+    try:
+        assert biased.step(ids) == top[1][0]
+        assert biased.last_logprobs == top and biased.last_token_logprob == top[1][1]
+    finally:
+        biased.close()
+    no_logprobs = route.open(16, GREEDY)
+    try:
+        assert no_logprobs.step(ids) == token and no_logprobs.last_token_logprob is None
+    finally:
+        no_logprobs.close()
+    with pytest.raises(RouteError, match="needs a llama.cpp head") as err:  # constrained decoding: llama.cpp only
+        route.open(16, SamplingParams(temperature=0, penalize_from=len(ids), grammar='root ::= "{}"'))
+    assert err.value.status == 400

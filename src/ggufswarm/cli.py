@@ -153,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve /v1/chat/completions, /v1/completions and /v1/models over a route of "
                                    "nodes: given by hand (--route; first node has --embed, last --head), or planned "
                                    "per session by a tracker (--tracker), which also repairs routes whose nodes "
-                                   "fail. Streaming (SSE) and non-streamed; the last chunk / the body carries usage "
-                                   "and a telemetry object.")
+                                   "fail. Streaming (SSE) and non-streamed; the body (the stream's last chunk) carries "
+                                   "a telemetry object, and usage (a stream: with stream_options.include_usage). "
+                                   "Every request parameter is implemented or refused with a 400: docs/protocol.md, "
+                                   "\"Gateway\".")
     w.add_argument("--route", metavar="URL1,URL2,...", help="node URLs in layer order (or use --tracker)")
     w.add_argument("--tracker", metavar="URL", help="plan a route per session from this tracker instead of --route, and repair it when a node "
                    "fails (a replacement restores the failed layers' KV snapshot from the nodes' --cache)")

@@ -29,6 +29,7 @@ class LocalSession:
         self.shards = shards
         self.kvs = [s.new_session(max_length) for s in shards]
         self.sampler = getattr(shards[-1], "sampler_class", Sampler)(sampling)
+        self.sampler.bind(shards[-1])
         self.history: list[int] = []
 
     def logits(self, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:
@@ -80,8 +81,9 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
              stop: list[str] | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
     """Yield text deltas of the completion of ``prompt_ids`` (stops at EOG tokens, stop strings, max_tokens).
 
-    ``stats`` (if given) is filled in as generation proceeds; ``stats.tokens`` gets the generated ids
-    (the stop token excluded).
+    ``stats`` (if given) is filled in as generation proceeds; ``stats.tokens`` gets every generated id, the one
+    that ended the generation (an end-of-generation token, or the one completing a stop string) included, and
+    ``stats.completion_tokens`` counts them all (as OpenAI's ``usage.completion_tokens``).
     """
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
@@ -94,12 +96,12 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
         stats.prefill_tok_s = len(prompt_ids) / max(t_first - t0, 1e-9)
     while token is not None:
         delta = stream.push(token)
+        stats.tokens.append(token)
+        stats.completion_tokens = len(stats.tokens)
         if stream.stopped:
             if delta:
                 yield delta
             break
-        stats.tokens.append(token)
-        stats.completion_tokens = len(stats.tokens)
         if delta:
             yield delta
         if len(stats.tokens) >= max_tokens:

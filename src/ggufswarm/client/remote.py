@@ -252,7 +252,7 @@ class RemoteRoute:
 
     def open(self, max_length: int, sampling: SamplingParams | None = None, wire_dtype: str = "f32",
              top_logprobs: int = 0, replan=None, reuse_prefix: bool = True,
-             lease_s: float | None = None) -> "RemoteSession":
+             lease_s: float | None = None, logprobs: bool = False) -> "RemoteSession":
         """Open a session on every node (head first); RouteError (with the node's status) when one refuses.
 
         ``lease_s``: the nodes drop the session after that many idle seconds (not only after their session
@@ -260,9 +260,13 @@ class RemoteRoute:
 
         ``replan(exclude, span) -> RemoteRoute``: plans a replacement for the layers ``span`` avoiding the
         node URLs in ``exclude``; with it the session repairs itself when a node fails (see RemoteSession).
+
+        ``top_logprobs`` (0..20): the head returns that many most likely ``[id, logprob]`` pairs with each sample
+        (``RemoteSession.last_logprobs``); ``logprobs``: it returns the sampled token's logprob too
+        (``RemoteSession.last_token_logprob``). Both are log-softmax of the raw logits.
         """
         return RemoteSession(self, max_length, sampling or SamplingParams(), wire_dtype, top_logprobs, replan,
-                             reuse_prefix, lease_s)
+                             reuse_prefix, lease_s, logprobs)
 
 
 @dataclass
@@ -335,13 +339,15 @@ class RemoteSession:
     OPEN_WAIT_S = 60.0  # how long an open waits for a node's free session slot (kv_budget_full) before failing
 
     def __init__(self, route: RemoteRoute, max_length: int, sampling: SamplingParams, wire_dtype: str = "f32",
-                 top_logprobs: int = 0, replan=None, reuse_prefix: bool = True, lease_s: float | None = None):
+                 top_logprobs: int = 0, replan=None, reuse_prefix: bool = True, lease_s: float | None = None,
+                 logprobs: bool = False):
         self.route = route
         self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
         self.max_length = max_length
         self.sampling = sampling.validate()
         self.wire_dtype = wire_dtype
         self.top_logprobs = top_logprobs
+        self.logprobs = logprobs
         self.replan = replan
         self.reuse_prefix = reuse_prefix
         self.lease_s = lease_s
@@ -354,6 +360,7 @@ class RemoteSession:
         self.step_no = 0
         self.telemetry = RouteTelemetry()
         self.last_logprobs = None
+        self.last_token_logprob: float | None = None  # the last sample's logprob (sessions opened with logprobs)
         self._conns = {}
         self._links: dict[str, StepLink] = {}
         self._opened: list[str] = []
@@ -373,6 +380,8 @@ class RemoteSession:
         if hop.head:
             body["sampling"] = self.sampling.to_dict()
             body["top_logprobs"] = self.top_logprobs
+            if self.logprobs:
+                body["logprobs"] = True
         if self.lease_s is not None:
             body["lease_s"] = self.lease_s
         if self.route.model is not None:
@@ -476,6 +485,7 @@ class RemoteSession:
                                                [h["bytes_in"] for h in hops], [h["kv_tokens"] for h in hops],
                                                [h.url for h in self.route.hops]))
         self.last_logprobs = reply.get("logprobs")
+        self.last_token_logprob = reply.get("token_logprob")
         return reply["token"]
 
     # -- prefix snapshots --------------------------------------------------------------------------

@@ -55,7 +55,8 @@ class Tokenizer:
     """The model's vocabulary as llama.cpp reads it (``llama_cpp.Llama(path, vocab_only=True)``).
 
     ``encode`` adds BOS when ``tokenizer.ggml.add_bos_token`` says so, never twice;
-    ``eog_ids`` is llama.cpp's set of end-of-generation tokens (``llama_vocab_is_eog``).
+    ``eog_ids`` is llama.cpp's set of end-of-generation tokens (``llama_vocab_is_eog``); ``has_fim``: the
+    vocabulary has fill-in-the-middle tokens.
     """
 
     def __init__(self, model_path: str, metadata: dict[str, Any]):
@@ -70,6 +71,9 @@ class Tokenizer:
         self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self.bos_id >= 0))
         vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
         self.eog_ids = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        # fill-in-the-middle prefix / suffix / middle tokens (llama_vocab_fim_*), all three or none
+        self.has_fim = all(f(vocab) >= 0 for f in (llama_cpp.llama_vocab_fim_pre, llama_cpp.llama_vocab_fim_suf,
+                                                   llama_cpp.llama_vocab_fim_mid))
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         self.bos_token = tokens[self.bos_id] if 0 <= self.bos_id < len(tokens) else ""
         self.eos_token = tokens[self.eos_id] if 0 <= self.eos_id < len(tokens) else ""

@@ -26,6 +26,7 @@ from aiohttp import web
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.generate import GenerationStats, generate
+from ..client.grammar import SchemaNotEnforceable, response_format_grammar
 from ..client.remote import REPAIRABLE, RemoteRoute, RouteError
 from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
@@ -101,13 +102,106 @@ def _number(body: dict, name: str, default, lo=None, hi=None, kind=float):
     return kind(value)
 
 
-def parse_params(body: dict, default_max_tokens: int) -> tuple[SamplingParams, int, list[str], bool]:
-    """Sampling settings, max_tokens, stop strings and stream flag of an OpenAI request body.
+# OpenAI parameters that change nothing in what one locally served model generates: accepted and ignored.
+IGNORED_PARAMS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+                            "parallel_tool_calls", "cache_prompt"})
+# llama-server sampler settings this gateway does not implement: accepted only at the value that turns them off.
+NEUTRAL_EXTRAS = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+                  "top_n_sigma": -1.0, "dynatemp_range": 0.0, "ignore_eos": False, "n_probs": 0, "min_keep": 0}
+# ... and their sub-settings, which do nothing while the setting above is off: accepted and ignored.
+DEPENDENT_EXTRAS = frozenset({"mirostat_tau", "mirostat_eta", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                              "dry_sequence_breakers", "xtc_threshold", "dynatemp_exponent"})
+_COMMON_PARAMS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+                            "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+                            "logprobs", "top_k", "min_p", "repeat_penalty", "repeat_last_n"})
+CHAT_PARAMS = _COMMON_PARAMS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
+                                "function_call"}
+COMPLETION_PARAMS = _COMMON_PARAMS | {"prompt", "echo", "suffix", "best_of"}
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 
-    Omitted settings take llama.cpp server defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05).
-    ``top_k``, ``min_p``, ``repeat_penalty`` are accepted as extensions. Raises RequestError.
+
+@dataclass
+class RequestOptions:
+    """What an OpenAI request body asks for, checked (see ``parse_params``).
+
+    ``logprobs``: report the sampled tokens' logprobs; ``top_logprobs``: that many most likely alternatives per
+    token (chat 0..20, completions 0..5); ``include_usage``: a final stream chunk with empty ``choices`` and
+    ``usage``; ``echo``: the completion's text starts with the prompt.
     """
-    if _number(body, "n", 1, 1, 1, int) != 1:
+
+    params: SamplingParams
+    max_tokens: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _check_known(body: dict, chat: bool) -> None:
+    """RequestError naming the first parameter that is not implemented (or not neutral) for this endpoint."""
+    known = CHAT_PARAMS if chat else COMPLETION_PARAMS
+    where = "/v1/chat/completions" if chat else "/v1/completions"
+    for name, value in body.items():
+        if name in known or name in IGNORED_PARAMS or name in DEPENDENT_EXTRAS:
+            continue
+        if name in NEUTRAL_EXTRAS:
+            neutral = NEUTRAL_EXTRAS[name]
+            same_kind = isinstance(value, (bool, int, float)) and isinstance(value, bool) == isinstance(neutral, bool)
+            if value is None or (same_kind and value == neutral):
+                continue
+            raise RequestError(f"{name} (a llama-server sampler setting) is not implemented by this gateway; omit it "
+                               f"or leave it at {json.dumps(neutral)}", param=name)
+        raise RequestError(f"unknown parameter {name!r}: not a parameter {where} implements here (docs/protocol.md, "
+                           f"\"Gateway\", lists them)", param=name, code="unknown_parameter")
+
+
+def _logit_bias(body: dict, n_vocab: int | None) -> tuple:
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestError("logit_bias must be an object mapping token ids (strings) to a bias in [-100, 100]",
+                           param="logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or (n_vocab is not None and int(key) >= n_vocab):
+            raise RequestError(f"logit_bias keys must be token ids in [0, {n_vocab}), got {key!r}", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {key}",
+                               param="logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
+def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab: int | None = None,
+                 fim: bool = False, tool_template: bool = False) -> RequestOptions:
+    """The checked options of an OpenAI request body for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``.
+
+    Omitted settings take llama.cpp server defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05,
+    repeat_penalty 1, repeat_last_n 64). ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n`` (-1: the
+    whole context, as llama-server) are accepted as llama-server extensions; ``n_vocab`` bounds ``logit_bias``'s
+    token ids; ``fim``: the model has fill-in-the-middle tokens (``suffix`` is still refused: not implemented);
+    ``tool_template``: the chat template renders ``tools`` (they are still refused, saying so).
+    Raises RequestError (400, ``param`` naming the parameter) for a parameter that is unknown, of the wrong type,
+    out of range, or not implemented (``n``/``best_of`` > 1, ``suffix``, ``tools``, a ``response_format`` schema
+    constrained decoding cannot enforce (client.grammar), ``echo`` with ``logprobs``, a llama-server sampler
+    other than the ones above). ``response_format`` json_object / json_schema become ``params.grammar``.
+    """
+    _check_known(body, chat)
+    if _number(body, "n", 1, 1, None, int) != 1:
         raise RequestError("only n = 1 is supported", param="n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 0, None, int)
@@ -115,15 +209,20 @@ def parse_params(body: dict, default_max_tokens: int) -> tuple[SamplingParams, i
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise RequestError(f"seed must be an integer, got {seed!r}", param="seed")
+    repeat_last_n = _number(body, "repeat_last_n", d.repeat_last_n, -1, 2 ** 31 - 1, int)
     params = SamplingParams(
         temperature=_number(body, "temperature", d.temperature, 0, 2),
         top_p=_number(body, "top_p", d.top_p, 0, 1),
         top_k=_number(body, "top_k", d.top_k, 0, None, int),
         min_p=_number(body, "min_p", d.min_p, 0, 1),
         repeat_penalty=_number(body, "repeat_penalty", d.repeat_penalty, 0, None),
+        repeat_last_n=MAX_CONTEXT if repeat_last_n == -1 else repeat_last_n,  # llama-server: -1 = context size
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2, 2),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2, 2),
+        logit_bias=_logit_bias(body, n_vocab),
         seed=seed)
     try:
-        params.validate()
+        params = params.validate()
     except ValueError as exc:
         raise RequestError(str(exc)) from None
     stop = body.get("stop")
@@ -133,10 +232,62 @@ def parse_params(body: dict, default_max_tokens: int) -> tuple[SamplingParams, i
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 16):
         raise RequestError("stop must be a string or a list of up to 16 non-empty strings", param="stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(f"stream must be true or false, got {stream!r}", param="stream")
-    return params, max_tokens, stop, stream
+    stream = _flag(body, "stream")
+    opts = RequestOptions(params, max_tokens, stop, stream)
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not stream:
+            raise RequestError("stream_options is only allowed with stream: true", param="stream_options")
+        if not isinstance(stream_options, dict):
+            raise RequestError("stream_options must be an object", param="stream_options")
+        for key in stream_options:
+            if key not in ("include_usage", "include_obfuscation"):  # no obfuscation here: nothing to pad
+                raise RequestError(f"stream_options.{key} is not implemented (include_usage is)",
+                                   param="stream_options")
+        if not isinstance(stream_options.get("include_usage", False), bool):
+            raise RequestError(f"stream_options.include_usage must be true or false, got "
+                               f"{stream_options['include_usage']!r}", param="stream_options")
+        opts.include_usage = stream_options.get("include_usage", False)
+    if chat:
+        opts.logprobs = _flag(body, "logprobs")
+        if body.get("top_logprobs") is not None:
+            opts.top_logprobs = _number(body, "top_logprobs", 0, 0, 20, int)
+            if not opts.logprobs:
+                raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        try:  # constrained decoding: the head's llama.cpp grammar sampler
+            grammar = response_format_grammar(body.get("response_format"))
+        except SchemaNotEnforceable as exc:
+            raise RequestError(str(exc), param="response_format") from None
+        if grammar:
+            opts.params = replace(opts.params, grammar=grammar)
+        if body.get("tools"):
+            why = ("this model's chat template renders tools, but the gateway does not implement tool calls yet"
+                   if tool_template else "this model's chat template has no tool support")
+            raise RequestError(f"tools (function calling) are not supported: {why}", param="tools")
+        if body.get("tool_choice") not in (None, "none"):
+            raise RequestError("tool_choice needs tools, which this gateway does not implement yet",
+                               param="tool_choice")
+        for name in ("functions", "function_call"):
+            if body.get(name) is not None:
+                raise RequestError(f"{name} (legacy function calling) is not implemented", param=name)
+    else:
+        if body.get("logprobs") is not None:
+            opts.logprobs = True
+            opts.top_logprobs = _number(body, "logprobs", 0, 0, 5, int)
+        opts.echo = _flag(body, "echo")
+        if opts.echo and opts.logprobs:
+            raise RequestError("echo with logprobs is not supported: the head computes logprobs for generated "
+                               "tokens only, not for the prompt", param="echo")
+        if _number(body, "best_of", 1, 1, None, int) != 1:
+            raise RequestError("only best_of = 1 is supported", param="best_of")
+        suffix = body.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise RequestError("suffix must be a string", param="suffix")
+        if suffix:
+            why = ("fill-in-the-middle is not implemented by this gateway" if fim else
+                   "this model has no fill-in-the-middle tokens")
+            raise RequestError(f"suffix is not supported: {why}", param="suffix")
+    return opts
 
 
 def _message_text(content) -> str:
@@ -155,15 +306,27 @@ def _message_text(content) -> str:
 
 
 class _Guarded:
-    """Wraps a RouteSession so a disconnected client stops the generation at the next step."""
+    """Wraps a RouteSession so a disconnected client stops the generation at the next step. With ``logprobs``
+    it keeps ``(token, logprob, [(id, logprob), ...])`` of each sample (but end-of-generation tokens, in
+    ``skip``) until ``drain``."""
 
-    def __init__(self, session, cancelled: threading.Event):
+    def __init__(self, session, cancelled: threading.Event, logprobs: bool = False, skip=frozenset()):
         self.session, self.cancelled = session, cancelled
+        self.logprobs, self.skip = logprobs, skip
+        self.entries: list[tuple[int, float, list]] = []
 
     def step(self, token_ids):
         if self.cancelled.is_set():
             raise Cancelled()
-        return self.session.step(token_ids)
+        token = self.session.step(token_ids)
+        if self.logprobs and token is not None and token not in self.skip:
+            self.entries.append((token, self.session.last_token_logprob, self.session.last_logprobs or []))
+        return token
+
+    def drain(self) -> list[tuple[int, float, list]]:
+        """The samples kept since the last drain."""
+        out, self.entries = self.entries, []
+        return out
 
     def close(self):
         self.session.close()
@@ -261,16 +424,20 @@ class Gateway:
                     raise RouteError(f"bad route: {exc}", 502, "bad_route") from None
             return self._route
 
-    def run(self, ids: list[int], params: SamplingParams, max_tokens: int, stop: list[str], emit,
-            cancelled: threading.Event, prompt_param: str = "prompt") -> None:
-        """Worker thread: open a route session, generate, emit ("open"|"delta"|"done"|"error", ...) events."""
+    def run(self, ids: list[int], opts: RequestOptions, emit, cancelled: threading.Event,
+            prompt_param: str = "prompt") -> None:
+        """Worker thread: open a route session, generate, emit ("open", session), ("delta", text, logprob entries
+        of the tokens behind it (see _Guarded)), ("done", stats, telemetry) or ("error", exc) events."""
         session = None
+        params, max_tokens, stop = opts.params, opts.max_tokens, opts.stop
         try:
             if params.seed is None:  # a seed of our own: a repaired route draws the same tokens (see Sampler)
                 params = replace(params, seed=secrets.randbits(62))
+            # presence / frequency penalties count generated tokens only (OpenAI): from the prompt's end on
+            params = replace(params, penalize_from=len(ids))
             for attempt in range(self.OPEN_ATTEMPTS):
                 try:
-                    session, max_length = self._open(ids, params, max_tokens, prompt_param)
+                    session, max_length = self._open(ids, params, max_tokens, prompt_param, opts)
                     break
                 except RouteError as exc:  # a node of the plan is gone (the tracker still lists it): plan again
                     if not self.config.tracker or exc.code not in REPAIRABLE or not exc.hop \
@@ -281,8 +448,12 @@ class Gateway:
             stats = GenerationStats()
             # a session holds max_length tokens: the prompt, then every sampled token but the last is fed back
             budget = min(max_tokens, max_length - len(ids) + 1)  # past it the answer ends with "length"
-            for delta in generate(_Guarded(session, cancelled), self.tokenizer, ids, budget, stop, stats):
-                emit(("delta", delta))
+            guarded = _Guarded(session, cancelled, opts.logprobs, self.tokenizer.eog_ids)
+            for delta in generate(guarded, self.tokenizer, ids, budget, stop, stats):
+                emit(("delta", delta, guarded.drain()))
+            rest = guarded.drain()  # tokens whose text was held back (a stop string) or empty
+            if rest:
+                emit(("delta", "", rest))
             emit(("done", stats, self.telemetry(session, stats)))
         except Cancelled:
             emit(("error", RequestError("client went away", 499, "cancelled")))
@@ -295,7 +466,8 @@ class Gateway:
             if session is not None:
                 session.close()
 
-    def _open(self, ids: list[int], params: SamplingParams, max_tokens: int, prompt_param: str):
+    def _open(self, ids: list[int], params: SamplingParams, max_tokens: int, prompt_param: str,
+              opts: RequestOptions):
         """Plan a route and open a session on it: (RemoteSession, its max_length). RouteError, RequestError."""
         want = min(len(ids) + max(max_tokens, 1), MAX_CONTEXT)
         try:
@@ -317,8 +489,8 @@ class Gateway:
                 for url in exclude:  # nodes this session saw fail: new sessions avoid them too
                     self.suspect(url)
                 return self.route(max_length, exclude, span)
-        return route.open(max_length, params, self.config.wire_dtype, replan=replan,
-                          lease_s=self.config.session_lease_s), max_length
+        return route.open(max_length, params, self.config.wire_dtype, top_logprobs=opts.top_logprobs, replan=replan,
+                          lease_s=self.config.session_lease_s, logprobs=opts.logprobs), max_length
 
     def telemetry(self, session, stats: GenerationStats) -> dict:
         """The ``telemetry`` object of a finished generation (ms, tok/s, bytes, tokens; the route as it
@@ -335,19 +507,24 @@ def _sse(obj) -> bytes:
 
 
 async def _stream(resp: web.StreamResponse, request: web.Request, queue: asyncio.Queue, chunk, usage,
-                  chat: bool) -> None:
-    """Write SSE chunks from the worker's events until done (final chunk + [DONE]) or an error event."""
+                  chat: bool, opts: RequestOptions, echo: str | None) -> None:
+    """Write SSE chunks from the worker's events until done (final chunk, the usage chunk when asked for,
+    [DONE]) or an error event."""
     await resp.prepare(request)
     if chat:
         await resp.write(_sse(chunk(None, first=True)))
+    if echo:
+        await resp.write(_sse(chunk(echo)))
     while True:
         event = await queue.get()
         if event[0] == "delta":
-            await resp.write(_sse(chunk(event[1])))
+            await resp.write(_sse(chunk(event[1], entries=event[2])))
         elif event[0] == "done":
             stats, telemetry = event[1], event[2]
             last = chunk(None, stats.finish_reason)
-            last["usage"] = usage(stats)
+            if opts.include_usage:  # OpenAI: one more chunk, with no choices, carries the usage
+                await resp.write(_sse(last))
+                last = {**chunk(None), "choices": [], "usage": usage(stats)}
             last["telemetry"] = telemetry
             await resp.write(_sse(last))
             await resp.write(b"data: [DONE]\n\n")
@@ -365,9 +542,52 @@ async def _stream(resp: web.StreamResponse, request: web.Request, queue: asyncio
     await resp.write_eof()
 
 
-async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool) -> web.StreamResponse:
+class _Logprobs:
+    """Renders the head's samples ``(token, logprob, [(id, logprob), ...])`` in OpenAI's logprobs shapes."""
+
+    def __init__(self, tokenizer: Tokenizer, offset: int = 0):
+        self.tokenizer = tokenizer
+        self.offset = offset  # completions' text_offset of the next token (characters)
+
+    def _piece(self, token: int) -> tuple[str, bytes]:
+        raw = self.tokenizer.token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def chat(self, entries) -> dict:
+        """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
+        "refusal": None}`` (chat.completion and chat.completion.chunk)."""
+        content = []
+        for token, logprob, top in entries:
+            text, raw = self._piece(token)
+            alts = []
+            for tid, lp in top:
+                t, b = self._piece(tid)
+                alts.append({"token": t, "logprob": lp, "bytes": list(b)})
+            content.append({"token": text, "logprob": logprob, "bytes": list(raw), "top_logprobs": alts})
+        return {"content": content, "refusal": None}
+
+    def completion(self, entries) -> dict:
+        """``{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}], "text_offset"}``: each dict holds the
+        most likely tokens and the sampled one (OpenAI: "up to logprobs + 1 elements")."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, logprob, top in entries:
+            text, _ = self._piece(token)
+            alts = {self._piece(tid)[0]: lp for tid, lp in top}
+            alts.setdefault(text, logprob)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(alts)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool,
+                    prompt: str | None = None) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
-    params, max_tokens, stop, stream = parse_params(body, gw.config.default_max_tokens)
+    opts = parse_params(body, gw.config.default_max_tokens, chat, gw.tokenizer.n_vocab, gw.tokenizer.has_fim,
+                        "tools" in (gw.tokenizer.chat_template or ""))
+    echo = prompt if opts.echo else None
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     cancelled = threading.Event()
@@ -375,11 +595,17 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
     def emit(event):
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
-    work = loop.run_in_executor(gw.pool, gw.run, ids, params, max_tokens, stop, emit, cancelled,
-                                "messages" if chat else "prompt")
+    work = loop.run_in_executor(gw.pool, gw.run, ids, opts, emit, cancelled, "messages" if chat else "prompt")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
+    render = _Logprobs(gw.tokenizer, len(echo) if echo else 0)
+
+    def logprobs(entries) -> dict | None:
+        if not opts.logprobs:
+            return None
+        return render.chat(entries) if chat else render.completion(entries)
+
     async def next_event():
         # aiohttp does not cancel a handler whose client hung up: look for that while waiting, so a non-streamed
         # request whose client left stops its generation (and frees its KV on every node) within a second
@@ -399,27 +625,31 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
         if event[0] == "error":
             return _error_response(event[1])
 
-        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> dict:
+        def chunk(text: str | None, finish: str | None = None, first: bool = False, entries=None) -> dict:
+            lp = logprobs(entries) if entries else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                    "model": gw.model_name, "choices": [choice]}
+                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            out = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                   "model": gw.model_name, "choices": [choice]}
+            if opts.include_usage:  # OpenAI: every chunk but the last has "usage": null
+                out["usage"] = None
+            return out
 
         def usage(stats: GenerationStats) -> dict:
             return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
                     "total_tokens": stats.prompt_tokens + stats.completion_tokens}
 
-        if stream:
+        if opts.stream:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             try:
-                await _stream(resp, request, queue, chunk, usage, chat)
+                await _stream(resp, request, queue, chunk, usage, chat, opts, echo)
             except ConnectionResetError:
                 pass  # the client left; `finally` below stops the worker
             return resp
-        parts = []
+        parts, entries = [echo or ""], []
         while True:
             try:
                 event = await next_event()
@@ -427,6 +657,7 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
                 return web.Response(status=499)  # nobody reads it; `finally` below stops the worker
             if event[0] == "delta":
                 parts.append(event[1])
+                entries += event[2]
             elif event[0] == "done":
                 stats, telemetry = event[1], event[2]
                 break
@@ -434,10 +665,10 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
                 return _error_response(event[1])
         text = "".join(parts)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs(entries),
                       "finish_reason": stats.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": stats.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs(entries), "finish_reason": stats.finish_reason}
         return web.Response(body=json.dumps({"id": rid, "object": obj, "created": created, "model": gw.model_name,
                                              "choices": [choice], "usage": usage(stats),
                                              "telemetry": telemetry}).encode(), content_type=JSON)
@@ -534,7 +765,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if not ids:  # a model without BOS has nothing to start from
             raise RequestError("prompt is empty and this model adds no BOS token: give at least one token of text",
                                param="prompt")
-        return await _complete(request, ids, body, chat=False)
+        return await _complete(request, ids, body, chat=False, prompt=prompt)
     except Exception as exc:  # noqa: BLE001
         return _error_response(exc)
 

@@ -220,8 +220,8 @@ def _session_id(text) -> uuid.UUID:
 
 
 async def open_session(request: web.Request) -> web.Response:
-    """``POST /v1/sessions`` {session_id, max_length, next_hop, sampling, wire_dtype, top_logprobs, lease_s,
-    hop_timeout_s, model} → 201; ``model`` (optional): the GGUF fingerprint the client expects, 409
+    """``POST /v1/sessions`` {session_id, max_length, next_hop, sampling, wire_dtype, top_logprobs, logprobs,
+    lease_s, hop_timeout_s, model} → 201; ``model`` (optional): the GGUF fingerprint the client expects, 409
     ``model_mismatch`` when this node serves another model."""
     state: NodeState = request.app[NODE]
     try:
@@ -238,6 +238,9 @@ async def open_session(request: web.Request) -> web.Response:
         n_logprobs = body.get("top_logprobs", 0)
         if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or not 0 <= n_logprobs <= 20:
             raise ProtocolError("bad_request", f"top_logprobs must be an integer in 0..20, got {n_logprobs!r}")
+        want_logprob = body.get("logprobs", False)
+        if not isinstance(want_logprob, bool):
+            raise ProtocolError("bad_request", f"logprobs must be true or false, got {want_logprob!r}")
         lease = body.get("lease_s")
         if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
                                   or not 0 < lease <= sys.float_info.max):
@@ -259,7 +262,7 @@ async def open_session(request: web.Request) -> web.Response:
             params = SamplingParams(**sampling).validate()
         except TypeError as exc:
             raise ProtocolError("bad_request", f"sampling: {exc}") from None
-        session = state.store.open(sid, max_length, next_hop, params, wire, n_logprobs)
+        session = state.store.open(sid, max_length, next_hop, params, wire, n_logprobs, want_logprob)
         session.lock = asyncio.Lock()
         session.hop_timeout_s = float(hop_timeout)
         session.lease_s = float(lease) if lease is not None else None
@@ -568,6 +571,8 @@ async def _apply_session_frame(state: NodeState, session, frame, body: bytes, ki
             reply = {"token": record.token, "hops": [hop]}
             if record.logprobs is not None:
                 reply["logprobs"] = record.logprobs
+            if record.token_logprob is not None:
+                reply["token_logprob"] = record.token_logprob
         else:
             ids = frame.data if frame.dtype == "ids" else frame.token_ids
             out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..client.sampling import Sampler, SamplingParams, top_logprobs
+from ..client.sampling import Sampler, SamplingParams, token_logprobs
 from .kv import ContextOverflow, SessionKV, check_max_length
 
 
@@ -48,7 +48,9 @@ class StepRecord:
     """The last step a session applied: its number, a digest of its frame, and its outcome.
 
     ``output``: hidden states ``[T, n_embd]`` for the next hop, or None on the head.
-    ``token`` / ``logprobs``: the head's sample (None when not sampled).
+    ``token`` / ``logprobs``: the head's sample (None when not sampled) and the ``n_logprobs`` most likely
+    ``(id, logprob)`` pairs; ``token_logprob``: the sampled token's logprob (sessions opened with ``logprobs``).
+    Logprobs are ``log_softmax`` of the raw logits (``client.sampling.token_logprobs``).
     ``reply``: the bytes answered to the caller once the step completed end to end (None until then).
     """
 
@@ -59,6 +61,7 @@ class StepRecord:
     output: torch.Tensor | None = None
     token: int | None = None
     logprobs: list[tuple[int, float]] | None = None
+    token_logprob: float | None = None
     compute_ms: float = 0.0
     reply: bytes | None = None
 
@@ -74,6 +77,7 @@ class Session:
     wire_dtype: str = "f32"
     sampler: Sampler | None = None
     n_logprobs: int = 0
+    want_logprob: bool = False  # the head reports the sampled token's logprob with each sample
     history: list[int] = field(default_factory=list)  # token ids of every position held (sampler, snapshots)
     history_complete: bool = True  # False once a step arrived without its token ids
     snapshot_at: int = 0  # position of the last snapshot taken (tokens)
@@ -141,12 +145,15 @@ class SessionStore:
         return self.executor.kv_bytes_per_token()
 
     def open(self, session_id: uuid.UUID, max_length: int, next_hop: str | None = None,
-             sampling: SamplingParams | None = None, wire_dtype: str = "f32", n_logprobs: int = 0) -> Session:
-        """Open a session reserving ``max_length`` tokens of the budget.
+             sampling: SamplingParams | None = None, wire_dtype: str = "f32", n_logprobs: int = 0,
+             logprobs: bool = False) -> Session:
+        """Open a session reserving ``max_length`` tokens of the budget. On the head, ``n_logprobs`` (0..20) most
+        likely tokens and, with ``logprobs``, the sampled token's logprob come with each sample.
 
         Raises ContextOverflow (max_length out of 1..model limit), SessionError("session_exists"),
         AdmissionRefused("kv_budget_too_small") when max_length alone exceeds the budget, or
-        AdmissionRefused("kv_budget_full") when other sessions hold the budget (after expiring idle ones).
+        AdmissionRefused("kv_budget_full") when other sessions hold the budget (after expiring idle ones),
+        ValueError for a ``logit_bias`` token id outside the vocabulary, or a ``grammar`` the head cannot use.
         """
         check_max_length(max_length, self.executor.cfg.max_length)
         if max_length > self.budget_tokens:
@@ -154,6 +161,8 @@ class SessionStore:
                                    f"{self.budget_tokens} tokens", "kv_budget_too_small")
         if self.executor.spec.head:
             sampler = self.executor.sampler_class(sampling or SamplingParams())
+            sampler.check_vocab(self.executor.cfg.n_vocab)
+            sampler.bind(self.executor)  # ValueError: a grammar that does not parse
         else:
             sampler = None
         with self._lock:
@@ -171,7 +180,7 @@ class SessionStore:
                 if getattr(exc, "code", None) in ("kv_budget_full", "kv_budget_too_small"):
                     raise AdmissionRefused(str(exc), exc.code) from None
                 raise
-            session = Session(session_id, kv, max_length, next_hop, wire_dtype, sampler, n_logprobs)
+            session = Session(session_id, kv, max_length, next_hop, wire_dtype, sampler, n_logprobs, logprobs)
             self.sessions[session_id] = session
         return session
 
@@ -280,8 +289,10 @@ class SessionStore:
                     if sample:
                         logits = out[-1]
                         record.token = session.sampler.sample(logits, session.history)
-                        if session.n_logprobs:
-                            record.logprobs = top_logprobs(logits, session.n_logprobs)
+                        if session.n_logprobs or session.want_logprob:
+                            lp, top = token_logprobs(logits, record.token, session.n_logprobs)
+                            record.logprobs = top if session.n_logprobs else None
+                            record.token_logprob = lp if session.want_logprob else None
                 else:
                     record.output = out
             except BaseException:  # a step that fails after the forward pass leaves the session as it was

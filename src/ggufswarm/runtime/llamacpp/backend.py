@@ -299,6 +299,10 @@ class LlamaCppShard:
         return self._kv_bytes
 
     # -- sessions ------------------------------------------------------------------------------
+    def vocab(self):
+        """llama.cpp's vocabulary of this shard's model (``llama_vocab *``; a head shard carries the real one)."""
+        return L.llama_model_get_vocab(self._model)
+
     def new_session(self, max_length: int) -> SeqKV:
         """A new sequence id for a session.
 
