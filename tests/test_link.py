@@ -358,3 +358,34 @@ def test_one_model_end_to_end(tiny_route, tiny_dir):
     assert route.model == model.fingerprint and greedy([first, head]) == greedy([tiny_route["whole"]])
     with pytest.raises(ValueError, match="a route serves one model"):
         RemoteRoute([first, head], model="0" * 64)
+
+
+def test_a_gateway_given_only_a_route_serves_the_route_s_model(tiny_route, tmp_path, gemma_path):
+    """``gateway --route`` without ``--model`` takes the model (vocabulary, name) from the route's nodes; with a
+    ``--model`` the nodes don't serve, the start-up check and every request say which models differ."""
+    from ggufswarm.gateway.app import GatewayConfig, ServerThread, check_route, make_app
+
+    urls = [tiny_route["first"], tiny_route["head"]]
+    assert check_route(GatewayConfig(route=urls)).model == http("GET", urls[0] + "/health")[1]["model_fingerprint"]
+    with pytest.raises(ValueError, match=r"bad route: .*serves link-llama .*--model gemma-3-270m-q4_k_m\.gguf"):
+        check_route(GatewayConfig(route=urls, model=str(gemma_path)))
+    with pytest.raises(ValueError, match="bad route: route must start at layer 0"):
+        check_route(GatewayConfig(route=urls[::-1]))
+
+    server = ServerThread(make_app(GatewayConfig(route=urls, data_dir=str(tmp_path))))
+    base = server.start()
+    try:
+        assert [m["id"] for m in http("GET", base + "/v1/models")[1]["data"]] == ["link-llama"]
+        status, body = http("POST", base + "/v1/completions", {"model": "link-llama", "prompt": "a b c d",
+                                                              "max_tokens": 4, "temperature": 0})
+        assert status == 200 and body["usage"]["prompt_tokens"] > 0, body
+        assert list((tmp_path / "models").iterdir())  # the headers fetched from the first node
+    finally:
+        server.stop()
+    server = ServerThread(make_app(GatewayConfig(route=urls, model=str(gemma_path))))
+    base = server.start()
+    try:
+        status, body = http("POST", base + "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+        assert status == 502 and "link-llama" in body["error"]["message"] and "gemma" in body["error"]["message"]
+    finally:
+        server.stop()

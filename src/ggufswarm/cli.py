@@ -160,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--route", metavar="URL1,URL2,...", help="node URLs in layer order (or use --tracker)")
     w.add_argument("--tracker", metavar="URL", help="plan a route per session from this tracker instead of --route, and repair it when a node "
                    "fails (a replacement restores the failed layers' KV snapshot from the nodes' --cache)")
-    w.add_argument("--model", metavar="PATH|NAME", help="GGUF file for the tokenizer (with --tracker: the "
-                   "published model name; its header is fetched from the swarm). Default: embedded Gemma 3 270M")
+    w.add_argument("--model", metavar="PATH|NAME", help="GGUF file for the tokenizer; every node must serve the "
+                   "same model (checked by GGUF header fingerprint). With --tracker: the published model name (its "
+                   "header is fetched from the swarm; default the embedded Gemma 3 270M). With --route and no "
+                   "--model: the model the route's nodes serve (its headers are fetched from the first node)")
     w.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR", help="where the fetched header goes")
     w.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: open API: anyone who "

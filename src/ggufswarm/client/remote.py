@@ -10,6 +10,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import websocket
@@ -158,6 +159,39 @@ class StepLink:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def fetch_model_headers(url: str, data_dir: Path, timeout: float = 30.0) -> tuple[Path, dict]:
+    """The model node ``url`` serves, for a client without its GGUF: ``GET /v1/model``, then each file's header
+    (``GET /v1/model/header/{i}``) written into a sparse file of the file's full size under
+    ``data_dir/models/<fingerprint[:16]>/`` (reused when already there). Enough for the vocabulary and chat
+    template (llama.cpp's vocab-only load), not for weights. Returns (first file's path, the /v1/model body).
+
+    Raises RouteError (node unreachable, refused, or no /v1/model) and ValueError (the headers do not hash to
+    the fingerprint the node gave).
+    """
+    from ..artifact.gguf_file import GGUFModelFile
+
+    url = url.rstrip("/")
+    conn = _conn(url, timeout)
+    try:
+        info = _check(url, *_request(conn, url, "GET", "/v1/model"), "model")
+        folder = Path(data_dir) / "models" / str(info["fingerprint"])[:16]
+        paths = [folder / Path(f["name"]).name for f in info["files"]]
+        if not all(p.is_file() and p.stat().st_size == f["bytes"] for p, f in zip(paths, info["files"])):
+            folder.mkdir(parents=True, exist_ok=True)
+            for i, (path, f) in enumerate(zip(paths, info["files"])):
+                status, header = _request(conn, url, "GET", f"/v1/model/header/{i}")
+                if status != 200 or len(header) != f["header_bytes"]:
+                    _check(url, status if status >= 400 else 502, header[:200], f"model header {i}")
+                with open(path, "wb") as out:
+                    out.write(header)
+                    out.truncate(f["bytes"])  # sparse: the tensor data is never read
+    finally:
+        conn.close()
+    if GGUFModelFile(paths[0]).fingerprint != info["fingerprint"]:
+        raise ValueError(f"the model headers from {url} do not match its fingerprint {info['fingerprint'][:12]}")
+    return paths[0], info
 
 
 def _check(url: str, status: int, body: bytes, what: str) -> dict:

@@ -27,7 +27,7 @@ from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.generate import GenerationStats, generate
 from ..client.grammar import SchemaNotEnforceable, response_format_grammar
-from ..client.remote import REPAIRABLE, RemoteRoute, RouteError
+from ..client.remote import REPAIRABLE, RemoteRoute, RouteError, fetch_model_headers
 from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 from ..model.config import MAX_CONTEXT
@@ -340,6 +340,7 @@ class Gateway:
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="route")
         self.tokenizer: Tokenizer | None = None
         self.model_name = config.model_name
+        self.fingerprint: str | None = None  # the model's GGUF header fingerprint (load)
         self._route: RemoteRoute | None = None
         self._route_lock = threading.Lock()
         self._suspects: dict[str, float] = {}  # node URL -> until when new routes avoid it (monotonic s)
@@ -374,18 +375,24 @@ class Gateway:
             return set(self._suspects)
 
     def load(self) -> None:
-        """Read the GGUF header and vocabulary (blocking); with a tracker, fetch only the header from the
-        swarm first. Raises GGUFError / OSError / TrackerError."""
+        """Read the GGUF header and vocabulary (blocking): from ``--model``; with a tracker, fetched from the
+        swarm (header only); with ``--route`` and no ``--model``, fetched from the route's first node (its
+        headers: the model is whatever the route serves). ``fingerprint`` is then the model's identity, which
+        every node of every route must share. Raises GGUFError / OSError / TrackerError / RouteError."""
         if self.config.tracker:
             from ..swarm.shard_fetch import fetch_header
             self.model_name = self.config.model or "gemma-3-270m-q4_k_m"
             path, self._swarm = fetch_header(self.config.tracker, self.model_name, Path(self.config.data_dir))
-            file = GGUFModelFile(path)
-            self.tokenizer = Tokenizer(str(file.path), file.metadata)
-            return
-        file = GGUFModelFile(resolve_model(self.config.model))
+        elif self.config.model is None and self.config.route:
+            path, info = fetch_model_headers(self.config.route[0], Path(self.config.data_dir),
+                                             min(self.config.hop_timeout_s, 30.0))
+            self.model_name = self.model_name or info["name"]
+        else:
+            path = resolve_model(self.config.model)
+        file = GGUFModelFile(path)
         self.tokenizer = Tokenizer(str(file.path), file.metadata)
-        self.model_name = self.model_name or file.path.stem
+        self.fingerprint = file.fingerprint
+        self.model_name = self.model_name or file.path.name.removesuffix(".gguf")
 
     def route(self, max_length: int = 1, exclude=(), span: tuple[int, int] | None = None) -> RemoteRoute:
         """The route, asking each node's /health the first time (blocking). Raises RouteError / ValueError.
@@ -409,19 +416,21 @@ class Gateway:
                 try:
                     planned = tracker_call(f"{self.config.tracker.rstrip('/')}/route?{urlencode(query)}")
                     return RemoteRoute([hop["url"] for hop in planned["route"]], self.config.hop_timeout_s,
-                                       part=span is not None)
+                                       part=span is not None, model=self.fingerprint)
                 except TrackerError as exc:
                     # the tracker's reason, not its URL: API clients need not learn the swarm's addresses
                     refused = RouteError(f"no route for {max_length} tokens: {exc.reason}", 503, "no_route")
                 except ValueError as exc:
-                    raise RouteError(f"bad route from the tracker: {exc}", 502, "bad_route") from None
+                    raise RouteError(f"bad route from the tracker: {exc} (this gateway's model: {self.model_name})",
+                                     502, "bad_route") from None
             raise refused
         with self._route_lock:
             if self._route is None:
                 try:
-                    self._route = RemoteRoute(self.config.route, self.config.hop_timeout_s)
+                    self._route = RemoteRoute(self.config.route, self.config.hop_timeout_s, model=self.fingerprint)
                 except ValueError as exc:
-                    raise RouteError(f"bad route: {exc}", 502, "bad_route") from None
+                    raise RouteError(f"bad route: {exc} (this gateway's model: {self.model_name})", 502,
+                                     "bad_route") from None
             return self._route
 
     def run(self, ids: list[int], opts: RequestOptions, emit, cancelled: threading.Event,
@@ -880,10 +889,36 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def check_route(config: GatewayConfig, every_s: float = 2.0) -> RemoteRoute:
+    """``gateway --route``, before serving: the route's nodes answer, carry the swarm token, chain from the
+    embedding to the head, and serve one model (``--model``'s, when given). A node that does not answer yet
+    is waited for (one line on stderr per new reason, then a retry every ``every_s`` s: start order does not
+    matter); a route that cannot work (bad chain, other model, wrong token) raises ValueError saying why."""
+    model = GGUFModelFile(resolve_model(config.model)) if config.model else None
+    said = None
+    while True:
+        try:
+            return RemoteRoute(config.route, min(config.hop_timeout_s, 10.0), model=model and model.fingerprint)
+        except ValueError as exc:
+            mine = f" (--model {model.path.name}: fingerprint {model.fingerprint[:12]})" if model else ""
+            raise ValueError(f"bad route: {exc}{mine}") from None
+        except RouteError as exc:
+            if exc.status in (401, 403):
+                raise ValueError(f"bad route: {exc} (give the nodes' --token)") from None
+            if str(exc) != said:
+                print(f"ggufswarm gateway: waiting for the route: {exc}; retrying every {every_s:g} s",
+                      file=sys.stderr, flush=True)
+                said = str(exc)
+        time.sleep(every_s)
+
+
 def run_gateway(config: GatewayConfig) -> int:
-    """``ggufswarm gateway``: serve until SIGINT/SIGTERM, printing one ready line to stdout."""
+    """``ggufswarm gateway``: check the route (``--route``; see check_route), then serve until SIGINT/SIGTERM,
+    printing one ready line to stdout."""
     from ..node.server import serve
 
+    if config.route and not config.tracker:
+        check_route(config)
     app = make_app(config)
     if not config.api_keys and not _loopback(config.host):
         print(f"ggufswarm gateway: WARNING: listening on {config.host} without --api-key: anyone who can reach "
