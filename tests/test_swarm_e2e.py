@@ -124,3 +124,70 @@ def test_node_started_before_its_tracker_and_model_waits_then_serves(tmp_path, t
         proc.wait(30)
         if seeder is not None:
             seeder.close()
+
+
+def test_a_gateway_without_model_serves_every_model_of_the_swarm(tmp_path, tiny_dir):
+    """``gateway --tracker`` without ``--model``: /v1/models lists every model the swarm can serve end to end,
+    each request's ``model`` picks one (its vocabulary fetched on first use), each answer equals that model's
+    own node run alone; a model the swarm has not published is 404 model_not_found, none at all a 400."""
+    from tinymodels import write_tiny_model
+
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.client.remote import RemoteRoute
+    from ggufswarm.client.sampling import SamplingParams
+    from ggufswarm.client.tokenizer import Tokenizer
+
+    models = {"tiny-a": write_tiny_model(tiny_dir / "every-a.gguf", "llama", n_layers=2, seed=1),
+              "tiny-b": write_tiny_model(tiny_dir / "every-b.gguf", "llama", n_layers=2, seed=2, context_length=2048)}
+    with AppThread(lambda: make_tracker_app(TrackerConfig(db=":memory:", ttl_s=6))) as tracker:
+        seeder = Swarm()
+        nodes = []
+        try:
+            for name, path in models.items():
+                seeder.seed(publish(path, tracker, name, tmp_path / f"pub-{name}").torrent, save_path_for([path]))
+                nodes += start_nodes([ShardSpec(0, 2, embed=True, head=True)], name, extra=["--tracker", tracker],
+                                     per_node=lambda _, name=name: ["--data-dir", str(tmp_path / f"node-{name}")])
+            gateway = ServerThread(make_app(GatewayConfig([], tracker=tracker, data_dir=str(tmp_path / "gateway"))))
+            base = gateway.start()
+            try:
+                deadline = time.monotonic() + 30
+                while True:
+                    with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
+                        listed = sorted(m["id"] for m in json.loads(r.read())["data"])
+                    if listed == sorted(models) or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.5)
+                assert listed == sorted(models)
+                for (name, path), node in zip(models.items(), nodes):
+                    req = urllib.request.Request(f"{base}/v1/completions", method="POST",
+                                                 headers={"Content-Type": "application/json"},
+                                                 data=json.dumps({"model": name, "prompt": "a b c", "max_tokens": 5,
+                                                                  "temperature": 0}).encode())
+                    with urllib.request.urlopen(req, timeout=120) as r:
+                        body = json.loads(r.read())
+                    assert body["model"] == name and [h["node"] for h in body["telemetry"]["route"]] == [node.url]
+                    # the same prompt straight through that model's node, tokenized with that model's vocabulary
+                    tok = Tokenizer(str(path), GGUFModelFile(path).metadata)
+                    prompt = tok.encode("a b c", special=True)
+                    session = RemoteRoute([node.url]).open(64, SamplingParams(temperature=0))
+                    try:
+                        want = [session.step(prompt)]
+                        for _ in range(body["usage"]["completion_tokens"] - 1):
+                            want.append(session.step([want[-1]]))
+                    finally:
+                        session.close()
+                    assert body["usage"]["prompt_tokens"] == len(prompt)
+                    assert body["choices"][0]["text"] == tok.decode(want)
+                for extra, status in (({"model": "nope"}, 404), ({}, 400)):
+                    req = urllib.request.Request(f"{base}/v1/completions", method="POST",
+                                                 headers={"Content-Type": "application/json"},
+                                                 data=json.dumps({"prompt": "a", "max_tokens": 1, **extra}).encode())
+                    with pytest.raises(urllib.error.HTTPError) as err:
+                        urllib.request.urlopen(req, timeout=60)
+                    assert err.value.code == status
+                    assert json.loads(err.value.read())["error"]["param"] == "model"
+            finally:
+                gateway.stop()
+        finally:
+            stop_nodes(nodes)
+            seeder.close()

@@ -335,16 +335,52 @@ class _Guarded:
 class Gateway:
     """State shared by the handlers: tokenizer, route (described lazily from the nodes' /health), workers."""
 
-    def __init__(self, config: GatewayConfig):
+    def __init__(self, config: GatewayConfig, parent: "Gateway | None" = None):
         self.config = config
-        self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="route")
         self.tokenizer: Tokenizer | None = None
         self.model_name = config.model_name
         self.fingerprint: str | None = None  # the model's GGUF header fingerprint (load)
         self._route: RemoteRoute | None = None
-        self._route_lock = threading.Lock()
-        self._suspects: dict[str, float] = {}  # node URL -> until when new routes avoid it (monotonic s)
-        self.created = int(time.time())
+        if parent is None:
+            self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="route")
+            self._route_lock = threading.Lock()
+            self._suspects: dict[str, float] = {}  # node URL -> until when new routes avoid it (monotonic s)
+            self.created = int(time.time())
+        else:  # one model of a gateway serving every model: the workers and what failed lately are shared
+            self.pool, self._route_lock, self._suspects = parent.pool, parent._route_lock, parent._suspects
+            self.created = parent.created
+        self._models: dict[str, Gateway] = {}
+        self._models_lock = threading.Lock()
+
+    @property
+    def every_model(self) -> bool:
+        """Whether this gateway serves every model of its tracker's swarm (``--tracker`` without ``--model``):
+        each request's ``model`` picks one, loaded on first use (``for_model``)."""
+        return bool(self.config.tracker) and self.config.model is None and self.config.model_name is None
+
+    def for_model(self, name) -> "Gateway":
+        """The gateway of model ``name`` (blocking: fetches its header from the swarm the first time). Only on
+        a gateway serving every model. RequestError 400 without a name, 404 ``model_not_found`` for a model
+        the swarm has not published; TrackerError when the tracker cannot be reached."""
+        from ..swarm.publish import TrackerError
+
+        if not isinstance(name, str) or not name:
+            raise RequestError("model is required: this gateway serves every model of its swarm (GET /v1/models "
+                               "lists them)", param="model")
+        with self._models_lock:
+            found = self._models.get(name)
+        if found is not None:
+            return found
+        child = Gateway(replace(self.config, model=name), parent=self)
+        try:
+            child.load()
+        except TrackerError as exc:
+            if exc.status == 404:
+                raise RequestError(f"model {name!r} is not published in this swarm (GET /v1/models lists the "
+                                   f"models it can serve)", 404, "model_not_found", "model") from None
+            raise
+        with self._models_lock:
+            return self._models.setdefault(name, child)
 
     SUSPECT_S = 30.0  # how long new routes avoid a node that failed (the tracker forgets it after its TTL)
     OPEN_ATTEMPTS = 3  # plans tried for one session when opening it fails on a node
@@ -379,9 +415,11 @@ class Gateway:
         swarm (header only); with ``--route`` and no ``--model``, fetched from the route's first node (its
         headers: the model is whatever the route serves). ``fingerprint`` is then the model's identity, which
         every node of every route must share. Raises GGUFError / OSError / TrackerError / RouteError."""
+        if self.every_model:
+            return  # each model is loaded on first use (for_model)
         if self.config.tracker:
             from ..swarm.shard_fetch import fetch_header
-            self.model_name = self.config.model or "gemma-3-270m-q4_k_m"
+            self.model_name = self.config.model or self.config.model_name
             path, self._swarm = fetch_header(self.config.tracker, self.model_name, Path(self.config.data_dir))
         elif self.config.model is None and self.config.route:
             path, info = fetch_model_headers(self.config.route[0], Path(self.config.data_dir),
@@ -592,8 +630,8 @@ class _Logprobs:
 
 
 async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool,
-                    prompt: str | None = None) -> web.StreamResponse:
-    gw: Gateway = request.app[GATEWAY]
+                    prompt: str | None = None, gw: "Gateway | None" = None) -> web.StreamResponse:
+    gw = gw or request.app[GATEWAY]
     opts = parse_params(body, gw.config.default_max_tokens, chat, gw.tokenizer.n_vocab, gw.tokenizer.has_fim,
                         "tools" in (gw.tokenizer.chat_template or ""))
     echo = prompt if opts.echo else None
@@ -734,36 +772,40 @@ def chat_turns(messages, template: str | None) -> list[dict[str, str]]:
     return turns
 
 
-def _check_model(gw: "Gateway", body: dict) -> dict:
-    """``body``, unless it names another model than the one served: 404 ``model_not_found`` (as OpenAI)."""
+async def _gateway_for(request: web.Request, body: dict) -> "Gateway":
+    """The gateway of the model ``body`` asks for: a gateway serving every model loads it on first use
+    (Gateway.for_model); one serving one model refuses any other name with 404 ``model_not_found`` (as OpenAI)."""
+    gw: Gateway = request.app[GATEWAY]
     name = body.get("model")
+    if gw.every_model:
+        return await asyncio.get_running_loop().run_in_executor(gw.pool, gw.for_model, name)
     if name is not None and name != gw.model_name:
         raise RequestError(f"model {name!r} is not served here; this gateway serves {gw.model_name!r}",
                            404, "model_not_found", "model")
-    return body
+    return gw
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (OpenAI): messages rendered with the GGUF chat template."""
-    gw: Gateway = request.app[GATEWAY]
     try:
-        body = _check_model(gw, await _read_body(request))
+        body = await _read_body(request)
+        gw = await _gateway_for(request, body)
         turns = chat_turns(body.get("messages"), gw.tokenizer.chat_template)
         try:
             # off the event loop: a 1 MB prompt takes ~1 s to render and tokenize, other requests go on meanwhile
             ids = await asyncio.get_running_loop().run_in_executor(gw.pool, gw.tokenizer.encode_chat, turns)
         except ValueError as exc:
             raise RequestError(str(exc), param="messages") from None
-        return await _complete(request, ids, body, chat=True)
+        return await _complete(request, ids, body, chat=True, gw=gw)
     except Exception as exc:  # noqa: BLE001
         return _error_response(exc)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` (OpenAI): a plain ``prompt`` string (or a list holding one)."""
-    gw: Gateway = request.app[GATEWAY]
     try:
-        body = _check_model(gw, await _read_body(request))
+        body = await _read_body(request)
+        gw = await _gateway_for(request, body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -774,13 +816,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if not ids:  # a model without BOS has nothing to start from
             raise RequestError("prompt is empty and this model adds no BOS token: give at least one token of text",
                                param="prompt")
-        return await _complete(request, ids, body, chat=False, prompt=prompt)
+        return await _complete(request, ids, body, chat=False, prompt=prompt, gw=gw)
     except Exception as exc:  # noqa: BLE001
         return _error_response(exc)
 
 
 async def models(request: web.Request) -> web.Response:
-    """``GET /v1/models``: the model this gateway serves (with a tracker: if the swarm can serve it end to end)."""
+    """``GET /v1/models``: the model this gateway serves (with a tracker: if the swarm can serve it end to end);
+    a gateway serving every model lists every model the swarm can serve end to end now."""
     gw: Gateway = request.app[GATEWAY]
     names = [gw.model_name]
     if gw.config.tracker:
@@ -788,7 +831,7 @@ async def models(request: web.Request) -> web.Response:
         try:
             servable = await asyncio.get_running_loop().run_in_executor(
                 None, tracker_call, gw.config.tracker.rstrip("/") + "/models")
-            names = [n for n in names if n in servable["models"]]
+            names = list(servable["models"]) if gw.every_model else [n for n in names if n in servable["models"]]
         except TrackerError:
             names = []
     return web.json_response({"object": "list", "data": [
