@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--tracker", metavar="URL", help="plan a route per session from this tracker instead of --route, and repair it when a node "
                    "fails (a replacement restores the failed layers' KV snapshot from the nodes' --cache)")
     w.add_argument("--model", metavar="PATH|NAME", help="GGUF file for the tokenizer; every node must serve the "
-                   "same model (checked by GGUF header fingerprint). With --tracker: the published model name (its "
-                   "header is fetched from the swarm; default the embedded Gemma 3 270M). With --route and no "
+                   "same model (checked by GGUF header fingerprint). With --tracker: the published model name to serve (its "
+                   "header is fetched from the swarm); without it, every model the swarm can serve end to end, "
+                   "each request's model picking one. With --route and no "
                    "--model: the model the route's nodes serve (its headers are fetched from the first node)")
     w.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR", help="where the fetched header goes")
     w.add_argument("--api-key", action="append", default=[], metavar="KEY",
