@@ -446,3 +446,23 @@ def test_response_format_json_through_the_openai_client(gateway, gemma):
     with pytest.raises(openai.BadRequestError, match="minimum"):
         client.chat.completions.create(model=model, messages=messages, response_format={
             "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 0}}})
+
+
+def test_ignore_eos(gateway, gemma):
+    """llama-server's ``ignore_eos``: the end-of-generation tokens are never drawn. A logit bias that forces one
+    ends the answer at once (one token, finish ``stop``); with ``ignore_eos`` it goes on to ``max_tokens`` as the
+    in-process reference with those tokens banned."""
+    eog = sorted(gemma.tokenizer.eog_ids)
+    body = {"prompt": SHORT, "max_tokens": 6, "temperature": 0, "logit_bias": {str(t): 100 for t in eog}}
+    text, out = completion_with(gateway, body)
+    assert (text, out["choices"][0]["finish_reason"], out["usage"]["completion_tokens"]) == ("", "stop", 1)
+    ids = gemma.prompt_ids(SHORT)
+    with one_thread():
+        session = gemma.session(len(ids) + 6, SamplingParams(temperature=0, logit_bias=tuple((t, -1e30) for t in eog)))
+        try:
+            want = "".join(generate(session, gemma.tokenizer, ids, 6, []))
+        finally:
+            session.close()
+    text, out = completion_with(gateway, {**body, "ignore_eos": True})
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 6
+    assert text == want

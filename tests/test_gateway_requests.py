@@ -218,7 +218,8 @@ MSGS = [{"role": "user", "content": "Hi"}]
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
     (CHAT, {"mirostat": 2}, "mirostat"),
     (CHAT, {"typical_p": 0.5}, "typical_p"),
-    (CHAT, {"ignore_eos": True}, "ignore_eos"),
+    (CHAT, {"ignore_eos": 1}, "ignore_eos"),
+    (CHAT, {"min_keep": 2}, "min_keep"),
     (CHAT, {"audio": {"voice": "x"}}, "audio"),
     (CHAT, {"temprature": 0}, "temprature"),  # a typo is not silently ignored
 ])

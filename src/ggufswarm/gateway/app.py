@@ -107,13 +107,14 @@ IGNORED_PARAMS = frozenset({"user", "store", "metadata", "service_tier", "safety
                             "parallel_tool_calls", "cache_prompt"})
 # llama-server sampler settings this gateway does not implement: accepted only at the value that turns them off.
 NEUTRAL_EXTRAS = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
-                  "top_n_sigma": -1.0, "dynatemp_range": 0.0, "ignore_eos": False, "n_probs": 0, "min_keep": 0}
+                  "top_n_sigma": -1.0, "dynatemp_range": 0.0, "n_probs": 0, "min_keep": 0}
+EOG_BIAS = -1e30  # ignore_eos: llama-server biases end-of-generation tokens by -inf; a finite "never" here
 # ... and their sub-settings, which do nothing while the setting above is off: accepted and ignored.
 DEPENDENT_EXTRAS = frozenset({"mirostat_tau", "mirostat_eta", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                               "dry_sequence_breakers", "xtc_threshold", "dynatemp_exponent"})
 _COMMON_PARAMS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
                             "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-                            "logprobs", "top_k", "min_p", "repeat_penalty", "repeat_last_n"})
+                            "logprobs", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos"})
 CHAT_PARAMS = _COMMON_PARAMS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
                                 "function_call"}
 COMPLETION_PARAMS = _COMMON_PARAMS | {"prompt", "echo", "suffix", "best_of"}
@@ -126,7 +127,8 @@ class RequestOptions:
 
     ``logprobs``: report the sampled tokens' logprobs; ``top_logprobs``: that many most likely alternatives per
     token (chat 0..20, completions 0..5); ``include_usage``: a final stream chunk with empty ``choices`` and
-    ``usage``; ``echo``: the completion's text starts with the prompt.
+    ``usage``; ``echo``: the completion's text starts with the prompt; ``ignore_eos``: end-of-generation tokens
+    are never drawn (llama-server's extension; ``Gateway.run`` adds their logit bias).
     """
 
     params: SamplingParams
@@ -137,6 +139,7 @@ class RequestOptions:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False
+    ignore_eos: bool = False
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -192,9 +195,9 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
 
     Omitted settings take llama.cpp server defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05,
     repeat_penalty 1, repeat_last_n 64). ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n`` (-1: the
-    whole context, as llama-server) are accepted as llama-server extensions; ``n_vocab`` bounds ``logit_bias``'s
-    token ids; ``fim``: the model has fill-in-the-middle tokens (``suffix`` is still refused: not implemented);
-    ``tool_template``: the chat template renders ``tools`` (they are still refused, saying so).
+    whole context, as llama-server) and ``ignore_eos`` are accepted as llama-server extensions; ``n_vocab``
+    bounds ``logit_bias``'s token ids; ``fim``: the model has fill-in-the-middle tokens (``suffix`` is still
+    refused: not implemented); ``tool_template``: the chat template renders ``tools`` (they are still refused, saying so).
     Raises RequestError (400, ``param`` naming the parameter) for a parameter that is unknown, of the wrong type,
     out of range, or not implemented (``n``/``best_of`` > 1, ``suffix``, ``tools``, a ``response_format`` schema
     constrained decoding cannot enforce (client.grammar), ``echo`` with ``logprobs``, a llama-server sampler
@@ -233,7 +236,7 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
     elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 16):
         raise RequestError("stop must be a string or a list of up to 16 non-empty strings", param="stop")
     stream = _flag(body, "stream")
-    opts = RequestOptions(params, max_tokens, stop, stream)
+    opts = RequestOptions(params, max_tokens, stop, stream, ignore_eos=_flag(body, "ignore_eos"))
     stream_options = body.get("stream_options")
     if stream_options is not None:
         if not stream:
@@ -482,6 +485,9 @@ class Gateway:
                 params = replace(params, seed=secrets.randbits(62))
             # presence / frequency penalties count generated tokens only (OpenAI): from the prompt's end on
             params = replace(params, penalize_from=len(ids))
+            if opts.ignore_eos:  # as llama-server: end-of-generation tokens biased to never (over any logit_bias)
+                bias = dict(params.logit_bias) | {t: EOG_BIAS for t in self.tokenizer.eog_ids}
+                params = replace(params, logit_bias=tuple(sorted(bias.items())))
             for attempt in range(self.OPEN_ATTEMPTS):
                 try:
                     session, max_length = self._open(ids, params, max_tokens, prompt_param, opts)

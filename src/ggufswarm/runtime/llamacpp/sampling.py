@@ -1,8 +1,8 @@
 """Sampling at a llama.cpp head through llama.cpp's own sampler chain (``src/llama-sampling.cpp``).
 
 The chain is the one llama.cpp and llama-cpp-python build by default (``common/sampling.cpp``,
-``Llama._init_sampler``): logit bias → penalties → top-k → top-p → min-p → temperature → dist. So a draw equals
-llama.cpp's draw for the same logits, settings and dist seed. The dist seed of each draw is
+``Llama._init_sampler``): logit bias → penalties → top-k → top-p → min-p → temperature → dist. So a draw
+equals llama.cpp's draw for the same logits, settings and dist seed. The dist seed of each draw is
 derived from the session seed and the position (``draw_seed``), not from a running RNG, so a
 route repair that hands the session to a new head continues with the same tokens.
 
