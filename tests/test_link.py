@@ -389,3 +389,26 @@ def test_a_gateway_given_only_a_route_serves_the_route_s_model(tiny_route, tmp_p
         assert status == 502 and "link-llama" in body["error"]["message"] and "gemma" in body["error"]["message"]
     finally:
         server.stop()
+
+
+def test_a_session_opens_every_node_at_once_and_waits_head_first_for_a_full_node(tiny_route, tiny_dir):
+    """Opens go to all nodes at once; when the head has no free session slot the opened ones are released and
+    the session waits for the slot head first (no node is held while waiting), then runs as usual."""
+    import threading
+
+    first = tiny_route["first"]
+    with AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=tiny_route["model"],
+                                                    max_sessions=1, data_dir=str(tiny_dir / "n5")))) as head:
+        want = greedy([tiny_route["whole"]], n=3)
+        before = http("GET", first + "/health")[1]["sessions"]
+        holder = RemoteRoute([first, head]).open(64, GREEDY)  # takes the head's only slot
+        assert http("GET", first + "/health")[1]["sessions"] == before + 1
+        result = {}
+        waiter = threading.Thread(target=lambda: result.setdefault("out", greedy([first, head], n=3)))
+        waiter.start()
+        time.sleep(0.5)
+        # while it waits for the head, the waiting session holds nothing on the first node
+        assert waiter.is_alive() and http("GET", first + "/health")[1]["sessions"] == before + 1
+        holder.close()
+        waiter.join(30)
+        assert result["out"] == want

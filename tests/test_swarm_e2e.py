@@ -133,7 +133,7 @@ def test_a_gateway_without_model_serves_every_model_of_the_swarm(tmp_path, tiny_
     from tinymodels import write_tiny_model
 
     from ggufswarm.artifact.gguf_file import GGUFModelFile
-    from ggufswarm.client.remote import RemoteRoute
+    from ggufswarm.client.remote import Hop, RemoteRoute
     from ggufswarm.client.sampling import SamplingParams
     from ggufswarm.client.tokenizer import Tokenizer
 
@@ -166,6 +166,9 @@ def test_a_gateway_without_model_serves_every_model_of_the_swarm(tmp_path, tiny_
                     with urllib.request.urlopen(req, timeout=120) as r:
                         body = json.loads(r.read())
                     assert body["model"] == name and [h["node"] for h in body["telemetry"]["route"]] == [node.url]
+                    # the route was built from the tracker's advertisement: the same hop as the node's /health says
+                    [ad] = tracker_call(f"{tracker}/nodes?model={name}")["nodes"]
+                    assert Hop.from_advertisement(ad) == RemoteRoute([node.url]).hops[0]
                     # the same prompt straight through that model's node, tokenized with that model's vocabulary
                     tok = Tokenizer(str(path), GGUFModelFile(path).metadata)
                     prompt = tok.encode("a b c", special=True)

@@ -21,6 +21,9 @@ from ..protocol.auth import auth_headers
 from .sampling import SamplingParams
 
 
+_OPEN_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="open")  # opens a session's nodes at once
+
+
 class RouteError(RuntimeError):
     """A route operation failed. ``status``: HTTP status to pass on; ``code``: protocol error code;
     ``hop``: URL of the node that failed (the message names it too)."""
@@ -51,6 +54,27 @@ class Hop:
     max_step_tokens: int
     model_fingerprint: str | None = None  # SHA-256 of the model's GGUF headers (None: a node that does not say)
     model_name: str | None = None
+    cache: bool | None = None  # whether the node has a snapshot cache (None: it does not say)
+
+    def describe(self) -> dict:
+        """The fields a node advertises to the tracker (``extra.hop``) so that clients can build the route
+        without asking each node's /health (``Hop.from_advertisement``)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("url", "start", "end", "embed", "head")}
+
+    @classmethod
+    def from_advertisement(cls, ad: dict) -> "Hop | None":
+        """The Hop a tracker advertisement describes (``url``, ``layers``, ``embed``, ``head`` and
+        ``extra.hop``), or None when it lacks a field (a node that does not advertise them: ask its /health)."""
+        hop = (ad.get("extra") or {}).get("hop")
+        if not isinstance(hop, dict):
+            return None
+        try:
+            return cls(str(ad["url"]).rstrip("/"), int(ad["layers"][0]), int(ad["layers"][1]), bool(ad["embed"]),
+                       bool(ad["head"]), **{k: hop[k] for k in ("n_embd", "n_layers", "max_length", "max_step_tokens")},
+                       model_fingerprint=hop.get("model_fingerprint"), model_name=hop.get("model_name"),
+                       cache=hop.get("cache"))
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
 
 
 def _conn(url: str, timeout: float) -> http.client.HTTPConnection:
@@ -273,7 +297,8 @@ class RemoteRoute:
         finally:
             conn.close()
         return Hop(url, h["layers"][0], h["layers"][1], h["embed"], h["head"], h["n_embd"], h["n_layers"],
-                   h["max_length"], h["max_step_tokens"], h.get("model_fingerprint"), h.get("model_name"))
+                   h["max_length"], h["max_step_tokens"], h.get("model_fingerprint"), h.get("model_name"),
+                   bool(h["cache"]) if "cache" in h else None)
 
     def describe(self) -> list[dict]:
         """``[{"node": URL, "layers": [start, end]}, ...]`` in route order."""
@@ -400,13 +425,36 @@ class RemoteSession:
         self._opened: list[str] = []
         self._excluded: set[str] = set()
         try:
-            for i in reversed(range(len(route.hops))):
-                self._open_on(route.hops, i)
+            self._open_all(route.hops)
         except BaseException:
             self.close()
             raise
 
-    def _open_on(self, hops: list[Hop], i: int) -> None:
+    def _open_all(self, hops: list[Hop]) -> None:
+        """Open the session on every node at once: one round trip for the whole route, not one per node (TTFT).
+        When a node's session slots are all taken (kv_budget_full), what was opened is closed and the session
+        opens head first instead, waiting for slots (``_open_on``). Raises the first refusal in route order."""
+        if len(hops) == 1:
+            self._open_on(hops, 0)
+            return
+
+        def attempt(i: int) -> RouteError | None:
+            try:
+                self._open_on(hops, i, wait=False)
+                return None
+            except RouteError as exc:
+                return exc
+
+        errors = [e for e in _OPEN_POOL.map(attempt, range(len(hops))) if e is not None]
+        if not errors:
+            return
+        if any(e.code != "kv_budget_full" for e in errors):
+            raise next(e for e in errors if e.code != "kv_budget_full")
+        self._close_opened()
+        for i in reversed(range(len(hops))):
+            self._open_on(hops, i)
+
+    def _open_on(self, hops: list[Hop], i: int, wait: bool = True) -> None:
         hop = hops[i]
         body = {"session_id": str(self.id), "max_length": self.max_length, "wire_dtype": self.wire_dtype,
                 "next_hop": hops[i + 1].url if i + 1 < len(hops) else None,
@@ -429,7 +477,7 @@ class RemoteSession:
                 self._call(hop.url, "POST", "/v1/sessions", body, "open session")
                 break
             except RouteError as exc:
-                if exc.code != "kv_budget_full" or time.monotonic() + pause > deadline:
+                if not wait or exc.code != "kv_budget_full" or time.monotonic() + pause > deadline:
                     raise
                 time.sleep(pause)
                 pause = min(pause * 2, 0.5)
@@ -438,7 +486,7 @@ class RemoteSession:
         self._opened.append(hop.url)
 
     def _conn(self, url: str) -> http.client.HTTPConnection:
-        conn = self._conns.get(url)
+        conn = self._conns.get(url)  # one per node (and per thread: _open_all opens each node on its own)
         if conn is None:
             conn = self._conns[url] = _conn(url, self.route.timeout_s)
         return conn
@@ -456,7 +504,8 @@ class RemoteSession:
         """
         if not token_ids:
             raise ValueError("a step needs at least one token id")
-        if self.reuse_prefix and not self.tokens and len(token_ids) > BLOCK_TOKENS:
+        if self.reuse_prefix and not self.tokens and len(token_ids) > BLOCK_TOKENS \
+                and any(h.cache is not False for h in self.route.hops):  # no cache on any node: nothing to restore
             restored = self._restore_prefix(token_ids[:-1])  # at least one token is computed: it is sampled
             self.tokens.extend(token_ids[:restored])
             token_ids = token_ids[restored:]
@@ -670,6 +719,9 @@ class RemoteSession:
         for link in self._links.values():
             link.close()
         self._links = {}
+        self._close_opened()
+
+    def _close_opened(self) -> None:
         for url in self._opened:
             conn = _conn(url, min(self.route.hop_timeout_s, 5.0))
             try:

@@ -27,7 +27,7 @@ from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.generate import GenerationStats, generate
 from ..client.grammar import SchemaNotEnforceable, response_format_grammar
-from ..client.remote import REPAIRABLE, RemoteRoute, RouteError, fetch_model_headers
+from ..client.remote import REPAIRABLE, Hop, RemoteRoute, RouteError, fetch_model_headers
 from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 from ..model.config import MAX_CONTEXT
@@ -456,6 +456,10 @@ class Gateway:
                     query["start"], query["end"] = span
                 try:
                     planned = tracker_call(f"{self.config.tracker.rstrip('/')}/route?{urlencode(query)}")
+                    hops = [Hop.from_advertisement(ad) for ad in planned["route"]]
+                    if all(hops):  # described by their advertisements: no /health round trip per node (TTFT)
+                        return RemoteRoute.of_hops(hops, self.config.hop_timeout_s, part=span is not None,
+                                                   model=self.fingerprint)
                     return RemoteRoute([hop["url"] for hop in planned["route"]], self.config.hop_timeout_s,
                                        part=span is not None, model=self.fingerprint)
                 except TrackerError as exc:
@@ -966,13 +970,13 @@ def run_gateway(config: GatewayConfig) -> int:
     printing one ready line to stdout."""
     from ..node.server import serve
 
-    if config.route and not config.tracker:
-        check_route(config)
-    app = make_app(config)
     if not config.api_keys and not _loopback(config.host):
         print(f"ggufswarm gateway: WARNING: listening on {config.host} without --api-key: anyone who can reach "
               f"this port can generate (and hold KV cache on every node of the swarm); set --api-key",
               file=sys.stderr, flush=True)
+    if config.route and not config.tracker:
+        check_route(config)
+    app = make_app(config)
 
     def ready(url: str) -> None:
         where = f"tracker {config.tracker}" if config.tracker else f"route {','.join(config.route)}"

@@ -646,12 +646,16 @@ async def _watch_parent(parent: int) -> None:
 def advertisement(state: NodeState) -> dict:
     """This node's shard advertisement for the tracker (free KV in tokens, mean decode compute in ms)."""
     reg = state.registry
+    h = state.health()
     n = reg.get_sample_value("ggufswarm_node_step_seconds_count", {"kind": "decode"}) or 0.0
     total = reg.get_sample_value("ggufswarm_node_step_seconds_sum", {"kind": "decode"}) or 0.0
     return {"node_id": state.node_id, "url": state.url, "model": state.config.swarm_name or state.config.model,
             "layers": [state.spec.start, state.spec.end], "embed": state.spec.embed, "head": state.spec.head,
             "state": "ready", "free_kv_tokens": state.store.budget_tokens - state.store.reserved_tokens,
-            "decode_ms": round(1e3 * total / n, 3) if n else 0.0}
+            "decode_ms": round(1e3 * total / n, 3) if n else 0.0,
+            # what a client needs to use this node in a route (client.remote.Hop), so it need not ask /health
+            "extra": {"hop": {k: h[k] for k in ("n_embd", "n_layers", "max_length", "max_step_tokens",
+                                                "model_fingerprint", "model_name")} | {"cache": bool(h["cache"])}}}
 
 
 async def _heartbeats(state: NodeState) -> None:
