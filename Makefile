@@ -37,8 +37,11 @@ test-deps:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
+# The tests run in a random order (pytest-randomly), a new one each run; SEED=N repeats the order of a run.
+SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 test: setup test-deps
-	$(BIN)/python -m pytest -q
+	@echo "test order: pytest-randomly seed $(SEED) (repeat it with make test SEED=$(SEED))"
+	$(BIN)/python -m pytest -q -p randomly --randomly-seed=$(SEED)
 
 # Fault suite alone, with its table: 20 trials SIGKILLing a random node of a live 3-node route.
 faults: setup

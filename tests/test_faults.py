@@ -69,8 +69,26 @@ def stream(base: str, prompt: str, on_delta, **sampling) -> tuple[str, dict]:
     return "".join(text), telemetry
 
 
+@pytest.fixture
+def swarm(whole_swarm):
+    """The module's swarm with every node up: a node an earlier test killed is replaced by a fresh process (once
+    the tracker has forgotten the dead one), so the tests pass in any order."""
+    nodes, tracker = whole_swarm["nodes"], whole_swarm["tracker"]
+
+    def listed() -> set[str]:
+        return {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]}
+
+    for i, node in enumerate(nodes):
+        if node.proc.poll() is None:
+            continue
+        wait_for(lambda: node.url not in listed(), 3 * TTL_S)
+        nodes[i] = whole_swarm["launch"](i)
+    wait_for(lambda: {n.url for n in nodes} <= listed(), 30)
+    return whole_swarm
+
+
 @pytest.fixture(scope="module")
-def swarm(gemma_path, tmp_path_factory):
+def whole_swarm(gemma_path, tmp_path_factory):
     """Tracker, seeder, cache, six nodes (two per span) and a gateway routing through the tracker."""
     work = tmp_path_factory.mktemp("faults")
     specs = even_split(18, 3) * 2
@@ -346,7 +364,7 @@ def test_max_tokens_past_every_node_s_kv_is_served_up_to_the_route_s_length(swar
 
 def test_no_replacement_is_a_clear_error(swarm):
     """With both nodes of a span gone, the repair finds no replacement: the stream ends with a 503
-    ``no_replacement`` error naming the failed node. (Last in this module: it leaves 6:12 unserved.)"""
+    ``no_replacement`` error naming the failed node."""
     nodes, tracker = swarm["nodes"], swarm["tracker"]
     middle = [n for n in nodes if n.spec.start == 6 and n.proc.poll() is None]
     assert len(middle) == 2

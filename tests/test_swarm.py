@@ -21,7 +21,7 @@ def artifact(gemma_path):
 
 @pytest.fixture(scope="module")
 def seeders(artifact, gemma_path, tmp_path_factory):
-    """Three seeders, each with its own copy of the file; seeder 0's copy gets corrupted by a test."""
+    """Three seeders, each with its own copy of the file."""
     _, torrent = artifact
     out = []
     for i in range(3):
@@ -73,23 +73,31 @@ def test_partial_fetch_downloads_only_the_shard(artifact, seeders, gemma_path, t
 
 
 def test_corrupt_piece_is_rejected_and_fetched_elsewhere(artifact, seeders, gemma_path, tmp_path):
+    """A seeder whose file went bad after it verified it: its pieces fail the hash check and are fetched from
+    the others. (The bad seeder is this test's own: the shared ones stay sound for the other tests.)"""
     manifest, torrent = artifact
-    (_, bad_dir) = seeders[0]
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    shutil.copy(gemma_path, bad_dir / gemma_path.name)
+    bad = Swarm()
+    bad.seed(torrent, bad_dir)
     target = next(t for t in manifest.tensors if t.layer == 13)
     with open(bad_dir / gemma_path.name, "r+b") as f:  # corrupt after the seeder verified its file
         f.seek(target.offset + 4096)
         f.write(b"\xff" * 8192)
     leech = Swarm()
     try:
-        leech.fetch(torrent, tmp_path, manifest.byte_ranges(13, 14),
-                    peers=[("127.0.0.1", s.port) for s, _ in seeders], timeout=120, progress=False)
-        fetched = GGUFModelFile(tmp_path / gemma_path.name)
+        leech.fetch(torrent, tmp_path / "leech", manifest.byte_ranges(13, 14),
+                    peers=[("127.0.0.1", s.port) for s, _ in [(bad, bad_dir)] + seeders], timeout=120,
+                    progress=False)
+        fetched = GGUFModelFile(tmp_path / "leech" / gemma_path.name)
         original = GGUFModelFile(gemma_path)
         for t in manifest.tensors:
             if t.layer == 13:
                 assert np.array_equal(fetched.read_raw(t.name), original.read_raw(t.name)), t.name
     finally:
         leech.close()
+        bad.close()
 
 
 def test_three_seeders_share_the_upload(artifact, seeders, tmp_path):
