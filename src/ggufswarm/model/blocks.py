@@ -8,6 +8,8 @@ Reference: llama.cpp ``src/llama-graph.cpp`` (``build_norm``, ``build_attn``, ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
@@ -19,19 +21,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, base: float, scale: float,
-                freq_factors: torch.Tensor | None = None,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[n_tokens, head_dim // 2]`` for RoPE angle ``pos * scale * base^(-2i/head_dim)``.
+def rope_inv_freq(head_dim: int, base: float, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 ``[head_dim // 2]``: ``base^(-2i/head_dim)``, divided by ``freq_factors`` (llama 3
+    ``rope_freqs.weight``) when given, as in ggml. Depends only on the model: compute it once per shard."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return inv_freq / freq_factors.to(torch.float64) if freq_factors is not None else inv_freq
 
-    ``freq_factors`` (llama 3 ``rope_freqs.weight``, ``[head_dim // 2]``) divide the angle, as in ggml.
+
+@dataclass
+class StepTables:
+    """What every layer of one forward step shares (built once per step, not per layer): RoPE ``cos`` / ``sin``
+    ``[n_tokens, head_dim // 2]`` and the attention masks, one per sliding window (``mask``)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    masks: dict = field(default_factory=dict)
+
+    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor | None:
+        """``attention_mask(q_pos, k_pos, window)``, built once per (window, keys) in this step; None for a
+        single query (a decode step): the keys it is given (the window's, see ``self_attention``) are all
+        allowed, and attention without a mask does less work."""
+        if q_pos.shape[0] == 1:
+            return None
+        key = (window, int(k_pos[0]), k_pos.shape[0])
+        found = self.masks.get(key)
+        if found is None:
+            found = self.masks[key] = attention_mask(q_pos, k_pos, window)
+        return found
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+                dtype: torch.dtype = torch.float32) -> StepTables:
+    """cos/sin tables ``[n_tokens, head_dim // 2]`` for RoPE angle ``pos * scale * inv_freq`` (``rope_inv_freq``).
+
     Angles are computed in float64 and rounded once, so every shard computes identical tables.
     """
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if freq_factors is not None:
-        inv_freq = inv_freq / freq_factors.to(torch.float64)
     angles = positions.to(torch.float64)[:, None] * scale * inv_freq[None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return StepTables(angles.cos().to(dtype), angles.sin().to(dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str) -> torch.Tensor:
@@ -57,8 +83,10 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> tor
     return allowed
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query softmax attention. q ``[T, n_head, d]``, k/v ``[S, n_head_kv, d]``, mask ``[T, S]``.
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> torch.Tensor:
+    """Grouped-query softmax attention. q ``[T, n_head, d]``, k/v ``[S, n_head_kv, d]``, mask ``[T, S]``
+    (None: every key).
 
     Returns ``[T, n_head * d]``.
     """
@@ -136,11 +164,12 @@ def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
 
 
 def self_attention(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor],
-                   kv, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                   kv, positions: torch.Tensor, rope: StepTables) -> torch.Tensor:
     """Attention sub-block of layer ``il`` on normed input ``x`` ``[T, n_embd]``, writing k/v into ``kv``.
 
     ``kv`` is the session's ``LayerKV`` for this layer; ``positions`` ``[T]`` are absolute token
-    positions (contiguous, starting at ``kv.length``). Returns ``[T, n_embd]`` after ``attn_output``.
+    positions (contiguous, starting at ``kv.length``); ``rope``: this step's tables for the layer's RoPE.
+    Returns ``[T, n_embd]`` after ``attn_output``.
     """
     T = x.shape[0]
     q = linear(x, w, "attn_q").view(T, cfg.n_head, cfg.head_dim)
@@ -149,20 +178,18 @@ def self_attention(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torc
     if cfg.qk_norm:
         q = rms_norm(q, w["attn_q_norm"], cfg.rms_eps)
         k = rms_norm(k, w["attn_k_norm"], cfg.rms_eps)
-    cos, sin = rope
-    q = apply_rope(q, cos, sin, cfg.rope_type)
-    k = apply_rope(k, cos, sin, cfg.rope_type)
+    q = apply_rope(q, rope.cos, rope.sin, cfg.rope_type)
+    k = apply_rope(k, rope.cos, rope.sin, cfg.rope_type)
     k_all, v_all, k_pos = kv.append(k, v)
     window = cfg.sliding_window[il]
     if window > 0:  # keys older than the window are masked anyway: skip them
         first = max(0, int(positions[0]) - window + 1)
         k_all, v_all, k_pos = k_all[first:], v_all[first:], k_pos[first:]
-    mask = attention_mask(positions, k_pos, window)
-    return linear(attend(q, k_all, v_all, mask, cfg.attn_scale), w, "attn_output")
+    return linear(attend(q, k_all, v_all, rope.mask(positions, k_pos, window), cfg.attn_scale), w, "attn_output")
 
 
 def prenorm_block(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor], kv,
-                  positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                  positions: torch.Tensor, rope: StepTables) -> torch.Tensor:
     """The llama-style block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``. ``x``: ``[T, n_embd]``."""
     h = x + self_attention(cfg, il, rms_norm(x, w["attn_norm"], cfg.rms_eps), w, kv, positions, rope)
     return h + gated_ffn(rms_norm(h, w["ffn_norm"], cfg.rms_eps), w, cfg.ffn_act)

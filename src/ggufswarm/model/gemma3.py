@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .blocks import gated_ffn, rms_norm, self_attention
+from .blocks import StepTables, gated_ffn, rms_norm, self_attention
 from .config import ModelConfig, base_hparams, meta_get
 
 ARCHITECTURES = ("gemma3",)
@@ -36,7 +36,7 @@ def config(meta: dict[str, Any], arch: str, n_vocab: int) -> ModelConfig:
 
 
 def block(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor], kv,
-          positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+          positions: torch.Tensor, rope: StepTables) -> torch.Tensor:
     """``h = x + post_attn_norm(attn(norm(x))); out = h + post_ffw_norm(ffn(ffn_norm(h)))``; x ``[T, n_embd]``."""
     eps = cfg.rms_eps
     attn = self_attention(cfg, il, rms_norm(x, w["attn_norm"], eps), w, kv, positions, rope)

@@ -10,7 +10,7 @@ import torch
 
 from ..artifact.gguf_file import GGUFModelFile
 from ..model import ModelConfig, family, load_config
-from ..model.blocks import linear, rms_norm, rope_tables
+from ..model.blocks import linear, rms_norm, rope_inv_freq, rope_tables
 from ..client.sampling import Sampler
 from .kv import ContextOverflow, SessionKV
 
@@ -102,6 +102,7 @@ class ShardExecutor:
         self._block = family(self.cfg.arch).block
         self.layers = {il: self._load_layer(il) for il in spec.layers}
         self.rope_freqs = self._tensor("rope_freqs.weight") if model.has("rope_freqs.weight") else None
+        self._inv_freq: dict[float, torch.Tensor] = {}  # RoPE base -> rope_inv_freq (float64), computed once
         self.token_embd = self._tensor("token_embd.weight") if spec.embed else None
         if spec.head:
             self.output_norm = self._tensor("output_norm.weight")
@@ -181,11 +182,14 @@ class ShardExecutor:
                 if inputs.dim() != 2 or inputs.shape[1] != self.cfg.n_embd:
                     raise ValueError(f"expected hidden states [n_tokens, {self.cfg.n_embd}], got {tuple(inputs.shape)}")
                 x = inputs.to(self.dtype)
-            tables = {}
+            tables = {}  # per RoPE (base, scale): this step's cos/sin and masks, shared by the layers using it
             for il in self.spec.layers:
                 key = (self.cfg.rope_base[il], self.cfg.rope_scale[il])
                 if key not in tables:
-                    tables[key] = rope_tables(positions, self.cfg.head_dim, *key, self.rope_freqs, self.dtype)
+                    inv_freq = self._inv_freq.get(key[0])
+                    if inv_freq is None:
+                        inv_freq = self._inv_freq[key[0]] = rope_inv_freq(self.cfg.head_dim, key[0], self.rope_freqs)
+                    tables[key] = rope_tables(positions, inv_freq, key[1], self.dtype)
                 x = self._block(self.cfg, il, x, self.layers[il], kv.layers[il - self.spec.start], positions, tables[key])
         except BaseException:
             kv.truncate(start)
