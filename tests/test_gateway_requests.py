@@ -131,7 +131,8 @@ def test_roles_developer_and_missing_content():
         chat_turns([msgs[0], {"role": "user"}], None)
     call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     assert chat_turns([{"role": "assistant", "content": None, "tool_calls": [call]}], None) == \
-        [{"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "f", "arguments": {"a": 1}}}]}]
+        [{"role": "assistant", "content": "",
+          "tool_calls": [{**call, "function": {"name": "f", "arguments": {"a": 1}}}]}]
     with pytest.raises(RequestError, match=r"messages\[0\]\.tool_calls\[0\]"):
         chat_turns([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}], None)
 

@@ -131,8 +131,8 @@ def test_tool_call_round_trip_through_the_openai_client(client, smol, stream):
     rendered = smol.tokenizer.render_chat(turns, tools=TOOLS)
     assert f"<tool_response>\n{result}\n</tool_response>" in rendered
     assert f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>' in rendered
-    want, n_prompt = reference(smol, history, TOOLS, 24)
-    kw = dict(model=MODEL, messages=history, tools=TOOLS, max_tokens=24, temperature=0)
+    want, n_prompt = reference(smol, history, TOOLS, 8)
+    kw = dict(model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0)
     if stream:
         content, calls2, finish, usage = streamed(client, **kw)
     else:
@@ -149,19 +149,31 @@ def test_tool_choice_none_and_auto(client, smol):
     """``none``: the tools are not rendered and nothing is parsed; ``auto`` (the default with tools): tools are
     rendered and the answer is parsed as the reference's is."""
     out = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="none",
-                                         max_tokens=16, temperature=0)
-    want, n_prompt = reference(smol, QUESTION, None, 16)
+                                         max_tokens=8, temperature=0)
+    want, n_prompt = reference(smol, QUESTION, None, 8)
     assert out.usage.prompt_tokens == n_prompt and out.choices[0].message.content == want
     assert not out.choices[0].message.tool_calls
-    out = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=32,
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=8,
                                          temperature=0)
-    want, n_with = reference(smol, QUESTION, TOOLS, 32)
+    want, n_with = reference(smol, QUESTION, TOOLS, 8)
     content, calls = parse_tool_calls(want)
     assert out.usage.prompt_tokens == n_with > n_prompt
     assert out.choices[0].message.content == content
     assert [c.function.model_dump() for c in out.choices[0].message.tool_calls or []] == \
         [c["function"] for c in calls]
     assert out.choices[0].finish_reason == "tool_calls" if calls else out.choices[0].finish_reason in ("stop", "length")
+    # an answer that starts a call it never closes (cut by max_tokens) is content, streamed or not: the stream
+    # held it back from <tool_call> on, then sent it whole
+    ask = [{"role": "user", "content": "Call the get_weather function for Paris in celsius. Reply with <tool_call> "
+                                       "only."}]
+    want, _ = reference(smol, ask, TOOLS, 12)
+    assert want.startswith("<tool_call>") and parse_tool_calls(want) == (want, []), want
+    out = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, max_tokens=12, temperature=0)
+    assert (out.choices[0].message.content, out.choices[0].message.tool_calls) == (want, None)
+    assert out.choices[0].finish_reason == "length"
+    content, calls, finish, _ = streamed(client, model=MODEL, messages=ask, tools=TOOLS, max_tokens=12,
+                                         temperature=0)
+    assert (content, calls, finish) == (want, [], "length")
 
 
 def test_bad_tool_requests_are_400_naming_the_parameter(client):
@@ -278,12 +290,20 @@ def test_tool_text_is_never_read_as_control_tokens(smol):
     assert tok.encode_chat(clean, tools=clean_tools) == tok.encode(tok.render_chat(clean, tools=clean_tools))
 
 
-def test_chat_template_file_flag(tmp_path, ggufswarm_cli):
-    """``gateway --chat-template-file`` reads the file (a missing or empty one is an error saying so)."""
-    import subprocess
-    empty = tmp_path / "empty.jinja"
+def test_chat_template_file_flag(tmp_path, monkeypatch, capsys):
+    """``gateway --chat-template-file`` hands the file's text to the gateway (GatewayConfig.chat_template); a
+    missing or empty file is an error saying so."""
+    import ggufswarm.gateway
+    from ggufswarm.cli import main
+    seen = []
+    monkeypatch.setattr(ggufswarm.gateway, "run_gateway", lambda config: seen.append(config) or 0)
+    good, empty = tmp_path / "tools.jinja", tmp_path / "empty.jinja"
+    good.write_text(TEMPLATE, encoding="utf-8")
     empty.write_text(" \n")
+    assert main(["gateway", "--route", "http://127.0.0.1:9", "--chat-template-file", str(good)]) == 0
+    assert seen[0].chat_template == TEMPLATE
     for path, words in ((tmp_path / "missing.jinja", "cannot read"), (empty, "is empty")):
-        out = subprocess.run([*ggufswarm_cli, "gateway", "--route", "http://127.0.0.1:9", "--chat-template-file",
-                              str(path)], capture_output=True, text=True, timeout=60)
-        assert out.returncode != 0 and "--chat-template-file" in out.stderr and words in out.stderr, out.stderr
+        assert main(["gateway", "--route", "http://127.0.0.1:9", "--chat-template-file", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert "--chat-template-file" in err and words in err, err
+    assert len(seen) == 1
