@@ -261,9 +261,31 @@ def test_template_formats_and_tool_requests():
     assert named.choice == "function" and named.name == "get_time"
     assert named.grammar.startswith('root ::= "<tool_call>\\n" tool-call-json "\\n</tool_call>"')
     assert '"\\"get_time\\""' in named.grammar and "get_weather" not in named.grammar
+    # parallel_tool_calls false: only the first call parsed is reported
+    two = parse_tool_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", '
+                           '"arguments": {}}</tool_call>')[1]
+    assert tool_request(body, TEMPLATE).calls(two) == two
+    assert tool_request({**body, "parallel_tool_calls": False}, TEMPLATE).calls(two) == two[:1]
+    with pytest.raises(ToolError) as err:
+        tool_request({**body, "parallel_tool_calls": "no"}, TEMPLATE)
+    assert err.value.param == "parallel_tool_calls"
     # constrained decoding needs a llama.cpp head: a torch head's sampler refuses the grammar
     with pytest.raises(ValueError, match="llama.cpp head"):
         Sampler(SamplingParams(grammar=named.grammar))
+
+
+def test_history_tool_calls_in_the_shape_templates_read():
+    """An assistant turn's ``tool_calls`` reach the template with ``arguments`` as the object the JSON string
+    holds (a string that is no JSON object stays a string; an object some clients send is taken as is); a
+    ``tool`` turn gets the called function's ``name`` from its ``tool_call_id``."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}},
+             {"id": "c3", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    turns = chat_turns(QUESTION + [{"role": "assistant", "content": None, "tool_calls": calls},
+                                   {"role": "tool", "tool_call_id": "c2", "content": "?"}], TEMPLATE)
+    assert [c["function"]["arguments"] for c in turns[1]["tool_calls"]] == [{"zone": "UTC"}, "not json",
+                                                                           {"city": "Oslo"}]
+    assert turns[2] == {"role": "tool", "content": "?", "tool_call_id": "c2", "name": "get_weather"}
 
 
 def test_tool_text_is_never_read_as_control_tokens(smol):

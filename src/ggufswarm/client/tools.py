@@ -52,7 +52,8 @@ class ToolRequest:
 
     ``tools``: OpenAI's tool list as given (the template's ``tools`` variable); ``choice``: ``"auto"``,
     ``"required"`` or ``"function"`` (then ``name`` is the function to call); ``grammar``: GBNF forcing one
-    call (``"required"`` / ``"function"``), else ""; ``format``: the template's format (``"hermes"``).
+    call (``"required"`` / ``"function"``), else ""; ``format``: the template's format (``"hermes"``);
+    ``parallel``: OpenAI's ``parallel_tool_calls`` (default true); false keeps only the first call parsed.
     """
 
     tools: list[dict]
@@ -61,6 +62,11 @@ class ToolRequest:
     grammar: str = ""
     format: str = HERMES
     schemas: dict[str, dict] = field(default_factory=dict)  # function name -> its parameters schema
+    parallel: bool = True
+
+    def calls(self, made: list[dict]) -> list[dict]:
+        """The parsed calls the answer reports: all of them, or the first without ``parallel``."""
+        return made if self.parallel else made[:1]
 
 
 def _functions(tools) -> dict[str, dict]:
@@ -120,6 +126,10 @@ def tool_request(body: dict, template: str | None) -> ToolRequest | None:
             raise ToolError("tool_choice needs tools", param="tool_choice")
         return None
     schemas = _functions(tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ToolError(f"parallel_tool_calls must be true or false, got {json.dumps(parallel)}",
+                        param="parallel_tool_calls")
     if choice is None or choice == "auto":
         kind, name = "auto", None
     elif choice == "none":
@@ -141,7 +151,7 @@ def tool_request(body: dict, template: str | None) -> ToolRequest | None:
     if fmt != HERMES:
         raise ToolError("tools (function calling) are not supported for this chat template: it renders tools in a "
                         "format this gateway does not parse (it parses the Hermes / Qwen <tool_call> format)")
-    request = ToolRequest(tools, kind, name, format=fmt, schemas=schemas)
+    request = ToolRequest(tools, kind, name, format=fmt, schemas=schemas, parallel=parallel is not False)
     if kind != "auto":
         request.grammar = tool_call_grammar({n: s for n, s in schemas.items() if name is None or n == name})
     return request

@@ -562,7 +562,8 @@ def _sse(obj) -> bytes:
 
 
 async def _stream(resp: web.StreamResponse, request: web.Request, queue: asyncio.Queue, chunk, usage,
-                  chat: bool, opts: RequestOptions, echo: str | None, calls: ToolCallStream | None = None) -> None:
+                  chat: bool, opts: RequestOptions, echo: str | None, calls: ToolCallStream | None = None,
+                  tools: ToolRequest | None = None) -> None:
     """Write SSE chunks from the worker's events until done (final chunk, the usage chunk when asked for,
     [DONE]) or an error event. With ``calls`` (tools offered), text that may be a tool call is held back and
     sent at the end as one ``delta.tool_calls`` chunk (finish_reason ``tool_calls``), or as content when it
@@ -586,7 +587,7 @@ async def _stream(resp: web.StreamResponse, request: web.Request, queue: asyncio
                 if content:
                     await resp.write(_sse(chunk(content)))
                 if made:
-                    await resp.write(_sse(chunk(None, tool_calls=made)))
+                    await resp.write(_sse(chunk(None, tool_calls=tools.calls(made))))
                     finish = "tool_calls"
             last = chunk(None, finish)
             if opts.include_usage:  # OpenAI: one more chunk, with no choices, carries the usage
@@ -716,7 +717,7 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             try:
                 await _stream(resp, request, queue, chunk, usage, chat, opts, echo,
-                              ToolCallStream() if tools is not None else None)
+                              ToolCallStream() if tools is not None else None, tools)
             except ConnectionResetError:
                 pass  # the client left; `finally` below stops the worker
             return resp
@@ -740,7 +741,7 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
             if tools is not None:
                 message["content"], made = parse_tool_calls(text)
                 if made:
-                    message["tool_calls"], finish = made, "tool_calls"
+                    message["tool_calls"], finish = tools.calls(made), "tool_calls"
             choice = {"index": 0, "message": message, "logprobs": logprobs(entries), "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs(entries), "finish_reason": stats.finish_reason}
@@ -787,13 +788,13 @@ def _tool_calls(calls, i: int) -> list[dict]:
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or call.get("type", "function") != "function" \
-                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str) \
+                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), (str, dict)) \
                 or not isinstance(call.get("id", ""), str):
             raise RequestError(f'messages[{i}].tool_calls[{j}] must be {{"id", "type": "function", "function": '
                                f'{{"name", "arguments": JSON string}}}}', param="messages")
         args = fn.get("arguments", "")
         try:
-            parsed = json.loads(args)
+            parsed = json.loads(args) if isinstance(args, str) else args  # (an object, as some clients send)
             if isinstance(parsed, dict):
                 args = parsed
         except ValueError:
