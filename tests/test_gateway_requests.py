@@ -129,8 +129,12 @@ def test_roles_developer_and_missing_content():
     assert chat_turns(msgs, "{% if m.role == 'developer' %}{% endif %}")[0]["role"] == "developer"
     with pytest.raises(RequestError, match=r"messages\[1\] \(user\) has no content"):
         chat_turns([msgs[0], {"role": "user"}], None)
-    assert chat_turns([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}], None) == \
-        [{"role": "assistant", "content": ""}]
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    assert chat_turns([{"role": "assistant", "content": None, "tool_calls": [call]}], None) == \
+        [{"role": "assistant", "content": "",
+          "tool_calls": [{**call, "function": {"name": "f", "arguments": {"a": 1}}}]}]
+    with pytest.raises(RequestError, match=r"messages\[0\]\.tool_calls\[0\]"):
+        chat_turns([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}], None)
 
 
 def test_developer_message_reaches_the_route(gateway):

@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import sys
+from pathlib import Path
 
 EXAMPLES = """examples:
   ggufswarm generate "The capital of France is" --max-tokens 16
@@ -173,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/v1/completions: tokenize control-token text in a prompt (e.g. <start_of_turn>) as plain "
                         "text; by default it is read as the control token, as llama-server does (chat messages are "
                         "always plain text)")
+    w.add_argument("--chat-template-file", metavar="FILE",
+                   help="a jinja2 chat template (Hugging Face style) used instead of the GGUF's "
+                        "tokenizer.chat_template, as llama-server's flag of that name: for a GGUF without one, or "
+                        "to render tools (function calling) with a template that teaches the <tool_call> format")
     w.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     w.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     w.add_argument("--hop-timeout", type=float, default=30.0, metavar="S",
@@ -350,11 +355,19 @@ def cmd_gateway(args) -> int:
     if not args.route and not args.tracker:
         raise ValueError("give --route URL1,URL2,... or --tracker URL")
     route = [u.strip() for u in (args.route or "").split(",") if u.strip()]
+    chat_template = None
+    if args.chat_template_file:
+        try:
+            chat_template = Path(args.chat_template_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template-file: cannot read {args.chat_template_file}: {exc}") from None
+        if not chat_template.strip():
+            raise ValueError(f"--chat-template-file: {args.chat_template_file} is empty")
     return run_gateway(GatewayConfig(route=route, model=args.model, host=args.host, port=args.port,
                                      hop_timeout_s=args.hop_timeout, wire_dtype=args.wire_dtype,
                                      default_max_tokens=args.max_tokens, tracker=args.tracker,
                                      api_keys=tuple(args.api_key), prompt_special=not args.literal_prompts,
-                                     data_dir=args.data_dir))
+                                     data_dir=args.data_dir, chat_template=chat_template))
 
 
 def cmd_demo(args) -> int:

@@ -132,8 +132,8 @@ class Sampler:
         ``grammar``: only a llama.cpp head (``LlamaCppSampler``) does constrained decoding."""
         params = params.validate()
         if params.grammar and not self.grammar_support:
-            raise ValueError("grammar (constrained decoding, e.g. response_format) needs a llama.cpp head; this one "
-                             "runs the torch backend")
+            raise ValueError("grammar (constrained decoding: response_format json, a forced tool_choice) needs a "
+                             "llama.cpp head; this one runs the torch backend")
         # as floats: torch takes a Python int scalar as int64, and larger ones (temperature 2**64) overflow
         self.params = replace(params, **{name: float(getattr(params, name))
                                          for name in ("temperature", "top_p", "min_p", "repeat_penalty",

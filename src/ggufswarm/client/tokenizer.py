@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import datetime
+import json
 import os
 import re
 from typing import Any
@@ -111,23 +112,48 @@ class Tokenizer:
             self._control_rx = re.compile("|".join(map(re.escape, control))) if control else None
         return self._control_rx
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered with the chat template, where only the template writes control
-        tokens: text in a message that looks like one (``<|im_end|>``, ``<start_of_turn>``) is tokenized as
-        the literal text it is, so a message cannot forge a turn.
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``, see ``render_chat``) rendered with the chat template, where
+        only the template writes control tokens: text in a message that looks like one (``<|im_end|>``,
+        ``<start_of_turn>``) is tokenized as the literal text it is, so a message cannot forge a turn. The same
+        holds for every other string a client sends: tool definitions, tool call names and arguments, names.
 
-        Messages without such text give exactly ``encode(render_chat(messages))``. Otherwise the template is
-        rendered with a placeholder per message to find where each message's text lands, the template's
-        parts are tokenized with control tokens and the messages' without. ValueError when the template
-        rejects the messages, or transforms a message holding control-token text beyond recognition.
+        Messages without such text give exactly ``encode(render_chat(messages, tools=tools))``. Otherwise the
+        template is rendered with a placeholder per message to find where each message's text lands, the
+        template's parts are tokenized with control tokens and the messages' without; control-token text in
+        the other strings is replaced by an ASCII placeholder before rendering (it survives JSON escaping) and
+        tokenized as literal text where the placeholder lands. ValueError when the template rejects the
+        messages, or transforms a message holding control-token text beyond recognition.
         """
-        rendered = self.render_chat(messages, add_generation_prompt)
         rx = self.control_pattern
-        if rx is None or not any(rx.search(m.get("content") or "") for m in messages):
+        if rx is None:
+            return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+        nonce = os.urandom(4).hex()
+        literal: dict[str, str] = {}  # placeholder -> control-token text a client wrote outside message content
+
+        def mask(value):
+            if isinstance(value, str):
+                def sub(m):
+                    key = f"ggufswarmctl{nonce}n{len(literal)}x"
+                    literal[key] = m.group()
+                    return key
+                return rx.sub(sub, value)
+            if isinstance(value, dict):
+                return {mask(k): mask(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [mask(v) for v in value]
+            return value
+
+        messages = [{k: (v if k == "content" else mask(v)) for k, v in m.items()} for m in messages]
+        tools = mask(tools)
+        rendered = self.render_chat(messages, add_generation_prompt, tools)
+        if not literal and not any(rx.search(m.get("content") or "") for m in messages):
             return self.encode(rendered)
-        marks = [f"@@ggufswarm-message-{i}-{os.urandom(4).hex()}@@" for i in range(len(messages))]
-        skeleton = self.render_chat([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                    add_generation_prompt)
+        marks = [f"@@ggufswarm-message-{i}-{nonce}@@" for i in range(len(messages))]
+        # (an empty content stays empty: templates test it, e.g. an assistant turn with only tool calls)
+        skeleton = self.render_chat([{**m, "content": mark} if m.get("content") else m
+                                     for m, mark in zip(messages, marks)], add_generation_prompt, tools)
         parts = re.split("(" + "|".join(map(re.escape, marks)) + ")", skeleton)
         pieces, rebuilt = [], ""
         for i, part in enumerate(parts):
@@ -147,6 +173,14 @@ class Tokenizer:
         if rebuilt != rendered:
             raise ValueError("a message holds control-token text and the chat template renders messages in a way "
                              "that cannot be split safely")
+        if literal:  # the template's parts: placeholders of control-token text a client wrote become that text
+            split = re.compile("(" + "|".join(map(re.escape, literal)) + ")")
+            pieces = [(p if j % 2 == 0 else literal[p], special and j % 2 == 0)
+                      for text, special in pieces
+                      for j, p in enumerate(split.split(text) if special else [text])]
+            if any(key in text for text, _ in pieces for key in literal):
+                raise ValueError("the chat template rewrites tool definitions or calls holding control-token text, "
+                                 "so they cannot be sent as literal text")
         ids: list[int] = []
         for text, template in pieces:
             if text:
@@ -155,24 +189,38 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (``[{"role", "content"}]``) with the GGUF's ``tokenizer.chat_template`` (jinja2).
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """Render ``messages`` (``[{"role", "content", ...}]``; an assistant turn may carry ``tool_calls``
+        ``[{"id", "type": "function", "function": {"name", "arguments"}}]``, a ``tool`` turn ``tool_call_id`` and
+        ``name``) with the GGUF's ``tokenizer.chat_template`` (jinja2), as Hugging Face's ``apply_chat_template``
+        does: ``tools`` (OpenAI's ``[{"type": "function", "function": {"name", "description", "parameters"}}]``)
+        is the template's ``tools`` variable (None when not given), and ``tojson`` writes JSON as Python's
+        ``json.dumps(ensure_ascii=False)`` (not jinja2's HTML-escaping one).
 
         A GGUF without a template gets llama.cpp's built-in one for its family (``gemma`` for gemma3,
-        else ``chatml``). Raises ValueError when the template rejects the messages.
+        else ``chatml``), which renders no tools (ValueError with tools). Raises ValueError when the template
+        rejects the messages.
         """
         if not self.chat_template:
+            if tools:
+                raise ValueError("llama.cpp's built-in chat template renders no tools")
             return render_builtin_template(self.builtin_template, messages, add_generation_prompt)
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message: str):
             raise ValueError(f"chat template: {message}")
 
+        def tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        env.filters["tojson"] = tojson
         env.globals.update(raise_exception=raise_exception,
                            strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
                 bos_token=self.bos_token, eos_token=self.eos_token)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc

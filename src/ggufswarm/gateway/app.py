@@ -30,6 +30,7 @@ from ..client.grammar import SchemaNotEnforceable, response_format_grammar
 from ..client.remote import REPAIRABLE, Hop, RemoteRoute, RouteError, fetch_model_headers
 from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
+from ..client.tools import ToolCallStream, ToolError, ToolRequest, new_call_id, parse_tool_calls, tool_request
 from ..model.config import MAX_CONTEXT
 from ..protocol.errors import body_error
 
@@ -59,6 +60,7 @@ class GatewayConfig:
     # as literal text (``--literal-prompts``). Chat messages are always literal (Tokenizer.encode_chat).
     prompt_special: bool = True
     session_lease_s: float = 30.0  # nodes drop a session idle this long: a gateway that dies frees its KV that soon
+    chat_template: str | None = None  # jinja2 chat template used instead of the GGUF's (``--chat-template-file``)
 
 
 class RequestError(Exception):
@@ -190,18 +192,20 @@ def _logit_bias(body: dict, n_vocab: int | None) -> tuple:
 
 
 def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab: int | None = None,
-                 fim: bool = False, tool_template: bool = False) -> RequestOptions:
+                 fim: bool = False, tools: ToolRequest | None = None) -> RequestOptions:
     """The checked options of an OpenAI request body for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``.
 
     Omitted settings take llama.cpp server defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05,
     repeat_penalty 1, repeat_last_n 64). ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n`` (-1: the
     whole context, as llama-server) and ``ignore_eos`` are accepted as llama-server extensions; ``n_vocab``
     bounds ``logit_bias``'s token ids; ``fim``: the model has fill-in-the-middle tokens (``suffix`` is still
-    refused: not implemented); ``tool_template``: the chat template renders ``tools`` (they are still refused, saying so).
-    Raises RequestError (400, ``param`` naming the parameter) for a parameter that is unknown, of the wrong type,
-    out of range, or not implemented (``n``/``best_of`` > 1, ``suffix``, ``tools``, a ``response_format`` schema
-    constrained decoding cannot enforce (client.grammar), ``echo`` with ``logprobs``, a llama-server sampler
-    other than the ones above). ``response_format`` json_object / json_schema become ``params.grammar``.
+    refused: not implemented); ``tools``: the request's checked tools (client.tools.tool_request, which checks
+    ``tools`` / ``tool_choice`` / ``functions`` / ``function_call``): a forced call's grammar becomes
+    ``params.grammar``. Raises RequestError (400, ``param`` naming the parameter) for a parameter that is
+    unknown, of the wrong type, out of range, or not implemented (``n``/``best_of`` > 1, ``suffix``, a
+    ``response_format`` schema constrained decoding cannot enforce (client.grammar), ``response_format`` other
+    than text with tools offered, ``echo`` with ``logprobs``, a llama-server sampler other than the ones above).
+    ``response_format`` json_object / json_schema become ``params.grammar``.
     """
     _check_known(body, chat)
     if _number(body, "n", 1, 1, None, int) != 1:
@@ -261,18 +265,14 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
             grammar = response_format_grammar(body.get("response_format"))
         except SchemaNotEnforceable as exc:
             raise RequestError(str(exc), param="response_format") from None
+        if grammar and tools is not None:
+            raise RequestError("response_format (json_object / json_schema) together with tools is not supported: "
+                               "the answer would have to be a tool call and JSON at once; drop one (or send "
+                               "tool_choice: \"none\")", param="response_format")
+        if tools is not None and tools.grammar:  # tool_choice "required" / a named function: one forced call
+            grammar = tools.grammar
         if grammar:
             opts.params = replace(opts.params, grammar=grammar)
-        if body.get("tools"):
-            why = ("this model's chat template renders tools, but the gateway does not implement tool calls yet"
-                   if tool_template else "this model's chat template has no tool support")
-            raise RequestError(f"tools (function calling) are not supported: {why}", param="tools")
-        if body.get("tool_choice") not in (None, "none"):
-            raise RequestError("tool_choice needs tools, which this gateway does not implement yet",
-                               param="tool_choice")
-        for name in ("functions", "function_call"):
-            if body.get(name) is not None:
-                raise RequestError(f"{name} (legacy function calling) is not implemented", param=name)
     else:
         if body.get("logprobs") is not None:
             opts.logprobs = True
@@ -432,6 +432,8 @@ class Gateway:
             path = resolve_model(self.config.model)
         file = GGUFModelFile(path)
         self.tokenizer = Tokenizer(str(file.path), file.metadata)
+        if self.config.chat_template:  # --chat-template-file: used instead of the GGUF's
+            self.tokenizer.chat_template = self.config.chat_template
         self.fingerprint = file.fingerprint
         self.model_name = self.model_name or file.path.name.removesuffix(".gguf")
 
@@ -564,9 +566,12 @@ def _sse(obj) -> bytes:
 
 
 async def _stream(resp: web.StreamResponse, request: web.Request, queue: asyncio.Queue, chunk, usage,
-                  chat: bool, opts: RequestOptions, echo: str | None) -> None:
+                  chat: bool, opts: RequestOptions, echo: str | None, calls: ToolCallStream | None = None,
+                  tools: ToolRequest | None = None) -> None:
     """Write SSE chunks from the worker's events until done (final chunk, the usage chunk when asked for,
-    [DONE]) or an error event."""
+    [DONE]) or an error event. With ``calls`` (tools offered), text that may be a tool call is held back and
+    sent at the end as one ``delta.tool_calls`` chunk (finish_reason ``tool_calls``), or as content when it
+    was none."""
     await resp.prepare(request)
     if chat:
         await resp.write(_sse(chunk(None, first=True)))
@@ -575,10 +580,20 @@ async def _stream(resp: web.StreamResponse, request: web.Request, queue: asyncio
     while True:
         event = await queue.get()
         if event[0] == "delta":
-            await resp.write(_sse(chunk(event[1], entries=event[2])))
+            text = calls.push(event[1]) if calls is not None else event[1]
+            if calls is None or text or event[2]:
+                await resp.write(_sse(chunk(text, entries=event[2])))
         elif event[0] == "done":
             stats, telemetry = event[1], event[2]
-            last = chunk(None, stats.finish_reason)
+            finish = stats.finish_reason
+            if calls is not None:
+                content, made = calls.finish()
+                if content:
+                    await resp.write(_sse(chunk(content)))
+                if made:
+                    await resp.write(_sse(chunk(None, tool_calls=tools.calls(made))))
+                    finish = "tool_calls"
+            last = chunk(None, finish)
             if opts.include_usage:  # OpenAI: one more chunk, with no choices, carries the usage
                 await resp.write(_sse(last))
                 last = {**chunk(None), "choices": [], "usage": usage(stats)}
@@ -640,10 +655,10 @@ class _Logprobs:
 
 
 async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool,
-                    prompt: str | None = None, gw: "Gateway | None" = None) -> web.StreamResponse:
+                    prompt: str | None = None, gw: "Gateway | None" = None,
+                    tools: ToolRequest | None = None) -> web.StreamResponse:
     gw = gw or request.app[GATEWAY]
-    opts = parse_params(body, gw.config.default_max_tokens, chat, gw.tokenizer.n_vocab, gw.tokenizer.has_fim,
-                        "tools" in (gw.tokenizer.chat_template or ""))
+    opts = parse_params(body, gw.config.default_max_tokens, chat, gw.tokenizer.n_vocab, gw.tokenizer.has_fim, tools)
     echo = prompt if opts.echo else None
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -682,10 +697,13 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
         if event[0] == "error":
             return _error_response(event[1])
 
-        def chunk(text: str | None, finish: str | None = None, first: bool = False, entries=None) -> dict:
+        def chunk(text: str | None, finish: str | None = None, first: bool = False, entries=None,
+                  tool_calls=None) -> dict:
             lp = logprobs(entries) if entries else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                if tool_calls:  # OpenAI's streamed shape: each call whole, with its index
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
                 choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
@@ -702,7 +720,8 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
         if opts.stream:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             try:
-                await _stream(resp, request, queue, chunk, usage, chat, opts, echo)
+                await _stream(resp, request, queue, chunk, usage, chat, opts, echo,
+                              ToolCallStream() if tools is not None else None, tools)
             except ConnectionResetError:
                 pass  # the client left; `finally` below stops the worker
             return resp
@@ -722,8 +741,12 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
                 return _error_response(event[1])
         text = "".join(parts)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs(entries),
-                      "finish_reason": stats.finish_reason}
+            message, finish = {"role": "assistant", "content": text}, stats.finish_reason
+            if tools is not None:
+                message["content"], made = parse_tool_calls(text)
+                if made:
+                    message["tool_calls"], finish = tools.calls(made), "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": logprobs(entries), "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs(entries), "finish_reason": stats.finish_reason}
         return web.Response(body=json.dumps({"id": rid, "object": obj, "created": created, "model": gw.model_name,
@@ -758,16 +781,46 @@ async def _read_body(request: web.Request) -> dict:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def chat_turns(messages, template: str | None) -> list[dict[str, str]]:
-    """The ``[{"role", "content"}]`` turns the chat template renders, from OpenAI ``messages``.
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's OpenAI ``tool_calls`` in the shape Hugging Face chat templates read: ``{"id",
+    "type": "function", "function": {"name", "arguments"}}`` with ``arguments`` a JSON object when the string
+    holds one (Qwen 2.5 / Hermes and Llama 3.1 templates write ``arguments | tojson``), else the string.
+    RequestError (param ``messages``) for a malformed one."""
+    if not isinstance(calls, list) or not calls:
+        raise RequestError(f"messages[{i}].tool_calls must be a non-empty list", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function" \
+                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), (str, dict)) \
+                or not isinstance(call.get("id", ""), str):
+            raise RequestError(f'messages[{i}].tool_calls[{j}] must be {{"id", "type": "function", "function": '
+                               f'{{"name", "arguments": JSON string}}}}', param="messages")
+        args = fn.get("arguments", "")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args  # (an object, as some clients send)
+            if isinstance(parsed, dict):
+                args = parsed
+        except ValueError:
+            pass  # not JSON (a model's malformed call sent back): the template gets the string
+        out.append({"id": call.get("id") or new_call_id(), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def chat_turns(messages, template: str | None) -> list[dict]:
+    """The turns the chat template renders, from OpenAI ``messages``: ``{"role", "content"}``, plus ``tool_calls``
+    on an assistant turn that made calls (see _tool_calls) and ``tool_call_id`` / ``name`` (the called
+    function's, found from the id when not given) on a ``tool`` turn.
 
     ``developer`` (what current OpenAI clients send instead of ``system``) becomes ``system`` when the
     template has no ``developer`` role. RequestError (400, param ``messages``) for a message that is not an
-    object, has an unknown role, or has no content (only an assistant turn that makes tool calls may omit it).
+    object, has an unknown role, or has no content (only an assistant turn that makes tool calls may omit it),
+    or malformed ``tool_calls``.
     """
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", param="messages")
-    turns = []
+    turns, called = [], {}
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] needs a role and content", param="messages")
@@ -778,7 +831,21 @@ def chat_turns(messages, template: str | None) -> list[dict[str, str]]:
             raise RequestError(f"messages[{i}] ({role}) has no content", param="messages")
         if role == "developer" and "developer" not in (template or ""):
             role = "system"
-        turns.append({"role": role, "content": _message_text(m.get("content"))})
+        turn = {"role": role, "content": _message_text(m.get("content"))}
+        if role == "assistant" and m.get("tool_calls"):
+            turn["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            called.update((c["id"], c["function"]["name"]) for c in turn["tool_calls"])
+        if role == "tool":
+            call_id, name = m.get("tool_call_id"), m.get("name")
+            if not isinstance(call_id, (str, type(None))) or not isinstance(name, (str, type(None))):
+                raise RequestError(f"messages[{i}].tool_call_id and name must be strings", param="messages")
+            if call_id is not None:
+                turn["tool_call_id"] = call_id
+            if name or called.get(call_id):
+                turn["name"] = name or called[call_id]
+        elif isinstance(m.get("name"), str):
+            turn["name"] = m["name"]
+        turns.append(turn)
     return turns
 
 
@@ -802,11 +869,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         gw = await _gateway_for(request, body)
         turns = chat_turns(body.get("messages"), gw.tokenizer.chat_template)
         try:
+            tools = tool_request(body, gw.tokenizer.chat_template)
+        except ToolError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
+        try:
             # off the event loop: a 1 MB prompt takes ~1 s to render and tokenize, other requests go on meanwhile
-            ids = await asyncio.get_running_loop().run_in_executor(gw.pool, gw.tokenizer.encode_chat, turns)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                gw.pool, gw.tokenizer.encode_chat, turns, True, tools.tools if tools else None)
         except ValueError as exc:
             raise RequestError(str(exc), param="messages") from None
-        return await _complete(request, ids, body, chat=True, gw=gw)
+        return await _complete(request, ids, body, chat=True, gw=gw, tools=tools)
     except Exception as exc:  # noqa: BLE001
         return _error_response(exc)
 
