@@ -111,7 +111,20 @@ def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma)
         route = RemoteRoute(urls(cluster), HOP_TIMEOUT)
         route.hops[1] = dataclasses.replace(route.hops[1], max_step_tokens=chunk)
         session = route.open(64, sampling, wire_dtype="f32")
+        replies = []  # per step sent: (tokens in it, the token the head answered)
+        send = session._send
+
+        def spy(step_ids, sample, send=send, replies=replies):
+            token = send(step_ids, sample)
+            replies.append((len(step_ids), token))
+            return token
+
+        session._send = spy
         tokens = [session.step(ids)]
+        # the prompt went as ceil(len / chunk) steps; every one but the last answered token null (no draw)
+        n_chunks = -(-len(ids) // chunk)
+        assert [n for n, _ in replies] == [min(chunk, len(ids) - i) for i in range(0, len(ids), chunk)]
+        assert [t for _, t in replies[:-1]] == [None] * (n_chunks - 1) and replies[-1][1] == tokens[0], replies
         for _ in range(5):
             tokens.append(session.step([tokens[-1]]))
         session.close()
