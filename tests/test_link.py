@@ -403,11 +403,16 @@ def test_a_session_opens_every_node_at_once_and_waits_head_first_for_a_full_node
         before = http("GET", first + "/health")[1]["sessions"]
         holder = RemoteRoute([first, head]).open(64, GREEDY)  # takes the head's only slot
         assert http("GET", first + "/health")[1]["sessions"] == before + 1
+        refused = http("GET", head + "/health")[1]["errors"]
         result = {}
         waiter = threading.Thread(target=lambda: result.setdefault("out", greedy([first, head], n=3)))
         waiter.start()
-        time.sleep(0.5)
-        # while it waits for the head, the waiting session holds nothing on the first node
+        # once the head has refused it (kv_budget_full), the waiting session holds nothing on the first node
+        deadline = time.monotonic() + 30
+        while http("GET", head + "/health")[1]["errors"] == refused \
+                or http("GET", first + "/health")[1]["sessions"] != before + 1:
+            assert time.monotonic() < deadline, "the waiting session was never refused, or kept the first node"
+            time.sleep(0.05)
         assert waiter.is_alive() and http("GET", first + "/health")[1]["sessions"] == before + 1
         holder.close()
         waiter.join(30)
