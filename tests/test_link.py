@@ -208,7 +208,11 @@ def test_a_client_that_dies_frees_its_sessions_within_its_lease(tiny_route):
     kept = route.open(64, GREEDY, lease_s=1.0)
     token = kept.step(PROMPT)
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 3.0:
+    # the kept one renews for 1.5 s (past its 1 s lease), then steps, until the abandoned one is gone: polled (the
+    # deadline only bounds a lease that never runs out), and not before both phases ran
+    while time.monotonic() - t0 < 1.5 or \
+            [http("GET", u + "/health")[1]["sessions"] - b for u, b in zip(urls, before)] != [1, 1]:
+        assert time.monotonic() - t0 < 30, "the abandoned session outlived its lease"
         kept.renew() if time.monotonic() - t0 < 1.5 else None
         token = kept.step([token]) if time.monotonic() - t0 >= 1.5 else token
         time.sleep(0.2)
