@@ -46,6 +46,11 @@ def test_same_seed_same_output(ggufswarm_cli, tiny_dir):
     a, b = run(ggufswarm_cli, *args), run(ggufswarm_cli, *args)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout
+    # the seed and the temperature are used: another of either changes the text
+    for flag, value in (("--seed", "43"), ("--temperature", "0.3")):
+        other = run(ggufswarm_cli, *args, flag, value)  # argparse: the last occurrence wins
+        assert other.returncode == 0, other.stderr
+        assert other.stdout != a.stdout, (flag, value)
 
 
 def test_not_a_gguf(ggufswarm_cli, tmp_path):

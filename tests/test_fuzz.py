@@ -40,6 +40,7 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import re
 import threading
 import time
 import uuid
@@ -155,43 +156,48 @@ class Client:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port
         self.conn: http.client.HTTPConnection | None = None
+        self.previous = None  # the last exchange on the open connection, for the report of a dropped one
 
     def send(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
              token: str | None = TOKEN, chunked: bool = False) -> tuple[int, str, bytes]:
-        """(status, content type, body bytes). Retries once on a fresh connection if the old one was dropped."""
+        """(status, content type, body bytes). A connection the node drops without saying so (no
+        ``Connection: close``) is a failure: it is raised, never retried."""
         headers = dict(headers or {})
         if token is not None:
             headers[TOKEN_HEADER] = token
-        for attempt in range(2):
-            if self.conn is None:
-                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
-            try:
-                if chunked:
-                    self.conn.request(method, path, body=iter([body[:7], body[7:]]) if body else iter([]),
-                                      headers=headers, encode_chunked=True)
-                else:
-                    self.conn.request(method, path, body=body, headers=headers)
-                resp = self.conn.getresponse()
-                data = resp.read()
-            except (OSError, http.client.HTTPException):
-                self.conn.close()
-                self.conn = None
-                if attempt:
-                    raise
-                continue
-            if resp.will_close:
-                self.conn.close()
-                self.conn = None
-            Client.sent += 1
-            return resp.status, resp.getheader("Content-Type") or "", data
-        raise AssertionError("unreachable")
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            if chunked:
+                self.conn.request(method, path, body=iter([body[:7], body[7:]]) if body else iter([]),
+                                  headers=headers, encode_chunked=True)
+            else:
+                self.conn.request(method, path, body=body, headers=headers)
+            resp = self.conn.getresponse()
+            data = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self.conn.close()
+            self.conn = None
+            raise AssertionError(f"{method} {path[:80]} {(body or b'')[:80]!r}: {exc!r}; the connection's previous "
+                                 f"exchange: {self.previous}") from exc
+        self.previous = (method, path[:80], (body or b"")[:80], dict(headers), resp.status, resp.getheaders())
+        if resp.will_close:
+            self.conn.close()
+            self.conn = None
+            self.previous = None
+        Client.sent += 1
+        return resp.status, resp.getheader("Content-Type") or "", data
+
+    def close(self) -> None:
+        """Drop the connection: the next request opens a fresh one."""
+        if self.conn is not None:
+            self.conn.close()
+        self.conn, self.previous = None, None
 
 
-def check_answer(status: int, ctype: str, data: bytes, what: str, unrouted_ok: bool = False) -> dict | None:
-    """Assert a documented answer; the parsed JSON error ``{"code", "message"}``, or None for a success.
-
-    ``unrouted_ok``: the path may match no route (then ``not_found`` / ``method_not_allowed`` are expected).
-    """
+def check_answer(status: int, ctype: str, data: bytes, what: str) -> dict | None:
+    """Assert a documented answer (a path no route matches too: ``not_found`` / ``method_not_allowed``); the parsed
+    JSON error ``{"code", "message"}``, or None for a success."""
     if 200 <= status < 300:
         if ctype.startswith("application/json"):
             json.loads(data)
@@ -221,6 +227,11 @@ class Own:
     pos: int = 0                     # tokens held
     last_body: bytes | None = None   # frame of the last step (None after a truncate: retries then conflict)
     last_reply: bytes | None = None
+    touched: float = 0.0             # when the last request on it that succeeded was sent (time.monotonic)
+
+    def expired(self) -> bool:
+        """Idle past the TTL for sure: the node last touched it no earlier than ``touched``."""
+        return time.monotonic() - self.touched > TTL_S
 
 
 @dataclass
@@ -253,6 +264,7 @@ class Fuzzer:
         self.next_health = 0
         self.health_requests = 0  # not fuzz: the periodic /health checks
         self.sweep_requests = 0   # not hypothesis: the systematic edge sweep
+        self.sent_at = 0.0        # when answer() sent its latest request (time.monotonic)
 
     def send(self, target: Target, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
              token: str | None = TOKEN, chunked: bool = False) -> tuple[int, str, bytes]:
@@ -264,12 +276,11 @@ class Fuzzer:
         return status, ctype, data
 
     def answer(self, target: Target, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-               token: str | None = TOKEN, chunked: bool = False,
-               unrouted_ok: bool = False) -> tuple[int, dict | None, bytes]:
+               token: str | None = TOKEN, chunked: bool = False) -> tuple[int, dict | None, bytes]:
         """Send, assert a documented answer, tally its code; (status, error or None, body)."""
+        self.sent_at = time.monotonic()
         status, ctype, data = self.send(target, method, path, body, headers, token, chunked)
-        err = check_answer(status, ctype, data, f"{target.name} {method} {path[:80]} {(body or b'')[:120]!r}",
-                           unrouted_ok)
+        err = check_answer(status, ctype, data, f"{target.name} {method} {path[:80]} {(body or b'')[:120]!r}")
         key = (status, err["code"] if err else "ok")
         self.codes[key] = self.codes.get(key, 0) + 1
         if token != TOKEN:
@@ -303,14 +314,15 @@ class Fuzzer:
         status, err, _ = self.answer(target, "POST", "/v1/sessions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         if status == 201:
-            target.own[sid] = Own(body["max_length"])
+            target.own[sid] = Own(body["max_length"], touched=self.sent_at)
             return sid
         assert err["code"] == "kv_budget_full", err  # fuzz-opened sessions and the good one share the budget
         return None
 
     def close_own(self, target: Target, sid: uuid.UUID) -> None:
         status, err, _ = self.answer(target, "DELETE", f"/v1/sessions/{sid}")
-        assert status == 200 or err["code"] == "unknown_session", err  # it may have expired
+        # unknown_session: it expired, which it may only once idle past the TTL
+        assert status == 200 or (err["code"] == "unknown_session" and target.own[sid].expired()), err
         target.own.pop(sid, None)
 
     def session_for(self, plan: dict, target: Target) -> tuple[uuid.UUID, Own | None]:
@@ -569,7 +581,8 @@ def fuzz_frame(p: dict, fz: Fuzzer) -> None:
     if own is None:
         assert status != 200, f"a frame for a session never opened was applied: {reply[:200]!r}"
         return
-    if err and err["code"] == "unknown_session":  # idle past the TTL: expired
+    if err and err["code"] == "unknown_session":  # expired, which it may only once idle past the TTL
+        assert own.expired(), (target.name, facts, own, time.monotonic() - own.touched)
         target.own.pop(facts["sid"], None)
         return
     if facts["well_formed"]:
@@ -579,9 +592,10 @@ def fuzz_frame(p: dict, fz: Fuzzer) -> None:
         out = json.loads(reply)
         if facts["step"] == own.last and own.last_reply is not None and body == own.last_body:
             assert reply == own.last_reply, "a retry must get the recorded reply"
+            own.touched = fz.sent_at
             return
         assert facts["step"] == own.last + 1 and facts["start"] == own.pos, (facts, own)
-        own.last, own.pos = facts["step"], own.pos + facts["n_tokens"]
+        own.last, own.pos, own.touched = facts["step"], own.pos + facts["n_tokens"], fz.sent_at
         own.last_body, own.last_reply = body, reply
         assert out["hops"][0]["kv_tokens"] == own.pos, (out, own)
         if facts["sample"]:
@@ -742,13 +756,13 @@ def fuzz_json(p: dict, fz: Fuzzer) -> None:
     if obj is not None:
         body = json.dumps(obj).encode()
     headers = {"Content-Type": p["ctype"]} if p["ctype"] and body is not None else {}
-    # a session id the router cannot match ("", braces, "/", dot segments) gets a JSON not_found
-    unroutable = "{sid}" in template and (sid_text in ("", ".", "..") or any(c in sid_text for c in "{}/"))
-    status, err, reply = fz.answer(target, method, path, body, headers, p["token"], unrouted_ok=unroutable)
+    # a session id the router cannot match ("", braces, "/", dot segments) gets a JSON not_found (check_answer)
+    status, err, reply = fz.answer(target, method, path, body, headers, p["token"])
     if kind == "reuse sid" and "session_id" in obj and (method, template) == ("POST", "/v1/sessions") \
             and p["token"] == TOKEN:
         reused = uuid.UUID(obj["session_id"])
         if status == 201:  # it had expired (idle past the TTL): the id is free again
+            assert reused not in target.own or target.own[reused].expired(), (reused, target.own.get(reused))
             target.own.pop(reused, None)
         else:  # bad_request: an odd content type or charset
             assert err["code"] in ("session_exists", "bad_request"), (status, err)
@@ -759,14 +773,23 @@ def fuzz_json(p: dict, fz: Fuzzer) -> None:
         step_status, step_err, _ = fz.answer(target, "POST", "/v1/step", first_step(target, sid),
                                              {"Content-Type": "application/octet-stream"})
         assert step_status == 200, (obj, step_status, step_err)
+        stepped = fz.sent_at
         if not p["leave_open"]:
             status, err, _ = fz.answer(target, "DELETE", f"/v1/sessions/{sid}")
-            assert status == 200 or err["code"] == "unknown_session", err
-    if own_sid is not None and own_sid in target.own:
+            # unknown_session: it expired, which it may only once idle past the TTL (or the lease it was opened with)
+            lease = obj.get("lease_s") if isinstance(obj, dict) else None
+            idle_limit = min(TTL_S, lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) else TTL_S
+            assert status == 200 or (err["code"] == "unknown_session" and time.monotonic() - stepped > idle_limit), \
+                (err, obj, time.monotonic() - stepped)
+    if own_sid is not None and "{sid}" in template and own_sid in target.own:  # the request named the session
         own = target.own[own_sid]
-        if err and err["code"] == "unknown_session":
+        if err and err["code"] == "unknown_session":  # expired, which it may only once idle past the TTL
+            assert own.expired(), (method, template, own, time.monotonic() - own.touched)
             target.own.pop(own_sid, None)
-        elif status == 200 and template.endswith("/truncate"):
+            return
+        if 200 <= status < 300:
+            own.touched = fz.sent_at
+        if status == 200 and template.endswith("/truncate"):
             assert json.loads(reply)["length"] == obj["length"] <= own.pos
             own.pos, own.last_body, own.last_reply = obj["length"], None, None
         elif status == 200 and method == "DELETE":
@@ -827,17 +850,19 @@ def fuzz_odd(p: dict, fz: Fuzzer, routes) -> None:
     for method, template in routes:
         routed.setdefault(template, set()).add(method)
     template = p["template"]
-    path = template.replace("{sid}", str(uuid.uuid4()))
+    # a session id, and 0 for any other path variable (the model file index of /v1/model/header/{i}), so that the
+    # path matches its route
+    path = re.sub(r"\{[^}]*\}", "0", template.replace("{sid}", str(uuid.uuid4())))
     if p["kind"] == "method":
         others = sorted({"GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"} - routed[template])
         method = others[p["method"] % len(others)]
         status, ctype, body = fz.send(target, method, path, b"{}")
-        err = check_answer(status, ctype, body, f"{method} {path}", unrouted_ok=True)
+        err = check_answer(status, ctype, body, f"{method} {path}")
         assert status == 405 and err["code"] == "method_not_allowed", (method, path, status, body[:200])
         return
     if p["kind"] == "path":
         status, ctype, body = fz.send(target, "POST", p["path"], b"{}")
-        err = check_answer(status, ctype, body, p["path"], unrouted_ok=True)
+        err = check_answer(status, ctype, body, p["path"])
         assert err["code"] in ("not_found", "method_not_allowed", "unauthorized"), (p["path"], status, body[:200])
         return
     method = sorted(routed[template])[0]
@@ -852,6 +877,10 @@ def fuzz_odd(p: dict, fz: Fuzzer, routes) -> None:
     else:
         status, ctype, body = fz.send(target, method, path, b"\x1f\x8b\x08garbage",
                                       {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        # Known: a handler that answers without reading the body (renew, delete) gets its answer out with
+        # keep-alive, then aiohttp fails to inflate the unread body and drops the connection without saying so. Not
+        # reused, so that this case alone is excused: any other dropped connection fails the test.
+        target.client.close()
         if 200 <= status < 300 or ctype.startswith("application/json"):  # a handler answered
             check_answer(status, ctype, body, f"bad gzip {method} {path}")
         else:  # aiohttp's decompressor refused the body before the handler saw it
@@ -969,13 +998,18 @@ def test_fuzz_live_nodes(nodes, local, routes):
         t.alive()
         grew = (max(rss1[t.name], fz.rss_peak[t.name]) - rss0[t.name]) / 2**20
         assert grew < RSS_BOUND_MB, (t.name, rss0[t.name], rss1[t.name], fz.rss_peak[t.name])
-    # fuzz-opened sessions cannot hold the budget: once idle past the TTL they are gone
-    time.sleep(TTL_S + 1.0)
+    # fuzz-opened sessions cannot hold the budget: once idle past the TTL the node's reaper drops them. Polled; the
+    # deadline (TTL + 30 s) only bounds a stuck reaper on a loaded machine, it measures nothing
+    deadline = time.monotonic() + TTL_S + 30
     for t in targets:
-        status, _, data = t.client.send("GET", "/health")
-        h = json.loads(data)
-        assert status == 200 and h["sessions"] == 0 and h["kv_tokens_reserved"] == 0, (t.name, h)
-        assert h["errors"] > 0
+        while True:
+            status, _, data = t.client.send("GET", "/health")
+            h = json.loads(data)
+            assert status == 200 and h["errors"] > 0, (t.name, h)
+            if h["sessions"] == 0 and h["kv_tokens_reserved"] == 0:
+                break
+            assert time.monotonic() < deadline, (t.name, h)
+            time.sleep(0.1)
     summary = {"requests": sent, "generated": generated, "sweep": fz.sweep_requests, "seconds": round(elapsed, 1),
                "good_runs": len(good.runs),
                "phase_seconds": {n: round(b - a, 1) for n, (a, b) in phases.items()},

@@ -169,9 +169,12 @@ def test_a_huge_prompt_does_not_stall_the_gateway(gateway):
     import time
 
     done = threading.Event()
+    took = {}
 
     def huge():
+        t0 = time.monotonic()
         post(f"{gateway}/v1/chat/completions", {"messages": [{"role": "user", "content": "lorem ipsum " * 90000}]})
+        took["s"] = time.monotonic() - t0
         done.set()
 
     threading.Thread(target=huge, daemon=True).start()
@@ -182,7 +185,9 @@ def test_a_huge_prompt_does_not_stall_the_gateway(gateway):
             assert r.status == 200
         slowest = max(slowest, time.monotonic() - t0)
         time.sleep(0.02)
-    assert slowest < 0.5, slowest
+    # on the event loop, tokenizing would hold /health for most of the huge request; a share of that request's own
+    # time (at least 1 s), not a fixed 0.5 s, so that a loaded machine does not break the test
+    assert slowest < max(1.0, took["s"] / 3), (slowest, took)
 
 
 CHAT = "/v1/chat/completions"

@@ -209,7 +209,11 @@ def test_a_client_that_dies_frees_its_sessions_within_its_lease(tiny_route):
     kept = route.open(64, GREEDY, lease_s=1.0)
     token = kept.step(PROMPT)
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 3.0:
+    # the kept one renews for 1.5 s (past its 1 s lease), then steps, until the abandoned one is gone: polled (the
+    # deadline only bounds a lease that never runs out), and not before both phases ran
+    while time.monotonic() - t0 < 1.5 or \
+            [http("GET", u + "/health")[1]["sessions"] - b for u, b in zip(urls, before)] != [1, 1]:
+        assert time.monotonic() - t0 < 30, "the abandoned session outlived its lease"
         kept.renew() if time.monotonic() - t0 < 1.5 else None
         token = kept.step([token]) if time.monotonic() - t0 >= 1.5 else token
         time.sleep(0.2)
@@ -404,11 +408,16 @@ def test_a_session_opens_every_node_at_once_and_waits_head_first_for_a_full_node
         before = http("GET", first + "/health")[1]["sessions"]
         holder = RemoteRoute([first, head]).open(64, GREEDY)  # takes the head's only slot
         assert http("GET", first + "/health")[1]["sessions"] == before + 1
+        refused = http("GET", head + "/health")[1]["errors"]
         result = {}
         waiter = threading.Thread(target=lambda: result.setdefault("out", greedy([first, head], n=3)))
         waiter.start()
-        time.sleep(0.5)
-        # while it waits for the head, the waiting session holds nothing on the first node
+        # once the head has refused it (kv_budget_full), the waiting session holds nothing on the first node
+        deadline = time.monotonic() + 30
+        while http("GET", head + "/health")[1]["errors"] == refused \
+                or http("GET", first + "/health")[1]["sessions"] != before + 1:
+            assert time.monotonic() < deadline, "the waiting session was never refused, or kept the first node"
+            time.sleep(0.05)
         assert waiter.is_alive() and http("GET", first + "/health")[1]["sessions"] == before + 1
         holder.close()
         waiter.join(30)

@@ -313,7 +313,7 @@ def test_grammar_draws_follow_the_schema_and_rebuild_from_the_history(gemma):
     from ggufswarm.client.grammar import response_format_grammar
     from ggufswarm.client.sampling import Sampler
     from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
               "required": ["a", "b"], "additionalProperties": False}
     grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})

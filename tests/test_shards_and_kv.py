@@ -133,8 +133,24 @@ def test_bad_inputs_leave_kv_untouched(tiny_gemma):
 
 
 def test_bfloat16_option_runs(tiny_dir):
-    model = LocalModel.load(write_tiny_model(tiny_dir / "bf16.gguf", "llama"), dtype="bfloat16")
+    """``dtype="bfloat16"`` (a torch-backend option: llama.cpp computes as llama.cpp does) loads every weight as
+    the float32 load's values rounded to bf16, keeps the KV cache in bf16, and computes in it: the logits
+    differ from float32's (same top token)."""
+    path = write_tiny_model(tiny_dir / "bf16.gguf", "llama")
+    model = LocalModel.load(path, dtype="bfloat16", backend="torch")
+    ref = LocalModel.load(path, backend="torch")
+    for shard, ref_shard in zip(model.shards, ref.shards, strict=True):
+        pairs = [(shard.token_embd, ref_shard.token_embd), (shard.output, ref_shard.output)]
+        pairs += [(w, ref_shard.layers[il][k]) for il, layer in shard.layers.items() for k, w in layer.items()
+                  if isinstance(w, torch.Tensor)]
+        pairs = [(w, r) for w, r in pairs if w is not None]
+        assert len(pairs) > 3 * len(shard.layers)
+        for w, r in pairs:
+            assert w.dtype == torch.bfloat16 and r.dtype == torch.float32
+            assert torch.equal(w, r.to(torch.bfloat16))
+        assert all(layer.k.dtype == layer.v.dtype == torch.bfloat16 for layer in shard.new_session(8).layers)
     a = model.session(32).logits(list(range(3, 13)))
-    b = LocalModel.load(tiny_dir / "bf16.gguf").session(32).logits(list(range(3, 13)))
+    b = ref.session(32).logits(list(range(3, 13)))
     assert a.dtype == torch.float32 and torch.isfinite(a).all()
+    assert not torch.equal(a, b)
     assert int(a.argmax()) == int(b.argmax())

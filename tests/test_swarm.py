@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
 import torch
 import pytest
+from gguf import GGUFReader
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.artifact.manifest import Manifest
@@ -44,8 +46,16 @@ def test_manifest_indexes_layers(artifact, gemma_path):
     assert manifest.arch == "gemma3" and manifest.n_layers == 18
     assert manifest.files[0]["bytes"] == gemma_path.stat().st_size and len(manifest.files[0]["sha256"]) == 64
     assert Manifest.from_json(manifest.to_json()) == manifest
-    assert sum(manifest.layer_bytes()) + sum(t.n_bytes for t in manifest.tensors if t.layer is None) \
-        == sum(t.n_bytes for t in manifest.tensors)
+    # against the GGUF's own tensor table as gguf-py (llama.cpp's reader) reads it
+    reader = GGUFReader(gemma_path)
+    assert manifest.files[0]["header_bytes"] == reader.data_offset
+    assert {t.name: (t.offset, t.n_bytes) for t in manifest.tensors} == \
+        {t.name: (int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
+    want = [0] * 18
+    for t in reader.tensors:
+        if (m := re.match(r"blk\.(\d+)\.", t.name)):
+            want[int(m[1])] += int(t.n_bytes)
+    assert manifest.layer_bytes() == want and min(want) > 0
 
 
 def test_partial_fetch_downloads_only_the_shard(artifact, seeders, gemma_path, tmp_path):

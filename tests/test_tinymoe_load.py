@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import llama_cpp
 import numpy as np
 import pytest
 
 from tinymoe import MOE_ARCHS, write_tiny_moe_model
-
-llama_cpp = pytest.importorskip("llama_cpp")
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

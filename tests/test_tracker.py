@@ -67,13 +67,20 @@ def test_routes_follow_heartbeats(tmp_path, tiny_artifact):
         beat(url, "a", (0, 2))
         status, body = call(f"{url}/route?model=tiny&max_length=64")
         assert status == 503 and "layers 2:4 are not served" in body["error"]["message"]
+        sent_b = time.time()  # the registry's clock; b's heartbeat arrives no earlier
         beat(url, "b", (2, 4))
         status, body = call(f"{url}/route?model=tiny&max_length=64")
         assert status == 200 and [h["node_id"] for h in body["route"]] == ["a", "b"]
         assert call(f"{url}/models")[1]["models"] == ["tiny"]
         assert call(f"{url}/nodes/heartbeat", "POST", {"node_id": "x"})[0] == 400
         assert call(f"{url}/route?model=nope")[0] == 404
-        time.sleep(2.0)  # no heartbeats: both expire
+        # no heartbeats: both expire, and not before the TTL (1.5 s) since their last heartbeat. Polled; the
+        # deadline only bounds a tracker that never expires them
+        deadline = time.monotonic() + 30
+        while call(f"{url}/nodes?model=tiny")[1]["nodes"]:
+            assert time.monotonic() < deadline, "the nodes never expired"
+            time.sleep(0.05)
+        assert time.time() - sent_b >= 1.5
         status, body = call(f"{url}/route?model=tiny&max_length=64")
         assert status == 503
         beat(url, "a", (0, 2))
@@ -126,7 +133,7 @@ def test_status_page_renders_in_headless_chromium(tmp_path, tiny_artifact, token
         assert "loading" in dom and "2:4" in dom
 
 
-def test_status_command_draws_coverage(tmp_path, tiny_artifact, ggufswarm_cli):
+def test_status_command_draws_coverage(tiny_artifact, ggufswarm_cli):
     path, manifest = tiny_artifact
     with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
         call(f"{url}/manifests/tiny", "PUT", {"manifest": json.loads(manifest.to_json()),
@@ -140,7 +147,7 @@ def test_status_command_draws_coverage(tmp_path, tiny_artifact, ggufswarm_cli):
         assert dead.returncode == 1 and "cannot reach tracker" in dead.stderr and "Traceback" not in dead.stderr
 
 
-def test_heartbeat_with_bad_numbers_is_400(tmp_path):
+def test_heartbeat_with_bad_numbers_is_400():
     with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
         for extra in ({"decode_ms": float("nan")}, {"free_kv_tokens": 10**30}, {"decode_ms": -1}):
             status, body = beat(url, "a", (0, 2), **extra)
@@ -148,7 +155,7 @@ def test_heartbeat_with_bad_numbers_is_400(tmp_path):
         assert beat(url, "a", (0, 2))[0] == 200
 
 
-def test_a_reported_node_is_dropped_only_when_the_tracker_finds_it_down(tmp_path):
+def test_a_reported_node_is_dropped_only_when_the_tracker_finds_it_down():
     """POST /nodes/report: the tracker probes the node's /health (with the swarm token) and drops a node that
     does not answer at once; one that answers stays; an unknown URL is 404 and nothing else is probed."""
     import socket
