@@ -101,6 +101,9 @@ def test_bad_numbers_are_one_line_errors(ggufswarm_cli, tiny_dir):
                  ["perplexity", "x.txt", "--chunks", "0"]):
         out = run(ggufswarm_cli, *args, "--model", str(path))
         assert out.returncode != 0 and "Traceback" not in out.stderr and "must be at least" in out.stderr
+    # an option the chosen backend would ignore is refused, not silently dropped
+    out = run(ggufswarm_cli, "generate", "hi", "--dtype", "bfloat16", "--model", str(path))
+    assert out.returncode != 0 and "Traceback" not in out.stderr and "--backend torch" in out.stderr
 
 
 def test_perplexity_chunks_limit(ggufswarm_cli, tiny_dir, tmp_path):

@@ -425,3 +425,37 @@ def test_a_session_opens_every_node_at_once_and_waits_head_first_for_a_full_node
         holder.close()
         waiter.join(30)
         assert result["out"] == want
+
+
+def test_an_unread_body_ends_the_connection_in_words(tiny_route):
+    """A request whose body the endpoint never reads (renew takes none), here an undecodable gzip body: the
+    answer says ``Connection: close`` rather than the node dropping a keep-alive connection without a word;
+    a request with a normal body keeps the connection."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(tiny_route["first"])
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request("POST", f"/v1/sessions/{uuid.uuid4()}/renew", body=b"\x00garbage" * 8,
+                     headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 404 and body["error"]["code"] == "unknown_session"
+        assert resp.getheader("Connection", "").lower() == "close"
+    finally:
+        conn.close()
+    whole = urlsplit(tiny_route["whole"])
+    conn = http.client.HTTPConnection(whole.hostname, whole.port, timeout=10)
+    try:
+        for _ in range(2):  # a body that is read: the same connection serves the next request
+            conn.request("POST", "/v1/sessions", body=json.dumps({"max_length": 8}),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            sid = json.loads(resp.read())["session_id"]
+            assert resp.status == 201 and resp.getheader("Connection", "").lower() != "close"
+            conn.request("DELETE", f"/v1/sessions/{sid}")
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.read()
+    finally:
+        conn.close()

@@ -41,7 +41,7 @@ def _backend_args(p: argparse.ArgumentParser) -> None:
                    help="shard backend: llama.cpp (default: llama.cpp's own graphs and quantized kernels, bitwise "
                         "equal to llama.cpp) or torch (the PyTorch reference: dequantized weights, f32/bf16)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="torch backend's compute dtype (default float32)")
+                   help="torch backend's compute dtype (default float32; with --backend torch only)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads: llama.cpp's decode and batch threads, or PyTorch's (default: all cores)")
 
@@ -419,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag, None)
         if value is not None and value < (1 if flag == "chunks" else 0):
             parser.error(f"--{flag.replace('_', '-')} must be at least {1 if flag == 'chunks' else 0}, got {value}")
+    if getattr(args, "dtype", "float32") != "float32" and getattr(args, "backend", None) == "llama.cpp":
+        parser.error(f"--dtype {args.dtype} is the torch backend's compute dtype; the llama.cpp backend computes "
+                     f"as llama.cpp does (add --backend torch)")
     if threads and getattr(args, "backend", None) == "torch":
         import torch
         torch.set_num_threads(threads)

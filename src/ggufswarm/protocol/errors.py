@@ -73,15 +73,21 @@ def json_errors_middleware():
     @web.middleware
     async def to_json(request, handler):
         try:
-            return await handler(request)
+            resp = await handler(request)
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
             code = "not_found" if exc.status == 404 else "method_not_allowed"
             message = (f"no endpoint {request.method} {request.path}" if code == "not_found" else
                        f"{request.path} does not take {request.method} (allowed: "
                        f"{', '.join(sorted(getattr(exc, 'allowed_methods', ()) or ()))})")
             headers = {"Allow": ",".join(sorted(exc.allowed_methods))} if code == "method_not_allowed" else None
-            return web.Response(body=error_body(code, message), status=exc.status, content_type="application/json",
+            resp = web.Response(body=error_body(code, message), status=exc.status, content_type="application/json",
                                 headers=headers)
+        if request.body_exists and not request.content.at_eof() and isinstance(resp, web.Response):
+            # A body the endpoint never read (it takes none, or an error came first): aiohttp would discard it
+            # to reuse the connection, and drop the connection without a word when it cannot (an undecodable
+            # Content-Encoding). Say so instead: this answer ends the connection.
+            resp.force_close()
+        return resp
 
     return to_json
 
