@@ -152,3 +152,52 @@ def test_model_alias_smollm2(ggufswarm_cli):
     by_name = run(ggufswarm_cli, "generate", *args, "--model", "smollm2")
     by_path = run(ggufswarm_cli, "generate", *args, "--model", str(smollm2_path()))
     assert by_name.returncode == 0 and by_name.stdout == by_path.stdout and by_name.stdout.strip(), by_name.stderr
+
+
+def test_start_order_names_and_early_errors(ggufswarm_cli, tiny_dir, tmp_path):
+    """What a new user trips on, said at once: a gateway started before its tracker waits for it (one line); a
+    node on a port in use fails before fetching anything; a node serving the last layer without --head (or
+    layer 0 without --embed) warns; ``publish smollm2`` publishes under that name."""
+    import json
+    import socket
+    import sys
+    import urllib.request
+
+    from apphost import AppThread
+
+    from ggufswarm.tracker.app import TrackerConfig, make_app
+
+    path = write_tiny_model(tiny_dir / "cli-order.gguf", "llama", n_layers=4)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = run(ggufswarm_cli, "node", "--layers", "0:4", "--embed", "--head", "--model", str(path),
+                  "--port", str(port), "--tracker", "http://127.0.0.1:9", timeout=60)
+        assert_one_line_error(out, f"cannot listen on 127.0.0.1:{port}")  # before waiting for the tracker
+
+        gateway = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "gateway", "--tracker",
+                                    f"http://127.0.0.1:{port}", "--port", "0"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            line = gateway.stderr.readline()
+            assert "ggufswarm gateway: waiting for the tracker" in line and gateway.poll() is None, line
+        finally:
+            gateway.kill()
+            gateway.communicate(timeout=30)
+
+    node = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "node", "--layers", "2:4", "--model", str(path),
+                             "--data-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = node.stderr.readline()
+        assert "WARNING: layers 2:4 end at the model's last layer without --head" in line, line
+    finally:
+        node.kill()
+        node.communicate(timeout=30)
+
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as tracker:
+        out = run(ggufswarm_cli, "publish", "smollm2", "--tracker", tracker, "--no-seed", "--data-dir",
+                  str(tmp_path / "pub"), timeout=120)
+        assert out.returncode == 0 and out.stdout.startswith("published smollm2:"), out.stderr
+        with urllib.request.urlopen(f"{tracker}/manifests/smollm2", timeout=10) as r:
+            assert json.loads(r.read())["manifest"]["name"] == "smollm2"

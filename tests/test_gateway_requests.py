@@ -267,3 +267,15 @@ def test_implemented_and_neutral_parameters_pass_validation(gateway, path, extra
     base = {"messages": MSGS} if path == CHAT else {"prompt": "Hi"}
     status, body = post(gateway + path, {**base, "max_tokens": 2, **extra})
     assert 500 <= status < 600 and "127.0.0.1:9" in body["error"]["message"], body
+
+
+def test_a_model_can_be_retrieved_by_id(gateway):
+    """``GET /v1/models/{id}`` (the openai client's ``models.retrieve``): the listed model, or 404."""
+    import openai
+
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused")
+    [listed] = client.models.list().data
+    assert client.models.retrieve(listed.id).id == listed.id
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found"

@@ -142,6 +142,12 @@ def test_status_command_draws_coverage(tiny_artifact, ggufswarm_cli):
         out = subprocess.run([*ggufswarm_cli, "status", "--tracker", url], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "tiny  (4 layers, 1 node)" in out.stdout and "█" in out.stdout and "not servable: layers 2:4" in out.stdout
+        beat(url, "node-b", (2, 4), head=False)  # every layer covered, but no route can end without a head
+        out = subprocess.run([*ggufswarm_cli, "status", "--tracker", url], capture_output=True, text=True, timeout=60)
+        assert "not servable" in out.stdout and "needs it" in out.stdout and "servable end to end" not in out.stdout
+        beat(url, "node-c", (2, 4))
+        out = subprocess.run([*ggufswarm_cli, "status", "--tracker", url], capture_output=True, text=True, timeout=60)
+        assert "servable end to end" in out.stdout, out.stdout
         dead = subprocess.run([*ggufswarm_cli, "status", "--tracker", "http://127.0.0.1:9"], capture_output=True,
                               text=True, timeout=60)
         assert dead.returncode == 1 and "cannot reach tracker" in dead.stderr and "Traceback" not in dead.stderr

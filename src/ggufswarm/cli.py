@@ -231,9 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Index MODEL.gguf (or a split set), write its manifest (tensor index, layer byte "
                                    "ranges) and a hybrid v1+v2 torrent (SHA-256 verified pieces), register both with "
                                    "the tracker under NAME and seed until stopped (Ctrl-C).")
-    u.add_argument("model", nargs="?", default=None, help="GGUF file; default: embedded Gemma 3 270M")
+    u.add_argument("model", nargs="?", default=None, help="GGUF file, or smollm2 (SmolLM2-135M-Instruct, installed "
+                                                          "by the set-up); default: embedded Gemma 3 270M")
     u.add_argument("--name", default=None, help="published name (default: the file name without .gguf; for the "
-                                                "embedded model gemma-3-270m-q4_k_m)")
+                                                "embedded model gemma-3-270m-q4_k_m; for smollm2, smollm2)")
     u.add_argument("--tracker", required=True, metavar="URL", help="tracker URL, e.g. http://127.0.0.1:8470")
     u.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR", help="where the manifest and torrent are written")
     u.add_argument("--web-seed", action="append", default=[], metavar="URL", help="HTTP URL serving the file (repeatable)")
@@ -330,6 +331,9 @@ def cmd_node(args) -> int:
     from .node import NodeConfig, run_node
     if args.snapshot_every < 0:
         raise ValueError(f"--snapshot-every must be >= 0, got {args.snapshot_every}")
+    if args.layers == "auto" and not args.tracker:
+        raise ValueError("--layers auto picks the range the swarm covers least: it needs --tracker (or give "
+                         "START:END)")
     if args.fetch_timeout <= 0 or args.fetch_stall <= 0:
         raise ValueError(f"--fetch-timeout and --fetch-stall must be > 0 seconds, got {args.fetch_timeout:g} "
                          f"and {args.fetch_stall:g}")
@@ -387,7 +391,9 @@ def cmd_publish(args) -> int:
     from .artifact.default_model import resolve_model
     from .swarm.publish import publish, seed_forever
     path = resolve_model(args.model)
-    published = publish(path, args.tracker, args.name, Path(args.data_dir), args.web_seed, args.piece_size)
+    name = args.name or (args.model if args.model and args.model != str(path) and "/" not in args.model
+                         and not args.model.endswith(".gguf") else None)  # an alias (smollm2) names the model
+    published = publish(path, args.tracker, name, Path(args.data_dir), args.web_seed, args.piece_size)
     m = published.manifest
     print(f"published {m.name}: {m.arch}, {m.n_layers} layers, {sum(f['bytes'] for f in m.files)} bytes, "
           f"info-hash {published.info_hash}", flush=True)

@@ -920,6 +920,17 @@ async def models(request: web.Request) -> web.Response:
         {"id": n, "object": "model", "created": gw.created, "owned_by": "ggufswarm"} for n in names]})
 
 
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}`` (OpenAI's retrieve): the model object when ``/v1/models`` lists it, else 404
+    ``model_not_found``."""
+    listed = json.loads((await models(request)).body)["data"]
+    found = next((m for m in listed if m["id"] == request.match_info["model"]), None)
+    if found is None:
+        return _error_response(RequestError(f"model {request.match_info['model']!r} is not served here (GET "
+                                            f"/v1/models lists what is)", 404, "model_not_found", "model"))
+    return web.json_response(found)
+
+
 async def health(request: web.Request) -> web.Response:
     """``GET /health``: the configured route."""
     gw: Gateway = request.app[GATEWAY]
@@ -957,6 +968,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
 
     async def lifecycle(app):
@@ -1048,6 +1060,9 @@ def run_gateway(config: GatewayConfig) -> int:
               file=sys.stderr, flush=True)
     if config.route and not config.tracker:
         check_route(config)
+    if config.tracker:  # start order does not matter: wait for the tracker (and the model, when one is named)
+        from ..node.server import wait_for_model
+        wait_for_model(config.tracker, config.model, who="gateway")
     app = make_app(config)
 
     def ready(url: str) -> None:

@@ -780,10 +780,11 @@ async def serve(app: web.Application, host: str, port: int, ready=None) -> None:
         await runner.cleanup()
 
 
-def wait_for_model(tracker: str, name: str, every_s: float = 2.0, parent: int | None = None) -> None:
-    """Block until ``tracker`` answers and has ``name`` published, saying once (one line) what it waits for:
-    start order does not matter. Raises TrackerError for any other refusal (a wrong token, say), SystemExit
-    when ``parent`` (a pid) is gone (``--exit-with-parent``)."""
+def wait_for_model(tracker: str, name: str | None, every_s: float = 2.0, parent: int | None = None,
+                   who: str = "node") -> None:
+    """Block until ``tracker`` answers and has ``name`` published (None: until it answers), saying once (one
+    line, as ``ggufswarm {who}``) what it waits for: start order does not matter. Raises TrackerError for any
+    other refusal (a wrong token, say), SystemExit when ``parent`` (a pid) is gone (``--exit-with-parent``)."""
     from ..swarm.publish import TrackerError, tracker_call
 
     said = None
@@ -791,9 +792,10 @@ def wait_for_model(tracker: str, name: str, every_s: float = 2.0, parent: int | 
         if parent is not None and os.getppid() != parent:
             raise SystemExit(1)
         try:
-            tracker_call(f"{tracker.rstrip('/')}/manifests/{name}", timeout=10)
+            tracker_call(f"{tracker.rstrip('/')}/" + (f"manifests/{name}" if name else "models"), timeout=10)
             if said:
-                print(f"ggufswarm node: {name} is published; fetching", file=sys.stderr, flush=True)
+                print(f"ggufswarm {who}: {'the tracker answers' if name is None else name + ' is published'}; "
+                      f"going on", file=sys.stderr, flush=True)
             return
         except TrackerError as exc:
             if exc.status not in (None, 404):
@@ -801,7 +803,7 @@ def wait_for_model(tracker: str, name: str, every_s: float = 2.0, parent: int | 
             why = (f"waiting for the tracker {tracker} to answer" if exc.status is None else
                    f"waiting for model {name!r} to be published on {tracker} (ggufswarm publish --name {name})")
             if why != said:
-                print(f"ggufswarm node: {why}; retrying every {every_s:g} s (Ctrl-C stops)", file=sys.stderr,
+                print(f"ggufswarm {who}: {why}; retrying every {every_s:g} s (Ctrl-C stops)", file=sys.stderr,
                       flush=True)
                 said = why
         time.sleep(every_s)
@@ -814,6 +816,13 @@ def run_node(config: NodeConfig) -> int:
     ``"auto"``), seeds them while serving, and advertises to the tracker until shut down.
     """
     fetched = None
+    if config.port:  # a port in use fails now, not after the shard's download
+        import socket
+        with socket.socket() as probe:
+            try:
+                probe.bind((config.host, config.port))
+            except OSError as exc:
+                raise OSError(f"cannot listen on {config.host}:{config.port}: {exc.strerror}") from None
     if config.tracker:
         from ..swarm.shard_fetch import fetch_shard
         name = config.model or "gemma-3-270m-q4_k_m"
@@ -828,6 +837,12 @@ def run_node(config: NodeConfig) -> int:
     app = make_app(config)
     state: NodeState = app[NODE]
     spec = state.spec
+    if spec.end == state.cfg.n_layers and not spec.head:
+        print(f"ggufswarm node: WARNING: layers {spec.start}:{spec.end} end at the model's last layer without --head: "
+              f"no route can end here (add --head)", file=sys.stderr, flush=True)
+    if spec.start == 0 and not spec.embed:
+        print(f"ggufswarm node: WARNING: layers {spec.start}:{spec.end} start at layer 0 without --embed: no route "
+              f"can start here (add --embed)", file=sys.stderr, flush=True)
 
     def ready(url: str) -> None:
         state.url = url

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..swarm.publish import tracker_call
 from .app import TrackerConfig, coverage_bar, make_app
-from .routing import gaps
+from .routing import Advertisement, NoRoute, gaps, plan_route
 
 
 def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
@@ -47,6 +47,16 @@ def status_text(tracker: str) -> str:
             lines.append(f"  {coverage_bar(n, (s, e))}  {s:>3}:{e:<3} {node['state']:<8} "
                          f"kv free {node['free_kv_tokens']:>7}  {node['decode_ms']:6.1f} ms  {node['url']} {stages}".rstrip())
         missing = gaps(covered, n)
-        lines.append("  servable end to end" if not missing else
-                     "  not servable: layers " + ", ".join(f"{a}:{b}" for a, b in missing) + " have no ready node")
+        if missing:
+            lines.append("  not servable: layers " + ", ".join(f"{a}:{b}" for a, b in missing) + " have no ready node")
+            continue
+        try:  # covered is not enough: the ranges must chain from an embedding stage to a head (the tracker's plan)
+            plan_route([Advertisement(a["node_id"], a["url"], a["model"], tuple(a["layers"]), a["embed"], a["head"],
+                                      a["state"], 1 << 62, a["decode_ms"]) for a in m["nodes"]], n, 1)
+            lines.append("  servable end to end")
+        except NoRoute as exc:
+            lines.append(f"  not servable: {exc}" + ("" if any(a["head"] for a in m["nodes"]) else
+                                                      f" (no node has --head: the one serving layer {n - 1} needs it)")
+                         + ("" if any(a["embed"] for a in m["nodes"]) else
+                            " (no node has --embed: the one serving layer 0 needs it)"))
     return "\n".join(lines) if lines else "no models published"
