@@ -38,7 +38,9 @@ test-deps:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
 # The tests run in a random order (pytest-randomly), a new one each run; SEED=N repeats the order of a run.
-SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+ifeq ($(origin SEED), undefined)
+SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
 test: setup test-deps
 	@echo "test order: pytest-randomly seed $(SEED) (repeat it with make test SEED=$(SEED))"
 	$(BIN)/python -m pytest -q -p randomly --randomly-seed=$(SEED)
