@@ -1,0 +1,206 @@
+"""Paths that had no test: the KV budget in MiB, wire dtypes end to end, a non-head node re-pushing a recorded
+step after its next hop failed."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from aiohttp import web
+
+from apphost import AppThread
+from route_fixtures import http
+from tinymodels import write_tiny_model
+
+from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.node.server import NodeConfig
+from ggufswarm.node.server import make_app as make_node_app
+from ggufswarm.protocol import decode_frame, encode_tokens
+from ggufswarm.protocol.frame import HEADER_SIZE, ITEMSIZE
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = [5 + (i * 7) % 300 for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return str(write_tiny_model(tiny_dir / "paths-llama.gguf", "llama", n_layers=2))
+
+
+@pytest.fixture(scope="module")
+def route(model, tiny_dir):
+    """[0,1) + embedding, [1,2) + head, and the whole model on one node (the reference)."""
+    with AppThread(lambda: make_node_app(NodeConfig(layers="0:1", embed=True, model=model,
+                                                    data_dir=str(tiny_dir / "p0")))) as first, \
+            AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=model,
+                                                       data_dir=str(tiny_dir / "p1")))) as head, \
+            AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=model,
+                                                       data_dir=str(tiny_dir / "p2")))) as whole:
+        yield {"first": first, "head": head, "whole": whole}
+
+
+def health(url: str) -> dict:
+    status, body = http("GET", url + "/health")
+    assert status == 200
+    return body
+
+
+# -- --kv-budget-mb -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
+def test_kv_budget_mb_caps_the_budget_in_tokens(model, tiny_dir, backend):
+    """``--kv-budget-mb``: the budget in tokens is the MiB cap over the shard's kv_bytes_per_token (from /health);
+    a session beyond it is refused (kv_budget_too_small), and with the budget taken another is refused
+    (kv_budget_full)."""
+    mb = 0.25
+    with AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=model,
+                                                    backend=backend, kv_budget_mb=mb,
+                                                    data_dir=str(tiny_dir / f"kvmb-{backend}")))) as url:
+        h = health(url)
+        budget = int(mb * 2 ** 20) // h["kv_bytes_per_token"]
+        assert 0 < budget < NodeConfig.kv_budget_tokens
+        assert h["kv_budget_tokens"] == budget
+        status, body = http("POST", url + "/v1/sessions", {"max_length": budget + 1})
+        assert status == 503 and body["error"]["code"] == "kv_budget_too_small"
+        if backend == "torch":  # llama.cpp also caps one session at its context's cells per sequence
+            status, body = http("POST", url + "/v1/sessions", {"max_length": budget})
+            assert status == 201 and body["kv_budget_tokens"] == budget
+            sid = body["session_id"]
+            status, body = http("POST", url + "/v1/sessions", {"max_length": 1})
+            assert status == 429 and body["error"]["code"] == "kv_budget_full"
+            assert http("DELETE", f"{url}/v1/sessions/{sid}")[0] == 200
+
+
+# -- wire dtypes end to end -------------------------------------------------------------------------------------
+
+def run_route(urls: list[str], wire_dtype: str, n: int = 5):
+    """Greedy tokens of ``n`` steps over ``urls`` with ``wire_dtype`` frames, and the session's telemetry."""
+    session = RemoteRoute(urls).open(64, GREEDY, wire_dtype=wire_dtype, top_logprobs=5)
+    try:
+        out, logprobs = [session.step(PROMPT)], [session.last_logprobs]
+        for _ in range(n - 1):
+            out.append(session.step([out[-1]]))
+            logprobs.append(session.last_logprobs)
+        return out, logprobs, session.telemetry
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("wire_dtype", ["f32", "bf16"])
+def test_wire_dtypes_end_to_end(route, wire_dtype):
+    """f32 frames give exactly the whole model on one node; bf16 frames run, and the head received frames of
+    that width on every decode step (header + n_embd values of 2 bytes + the int32 token id trailer)."""
+    want, want_lp, _ = run_route([route["whole"]], "f32")
+    got, got_lp, telemetry = run_route([route["first"], route["head"]], wire_dtype)
+    n_embd = health(route["head"])["n_embd"]
+    decode = [s for s in telemetry.steps if s.n_tokens == 1]
+    assert len(decode) == len(got) - 1
+    for s in decode:
+        assert s.bytes_in[1] == HEADER_SIZE + n_embd * ITEMSIZE[wire_dtype] + 4
+    prefill = telemetry.steps[0]
+    assert prefill.bytes_in[1] == HEADER_SIZE + len(PROMPT) * (n_embd * ITEMSIZE[wire_dtype] + 4)
+    if wire_dtype == "f32":
+        assert got == want and got_lp == want_lp
+    else:  # bf16 frames: not what f16 or f32 frames give (the head decoded bf16 values)
+        assert len(got) == len(want) and all(0 <= t < health(route["head"])["n_vocab"] for t in got)
+        f16_lp = run_route([route["first"], route["head"]], "f16")[1]
+        assert got_lp != want_lp and got_lp != f16_lp
+
+
+# -- a non-head node re-pushing a recorded step -----------------------------------------------------------------
+
+def test_non_head_node_re_pushes_a_recorded_step_after_its_next_hop_failed(route):
+    """A step the first node applied but whose next hop failed is recorded without a reply: the retry (same step
+    number) is pushed downstream again with the same frame, and never applied twice."""
+    frames: list[bytes] = []
+
+    async def step(request):
+        frames.append(await request.read())
+        if len(frames) == 1:
+            return web.json_response({"error": {"code": "internal", "message": "down"}}, status=500)
+        frame = decode_frame(frames[-1])
+        return web.json_response({"token": 7 + frame.n_tokens,
+                                  "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}]})
+
+    def fake_head():
+        app = web.Application()
+        app.router.add_post("/v1/step", step)
+        return app
+
+    first = route["first"]
+    with AppThread(fake_head) as fake:
+        sid = uuid.uuid4()
+        status, _ = http("POST", first + "/v1/sessions", {"session_id": str(sid), "max_length": 64, "next_hop": fake})
+        assert status == 201
+        try:
+            before = health(first)
+            frame = encode_tokens(sid, 1, 0, PROMPT)
+            status, body = http("POST", first + "/v1/step", frame)
+            assert status >= 500 and len(frames) == 1
+            after_fail = health(first)
+            assert after_fail["prefill_steps"] == before["prefill_steps"] + 1
+            status, body = http("POST", first + "/v1/step", frame)  # the retry: same step number and frame
+            assert status == 200 and body["token"] == 7 + len(PROMPT) and len(body["hops"]) == 2
+            assert len(frames) == 2 and frames[1] == frames[0]
+            after = health(first)
+            assert after["prefill_steps"] == after_fail["prefill_steps"]  # not applied again
+            assert after["replays"] == after_fail["replays"] + 1
+            # a third send of the same step is answered from the record: nothing goes downstream
+            status, again = http("POST", first + "/v1/step", frame)
+            assert status == 200 and again == body and len(frames) == 2
+            # and the session goes on at the right position
+            status, body = http("POST", first + "/v1/step", encode_tokens(sid, 2, len(PROMPT), [3]))
+            assert status == 200 and body["token"] == 8 and len(frames) == 3
+        finally:
+            http("DELETE", f"{first}/v1/sessions/{sid}")
+
+
+# -- gateway: max_completion_tokens, chat content parts -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gateway(route, model):
+    from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
+    server = ServerThread(make_app(GatewayConfig([route["whole"]], model=model)))
+    yield server.start()
+    server.stop()
+
+
+def test_max_completion_tokens_limits_the_completion(gateway):
+    """OpenAI's newer name for max_tokens limits the completion as max_tokens does, and wins over max_tokens."""
+    base = {"messages": [{"role": "user", "content": "the a of"}], "temperature": 0, "ignore_eos": True}
+    status, by_old = http("POST", gateway + "/v1/chat/completions", {**base, "max_tokens": 3})
+    assert status == 200 and by_old["usage"]["completion_tokens"] == 3
+    status, by_new = http("POST", gateway + "/v1/chat/completions", {**base, "max_completion_tokens": 3})
+    assert status == 200 and by_new["usage"]["completion_tokens"] == 3
+    assert by_new["choices"][0]["message"]["content"] == by_old["choices"][0]["message"]["content"]
+    assert by_new["choices"][0]["finish_reason"] == "length"
+    status, both = http("POST", gateway + "/v1/chat/completions",
+                        {**base, "max_completion_tokens": 2, "max_tokens": 5})
+    assert status == 200 and both["usage"]["completion_tokens"] == 2
+    status, body = http("POST", gateway + "/v1/completions",
+                        {"prompt": "the a of", "temperature": 0, "ignore_eos": True, "max_completion_tokens": 4})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+
+
+def test_chat_content_parts_are_the_plain_string(gateway):
+    """Text content parts give the same prompt (tokens and completion) as the string they join to; a non-text
+    part is a 400 naming messages."""
+    base = {"temperature": 0, "max_tokens": 3, "ignore_eos": True}
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat of the a"}]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+             {"role": "user", "content": [{"type": "text", "text": "the cat"}, {"type": "text", "text": " of the a"}]}]
+    status, want = http("POST", gateway + "/v1/chat/completions", {**base, "messages": plain})
+    assert status == 200
+    status, got = http("POST", gateway + "/v1/chat/completions", {**base, "messages": parts})
+    assert status == 200
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    status, shorter = http("POST", gateway + "/v1/chat/completions",
+                           {**base, "messages": [plain[0], {"role": "user", "content": [{"type": "text",
+                                                                                       "text": "the cat"}]}]})
+    assert status == 200 and shorter["usage"]["prompt_tokens"] < want["usage"]["prompt_tokens"]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    status, body = http("POST", gateway + "/v1/chat/completions",
+                        {**base, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]})
+    assert status == 400 and body["error"]["param"] == "messages"
