@@ -321,3 +321,51 @@ def test_cache_under_a_bounded_fuzzer(tmp_path):
     with AppThread(make) as url:
         seen = fuzz_server(url, router_routes(make()), "/health", 300)
     assert any(code == "not_found" for _, code in seen) and any(code == "method_not_allowed" for _, code in seen)
+
+
+# -- --exit-with-parent ---------------------------------------------------------------------------------------
+
+PARENT = """
+import subprocess, sys, time
+log = open(sys.argv[1], "w")
+child = subprocess.Popen(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_exit_with_parent(model, tmp_path, ggufswarm_cli):
+    """A node started with --exit-with-parent by a parent that is then SIGKILLed exits by itself, within a bound."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    log = tmp_path / "node.log"
+    cmd = [*ggufswarm_cli, "node", "--layers", "0:2", "--embed", "--head", "--model", model, "--port", "0",
+           "--backend", "torch", "--data-dir", str(tmp_path / "d"), "--exit-with-parent"]
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(log), *cmd], stdout=subprocess.PIPE, text=True)
+    try:
+        node = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"ready: (http://\S+)", log.read_text())):
+            assert node.is_running() and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert http("GET", m.group(1) + "/health")[0] == 200
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 15  # the node checks its parent every 0.5 s, then shuts down
+        while node.is_running() and node.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the node outlived its parent"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait(10)
+        try:
+            node.kill()
+        except (psutil.NoSuchProcess, NameError):
+            pass
