@@ -369,3 +369,102 @@ def test_exit_with_parent(model, tmp_path, ggufswarm_cli):
             node.kill()
         except (psutil.NoSuchProcess, NameError):
             pass
+
+
+# -- snapshots: dropped when truncated meanwhile, a corrupt one is a miss -----------------------------------------
+
+def poll(fn, deadline_s: float = 20.0):
+    """Call ``fn`` until it returns something true, against a deadline; that value (or the last, false)."""
+    import time
+    end = time.monotonic() + deadline_s
+    while not (got := fn()) and time.monotonic() < end:
+        time.sleep(0.02)
+    return got
+
+
+def open_greedy(url: str, max_length: int = 128) -> uuid.UUID:
+    sid = uuid.uuid4()
+    status, body = http("POST", url + "/v1/sessions", {"session_id": str(sid), "max_length": max_length,
+                                                       "sampling": {"temperature": 0}, "top_logprobs": 5})
+    assert status == 201, body
+    return sid
+
+
+def test_snapshot_of_a_session_truncated_meanwhile_is_dropped(model, tmp_path):
+    """A snapshot whose session is truncated while it is being taken is dropped (counter ``dropped``), not stored."""
+    import threading
+
+    from ggufswarm.cache.app import CacheConfig, make_app as make_cache_app
+    from ggufswarm.node.server import NODE
+
+    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path / "c"), max_bytes=10 ** 8))) as cache:
+        app = make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=model, cache=cache,
+                                       snapshot_every=0, backend="torch"))
+        link = app[NODE].snapshots
+        with AppThread(lambda: app) as node:
+            release = threading.Event()
+            link._pool.submit(release.wait, 30)  # the snapshot thread (one worker) is busy: the encode waits
+            try:
+                sid = open_greedy(node)
+                assert http("POST", node + "/v1/step", encode_tokens(sid, 1, 0, PROMPT * 2))[0] == 200
+                assert poll(lambda: sid in link._inflight)  # the snapshot of the prefill was taken, not yet encoded
+                status, body = http("POST", f"{node}/v1/sessions/{sid}/truncate", {"length": 16})
+                assert status == 200 and body["length"] == 16
+            finally:
+                release.set()
+            poll(lambda: health(node)["snapshots"]["dropped"] or health(node)["snapshots"]["written"])
+            counters = health(node)["snapshots"]
+            assert counters["dropped"] == 1 and counters["written"] == 0 and counters["failed"] == 0
+            assert http("GET", cache + "/health")[1]["snapshots"] == 0
+            # without a truncate the same snapshot is stored
+            other = open_greedy(node)
+            assert http("POST", node + "/v1/step", encode_tokens(other, 1, 0, PROMPT * 2))[0] == 200
+            assert poll(lambda: health(node)["snapshots"]["written"] == 1)
+            assert health(node)["snapshots"]["dropped"] == 1
+
+
+def test_corrupt_snapshot_is_a_miss_and_the_node_computes(model, tmp_path):
+    """A stored snapshot whose bytes fail their SHA-256 check on restore: the cache answers 410 snapshot_corrupt
+    (and counts it), the node restores nothing and computes, answering as a session that never tried a restore."""
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.cache.app import CacheConfig, make_app as make_cache_app
+
+    prompt = PROMPT * 2  # 40 tokens: more than two 16-token blocks
+    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path / "c"), max_bytes=10 ** 8))) as cache, \
+            AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=model, cache=cache,
+                                                       snapshot_every=0, backend="torch"))) as node:
+        a = open_greedy(node)
+        status, first = http("POST", node + "/v1/step", encode_tokens(a, 1, 0, prompt))
+        assert status == 200
+        assert poll(lambda: health(node)["snapshots"]["written"] == 1)
+        found = http("POST", cache + "/v1/lookup", {"model": GGUFModelFile(model).fingerprint, "layers": [0, 2],
+                                                    "dtype": "float32", "tokens": prompt})[1]
+        assert found["key"] and found["length"] == 32
+        # untouched, the snapshot restores
+        b = open_greedy(node)
+        status, restored = http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": prompt})
+        assert status == 200 and restored["length"] == len(prompt), restored
+        http("DELETE", f"{node}/v1/sessions/{b}")
+        # flip one byte of the stored blob
+        path = tmp_path / "c" / found["key"][:2] / f"{found['key']}.kv"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        c = open_greedy(node)
+        status, miss = http("POST", f"{node}/v1/sessions/{c}/restore", {"tokens": prompt})
+        assert status == 200 and miss["length"] == 0 and "410" in miss["reason"], miss
+        cache_health = http("GET", cache + "/health")[1]
+        assert cache_health["corrupt"] == 1 and cache_health["snapshots"] == 0  # deleted
+        status, got = http("POST", node + "/v1/step", encode_tokens(c, 1, 0, prompt))
+        assert status == 200 and got["token"] == first["token"] and got["logprobs"] == first["logprobs"]
+        # the cache's own answer for such a blob
+        d = open_greedy(node)
+        assert http("POST", node + "/v1/step", encode_tokens(d, 1, 0, [9] * 40))[0] == 200
+        assert poll(lambda: health(node)["snapshots"]["written"] >= 2)
+        key = http("POST", cache + "/v1/lookup", {"model": GGUFModelFile(model).fingerprint, "layers": [0, 2],
+                                                  "dtype": "float32", "tokens": [9] * 40})[1]["key"]
+        path = tmp_path / "c" / key[:2] / f"{key}.kv"
+        data = path.read_bytes()
+        path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+        status, body = http("GET", f"{cache}/v1/snapshots/{key}")
+        assert status == 410 and body["error"]["code"] == "snapshot_corrupt"
