@@ -102,6 +102,8 @@ class Manifest:
     def from_json(cls, text: str) -> "Manifest":
         """Parse JSON text; ValueError when it is not a manifest of a known version."""
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"a manifest is a JSON object, got {type(data).__name__}")
         if data.get("version") != MANIFEST_VERSION:
             raise ValueError(f"unsupported manifest version {data.get('version')!r}")
         data["tensors"] = [ManifestTensor(**t) for t in data["tensors"]]

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from ..artifact.manifest import Manifest
 from ..protocol.auth import TOKEN_HEADER, swarm_token, token_middleware
+from ..protocol.errors import body_error, json_errors_middleware
 from .registry import Registry
 from .routing import Advertisement, NoRoute, plan_route
 
@@ -53,6 +54,12 @@ async def _json_body(request: web.Request) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise web.HTTPBadRequest(text=json.dumps({"error": {"code": "bad_json", "message": "body is not JSON"}}),
                                  content_type="application/json") from None
+    except Exception as exc:  # too deep, an unknown charset, an undecodable Content-Encoding, too large
+        err = body_error(exc)
+        if err is None:
+            raise
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"code": "bad_json", "message": err.message}}),
+                                 content_type="application/json") from None
     if not isinstance(body, dict):
         raise web.HTTPBadRequest(text=json.dumps({"error": {"code": "bad_json", "message": "body must be an object"}}),
                                  content_type="application/json")
@@ -61,7 +68,8 @@ async def _json_body(request: web.Request) -> dict:
 
 def make_app(config: TrackerConfig) -> web.Application:
     """The tracker as an aiohttp app (tests drive it in process; ``ggufswarm tracker`` serves it)."""
-    app = web.Application(client_max_size=64 << 20, middlewares=[token_middleware(config.token)])
+    app = web.Application(client_max_size=64 << 20,
+                          middlewares=[token_middleware(config.token), json_errors_middleware()])
     registry = Registry(config.db, config.ttl_s)
     routed: Counter[str] = Counter()  # sessions handed each node (load spreading)
     probe_headers = {TOKEN_HEADER: config.token} if config.token else {}  # nodes of this swarm share its token
