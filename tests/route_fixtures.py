@@ -134,3 +134,32 @@ def health(url: str) -> dict:
     status, body = http("GET", url + "/health")
     assert status == 200 and body["status"] == "ok"
     return body
+
+
+@contextlib.contextmanager
+def tiny_split_route(model: str, data_dir):
+    """In-process nodes over a 2-layer GGUF ``model``: ``first`` ([0,1) + embedding), ``head`` ([1,2) + head) and
+    ``whole`` (the model on one node, the reference); a dict of their URLs (and ``model``) while open."""
+    from apphost import AppThread
+
+    from ggufswarm.node.server import NodeConfig
+    from ggufswarm.node.server import make_app as make_node_app
+
+    def node(layers: str, name: str, **stages):
+        return AppThread(lambda: make_node_app(NodeConfig(layers=layers, model=model, data_dir=str(data_dir / name),
+                                                          **stages)))
+
+    with node("0:1", "first", embed=True) as first, node("1:2", "head", head=True) as head, \
+            node("0:2", "whole", embed=True, head=True) as whole:
+        yield {"first": first, "head": head, "whole": whole, "model": model}
+
+
+def open_greedy(url: str, max_length: int = 128) -> "uuid.UUID":
+    """Open a greedy session (top 5 logprobs) straight on node ``url``; its id."""
+    import uuid
+
+    sid = uuid.uuid4()
+    status, body = http("POST", url + "/v1/sessions", {"session_id": str(sid), "max_length": max_length,
+                                                       "sampling": {"temperature": 0}, "top_logprobs": 5})
+    assert status == 201, body
+    return sid

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from apphost import AppThread
-from route_fixtures import http
+from route_fixtures import http, open_greedy
 from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
@@ -150,14 +150,6 @@ def step(url, sid, step_no, start, ids, sample=True):
     return http("POST", url + "/v1/step", encode_tokens(sid, step_no, start, ids, sample))
 
 
-def open_session(url, max_length=128):
-    sid = uuid.uuid4()
-    status, body = http("POST", url + "/v1/sessions", {"session_id": str(sid), "max_length": max_length,
-                                                       "sampling": {"temperature": 0}, "top_logprobs": 5})
-    assert status == 201, body
-    return sid
-
-
 def test_node_snapshots_and_restores(tiny_dir, tmp_path):
     """torch backend: a node with --cache snapshots after prefill and every N tokens; a new session restores
     the longest cached prefix and continues exactly as one that computed it."""
@@ -166,7 +158,7 @@ def test_node_snapshots_and_restores(tiny_dir, tmp_path):
             AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
                                                        cache=cache, snapshot_every=8, backend="torch"))) as node:
         prompt = [5 + (i * 7) % 300 for i in range(40)]
-        a = open_session(node)
+        a = open_greedy(node)
         status, first = step(node, a, 1, 0, prompt)
         assert status == 200
         tokens = prompt + [first["token"]]
@@ -190,11 +182,11 @@ def test_node_snapshots_and_restores(tiny_dir, tmp_path):
 
         # a new session whose prompt shares 45 tokens: the index finds 32 (whole blocks), the snapshot holds
         # them all; restore all but the last (it is computed and sampled)
-        b = open_session(node)
+        b = open_greedy(node)
         status, restored = http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens[:44], "step": 0})
         assert status == 200 and restored["length"] == 44, restored
         status, got = step(node, b, 1, 44, tokens[44:45])
-        c = open_session(node)
+        c = open_greedy(node)
         status, want = step(node, c, 1, 0, tokens[:45])
         assert got["token"] == want["token"]
         for (ta, la), (tb, lb) in zip(got["logprobs"], want["logprobs"]):
@@ -202,7 +194,7 @@ def test_node_snapshots_and_restores(tiny_dir, tmp_path):
         # restoring into a session that holds tokens is refused; bad ids are refused; the node keeps serving
         assert http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens})[1]["error"]["code"] == \
             "session_not_empty"
-        d = open_session(node)
+        d = open_greedy(node)
         assert http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": [10 ** 6] * 20})[0] == 400
         assert http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": "x"})[0] == 400
         # a miss restores nothing
@@ -222,7 +214,7 @@ def test_llama_cpp_node_restores_any_session_at_step_boundaries(tiny_dir, tmp_pa
             as node:
         assert http("GET", node + "/health")[1]["backend"] == "llama.cpp"
         prompt = [5 + (i * 7) % 300 for i in range(40)]
-        a = open_session(node)
+        a = open_greedy(node)
         status, first = step(node, a, 1, 0, prompt)
         tokens, replies = prompt + [first["token"]], [first]
         for i in range(10):  # steps end at 40, 41, ..., 50; snapshots after the prefill (40) and at 48
@@ -235,7 +227,7 @@ def test_llama_cpp_node_restores_any_session_at_step_boundaries(tiny_dir, tmp_pa
         assert http("GET", node + "/health")[1]["snapshots"]["written"] >= 2
         # another session sharing 45 tokens restores all of them (45 is where a decode step ended) and continues
         # exactly as session a did from there
-        b = open_session(node)
+        b = open_greedy(node)
         status, restored = http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens[:45], "step": 0})
         assert status == 200 and restored["length"] == 45 and restored["boundaries"] == list(range(40, 46))
         status, again = step(node, b, 1, 45, [tokens[45]])
@@ -253,17 +245,17 @@ def test_llama_cpp_node_restores_any_session_at_step_boundaries(tiny_dir, tmp_pa
         status, refused = http("POST", cache + "/v1/snapshots", poisoned)
         assert status == 409 and refused["error"]["code"] == "snapshot_exists" and "intruder" in \
             refused["error"]["message"]
-        e = open_session(node)
+        e = open_greedy(node)
         assert http("POST", f"{node}/v1/sessions/{e}/restore", {"tokens": tokens[:45]})[1]["length"] == 45
         assert step(node, e, 1, 45, [tokens[45]])[1]["logprobs"] == replies[6]["logprobs"]
         http("DELETE", f"{node}/v1/sessions/{e}")
         # a prompt sharing only 38 tokens: no step of the snapshot ends inside them (the prefill ran to 40)
-        c = open_session(node)
+        c = open_greedy(node)
         status, none = http("POST", f"{node}/v1/sessions/{c}/restore", {"tokens": prompt[:38] + [1, 2, 3]})
         assert status == 200 and none["length"] == 0 and "step" in none["reason"]
         # a repair names its own steps: restored only as far as they agree with the snapshot's
         for own, want in (([40, 41, 42, 43, 44, 45, 46, 47], 47), ([40, 41, 43, 47], 41), ([20, 47], 0)):
-            d = open_session(node)
+            d = open_greedy(node)
             status, got = http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": tokens[:47], "boundaries": own})
             assert status == 200 and got["length"] == want, (own, got)
             http("DELETE", f"{node}/v1/sessions/{d}")
@@ -276,7 +268,7 @@ def test_restore_without_a_reachable_cache_recomputes(tiny_dir):
     model = write_tiny_model(tiny_dir / "cache-llama.gguf", "llama", n_layers=2)
     with AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
                                                     cache="http://127.0.0.1:9"))) as node:
-        sid = open_session(node)
+        sid = open_greedy(node)
         status, body = http("POST", f"{node}/v1/sessions/{sid}/restore", {"tokens": list(range(40))})
         assert status == 200 and body["length"] == 0 and "cache failed" in body["reason"]
         assert step(node, sid, 1, 0, list(range(40)))[0] == 200

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from apphost import AppThread
-from route_fixtures import http
+from route_fixtures import http, tiny_split_route
 from tinymodels import write_tiny_model
 
 from ggufswarm.client.remote import RemoteRoute, StepLink
@@ -33,13 +33,8 @@ PROMPT = [5 + (i * 11) % 300 for i in range(24)]
 def tiny_route(tiny_dir):
     """A tiny llama split over two in-process nodes ([0,1) + embedding, [1,2) + head), and the whole model."""
     model = str(write_tiny_model(tiny_dir / "link-llama.gguf", "llama", n_layers=2))
-    with AppThread(lambda: make_node_app(NodeConfig(layers="0:1", embed=True, model=model,
-                                                    data_dir=str(tiny_dir / "n0")))) as first, \
-            AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=model,
-                                                       data_dir=str(tiny_dir / "n1")))) as head, \
-            AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=model,
-                                                       data_dir=str(tiny_dir / "n2")))) as whole:
-        yield {"first": first, "head": head, "whole": whole, "model": model}
+    with tiny_split_route(model, tiny_dir / "link") as route:
+        yield route
 
 
 def greedy(urls: list[str], n: int = 6) -> list[int]:

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from apphost import AppThread
-from route_fixtures import http
+from route_fixtures import http, open_greedy, tiny_split_route
 from tinymodels import write_tiny_model
 
 from ggufswarm.client.remote import RemoteRoute
@@ -33,13 +33,8 @@ def model(tiny_dir):
 @pytest.fixture(scope="module")
 def route(model, tiny_dir):
     """[0,1) + embedding, [1,2) + head, and the whole model on one node (the reference)."""
-    with AppThread(lambda: make_node_app(NodeConfig(layers="0:1", embed=True, model=model,
-                                                    data_dir=str(tiny_dir / "p0")))) as first, \
-            AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=model,
-                                                       data_dir=str(tiny_dir / "p1")))) as head, \
-            AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=model,
-                                                       data_dir=str(tiny_dir / "p2")))) as whole:
-        yield {"first": first, "head": head, "whole": whole}
+    with tiny_split_route(model, tiny_dir / "paths") as nodes:
+        yield nodes
 
 
 def health(url: str) -> dict:
@@ -398,14 +393,6 @@ def poll(fn, deadline_s: float = 20.0):
     while not (got := fn()) and time.monotonic() < end:
         time.sleep(0.02)
     return got
-
-
-def open_greedy(url: str, max_length: int = 128) -> uuid.UUID:
-    sid = uuid.uuid4()
-    status, body = http("POST", url + "/v1/sessions", {"session_id": str(sid), "max_length": max_length,
-                                                       "sampling": {"temperature": 0}, "top_logprobs": 5})
-    assert status == 201, body
-    return sid
 
 
 def test_snapshot_of_a_session_truncated_meanwhile_is_dropped(model, tmp_path):

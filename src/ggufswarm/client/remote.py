@@ -56,11 +56,6 @@ class Hop:
     model_name: str | None = None
     cache: bool | None = None  # whether the node has a snapshot cache (None: it does not say)
 
-    def describe(self) -> dict:
-        """The fields a node advertises to the tracker (``extra.hop``) so that clients can build the route
-        without asking each node's /health (``Hop.from_advertisement``)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("url", "start", "end", "embed", "head")}
-
     @classmethod
     def from_advertisement(cls, ad: dict) -> "Hop | None":
         """The Hop a tracker advertisement describes (``url``, ``layers``, ``embed``, ``head`` and
@@ -117,7 +112,8 @@ class StepLink:
         self._ws: websocket.WebSocket | None = None
         self._conn: http.client.HTTPConnection | None = None
 
-    def _connect(self) -> websocket.WebSocket | None:
+    def _connect(self) -> None:
+        """Open the WebSocket (``_ws``), or note that the node has no links (``http_only``)."""
         parts = urlsplit(self.url)
         try:
             ws = websocket.create_connection(f"ws://{parts.netloc}/v1/link", timeout=self.timeout,
@@ -127,31 +123,31 @@ class StepLink:
         except websocket.WebSocketBadStatusException as exc:
             if exc.status_code in (404, 405):
                 self.http_only = True
-                return None
+                return
             raise RouteError(f"node {self.url} refused a link: HTTP {exc.status_code}", exc.status_code
                              if exc.status_code >= 400 else 502, "hop_failed", self.url) from None
         self._ws = ws
-        return ws
 
     def step(self, frame: bytes, timeout: float | None = None) -> tuple[int, bytes]:
         """Send one step frame; (HTTP status, JSON reply bytes). RouteError ``hop_timeout`` (504) when no reply
         comes within ``timeout`` s (default: the link's), ``hop_failed`` (502) when the connection fails; the
         link is closed then."""
         timeout = self.timeout if timeout is None else timeout
-        ws = self._ws or (None if self.http_only else self._connect_checked())
-        if ws is None:
-            if self._conn is None:
-                self._conn = _conn(self.url, timeout)
-            self._conn.timeout = timeout
-            if self._conn.sock is not None:
-                self._conn.sock.settimeout(timeout)
-            return _request(self._conn, self.url, "POST", "/v1/step", frame, "application/octet-stream")
-        key = frame[8:32]
         try:
-            ws.settimeout(timeout)
-            ws.send_binary(frame)
+            if self._ws is None and not self.http_only:
+                self._connect()
+            if self._ws is None:  # a node without links
+                if self._conn is None:
+                    self._conn = _conn(self.url, timeout)
+                self._conn.timeout = timeout
+                if self._conn.sock is not None:
+                    self._conn.sock.settimeout(timeout)
+                return _request(self._conn, self.url, "POST", "/v1/step", frame, "application/octet-stream")
+            key = frame[8:32]
+            self._ws.settimeout(timeout)
+            self._ws.send_binary(frame)
             while True:
-                opcode, data = ws.recv_data()
+                opcode, data = self._ws.recv_data()
                 if opcode == websocket.ABNF.OPCODE_BINARY and len(data) >= 26 and data[:24] == key:
                     return int.from_bytes(data[24:26], "little"), data[26:]
         except websocket.WebSocketTimeoutException:
@@ -161,16 +157,6 @@ class StepLink:
         except (OSError, websocket.WebSocketException) as exc:
             self.close()
             raise RouteError(f"node {self.url} failed: link {type(exc).__name__}: {exc}", 502, "hop_failed",
-                             self.url) from None
-
-    def _connect_checked(self) -> websocket.WebSocket | None:
-        try:
-            return self._connect()
-        except websocket.WebSocketTimeoutException:
-            raise RouteError(f"node {self.url} did not answer within {self.timeout:g} s", 504, "hop_timeout",
-                             self.url) from None
-        except (OSError, websocket.WebSocketException) as exc:
-            raise RouteError(f"node {self.url} failed: {type(exc).__name__}: {exc}", 502, "hop_failed",
                              self.url) from None
 
     def close(self) -> None:
@@ -469,8 +455,8 @@ class RemoteSession:
         if self.route.model is not None:
             body["model"] = self.route.model
         # A node whose session slots are all taken answers 429 kv_budget_full: wait for one (as llama-server
-        # queues requests beyond --parallel). Every session opens head first, so the ones holding this node's
-        # slots already hold the later nodes too and will finish: waiting cannot deadlock.
+        # queues requests beyond --parallel). A session that waits opens head first (_open_all), so the ones
+        # holding this node's slots already hold the later nodes too and will finish: waiting cannot deadlock.
         deadline, pause = time.monotonic() + self.OPEN_WAIT_S, 0.02
         while True:
             try:
