@@ -27,7 +27,7 @@ def main():
     from ggufswarm.runtime.shard import ShardSpec
     from ggufswarm.swarm.publish import publish
     from ggufswarm.swarm.torrent import Swarm
-    from ggufswarm.gateway.app import ServerThread
+    from ggufswarm.protocol.http import ServerThread
     from ggufswarm.tracker.app import TrackerConfig, make_app
 
     path = resolve_model(args.model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ggufswarm.gateway.app import ServerThread
+from ggufswarm.protocol.http import ServerThread
 
 
 @contextlib.contextmanager

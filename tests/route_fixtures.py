@@ -16,7 +16,8 @@ import torch
 
 from ggufswarm.client.generate import GenerationStats, generate
 from ggufswarm.client.sampling import SamplingParams
-from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
+from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import ShardSpec, even_split
 

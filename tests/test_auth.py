@@ -15,7 +15,7 @@ from tinymodels import write_tiny_model
 
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
-from ggufswarm.gateway.app import ServerThread
+from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.server import NodeConfig
 from ggufswarm.node.server import make_app as make_node_app
 from ggufswarm.protocol.auth import TOKEN_HEADER

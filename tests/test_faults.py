@@ -28,7 +28,8 @@ from ggufswarm.client.generate import generate
 from ggufswarm.client.remote import RemoteSession
 from ggufswarm.client.sampling import SamplingParams
 from ggufswarm.cache.app import make_app as make_cache_app
-from ggufswarm.gateway.app import GatewayConfig, ServerThread, make_app
+from ggufswarm.gateway.app import GatewayConfig, make_app
+from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import even_split
 from ggufswarm.swarm.publish import publish, tracker_call

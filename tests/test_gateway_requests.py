@@ -9,7 +9,8 @@ import urllib.request
 import pytest
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
-from ggufswarm.gateway.app import GatewayConfig, RequestError, ServerThread, chat_turns, make_app
+from ggufswarm.gateway.app import GatewayConfig, RequestError, chat_turns, make_app
+from ggufswarm.protocol.http import ServerThread
 
 
 @pytest.fixture(scope="module")

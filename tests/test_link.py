@@ -366,7 +366,8 @@ def test_one_model_end_to_end(tiny_route, tiny_dir):
 def test_a_gateway_given_only_a_route_serves_the_route_s_model(tiny_route, tmp_path, gemma_path):
     """``gateway --route`` without ``--model`` takes the model (vocabulary, name) from the route's nodes; with a
     ``--model`` the nodes don't serve, the start-up check and every request say which models differ."""
-    from ggufswarm.gateway.app import GatewayConfig, ServerThread, check_route, make_app
+    from ggufswarm.gateway.app import GatewayConfig, check_route, make_app
+    from ggufswarm.protocol.http import ServerThread
 
     urls = [tiny_route["first"], tiny_route["head"]]
     assert check_route(GatewayConfig(route=urls)).model == http("GET", urls[0] + "/health")[1]["model_fingerprint"]

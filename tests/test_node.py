@@ -14,7 +14,8 @@ import torch
 
 from ggufswarm.client.remote import RemoteRoute, RouteError
 from ggufswarm.client.sampling import SamplingParams
-from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
+from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.protocol import encode_hidden, encode_tokens
 from ggufswarm.runtime.shard import ShardSpec

@@ -157,7 +157,8 @@ def test_non_head_node_re_pushes_a_recorded_step_after_its_next_hop_failed(route
 
 @pytest.fixture(scope="module")
 def gateway(route, model):
-    from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
+    from ggufswarm.gateway import GatewayConfig, make_app
+    from ggufswarm.protocol.http import ServerThread
     server = ServerThread(make_app(GatewayConfig([route["whole"]], model=model)))
     yield server.start()
     server.stop()
@@ -475,3 +476,33 @@ def test_corrupt_snapshot_is_a_miss_and_the_node_computes(model, tmp_path):
         path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
         status, body = http("GET", f"{cache}/v1/snapshots/{key}")
         assert status == 410 and body["error"]["code"] == "snapshot_corrupt"
+
+
+# -- the shared JSON body reader: nesting is bounded before parsing ----------------------------------------------
+
+def test_json_depth_counts_nesting_not_brackets_in_strings():
+    from ggufswarm.protocol.http import MAX_JSON_DEPTH, json_depth
+    assert json_depth('{"a": [1, {"b": []}]}') == 4
+    in_strings = '{"a": "' + "[" * (3 * MAX_JSON_DEPTH) + '", "b": "\\"[{"}'
+    assert json_depth(in_strings) == 1  # many brackets, all inside strings (one behind an escaped quote)
+    assert json_depth("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)) == MAX_JSON_DEPTH + 1
+    wide = "[" + ",".join(["[]"] * (5 * MAX_JSON_DEPTH)) + "]"  # many brackets, shallow
+    assert json_depth(wide) == 2
+
+
+@pytest.mark.parametrize("server", ["tracker", "cache"])
+def test_deep_json_is_refused_before_parsing(tmp_path, server):
+    """A body nested 100,000 levels deep is a 400 naming the depth limit, answered without json.loads ever
+    recursing (which, near the recursion limit, broke even garbage-collector finalisers in the server thread)."""
+    import json as jsonlib
+
+    from ggufswarm.cache.app import CacheConfig, make_app as make_cache_app
+    from ggufswarm.tracker.app import TrackerConfig, make_app as make_tracker_app
+    make, path, code = {
+        "tracker": (lambda: make_tracker_app(TrackerConfig(db=":memory:", token=None)), "/nodes/heartbeat", "bad_json"),
+        "cache": (lambda: make_cache_app(CacheConfig(dir=str(tmp_path / "c"), max_bytes=10 ** 6, token=None)),
+                  "/v1/lookup", "bad_request")}[server]
+    with AppThread(make) as url:
+        status, _, data = fuzz_send(url, "POST", path, FUZZ_BODIES["deep"], {"Content-Type": "application/json"})
+    err = jsonlib.loads(data)["error"]
+    assert (status, err["code"]) == (400, code) and "nested deeper than" in err["message"], (status, err)

@@ -11,7 +11,8 @@ import pytest
 
 from apphost import AppThread
 
-from ggufswarm.gateway.app import GatewayConfig, ServerThread, make_app
+from ggufswarm.gateway.app import GatewayConfig, make_app
+from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import ShardSpec
 from ggufswarm.swarm.publish import publish, tracker_call

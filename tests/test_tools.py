@@ -17,7 +17,8 @@ from ggufswarm.client.generate import generate
 from ggufswarm.client.sampling import Sampler, SamplingParams
 from ggufswarm.client.tools import (ToolCallStream, ToolError, parse_tool_calls, template_tool_format,
                                     tool_call_grammar, tool_request)
-from ggufswarm.gateway import GatewayConfig, ServerThread, make_app
+from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.protocol.http import ServerThread
 from ggufswarm.gateway.app import chat_turns
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import even_split

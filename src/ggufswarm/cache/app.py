@@ -20,9 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from ..model.config import MAX_CONTEXT
 from ..protocol.auth import swarm_token, token_middleware
-from ..protocol.errors import ProtocolError, body_error, error_body, json_errors_middleware
-from .snapshot import KV_DTYPES, STATE_DTYPE, Shard, SnapshotError, valid_scope
-from .store import SnapshotCorrupt, SnapshotExists, SnapshotMissing, SnapshotStore, SnapshotTooLarge
+from ..protocol.errors import ProtocolError
+from ..protocol.http import json_errors_middleware, read_json
+from .snapshot import KV_DTYPES, STATE_DTYPE, Shard, valid_scope
+from .store import SnapshotStore, SnapshotTooLarge
 
 STORE = web.AppKey("store", SnapshotStore)
 CONFIG = web.AppKey("config", object)
@@ -40,39 +41,16 @@ class CacheConfig:
     token: str | None = field(default_factory=swarm_token)
 
 
-def _fail(exc: Exception) -> web.Response:
-    if isinstance(exc, SnapshotCorrupt):
-        err = ProtocolError("snapshot_corrupt", f"snapshot {exc.args[0]} failed its SHA-256 check and was deleted")
-    elif isinstance(exc, SnapshotMissing):
-        err = ProtocolError("unknown_snapshot", f"no snapshot {exc.args[0]} (never stored, or evicted)")
-    elif isinstance(exc, SnapshotExists):
-        err = ProtocolError("snapshot_exists", str(exc))
-    elif isinstance(exc, SnapshotTooLarge):
-        err = ProtocolError("snapshot_too_large", str(exc))
-    elif isinstance(exc, SnapshotError):
-        err = ProtocolError("bad_snapshot", str(exc))
-    elif isinstance(exc, ProtocolError):
-        err = exc
-    elif body_error(exc) is not None:
-        err = body_error(exc)
-    else:
-        err = ProtocolError("internal", f"{type(exc).__name__}: {exc}")
-    return web.Response(body=error_body(err.code, err.message), status=err.status, content_type="application/json")
-
-
 async def put_snapshot(request: web.Request) -> web.Response:
     """``POST /v1/snapshots``: store a blob; 201 (200: the same bytes were already there), or 400 bad_snapshot /
     409 snapshot_exists (other bytes hold the key: the first upload stays) / 413 snapshot_too_large."""
     store = request.app[STORE]
     try:
-        try:
-            blob = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ProtocolError("snapshot_too_large", f"snapshot upload over {request.app[CONFIG].max_upload_bytes} "
-                                                      "bytes, this server's limit") from None
-        info = await asyncio.get_running_loop().run_in_executor(None, store.put, blob)
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
-        return _fail(exc)
+        blob = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise SnapshotTooLarge(f"snapshot upload over {request.app[CONFIG].max_upload_bytes} bytes, this server's "
+                               f"limit") from None
+    info = await asyncio.get_running_loop().run_in_executor(None, store.put, blob)
     return web.json_response(info, status=200 if info["existing"] else 201)
 
 
@@ -80,12 +58,9 @@ async def get_snapshot(request: web.Request) -> web.Response:
     """``GET /v1/snapshots/{key}``: the blob (application/octet-stream); 404 unknown_snapshot, 410 snapshot_corrupt."""
     store = request.app[STORE]
     key = request.match_info["key"]
-    try:
-        if not KEY_RE.fullmatch(key):
-            raise ProtocolError("bad_request", "a snapshot key is 64 lowercase hex digits")
-        blob = await asyncio.get_running_loop().run_in_executor(None, store.get, key)
-    except Exception as exc:  # noqa: BLE001
-        return _fail(exc)
+    if not KEY_RE.fullmatch(key):
+        raise ProtocolError("bad_request", "a snapshot key is 64 lowercase hex digits")
+    blob = await asyncio.get_running_loop().run_in_executor(None, store.get, key)
     return web.Response(body=blob, content_type="application/octet-stream",
                         headers={SHA_HEADER: hashlib.sha256(blob).hexdigest()})
 
@@ -115,15 +90,8 @@ def parse_lookup(body) -> tuple[Shard, list[int]]:
 async def lookup(request: web.Request) -> web.Response:
     """``POST /v1/lookup``: the longest cached whole-block prefix → 200 ``{key, length}`` (``key`` null when none)."""
     store = request.app[STORE]
-    try:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise ProtocolError("bad_request", f"body is not JSON: {exc}") from None
-        shard, tokens = parse_lookup(body)
-        found = await asyncio.get_running_loop().run_in_executor(None, store.lookup, shard, tokens)
-    except Exception as exc:  # noqa: BLE001
-        return _fail(exc)
+    shard, tokens = parse_lookup(await read_json(request))
+    found = await asyncio.get_running_loop().run_in_executor(None, store.lookup, shard, tokens)
     key, length = found or (None, 0)
     return web.json_response({"key": key, "length": length})
 
@@ -140,7 +108,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 def make_app(config: CacheConfig) -> web.Application:
-    """The cache server's aiohttp app over a SnapshotStore in ``config.dir``. Raises OSError for a bad dir."""
+    """The cache server's aiohttp app over a SnapshotStore in ``config.dir``. Raises OSError for a bad dir.
+
+    Handlers raise their errors (ProtocolError, the store's typed errors); the shared middleware answers each
+    with its JSON error (protocol/http.py)."""
     store = SnapshotStore(config.dir, config.max_bytes)
     app = web.Application(client_max_size=config.max_upload_bytes, middlewares=[token_middleware(config.token), json_errors_middleware()])
     app[STORE] = store
@@ -172,7 +143,7 @@ def make_app(config: CacheConfig) -> web.Application:
 
 def run_cache(config: CacheConfig, host: str, port: int) -> int:
     """``ggufswarm cache``: serve until SIGINT/SIGTERM, printing one ready line to stdout."""
-    from ..node.server import serve
+    from ..protocol.http import serve
 
     app = make_app(config)
     store = app[STORE]

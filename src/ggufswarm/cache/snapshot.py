@@ -38,7 +38,10 @@ STATE_DTYPE = "llama.cpp-f16"  # a llama.cpp sequence state (f16 KV cache) inste
 
 
 class SnapshotError(ValueError):
-    """A blob that is not a valid snapshot, or one that does not fit the shard it is restored into."""
+    """A blob that is not a valid snapshot, or one that does not fit the shard it is restored into; protocol code
+    ``bad_snapshot`` (400)."""
+
+    code = "bad_snapshot"
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,30 @@ CREATE INDEX IF NOT EXISTS prefixes_key ON prefixes (key);
 
 
 class SnapshotMissing(KeyError):
-    """No snapshot under this key (never stored, evicted, or dropped after failing its hash check)."""
+    """No snapshot under this key (never stored, evicted, or dropped after failing its hash check); protocol
+    code ``unknown_snapshot`` (404)."""
+
+    code = "unknown_snapshot"
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+    def __str__(self) -> str:  # KeyError's own repr-quotes the key
+        return f"no snapshot {self.key} (never stored, or evicted)"
 
 
 class SnapshotTooLarge(SnapshotError):
-    """A snapshot bigger than the whole cache."""
+    """A snapshot bigger than the whole cache (or than the largest upload); ``snapshot_too_large`` (413)."""
+
+    code = "snapshot_too_large"
 
 
 class SnapshotExists(SnapshotError):
-    """A different blob is already stored under this key: the first one stays (``node``: who sent the new one)."""
+    """A different blob is already stored under this key: the first one stays (``node``: who sent the new one);
+    ``snapshot_exists`` (409)."""
+
+    code = "snapshot_exists"
 
     def __init__(self, key: str, node: str):
         super().__init__(f"snapshot {key} already holds other bytes; the first upload stays (this one came from "
@@ -47,7 +62,12 @@ class SnapshotExists(SnapshotError):
 
 
 class SnapshotCorrupt(SnapshotMissing):
-    """The stored bytes no longer match their SHA-256; the blob has been deleted."""
+    """The stored bytes no longer match their SHA-256; the blob has been deleted. ``snapshot_corrupt`` (410)."""
+
+    code = "snapshot_corrupt"
+
+    def __str__(self) -> str:
+        return f"snapshot {self.key} failed its SHA-256 check and was deleted"
 
 
 @dataclass

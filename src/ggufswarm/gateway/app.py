@@ -32,7 +32,8 @@ from ..client.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, new_call_id, parse_tool_calls, tool_request
 from ..model.config import MAX_CONTEXT
-from ..protocol.errors import body_error
+from ..protocol.errors import ProtocolError
+from ..protocol.http import read_json, serve
 
 log = logging.getLogger(__name__)
 
@@ -759,17 +760,12 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
 
 
 async def _read_body(request: web.Request) -> dict:
+    """The request's JSON object (protocol/http.py read_json: size, depth, charset limits); RequestError (400,
+    413) otherwise, also for a lone UTF-16 surrogate in a string."""
     try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"body is not JSON: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - over the size limit, too deep, bad charset or encoding
-        err = body_error(exc)
-        if err is None:
-            raise
-        raise RequestError(err.message, err.status, err.code) from None
-    if not isinstance(body, dict):
-        raise RequestError("body must be a JSON object")
+        body = await read_json(request)
+    except ProtocolError as exc:
+        raise RequestError(exc.message, exc.status, exc.code) from None
     try:  # JSON may escape a lone UTF-16 surrogate ("\\ud800"): no text can hold it, no tokenizer can take it
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -980,40 +976,6 @@ def make_app(config: GatewayConfig) -> web.Application:
     return app
 
 
-class ServerThread:
-    """Serve an aiohttp app on its own event loop in a daemon thread (for the demo and tests).
-
-    ``start()`` returns the base URL once listening; ``stop()`` shuts the server down.
-    """
-
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
-        self.app, self.host, self.port = app, host, port
-        self.url: str | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="aiohttp")
-        self._runner: web.AppRunner | None = None
-
-    def start(self, timeout: float = 60.0) -> str:
-        async def boot():
-            self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
-            await self._runner.setup()
-            await web.TCPSite(self._runner, self.host, self.port).start()
-            return f"http://{self.host}:{self._runner.addresses[0][1]}"
-
-        self._thread.start()
-        self.url = asyncio.run_coroutine_threadsafe(boot(), self._loop).result(timeout)
-        return self.url
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self._runner is not None:
-            try:
-                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout)
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout)
-
-
 def _loopback(host: str) -> bool:
     """Whether ``host`` (an address or name to listen on) is only reachable from this machine."""
     import ipaddress
@@ -1052,8 +1014,6 @@ def check_route(config: GatewayConfig, every_s: float = 2.0) -> RemoteRoute:
 def run_gateway(config: GatewayConfig) -> int:
     """``ggufswarm gateway``: check the route (``--route``; see check_route), then serve until SIGINT/SIGTERM,
     printing one ready line to stdout."""
-    from ..node.server import serve
-
     if not config.api_keys and not _loopback(config.host):
         print(f"ggufswarm gateway: WARNING: listening on {config.host} without --api-key: anyone who can reach "
               f"this port can generate (and hold KV cache on every node of the swarm); set --api-key",

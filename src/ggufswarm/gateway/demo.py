@@ -26,7 +26,8 @@ from ..swarm.torrent import Swarm, save_path_for
 from ..tracker.app import TrackerConfig
 from ..tracker.app import make_app as make_tracker_app
 from ..runtime.shard import even_split
-from .app import GatewayConfig, ServerThread, make_app
+from ..protocol.http import ServerThread
+from .app import GatewayConfig, make_app
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."   # for chat (instruction-tuned) models
 DEFAULT_COMPLETION = "The sky is blue because"                      # for base models (no chat template)

@@ -28,18 +28,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.sampling import SamplingParams
-from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden, error_body
+from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden
 from ..protocol.auth import auth_headers, swarm_token, token_middleware
-from ..protocol.errors import body_error, json_errors_middleware
+from ..protocol.http import JSON, as_protocol_error, json_errors_middleware, read_json, serve
 from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE, step_timeout_s
-from ..runtime.kv import ContextOverflow
 from .link import HopLinks, encode_reply, reply_error
-from ..runtime.sessions import SessionError, SessionStore
+from ..runtime.sessions import SessionStore
 from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
 from ..runtime.shard import ShardSpec
 
 WIRE_DTYPES = ("f16", "bf16", "f32")
-JSON = "application/json"
 NODE = web.AppKey("node", object)
 
 
@@ -178,38 +176,19 @@ def _json(obj, status: int = 200) -> web.Response:
 
 
 def _error_reply(state: NodeState, exc: Exception) -> tuple[int, bytes]:
-    """(HTTP status, JSON error body) for ``exc``; counted in the node's error metric."""
-    hop = None
-    if isinstance(exc, ProtocolError):
-        code, status, message, hop = exc.code, exc.status, exc.message, exc.hop
-    elif isinstance(exc, SessionError):
-        err = ProtocolError(exc.code, str(exc))
-        code, status, message = err.code, err.status, err.message
-    elif isinstance(exc, ContextOverflow):
-        code, status, message = "context_overflow", 400, str(exc)
-    elif isinstance(exc, ValueError):
-        code, status, message = ("bad_token" if "token id" in str(exc) else "bad_request"), 400, str(exc)
-    elif (err := body_error(exc)) is not None:  # too large, too deep, unknown charset, bad encoding
-        code, status, message = err.code, err.status, err.message
+    """(HTTP status, JSON error body) for ``exc`` (as_protocol_error; a ValueError without a protocol code is the
+    request's fault: ``bad_request``); counted in the node's error metric."""
+    if isinstance(exc, ValueError) and getattr(exc, "code", None) is None and not isinstance(exc, UnicodeError):
+        err = ProtocolError("bad_request", str(exc))
     else:
-        code, status, message = "internal", 500, f"{type(exc).__name__}: {exc}"
-    state.errors.labels(code).inc()
-    return status, error_body(code, message, hop)
+        err = as_protocol_error(exc)
+    state.errors.labels(err.code).inc()
+    return err.status, err.body()
 
 
 def _error(state: NodeState, exc: Exception) -> web.Response:
     status, body = _error_reply(state, exc)
     return web.Response(body=body, status=status, content_type=JSON)
-
-
-async def _read_json(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError("bad_request", f"body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError("bad_request", "body must be a JSON object")
-    return body
 
 
 def _session_id(text) -> uuid.UUID:
@@ -225,7 +204,7 @@ async def open_session(request: web.Request) -> web.Response:
     ``model_mismatch`` when this node serves another model."""
     state: NodeState = request.app[NODE]
     try:
-        body = await _read_json(request)
+        body = await read_json(request)
         sid = _session_id(body.get("session_id") or uuid.UUID(bytes=os.urandom(16)))  # 128 random bits
         max_length = body.get("max_length")
         if not isinstance(max_length, int) or isinstance(max_length, bool):
@@ -359,7 +338,7 @@ async def truncate_session(request: web.Request) -> web.Response:
     """
     state: NodeState = request.app[NODE]
     try:
-        body = await _read_json(request)
+        body = await read_json(request)
         length = body.get("length")
         if not isinstance(length, int) or isinstance(length, bool):
             raise ProtocolError("bad_request", f"length must be an integer, got {length!r}")
@@ -394,7 +373,7 @@ async def restore_session(request: web.Request) -> web.Response:
     state: NodeState = request.app[NODE]
     t0 = time.perf_counter()
     try:
-        body = await _read_json(request)
+        body = await read_json(request)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
             raise ProtocolError("bad_request", "tokens must be a list of token ids")
@@ -719,7 +698,8 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     state = NodeState(config, executor or load_executor(config))
     # bodies: one frame of max_step_tokens f32 rows, or a JSON restore of up to 128K token ids
     app = web.Application(client_max_size=max(state.max_body, 2 * 2 ** 20) + 1024,
-                          middlewares=[token_middleware(config.token), json_errors_middleware()])
+                          middlewares=[token_middleware(config.token),
+                                       json_errors_middleware(lambda _req, err: state.errors.labels(err.code).inc())])
     app[NODE] = state
     app.router.add_post("/v1/sessions", open_session)
     app.router.add_delete("/v1/sessions/{sid}", close_session)
@@ -759,25 +739,6 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.on_shutdown.append(close_links_in)
     app.cleanup_ctx.append(lifecycle)
     return app
-
-
-async def serve(app: web.Application, host: str, port: int, ready=None) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM; ``ready(url)`` is called once listening (port 0 = any free port)."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if ready:
-        ready(f"http://{host}:{bound}")
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
 
 
 def wait_for_model(tracker: str, name: str | None, every_s: float = 2.0, parent: int | None = None,

@@ -39,6 +39,13 @@ ERROR_STATUS = {
     "hop_failed": 502,          # the next hop answered with an error or dropped the connection
     "hop_timeout": 504,         # the next hop did not answer within the hop timeout
     "tracker_unavailable": 503, # the tracker could not be asked (e.g. to check a next_hop)
+    # the tracker's own (docs/protocol.md, "Tracker API")
+    "bad_json": 400,            # tracker: a request body that is not a JSON object (or too deep, or undecodable)
+    "bad_advertisement": 400,   # tracker: a heartbeat with missing or out-of-range fields
+    "bad_manifest": 400,        # tracker: a manifest or .torrent that does not parse
+    "unknown_node": 404,        # tracker: no node registered under that id / advertising that URL
+    "unknown_model": 404,       # tracker: no model published under that name
+    "no_route": 503,            # tracker: the published nodes do not cover the layers (or lack KV room)
 }
 
 
@@ -63,50 +70,3 @@ def error_body(code: str, message: str, hop: str | None = None) -> bytes:
     if hop:
         err["hop"] = hop
     return json.dumps({"error": err}).encode()
-
-
-def json_errors_middleware():
-    """aiohttp middleware: the router's own 404 / 405 (no such path, wrong method) answered as JSON
-    errors ``not_found`` / ``method_not_allowed`` like every other error of the protocol."""
-    from aiohttp import web
-
-    @web.middleware
-    async def to_json(request, handler):
-        try:
-            resp = await handler(request)
-        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
-            code = "not_found" if exc.status == 404 else "method_not_allowed"
-            message = (f"no endpoint {request.method} {request.path}" if code == "not_found" else
-                       f"{request.path} does not take {request.method} (allowed: "
-                       f"{', '.join(sorted(getattr(exc, 'allowed_methods', ()) or ()))})")
-            headers = {"Allow": ",".join(sorted(exc.allowed_methods))} if code == "method_not_allowed" else None
-            resp = web.Response(body=error_body(code, message), status=exc.status, content_type="application/json",
-                                headers=headers)
-        if request.body_exists and not request.content.at_eof() and isinstance(resp, web.Response):
-            # A body the endpoint never read (it takes none, or an error came first): aiohttp would discard it
-            # to reuse the connection, and drop the connection without a word when it cannot (an undecodable
-            # Content-Encoding). Say so instead: this answer ends the connection.
-            resp.force_close()
-        return resp
-
-    return to_json
-
-
-def body_error(exc: BaseException) -> "ProtocolError | None":
-    """The protocol error for a request body that could not be read or parsed, or None for other errors.
-
-    Maps aiohttp's over-limit body (413 ``body_too_large``), a body nested too deep for ``json``
-    (RecursionError), an unknown charset in Content-Type (LookupError) and an undecodable
-    Content-Encoding (RequestPayloadError) to one error each, so servers answer them instead of 500.
-    """
-    from aiohttp import web
-
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return ProtocolError("body_too_large", f"request body too large: {exc.text}")
-    if isinstance(exc, RecursionError):
-        return ProtocolError("bad_request", f"body is not usable JSON: {exc}")
-    if type(exc) is LookupError:  # codecs: only this exact type (KeyError / IndexError are bugs)
-        return ProtocolError("bad_request", f"cannot decode the body: {exc}")
-    if isinstance(exc, web.RequestPayloadError):
-        return ProtocolError("bad_request", f"cannot read the body: {exc}")
-    return None

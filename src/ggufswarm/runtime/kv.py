@@ -8,7 +8,17 @@ from ..model.config import MAX_CONTEXT
 
 
 class ContextOverflow(ValueError):
-    """A step would take a session past its ``max_length`` (or a max_length past the 128K cap)."""
+    """A step would take a session past its ``max_length`` (or a max_length past the 128K cap); protocol code
+    ``context_overflow`` (400)."""
+
+    code = "context_overflow"
+
+
+class TokenOutOfRange(ValueError):
+    """A token id outside ``[0, n_vocab)`` in a step's input or its token-id trailer; protocol code ``bad_token``
+    (400)."""
+
+    code = "bad_token"
 
 
 def check_max_length(max_length: int, model_limit: int = MAX_CONTEXT) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..client.sampling import Sampler, SamplingParams, token_logprobs
-from .kv import ContextOverflow, SessionKV, check_max_length
+from .kv import ContextOverflow, SessionKV, TokenOutOfRange, check_max_length
 
 
 class SessionError(Exception):
@@ -265,14 +265,14 @@ class SessionStore:
 
         ``inputs``: int64 ids ``[T]`` (embedding shard) or float32 hidden ``[T, n_embd]``;
         ``token_ids``: the route's input ids ``[T]`` (the head's sampler history), may be None.
-        Raises ContextOverflow / ValueError from the executor, and ValueError("token id ...") when a
+        Raises ContextOverflow / ValueError from the executor, and TokenOutOfRange when a
         ``token_ids`` entry is outside ``[0, n_vocab)``; on any error the KV cache and the session's
         history are unchanged.
         """
         n_vocab = self.executor.cfg.n_vocab
         if token_ids is not None and token_ids.numel() and (int(token_ids.min()) < 0
                                                             or int(token_ids.max()) >= n_vocab):
-            raise ValueError(f"token id out of range [0, {n_vocab}) in the frame's token-id trailer")
+            raise TokenOutOfRange(f"token id out of range [0, {n_vocab}) in the frame's token-id trailer")
         session.busy += 1
         try:
             t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..model import ModelConfig, family, load_config
 from ..model.blocks import linear, rms_norm, rope_inv_freq, rope_tables
 from ..client.sampling import Sampler
-from .kv import ContextOverflow, SessionKV
+from .kv import ContextOverflow, SessionKV, TokenOutOfRange
 
 NUMERICS = ("llama.cpp", "exact")
 # ggml-cpu.c type_traits_cpu[...].vec_dot_type: activations are quantized to this before the dot product
@@ -152,7 +152,7 @@ class ShardExecutor:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[T]`` (int64) → scaled embeddings ``[T, n_embd]``; ValueError for an id out of vocab."""
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.cfg.n_vocab):
-            raise ValueError(f"token id out of range [0, {self.cfg.n_vocab})")
+            raise TokenOutOfRange(f"token id out of range [0, {self.cfg.n_vocab})")
         x = self.token_embd[token_ids]
         return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
 

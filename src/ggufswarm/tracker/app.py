@@ -17,7 +17,8 @@ from aiohttp import web
 
 from ..artifact.manifest import Manifest
 from ..protocol.auth import TOKEN_HEADER, swarm_token, token_middleware
-from ..protocol.errors import body_error, json_errors_middleware
+from ..protocol.errors import ProtocolError
+from ..protocol.http import json_errors_middleware, read_json
 from .registry import Registry
 from .routing import Advertisement, NoRoute, plan_route
 
@@ -38,10 +39,6 @@ class TrackerConfig:
     token: str | None = field(default_factory=swarm_token)  # swarm token required on every endpoint
 
 
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
-
-
 def _ad_json(ad: Advertisement) -> dict:
     d = asdict(ad)
     d["layers"] = list(ad.layers)
@@ -49,21 +46,8 @@ def _ad_json(ad: Advertisement) -> dict:
 
 
 async def _json_body(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"code": "bad_json", "message": "body is not JSON"}}),
-                                 content_type="application/json") from None
-    except Exception as exc:  # too deep, an unknown charset, an undecodable Content-Encoding, too large
-        err = body_error(exc)
-        if err is None:
-            raise
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"code": "bad_json", "message": err.message}}),
-                                 content_type="application/json") from None
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"code": "bad_json", "message": "body must be an object"}}),
-                                 content_type="application/json")
-    return body
+    """The body as a JSON object; ProtocolError ``bad_json`` (400) otherwise, ``body_too_large`` (413)."""
+    return await read_json(request, code="bad_json")
 
 
 def make_app(config: TrackerConfig) -> web.Application:
@@ -88,12 +72,12 @@ def make_app(config: TrackerConfig) -> web.Application:
                 raise ValueError("free_kv_tokens, decode_ms and layers must be finite, non-negative and in range")
             registry.heartbeat(ad)
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
-            return _error(400, "bad_advertisement", f"bad advertisement: {exc}")
+            raise ProtocolError("bad_advertisement", f"bad advertisement: {exc}") from None
         return web.json_response({"ok": True, "ttl_s": config.ttl_s})
 
     async def deregister(request: web.Request) -> web.Response:
         if not registry.deregister(request.match_info["node_id"]):
-            return _error(404, "unknown_node", f"node {request.match_info['node_id']!r} is not registered")
+            raise ProtocolError("unknown_node", f"node {request.match_info['node_id']!r} is not registered")
         return web.json_response({"ok": True})
 
     async def report(request: web.Request) -> web.Response:
@@ -105,7 +89,7 @@ def make_app(config: TrackerConfig) -> web.Application:
         url = str(b.get("url", "")).rstrip("/")
         ads = [a for a in registry.nodes() if a.url.rstrip("/") == url]
         if not url or not ads:
-            return _error(404, "unknown_node", f"no node advertises {url!r}")
+            raise ProtocolError("unknown_node", f"no node advertises {url!r}")
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REPORT_PROBE_S)) as http:
                 async with http.get(f"{url}/health", headers=probe_headers) as resp:
@@ -128,14 +112,14 @@ def make_app(config: TrackerConfig) -> web.Application:
             torrent = bytes.fromhex(b["torrent_hex"])
             info_hash = str(lt.torrent_info(lt.bdecode(torrent)).info_hashes().v1)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            return _error(400, "bad_manifest", f"bad manifest or torrent: {exc}")
+            raise ProtocolError("bad_manifest", f"bad manifest or torrent: {exc}") from None
         registry.put_manifest(name, manifest.to_json(), torrent, info_hash)
         return web.json_response({"ok": True, "info_hash": info_hash})
 
     async def get_manifest(request: web.Request) -> web.Response:
         found = registry.manifest(request.match_info["name"])
         if not found:
-            return _error(404, "unknown_model", f"no model named {request.match_info['name']!r} is published")
+            raise ProtocolError("unknown_model", f"no model named {request.match_info['name']!r} is published")
         return web.json_response({"manifest": json.loads(found[0]), "torrent_hex": found[1].hex()})
 
     async def announce(request: web.Request) -> web.Response:
@@ -161,20 +145,20 @@ def make_app(config: TrackerConfig) -> web.Application:
         try:
             max_length = int(request.query.get("max_length", "1"))
         except ValueError:
-            return _error(400, "bad_request", "max_length must be an integer")
+            raise ProtocolError("bad_request", "max_length must be an integer") from None
         layers = n_layers(model)
         if layers is None:
-            return _error(404, "unknown_model", f"no model named {model!r} is published")
+            raise ProtocolError("unknown_model", f"no model named {model!r} is published")
         exclude = {u.rstrip("/") for u in request.query.get("exclude", "").split(",") if u}
         try:
             span = (int(request.query.get("start", "0")), int(request.query.get("end", str(layers))))
         except ValueError:
-            return _error(400, "bad_request", "start and end must be layer indices")
+            raise ProtocolError("bad_request", "start and end must be layer indices") from None
         try:
             ads = [a for a in registry.nodes(model) if a.url.rstrip("/") not in exclude]
             chain = plan_route(ads, layers, max_length, config.hop_ms, routed, span)
         except NoRoute as exc:
-            return _error(503, "no_route", f"{model}: {exc}")
+            raise ProtocolError("no_route", f"{model}: {exc}") from None
         routed.update(a.node_id for a in chain)
         return web.json_response({"model": model, "route": [_ad_json(a) for a in chain]})
 

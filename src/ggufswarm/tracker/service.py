@@ -16,7 +16,7 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
     """
     import asyncio
 
-    from ..node.server import serve
+    from ..protocol.http import serve
 
     db_dir = Path(config.db).expanduser().resolve().parent
     if config.db != ":memory:" and not db_dir.is_dir():

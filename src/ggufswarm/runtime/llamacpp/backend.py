@@ -29,7 +29,7 @@ import torch
 import llama_cpp as L
 
 from ...artifact.gguf_file import GGUFModelFile
-from ..kv import ContextOverflow, KVPosition, check_max_length
+from ..kv import ContextOverflow, KVPosition, TokenOutOfRange, check_max_length
 from ..shard import ShardSpec
 from . import _graph_tap
 from .sampling import LlamaCppSampler
@@ -359,7 +359,7 @@ class LlamaCppShard:
                 raise ValueError(f"the first shard takes token ids [n_tokens], got shape {tuple(inputs.shape)}")
             ids = inputs.numpy().astype(np.int32, copy=False)
             if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.n_vocab:
-                raise ValueError(f"token id out of range [0, {self.cfg.n_vocab})")
+                raise TokenOutOfRange(f"token id out of range [0, {self.cfg.n_vocab})")
             embd = None if self.takes_tokens else self.embedding(ids)
         else:
             if inputs.dim() != 2 or inputs.shape[1] != self.cfg.n_embd:

@@ -35,6 +35,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from gguf.quants import dequantize
 
 from ...artifact.gguf_file import GGUFModelFile, dequantize_q8_0
+from ..kv import TokenOutOfRange
 
 
 class UnsupportedShard(ValueError):
@@ -262,10 +263,10 @@ class TokenEmbedding:
         self.scale = rules.token_scale(self.n_embd) if rules.token_scale else None
 
     def __call__(self, token_ids: np.ndarray) -> np.ndarray:
-        """int ids ``[T]`` → float32 ``[T, n_embd]``; ValueError for an id outside ``[0, n_vocab)``."""
+        """int ids ``[T]`` → float32 ``[T, n_embd]``; TokenOutOfRange for an id outside ``[0, n_vocab)``."""
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_vocab):
-            raise ValueError(f"token id out of range [0, {self.n_vocab})")
+            raise TokenOutOfRange(f"token id out of range [0, {self.n_vocab})")
         raw = np.ascontiguousarray(self.rows[ids])
         if self.qtype == GGMLQuantizationType.F32:
             x = raw.view(np.float32).reshape(len(ids), self.n_embd)

@@ -1,0 +1,208 @@
+"""The HTTP layer every ggufswarm server shares (node, tracker, snapshot cache, gateway): reading a JSON request
+body within limits, turning an exception into a JSON error answer, JSON 404/405, and serving an app (in the
+foreground until a signal, or in a background thread).
+
+Error answers are ``{"error": {"code", "message"[, "hop"]}}`` with the HTTP status of the code
+(``protocol/errors.py``, ``ERROR_STATUS``; docs/protocol.md, "Errors"); the gateway writes OpenAI's error shape
+instead (``gateway/app.py``) from the same ProtocolError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import signal
+import threading
+from typing import Callable
+
+from aiohttp import web
+
+from .errors import ERROR_STATUS, ProtocolError, error_body
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+MAX_JSON_DEPTH = 100  # arrays/objects nested deeper than this are refused before parsing (see json_depth)
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str) -> int:
+    """How deep arrays and objects nest in the JSON ``text`` (brackets inside strings do not count); an upper
+    bound, without a scan, when the text has at most MAX_JSON_DEPTH opening brackets.
+
+    Checked before ``json.loads``, which recurses once per level: a body nested thousands of levels deep
+    would otherwise drive the server thread to the interpreter's recursion limit, where even a garbage
+    collector finaliser that runs at that moment fails.
+    """
+    opens = text.count("[") + text.count("{")
+    if opens <= MAX_JSON_DEPTH:
+        return opens
+    depth = deepest = 0
+    for c in _NOT_BRACKET.sub("", _JSON_STRING.sub('""', text)):
+        depth += 1 if c in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def body_error(exc: BaseException) -> ProtocolError | None:
+    """The protocol error for a request body that could not be read, or None for other errors.
+
+    Maps aiohttp's over-limit body (413 ``body_too_large``), an unknown charset in Content-Type (LookupError),
+    bytes that are not text in that charset (UnicodeDecodeError) and an undecodable Content-Encoding
+    (RequestPayloadError) to one error each, so servers answer them instead of 500.
+    """
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return ProtocolError("body_too_large", f"request body too large: {exc.text}")
+    if type(exc) is LookupError:  # codecs: only this exact type (KeyError / IndexError are bugs)
+        return ProtocolError("bad_request", f"cannot decode the body: {exc}")
+    if isinstance(exc, UnicodeDecodeError):
+        return ProtocolError("bad_request", f"the body is not text in its charset: {exc}")
+    if isinstance(exc, web.RequestPayloadError):
+        return ProtocolError("bad_request", f"cannot read the body: {exc}")
+    return None
+
+
+async def read_json(request: web.Request, code: str = "bad_request") -> dict:
+    """The request body as a JSON object.
+
+    The body is decoded with the Content-Type's charset (UTF-8 by default) and must nest at most MAX_JSON_DEPTH
+    levels. Raises ProtocolError: ``code`` (400; the tracker says ``bad_json``) for a body that is not text,
+    not JSON, nested too deep or not an object; ``body_too_large`` (413) over the app's ``client_max_size``.
+    """
+    try:
+        text = await request.text()
+    except Exception as exc:  # noqa: BLE001 - mapped when it is about the body, re-raised otherwise
+        if (err := body_error(exc)) is None:
+            raise
+        raise ProtocolError(code if err.code == "bad_request" else err.code, err.message) from None
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise ProtocolError(code, f"body is not usable JSON: arrays/objects nested deeper than {MAX_JSON_DEPTH} "
+                                  f"levels")
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ProtocolError(code, f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(code, "body must be a JSON object")
+    return body
+
+
+def as_protocol_error(exc: BaseException) -> ProtocolError:
+    """The ProtocolError to answer ``exc`` with: itself; for a typed error of the runtime, cache or tracker
+    whose class carries a ``code`` of ERROR_STATUS (SessionError, ContextOverflow, TokenOutOfRange, the snapshot
+    store's errors, ...), that code and its message; a body that could not be read (body_error); anything else
+    is ``internal`` (500, a bug; the message names the exception)."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    code = getattr(exc, "code", None)
+    if isinstance(code, str) and code in ERROR_STATUS:
+        return ProtocolError(code, str(exc))
+    if (err := body_error(exc)) is not None:
+        return err
+    return ProtocolError("internal", f"{type(exc).__name__}: {exc}")
+
+
+def error_response(err: ProtocolError, headers: dict | None = None) -> web.Response:
+    """The JSON error answer for ``err`` (its status; body as ProtocolError.body)."""
+    return web.Response(body=err.body(), status=err.status, content_type=JSON, headers=headers)
+
+
+def json_errors_middleware(on_error: Callable[[web.Request, ProtocolError], None] | None = None):
+    """aiohttp middleware giving every error a JSON answer.
+
+    * the router's own 404 / 405 (no such path, wrong method) → ``not_found`` / ``method_not_allowed``;
+    * an exception a handler raises (not aiohttp's own HTTP exceptions, which are answers) → as_protocol_error;
+      an ``internal`` one is logged with its traceback. ``on_error(request, err)`` sees each (metrics).
+    * a request body the handler never read: the answer closes the connection (aiohttp would otherwise try to
+      discard the body to reuse the connection, and drop it without a word when it cannot, as for an
+      undecodable Content-Encoding).
+    """
+
+    @web.middleware
+    async def to_json(request, handler):
+        try:
+            resp = await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+            if exc.status == 404:
+                err = ProtocolError("not_found", f"no endpoint {request.method} {request.path}")
+                headers = None
+            else:
+                allowed = sorted(getattr(exc, "allowed_methods", ()) or ())
+                err = ProtocolError("method_not_allowed",
+                                    f"{request.path} does not take {request.method} (allowed: {', '.join(allowed)})")
+                headers = {"Allow": ",".join(allowed)}
+            resp = error_response(err, headers)
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error gets its JSON answer; the server serves on
+            err = as_protocol_error(exc)
+            if err.code == "internal":
+                log.exception("%s %s failed", request.method, request.path)
+            if on_error is not None:
+                on_error(request, err)
+            resp = error_response(err)
+        if request.body_exists and not request.content.at_eof() and isinstance(resp, web.Response):
+            resp.force_close()
+        return resp
+
+    return to_json
+
+
+async def serve(app: web.Application, host: str, port: int, ready: Callable[[str], None] | None = None) -> None:
+    """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM; ``ready(url)`` is called once listening (port 0 =
+    any free port). Raises OSError when the address cannot be bound."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if ready:
+        ready(f"http://{host}:{runner.addresses[0][1]}")
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+class ServerThread:
+    """Serve an aiohttp app on its own event loop in a daemon thread (the demo and tests).
+
+    ``start()`` returns the base URL once listening (port 0: any free port); ``stop()`` shuts the server down.
+    """
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        self.app, self.host, self.port = app, host, port
+        self.url: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="aiohttp")
+        self._runner: web.AppRunner | None = None
+
+    def start(self, timeout: float = 60.0) -> str:
+        async def boot():
+            self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, self.host, self.port).start()
+            return f"http://{self.host}:{self._runner.addresses[0][1]}"
+
+        self._thread.start()
+        self.url = asyncio.run_coroutine_threadsafe(boot(), self._loop).result(timeout)
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._runner is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+
+__all__ = ["JSON", "MAX_JSON_DEPTH", "ServerThread", "as_protocol_error", "body_error", "error_body",
+           "error_response", "json_depth", "json_errors_middleware", "read_json", "serve"]
