@@ -33,7 +33,7 @@ from ..client.tokenizer import Tokenizer
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, new_call_id, parse_tool_calls, tool_request
 from ..model.config import MAX_CONTEXT
 from ..protocol.errors import ProtocolError
-from ..protocol.http import read_json, serve
+from ..protocol.http import json_errors_middleware, read_json, serve
 
 log = logging.getLogger(__name__)
 
@@ -64,22 +64,28 @@ class GatewayConfig:
     chat_template: str | None = None  # jinja2 chat template used instead of the GGUF's (``--chat-template-file``)
 
 
-class RequestError(Exception):
-    """A request the gateway refuses: HTTP ``status``, OpenAI error ``type`` and ``code``."""
+class RequestError(ProtocolError):
+    """A request the gateway refuses: HTTP ``status``, OpenAI error ``type``, ``code`` and ``param``."""
 
     def __init__(self, message: str, status: int = 400, code: str = "invalid_request", param: str | None = None,
                  type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.code, self.param, self.type = status, code, param, type_
+        super().__init__(code, message, status)
+        self.param, self.type = param, type_
 
 
 class Cancelled(Exception):
     """The client went away; the worker stops at the next token."""
 
 
-def _error_response(exc: Exception) -> web.Response:
+def _error_response(exc: Exception, headers: dict | None = None) -> web.Response:
+    """OpenAI's error answer ``{"error": {message, type, param, code}}`` (plus ``telemetry`` when the exception
+    carries it) for a RequestError, a RouteError, any other ProtocolError, or a bug (500)."""
     if isinstance(exc, RequestError):
         err = {"message": str(exc), "type": exc.type, "param": exc.param, "code": exc.code}
+        status = exc.status
+    elif isinstance(exc, ProtocolError):
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        err = {"message": exc.message, "type": kind, "param": None, "code": exc.code}
         status = exc.status
     elif isinstance(exc, RouteError):
         err = {"message": str(exc), "type": "route_error", "param": None, "code": exc.code}
@@ -90,7 +96,7 @@ def _error_response(exc: Exception) -> web.Response:
     body = {"error": err}
     if getattr(exc, "telemetry", None):
         body["telemetry"] = exc.telemetry
-    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON)
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON, headers=headers)
 
 
 def _number(body: dict, name: str, default, lo=None, hi=None, kind=float):
@@ -935,7 +941,7 @@ async def health(request: web.Request) -> web.Response:
 
 def api_key_middleware(keys: tuple[str, ...]):
     """With API keys configured, ``/v1/*`` answers 401 (OpenAI's ``invalid_api_key``) without a valid
-    ``Authorization: Bearer KEY``; ``/health`` stays open. Unknown paths / methods: JSON 404 / 405."""
+    ``Authorization: Bearer KEY``; ``/health`` stays open."""
 
     @web.middleware
     async def check(request: web.Request, handler):
@@ -944,14 +950,7 @@ def api_key_middleware(keys: tuple[str, ...]):
             given = given.strip().encode() if scheme.lower() == "bearer" else b""
             if not any(hmac.compare_digest(given, k.encode()) for k in keys):
                 return _error_response(RequestError("missing or invalid API key", 401, "invalid_api_key"))
-        try:
-            return await handler(request)
-        except web.HTTPNotFound:  # the router's own answers, as OpenAI-style JSON errors
-            return _error_response(RequestError(f"no endpoint {request.method} {request.path}", 404, "not_found"))
-        except web.HTTPMethodNotAllowed as exc:
-            return _error_response(RequestError(f"{request.path} does not take {request.method} (allowed: "
-                                                f"{', '.join(sorted(exc.allowed_methods))})", 405,
-                                                "method_not_allowed"))
+        return await handler(request)
 
     return check
 
@@ -959,7 +958,8 @@ def api_key_middleware(keys: tuple[str, ...]):
 def make_app(config: GatewayConfig) -> web.Application:
     """The gateway's aiohttp app; the vocabulary is loaded at startup, the route on first use."""
     gw = Gateway(config)
-    app = web.Application(client_max_size=16 * 2 ** 20, middlewares=[api_key_middleware(tuple(config.api_keys))])
+    app = web.Application(client_max_size=16 * 2 ** 20, middlewares=[api_key_middleware(tuple(config.api_keys)),
+                                                                        json_errors_middleware(render=_error_response)])
     app[GATEWAY] = gw
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

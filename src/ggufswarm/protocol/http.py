@@ -111,8 +111,10 @@ def error_response(err: ProtocolError, headers: dict | None = None) -> web.Respo
     return web.Response(body=err.body(), status=err.status, content_type=JSON, headers=headers)
 
 
-def json_errors_middleware(on_error: Callable[[web.Request, ProtocolError], None] | None = None):
-    """aiohttp middleware giving every error a JSON answer.
+def json_errors_middleware(on_error: Callable[[web.Request, ProtocolError], None] | None = None,
+                           render: Callable[[ProtocolError, dict | None], web.Response] = error_response):
+    """aiohttp middleware giving every error a JSON answer, written by ``render(err, headers)`` (default
+    error_response; the gateway writes OpenAI's error shape).
 
     * the router's own 404 / 405 (no such path, wrong method) → ``not_found`` / ``method_not_allowed``;
     * an exception a handler raises (not aiohttp's own HTTP exceptions, which are answers) → as_protocol_error;
@@ -135,7 +137,7 @@ def json_errors_middleware(on_error: Callable[[web.Request, ProtocolError], None
                 err = ProtocolError("method_not_allowed",
                                     f"{request.path} does not take {request.method} (allowed: {', '.join(allowed)})")
                 headers = {"Allow": ",".join(allowed)}
-            resp = error_response(err, headers)
+            resp = render(err, headers)
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - every error gets its JSON answer; the server serves on
@@ -144,7 +146,7 @@ def json_errors_middleware(on_error: Callable[[web.Request, ProtocolError], None
                 log.exception("%s %s failed", request.method, request.path)
             if on_error is not None:
                 on_error(request, err)
-            resp = error_response(err)
+            resp = render(err, None)
         if request.body_exists and not request.content.at_eof() and isinstance(resp, web.Response):
             resp.force_close()
         return resp
