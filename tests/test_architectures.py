@@ -117,16 +117,20 @@ ROPE_CASES = [
     # Gemma 3 (4B and up) style: the global layer (5) is scaled, the sliding-window layers 0-4 are not
     ("gemma3", {"n_layers": 6, "sliding_window": 16}, {"rope_linear_factor": 8.0}),
     ("llama", {}, {"rope_freqs": True}),  # llama 3.1: per-dimension frequency divisors, rope_freqs.weight
+    # as llama.cpp reads them: a factor without a type is linear; the legacy key rope.scale_linear
+    ("llama", {}, {"rope_linear_factor": 4.0, "rope_scaling_style": "untyped"}),
+    ("llama", {}, {"rope_linear_factor": 4.0, "rope_scaling_style": "legacy"}),
 ]
 
 
 @pytest.mark.parametrize("arch,shared,option", ROPE_CASES,
-                         ids=[f"{a}-{'-'.join(o)}" for a, _, o in ROPE_CASES])
+                         ids=[f"{a}-{'-'.join(map(str, o.values()))}" for a, _, o in ROPE_CASES])
 def test_rope_scaling_and_freq_factors_match_llama_cpp(tiny_dir, arch, shared, option):
     """Linear RoPE scaling (``rope.scaling.type = linear``, ``rope.scaling.factor``) and ``rope_freqs.weight``:
     the torch backend's logits are llama.cpp's on the same F32 file (the tolerance of test_logits_match_llama_cpp),
     on one shard and on two (the second, without the embedding, still applies them); and the option is not
-    ignored: the same weights without it give logits far outside that tolerance (on both sides)."""
+    ignored: the same weights without it give logits far outside that tolerance (on both sides). The scaling is
+    also read as llama.cpp reads it from a factor without a type (linear) and from the legacy rope.scale_linear."""
     tag = "-".join(f"{k}{v}" for k, v in option.items())
     plain = write_tiny_model(tiny_dir / f"rope-{arch}-{len(shared)}-plain.gguf", arch, **shared)
     varied = write_tiny_model(tiny_dir / f"rope-{arch}-{len(shared)}-{tag}.gguf", arch, **shared, **option)

@@ -47,12 +47,14 @@ def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 
                      n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512, quant: bool = False,
                      seed: int = 0, sliding_window: int = 0, split_max_tensors: int = 0,
                      context_length: int = 4096, rope_linear_factor: float = 0.0, rope_freqs: bool = False,
-                     final_logit_softcap: float = 0.0) -> Path:
+                     final_logit_softcap: float = 0.0, rope_scaling_style: str = "typed") -> Path:
     """Write a random-weight ``arch`` GGUF (``llama``, ``qwen2``, ``qwen3`` or ``gemma3``) to ``path``.
 
     With ``quant``, attention q/o projections are Q8_0 and FFN up/down are Q4_K; the rest is F32.
     With ``split_max_tensors``, writes a split set ``NAME-0000K-of-0000N.gguf`` and returns its first file.
-    ``rope_linear_factor`` (> 0): ``{arch}.rope.scaling.type = linear`` and ``rope.scaling.factor``;
+    ``rope_linear_factor`` (> 0): ``{arch}.rope.scaling.type = linear`` and ``rope.scaling.factor``
+    (``rope_scaling_style`` ``"typed"``), the factor alone (``"untyped"``: llama.cpp's type defaults to linear) or the
+    legacy ``{arch}.rope.scale_linear`` (``"legacy"``);
     ``rope_freqs``: a llama 3.1-style ``rope_freqs.weight`` (``head_dim / 2`` frequency divisors, random in
     [1, 8), written last from their own generator); ``final_logit_softcap`` (> 0):
     ``{arch}.final_logit_softcapping``. The other weights are the same with or without these options.
@@ -70,8 +72,12 @@ def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     if rope_linear_factor:
-        w.add_rope_scaling_type(RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(rope_linear_factor)
+        if rope_scaling_style == "legacy":
+            w.add_float32(f"{arch}.rope.scale_linear", rope_linear_factor)
+        else:
+            if rope_scaling_style == "typed":
+                w.add_rope_scaling_type(RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope_linear_factor)
     if final_logit_softcap:
         w.add_final_logit_softcapping(final_logit_softcap)
     w.add_file_type(1 if not quant else 7)
