@@ -89,3 +89,85 @@ def test_split_set_loads_like_single_file(tiny_dir):
     la = LocalModel.load(single, backend="torch").session(64).logits(ids, all_positions=True)
     lb = LocalModel.load(first, backend="torch").session(64).logits(ids, all_positions=True)
     assert torch.equal(la, lb)
+
+
+def _torch_and_llama_cpp(path, ids: list[int], split: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(the torch backend's logits at every position, llama.cpp's on the same file) for ``ids``. With ``split``,
+    the torch side is two shards, ``[0, split)`` + embedding and ``[split, n)`` + head, hidden states passed on."""
+    llm = llama_cpp_model(path, n_ctx=128)
+    try:
+        llm.eval(ids)
+        ref = np.array(llm.scores[:len(ids)])
+    finally:
+        llm.close()
+    file = GGUFModelFile(path)
+    n = load_config(file).n_layers
+    specs = [ShardSpec(0, split, embed=True), ShardSpec(split, n, head=True)] if split else [ShardSpec(0, n, True, True)]
+    x = torch.tensor(ids)
+    for spec in specs:
+        shard = ShardExecutor(file, spec, numerics="llama.cpp")
+        x = shard.forward(shard.new_session(128), x, logits="all")
+    return x.numpy(), ref
+
+
+ROPE_CASES = [
+    # arch, write_tiny_model options shared by the plain and the varied model, the RoPE option under test
+    ("llama", {}, {"rope_linear_factor": 4.0}),
+    ("qwen3", {}, {"rope_linear_factor": 4.0}),  # NeoX pairs
+    # Gemma 3 (4B and up) style: the global layer (5) is scaled, the sliding-window layers 0-4 are not
+    ("gemma3", {"n_layers": 6, "sliding_window": 16}, {"rope_linear_factor": 8.0}),
+    ("llama", {}, {"rope_freqs": True}),  # llama 3.1: per-dimension frequency divisors, rope_freqs.weight
+    # as llama.cpp reads them: a factor without a type is linear; the legacy key rope.scale_linear
+    ("llama", {}, {"rope_linear_factor": 4.0, "rope_scaling_style": "untyped"}),
+    ("llama", {}, {"rope_linear_factor": 4.0, "rope_scaling_style": "legacy"}),
+]
+
+
+@pytest.mark.parametrize("arch,shared,option", ROPE_CASES,
+                         ids=[f"{a}-{'-'.join(map(str, o.values()))}" for a, _, o in ROPE_CASES])
+def test_rope_scaling_and_freq_factors_match_llama_cpp(tiny_dir, arch, shared, option):
+    """Linear RoPE scaling (``rope.scaling.type = linear``, ``rope.scaling.factor``) and ``rope_freqs.weight``:
+    the torch backend's logits are llama.cpp's on the same F32 file (the tolerance of test_logits_match_llama_cpp),
+    on one shard and on two (the second, without the embedding, still applies them); and the option is not
+    ignored: the same weights without it give logits far outside that tolerance (on both sides). The scaling is
+    also read as llama.cpp reads it from a factor without a type (linear) and from the legacy rope.scale_linear."""
+    tag = "-".join(f"{k}{v}" for k, v in option.items())
+    plain = write_tiny_model(tiny_dir / f"rope-{arch}-{len(shared)}-plain.gguf", arch, **shared)
+    varied = write_tiny_model(tiny_dir / f"rope-{arch}-{len(shared)}-{tag}.gguf", arch, **shared, **option)
+    ids = _ids(48)
+    ours, ref = _torch_and_llama_cpp(varied, ids)
+    split_ours, _ = _torch_and_llama_cpp(varied, ids, split=2)
+    plain_ours, plain_ref = _torch_and_llama_cpp(plain, ids)
+    scale = np.abs(ref).max()
+    tol = 1e-5 * scale
+    err, split_err = np.abs(ours - ref).max(), np.abs(split_ours - ref).max()
+    moved = np.abs(ref - plain_ref).max()
+    print(f"{arch} {option}: max |Δ| {err:.2e} (split {split_err:.2e}) of {scale:.2f}; without it {moved:.2f} away")
+    assert err <= tol and split_err <= tol
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    # position 0 is not rotated at all; every later one is, differently with the option
+    assert np.abs(ref[0] - plain_ref[0]).max() <= tol
+    assert moved > 100 * tol and np.abs(ours - plain_ours).max() > 100 * tol
+    assert np.abs(plain_ours - plain_ref).max() <= 1e-5 * np.abs(plain_ref).max()
+
+
+def test_final_logit_softcap_matches_llama_cpp(tiny_dir):
+    """``gemma3.final_logit_softcapping`` (the head computes ``cap * tanh(logits / cap)``): the torch backend's
+    logits are llama.cpp's on the same F32 file, within the tolerance of the uncapped model's logits (tanh only
+    shrinks differences), and far from the uncapped ones: the cap is not ignored by either."""
+    cap = 10.0  # the uncapped logits: median |x| ~5, max ~130: most are in tanh's bend, the largest saturate
+    plain = write_tiny_model(tiny_dir / "softcap-plain.gguf", "gemma3", sliding_window=16)
+    capped = write_tiny_model(tiny_dir / "softcap-10.gguf", "gemma3", sliding_window=16, final_logit_softcap=cap)
+    ids = _ids(48)
+    ours, ref = _torch_and_llama_cpp(capped, ids)
+    plain_ours, plain_ref = _torch_and_llama_cpp(plain, ids)
+    tol = 1e-5 * np.abs(plain_ref).max()
+    err = np.abs(ours - ref).max()
+    print(f"softcap {cap}: max |Δ| {err:.2e} (tolerance {tol:.2e}); uncapped max {np.abs(plain_ref).max():.1f}")
+    assert np.abs(plain_ours - plain_ref).max() <= tol
+    assert err <= tol
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert np.abs(ref).max() <= cap and np.abs(ours).max() <= cap
+    assert np.abs(ref - plain_ref).max() > cap and np.abs(ours - plain_ours).max() > cap
+    # the curve itself, not just some squashing: llama.cpp's capped logits are cap * tanh(uncapped / cap)
+    np.testing.assert_allclose(ref, cap * np.tanh(plain_ref / cap), rtol=0, atol=tol)

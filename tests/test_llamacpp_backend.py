@@ -344,3 +344,18 @@ def test_grammar_draws_follow_the_schema_and_rebuild_from_the_history(gemma):
     for broken in ('root ::= (', 'root ::= root "a"', 'item ::= "a"', 'root ::= undefined'):  # parse errors, no abort
         with pytest.raises(ValueError, match="could not parse"):
             LlamaCppSampler(SamplingParams(temperature=0, grammar=broken)).bind(head)
+
+
+OPTIONS = [("llama", {"n_layers": 6, "rope_linear_factor": 4.0}), ("llama", {"n_layers": 6, "rope_freqs": True}),
+           ("gemma3", {"n_layers": 6, "sliding_window": 16, "rope_linear_factor": 8.0}),
+           ("gemma3", {"n_layers": 6, "sliding_window": 16, "final_logit_softcap": 10.0})]
+
+
+@pytest.mark.parametrize("arch,options", OPTIONS, ids=[f"{a}-{list(o)[-1]}" for a, o in OPTIONS])
+def test_rope_scaling_freqs_and_softcap_survive_the_shard_files(arch, options, tiny_dir, tmp_path):
+    """Linear RoPE scaling, ``rope_freqs.weight`` and the final logit soft-cap reach the derived shard GGUFs: a
+    3-shard chain is bitwise llama.cpp's whole model (a shard losing the key or the tensor would compute
+    something else: test_architectures shows each changes the logits)."""
+    path = write_tiny_model(tiny_dir / f"bitwise-{arch}-{list(options)[-1]}.gguf", arch, **options)
+    rng = np.random.default_rng(3)
+    assert_chain_equals_llama_cpp(path, [2, 4], [1] + rng.integers(3, 384, 40).tolist(), tmp_path, n_ctx=256)

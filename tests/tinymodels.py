@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFWriter, TokenType
+from gguf import GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
 
 N_VOCAB = 384
@@ -46,11 +46,18 @@ def _random_q4_k(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
 def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 256, n_head: int = 4,
                      n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512, quant: bool = False,
                      seed: int = 0, sliding_window: int = 0, split_max_tensors: int = 0,
-                     context_length: int = 4096) -> Path:
+                     context_length: int = 4096, rope_linear_factor: float = 0.0, rope_freqs: bool = False,
+                     final_logit_softcap: float = 0.0, rope_scaling_style: str = "typed") -> Path:
     """Write a random-weight ``arch`` GGUF (``llama``, ``qwen2``, ``qwen3`` or ``gemma3``) to ``path``.
 
     With ``quant``, attention q/o projections are Q8_0 and FFN up/down are Q4_K; the rest is F32.
     With ``split_max_tensors``, writes a split set ``NAME-0000K-of-0000N.gguf`` and returns its first file.
+    ``rope_linear_factor`` (> 0): ``{arch}.rope.scaling.type = linear`` and ``rope.scaling.factor``
+    (``rope_scaling_style`` ``"typed"``), the factor alone (``"untyped"``: llama.cpp's type defaults to linear) or the
+    legacy ``{arch}.rope.scale_linear`` (``"legacy"``);
+    ``rope_freqs``: a llama 3.1-style ``rope_freqs.weight`` (``head_dim / 2`` frequency divisors, random in
+    [1, 8), written last from their own generator); ``final_logit_softcap`` (> 0):
+    ``{arch}.final_logit_softcapping``. The other weights are the same with or without these options.
     """
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
@@ -64,6 +71,15 @@ def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
+    if rope_linear_factor:
+        if rope_scaling_style == "legacy":
+            w.add_float32(f"{arch}.rope.scale_linear", rope_linear_factor)
+        else:
+            if rope_scaling_style == "typed":
+                w.add_rope_scaling_type(RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope_linear_factor)
+    if final_logit_softcap:
+        w.add_final_logit_softcapping(final_logit_softcap)
     w.add_file_type(1 if not quant else 7)
     if arch == "gemma3" and sliding_window:
         w.add_sliding_window(sliding_window)
@@ -115,6 +131,9 @@ def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 
         matrix(p + "ffn_gate.weight", n_ff, n_embd)
         matrix(p + "ffn_up.weight", n_ff, n_embd, QT.Q4_K if quant else None)
         matrix(p + "ffn_down.weight", n_embd, n_ff, QT.Q4_K if quant else None)
+    if rope_freqs:
+        factors = np.random.default_rng(seed + 1000).uniform(1.0, 8.0, head_dim // 2)
+        w.add_tensor("rope_freqs.weight", factors.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -77,8 +77,10 @@ def base_hparams(meta: dict[str, Any], arch: str, n_vocab: int) -> dict[str, Any
     n_head_kv = per_layer(meta_get(meta, arch, "attention.head_count_kv", n_head), n_layers)[0]
     head_dim = int(meta_get(meta, arch, "attention.key_length", n_embd // n_head))
     rope_base = float(meta_get(meta, arch, "rope.freq_base", 10000.0))
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(meta_get(meta, arch, "rope.scaling.factor", 1.0))
+    # as llama.cpp (llama-model.cpp): the type is linear when the key is absent, the factor falls back to the
+    # legacy rope.scale_linear key, and an absent or 0 factor means none
+    scaling = meta.get(f"{arch}.rope.scaling.type", "linear")
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear", 0.0)) or 0.0)
     scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
     return dict(
         arch=arch, n_layers=n_layers, n_embd=n_embd,
