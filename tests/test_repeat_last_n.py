@@ -12,7 +12,8 @@ from tinymodels import write_tiny_model
 
 from ggufswarm.client.sampling import Sampler, SamplingParams
 from ggufswarm.client.tokenizer import Tokenizer
-from ggufswarm.gateway.app import GatewayConfig, ServerThread, make_app
+from ggufswarm.gateway.app import GatewayConfig, make_app
+from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.server import NodeConfig
 from ggufswarm.node.server import make_app as make_node_app
 from ggufswarm.artifact.gguf_file import GGUFModelFile
