@@ -123,6 +123,15 @@ ROPE_CASES = [
 ]
 
 
+def test_unimplemented_rope_scaling_is_refused_on_torch(tiny_dir):
+    """A RoPE scaling type the torch backend does not implement (YaRN) is refused by name, not ignored (ignoring
+    it would give logits that silently differ from llama.cpp's)."""
+    path = write_tiny_model(tiny_dir / "yarn.gguf", "llama", n_layers=2, rope_linear_factor=4.0,
+                            rope_scaling_style="yarn")
+    with pytest.raises(UnsupportedArchitecture, match="'yarn'.*--backend llama.cpp"):
+        load_config(GGUFModelFile(path))
+
+
 @pytest.mark.parametrize("arch,shared,option", ROPE_CASES,
                          ids=[f"{a}-{'-'.join(map(str, o.values()))}" for a, _, o in ROPE_CASES])
 def test_rope_scaling_and_freq_factors_match_llama_cpp(tiny_dir, arch, shared, option):

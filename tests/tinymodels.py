@@ -54,7 +54,7 @@ def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 
     With ``split_max_tensors``, writes a split set ``NAME-0000K-of-0000N.gguf`` and returns its first file.
     ``rope_linear_factor`` (> 0): ``{arch}.rope.scaling.type = linear`` and ``rope.scaling.factor``
     (``rope_scaling_style`` ``"typed"``), the factor alone (``"untyped"``: llama.cpp's type defaults to linear) or the
-    legacy ``{arch}.rope.scale_linear`` (``"legacy"``);
+    legacy ``{arch}.rope.scale_linear`` (``"legacy"``), or the factor typed as YaRN (``"yarn"``);
     ``rope_freqs``: a llama 3.1-style ``rope_freqs.weight`` (``head_dim / 2`` frequency divisors, random in
     [1, 8), written last from their own generator); ``final_logit_softcap`` (> 0):
     ``{arch}.final_logit_softcapping``. The other weights are the same with or without these options.
@@ -75,8 +75,8 @@ def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 
         if rope_scaling_style == "legacy":
             w.add_float32(f"{arch}.rope.scale_linear", rope_linear_factor)
         else:
-            if rope_scaling_style == "typed":
-                w.add_rope_scaling_type(RopeScalingType.LINEAR)
+            if rope_scaling_style in ("typed", "yarn"):
+                w.add_rope_scaling_type(RopeScalingType.LINEAR if rope_scaling_style == "typed" else RopeScalingType.YARN)
             w.add_rope_scaling_factor(rope_linear_factor)
     if final_logit_softcap:
         w.add_final_logit_softcapping(final_logit_softcap)

@@ -81,6 +81,9 @@ def base_hparams(meta: dict[str, Any], arch: str, n_vocab: int) -> dict[str, Any
     # legacy rope.scale_linear key, and an absent or 0 factor means none
     scaling = meta.get(f"{arch}.rope.scaling.type", "linear")
     factor = float(meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear", 0.0)) or 0.0)
+    if scaling not in ("none", "linear") and factor > 0:
+        raise UnsupportedArchitecture(f"{arch}: RoPE scaling type {scaling!r} (factor {factor:g}) is not implemented "
+                                      f"by the torch backend (it takes none and linear); use --backend llama.cpp")
     scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
     return dict(
         arch=arch, n_layers=n_layers, n_embd=n_embd,
