@@ -143,7 +143,7 @@ def make_app(config: CacheConfig) -> web.Application:
 
 def run_cache(config: CacheConfig, host: str, port: int) -> int:
     """``ggufswarm cache``: serve until SIGINT/SIGTERM, printing one ready line to stdout."""
-    from ..protocol.http import serve
+    from ..protocol.http import run_server
 
     app = make_app(config)
     store = app[STORE]
@@ -152,7 +152,7 @@ def run_cache(config: CacheConfig, host: str, port: int) -> int:
         print(f"ggufswarm cache ready: {url}  (dir {Path(config.dir).resolve()}, {store.count} snapshots, "
               f"{store.total_bytes / 2**20:.1f} of {config.max_bytes / 2**20:.0f} MiB)", flush=True)
 
-    asyncio.run(serve(app, host, port, ready))
+    run_server(app, host, port, ready)
     print("ggufswarm cache: stopped", file=sys.stderr, flush=True)
     return 0
 

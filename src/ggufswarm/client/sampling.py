@@ -9,12 +9,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+import numpy as np
 import torch
 
 
 _FLOAT_MAX = torch.finfo(torch.float64).max
 MAX_GRAMMAR_CHARS = 2 ** 20  # a GBNF grammar of a session (characters)
 _F32_MAX = torch.finfo(torch.float32).max
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """The id of the first maximum of ``logits`` ``[n_vocab]`` (any float dtype, CPU), as llama.cpp's greedy
+    sampler picks it. Through numpy: ``torch.argmax`` takes ~1 ms over Gemma 3's 262,144 logits on one CPU
+    thread, ``numpy.argmax`` ~20 us (measured here), on every decoded token."""
+    return int(np.argmax(logits.detach().to(torch.float32).numpy()))
 
 
 @dataclass(frozen=True)
@@ -185,7 +193,7 @@ class Sampler:
         p = self.params
         logits = self.adjust(logits, history)
         if p.temperature <= 0:
-            return int(torch.argmax(logits))
+            return greedy(logits)
         k = p.top_k if 0 < p.top_k < logits.numel() else logits.numel()
         values, ids = torch.topk(logits, k)  # sorted descending
         probs = torch.softmax(values, dim=-1)

@@ -33,7 +33,7 @@ from ..client.tokenizer import Tokenizer
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, new_call_id, parse_tool_calls, tool_request
 from ..model.config import MAX_CONTEXT
 from ..protocol.errors import ProtocolError
-from ..protocol.http import json_errors_middleware, read_json, serve
+from ..protocol.http import json_errors_middleware, read_json, run_server
 
 log = logging.getLogger(__name__)
 
@@ -1029,6 +1029,6 @@ def run_gateway(config: GatewayConfig) -> int:
         where = f"tracker {config.tracker}" if config.tracker else f"route {','.join(config.route)}"
         print(f"ggufswarm gateway ready: {url}/v1 {where}", flush=True)
 
-    asyncio.run(serve(app, config.host, config.port, ready))
+    run_server(app, config.host, config.port, ready)
     print("ggufswarm gateway: stopped", file=sys.stderr, flush=True)
     return 0

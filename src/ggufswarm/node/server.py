@@ -30,7 +30,7 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..client.sampling import SamplingParams
 from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden
 from ..protocol.auth import auth_headers, swarm_token, token_middleware
-from ..protocol.http import JSON, as_protocol_error, json_errors_middleware, read_json, serve
+from ..protocol.http import JSON, as_protocol_error, json_errors_middleware, read_json, run_server
 from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE, step_timeout_s
 from .link import HopLinks, encode_reply, reply_error
 from ..runtime.sessions import SessionStore
@@ -812,7 +812,7 @@ def run_node(config: NodeConfig) -> int:
               f"kv_budget {state.store.budget_tokens} tokens", flush=True)
 
     try:
-        asyncio.run(serve(app, config.host, config.port, ready))
+        run_server(app, config.host, config.port, ready)
     finally:
         if fetched is not None:
             fetched.swarm.close()

@@ -14,9 +14,7 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
 
     Raises ValueError when the database's directory does not exist, OSError when the port is taken.
     """
-    import asyncio
-
-    from ..protocol.http import serve
+    from ..protocol.http import run_server
 
     db_dir = Path(config.db).expanduser().resolve().parent
     if config.db != ":memory:" and not db_dir.is_dir():
@@ -26,7 +24,7 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
         print(f"ggufswarm tracker ready: {url}  (db {config.db}, node TTL {config.ttl_s:g} s; status page at /)",
               flush=True)
 
-    asyncio.run(serve(make_app(config), host, port, ready))
+    run_server(make_app(config), host, port, ready)
     return 0
 
 

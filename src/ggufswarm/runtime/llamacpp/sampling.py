@@ -21,7 +21,7 @@ import torch
 
 import llama_cpp as L
 
-from ...client.sampling import Sampler, SamplingParams
+from ...client.sampling import Sampler, SamplingParams, greedy
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)
@@ -170,7 +170,7 @@ class LlamaCppSampler(Sampler):
         p = self.params
         if not grammar and p.temperature <= 0 and (p.repeat_penalty == 1.0 or not history) and not p.logit_bias \
                 and not ((p.frequency_penalty or p.presence_penalty) and history[p.penalize_from:]):
-            return int(torch.argmax(logits))  # what llama.cpp's greedy sampler returns (first maximum)
+            return greedy(logits)  # what llama.cpp's greedy sampler returns (first maximum)
         arr, n = self._array(logits)
         if grammar:  # tokens the grammar does not allow get -inf
             L.llama_sampler_apply(self._grammar, ctypes.byref(arr))
