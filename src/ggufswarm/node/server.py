@@ -31,13 +31,12 @@ from ..client.sampling import SamplingParams
 from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden
 from ..protocol.auth import auth_headers, swarm_token, token_middleware
 from ..protocol.http import JSON, as_protocol_error, json_errors_middleware, read_json, serve
-from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE, step_timeout_s
+from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE, WIRE_DTYPES, step_timeout_s
 from .link import HopLinks, encode_reply, reply_error
 from ..runtime.sessions import SessionStore
 from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
 from ..runtime.shard import ShardSpec
 
-WIRE_DTYPES = ("f16", "bf16", "f32")
 NODE = web.AppKey("node", object)
 
 
@@ -505,7 +504,7 @@ async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, b
         kind = "decode" if frame.n_tokens == 1 else "prefill"
         state.bytes_in.labels(kind).inc(len(body))
         if (frame.dtype == "ids") != state.spec.embed:
-            want = "token ids (dtype ids)" if state.spec.embed else "hidden states (f16, bf16 or f32)"
+            want = "token ids (dtype ids)" if state.spec.embed else f"hidden states ({', '.join(WIRE_DTYPES)})"
             raise ProtocolError("bad_dtype", f"layers {state.spec.start}:{state.spec.end} take {want}; "
                                              f"got a {frame.dtype} frame")
         session = state.store.get(frame.session_id)
