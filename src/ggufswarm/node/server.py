@@ -30,6 +30,7 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..client.sampling import SamplingParams
 from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden
 from ..protocol.auth import auth_headers, swarm_token, token_middleware
+from ..protocol.fields import json_field
 from ..protocol.http import JSON, as_protocol_error, json_errors_middleware, read_json, serve
 from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE, WIRE_DTYPES, step_timeout_s
 from .link import HopLinks, encode_reply, reply_error
@@ -37,6 +38,7 @@ from ..runtime.sessions import SessionStore
 from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
 from ..runtime.shard import ShardSpec
 
+MAX_STEP = 2 ** 63 - 1  # step numbers are uint64 in a frame's header; JSON ones stay below 2**63
 NODE = web.AppKey("node", object)
 
 
@@ -205,29 +207,17 @@ async def open_session(request: web.Request) -> web.Response:
     try:
         body = await read_json(request)
         sid = _session_id(body.get("session_id") or uuid.UUID(bytes=os.urandom(16)))  # 128 random bits
-        max_length = body.get("max_length")
-        if not isinstance(max_length, int) or isinstance(max_length, bool):
-            raise ProtocolError("bad_request", f"max_length must be an integer, got {max_length!r}")
+        max_length = json_field(body, "max_length", int)
         next_hop = _next_hop(state, body.get("next_hop"))
         await _check_registered(state, next_hop)
         wire = body.get("wire_dtype", "f32")
         if wire not in WIRE_DTYPES:
             raise ProtocolError("bad_dtype", f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire!r}")
-        n_logprobs = body.get("top_logprobs", 0)
-        if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or not 0 <= n_logprobs <= 20:
-            raise ProtocolError("bad_request", f"top_logprobs must be an integer in 0..20, got {n_logprobs!r}")
-        want_logprob = body.get("logprobs", False)
-        if not isinstance(want_logprob, bool):
-            raise ProtocolError("bad_request", f"logprobs must be true or false, got {want_logprob!r}")
-        lease = body.get("lease_s")
-        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
-                                  or not 0 < lease <= sys.float_info.max):
-            raise ProtocolError("bad_request", f"lease_s must be a positive number of seconds, got {lease!r}")
-        hop_timeout = body.get("hop_timeout_s", state.config.hop_timeout_s)
-        if (isinstance(hop_timeout, bool) or not isinstance(hop_timeout, (int, float))
-                or not 0 < hop_timeout <= sys.float_info.max):  # finite: it becomes a float timeout
-            raise ProtocolError("bad_request", f"hop_timeout_s must be a positive finite number of seconds, "
-                                               f"got {hop_timeout!r}")
+        n_logprobs = json_field(body, "top_logprobs", int, 0, min=0, max=20)
+        want_logprob = json_field(body, "logprobs", bool, False)
+        lease = json_field(body, "lease_s", float, None, positive=True, unit="seconds")
+        hop_timeout = json_field(body, "hop_timeout_s", float, state.config.hop_timeout_s, positive=True,
+                                 unit="seconds")
         model = body.get("model")
         if model is not None and model != state.executor.model.fingerprint:
             raise ProtocolError("model_mismatch", f"this node serves {state.model_name} (GGUF fingerprint "
@@ -243,7 +233,7 @@ async def open_session(request: web.Request) -> web.Response:
         session = state.store.open(sid, max_length, next_hop, params, wire, n_logprobs, want_logprob)
         session.lock = asyncio.Lock()
         session.hop_timeout_s = float(hop_timeout)
-        session.lease_s = float(lease) if lease is not None else None
+        session.lease_s = lease
     except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
         return _error(state, exc)
     return _json({"session_id": str(sid), "max_length": max_length, "layers": [state.spec.start, state.spec.end],
@@ -322,13 +312,6 @@ async def _check_registered(state: NodeState, url: str | None) -> None:
                                                 f"{model!r}; refused")
 
 
-def _step_field(body: dict):
-    step = body.get("step")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2 ** 63):
-        raise ProtocolError("bad_request", f"step must be an integer in [0, 2**63), got {step!r}"[:300])
-    return step
-
-
 async def truncate_session(request: web.Request) -> web.Response:
     """``POST /v1/sessions/{id}/truncate`` {length[, step][, next_hop]} → 200 {length}: roll the KV cache back.
 
@@ -338,10 +321,8 @@ async def truncate_session(request: web.Request) -> web.Response:
     state: NodeState = request.app[NODE]
     try:
         body = await read_json(request)
-        length = body.get("length")
-        if not isinstance(length, int) or isinstance(length, bool):
-            raise ProtocolError("bad_request", f"length must be an integer, got {length!r}")
-        step_no = _step_field(body)
+        length = json_field(body, "length", int)
+        step_no = json_field(body, "step", int, None, min=0, max=MAX_STEP)
         next_hop = _next_hop(state, body["next_hop"]) if "next_hop" in body else None
         await _check_registered(state, next_hop)
         session = state.store.get(_session_id(request.match_info["sid"]))
@@ -376,7 +357,7 @@ async def restore_session(request: web.Request) -> web.Response:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
             raise ProtocolError("bad_request", "tokens must be a list of token ids")
-        step_no = _step_field(body)
+        step_no = json_field(body, "step", int, None, min=0, max=MAX_STEP)
         wanted = body.get("boundaries")
         if wanted is not None and (not isinstance(wanted, list) or not all(type(b) is int for b in wanted)
                                    or wanted != sorted(set(wanted)) or (wanted and wanted[0] <= 0)):
