@@ -180,6 +180,74 @@ def test_garbage_bodies(cluster, gemma):
     assert_serving(cluster, gemma)
 
 
+def test_json_fields_checked_by_kind_range_and_default(cluster, gemma):
+    """Integer, boolean and number fields of the JSON endpoints: a bool is not an integer (nor 1 a bool), a
+    value out of range or not finite is refused naming the field and the value, and a missing field takes
+    its default (``null`` too, where the default is none)."""
+    head = cluster[2].url
+    bad = [
+        ({"max_length": True}, "max_length must be an integer, got True"),
+        ({"max_length": 10.0}, "max_length must be an integer, got 10.0"),
+        ({}, "max_length must be an integer; the body has no max_length"),
+        ({"max_length": None}, "max_length must be an integer, got None"),
+        ({"max_length": 10, "top_logprobs": True}, "top_logprobs must be an integer in 0..20, got True"),
+        ({"max_length": 10, "top_logprobs": 21}, "top_logprobs must be an integer in 0..20, got 21"),
+        ({"max_length": 10, "top_logprobs": -1}, "top_logprobs must be an integer in 0..20, got -1"),
+        ({"max_length": 10, "logprobs": 1}, "logprobs must be true or false, got 1"),
+        ({"max_length": 10, "logprobs": None}, "logprobs must be true or false, got None"),
+        ({"max_length": 10, "lease_s": True}, "lease_s must be a positive finite number of seconds, got True"),
+        ({"max_length": 10, "lease_s": 0}, "lease_s must be a positive finite number of seconds, got 0"),
+        ({"max_length": 10, "hop_timeout_s": float("inf")},
+         "hop_timeout_s must be a positive finite number of seconds, got inf"),
+        ({"max_length": 10, "hop_timeout_s": 10 ** 400},
+         "hop_timeout_s must be a positive finite number of seconds, got 1000000000"),
+        ({"max_length": "x" * 5000}, "max_length must be an integer, got 'xxxx"),
+    ]
+    for body, message in bad:
+        status, reply = http("POST", head + "/v1/sessions", body)
+        assert status == 400 and reply["error"]["code"] == "bad_request", (body, reply)
+        assert reply["error"]["message"].startswith(message) and len(reply["error"]["message"]) < 200, (body, reply)
+
+    def first_step(sid):
+        status, reply = post_frame(head, encode_hidden(sid, 1, 0, torch.zeros(1, N_EMBD), "f32",
+                                                       token_ids=torch.tensor([5])))
+        assert status == 200, reply
+        return reply
+
+    # missing (or null lease_s): the defaults — no logprobs, the node's TTL as the lease
+    status, opened = http("POST", head + "/v1/sessions", {"max_length": 10, "lease_s": None})
+    assert status == 201, opened
+    sid = uuid.UUID(opened["session_id"])
+    try:
+        reply = first_step(sid)
+        assert "logprobs" not in reply and "token_logprob" not in reply
+        status, renewed = http("POST", f"{head}/v1/sessions/{sid}/renew")
+        assert status == 200 and renewed["lease_s"] == health(head)["session_ttl_s"]
+        for body, message in [({"length": True}, "length must be an integer, got True"),
+                              ({"length": 0, "step": True}, "step must be an integer in 0..2**63 - 1, got True"),
+                              ({"length": 0, "step": -1}, "step must be an integer in 0..2**63 - 1, got -1"),
+                              ({"length": 0, "step": 2 ** 63}, "step must be an integer in 0..2**63 - 1, got 9223")]:
+            status, reply = http("POST", f"{head}/v1/sessions/{sid}/truncate", body)
+            assert status == 400 and reply["error"]["message"].startswith(message), (body, reply)
+        status, reply = http("POST", f"{head}/v1/sessions/{sid}/truncate", {"length": 0, "step": None})
+        assert status == 200 and reply["length"] == 0, reply  # step null: the step number is left as it is
+    finally:
+        http("DELETE", f"{head}/v1/sessions/{sid}")
+    # given: an integer lease is a number of seconds, logprobs true
+    status, opened = http("POST", head + "/v1/sessions", {"max_length": 10, "lease_s": 2, "top_logprobs": 3,
+                                                          "logprobs": True, "hop_timeout_s": 5})
+    assert status == 201, opened
+    sid = uuid.UUID(opened["session_id"])
+    try:
+        reply = first_step(sid)
+        assert len(reply["logprobs"]) == 3 and isinstance(reply["token_logprob"], float), reply
+        status, renewed = http("POST", f"{head}/v1/sessions/{sid}/renew")
+        assert status == 200 and renewed["lease_s"] == 2.0
+    finally:
+        http("DELETE", f"{head}/v1/sessions/{sid}")
+    assert_serving(cluster, gemma)
+
+
 def test_wrong_dtype(cluster, gemma):
     sid = uuid.uuid4()
     status, body = post_frame(cluster[0].url, encode_hidden(sid, 1, 0, torch.zeros(1, N_EMBD)))

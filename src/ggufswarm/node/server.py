@@ -28,16 +28,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.sampling import SamplingParams
-from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden
+from ..protocol import PROTOCOL_VERSION, Frame, ProtocolError, decode_frame, encode_hidden
 from ..protocol.auth import auth_headers, swarm_token, token_middleware
+from ..protocol.fields import json_field
+from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE, WIRE_DTYPES, step_timeout_s
 from ..protocol.http import JSON, as_protocol_error, json_errors_middleware, read_json, run_server
-from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE, step_timeout_s
 from .link import HopLinks, encode_reply, reply_error
-from ..runtime.sessions import SessionStore
+from ..runtime.sessions import Session, SessionStore, StepRecord
 from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
 from ..runtime.shard import ShardSpec
 
-WIRE_DTYPES = ("f16", "bf16", "f32")
+MAX_STEP = 2 ** 63 - 1  # step numbers are uint64 in a frame's header; JSON ones stay below 2**63
 NODE = web.AppKey("node", object)
 
 
@@ -206,29 +207,17 @@ async def open_session(request: web.Request) -> web.Response:
     try:
         body = await read_json(request)
         sid = _session_id(body.get("session_id") or uuid.UUID(bytes=os.urandom(16)))  # 128 random bits
-        max_length = body.get("max_length")
-        if not isinstance(max_length, int) or isinstance(max_length, bool):
-            raise ProtocolError("bad_request", f"max_length must be an integer, got {max_length!r}")
+        max_length = json_field(body, "max_length", int)
         next_hop = _next_hop(state, body.get("next_hop"))
         await _check_registered(state, next_hop)
         wire = body.get("wire_dtype", "f32")
         if wire not in WIRE_DTYPES:
             raise ProtocolError("bad_dtype", f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire!r}")
-        n_logprobs = body.get("top_logprobs", 0)
-        if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or not 0 <= n_logprobs <= 20:
-            raise ProtocolError("bad_request", f"top_logprobs must be an integer in 0..20, got {n_logprobs!r}")
-        want_logprob = body.get("logprobs", False)
-        if not isinstance(want_logprob, bool):
-            raise ProtocolError("bad_request", f"logprobs must be true or false, got {want_logprob!r}")
-        lease = body.get("lease_s")
-        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
-                                  or not 0 < lease <= sys.float_info.max):
-            raise ProtocolError("bad_request", f"lease_s must be a positive number of seconds, got {lease!r}")
-        hop_timeout = body.get("hop_timeout_s", state.config.hop_timeout_s)
-        if (isinstance(hop_timeout, bool) or not isinstance(hop_timeout, (int, float))
-                or not 0 < hop_timeout <= sys.float_info.max):  # finite: it becomes a float timeout
-            raise ProtocolError("bad_request", f"hop_timeout_s must be a positive finite number of seconds, "
-                                               f"got {hop_timeout!r}")
+        n_logprobs = json_field(body, "top_logprobs", int, 0, min=0, max=20)
+        want_logprob = json_field(body, "logprobs", bool, False)
+        lease = json_field(body, "lease_s", float, None, positive=True, unit="seconds")
+        hop_timeout = json_field(body, "hop_timeout_s", float, state.config.hop_timeout_s, positive=True,
+                                 unit="seconds")
         model = body.get("model")
         if model is not None and model != state.executor.model.fingerprint:
             raise ProtocolError("model_mismatch", f"this node serves {state.model_name} (GGUF fingerprint "
@@ -244,7 +233,7 @@ async def open_session(request: web.Request) -> web.Response:
         session = state.store.open(sid, max_length, next_hop, params, wire, n_logprobs, want_logprob)
         session.lock = asyncio.Lock()
         session.hop_timeout_s = float(hop_timeout)
-        session.lease_s = float(lease) if lease is not None else None
+        session.lease_s = lease
     except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
         return _error(state, exc)
     return _json({"session_id": str(sid), "max_length": max_length, "layers": [state.spec.start, state.spec.end],
@@ -323,13 +312,6 @@ async def _check_registered(state: NodeState, url: str | None) -> None:
                                                 f"{model!r}; refused")
 
 
-def _step_field(body: dict):
-    step = body.get("step")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2 ** 63):
-        raise ProtocolError("bad_request", f"step must be an integer in [0, 2**63), got {step!r}"[:300])
-    return step
-
-
 async def truncate_session(request: web.Request) -> web.Response:
     """``POST /v1/sessions/{id}/truncate`` {length[, step][, next_hop]} → 200 {length}: roll the KV cache back.
 
@@ -339,10 +321,8 @@ async def truncate_session(request: web.Request) -> web.Response:
     state: NodeState = request.app[NODE]
     try:
         body = await read_json(request)
-        length = body.get("length")
-        if not isinstance(length, int) or isinstance(length, bool):
-            raise ProtocolError("bad_request", f"length must be an integer, got {length!r}")
-        step_no = _step_field(body)
+        length = json_field(body, "length", int)
+        step_no = json_field(body, "step", int, None, min=0, max=MAX_STEP)
         next_hop = _next_hop(state, body["next_hop"]) if "next_hop" in body else None
         await _check_registered(state, next_hop)
         session = state.store.get(_session_id(request.match_info["sid"]))
@@ -377,7 +357,7 @@ async def restore_session(request: web.Request) -> web.Response:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
             raise ProtocolError("bad_request", "tokens must be a list of token ids")
-        step_no = _step_field(body)
+        step_no = json_field(body, "step", int, None, min=0, max=MAX_STEP)
         wanted = body.get("boundaries")
         if wanted is not None and (not isinstance(wanted, list) or not all(type(b) is int for b in wanted)
                                    or wanted != sorted(set(wanted)) or (wanted and wanted[0] <= 0)):
@@ -422,18 +402,6 @@ async def restore_session(request: web.Request) -> web.Response:
     if state.executor.backend == "llama.cpp":
         reply["boundaries"] = session.boundaries
     return _json(reply)
-
-
-async def _push(state: NodeState, url: str, frame: bytes, timeout_s: float) -> dict:
-    """Send ``frame`` to the next hop ``url`` over its link; the parsed reply. ProtocolError naming the hop on
-    any failure (the hop's own error, passed on, or hop_failed / hop_timeout)."""
-    status, body = await state.links.step(url, frame, timeout_s)
-    if status != 200:
-        raise reply_error(body, status, url)
-    try:
-        return json.loads(body)
-    except ValueError:
-        raise ProtocolError("hop_failed", f"next hop {url} answered a step with non-JSON", hop=url) from None
 
 
 def _frame_too_large(state: NodeState) -> ProtocolError:
@@ -505,7 +473,7 @@ async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, b
         kind = "decode" if frame.n_tokens == 1 else "prefill"
         state.bytes_in.labels(kind).inc(len(body))
         if (frame.dtype == "ids") != state.spec.embed:
-            want = "token ids (dtype ids)" if state.spec.embed else "hidden states (f16, bf16 or f32)"
+            want = "token ids (dtype ids)" if state.spec.embed else f"hidden states ({', '.join(WIRE_DTYPES)})"
             raise ProtocolError("bad_dtype", f"layers {state.spec.start}:{state.spec.end} take {want}; "
                                              f"got a {frame.dtype} frame")
         session = state.store.get(frame.session_id)
@@ -519,53 +487,102 @@ async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, b
         return _error_reply(state, exc)
 
 
-async def _apply_session_frame(state: NodeState, session, frame, body: bytes, kind: str,
+async def _apply_session_frame(state: NodeState, session: Session, frame: Frame, body: bytes, kind: str,
                                t0: float) -> tuple[int, bytes]:
-    """The part of _apply_frame that runs under the session's lock. Raises what the step raises."""
+    """The part of _apply_frame that runs under the session's lock, in three parts: replay or apply the step
+    (_replay, _apply), relay its output downstream (_relay; the head answers itself, _head_reply), and record
+    the reply for a retry of the step (_record). Raises what the step raises."""
     async with session.lock:
         digest = zlib.crc32(body)
-        record = state.store.replay(session, frame.step, digest, frame.start, frame.n_tokens)
-        if record is not None:
-            state.replays.inc()
-            if record.reply is not None:
-                return 200, record.reply
-        else:
-            args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample)
-            lock = state.inline_lock if frame.n_tokens == 1 else None
-            if lock is not None and lock.acquire(blocking=False):
-                # A decode step when the shard is idle runs right here on the event loop: it takes a few ms,
-                # and the hand-off to a worker thread and back costs ~0.5 ms (about 10 % of a hop's step;
-                # bench/bench_llamacpp.py). With the shard busy (a prefill, a snapshot) it queues in the pool,
-                # so the loop never waits for another step.
-                try:
-                    record = state.store.apply(*args)
-                finally:
-                    lock.release()
-            else:
-                record = await asyncio.get_running_loop().run_in_executor(state.pool, state.store.apply, *args)
+        record = _replay(state, session, frame, digest)
+        if record is None:  # the next step
+            record = _apply(state, session, frame, digest)
+            if isinstance(record, asyncio.Future):
+                record = await record
             state.steps.labels(kind).inc()
             state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
+        elif record.reply is not None:  # a retry of a step answered: the same answer
+            return 200, record.reply
+        # else a retry of a step whose relay failed: its recorded output is relayed again
         hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
         if state.spec.head:
-            reply = {"token": record.token, "hops": [hop]}
-            if record.logprobs is not None:
-                reply["logprobs"] = record.logprobs
-            if record.token_logprob is not None:
-                reply["token_logprob"] = record.token_logprob
+            reply = _head_reply(record, hop)
         else:
-            ids = frame.data if frame.dtype == "ids" else frame.token_ids
-            out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,
-                                ids, frame.flags & FLAG_NO_SAMPLE)
-            state.bytes_out.labels(kind).inc(len(out))
-            t_push = time.perf_counter()
-            reply = await _push(state, session.next_hop, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
-            hop["push_ms"] = round((time.perf_counter() - t_push) * 1e3, 3)
-            reply["hops"].insert(0, hop)
-        hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-        record.reply = json.dumps(reply).encode()
-        if state.snapshots is not None:
-            state.snapshots.after_step(session, kind == "prefill" and frame.sample)
-        return 200, record.reply
+            reply = await _relay(state, session, frame, record, kind, hop)
+        return 200, _record(state, session, frame, kind, record, reply, hop, t0)
+
+
+def _replay(state: NodeState, session: Session, frame: Frame, digest: int) -> StepRecord | None:
+    """The StepRecord of the session's last step when ``frame`` retries it (same step number, same content,
+    CRC-32 ``digest`` of the frame): answer it again, never apply it twice. None when ``frame`` is the
+    session's next step. StepConflict otherwise: position_mismatch, step_conflict, stale_step or step_gap."""
+    record = state.store.replay(session, frame.step, digest, frame.start, frame.n_tokens)
+    if record is not None:
+        state.replays.inc()
+    return record
+
+
+def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> StepRecord | asyncio.Future:
+    """Apply the session's next step: its StepRecord when it ran here, or an asyncio.Future of it when it went
+    to the worker pool (await it). Raises (or the future does) what SessionStore.apply raises."""
+    args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample)
+    lock = state.inline_lock if frame.n_tokens == 1 else None
+    if lock is not None and lock.acquire(blocking=False):
+        # A decode step when the shard is idle runs right here on the event loop: it takes a few ms,
+        # and the hand-off to a worker thread and back costs ~0.5 ms (about 10 % of a hop's step;
+        # bench/bench_llamacpp.py). With the shard busy (a prefill, a snapshot) it queues in the pool,
+        # so the loop never waits for another step.
+        try:
+            return state.store.apply(*args)
+        finally:
+            lock.release()
+    return asyncio.get_running_loop().run_in_executor(state.pool, state.store.apply, *args)
+
+
+def _head_reply(record: StepRecord, hop: dict) -> dict:
+    """The head's reply to a step: ``{token, hops: [hop]}``, with ``logprobs`` / ``token_logprob`` when the
+    session asked for them."""
+    reply = {"token": record.token, "hops": [hop]}
+    if record.logprobs is not None:
+        reply["logprobs"] = record.logprobs
+    if record.token_logprob is not None:
+        reply["token_logprob"] = record.token_logprob
+    return reply
+
+
+async def _relay(state: NodeState, session: Session, frame: Frame, record: StepRecord, kind: str, hop: dict) -> dict:
+    """Push the step's output (in the session's wire dtype, with the route's token ids) to the session's next
+    hop over its link; that hop's parsed reply with ``hop`` (this node's timings, ``push_ms`` added) first in
+    its ``hops``. ProtocolError naming the hop on any failure: the hop's own error passed on, hop_failed or
+    hop_timeout (after ``step_timeout_s`` of the session's ``hop_timeout_s``, seconds)."""
+    ids = frame.data if frame.dtype == "ids" else frame.token_ids
+    out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,
+                        ids, frame.flags & FLAG_NO_SAMPLE)
+    state.bytes_out.labels(kind).inc(len(out))
+    url = session.next_hop
+    t_push = time.perf_counter()
+    status, body = await state.links.step(url, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
+    if status != 200:
+        raise reply_error(body, status, url)
+    try:
+        reply = json.loads(body)
+    except ValueError:
+        raise ProtocolError("hop_failed", f"next hop {url} answered a step with non-JSON", hop=url) from None
+    hop["push_ms"] = round((time.perf_counter() - t_push) * 1e3, 3)
+    reply["hops"].insert(0, hop)
+    return reply
+
+
+def _record(state: NodeState, session: Session, frame: Frame, kind: str, record: StepRecord, reply: dict, hop: dict,
+            t0: float) -> bytes:
+    """Finish the step: ``hop`` gets ``handle_ms`` (since ``t0``, perf_counter s), the reply's JSON bytes are
+    kept on the step's record (a retry of the step is answered with exactly these), and the snapshot link
+    sees the step. The reply bytes."""
+    hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+    record.reply = json.dumps(reply).encode()
+    if state.snapshots is not None:
+        state.snapshots.after_step(session, kind == "prefill" and frame.sample)
+    return record.reply
 
 
 async def model_info(request: web.Request) -> web.Response:

@@ -34,9 +34,30 @@ MAGIC = b"GSWF"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<4sBBBb16sQIIII")
 HEADER_SIZE = HEADER.size  # 48
-DTYPE_CODES = {"ids": 1, "f16": 2, "bf16": 3, "f32": 4}
-DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
-ITEMSIZE = {"ids": 4, "f16": 2, "bf16": 2, "f32": 4}
+
+
+@dataclass(frozen=True)
+class WireDtype:
+    """How one wire dtype travels: ``code`` (the header's dtype byte), ``numpy`` (the little-endian numpy dtype
+    of the payload's values; bf16 travels as its raw 16 bits, ``<u2``), ``torch`` (what a tensor is cast to
+    before encoding; None for ids, which are sent as given), ``itemsize`` (bytes per value)."""
+
+    code: int
+    numpy: str
+    torch: torch.dtype | None
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.numpy).itemsize
+
+
+# The one table of wire dtypes; every other mapping (codes, names, sizes, the hidden-state dtypes) derives from it.
+DTYPES = {"ids": WireDtype(1, "<i4", None), "f16": WireDtype(2, "<f2", torch.float16),
+          "bf16": WireDtype(3, "<u2", torch.bfloat16), "f32": WireDtype(4, "<f4", torch.float32)}
+DTYPE_CODES = {name: d.code for name, d in DTYPES.items()}
+DTYPE_NAMES = {d.code: name for name, d in DTYPES.items()}
+ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
+WIRE_DTYPES = tuple(name for name, d in DTYPES.items() if d.torch is not None)  # hidden states: f16, bf16, f32
 FLAG_TOKEN_IDS = 1
 FLAG_NO_SAMPLE = 2
 F16_MAX = 65504.0
@@ -72,8 +93,12 @@ class Frame:
 
 def frame_size(n_tokens: int, n_embd: int, dtype: str, token_ids: bool = False) -> int:
     """Bytes of a frame with this shape (header + payload + optional id trailer)."""
-    payload = n_tokens * (4 if dtype == "ids" else n_embd * ITEMSIZE[dtype])
-    return HEADER_SIZE + payload + (4 * n_tokens if token_ids else 0)
+    return HEADER_SIZE + _payload_size(n_tokens, n_embd, dtype) + (ITEMSIZE["ids"] * n_tokens if token_ids else 0)
+
+
+def _payload_size(n_tokens: int, n_embd: int, dtype: str) -> int:
+    """Bytes of a frame's tensor: ``n_tokens`` ids, or ``[n_tokens, n_embd]`` values, in ``dtype``."""
+    return n_tokens * ITEMSIZE[dtype] * (1 if dtype == "ids" else n_embd)
 
 
 TIMEOUT_TOKENS = 512  # a hop's timeout covers a frame of up to this many tokens; larger frames get proportionally more
@@ -95,7 +120,7 @@ def _header(session_id: uuid.UUID, step: int, start: int, n_tokens: int, n_embd:
 
 def encode_tokens(session_id: uuid.UUID, step: int, start: int, token_ids: list[int], sample: bool = True) -> bytes:
     """A frame carrying token ids (for the first shard). ``start``: position of the first id."""
-    ids = np.asarray(token_ids, dtype="<i4")
+    ids = np.asarray(token_ids, dtype=DTYPES["ids"].numpy)
     flags = 0 if sample else FLAG_NO_SAMPLE
     return _header(session_id, step, start, len(ids), 0, "ids", flags) + ids.tobytes()
 
@@ -109,8 +134,9 @@ def encode_hidden(session_id: uuid.UUID, step: int, start: int, hidden: torch.Te
     reaches ~1e5). ``token_ids`` (int64 ``[T]``) are appended as a trailer when given.
     Raises FrameError("non_finite") when ``hidden`` already holds NaN/inf.
     """
-    if dtype not in ("f16", "bf16", "f32"):
-        raise FrameError("bad_dtype", f"wire dtype must be f16, bf16 or f32, got {dtype!r}")
+    if dtype not in WIRE_DTYPES:
+        raise FrameError("bad_dtype", f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {dtype!r}")
+    wire = DTYPES[dtype]
     x = hidden.detach()
     n_tokens, n_embd = x.shape
     if x.dtype == torch.float32:  # numpy: a decode step's row costs ~0.1 ms less than through torch's dispatcher
@@ -123,19 +149,18 @@ def encode_hidden(session_id: uuid.UUID, step: int, start: int, hidden: torch.Te
                          status=500)
     scale_exp = 0
     if dtype == "f32" and arr is not None:
-        payload = arr.astype("<f4", copy=False).tobytes()
-    elif dtype == "f16":
-        if peak > F16_MAX * (1 - 2 ** -12):
+        payload = arr.astype(wire.numpy, copy=False).tobytes()
+    else:
+        if dtype == "f16" and peak > F16_MAX * (1 - 2 ** -12):
             scale_exp = math.ceil(math.log2(peak / (F16_MAX * (1 - 2 ** -12))))
             x = x.float() * (2.0 ** -scale_exp)
-        payload = x.to(torch.float16).numpy().astype("<f2", copy=False).tobytes()
-    elif dtype == "bf16":
-        payload = x.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
-    else:
-        payload = x.to(torch.float32).numpy().astype("<f4", copy=False).tobytes()
+        cast = x.to(wire.torch)
+        if dtype == "bf16":  # numpy has no bfloat16: its raw bits
+            cast = cast.view(torch.int16)
+        payload = cast.numpy().view(wire.numpy).tobytes()
     if token_ids is not None:
         flags |= FLAG_TOKEN_IDS
-        payload += token_ids.numpy().astype("<i4").tobytes()
+        payload += token_ids.numpy().astype(DTYPES["ids"].numpy).tobytes()
     return _header(session_id, step, start, n_tokens, n_embd, dtype, flags, scale_exp) + payload
 
 
@@ -172,29 +197,28 @@ def decode_frame(body: bytes, n_embd: int | None = None, max_tokens: int | None 
     elif width == 0:
         raise FrameError("bad_shape", "a hidden-state frame needs n_embd > 0")
     has_ids = bool(flags & FLAG_TOKEN_IDS) and dtype != "ids"
-    expected = frame_size(n_tokens, width, dtype, has_ids)
+    end = HEADER_SIZE + _payload_size(n_tokens, width, dtype)  # where the id trailer starts
+    expected = end + (ITEMSIZE["ids"] * n_tokens if has_ids else 0)  # frame_size, computed once
     if len(body) != expected:
         raise FrameError("bad_frame", f"frame is {len(body)} bytes; header says [{n_tokens}, {width}] {dtype}"
                                       f"{' + ids' if has_ids else ''} = {expected} bytes")
-    end = HEADER_SIZE + n_tokens * (4 if dtype == "ids" else width * ITEMSIZE[dtype])
+    count = n_tokens if dtype == "ids" else n_tokens * width
+    raw = np.frombuffer(body, dtype=DTYPES[dtype].numpy, count=count, offset=HEADER_SIZE)
     if dtype == "ids":
-        data = torch.from_numpy(np.frombuffer(body, dtype="<i4", count=n_tokens, offset=HEADER_SIZE).astype(np.int64))
+        data = torch.from_numpy(raw.astype(np.int64))
     else:
-        count = n_tokens * width
-        if dtype == "f16":
-            arr = np.frombuffer(body, dtype="<f2", count=count, offset=HEADER_SIZE).astype(np.float32)
-            if scale_exp:
+        if dtype == "bf16":  # its raw bits are a float32's upper half
+            arr = (raw.astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = raw.astype(np.float32)
+            if dtype == "f16" and scale_exp:  # f16 range extension
                 with np.errstate(over="ignore"):  # overflow gives inf, refused as non_finite below
                     arr *= np.float32(2.0 ** scale_exp)
-        elif dtype == "bf16":
-            raw = np.frombuffer(body, dtype="<u2", count=count, offset=HEADER_SIZE).astype(np.uint32) << 16
-            arr = raw.view(np.float32)
-        else:
-            arr = np.frombuffer(body, dtype="<f4", count=count, offset=HEADER_SIZE).astype(np.float32)
         if not np.isfinite(arr).all():
             raise FrameError("non_finite", f"step {step}: frame holds NaN/inf values")
         data = torch.from_numpy(arr.reshape(n_tokens, width))
     ids = None
     if has_ids:
-        ids = torch.from_numpy(np.frombuffer(body, dtype="<i4", count=n_tokens, offset=end).astype(np.int64))
+        ids = torch.from_numpy(np.frombuffer(body, dtype=DTYPES["ids"].numpy, count=n_tokens, offset=end)
+                               .astype(np.int64))
     return Frame(uuid.UUID(bytes=sid), step, start, n_tokens, width, dtype, flags, data, ids)
