@@ -22,13 +22,13 @@ from ..model.config import MAX_CONTEXT
 from ..protocol.auth import swarm_token, token_middleware
 from ..protocol.errors import ProtocolError
 from ..protocol.http import json_errors_middleware, read_json
+from ..protocol.snapshots import SHA_HEADER
 from .snapshot import KV_DTYPES, STATE_DTYPE, Shard, valid_scope
 from .store import SnapshotStore, SnapshotTooLarge
 
 STORE = web.AppKey("store", SnapshotStore)
 CONFIG = web.AppKey("config", object)
 KEY_RE = re.compile(r"[0-9a-f]{64}")
-SHA_HEADER = "X-Ggufswarm-Sha256"
 
 
 @dataclass

@@ -15,9 +15,9 @@ from urllib.parse import urlsplit
 
 import websocket
 
-from ..cache.snapshot import BLOCK_TOKENS
 from ..protocol import encode_tokens, step_timeout_s
 from ..protocol.auth import auth_headers
+from ..protocol.snapshots import BLOCK_TOKENS
 from .sampling import SamplingParams
 
 
