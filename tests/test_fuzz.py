@@ -58,7 +58,7 @@ from tinymodels import N_VOCAB, write_tiny_model
 
 from ggufswarm.client.local import LocalModel
 from ggufswarm.client.remote import RemoteRoute, RouteError
-from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.node.launch import NodeProcess, start_nodes, stop_nodes
 from ggufswarm.node.server import NODE, NodeConfig, make_app
 from ggufswarm.protocol.auth import TOKEN_ENV, TOKEN_HEADER

@@ -276,7 +276,7 @@ def _context_for(max_tokens: int) -> int:
 def cmd_generate(args) -> int:
     from .client.generate import GenerationStats, generate
     from .client.local import LocalModel
-    from .client.sampling import SamplingParams
+    from .runtime.sampling import SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,

@@ -18,7 +18,7 @@ import websocket
 from ..protocol import encode_tokens, step_timeout_s
 from ..protocol.auth import auth_headers
 from ..protocol.snapshots import BLOCK_TOKENS
-from .sampling import SamplingParams
+from ..runtime.sampling import SamplingParams
 
 
 _OPEN_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="open")  # opens a session's nodes at once

@@ -28,7 +28,7 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..client.generate import GenerationStats, generate
 from ..client.grammar import SchemaNotEnforceable, response_format_grammar
 from ..client.remote import REPAIRABLE, Hop, RemoteRoute, RouteError, fetch_model_headers
-from ..client.sampling import SamplingParams
+from ..runtime.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, new_call_id, parse_tool_calls, tool_request
 from ..model.config import MAX_CONTEXT

@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
-from ..client.sampling import SamplingParams
+from ..runtime.sampling import SamplingParams
 from ..protocol import PROTOCOL_VERSION, ProtocolError, decode_frame, encode_hidden
 from ..protocol.auth import auth_headers, swarm_token, token_middleware
 from ..protocol.http import JSON, as_protocol_error, json_errors_middleware, read_json, serve
