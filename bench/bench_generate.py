@@ -16,7 +16,7 @@ import torch
 
 def bench_ours(path, ids, n_decode, split, dtype):
     from ggufswarm.client.local import LocalModel
-    from ggufswarm.client.sampling import SamplingParams
+    from ggufswarm.runtime.sampling import SamplingParams
 
     t0 = time.perf_counter()
     model = LocalModel.load(path, split, dtype)

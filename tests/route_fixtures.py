@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ggufswarm.client.generate import GenerationStats, generate
-from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes

@@ -70,22 +70,92 @@ def test_health_with_token(apps):
     assert status_of(url + "/health?token=" + TOKEN, "GET", {}) == 200  # query form, for BitTorrent announces
 
 
-def test_the_token_is_never_in_a_torrent(apps, tmp_path, monkeypatch):
+def test_the_token_is_never_in_a_torrent(apps, tmp_path):
     """A published torrent announces with a key derived from the token (it opens /announce only), so the
     token is not in the .torrent, the manifest the tracker serves, or the tracker's database."""
     import libtorrent as lt
 
-    from ggufswarm.protocol.auth import TOKEN_ENV, announce_key
+    from ggufswarm.protocol.auth import announce_key
     from ggufswarm.swarm.publish import publish, tracker_call
 
     _, tracker = apps[1]
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
     model = write_tiny_model(tmp_path / "published.gguf", "llama", n_layers=2)
-    published = publish(model, tracker, "tiny")
-    served = tracker_call(f"{tracker}/manifests/tiny")
+    published = publish(model, tracker, "tiny", token=TOKEN)
+    served = tracker_call(f"{tracker}/manifests/tiny", token=TOKEN)
     for blob in (published.torrent, bytes.fromhex(served["torrent_hex"]), json.dumps(served).encode()):
         assert TOKEN.encode() not in blob
     announce = lt.bdecode(published.torrent)[b"announce"].decode()
     assert announce.endswith("/announce?swarm_key=" + announce_key(TOKEN))
     assert status_of(announce + "&info_hash=" + "%00" * 20 + "&peer_id=x&port=1", "GET", {}) == 200
     assert status_of(tracker + "/status.json?swarm_key=" + announce_key(TOKEN), "GET", {}) == 401  # announce only
+
+
+def test_the_library_never_reads_the_environment(apps, monkeypatch):
+    """Only the command line reads ``$GGUFSWARM_TOKEN``: an in-process client or config given no token sends
+    none (401 from a private swarm) even with the variable set, and one given the token gets through."""
+    from ggufswarm.client.remote import RemoteRoute, RouteError
+    from ggufswarm.protocol.auth import TOKEN_ENV
+    from ggufswarm.swarm.publish import TrackerError, tracker_call
+
+    (_, node), (_, tracker) = apps[0], apps[1]
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    with pytest.raises(RouteError) as refused:
+        RemoteRoute([node], hop_timeout_s=10.0)
+    assert refused.value.status == 401 and refused.value.hop == node
+    with pytest.raises(TrackerError) as denied:
+        tracker_call(f"{tracker}/models")
+    assert denied.value.status == 401
+    assert NodeConfig(layers="0:2").token is None and TrackerConfig().token is None
+    assert CacheConfig(dir="x").token is None
+
+    route = RemoteRoute([node], hop_timeout_s=10.0, token=TOKEN)
+    session = route.open(8)
+    try:
+        assert isinstance(session.step([1, 2, 3]), int)
+    finally:
+        session.close()
+    assert "models" in tracker_call(f"{tracker}/models", token=TOKEN)
+
+
+def test_cli_token_from_flag_or_environment(ggufswarm_cli, tmp_path):
+    """The command line is where the token comes from: ``--token``, else ``$GGUFSWARM_TOKEN`` (the flag wins);
+    servers require it and clients (``ggufswarm status``) send it."""
+    import os
+    import signal
+    import subprocess
+
+    from ggufswarm.protocol.auth import TOKEN_ENV
+
+    def serve(*args, env_token=None):
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        env["PYTHONUNBUFFERED"] = "1"
+        if env_token:
+            env[TOKEN_ENV] = env_token
+        proc = subprocess.Popen([*ggufswarm_cli, "tracker", "--port", "0", "--db", ":memory:", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = proc.stdout.readline()
+        assert line.startswith("ggufswarm tracker ready: http://"), line + proc.stderr.read()
+        return proc, line.split()[3]
+
+    def status(url, *args, env_token=None):
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        if env_token:
+            env[TOKEN_ENV] = env_token
+        return subprocess.run([*ggufswarm_cli, "status", "--tracker", url, *args], capture_output=True, text=True,
+                              env=env, timeout=60)
+
+    for args, env_token, good, bad in ((["--token", "from-flag"], "from-env", "from-flag", "from-env"),
+                                       ([], "from-env", "from-env", "from-flag")):
+        proc, url = serve(*args, env_token=env_token)
+        try:
+            assert status_of(url + "/models", "GET", {}) == 401
+            assert status_of(url + "/models", "GET", {TOKEN_HEADER: bad}) == 401
+            assert status_of(url + "/models", "GET", {TOKEN_HEADER: good}) == 200
+            assert status(url, env_token=good).returncode == 0
+            assert status(url, "--token", good, env_token=bad).returncode == 0  # the flag wins
+            refused = status(url, "--token", bad, env_token=good)
+            assert refused.returncode == 1 and "401" in refused.stderr, refused.stderr
+            assert status(url).returncode == 1
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(10) == 0

@@ -27,7 +27,7 @@ def test_generate_streams_completion_and_telemetry(ggufswarm_cli, gemma):
     assert out.returncode == 0, out.stderr
     ids = gemma.tokenizer.encode("The capital of France is")
     from ggufswarm.client.generate import generate
-    from ggufswarm.client.sampling import SamplingParams
+    from ggufswarm.runtime.sampling import SamplingParams
     expected = "".join(generate(gemma.session(64, SamplingParams(temperature=0)), gemma.tokenizer, ids, 12))
     assert out.stdout == expected + "\n"
     assert "TTFT" in out.stderr and "tok/s" in out.stderr and "prompt tokens: 6" in out.stderr

@@ -26,7 +26,7 @@ from route_fixtures import http as http_json
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.client.generate import generate
 from ggufswarm.client.remote import RemoteSession
-from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.cache.app import make_app as make_cache_app
 from ggufswarm.gateway.app import GatewayConfig, make_app
 from ggufswarm.protocol.http import ServerThread

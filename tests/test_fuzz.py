@@ -58,10 +58,10 @@ from tinymodels import N_VOCAB, write_tiny_model
 
 from ggufswarm.client.local import LocalModel
 from ggufswarm.client.remote import RemoteRoute, RouteError
-from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.node.launch import NodeProcess, start_nodes, stop_nodes
 from ggufswarm.node.server import NODE, NodeConfig, make_app
-from ggufswarm.protocol.auth import TOKEN_ENV, TOKEN_HEADER
+from ggufswarm.protocol.auth import TOKEN_HEADER
 from ggufswarm.protocol.errors import ERROR_STATUS
 from ggufswarm.protocol.frame import HEADER, HEADER_SIZE, MAGIC, encode_hidden, encode_tokens
 from ggufswarm.runtime.shard import ShardSpec
@@ -98,16 +98,14 @@ def model_path(tiny_dir):
 @pytest.fixture(scope="module")
 def nodes(model_path):
     """[full 0:2 +embed +head, head 1:2 +head], one torch thread each, token required."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(TOKEN_ENV, TOKEN)  # RemoteRoute (the well-formed session) sends it from the environment
-        procs = start_nodes([ShardSpec(0, N_LAYERS, embed=True, head=True), ShardSpec(N_LAYERS - 1, N_LAYERS, head=True)],
-                            str(model_path), threads=1,
-                            extra=["--kv-budget", str(BUDGET), "--session-ttl", str(TTL_S), "--max-step-tokens",
-                                   str(MAX_STEP), "--hop-timeout", "5", "--token", TOKEN])
-        try:
-            yield procs
-        finally:
-            stop_nodes(procs)
+    procs = start_nodes([ShardSpec(0, N_LAYERS, embed=True, head=True), ShardSpec(N_LAYERS - 1, N_LAYERS, head=True)],
+                        str(model_path), threads=1,
+                        extra=["--kv-budget", str(BUDGET), "--session-ttl", str(TTL_S), "--max-step-tokens",
+                               str(MAX_STEP), "--hop-timeout", "5", "--token", TOKEN])
+    try:
+        yield procs
+    finally:
+        stop_nodes(procs)
 
 
 @pytest.fixture(scope="module")
@@ -905,7 +903,7 @@ class GoodSessions(threading.Thread):
 
     def run(self) -> None:
         try:
-            route = RemoteRoute([self.url], hop_timeout_s=10.0)
+            route = RemoteRoute([self.url], hop_timeout_s=10.0, token=TOKEN)
             i = 0
             while not self.stop.is_set():
                 ids, ref = self.refs[i % len(self.refs)]
@@ -940,54 +938,52 @@ def test_fuzz_live_nodes(nodes, local, routes):
     full, head = nodes
     refs = references(local)
     targets = [Target("full", full, Client(full.url), embed=True), Target("head", head, Client(head.url), embed=False)]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(TOKEN_ENV, TOKEN)
-        good = GoodSessions(full.url, refs)
-        good.start()
-        fz = Fuzzer(targets, good)
-        deadline = time.monotonic() + 60
-        while not good.runs and not good.errors and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert good.runs and not good.errors, good.errors
-        fz.check_health()
-        rss0 = {t.name: psutil.Process(t.node.proc.pid).memory_info().rss for t in targets}
-        sent0, t_start = Client.sent, time.monotonic()
-        fz.health_requests = 0
-        phases = {}
+    good = GoodSessions(full.url, refs)
+    good.start()
+    fz = Fuzzer(targets, good)
+    deadline = time.monotonic() + 60
+    while not good.runs and not good.errors and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert good.runs and not good.errors, good.errors
+    fz.check_health()
+    rss0 = {t.name: psutil.Process(t.node.proc.pid).memory_info().rss for t in targets}
+    sent0, t_start = Client.sent, time.monotonic()
+    fz.health_requests = 0
+    phases = {}
 
-        @settings(max_examples=FRAME_EXAMPLES, **SETTINGS)
-        @given(frame_plans())
-        def frames(plan):
-            fuzz_frame(plan, fz)
+    @settings(max_examples=FRAME_EXAMPLES, **SETTINGS)
+    @given(frame_plans())
+    def frames(plan):
+        fuzz_frame(plan, fz)
 
-        @settings(max_examples=JSON_EXAMPLES, **SETTINGS)
-        @given(json_plans(routes))
-        def fuzz_json_examples(plan):
-            fuzz_json(plan, fz)
+    @settings(max_examples=JSON_EXAMPLES, **SETTINGS)
+    @given(json_plans(routes))
+    def fuzz_json_examples(plan):
+        fuzz_json(plan, fz)
 
-        def json_requests():
-            fz.sweep_requests += edge_sweep(fz, routes)
-            fuzz_json_examples()
+    def json_requests():
+        fz.sweep_requests += edge_sweep(fz, routes)
+        fuzz_json_examples()
 
-        @settings(max_examples=ODD_EXAMPLES, **SETTINGS)
-        @given(odd_plans(routes))
-        def oddities(plan):
-            fuzz_odd(plan, fz, routes)
+    @settings(max_examples=ODD_EXAMPLES, **SETTINGS)
+    @given(odd_plans(routes))
+    def oddities(plan):
+        fuzz_odd(plan, fz, routes)
 
-        try:
-            for name, run in (("frames", frames), ("json", json_requests), ("http", oddities)):
-                t0 = time.monotonic()
-                run()
-                phases[name] = (t0, time.monotonic())
-                assert not good.errors and not good.wrong, (good.errors, good.wrong[:1])
-        finally:
-            good.stop.set()
-            good.join(30)
-        elapsed = time.monotonic() - t_start
-        sent = Client.sent - sent0
-        generated = sent - fz.health_requests - fz.sweep_requests  # hypothesis-generated requests
-        fz.check_health()
-        rss1 = {t.name: psutil.Process(t.node.proc.pid).memory_info().rss for t in targets}
+    try:
+        for name, run in (("frames", frames), ("json", json_requests), ("http", oddities)):
+            t0 = time.monotonic()
+            run()
+            phases[name] = (t0, time.monotonic())
+            assert not good.errors and not good.wrong, (good.errors, good.wrong[:1])
+    finally:
+        good.stop.set()
+        good.join(30)
+    elapsed = time.monotonic() - t_start
+    sent = Client.sent - sent0
+    generated = sent - fz.health_requests - fz.sweep_requests  # hypothesis-generated requests
+    fz.check_health()
+    rss1 = {t.name: psutil.Process(t.node.proc.pid).memory_info().rss for t in targets}
 
     assert not good.errors, good.errors
     assert not good.wrong, f"{len(good.wrong)} wrong generations, first: {good.wrong[0]}"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ggufswarm.client.generate import generate
-from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
 from route_fixtures import cluster, gateway, http, one_thread, reference  # noqa: F401 - fixtures
 
 SHORT = "The capital of France is"

@@ -18,7 +18,7 @@ from route_fixtures import http, tiny_split_route
 from tinymodels import write_tiny_model
 
 from ggufswarm.client.remote import RemoteRoute, StepLink
-from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.node.link import NO_KEY, REPLY_HEAD, frame_key
 from ggufswarm.node.server import NodeConfig
 from ggufswarm.node.server import make_app as make_node_app

@@ -18,7 +18,7 @@ from tinymoe import write_tiny_moe_model
 from ggufswarm.artifact.default_model import smollm2_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.local import LocalModel
-from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.llamacpp.backend import LlamaCppError, LlamaCppShard, model_info
 from ggufswarm.runtime.llamacpp.derive import UnsupportedShard, rules_for
 from ggufswarm.runtime.shard import ShardSpec, split_at
@@ -283,7 +283,7 @@ def test_torch_bias_and_penalties_equal_llama_cpp_samplers(settings):
     """The torch head's logit bias and penalties (Sampler.adjust) give llama.cpp's own logit-bias and penalties
     samplers' logits (LlamaCppSampler.adjust), to float32 rounding, and both heads then draw the same greedy
     token; presence/frequency penalties count only the tokens from ``penalize_from`` on."""
-    from ggufswarm.client.sampling import Sampler
+    from ggufswarm.runtime.sampling import Sampler
     from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
     gen = torch.Generator().manual_seed(5)
     history = torch.randint(0, 60, (14,), generator=gen).tolist() + [4, 4, 4, 11]
@@ -311,7 +311,7 @@ def test_grammar_draws_follow_the_schema_and_rebuild_from_the_history(gemma):
     import json
 
     from ggufswarm.client.grammar import response_format_grammar
-    from ggufswarm.client.sampling import Sampler
+    from ggufswarm.runtime.sampling import Sampler
     from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
     import jsonschema
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},

@@ -15,7 +15,7 @@ from route_fixtures import http, open_greedy, tiny_split_route
 from tinymodels import write_tiny_model
 
 from ggufswarm.client.remote import RemoteRoute
-from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.node.server import NodeConfig
 from ggufswarm.node.server import make_app as make_node_app
 from ggufswarm.protocol import decode_frame, encode_tokens

@@ -22,7 +22,7 @@ import torch
 from route_fixtures import greedy_prompts
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
-from ggufswarm.client.sampling import SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
 
 DATA = Path(__file__).parent / "data"
 

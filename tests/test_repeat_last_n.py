@@ -10,7 +10,7 @@ from apphost import AppThread
 from route_fixtures import http
 from tinymodels import write_tiny_model
 
-from ggufswarm.client.sampling import Sampler, SamplingParams
+from ggufswarm.runtime.sampling import Sampler, SamplingParams
 from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.gateway.app import GatewayConfig, make_app
 from ggufswarm.protocol.http import ServerThread

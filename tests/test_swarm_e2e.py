@@ -145,7 +145,7 @@ def test_a_gateway_without_model_serves_every_model_of_the_swarm(tmp_path, tiny_
 
     from ggufswarm.artifact.gguf_file import GGUFModelFile
     from ggufswarm.client.remote import Hop, RemoteRoute
-    from ggufswarm.client.sampling import SamplingParams
+    from ggufswarm.runtime.sampling import SamplingParams
     from ggufswarm.client.tokenizer import Tokenizer
 
     models = {"tiny-a": write_tiny_model(tiny_dir / "every-a.gguf", "llama", n_layers=2, seed=1),

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ggufswarm.client.sampling import Sampler, SamplingParams
+from ggufswarm.runtime.sampling import Sampler, SamplingParams
 from ggufswarm.client.tokenizer import TextStream
 
 

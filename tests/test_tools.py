@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ggufswarm.client.generate import generate
-from ggufswarm.client.sampling import Sampler, SamplingParams
+from ggufswarm.runtime.sampling import Sampler, SamplingParams
 from ggufswarm.client.tools import (ToolCallStream, ToolError, parse_tool_calls, template_tool_format,
                                     tool_call_grammar, tool_request)
 from ggufswarm.gateway import GatewayConfig, make_app

@@ -276,7 +276,7 @@ def _context_for(max_tokens: int) -> int:
 def cmd_generate(args) -> int:
     from .client.generate import GenerationStats, generate
     from .client.local import LocalModel
-    from .client.sampling import SamplingParams
+    from .runtime.sampling import SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -346,12 +346,12 @@ def cmd_node(args) -> int:
         session_ttl_s=args.session_ttl, hop_timeout_s=args.hop_timeout, max_step_tokens=args.max_step_tokens,
         workers=args.workers, exit_with_parent=args.exit_with_parent, tracker=args.tracker, data_dir=args.data_dir,
         memory_budget_mb=args.memory_budget, fetch_timeout_s=args.fetch_timeout,
-        fetch_stall_s=args.fetch_stall, cache=args.cache, snapshot_every=args.snapshot_every))
+        fetch_stall_s=args.fetch_stall, cache=args.cache, snapshot_every=args.snapshot_every, token=args.token))
 
 
 def cmd_cache(args) -> int:
     from .cache.app import CacheConfig, run_cache
-    return run_cache(CacheConfig(dir=args.dir, max_bytes=args.max_bytes), args.host, args.port)
+    return run_cache(CacheConfig(dir=args.dir, max_bytes=args.max_bytes, token=args.token), args.host, args.port)
 
 
 def cmd_gateway(args) -> int:
@@ -371,7 +371,7 @@ def cmd_gateway(args) -> int:
                                      hop_timeout_s=args.hop_timeout, wire_dtype=args.wire_dtype,
                                      default_max_tokens=args.max_tokens, tracker=args.tracker,
                                      api_keys=tuple(args.api_key), prompt_special=not args.literal_prompts,
-                                     data_dir=args.data_dir, chat_template=chat_template))
+                                     data_dir=args.data_dir, chat_template=chat_template, token=args.token))
 
 
 def cmd_demo(args) -> int:
@@ -382,7 +382,7 @@ def cmd_demo(args) -> int:
 def cmd_tracker(args) -> int:
     from .tracker.app import TrackerConfig
     from .tracker.service import run_tracker
-    return run_tracker(TrackerConfig(db=args.db, ttl_s=args.ttl), args.host, args.port)
+    return run_tracker(TrackerConfig(db=args.db, ttl_s=args.ttl, token=args.token), args.host, args.port)
 
 
 def cmd_publish(args) -> int:
@@ -393,7 +393,8 @@ def cmd_publish(args) -> int:
     path = resolve_model(args.model)
     name = args.name or (args.model if args.model and args.model != str(path) and "/" not in args.model
                          and not args.model.endswith(".gguf") else None)  # an alias (smollm2) names the model
-    published = publish(path, args.tracker, name, Path(args.data_dir), args.web_seed, args.piece_size)
+    published = publish(path, args.tracker, name, Path(args.data_dir), args.web_seed, args.piece_size,
+                        token=args.token)
     m = published.manifest
     print(f"published {m.name}: {m.arch}, {m.n_layers} layers, {sum(f['bytes'] for f in m.files)} bytes, "
           f"info-hash {published.info_hash}", flush=True)
@@ -405,7 +406,7 @@ def cmd_publish(args) -> int:
 
 def cmd_status(args) -> int:
     from .tracker.service import status_text
-    print(status_text(args.tracker))
+    print(status_text(args.tracker, args.token))
     return 0
 
 
@@ -431,9 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     if threads and getattr(args, "backend", None) == "torch":
         import torch
         torch.set_num_threads(threads)
-    if getattr(args, "token", None):
+    if hasattr(args, "token"):  # the only place the environment is read: everything else is given the token
         from .protocol.auth import TOKEN_ENV
-        os.environ[TOKEN_ENV] = args.token  # every server and client of this process (and its children) uses it
+        args.token = args.token or os.environ.get(TOKEN_ENV) or None
     from .artifact.gguf_file import GGUFError
     from .model import UnsupportedArchitecture
     from .runtime.kv import ContextOverflow

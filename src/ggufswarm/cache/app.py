@@ -12,23 +12,23 @@ import asyncio
 import hashlib
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from ..model.config import MAX_CONTEXT
-from ..protocol.auth import swarm_token, token_middleware
+from ..protocol.auth import token_middleware
 from ..protocol.errors import ProtocolError
 from ..protocol.http import json_errors_middleware, read_json
+from ..protocol.snapshots import SHA_HEADER
 from .snapshot import KV_DTYPES, STATE_DTYPE, Shard, valid_scope
 from .store import SnapshotStore, SnapshotTooLarge
 
 STORE = web.AppKey("store", SnapshotStore)
 CONFIG = web.AppKey("config", object)
 KEY_RE = re.compile(r"[0-9a-f]{64}")
-SHA_HEADER = "X-Ggufswarm-Sha256"
 
 
 @dataclass
@@ -38,7 +38,7 @@ class CacheConfig:
     dir: str
     max_bytes: int = 4 * 2 ** 30
     max_upload_bytes: int = 2 ** 30
-    token: str | None = field(default_factory=swarm_token)
+    token: str | None = None  # swarm token required on every endpoint (None: an open swarm)
 
 
 async def put_snapshot(request: web.Request) -> web.Response:

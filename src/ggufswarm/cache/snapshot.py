@@ -31,8 +31,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..protocol.snapshots import BLOCK_TOKENS
+
 FORMAT = "ggufswarm-kv/1"
-BLOCK_TOKENS = 16  # prefix granularity: snapshots are found and restored in whole blocks of this many tokens
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATE_DTYPE = "llama.cpp-f16"  # a llama.cpp sequence state (f16 KV cache) instead of per-layer K/V tensors
 

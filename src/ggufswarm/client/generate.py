@@ -8,7 +8,7 @@ from typing import Iterator, Protocol
 
 import torch
 
-from .sampling import Sampler, SamplingParams
+from ..runtime.sampling import Sampler, SamplingParams
 from .tokenizer import TextStream, Tokenizer
 
 

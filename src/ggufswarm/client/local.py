@@ -10,7 +10,7 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
 from ..runtime.shard import ShardSpec, split_at
 from .generate import LocalSession
-from .sampling import SamplingParams
+from ..runtime.sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 

@@ -15,10 +15,10 @@ from urllib.parse import urlsplit
 
 import websocket
 
-from ..cache.snapshot import BLOCK_TOKENS
 from ..protocol import encode_tokens, step_timeout_s
 from ..protocol.auth import auth_headers
-from .sampling import SamplingParams
+from ..protocol.snapshots import BLOCK_TOKENS
+from ..runtime.sampling import SamplingParams
 
 
 _OPEN_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="open")  # opens a session's nodes at once
@@ -80,8 +80,8 @@ def _conn(url: str, timeout: float) -> http.client.HTTPConnection:
 
 
 def _request(conn: http.client.HTTPConnection, url: str, method: str, path: str, body: bytes | None = None,
-             content_type: str = "application/json") -> tuple[int, bytes]:
-    headers = {"Content-Type": content_type, **auth_headers()} if body is not None else auth_headers()
+             content_type: str = "application/json", *, token: str | None = None) -> tuple[int, bytes]:
+    headers = {"Content-Type": content_type, **auth_headers(token)} if body is not None else auth_headers(token)
     try:
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
@@ -102,12 +102,13 @@ class StepLink:
     message ~0.5 ms (measured here: an aiohttp echo server, 20 ms idle between requests), and a decode token
     pays it once. A node that answers the upgrade with 404/405 (no links) is sent ``POST /v1/step`` instead.
     ``websocket-client`` is synchronous: the reply is read on the calling thread, with no hand-off to a reader
-    thread (another wake-up per token).
+    thread (another wake-up per token). ``token``: the swarm token, sent with the upgrade (and each POST).
     """
 
-    def __init__(self, url: str, timeout: float):
+    def __init__(self, url: str, timeout: float, token: str | None = None):
         self.url = url
         self.timeout = timeout
+        self.token = token
         self.http_only = False
         self._ws: websocket.WebSocket | None = None
         self._conn: http.client.HTTPConnection | None = None
@@ -117,7 +118,7 @@ class StepLink:
         parts = urlsplit(self.url)
         try:
             ws = websocket.create_connection(f"ws://{parts.netloc}/v1/link", timeout=self.timeout,
-                                             header=[f"{k}: {v}" for k, v in auth_headers().items()],
+                                             header=[f"{k}: {v}" for k, v in auth_headers(self.token).items()],
                                              sockopt=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
                                              enable_multithread=False)
         except websocket.WebSocketBadStatusException as exc:
@@ -142,7 +143,8 @@ class StepLink:
                 self._conn.timeout = timeout
                 if self._conn.sock is not None:
                     self._conn.sock.settimeout(timeout)
-                return _request(self._conn, self.url, "POST", "/v1/step", frame, "application/octet-stream")
+                return _request(self._conn, self.url, "POST", "/v1/step", frame, "application/octet-stream",
+                                token=self.token)
             key = frame[8:32]
             self._ws.settimeout(timeout)
             self._ws.send_binary(frame)
@@ -171,11 +173,13 @@ class StepLink:
             self._conn = None
 
 
-def fetch_model_headers(url: str, data_dir: Path, timeout: float = 30.0) -> tuple[Path, dict]:
+def fetch_model_headers(url: str, data_dir: Path, timeout: float = 30.0, *,
+                        token: str | None = None) -> tuple[Path, dict]:
     """The model node ``url`` serves, for a client without its GGUF: ``GET /v1/model``, then each file's header
     (``GET /v1/model/header/{i}``) written into a sparse file of the file's full size under
     ``data_dir/models/<fingerprint[:16]>/`` (reused when already there). Enough for the vocabulary and chat
-    template (llama.cpp's vocab-only load), not for weights. Returns (first file's path, the /v1/model body).
+    template (llama.cpp's vocab-only load), not for weights. ``token``: the swarm token. Returns (first file's
+    path, the /v1/model body).
 
     Raises RouteError (node unreachable, refused, or no /v1/model) and ValueError (the headers do not hash to
     the fingerprint the node gave).
@@ -185,13 +189,13 @@ def fetch_model_headers(url: str, data_dir: Path, timeout: float = 30.0) -> tupl
     url = url.rstrip("/")
     conn = _conn(url, timeout)
     try:
-        info = _check(url, *_request(conn, url, "GET", "/v1/model"), "model")
+        info = _check(url, *_request(conn, url, "GET", "/v1/model", token=token), "model")
         folder = Path(data_dir) / "models" / str(info["fingerprint"])[:16]
         paths = [folder / Path(f["name"]).name for f in info["files"]]
         if not all(p.is_file() and p.stat().st_size == f["bytes"] for p, f in zip(paths, info["files"])):
             folder.mkdir(parents=True, exist_ok=True)
             for i, (path, f) in enumerate(zip(paths, info["files"])):
-                status, header = _request(conn, url, "GET", f"/v1/model/header/{i}")
+                status, header = _request(conn, url, "GET", f"/v1/model/header/{i}", token=token)
                 if status != 200 or len(header) != f["header_bytes"]:
                     _check(url, status if status >= 400 else 502, header[:200], f"model header {i}")
                 with open(path, "wb") as out:
@@ -236,22 +240,26 @@ class RemoteRoute:
     covering only some layers (the replacement for a failed hop's span). ``model``: the GGUF fingerprint
     (``GGUFModelFile.fingerprint``) the client's tokenizer is for; every node must serve it (ValueError
     naming both models otherwise), and sessions are opened with it (``model_mismatch`` from a node that
-    has changed since).
+    has changed since). ``token``: the swarm token, sent on every request to the route's nodes (None: an open
+    swarm).
     """
 
-    def __init__(self, urls: list[str], hop_timeout_s: float = 30.0, part: bool = False, model: str | None = None):
+    def __init__(self, urls: list[str], hop_timeout_s: float = 30.0, part: bool = False, model: str | None = None,
+                 *, token: str | None = None):
         if not urls:
             raise ValueError("a route needs at least one node URL")
         self.hop_timeout_s = hop_timeout_s
+        self.token = token
         self._set_hops([self._describe(u.rstrip("/")) for u in urls], part, model)
 
     @classmethod
     def of_hops(cls, hops: list[Hop], hop_timeout_s: float, part: bool = False,
-                model: str | None = None) -> "RemoteRoute":
-        """A route over already described hops (no /health calls; ``part`` and ``model`` as in the
+                model: str | None = None, *, token: str | None = None) -> "RemoteRoute":
+        """A route over already described hops (no /health calls; ``part``, ``model`` and ``token`` as in the
         constructor); ValueError when they do not chain or serve another model."""
         route = cls.__new__(cls)
         route.hop_timeout_s = hop_timeout_s
+        route.token = token
         route._set_hops(list(hops), part, model)
         return route
 
@@ -279,7 +287,7 @@ class RemoteRoute:
     def _describe(self, url: str) -> Hop:
         conn = _conn(url, min(self.hop_timeout_s, 10.0))
         try:
-            h = _check(url, *_request(conn, url, "GET", "/health"), "health")
+            h = _check(url, *_request(conn, url, "GET", "/health", token=self.token), "health")
         finally:
             conn.close()
         return Hop(url, h["layers"][0], h["layers"][1], h["embed"], h["head"], h["n_embd"], h["n_layers"],
@@ -479,7 +487,7 @@ class RemoteSession:
 
     def _call(self, url: str, method: str, path: str, body: dict | None, what: str) -> dict:
         data = json.dumps(body).encode() if body is not None else None
-        return _check(url, *_request(self._conn(url), url, method, path, data), what)
+        return _check(url, *_request(self._conn(url), url, method, path, data, token=self.route.token), what)
 
     def step(self, token_ids: list[int], sample: bool = True) -> int | None:
         """Feed ``token_ids`` (prefill: many, decode: one) through the route; the head's sampled next token id.
@@ -531,7 +539,7 @@ class RemoteSession:
         frame = encode_tokens(self.id, self.step_no, self.position, ids, sample)
         link = self._links.get(first.url)
         if link is None:
-            link = self._links[first.url] = StepLink(first.url, self.route.timeout_s)
+            link = self._links[first.url] = StepLink(first.url, self.route.timeout_s, self.route.token)
         timeout = step_timeout_s(self.route.timeout_s - 1.0, len(ids)) + 1.0  # long prefill chunks wait longer
         t0 = time.perf_counter()
         try:
@@ -570,7 +578,7 @@ class RemoteSession:
                 if boundaries is not None:
                     body["boundaries"] = boundaries
                 reply = _check(hop.url, *_request(conn, hop.url, "POST", f"/v1/sessions/{self.id}/restore",
-                                                  json.dumps(body).encode()), "restore")
+                                                  json.dumps(body).encode(), token=self.route.token), "restore")
                 return int(reply["length"]), reply.get("boundaries")
             finally:
                 conn.close()
@@ -654,7 +662,7 @@ class RemoteSession:
                              f"{err}", 503, "no_replacement", failed.url) from None
         i = old.hops.index(failed)
         hops = old.hops[:i] + spare.hops + old.hops[i + 1:]
-        self.route = RemoteRoute.of_hops(hops, old.hop_timeout_s, model=old.model)
+        self.route = RemoteRoute.of_hops(hops, old.hop_timeout_s, model=old.model, token=old.token)
         self._conns.pop(failed.url, None)
         link = self._links.pop(failed.url, None)
         if link is not None:
@@ -711,7 +719,7 @@ class RemoteSession:
         for url in self._opened:
             conn = _conn(url, min(self.route.hop_timeout_s, 5.0))
             try:
-                _request(conn, url, "DELETE", f"/v1/sessions/{self.id}")
+                _request(conn, url, "DELETE", f"/v1/sessions/{self.id}", token=self.route.token)
             except RouteError:
                 pass
             finally:

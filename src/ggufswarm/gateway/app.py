@@ -28,7 +28,7 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..client.generate import GenerationStats, generate
 from ..client.grammar import SchemaNotEnforceable, response_format_grammar
 from ..client.remote import REPAIRABLE, Hop, RemoteRoute, RouteError, fetch_model_headers
-from ..client.sampling import SamplingParams
+from ..runtime.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, new_call_id, parse_tool_calls, tool_request
 from ..model.config import MAX_CONTEXT
@@ -56,6 +56,7 @@ class GatewayConfig:
     workers: int = 64
     api_keys: tuple[str, ...] = ()    # when set, /v1/* needs ``Authorization: Bearer KEY`` (OpenAI style)
     tracker: str | None = None        # plan a route per session from this tracker (``route`` unused)
+    token: str | None = None          # swarm token, sent to the tracker and the nodes (None: an open swarm)
     data_dir: str = "ggufswarm-data"  # where the vocabulary (GGUF header) fetched from the swarm goes
     # /v1/completions: read control-token text in a raw prompt as control tokens (as llama-server does), or
     # as literal text (``--literal-prompts``). Chat messages are always literal (Tokenizer.encode_chat).
@@ -409,7 +410,8 @@ class Gateway:
     def _report(self, url: str) -> None:
         from ..swarm.publish import TrackerError, tracker_call
         try:
-            tracker_call(f"{self.config.tracker.rstrip('/')}/nodes/report", "POST", {"url": url}, timeout=10.0)
+            tracker_call(f"{self.config.tracker.rstrip('/')}/nodes/report", "POST", {"url": url}, timeout=10.0,
+                         token=self.config.token)
         except TrackerError as exc:  # best effort: the node's TTL still runs out
             log.info("reporting node %s to the tracker failed: %s", url, exc.reason)
 
@@ -430,10 +432,11 @@ class Gateway:
         if self.config.tracker:
             from ..swarm.shard_fetch import fetch_header
             self.model_name = self.config.model or self.config.model_name
-            path, self._swarm = fetch_header(self.config.tracker, self.model_name, Path(self.config.data_dir))
+            path, self._swarm = fetch_header(self.config.tracker, self.model_name, Path(self.config.data_dir),
+                                             token=self.config.token)
         elif self.config.model is None and self.config.route:
             path, info = fetch_model_headers(self.config.route[0], Path(self.config.data_dir),
-                                             min(self.config.hop_timeout_s, 30.0))
+                                             min(self.config.hop_timeout_s, 30.0), token=self.config.token)
             self.model_name = self.model_name or info["name"]
         else:
             path = resolve_model(self.config.model)
@@ -464,13 +467,14 @@ class Gateway:
                 if span:
                     query["start"], query["end"] = span
                 try:
-                    planned = tracker_call(f"{self.config.tracker.rstrip('/')}/route?{urlencode(query)}")
+                    planned = tracker_call(f"{self.config.tracker.rstrip('/')}/route?{urlencode(query)}",
+                                           token=self.config.token)
                     hops = [Hop.from_advertisement(ad) for ad in planned["route"]]
                     if all(hops):  # described by their advertisements: no /health round trip per node (TTFT)
                         return RemoteRoute.of_hops(hops, self.config.hop_timeout_s, part=span is not None,
-                                                   model=self.fingerprint)
+                                                   model=self.fingerprint, token=self.config.token)
                     return RemoteRoute([hop["url"] for hop in planned["route"]], self.config.hop_timeout_s,
-                                       part=span is not None, model=self.fingerprint)
+                                       part=span is not None, model=self.fingerprint, token=self.config.token)
                 except TrackerError as exc:
                     # the tracker's reason, not its URL: API clients need not learn the swarm's addresses
                     refused = RouteError(f"no route for {max_length} tokens: {exc.reason}", 503, "no_route")
@@ -481,7 +485,8 @@ class Gateway:
         with self._route_lock:
             if self._route is None:
                 try:
-                    self._route = RemoteRoute(self.config.route, self.config.hop_timeout_s, model=self.fingerprint)
+                    self._route = RemoteRoute(self.config.route, self.config.hop_timeout_s, model=self.fingerprint,
+                                              token=self.config.token)
                 except ValueError as exc:
                     raise RouteError(f"bad route: {exc} (this gateway's model: {self.model_name})", 502,
                                      "bad_route") from None
@@ -914,7 +919,7 @@ async def models(request: web.Request) -> web.Response:
         from ..swarm.publish import TrackerError, tracker_call
         try:
             servable = await asyncio.get_running_loop().run_in_executor(
-                None, tracker_call, gw.config.tracker.rstrip("/") + "/models")
+                None, lambda: tracker_call(gw.config.tracker.rstrip("/") + "/models", token=gw.config.token))
             names = list(servable["models"]) if gw.every_model else [n for n in names if n in servable["models"]]
         except TrackerError:
             names = []
@@ -997,7 +1002,8 @@ def check_route(config: GatewayConfig, every_s: float = 2.0) -> RemoteRoute:
     said = None
     while True:
         try:
-            return RemoteRoute(config.route, min(config.hop_timeout_s, 10.0), model=model and model.fingerprint)
+            return RemoteRoute(config.route, min(config.hop_timeout_s, 10.0), model=model and model.fingerprint,
+                               token=config.token)
         except ValueError as exc:
             mine = f" (--model {model.path.name}: fingerprint {model.fingerprint[:12]})" if model else ""
             raise ValueError(f"bad route: {exc}{mine}") from None
@@ -1022,7 +1028,7 @@ def run_gateway(config: GatewayConfig) -> int:
         check_route(config)
     if config.tracker:  # start order does not matter: wait for the tracker (and the model, when one is named)
         from ..node.server import wait_for_model
-        wait_for_model(config.tracker, config.model, who="gateway")
+        wait_for_model(config.tracker, config.model, who="gateway", token=config.token)
     app = make_app(config)
 
     def ready(url: str) -> None:

@@ -20,7 +20,7 @@ from ..cache.app import make_app as make_cache_app
 from ..artifact.gguf_file import GGUFModelFile
 from ..runtime.backends import model_config
 from ..node.launch import start_nodes, stop_nodes
-from ..protocol.auth import TOKEN_ENV, swarm_token
+from ..protocol.auth import TOKEN_ENV
 from ..swarm.publish import publish
 from ..swarm.torrent import Swarm, save_path_for
 from ..tracker.app import TrackerConfig
@@ -93,18 +93,19 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def wait_servable(tracker_url: str, name: str, timeout: float) -> None:
+def wait_servable(tracker_url: str, name: str, timeout: float, token: str | None = None) -> None:
     """Wait until the tracker can route ``name`` end to end (nodes advertise right after they listen)."""
     from ..swarm.publish import tracker_call
     deadline = time.monotonic() + timeout
-    while name not in tracker_call(f"{tracker_url}/models")["models"]:
+    while name not in tracker_call(f"{tracker_url}/models", token=token)["models"]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the tracker cannot route {name} after {timeout:g} s")
         time.sleep(0.1)
 
 
 def run_demo(args) -> int:
-    """Start the cluster, stream ``args.prompt``, print telemetry, stop everything (also on Ctrl-C/SIGTERM)."""
+    """Start the cluster, stream ``args.prompt``, print telemetry, stop everything (also on Ctrl-C/SIGTERM).
+    ``args.token``: the swarm token (None: the demo makes one)."""
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     path = resolve_model(args.model)
@@ -118,41 +119,44 @@ def run_demo(args) -> int:
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     print(f"ggufswarm demo: starting {args.nodes} {args.backend} nodes ({threads} thread(s) each): "
           + ", ".join(f"{s.start}:{s.end}" for s in specs), file=sys.stderr, flush=True)
-    if not swarm_token():  # the demo's swarm is private: a fresh token, inherited by the node processes
-        os.environ[TOKEN_ENV] = secrets.token_urlsafe(24)
+    token = getattr(args, "token", None)
+    if not token:  # the demo's swarm is private: a fresh token, given to every server and node process
+        token = secrets.token_urlsafe(24)
         print("ggufswarm demo: private swarm: made a swarm token (nodes, tracker and cache answer 401 without it)",
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     nodes, gateway, tracker, seeder, work, cache = [], None, None, None, None, None
     try:
         if args.no_swarm:
-            nodes = start_nodes(specs, str(path), threads, extra=["--hop-timeout", str(args.timeout), "--backend", args.backend])
+            nodes = start_nodes(specs, str(path), threads, extra=["--hop-timeout", str(args.timeout), "--backend", args.backend],
+                                token=token)
             config = GatewayConfig([n.url for n in nodes], model=str(path), hop_timeout_s=args.timeout,
-                                   wire_dtype=args.wire_dtype)
+                                   wire_dtype=args.wire_dtype, token=token)
         else:
             # the whole story: tracker, a publisher seeding the model, nodes fetching only their layers
             work = Path(tempfile.mkdtemp(prefix="ggufswarm-demo-"))
-            tracker = ServerThread(make_tracker_app(TrackerConfig(db=str(work / "tracker.sqlite"))), port=0)
+            tracker = ServerThread(make_tracker_app(TrackerConfig(db=str(work / "tracker.sqlite"), token=token)), port=0)
             tracker_url = tracker.start()
-            cache = ServerThread(make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2 ** 30)), port=0)
+            cache = ServerThread(make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2 ** 30, token=token)),
+                                 port=0)
             cache_url = cache.start()
             name = path.name.removesuffix(".gguf")
-            published = publish(path, tracker_url, name, work / "publisher")
+            published = publish(path, tracker_url, name, work / "publisher", token=token)
             seeder = Swarm()
             seeder.seed(published.torrent, save_path_for([path]))
             print(f"ggufswarm demo: tracker {tracker_url}; snapshot cache {cache_url}; published {name} "
                   f"({published.manifest.files[0]['bytes'] / 2**20:.0f} MiB) and seeding it", file=sys.stderr, flush=True)
             nodes = start_nodes(specs, name, threads, extra=["--hop-timeout", str(args.timeout), "--backend", args.backend, "--tracker", tracker_url,
                                                              "--cache", cache_url],
-                                per_node=lambda i: ["--data-dir", str(work / f"node{i}")], timeout=600)
+                                per_node=lambda i: ["--data-dir", str(work / f"node{i}")], timeout=600, token=token)
             fetched = [sum(f.stat().st_blocks * 512 for f in (work / f"node{i}").rglob("*.gguf") if "shards" not in f.parts)
                        for i in range(len(nodes))]
             print("ggufswarm demo: nodes fetched " + ", ".join(
                 f"{s.start}:{s.end} {b / 2**20:.0f} MiB" for s, b in zip(specs, fetched)) + " from the swarm",
                 file=sys.stderr, flush=True)
-            wait_servable(tracker_url, name, timeout=30)
+            wait_servable(tracker_url, name, timeout=30, token=token)
             config = GatewayConfig([], model=name, tracker=tracker_url, data_dir=str(work / "gateway"),
-                                   hop_timeout_s=args.timeout, wire_dtype=args.wire_dtype)
+                                   hop_timeout_s=args.timeout, wire_dtype=args.wire_dtype, token=token)
         gateway = ServerThread(make_app(config), port=args.port)
         base = gateway.start() + "/v1"
         print(f"ggufswarm demo: cluster up in {time.perf_counter() - t0:.1f} s; gateway {base}",
@@ -175,7 +179,7 @@ def run_demo(args) -> int:
         if args.serve:
             print(base, flush=True)
             if tracker is not None:  # what a user needs to watch the swarm or add a node to it
-                print(f"ggufswarm demo: to add a node or watch the swarm: export {TOKEN_ENV}={swarm_token()}; "
+                print(f"ggufswarm demo: to add a node or watch the swarm: export {TOKEN_ENV}={token}; "
                       f"ggufswarm node --tracker {tracker_url} --model {name} --layers auto --cache {cache_url} "
                       f"--port 0; ggufswarm status --tracker {tracker_url}", file=sys.stderr, flush=True)
             print("ggufswarm demo: serving; Ctrl-C stops the cluster", file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..protocol.auth import TOKEN_ENV
 from ..runtime.shard import ShardSpec
 
 
@@ -57,14 +58,19 @@ def node_command(spec: ShardSpec, model: str | None = None, port: int = 0, threa
 
 def start_nodes(specs: list[ShardSpec], model: str | None = None, threads: int | None = None,
                 extra: list[str] | None = None, timeout: float = 120.0, stderr=None,
-                per_node=None) -> list[NodeProcess]:
+                per_node=None, token: str | None = None) -> list[NodeProcess]:
     """Start one node per spec (in parallel) and wait for each one's ready line.
 
     ``per_node(i) -> list[str]``: extra arguments for node ``i`` only (e.g. its own data directory).
+    ``token``: the swarm token, given to the node commands in their environment (``$GGUFSWARM_TOKEN``, which the
+    command line reads: not on their command line, where any local user could read it); otherwise they inherit
+    this process's environment as it is.
 
     Raises RuntimeError (after stopping the others) when a node exits or is not ready within ``timeout`` s.
     """
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if token:
+        env[TOKEN_ENV] = token
     nodes, lines = [], queue.Queue()
     for i, spec in enumerate(specs):
         args = list(extra or []) + (per_node(i) if per_node else [])

@@ -17,7 +17,7 @@ import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -27,12 +27,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
-from ..client.sampling import SamplingParams
 from ..protocol import PROTOCOL_VERSION, Frame, ProtocolError, decode_frame, encode_hidden
-from ..protocol.auth import auth_headers, swarm_token, token_middleware
+from ..protocol.auth import auth_headers, token_middleware
 from ..protocol.fields import json_field
 from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE, WIRE_DTYPES, step_timeout_s
 from ..protocol.http import JSON, as_protocol_error, json_errors_middleware, read_json, run_server
+from ..runtime.sampling import SamplingParams
 from .link import HopLinks, encode_reply, reply_error
 from ..runtime.sessions import Session, SessionStore, StepRecord
 from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
@@ -71,7 +71,7 @@ class NodeConfig:
     memory_budget_mb: float = 8192.0  # with layers "auto": most MiB of block weights (encoded) to take on
     fetch_timeout_s: float = 1800.0   # with a tracker: the shard fetch fails after this long in all
     fetch_stall_s: float = 60.0       # with a tracker: warn and retry when the fetch gets no piece this long
-    token: str | None = field(default_factory=swarm_token)  # swarm token required on every endpoint
+    token: str | None = None          # swarm token: required on every endpoint, sent to tracker, hops, cache
     cache: str | None = None          # snapshot cache server URL (``ggufswarm cache``)
     snapshot_every: int = 32          # with a cache: snapshot each session every N tokens after its prefill
 
@@ -731,7 +731,8 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.router.add_get("/metrics", metrics)
 
     async def lifecycle(app):
-        state.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers())
+        state.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             headers=auth_headers(config.token))
         tasks = [asyncio.create_task(_reaper(state))]
         if config.exit_with_parent:
             tasks.append(asyncio.create_task(_watch_parent(os.getppid())))
@@ -759,10 +760,11 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
 
 
 def wait_for_model(tracker: str, name: str | None, every_s: float = 2.0, parent: int | None = None,
-                   who: str = "node") -> None:
+                   who: str = "node", *, token: str | None = None) -> None:
     """Block until ``tracker`` answers and has ``name`` published (None: until it answers), saying once (one
-    line, as ``ggufswarm {who}``) what it waits for: start order does not matter. Raises TrackerError for any
-    other refusal (a wrong token, say), SystemExit when ``parent`` (a pid) is gone (``--exit-with-parent``)."""
+    line, as ``ggufswarm {who}``) what it waits for: start order does not matter. ``token``: the swarm token.
+    Raises TrackerError for any other refusal (a wrong token, say), SystemExit when ``parent`` (a pid) is gone
+    (``--exit-with-parent``)."""
     from ..swarm.publish import TrackerError, tracker_call
 
     said = None
@@ -770,7 +772,8 @@ def wait_for_model(tracker: str, name: str | None, every_s: float = 2.0, parent:
         if parent is not None and os.getppid() != parent:
             raise SystemExit(1)
         try:
-            tracker_call(f"{tracker.rstrip('/')}/" + (f"manifests/{name}" if name else "models"), timeout=10)
+            tracker_call(f"{tracker.rstrip('/')}/" + (f"manifests/{name}" if name else "models"), timeout=10,
+                         token=token)
             if said:
                 print(f"ggufswarm {who}: {'the tracker answers' if name is None else name + ' is published'}; "
                       f"going on", file=sys.stderr, flush=True)
@@ -804,10 +807,11 @@ def run_node(config: NodeConfig) -> int:
     if config.tracker:
         from ..swarm.shard_fetch import fetch_shard
         name = config.model or "gemma-3-270m-q4_k_m"
-        wait_for_model(config.tracker, name, parent=os.getppid() if config.exit_with_parent else None)
+        wait_for_model(config.tracker, name, parent=os.getppid() if config.exit_with_parent else None,
+                       token=config.token)
         fetched = fetch_shard(config.tracker, name, config.layers, config.embed, config.head, Path(config.data_dir),
                               budget_bytes=int(config.memory_budget_mb * 2**20), timeout=config.fetch_timeout_s,
-                              stall_s=config.fetch_stall_s)
+                              stall_s=config.fetch_stall_s, token=config.token)
         print(f"ggufswarm node: fetched layers {fetched.spec.start}:{fetched.spec.end} of {name}: "
               f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s", file=sys.stderr, flush=True)
         config = replace(config, layers=f"{fetched.spec.start}:{fetched.spec.end}", embed=fetched.spec.embed,

@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 
-from ..cache.app import SHA_HEADER
-from ..cache.snapshot import (BLOCK_TOKENS, KV_DTYPES, STATE_DTYPE, Shard, SnapshotError, decode_snapshot,
-                              encode_snapshot)
+from ..cache.snapshot import KV_DTYPES, STATE_DTYPE, Shard, SnapshotError, decode_snapshot, encode_snapshot
+from ..protocol.snapshots import BLOCK_TOKENS, SHA_HEADER
 from ..runtime.sessions import Session
 
 class SnapshotLink:

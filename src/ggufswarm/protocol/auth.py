@@ -1,25 +1,21 @@
-"""The swarm token: internal endpoints (nodes, tracker) answer only requests that carry it."""
+"""The swarm token: internal endpoints (nodes, tracker, cache) answer only requests that carry it.
+
+Every server and client takes the token explicitly (its config, or a ``token=`` argument); only the command
+line reads ``$GGUFSWARM_TOKEN`` (``--token`` overrides it)."""
 
 from __future__ import annotations
 
 import hmac
 import json
-import os
 
 from aiohttp import web
 
-TOKEN_ENV = "GGUFSWARM_TOKEN"
+TOKEN_ENV = "GGUFSWARM_TOKEN"  # read by the command line only (cli.py): the library takes the token as an argument
 TOKEN_HEADER = "X-Ggufswarm-Token"
 
 
-def swarm_token() -> str | None:
-    """The swarm token from ``$GGUFSWARM_TOKEN`` (``--token`` sets it), or None for an open swarm."""
-    return os.environ.get(TOKEN_ENV) or None
-
-
-def auth_headers() -> dict[str, str]:
-    """Headers that authenticate an internal request (empty without a token)."""
-    token = swarm_token()
+def auth_headers(token: str | None) -> dict[str, str]:
+    """Headers that authenticate an internal request with ``token`` (empty for None: an open swarm)."""
     return {TOKEN_HEADER: token} if token else {}
 
 

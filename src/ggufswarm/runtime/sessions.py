@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..client.sampling import Sampler, SamplingParams, token_logprobs
+from .sampling import Sampler, SamplingParams, token_logprobs
 from .kv import ContextOverflow, SessionKV, TokenOutOfRange, check_max_length
 
 
@@ -50,7 +50,7 @@ class StepRecord:
     ``output``: hidden states ``[T, n_embd]`` for the next hop, or None on the head.
     ``token`` / ``logprobs``: the head's sample (None when not sampled) and the ``n_logprobs`` most likely
     ``(id, logprob)`` pairs; ``token_logprob``: the sampled token's logprob (sessions opened with ``logprobs``).
-    Logprobs are ``log_softmax`` of the raw logits (``client.sampling.token_logprobs``).
+    Logprobs are ``log_softmax`` of the raw logits (``runtime.sampling.token_logprobs``).
     ``reply``: the bytes answered to the caller once the step completed end to end (None until then).
     """
 

@@ -11,7 +11,7 @@ import torch
 from ..artifact.gguf_file import GGUFModelFile
 from ..model import ModelConfig, family, load_config
 from ..model.blocks import linear, rms_norm, rope_inv_freq, rope_tables
-from ..client.sampling import Sampler
+from .sampling import Sampler
 from .kv import ContextOverflow, SessionKV, TokenOutOfRange
 
 NUMERICS = ("llama.cpp", "exact")

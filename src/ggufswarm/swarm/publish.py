@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..artifact.gguf_file import split_paths
 from ..artifact.manifest import Manifest
-from ..protocol.auth import announce_key, auth_headers, swarm_token
+from ..protocol.auth import announce_key, auth_headers
 from .torrent import DEFAULT_PIECE_SIZE, Swarm, info_hash, make_torrent, save_path_for
 
 
@@ -27,11 +27,13 @@ class TrackerError(RuntimeError):
         self.reason = reason or message  # the tracker's own words, without its URL (for API clients)
 
 
-def tracker_call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0) -> dict:
-    """JSON request to the tracker; TrackerError with the tracker's reason on a 4xx/5xx or no connection."""
+def tracker_call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0, *,
+                 token: str | None = None) -> dict:
+    """JSON request to the tracker, with the swarm ``token`` (None: none sent); TrackerError with the tracker's
+    reason on a 4xx/5xx or no connection."""
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **auth_headers()})
+                                 headers={"Content-Type": "application/json", **auth_headers(token)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
@@ -56,21 +58,22 @@ class Published:
 
 
 def publish(model_path: Path, tracker: str, name: str | None = None, data_dir: Path | None = None,
-            web_seeds: list[str] = (), piece_size: int = DEFAULT_PIECE_SIZE) -> Published:
+            web_seeds: list[str] = (), piece_size: int = DEFAULT_PIECE_SIZE, *, token: str | None = None) -> Published:
     """Index ``model_path`` (a GGUF or any file of a split set), make its torrent (announcing to
-    ``tracker``), register both with the tracker under ``name`` and write them into ``data_dir``.
+    ``tracker``), register both with the tracker under ``name`` and write them into ``data_dir``. ``token``:
+    the swarm token (sent to the tracker; the torrent announces with its ``announce_key``).
 
     Raises GGUFError for a bad file and TrackerError when the tracker refuses.
     """
     paths = split_paths(Path(model_path))
     manifest = Manifest.from_gguf(paths[0], name)
     announce = tracker.rstrip("/") + "/announce"
-    if swarm_token():  # BitTorrent clients cannot send headers: a key derived from the token rides in the URL
-        announce += "?" + urllib.parse.urlencode({"swarm_key": announce_key(swarm_token())})
+    if token:  # BitTorrent clients cannot send headers: a key derived from the token rides in the URL
+        announce += "?" + urllib.parse.urlencode({"swarm_key": announce_key(token)})
     torrent = make_torrent(paths, piece_size, trackers=[announce], web_seeds=list(web_seeds))
     manifest.info_hash, manifest.piece_size, manifest.web_seeds = info_hash(torrent), piece_size, list(web_seeds)
     tracker_call(f"{tracker.rstrip('/')}/manifests/{manifest.name}", "PUT",
-                 {"manifest": json.loads(manifest.to_json()), "torrent_hex": torrent.hex()})
+                 {"manifest": json.loads(manifest.to_json()), "torrent_hex": torrent.hex()}, token=token)
     if data_dir is not None:
         data_dir.mkdir(parents=True, exist_ok=True)
         (data_dir / f"{manifest.name}.manifest.json").write_text(manifest.to_json())

@@ -45,21 +45,21 @@ class FetchedShard:
 
 def fetch_shard(tracker: str, name: str, layers: str, embed: bool, head: bool, data_dir: Path,
                 budget_bytes: int = 8 << 30, progress: bool = True, timeout: float = 1800.0,
-                stall_s: float = 60.0) -> FetchedShard:
+                stall_s: float = 60.0, *, token: str | None = None) -> FetchedShard:
     """Fetch from the swarm only the pieces a shard needs (header + its tensors), verified, into
     ``data_dir``; returns with the swarm still seeding them. ``layers``: ``"START:END"`` or ``"auto"``.
     ``timeout``: seconds in all; ``stall_s``: seconds without a new piece before it warns and retries
-    (``Swarm.fetch``).
+    (``Swarm.fetch``). ``token``: the swarm token, for the tracker.
 
     Raises TrackerError (unknown model, tracker down), ValueError (bad range), SwarmError (fetch failed).
     """
     base = tracker.rstrip("/")
-    found = tracker_call(f"{base}/manifests/{name}")
+    found = tracker_call(f"{base}/manifests/{name}", token=token)
     manifest = Manifest.from_json(json.dumps(found["manifest"]))
     torrent = bytes.fromhex(found["torrent_hex"])
     if layers == "auto":
         ads = [Advertisement(a["node_id"], a["url"], a["model"], tuple(a["layers"]), a["embed"], a["head"], a["state"])
-               for a in tracker_call(f"{base}/nodes?model={name}")["nodes"]]
+               for a in tracker_call(f"{base}/nodes?model={name}", token=token)["nodes"]]
         spec = choose_layers(manifest, ads, budget_bytes)
     else:
         spec = ShardSpec.parse(layers, manifest.n_layers, embed, head)
@@ -72,12 +72,14 @@ def fetch_shard(tracker: str, name: str, layers: str, embed: bool, head: bool, d
     return FetchedShard(path, spec, manifest, swarm, torrent, stats)
 
 
-def fetch_header(tracker: str, name: str, data_dir: Path, progress: bool = False) -> tuple[Path, Swarm]:
-    """Fetch only the GGUF header(s) of ``name`` (metadata + vocabulary, no tensors) for a tokenizer.
+def fetch_header(tracker: str, name: str, data_dir: Path, progress: bool = False, *,
+                 token: str | None = None) -> tuple[Path, Swarm]:
+    """Fetch only the GGUF header(s) of ``name`` (metadata + vocabulary, no tensors) for a tokenizer
+    (``token``: the swarm token, for the tracker).
 
     Returns the sparse file's path and the swarm (seeding what it holds; close it when done).
     """
-    found = tracker_call(f"{tracker.rstrip('/')}/manifests/{name}")
+    found = tracker_call(f"{tracker.rstrip('/')}/manifests/{name}", token=token)
     manifest = Manifest.from_json(json.dumps(found["manifest"]))
     torrent = bytes.fromhex(found["torrent_hex"])
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import logging
 import socket
 import struct
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from urllib.parse import unquote_to_bytes
 
 import aiohttp
@@ -16,7 +16,7 @@ import libtorrent as lt
 from aiohttp import web
 
 from ..artifact.manifest import Manifest
-from ..protocol.auth import TOKEN_HEADER, swarm_token, token_middleware
+from ..protocol.auth import auth_headers, token_middleware
 from ..protocol.errors import ProtocolError
 from ..protocol.http import json_errors_middleware, read_json
 from .registry import Registry
@@ -36,7 +36,7 @@ class TrackerConfig:
     db: str = "tracker.sqlite"
     ttl_s: float = 15.0
     hop_ms: float = 1.0
-    token: str | None = field(default_factory=swarm_token)  # swarm token required on every endpoint
+    token: str | None = None  # swarm token required on every endpoint (None: an open swarm)
 
 
 def _ad_json(ad: Advertisement) -> dict:
@@ -56,7 +56,7 @@ def make_app(config: TrackerConfig) -> web.Application:
                           middlewares=[token_middleware(config.token), json_errors_middleware()])
     registry = Registry(config.db, config.ttl_s)
     routed: Counter[str] = Counter()  # sessions handed each node (load spreading)
-    probe_headers = {TOKEN_HEADER: config.token} if config.token else {}  # nodes of this swarm share its token
+    probe_headers = auth_headers(config.token)  # nodes of this swarm share its token
 
     def n_layers(model: str) -> int | None:
         found = registry.manifest(model)

@@ -28,9 +28,10 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
     return 0
 
 
-def status_text(tracker: str) -> str:
-    """Per model: each node's range as a coverage bar over the layers, state, free KV, decode ms."""
-    snapshot = tracker_call(f"{tracker.rstrip('/')}/status.json")
+def status_text(tracker: str, token: str | None = None) -> str:
+    """Per model: each node's range as a coverage bar over the layers, state, free KV, decode ms (``token``: the
+    swarm token)."""
+    snapshot = tracker_call(f"{tracker.rstrip('/')}/status.json", token=token)
     lines = []
     for name, m in snapshot["models"].items():
         n = m["n_layers"]

@@ -21,7 +21,7 @@ import torch
 
 import llama_cpp as L
 
-from ...client.sampling import Sampler, SamplingParams, greedy
+from ..sampling import Sampler, SamplingParams, greedy
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)
@@ -33,7 +33,7 @@ def draw_seed(seed: int, position: int) -> int:
 
 
 class LlamaCppSampler(Sampler):
-    """``client.sampling.Sampler``'s interface, drawing with llama.cpp's sampler chain.
+    """``runtime.sampling.Sampler``'s interface, drawing with llama.cpp's sampler chain.
 
     ``temperature <= 0`` is greedy (argmax after the penalties, as llama.cpp's greedy sampler).
     Raises ValueError for settings of the wrong type or out of range (``SamplingParams.validate``).
