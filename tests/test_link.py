@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from apphost import AppThread
-from route_fixtures import http, tiny_split_route
+from route_fixtures import http, open_greedy, tiny_split_route
 from tinymodels import write_tiny_model
 
 from ggufswarm.client.remote import RemoteRoute, StepLink
@@ -79,6 +79,52 @@ def test_route_steps_travel_over_one_link(tiny_route):
     assert links_in_drop_to(tiny_route["first"], linked)["in"] == linked
 
 
+def test_head_replies_straight_to_the_client(tiny_route):
+    """After the first step the client holds a reply link to the head: decode replies come from the head in one
+    message (telemetry.direct_replies), the tokens are the whole model's, every step's per-hop numbers still
+    arrive (the route's replies, read late), and the link closes with the session."""
+    want = greedy([tiny_route["whole"]])
+    session = RemoteRoute([tiny_route["first"], tiny_route["head"]]).open(64, GREEDY)
+    try:
+        got = [session.step(PROMPT)]
+        while len(got) < len(want):
+            got.append(session.step([got[-1]]))
+        assert got == want
+        deadline = time.monotonic() + 10  # the link opens in the background: a few more steps at most
+        while session.telemetry.direct_replies == 0 and time.monotonic() < deadline:
+            session.step([got[-1]])
+        telemetry = session.telemetry
+        assert telemetry.direct_replies >= 1
+        assert len(telemetry.steps) == session.step_no  # every step's per-hop numbers, direct ones included
+        assert all(len(s.compute_ms) == 2 for s in telemetry.steps)
+        assert http("GET", tiny_route["head"] + "/health")[1]["links"]["replies"] >= 1
+    finally:
+        session.close()
+    deadline = time.monotonic() + 10
+    while http("GET", tiny_route["head"] + "/health")[1]["links"]["replies"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert http("GET", tiny_route["head"] + "/health")[1]["links"]["replies"] == 0
+
+
+def test_reply_link_only_from_a_head_for_an_open_session(tiny_route):
+    """``GET /v1/link?replies=`` is refused by a node without the head (400), for an unknown session (404) and
+    for a malformed id (400), before the upgrade."""
+    import websocket
+
+    sid = open_greedy(tiny_route["head"])
+    try:
+        for url, replies, status in ((tiny_route["first"], sid, 400), (tiny_route["head"], uuid.uuid4(), 404),
+                                     (tiny_route["head"], "nope", 400)):
+            with pytest.raises(websocket.WebSocketBadStatusException) as err:
+                websocket.create_connection(url.replace("http", "ws") + f"/v1/link?replies={replies}", timeout=10)
+            assert err.value.status_code == status, (url, replies)
+        ws = websocket.create_connection(tiny_route["head"].replace("http", "ws") + f"/v1/link?replies={sid}",
+                                         timeout=10)
+        ws.close()
+    finally:
+        http("DELETE", f"{tiny_route['head']}/v1/sessions/{sid}")
+
+
 def test_next_hop_without_links_gets_plain_posts(tiny_route):
     """A next hop that has no /v1/link (an older node) is reached by POST /v1/step: asked for a link once."""
     seen = {"link": 0, "step": 0}
@@ -117,7 +163,7 @@ def test_next_hop_without_links_gets_plain_posts(tiny_route):
         link = StepLink(fake, 5.0)
         try:
             for i in range(2):
-                status, body = link.step(encode_tokens(sid, i + 1, i, [3]))
+                status, body, _ = link.step(encode_tokens(sid, i + 1, i, [3]))
                 assert status == 200 and json.loads(body)["token"] == 8
         finally:
             link.close()

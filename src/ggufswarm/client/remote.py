@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import select
 import socket
 import time
 import uuid
@@ -105,19 +106,33 @@ class StepLink:
     thread (another wake-up per token). ``token``: the swarm token, sent with the upgrade (and each POST).
     """
 
-    def __init__(self, url: str, timeout: float, token: str | None = None):
+    def __init__(self, url: str, timeout: float, token: str | None = None, replies: uuid.UUID | None = None):
         self.url = url
         self.timeout = timeout
         self.token = token
+        self.replies = replies  # a session id: this is that session's reply link to the head (receive only)
         self.http_only = False
         self._ws: websocket.WebSocket | None = None
         self._conn: http.client.HTTPConnection | None = None
 
+    @classmethod
+    def reply_link(cls, url: str, session: uuid.UUID, timeout: float, token: str | None) -> "StepLink | None":
+        """Session ``session``'s reply link to the head ``url`` (``GET /v1/link?replies=``), connected; None when
+        the head cannot give one (a node without reply links, or any refusal): replies then come back along the
+        route only."""
+        link = cls(url, timeout, token, replies=session)
+        try:
+            link._connect()
+        except (RouteError, OSError, websocket.WebSocketException):
+            return None
+        return link if link._ws is not None else None
+
     def _connect(self) -> None:
         """Open the WebSocket (``_ws``), or note that the node has no links (``http_only``)."""
         parts = urlsplit(self.url)
+        path = "/v1/link" + (f"?replies={self.replies}" if self.replies is not None else "")
         try:
-            ws = websocket.create_connection(f"ws://{parts.netloc}/v1/link", timeout=self.timeout,
+            ws = websocket.create_connection(f"ws://{parts.netloc}{path}", timeout=self.timeout,
                                              header=[f"{k}: {v}" for k, v in auth_headers(self.token).items()],
                                              sockopt=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
                                              enable_multithread=False)
@@ -129,10 +144,16 @@ class StepLink:
                              if exc.status_code >= 400 else 502, "hop_failed", self.url) from None
         self._ws = ws
 
-    def step(self, frame: bytes, timeout: float | None = None) -> tuple[int, bytes]:
-        """Send one step frame; (HTTP status, JSON reply bytes). RouteError ``hop_timeout`` (504) when no reply
-        comes within ``timeout`` s (default: the link's), ``hop_failed`` (502) when the connection fails; the
-        link is closed then."""
+    def step(self, frame: bytes, timeout: float | None = None, replies: "StepLink | None" = None,
+             late=None) -> tuple[int, bytes, bool]:
+        """Send one step frame; (HTTP status, JSON reply bytes, whether the reply came on ``replies``).
+
+        ``replies``: the session's reply link to the head; the first of its reply and this link's is taken (the
+        head's comes first: one message from the head instead of one per hop back). ``late(key, status, body)``
+        gets this link's replies to earlier steps that were answered on ``replies`` (their full per-hop
+        telemetry). RouteError ``hop_timeout`` (504) when no reply comes within ``timeout`` s (default: the
+        link's), ``hop_failed`` (502) when this link's connection fails; the link is closed then. A reply link
+        that fails is closed and the reply awaited here."""
         timeout = self.timeout if timeout is None else timeout
         try:
             if self._ws is None and not self.http_only:
@@ -143,15 +164,29 @@ class StepLink:
                 self._conn.timeout = timeout
                 if self._conn.sock is not None:
                     self._conn.sock.settimeout(timeout)
-                return _request(self._conn, self.url, "POST", "/v1/step", frame, "application/octet-stream",
-                                token=self.token)
+                status, body = _request(self._conn, self.url, "POST", "/v1/step", frame, "application/octet-stream",
+                                        token=self.token)
+                return status, body, False
             key = frame[8:32]
             self._ws.settimeout(timeout)
             self._ws.send_binary(frame)
+            deadline = time.monotonic() + timeout
             while True:
+                if replies is not None and replies._ws is not None:
+                    mine, theirs = self._ws.sock, replies._ws.sock
+                    ready = select.select([mine, theirs], [], [], max(deadline - time.monotonic(), 0.0))[0]
+                    if not ready:
+                        raise websocket.WebSocketTimeoutException("no reply")
+                    if theirs in ready and (body := replies._take(key)) is not None:
+                        return 200, body, True
+                    if mine not in ready:
+                        continue
                 opcode, data = self._ws.recv_data()
-                if opcode == websocket.ABNF.OPCODE_BINARY and len(data) >= 26 and data[:24] == key:
-                    return int.from_bytes(data[24:26], "little"), data[26:]
+                if opcode == websocket.ABNF.OPCODE_BINARY and len(data) >= 26:
+                    if data[:24] == key:
+                        return int.from_bytes(data[24:26], "little"), data[26:], False
+                    if late is not None:
+                        late(data[:24], int.from_bytes(data[24:26], "little"), data[26:])
         except websocket.WebSocketTimeoutException:
             self.close()
             raise RouteError(f"node {self.url} did not answer within {timeout:g} s", 504, "hop_timeout",
@@ -160,6 +195,39 @@ class StepLink:
             self.close()
             raise RouteError(f"node {self.url} failed: link {type(exc).__name__}: {exc}", 502, "hop_failed",
                              self.url) from None
+
+    def _take(self, key: bytes) -> bytes | None:
+        """Read one message of this reply link: its JSON body when it is the successful reply to the step with
+        frame ``key``, else None (another step's; a failed link is closed)."""
+        try:
+            opcode, data = self._ws.recv_data()
+        except (OSError, websocket.WebSocketException):
+            self.close()
+            return None
+        if opcode == websocket.ABNF.OPCODE_CLOSE:
+            self.close()
+            return None
+        if opcode == websocket.ABNF.OPCODE_BINARY and len(data) >= 26 and data[:24] == key \
+                and int.from_bytes(data[24:26], "little") == 200:
+            return data[26:]
+        return None
+
+    def drain(self, late, until, wait_s: float) -> None:
+        """Pass this link's replies to ``late`` (as in step) until ``until()`` is true or ``wait_s`` seconds pass;
+        a connection that fails is closed."""
+        if self._ws is None:
+            return
+        deadline = time.monotonic() + wait_s
+        try:
+            while not until():
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self._ws.sock], [], [], left)[0]:
+                    return
+                opcode, data = self._ws.recv_data()
+                if opcode == websocket.ABNF.OPCODE_BINARY and len(data) >= 26:
+                    late(data[:24], int.from_bytes(data[24:26], "little"), data[26:])
+        except (OSError, websocket.WebSocketException):
+            self.close()
 
     def close(self) -> None:
         if self._ws is not None:
@@ -341,6 +409,7 @@ class RouteTelemetry:
     steps: list[StepTiming] = field(default_factory=list)
     repairs: list[dict] = field(default_factory=list)
     prefix_tokens_restored: int = 0
+    direct_replies: int = 0  # steps whose reply came straight from the head (its reply link)
 
     def summary(self, route: RemoteRoute) -> dict:
         """Per-hop compute/network ms (mean, p95) over decode steps, payload bytes per decode token, KV held."""
@@ -367,7 +436,8 @@ class RouteTelemetry:
         return {"hops": hops,
                 "payload_bytes_per_decode_token": round(sum(h["payload_bytes_per_decode_token"] for h in hops), 1),
                 "kv_tokens_held": {h["node"]: h["kv_tokens"] for h in hops},
-                "prefix_tokens_restored": self.prefix_tokens_restored, "repairs": list(self.repairs)}
+                "prefix_tokens_restored": self.prefix_tokens_restored, "repairs": list(self.repairs),
+                "direct_replies": self.direct_replies}
 
 
 class RemoteSession:
@@ -411,7 +481,14 @@ class RemoteSession:
         # repair rolls back to one of these and replays the same steps: the output stays bit for bit the same.
         self.boundaries: set[int] = {0}
         self.step_no = 0
-        self.telemetry = RouteTelemetry()
+        self._telemetry = RouteTelemetry()
+        # the reply link to the head (StepLink.reply_link), opened after the first step; heads that gave none
+        self._replies: StepLink | None = None
+        self._replies_opening = None  # a Future of StepLink.reply_link, opened off the step path
+        self._no_replies: set[str] = set()
+        # steps answered on the reply link whose reply along the route (per-hop telemetry) is still to be read:
+        # frame key -> (perf_counter s sent, n_tokens, hop urls)
+        self._unacked: dict[bytes, tuple[float, int, list[str]]] = {}
         self.last_logprobs = None
         self.last_token_logprob: float | None = None  # the last sample's logprob (sessions opened with logprobs)
         self._conns = {}
@@ -423,6 +500,17 @@ class RemoteSession:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def telemetry(self) -> RouteTelemetry:
+        """What the session measured (RouteTelemetry). Replies that came back along the route after the head's
+        own reached the client are read first (up to 1 s), so that every step's per-hop numbers are in."""
+        if self._unacked:
+            link = self._links.get(self.route.hops[0].url)
+            if link is not None:
+                link.drain(lambda *a: self._late(*a, strict=False), lambda: not self._unacked, 1.0)
+            self._unacked.clear()
+        return self._telemetry
 
     def _open_all(self, hops: list[Hop]) -> None:
         """Open the session on every node at once: one round trip for the whole route, not one per node (TTFT).
@@ -534,36 +622,85 @@ class RemoteSession:
                 pending = exc
 
     def _send(self, ids: list[int], sample: bool) -> int | None:
-        first = self.route.hops[0]
+        first, head = self.route.hops[0], self.route.hops[-1]
         self.step_no += 1
         frame = encode_tokens(self.id, self.step_no, self.position, ids, sample)
         link = self._links.get(first.url)
         if link is None:
             link = self._links[first.url] = StepLink(first.url, self.route.timeout_s, self.route.token)
+        elif self._replies is None and head is not first and not link.http_only and head.url not in self._no_replies:
+            # after the first step (it opened the session everywhere): the head's replies come straight to us,
+            # one message after it sampled, not back through every hop (docs/protocol.md). Opened in the
+            # background and used once open: a head that does not answer never holds a step up.
+            if self._replies_opening is None:
+                self._replies_opening = _OPEN_POOL.submit(StepLink.reply_link, head.url, self.id,
+                                                          min(self.route.timeout_s, 5.0), self.route.token)
+            elif self._replies_opening.done():
+                self._replies, self._replies_opening = self._replies_opening.result(), None
+                if self._replies is None:
+                    self._no_replies.add(head.url)
         timeout = step_timeout_s(self.route.timeout_s - 1.0, len(ids)) + 1.0  # long prefill chunks wait longer
         t0 = time.perf_counter()
         try:
-            status, body = link.step(frame, timeout)
+            status, body, direct = link.step(frame, timeout, self._replies, self._late)
         except RouteError as exc:
             if exc.code != "hop_failed":
                 raise
-            status, body = link.step(frame, timeout)  # a fresh connection; same step number: never applied twice
+            # a fresh connection; same step number: never applied twice
+            status, body, direct = link.step(frame, timeout, self._replies, self._late)
         rtt = (time.perf_counter() - t0) * 1e3
         reply = _check(first.url, status, body, f"step {self.step_no}")
         self.position += len(ids)
         self.boundaries.add(self.position)
+        urls = [h.url for h in self.route.hops]
+        if direct:  # the head's own reply: the route's, with every hop's numbers, is read later (_late)
+            self._unacked[frame[8:32]] = (t0, len(ids), urls)
+            self._telemetry.direct_replies += 1
+        else:
+            self._record_timing(reply, rtt, len(ids), urls)
+        self.last_logprobs = reply.get("logprobs")
+        self.last_token_logprob = reply.get("token_logprob")
+        return reply["token"]
+
+    def _record_timing(self, reply: dict, rtt: float, n_tokens: int, urls: list[str]) -> None:
+        """One StepTiming from a reply that came back along the route (``hops``: each node's numbers, ms) and
+        its round trip ``rtt`` (ms): a hop's network time is what its caller waited beyond its handling."""
         hops = reply["hops"]
         network = []
         outer = rtt
         for hop in hops:
             network.append(max(outer - hop["handle_ms"], 0.0))
             outer = hop.get("push_ms", 0.0)
-        self.telemetry.steps.append(StepTiming(len(ids), [h["compute_ms"] for h in hops], network,
-                                               [h["bytes_in"] for h in hops], [h["kv_tokens"] for h in hops],
-                                               [h.url for h in self.route.hops]))
-        self.last_logprobs = reply.get("logprobs")
-        self.last_token_logprob = reply.get("token_logprob")
-        return reply["token"]
+        self._telemetry.steps.append(StepTiming(n_tokens, [h["compute_ms"] for h in hops], network,
+                                                [h["bytes_in"] for h in hops], [h["kv_tokens"] for h in hops], urls))
+
+    def _late(self, key: bytes, status: int, body: bytes, strict: bool = True) -> None:
+        """The route's reply to a step the head already answered on the reply link: its telemetry. An error
+        there (a node failed after passing the step on) means the route is broken: raised as RouteError with
+        ``strict``, so that the step now waiting fails (and is repaired) at once, not after its own timeout."""
+        entry = self._unacked.pop(key, None)
+        if entry is None:
+            return
+        if status != 200:
+            if strict:
+                _check(self.route.hops[0].url, status, body, "an earlier step")
+            return
+        try:
+            reply = json.loads(body)
+        except ValueError:
+            return
+        t0, n_tokens, urls = entry
+        self._record_timing(reply, (time.perf_counter() - t0) * 1e3, n_tokens, urls)
+
+    def _drop_replies(self) -> None:
+        """Close the reply link (one still opening is closed once open) and forget the replies it answered."""
+        if self._replies is not None:
+            self._replies.close()
+            self._replies = None
+        if self._replies_opening is not None:
+            self._replies_opening.add_done_callback(lambda f: f.result() and f.result().close())
+            self._replies_opening = None
+        self._unacked.clear()
 
     # -- prefix snapshots --------------------------------------------------------------------------
     def _restore_many(self, hops: list[Hop], tokens: list[int],
@@ -629,7 +766,7 @@ class RemoteSession:
                     pass
             self.position = 0
             return 0
-        self.telemetry.prefix_tokens_restored = length
+        self._telemetry.prefix_tokens_restored = length
         return length
 
     def _replacement(self, failed: Hop) -> "RemoteRoute":
@@ -655,7 +792,7 @@ class RemoteSession:
         try:
             spare = self._replacement(failed)
         except RouteError as err:
-            self.telemetry.repairs.append({
+            self._telemetry.repairs.append({
                 "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code, "message": str(exc)[:300],
                 "replacement": None, "error": str(err)[:300], "ms": round((time.perf_counter() - t0) * 1e3, 1)})
             raise RouteError(f"node {failed.url} (layers {failed.start}:{failed.end}) failed ({exc}); no replacement: "
@@ -663,6 +800,7 @@ class RemoteSession:
         i = old.hops.index(failed)
         hops = old.hops[:i] + spare.hops + old.hops[i + 1:]
         self.route = RemoteRoute.of_hops(hops, old.hop_timeout_s, model=old.model, token=old.token)
+        self._drop_replies()  # the head may have changed; late replies of the old route carry nothing we need
         self._conns.pop(failed.url, None)
         link = self._links.pop(failed.url, None)
         if link is not None:
@@ -681,12 +819,12 @@ class RemoteSession:
             self.position = length  # if this repair fails midway, the next one starts from here
             self._rewind(hops, held, length, relink=True)
         except RouteError as err:  # failed halfway (the replacement failed too): recorded, then the caller retries
-            self.telemetry.repairs.append({
+            self._telemetry.repairs.append({
                 "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code,
                 "message": str(exc)[:300], "replacement": [h.url for h in spare.hops], "restored_tokens": 0,
                 "tokens_replayed": 0, "error": str(err)[:300], "ms": round((time.perf_counter() - t0) * 1e3, 1)})
             raise
-        self.telemetry.repairs.append({
+        self._telemetry.repairs.append({
             "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code, "message": str(exc)[:300],
             "replacement": [h.url for h in spare.hops], "restored_tokens": length,
             "tokens_replayed": target - length, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
@@ -713,6 +851,7 @@ class RemoteSession:
         for link in self._links.values():
             link.close()
         self._links = {}
+        self._drop_replies()
         self._close_opened()
 
     def _close_opened(self) -> None:

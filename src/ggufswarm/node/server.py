@@ -100,6 +100,9 @@ class NodeState:
         self.links = HopLinks(lambda: self.client)  # to next hops (node/link.py)
         self.links_in: set[web.WebSocketResponse] = set()  # from previous hops
         self.link_tasks: set[asyncio.Task] = set()  # frames from links being applied
+        # head: a client's reply link per session (GET /v1/link?replies=<session id>): each step's reply goes
+        # there too, straight from the head, before it goes back along the route
+        self.reply_links: dict[uuid.UUID, web.WebSocketResponse] = {}
         self.peers: set[str] = set()  # node URLs the tracker listed for this model (next_hop check), and when
         self.peers_at = 0.0
         self.snapshots = None
@@ -168,7 +171,7 @@ class NodeState:
             "kv_tokens_reserved": s.reserved_tokens, "kv_tokens_held": s.held_tokens,
             "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals(),
             "cache": self.config.cache, "snapshots": self.snapshots.counters if self.snapshots else None,
-            "links": {"in": len(self.links_in), **self.links.counts()},
+            "links": {"in": len(self.links_in), "replies": len(self.reply_links), **self.links.counts()},
         }
 
 
@@ -260,6 +263,9 @@ async def close_session(request: web.Request) -> web.Response:
         session = state.store.close(_session_id(request.match_info["sid"]))
     except Exception as exc:  # noqa: BLE001
         return _error(state, exc)
+    replies = state.reply_links.pop(session.id, None)
+    if replies is not None:
+        await replies.close()
     return _json({"closed": str(session.id), "kv_tokens": session.length})
 
 
@@ -430,12 +436,26 @@ async def link(request: web.Request) -> web.StreamResponse:
     """``GET /v1/link``: a WebSocket on which a previous hop sends step frames (binary messages, each the
     body of a ``POST /v1/step``); each is answered by one binary message (node/link.py: frame key, status,
     JSON reply). Frames are applied concurrently, each session's in order; a bad frame gets its error
-    reply and the link stays open."""
+    reply and the link stays open.
+
+    ``GET /v1/link?replies=<session id>`` (head only, an open session): the client's **reply link**. The head
+    sends each successful step reply of that session on it as well (same message), as soon as it has it,
+    before the reply travels back along the route: the client has the token one message after the head
+    sampled it instead of one per hop. A later reply link for the session replaces the earlier one."""
     state: NodeState = request.app[NODE]
     ws = web.WebSocketResponse(max_msg_size=state.max_body + 1024, autoping=True)
     if not ws.can_prepare(request).ok:
         return _error(state, ProtocolError("bad_request", "GET /v1/link opens a WebSocket: send Connection: Upgrade "
                                                           "and Upgrade: websocket (docs/protocol.md, \"Links\")"))
+    if "replies" in request.query:
+        try:
+            if not state.spec.head:
+                raise ProtocolError("bad_request", "only the head sends replies: a reply link goes to the node "
+                                                   "with --head")
+            sid = state.store.get(_session_id(request.query["replies"])).id
+        except Exception as exc:  # noqa: BLE001
+            return _error(state, exc)
+        return await _reply_link(state, ws, request, sid)
     await ws.prepare(request)
     state.links_in.add(ws)
     tasks = state.link_tasks  # strong references: the loop keeps only weak ones to running tasks
@@ -461,6 +481,38 @@ async def link(request: web.Request) -> web.StreamResponse:
     finally:
         state.links_in.discard(ws)
     return ws
+
+
+async def _reply_link(state: NodeState, ws: web.WebSocketResponse, request: web.Request,
+                      sid: uuid.UUID) -> web.WebSocketResponse:
+    """Hold ``ws`` as session ``sid``'s reply link until the client closes it (messages from the client are
+    ignored), or the session is closed."""
+    await ws.prepare(request)
+    old = state.reply_links.get(sid)
+    state.reply_links[sid] = ws
+    if old is not None:
+        await old.close()
+    state.links_in.add(ws)
+    try:
+        async for _msg in ws:
+            pass
+    finally:
+        state.links_in.discard(ws)
+        if state.reply_links.get(sid) is ws:
+            del state.reply_links[sid]
+    return ws
+
+
+async def _send_direct(state: NodeState, frame: Frame, body: bytes, reply: bytes) -> None:
+    """The head's reply to ``body`` (a step of ``frame``'s session) on the session's reply link, if it has one;
+    a link that fails is dropped (the reply still goes back along the route)."""
+    ws = state.reply_links.get(frame.session_id)
+    if ws is None or ws.closed:
+        return
+    try:
+        await ws.send_bytes(encode_reply(body, 200, reply))
+    except (ConnectionError, RuntimeError):
+        state.reply_links.pop(frame.session_id, None)
 
 
 async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, bytes]:
@@ -502,13 +554,16 @@ async def _apply_session_frame(state: NodeState, session: Session, frame: Frame,
             state.steps.labels(kind).inc()
             state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
         elif record.reply is not None:  # a retry of a step answered: the same answer
+            if state.spec.head:
+                await _send_direct(state, frame, body, record.reply)
             return 200, record.reply
         # else a retry of a step whose relay failed: its recorded output is relayed again
         hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
         if state.spec.head:
-            reply = _head_reply(record, hop)
-        else:
-            reply = await _relay(state, session, frame, record, kind, hop)
+            reply = _record(state, session, frame, kind, record, _head_reply(record, hop), hop, t0)
+            await _send_direct(state, frame, body, reply)
+            return 200, reply
+        reply = await _relay(state, session, frame, record, kind, hop)
         return 200, _record(state, session, frame, kind, record, reply, hop, t0)
 
 
