@@ -13,6 +13,7 @@ recurrent state, every 4th block full attention).
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -295,3 +296,50 @@ def test_help_teaches(capsys):
     text = capsys.readouterr().out
     for phrase in ("header", "--node-memory", "--context", "--nodes", "--tracker", "MLA", "recurrent", "examples:"):
         assert phrase in text
+
+
+def test_published_name_plans_from_manifest_and_a_nodes_header(tmp_path, capsys):
+    """``--tracker URL --model NAME``: the tensor table from the tracker's manifest, the metadata from a node
+    serving the model (``GET /v1/model/header/0``, here a stand-in app); the same plan as from the file."""
+    from aiohttp import web
+    from apphost import AppThread
+    from tinymodels import write_tiny_model
+
+    from ggufswarm.artifact.manifest import Manifest
+    from ggufswarm.swarm.torrent import make_torrent
+    from ggufswarm.tracker.app import TrackerConfig, make_app
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_layers=4)
+    manifest = Manifest.from_gguf(path, name="tiny")
+    header = path.read_bytes()[:manifest.files[0]["header_bytes"]]
+
+    def node_app():
+        app = web.Application()
+
+        async def head(request):
+            return web.Response(body=header, content_type="application/octet-stream")
+        app.router.add_get("/v1/model/header/0", head)
+        return app
+
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:", token=None))) as tracker, AppThread(node_app) as node:
+        rc, _, err = run_plan(capsys, "--model", "tiny", "--tracker", tracker, "--node-memory", "1M")
+        assert rc == 1 and "no model named 'tiny' is published" in err
+        req = urllib.request.Request(f"{tracker}/manifests/tiny", method="PUT", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"manifest": json.loads(manifest.to_json()),
+                                                      "torrent_hex": make_torrent([path]).hex()}).encode())
+        urllib.request.urlopen(req, timeout=10).read()
+        rc, _, err = run_plan(capsys, "--model", "tiny", "--tracker", tracker, "--node-memory", "1M")
+        assert rc == 1 and "no node serves it now" in err
+        beat = {"node_id": "n1", "url": node, "model": "tiny", "layers": [0, 4], "embed": True, "head": True,
+                "state": "ready", "free_kv_tokens": 4096, "decode_ms": 1.0}
+        req = urllib.request.Request(f"{tracker}/nodes/heartbeat", method="POST", data=json.dumps(beat).encode(),
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).read()
+        rc, out, err = run_plan(capsys, "--model", "tiny", "--tracker", tracker, "--node-memory", "4M",
+                                "--context", "256", "--json")
+        assert rc == 0, err
+    remote = json.loads(out)
+    rc, out, err = run_plan(capsys, "--model", str(path), "--node-memory", "4M", "--context", "256", "--json")
+    local = json.loads(out)
+    assert "metadata from" in remote.pop("source") and local.pop("source")
+    assert remote == local and remote["placement"]["nodes"]
