@@ -118,6 +118,35 @@ def glm45(path: Path) -> dict[str, int]:
     return write_header_only(path, "glm4moe", kv, t)
 
 
+def glm5(path: Path) -> dict[str, int]:
+    """GLM-5-class (``glm-dsa``): 78 blocks + 1 MTP, n_embd 6144, MLA (kv_lora_rank 512 + rope 64), a DSA
+    indexer (32 heads of 128) in every block, 256 experts of 2048, the first 3 blocks dense."""
+    d, n_layers, vocab, heads = 6144, 78, 154880, 64
+    t = [("token_embd.weight", (vocab, d), Q.Q4_K), ("output_norm.weight", (d,), Q.F32),
+         ("output.weight", (vocab, d), Q.Q6_K)]
+    for i in range(n_layers + 1):
+        b = f"blk.{i}."
+        t += [(b + "attn_norm.weight", (d,), Q.F32), (b + "attn_q_a.weight", (2048, d), Q.Q4_K),
+              (b + "attn_q_b.weight", (heads * 256, 2048), Q.Q4_K), (b + "attn_kv_a_mqa.weight", (512 + 64, d), Q.Q4_K),
+              (b + "attn_k_b.weight", (heads, 512, 192), Q.Q8_0), (b + "attn_v_b.weight", (heads, 256, 512), Q.Q8_0),
+              (b + "attn_output.weight", (d, heads * 256), Q.Q4_K), (b + "ffn_norm.weight", (d,), Q.F32),
+              (b + "indexer.attn_q_b.weight", (32 * 128, 2048), Q.Q8_0), (b + "indexer.attn_k.weight", (128, d), Q.Q8_0),
+              (b + "indexer.proj.weight", (32, d), Q.F32), (b + "indexer.k_norm.weight", (128,), Q.F32)]
+        if i < 3:
+            t += [(b + "ffn_gate.weight", (12288, d), Q.Q4_K), (b + "ffn_up.weight", (12288, d), Q.Q4_K),
+                  (b + "ffn_down.weight", (d, 12288), Q.Q6_K)]
+        else:
+            t += [(b + "ffn_gate_inp.weight", (256, d), Q.F32), (b + "ffn_gate_exps.weight", (256, 2048, d), Q.Q4_K),
+                  (b + "ffn_up_exps.weight", (256, 2048, d), Q.Q4_K), (b + "ffn_down_exps.weight", (256, d, 2048), Q.Q6_K)]
+    kv = {"block_count": n_layers + 1, "nextn_predict_layers": 1, "context_length": 202752, "embedding_length": d,
+          "attention.head_count": heads, "attention.head_count_kv": 1, "attention.key_length": 576,
+          "attention.value_length": 512, "attention.key_length_mla": 256, "attention.value_length_mla": 256,
+          "attention.q_lora_rank": 2048, "attention.kv_lora_rank": 512, "rope.dimension_count": 64,
+          "attention.indexer.head_count": 32, "attention.indexer.key_length": 128, "attention.indexer.top_k": 2048,
+          "leading_dense_block_count": 3, "expert_count": 256, "expert_used_count": 8, "expert_feed_forward_length": 2048}
+    return write_header_only(path, "glm-dsa", kv, t)
+
+
 def hybrid(path: Path) -> dict[str, int]:
     """Qwen3-Next-class: 48 blocks, gated delta net (ssm_*) except every 4th, which is full attention."""
     d, n_layers = 2048, 48
@@ -230,6 +259,19 @@ def test_glm_class_header_with_mtp_block(tmp_path, capsys):
     check_placement(plan, 92, 48 * GiB, sizes)
     rc, text, _ = run_plan(capsys, "--model", str(path), "--node-memory", "48GiB")
     assert "(+1 MTP/nextn blocks no route runs)" in text and "(MTP, not placed)" in text
+
+
+def test_glm5_class_dsa_header(tmp_path, capsys):
+    path = tmp_path / "glm-5-class.gguf"
+    sizes = glm5(path)
+    total = sum(sizes.values())
+    rc, out, err = run_plan(capsys, "--model", str(path), "--node-memory", "96GiB", "--context", "65536", "--json")
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["arch"] == "glm-dsa" and plan["n_layers"] == 78 and plan["total_bytes"] == total
+    assert [b["weight_bytes"] for b in plan["blocks"]] == per_block(sizes, 79)
+    assert plan["kv_bytes_per_token"] == 78 * (512 + 64 + 128) * 2  # MLA latent + indexer key, f16
+    check_placement(plan, 78, 96 * GiB, sizes)
 
 
 def test_hybrid_recurrent_blocks_keep_state_not_kv(tmp_path, capsys):

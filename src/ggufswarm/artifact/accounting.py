@@ -14,11 +14,14 @@ Per block (``LayerAccount``), the quantities and their sources in llama.cpp:
   ``n_embd_k_gqa = n_head_kv(il) * n_embd_head_k(il)`` (``src/llama-hparams.cpp``), with the
   ``*_swa`` head lengths on sliding-window layers. MLA layers (``attention.kv_lora_rank`` present)
   keep only K, the compressed latent ``kv_lora_rank + rope.dimension_count`` (``is_mla``: no V
-  tensor). Layers with a DSA indexer (``attention.indexer.key_length``) also cache one indexer key of
-  that length per token (``src/llama-memory-hybrid-idx.cpp``). Layers with a compression ratio
-  ``r > 1`` (``attention.compress_ratios``) keep one row per ``r`` tokens (``src/llama-kv-cache-dsv4.cpp``,
-  ``dsv4_comp_size``); this is counted as ``ceil(row / r)`` bytes per token, an approximation.
-  Recurrent layers and layers with no KV heads cost 0.
+  tensor). Layers with a DSA indexer (``attention.indexer.key_length``, and ``blk.N.indexer*`` tensors
+  when the table has names) also cache one indexer key of that length per token
+  (``src/llama-memory-hybrid-idx.cpp``). In a model with ``attention.compress_ratios`` every cache is
+  K-only (``dsv4_make_k_only`` in ``src/llama-kv-cache-dsv4.cpp``); a block with ratio ``r > 1`` keeps
+  the raw K rows, one compressed K row per ``r`` tokens and as many indexer rows (``dsv4_comp_size``):
+  ``row + ceil(row / r) + ceil(indexer / r)`` bytes per token, plus a fixed compressor state per session
+  (``llama_dsv4_comp_state``; the overlap factor is inferred from the block having an indexer, an
+  approximation). Recurrent layers and layers with no KV heads cost 0.
 * Sliding-window layers count the **full** per-token KV: ggufswarm's llama.cpp backend creates its
   context with ``swa_full = true`` (so truncation for route repair is exact), and the torch backend
   keeps every position too. Nothing is saved by the window.
@@ -37,8 +40,8 @@ as ``src/models/qwen3next.cpp`` / ``qwen35*.cpp``); else a block whose tensors a
 (``ssm_*``, ``time_mix_*``, ``shortconv.*``) and no attention projections, or one with 0 KV heads when
 the model has recurrent metadata (Jamba-style per-layer ``head_count_kv``).
 
-The **boundary** is the hidden state a shard hands the next one: ``n_embd`` values per token, times the
-wire dtype's element size (``WIRE_ELEMENT_BYTES``; f32 is the default frame dtype, see
+The **boundary** is the hidden state a shard hands the next one: ``n_embd`` values per token (times
+``hyper_connection.count`` where the residual stream is widened), times the wire dtype's element size (``WIRE_ELEMENT_BYTES``; f32 is the default frame dtype, see
 ``docs/protocol.md``, "Frames"). A frame adds 48 header bytes and 4 bytes of token id per token.
 """
 
@@ -217,10 +220,12 @@ class HeaderAccounts:
         if self._is_recurrent(il, names):
             return LayerAccount(il, "recurrent", weight, 0, self._state_elements() * STATE_ELEMENT_BYTES)
         n_kv = self._n_head_kv(il)
+        ratios = self._get("attention.compress_ratios")
+        compressed_model = isinstance(ratios, list)  # llama-kv-cache-dsv4.cpp: every cache K-only
         kv_lora = self._get("attention.kv_lora_rank")
         if kv_lora:  # MLA: K only, the latent plus the rope part (llama-kv-cache.cpp: has_v = !is_mla)
-            row = (int(kv_lora) + int(self._get("rope.dimension_count", 0) or 0)) * KV_ELEMENT_BYTES
-            kind = "mla"
+            k_elems = int(kv_lora) + int(self._get("rope.dimension_count", 0) or 0)
+            v_elems, kind = 0, "mla"
         elif n_kv == 0:
             return LayerAccount(il, "none", weight, 0, 0)
         else:
@@ -230,16 +235,23 @@ class HeaderAccounts:
                 or int(self._get("attention.key_length", 0) or 0) or self.n_embd // n_head
             v = int(self._get("attention.value_length_swa" if swa else "attention.value_length", 0) or 0) \
                 or int(self._get("attention.value_length", 0) or 0) or self.n_embd // n_head
-            row = n_kv * (k + v) * KV_ELEMENT_BYTES
-            kind = "attention"
-        indexer = int(self._get("attention.indexer.key_length", 0) or 0)
-        row += indexer * KV_ELEMENT_BYTES
-        ratios = self._get("attention.compress_ratios")
-        ratio = int(ratios[il]) if isinstance(ratios, list) and il < len(ratios) else 0
+            k_elems, v_elems, kind = n_kv * k, 0 if compressed_model else n_kv * v, "attention"
+        row = (k_elems + v_elems) * KV_ELEMENT_BYTES
+        idx_elems = int(self._get("attention.indexer.key_length", 0) or 0)
+        if idx_elems and names and not any(".indexer" in n for n in names):
+            idx_elems = 0  # this block has no indexer of its own (the tensor table says)
+        ratio = int(ratios[il]) if compressed_model and il < len(ratios) else 0
         if ratio > 1:
-            window = int(self._get("attention.sliding_window", 0) or 0)
-            return LayerAccount(il, "compressed", weight, math.ceil(row / ratio), window * row)
-        return LayerAccount(il, kind, weight, row, 0)
+            # raw rows of every position (swa_full), one compressed K row per `ratio` tokens, and as many indexer
+            # rows; per session the compressor's kv + score state (src/llama-kv-cache-dsv4.cpp,
+            # llama_dsv4_comp_state: overlapping, 2 * ratio rows of twice the width, where the block has an indexer)
+            overlap = 2 if idx_elems else 1
+            per_token = row + math.ceil(row / ratio) + math.ceil(idx_elems * KV_ELEMENT_BYTES / ratio)
+            state = 2 * (overlap * ratio) * (overlap * k_elems) * STATE_ELEMENT_BYTES
+            if idx_elems:
+                state += 2 * (2 * ratio) * (2 * idx_elems) * STATE_ELEMENT_BYTES
+            return LayerAccount(il, "compressed", weight, per_token, state)
+        return LayerAccount(il, kind, weight, row + idx_elems * KV_ELEMENT_BYTES, 0)
 
     # -- shards ----------------------------------------------------------------------------------
     @property
@@ -265,10 +277,17 @@ class HeaderAccounts:
         """Encoded bytes of every tensor in the table."""
         return sum(l.weight_bytes for l in self.layers) + sum(self.global_bytes.values()) + self.other_block_bytes
 
+    @property
+    def boundary_width(self) -> int:
+        """Values per token of the residual stream crossing a shard boundary: ``n_embd``, times
+        ``hyper_connection.count`` where the model widens its residual stream (llama.cpp ``dsv4_hc_mult``:
+        ``n_embd_out = hc_mult * n_embd``, src/models/deepseek4.cpp)."""
+        return self.n_embd * max(int(self._get("hyper_connection.count", 1) or 1), 1)
+
     def boundary_bytes_per_token(self, wire_dtype: str = "f32") -> int:
-        """Hidden-state bytes per token crossing a shard boundary: ``n_embd`` × element size."""
+        """Hidden-state bytes per token crossing a shard boundary: ``boundary_width`` × element size."""
         try:
-            return self.n_embd * WIRE_ELEMENT_BYTES[wire_dtype]
+            return self.boundary_width * WIRE_ELEMENT_BYTES[wire_dtype]
         except KeyError:
             raise ValueError(f"unknown wire dtype {wire_dtype!r} (known: {', '.join(WIRE_ELEMENT_BYTES)})") from None
 

@@ -213,7 +213,7 @@ def plan_json(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
     """Everything ``plan`` reports, as JSON-ready data (bytes as integers)."""
     return {
         "source": source, "arch": acc.arch, "n_layers": acc.n_layers, "n_blocks": acc.n_blocks, "n_embd": acc.n_embd,
-        "blocks": [asdict(b) for b in acc.layers],
+        "boundary_width": acc.boundary_width, "blocks": [asdict(b) for b in acc.layers],
         "globals": dict(sorted(acc.global_bytes.items())),
         "embed_bytes": acc.embed_bytes, "head_bytes": acc.head_bytes, "shared_bytes": acc.shared_bytes,
         "total_bytes": acc.total_bytes,
@@ -242,11 +242,13 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
     for name, n in sorted(acc.global_bytes.items()):
         lines.append(f"  {name:<28} {n:>16,} {_human(n):>11}")
     route_kv = sum(b.kv_bytes_per_token for b in acc.layers[:acc.n_layers])
+    width = f"n_embd {acc.n_embd}" + (f" x {acc.boundary_width // acc.n_embd} (hyper-connections)"
+                                      if acc.boundary_width != acc.n_embd else "")
     route_state = sum(b.state_bytes_per_session for b in acc.layers[:acc.n_layers])
     lines += [f"  {'tensor table total':<28} {acc.total_bytes:>16,} {_human(acc.total_bytes):>11}", "",
               f"KV cache per token (all route blocks, f16): {route_kv:,} B; at 131072 tokens {_human(route_kv * 131072)}",
               f"recurrent state per session (f32): {route_state:,} B",
-              f"boundary per decode token: n_embd {acc.n_embd} x 4 = {acc.boundary_bytes_per_token('f32'):,} B f32 "
+              f"boundary per decode token: {width} x 4 = {acc.boundary_bytes_per_token('f32'):,} B f32 "
               f"({acc.boundary_bytes_per_token('f16'):,} B f16); a frame adds {FRAME_HEADER_BYTES} + "
               f"{TRAILER_BYTES_PER_TOKEN} B"]
     if placement is None:
