@@ -122,3 +122,56 @@ def test_globals_tied_output_and_totals():
     assert acc.shard(0, 2, embed=True).weight_bytes == 200 + 1000 + 3
     assert acc.shard(2, 4, head=True).weight_bytes == 200 + 1000 + 10 + 3
     assert acc.shard(1, 3).weight_bytes == 200 + 3
+
+
+def test_node_advertises_its_accounting_and_the_tracker_routes_with_it(tmp_path):
+    """Two llama.cpp deepseek2 (MLA) shards advertise their header-only numbers in ``extra.accounting``; the
+    tracker's /route answers with the context the route admits and the wire bytes per token, from those."""
+    import json
+    import urllib.request
+
+    from apphost import AppThread
+
+    from ggufswarm.artifact.manifest import Manifest
+    from ggufswarm.node.server import NodeConfig, NodeState, advertisement, load_executor
+    from ggufswarm.swarm.torrent import make_torrent
+    from ggufswarm.tracker.app import TrackerConfig, make_app
+
+    path = write_tiny_moe_model(tmp_path / "ds2.gguf", "deepseek2")
+    acc = HeaderAccounts.from_model(GGUFModelFile(path))
+
+    def call(url, body=None, method="GET"):
+        req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    states = []
+    for layers, embed, head in (("0:4", True, False), ("4:6", False, True)):
+        config = NodeConfig(layers=layers, embed=embed, head=head, model=str(path), ctx_size=512, max_sessions=2,
+                            data_dir=str(tmp_path / "data"), threads=1)
+        states.append(NodeState(config, load_executor(config)))
+    try:
+        first, last = (advertisement(s) for s in states)
+        a = first["extra"]["accounting"]
+        assert a["kv_bytes_per_token"] == acc.shard(0, 4).kv_bytes_per_token == 4 * (64 + 16) * 2  # MLA latent
+        assert a["state_bytes_per_session"] == 0 and a["free_sessions"] == 2 and a["max_length"] == 512
+        assert a["weight_bytes"] == acc.shard(0, 4, embed=True).weight_bytes
+        assert a["boundary_bytes_per_token"] == 128 * 4 and last["extra"]["accounting"]["boundary_bytes_per_token"] == 0
+        assert a["free_bytes"] == states[0].store.budget_tokens * a["kv_bytes_per_token"]
+        with AppThread(lambda: make_app(TrackerConfig(db=":memory:", token=None))) as tracker:
+            call(f"{tracker}/manifests/ds2", {"manifest": json.loads(Manifest.from_gguf(path, name="ds2").to_json()),
+                                              "torrent_hex": make_torrent([path]).hex()}, "PUT")
+            for ad, url in zip((first, last), ("http://a", "http://b")):
+                call(f"{tracker}/nodes/heartbeat", ad | {"url": url, "model": "ds2"}, "POST")
+            route = call(f"{tracker}/route?model=ds2&max_length=100")
+            assert [hop["url"] for hop in route["route"]] == ["http://a", "http://b"]
+            assert route["context"] == 512 and route["wire_bytes_per_token"] == 128 * 4
+            bad = first | {"url": "http://c", "model": "ds2", "node_id": "c"}
+            bad["extra"] = {**first["extra"], "accounting": {**a, "kv_bytes_per_token": -1}}
+            with pytest.raises(urllib.error.HTTPError) as err:
+                call(f"{tracker}/nodes/heartbeat", bad, "POST")
+            assert err.value.code == 400 and b"kv_bytes_per_token" in err.value.read()
+    finally:
+        for s in states:
+            s.executor.close()
