@@ -385,3 +385,12 @@ def test_published_name_plans_from_manifest_and_a_nodes_header(tmp_path, capsys)
     local = json.loads(out)
     assert "metadata from" in remote.pop("source") and local.pop("source")
     assert remote == local and remote["placement"]["nodes"]
+
+
+def test_nodes_without_node_memory_is_an_error(tmp_path, capsys):
+    path = tmp_path / "glm.gguf"
+    glm45(path)
+    rc, _, err = run_plan(capsys, "--model", str(path), "--nodes", "4")
+    assert rc == 1 and "give both" in err
+    rc, out, err = run_plan(capsys, "--model", str(path))  # the per-block table alone
+    assert rc == 0 and "tensor table total" in out and "placement" not in out

@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   ggufswarm node --layers 0:9 --embed --port 8471   # serve one shard (the first of a 2-node route)
   ggufswarm node --layers 9:18 --head --port 8472
   ggufswarm gateway --route http://127.0.0.1:8471,http://127.0.0.1:8472 --port 8000
+  ggufswarm plan --model big.gguf --node-memory 24GiB   # nodes and layer ranges, from the header alone
 With no --model, the embedded Gemma 3 270M Q4_K_M is used (assembled once into ~/.cache/ggufswarm).
 """
 
@@ -451,6 +452,8 @@ def cmd_plan(args) -> int:
     import json
 
     from .artifact.planning import load_accounts, place, plan_json, plan_text
+    if args.node_memory is None and args.nodes is not None:
+        raise ValueError("--nodes places the model on nodes of --node-memory: give both")
     acc, source = load_accounts(args.model, args.tracker)
     placement = None
     if args.node_memory is not None:
