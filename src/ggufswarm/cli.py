@@ -1,4 +1,4 @@
-"""Command line: ``ggufswarm demo | generate | perplexity | node | gateway | tracker | publish | status | cache``."""
+"""Command line: ``ggufswarm demo | generate | perplexity | node | gateway | tracker | publish | status | cache | plan``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   ggufswarm node --layers 0:9 --embed --port 8471   # serve one shard (the first of a 2-node route)
   ggufswarm node --layers 9:18 --head --port 8472
   ggufswarm gateway --route http://127.0.0.1:8471,http://127.0.0.1:8472 --port 8000
+  ggufswarm plan --model big.gguf --node-memory 24GiB   # nodes and layer ranges, from the header alone
 With no --model, the embedded Gemma 3 270M Q4_K_M is used (assembled once into ~/.cache/ggufswarm).
 """
 
@@ -263,7 +264,45 @@ def build_parser() -> argparse.ArgumentParser:
                                     "coverage bar, state, free KV tokens, decode ms and URL, and whether the model "
                                     "can be served end to end (else which layers have no ready node).")
     st.add_argument("--tracker", required=True, metavar="URL", help="tracker URL")
-    for p in (n, w, d, t, u, st, c):
+
+    pl = sub.add_parser(
+        "plan", help="how many nodes of a given memory a model needs, and which layers each serves (header only)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Read a GGUF's header alone (metadata + tensor table; never the weights) and print:\n"
+                    "  * per block: encoded weight bytes, KV cache bytes per token (f16, as llama.cpp caches it: "
+                    "MLA blocks\n    the latent, recurrent blocks 0), recurrent state bytes per session (f32);\n"
+                    "  * the global tensors (embedding, output) and the tensor table's total;\n"
+                    "  * the boundary: hidden-state bytes one decode token sends between two nodes;\n"
+                    "  * a placement: the fewest nodes of --node-memory (or exactly --nodes), their layer ranges,\n"
+                    "    the longest context a session can have on that route, and its wire bytes per token.\n"
+                    "A node's memory is counted as its weights + KV of --context tokens + state, per session; "
+                    "compute\nbuffers and the OS are not: leave headroom. Sliding-window blocks count full KV "
+                    "(nodes keep every\nposition, so route repair can truncate exactly).",
+        epilog="examples:\n"
+               "  ggufswarm plan --model DeepSeek-V3-Q4_K_M-00001-of-00009.gguf --node-memory 24GiB\n"
+               "  ggufswarm plan --model glm.gguf --node-memory 96G --context 32768 --nodes 4\n"
+               "  ggufswarm plan --model big-model --tracker http://tracker:8470 --node-memory 48G --json\n"
+               "A header-only copy is enough: e.g. the first megabytes of each file of a split set "
+               "(curl -r 0-16777215).")
+    pl.add_argument("--model", required=True, metavar="PATH|NAME",
+                    help="GGUF file or any file of a split set (every file's header is read; the tensor data may be "
+                         "absent), or with --tracker a published model name")
+    pl.add_argument("--tracker", metavar="URL", default=None,
+                    help="tracker to read a published model's manifest (tensor table) from; the metadata comes from "
+                         "a node serving it")
+    pl.add_argument("--node-memory", type=_size, default=None, metavar="SIZE",
+                    help="memory of each node for weights + KV + state, e.g. 24GiB, 48G, 512M (K/M/G/T are "
+                         "powers of 1024); without it only the per-block table is printed")
+    pl.add_argument("--context", type=int, default=131072, metavar="TOKENS",
+                    help="tokens of context each session is planned for (default 131072)")
+    pl.add_argument("--nodes", type=int, default=None, metavar="N",
+                    help="place on exactly N nodes, balanced (default: the fewest that fit)")
+    pl.add_argument("--sessions", type=int, default=1, metavar="N",
+                    help="concurrent sessions of --context tokens each node holds (default 1)")
+    pl.add_argument("--wire-dtype", choices=["f32", "f16", "bf16"], default="f32",
+                    help="hidden-state frame dtype for the wire bytes (default f32, the route's default)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON (bytes as integers)")
+    for p in (n, w, d, t, u, st, c, pl):
         _token_arg(p)
     return parser
 
@@ -410,9 +449,23 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import json
+
+    from .artifact.planning import load_accounts, place, plan_json, plan_text
+    if args.node_memory is None and args.nodes is not None:
+        raise ValueError("--nodes places the model on nodes of --node-memory: give both")
+    acc, source = load_accounts(args.model, args.tracker)
+    placement = None
+    if args.node_memory is not None:
+        placement = place(acc, args.node_memory, args.context, args.nodes, args.sessions, args.wire_dtype)
+    print(json.dumps(plan_json(acc, placement, source), indent=1) if args.json else plan_text(acc, placement, source))
+    return 0
+
+
 COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "node": cmd_node, "gateway": cmd_gateway,
             "demo": cmd_demo, "tracker": cmd_tracker, "publish": cmd_publish, "status": cmd_status,
-            "cache": cmd_cache}
+            "cache": cmd_cache, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,8 +103,11 @@ class _Cursor:
         return self.scalar(vtype)
 
 
-def _read_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple], list[TensorInfo], int]:
+def _read_header(path: Path, check_data: bool = True) -> tuple[dict[str, Any], dict[str, tuple], list[TensorInfo], int]:
     """Parse one GGUF file's header. Returns (metadata, metadata_types, tensors, header_bytes).
+
+    ``check_data=False`` accepts a file whose tensor data is missing or cut short (a header-only copy):
+    only the header and the tensor table must be whole.
 
     ``metadata_types[key]`` is ``(GGUFValueType, item GGUFValueType or None)``, what a writer needs
     to write the value back unchanged.
@@ -158,7 +161,7 @@ def _read_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple], list[Ten
         n_elems = int(np.prod(ne)) if ne else 1
         n_bytes = n_elems // block * type_size
         info = TensorInfo(name, path, data_start + rel_offset, n_bytes, ggml_type, tuple(reversed(ne)))
-        if info.offset + info.n_bytes > size:
+        if check_data and info.offset + info.n_bytes > size:
             raise GGUFError(
                 f"{path}: truncated GGUF: tensor {name} ends at byte {info.offset + info.n_bytes}, "
                 f"file has {size} bytes")
@@ -200,10 +203,14 @@ class GGUFModelFile:
     Only the header and the tensors asked for are read from disk; ``bytes_read`` counts every byte
     read through this object (headers included), so partial loading can be asserted.
 
+    ``header_only=True`` reads the header and tensor table only and accepts files whose tensor data is
+    absent or truncated (planning from a header: ``artifact.accounting``, ``ggufswarm plan``); reading
+    a tensor past such a file's end then raises GGUFError.
+
     Raises GGUFError (a ValueError) for a missing, non-GGUF, truncated or inconsistent artifact.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, header_only: bool = False):
         self.path = Path(path)
         if self.path.is_dir():
             raise GGUFError(f"{self.path}: is a directory, not a GGUF file")
@@ -217,7 +224,7 @@ class GGUFModelFile:
         self._header_sizes: list[int] = []
         self._fingerprint: str | None = None
         for i, p in enumerate(self.paths):
-            metadata, types, tensors, header_bytes = _read_header(p)
+            metadata, types, tensors, header_bytes = _read_header(p, check_data=not header_only)
             if i == 0:
                 self.metadata, self.metadata_types = metadata, types
             self.header_bytes += header_bytes

@@ -694,8 +694,41 @@ async def _watch_parent(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def shard_accounting(state: NodeState) -> dict:
+    """``extra.accounting`` of the advertisement: this shard's numbers, from its GGUF header
+    (``artifact.accounting``) and its session store; the tracker plans with these alone.
+
+    ``kv_bytes_per_token`` (the executor's: f16 llama.cpp cache, or the torch backend's dtype; 0 for
+    recurrent layers), ``state_bytes_per_session``, ``weight_bytes``, ``boundary_bytes_per_token`` (f32
+    frames), ``n_embd``; ``free_bytes``: KV/state bytes of the node's budget not reserved by open sessions
+    (``(budget - reserved tokens) * kv_bytes_per_token + free slots * state_bytes_per_session``);
+    ``free_sessions``: session slots left (None: not limited); ``max_length``: the longest session it opens.
+    """
+    static = getattr(state, "_accounting", None)
+    if static is None:
+        from ..artifact.accounting import shard_account
+        try:
+            acc = shard_account(state.executor.model, state.spec.start, state.spec.end, state.spec.embed,
+                                state.spec.head).to_json()
+        except (AttributeError, KeyError, ValueError):  # an executor without a GGUF header (a test double)
+            acc = {"weight_bytes": 0, "state_bytes_per_session": 0, "n_embd": state.cfg.n_embd,
+                   "boundary_bytes_per_token": 0 if state.spec.head else 4 * state.cfg.n_embd}
+        static = state._accounting = {k: acc[k] for k in ("weight_bytes", "state_bytes_per_session",
+                                                          "boundary_bytes_per_token", "n_embd")}
+    store = state.store
+    per_token = store.kv_bytes_per_token()
+    slots = getattr(state.executor, "n_seq_max", None)
+    free_sessions = None if slots is None else max(slots - len(store.sessions), 0)
+    free_state = (free_sessions if free_sessions is not None else 1) * static["state_bytes_per_session"]
+    return {**static, "kv_bytes_per_token": per_token,
+            "free_bytes": max(store.budget_tokens - store.reserved_tokens, 0) * per_token + free_state,
+            "free_sessions": free_sessions,
+            "max_length": min(state.cfg.max_length, getattr(state.executor, "n_ctx_seq", state.cfg.max_length))}
+
+
 def advertisement(state: NodeState) -> dict:
-    """This node's shard advertisement for the tracker (free KV in tokens, mean decode compute in ms)."""
+    """This node's shard advertisement for the tracker (free KV in tokens, mean decode compute in ms, and
+    the shard's accounting in bytes: ``shard_accounting``)."""
     reg = state.registry
     h = state.health()
     n = reg.get_sample_value("ggufswarm_node_step_seconds_count", {"kind": "decode"}) or 0.0
@@ -706,7 +739,8 @@ def advertisement(state: NodeState) -> dict:
             "decode_ms": round(1e3 * total / n, 3) if n else 0.0,
             # what a client needs to use this node in a route (client.remote.Hop), so it need not ask /health
             "extra": {"hop": {k: h[k] for k in ("n_embd", "n_layers", "max_length", "max_step_tokens",
-                                                "model_fingerprint", "model_name")} | {"cache": bool(h["cache"])}}}
+                                                "model_fingerprint", "model_name")} | {"cache": bool(h["cache"])},
+                      "accounting": shard_accounting(state)}}
 
 
 async def _heartbeats(state: NodeState) -> None:

@@ -20,7 +20,7 @@ from ..protocol.auth import auth_headers, token_middleware
 from ..protocol.errors import ProtocolError
 from ..protocol.http import json_errors_middleware, read_json
 from .registry import Registry
-from .routing import Advertisement, NoRoute, plan_route
+from .routing import Advertisement, NoRoute, free_kv_tokens, plan_route, route_context, route_wire_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ def make_app(config: TrackerConfig) -> web.Application:
                                int(b.get("free_kv_tokens", 0)), float(b.get("decode_ms", 0.0)), dict(b.get("extra", {})))
             if not (0 <= ad.free_kv_tokens < 2**62 and 0.0 <= ad.decode_ms < 1e9 and ad.layers[1] < 2**31):
                 raise ValueError("free_kv_tokens, decode_ms and layers must be finite, non-negative and in range")
+            free_kv_tokens(ad)  # a malformed extra.accounting is refused here, not while planning
             registry.heartbeat(ad)
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             raise ProtocolError("bad_advertisement", f"bad advertisement: {exc}") from None
@@ -160,7 +161,9 @@ def make_app(config: TrackerConfig) -> web.Application:
         except NoRoute as exc:
             raise ProtocolError("no_route", f"{model}: {exc}") from None
         routed.update(a.node_id for a in chain)
-        return web.json_response({"model": model, "route": [_ad_json(a) for a in chain]})
+        return web.json_response({"model": model, "route": [_ad_json(a) for a in chain],
+                                  "context": route_context(chain),
+                                  "wire_bytes_per_token": route_wire_bytes_per_token(chain)})
 
     async def models(request: web.Request) -> web.Response:
         out = []

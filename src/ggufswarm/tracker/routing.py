@@ -1,6 +1,11 @@
 """Route planning: pick the chain of shard advertisements that covers a model at least estimated latency.
 
-Pure functions over data (no I/O), so they are tested on synthetic advertisements.
+Pure functions over data (no I/O), so they are tested on synthetic advertisements. Admission works from
+the numbers a node advertises about its own shard (``extra["accounting"]``, computed by the node from its
+GGUF header with ``artifact.accounting``): KV bytes per token, fixed state bytes per session, bytes and
+session slots free. Nothing here reads an architecture name or applies a per-architecture rule: an MLA
+shard simply advertises a small ``kv_bytes_per_token``, a recurrent one ``kv_bytes_per_token = 0`` and a
+``state_bytes_per_session``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,65 @@ class Advertisement:
     decode_ms: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
+    @property
+    def accounting(self) -> dict | None:
+        """``extra["accounting"]`` when the node advertised it (see ``free_kv_tokens``), else None."""
+        acc = self.extra.get("accounting") if isinstance(self.extra, dict) else None
+        return acc if isinstance(acc, dict) else None
+
+
+UNBOUNDED = 2 ** 62  # context a shard without per-token KV (all layers recurrent) allows, memory-wise
+
+
+def _num(acc: dict, key: str, default: int | None = 0) -> int | None:
+    v = acc.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise ValueError(f"accounting.{key} must be a non-negative number, got {v!r}")
+    return int(v)
+
+
+def free_kv_tokens(ad: Advertisement) -> int:
+    """Tokens of context one more session can have on this node, from its advertised numbers alone.
+
+    With ``extra["accounting"]`` (bytes): ``(free_bytes - state_bytes_per_session) // kv_bytes_per_token``,
+    0 when ``free_sessions`` is 0 or the fixed state alone does not fit, ``UNBOUNDED`` when
+    ``kv_bytes_per_token`` is 0 (a recurrent shard: its state does not grow with context), and at most
+    ``max_length`` when advertised. Without it (an older node): the ``free_kv_tokens`` field.
+    Raises ValueError for a malformed accounting (a negative or non-numeric value).
+    """
+    acc = ad.accounting
+    if acc is None:
+        return ad.free_kv_tokens
+    sessions = _num(acc, "free_sessions", None)
+    if sessions is not None and sessions < 1:
+        return 0
+    free, state = _num(acc, "free_bytes"), _num(acc, "state_bytes_per_session")
+    per_token = _num(acc, "kv_bytes_per_token")
+    if free < state:
+        return 0
+    tokens = UNBOUNDED if per_token == 0 else (free - state) // per_token
+    cap = _num(acc, "max_length", None)
+    return min(tokens, cap) if cap is not None else tokens
+
+
+def route_context(route: list[Advertisement]) -> int:
+    """Longest session (tokens) the route admits now: the least ``free_kv_tokens`` over its nodes."""
+    return min((free_kv_tokens(a) for a in route), default=0)
+
+
+def route_wire_bytes_per_token(route: list[Advertisement]) -> int | None:
+    """Hidden-state bytes one decode token sends between the route's nodes: the sum of the advertised
+    ``boundary_bytes_per_token`` of every node but the head; None when a node did not advertise it."""
+    total = 0
+    for a in route[:-1]:
+        acc = a.accounting
+        if acc is None or acc.get("boundary_bytes_per_token") is None:
+            return None
+        total += _num(acc, "boundary_bytes_per_token")
+    return total
+
 
 def gaps(covered: set[int], n_layers: int) -> list[tuple[int, int]]:
     """Half-open ranges ``[(start, end)]`` of the layers in ``range(n_layers)`` not in ``covered``."""
@@ -55,7 +119,8 @@ def plan_route(ads: list[Advertisement], n_layers: int, max_length: int, hop_ms:
     """The chain ``[ad_0, ..., ad_k]`` with ``ad_0`` holding the embedding stage and layers from 0,
     each next one starting where the previous ended, the last holding the head and ending at
     ``n_layers``, that minimizes ``sum(decode_ms + hop_ms)``; only ready nodes with
-    ``free_kv_tokens >= max_length`` qualify. Among equal-latency chains, nodes with fewer sessions
+    ``free_kv_tokens(ad) >= max_length`` qualify (the advertised bytes: a session of ``max_length``
+    tokens costs ``max_length * kv_bytes_per_token + state_bytes_per_session`` on a node). Among equal-latency chains, nodes with fewer sessions
     in ``load`` (node_id → sessions routed) are preferred, which spreads load.
 
     ``span=(start, end)`` plans only that part of the route (a replacement for a failed hop): the chain
@@ -79,7 +144,7 @@ def plan_route(ads: list[Advertisement], n_layers: int, max_length: int, hop_ms:
     if missing:
         names = ", ".join(f"{s}:{e}" for s, e in missing)
         raise NoRoute(f"layers {names} are not served by any ready node")
-    fit = [a for a in ready if a.free_kv_tokens >= max_length]
+    fit = [a for a in ready if free_kv_tokens(a) >= max_length]
     missing = uncovered(fit, n_layers)
     if missing:
         names = ", ".join(f"{s}:{e}" for s, e in missing)

@@ -28,6 +28,7 @@ import torch
 
 import llama_cpp as L
 
+from ...artifact.accounting import shard_account
 from ...artifact.gguf_file import GGUFModelFile
 from ..kv import ContextOverflow, KVPosition, TokenOutOfRange, check_max_length
 from ..shard import ShardSpec
@@ -134,28 +135,13 @@ def model_info(model: GGUFModelFile) -> ShardModelInfo:
 
 
 def kv_bytes_per_token(model: GGUFModelFile, spec: ShardSpec) -> int:
-    """f16 K and V bytes one token costs in llama.cpp's cache over blocks ``[spec.start, spec.end)``.
+    """f16 KV bytes one token costs in llama.cpp's cache over blocks ``[spec.start, spec.end)``.
 
-    From the GGUF's per-layer KV head counts and key/value lengths (``src/llama-kv-cache.cpp`` sizes
-    each layer ``n_embd_k_gqa + n_embd_v_gqa`` per cell); MLA models cache the compressed latent
-    ``kv_lora_rank + rope dims`` instead.
+    From the GGUF header alone: ``artifact.accounting`` (per-layer KV head counts × key/value lengths,
+    as ``src/llama-kv-cache.cpp`` sizes each cell; the MLA latent; 0 for recurrent layers, whose fixed
+    per-session state is ``ShardAccount.state_bytes_per_session``).
     """
-    md, arch = model.metadata, model.architecture
-    layers = range(spec.start, spec.end)
-
-    def per_layer(key: str, default: int) -> list[int]:
-        v = md.get(f"{arch}.{key}", default)
-        return [int(v[i]) for i in layers] if isinstance(v, list) else [int(v)] * len(layers)
-
-    if f"{arch}.attention.kv_lora_rank" in md:
-        rope = int(md.get(f"{arch}.rope.dimension_count", 0))
-        return len(layers) * (int(md[f"{arch}.attention.kv_lora_rank"]) + rope) * 2
-    n_head = per_layer("attention.head_count", 1)
-    n_kv = per_layer("attention.head_count_kv", n_head[0] if n_head else 1)
-    head_dim = int(md[f"{arch}.embedding_length"]) // max(n_head[0], 1) if n_head else 0
-    k = int(md.get(f"{arch}.attention.key_length", head_dim))
-    v = int(md.get(f"{arch}.attention.value_length", head_dim))
-    return sum(h * (k + v) for h in n_kv) * 2
+    return shard_account(model, spec.start, spec.end).kv_bytes_per_token
 
 
 class SeqKV(KVPosition):

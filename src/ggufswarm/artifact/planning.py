@@ -1,0 +1,279 @@
+"""``ggufswarm plan``: how many nodes of a given memory a model needs, and which layers each serves, from
+its GGUF header alone (``artifact.accounting``; no tensor data is read or downloaded).
+
+A node's memory holds its shard's weights (encoded bytes, as the tensor table gives them) plus, for each
+concurrent session, the KV cache of ``context`` tokens over its blocks and the fixed per-session state of
+its recurrent blocks. Compute buffers, llama.cpp's context overhead and the OS are **not** counted:
+leave headroom in ``node_memory`` for them.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .accounting import (FRAME_HEADER_BYTES, TRAILER_BYTES_PER_TOKEN, WIRE_ELEMENT_BYTES, HeaderAccounts,
+                         ShardAccount)
+from .gguf_file import GGUFError, GGUFModelFile
+
+
+class PlanError(ValueError):
+    """No placement exists (one block alone exceeds a node's memory, too few nodes) or bad parameters."""
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One node of a placement: its shard's account, the bytes it holds with ``sessions`` sessions of the
+    planned context (``used_bytes``), and the longest context (tokens) one session could have on it given its
+    memory (``max_context``; None when its blocks keep no per-token KV)."""
+
+    shard: ShardAccount
+    used_bytes: int
+    max_context: int | None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A chain of nodes covering blocks ``0 .. n_layers - 1``; ``context``: tokens planned per session;
+    ``session_context``: the longest session every node could hold (min of ``max_context``, capped by
+    ``trained_context`` when the header gives one); ``wire_bytes_per_token``: frame bytes one decode token
+    costs over the route's node-to-node hops (``48 + boundary + 4`` per hop)."""
+
+    node_memory: int
+    context: int
+    sessions: int
+    nodes: list[NodePlan]
+    session_context: int | None
+    trained_context: int | None
+    wire_dtype: str
+    wire_bytes_per_token: int
+
+
+def _check(node_memory: int, context: int, sessions: int, n_nodes: int | None) -> None:
+    if node_memory <= 0:
+        raise PlanError(f"node memory must be positive, got {node_memory}")
+    if context < 1:
+        raise PlanError(f"context must be at least 1 token, got {context}")
+    if sessions < 1:
+        raise PlanError(f"sessions must be at least 1, got {sessions}")
+    if n_nodes is not None and n_nodes < 1:
+        raise PlanError(f"nodes must be at least 1, got {n_nodes}")
+
+
+def place(acc: HeaderAccounts, node_memory: int, context: int, n_nodes: int | None = None, sessions: int = 1,
+          wire_dtype: str = "f32") -> Placement:
+    """Cut blocks ``0 .. acc.n_layers - 1`` into contiguous shards for nodes of ``node_memory`` bytes, each
+    holding ``sessions`` sessions of ``context`` tokens.
+
+    Without ``n_nodes``: the fewest nodes (greedy: each node takes blocks while they fit, the first with
+    the embedding, the last with the head). With ``n_nodes``: exactly that many (or fewer when blocks run
+    out), balanced so the fullest node is as empty as possible (binary search on the bound).
+    Raises PlanError when a block with its stage does not fit a node, or ``n_nodes`` nodes cannot hold
+    the model.
+    """
+    _check(node_memory, context, sessions, n_nodes)
+    n = acc.n_layers
+    blocks = acc.layers[:n]
+    pw, pk, ps = [0], [0], [0]
+    for b in blocks:
+        pw.append(pw[-1] + b.weight_bytes)
+        pk.append(pk[-1] + b.kv_bytes_per_token)
+        ps.append(ps[-1] + b.state_bytes_per_session)
+    tied_extra = acc.embed_bytes if "output.weight" not in acc.global_bytes else 0
+
+    def cost(s: int, e: int) -> int:
+        w = pw[e] - pw[s] + acc.shared_bytes
+        if s == 0:
+            w += acc.embed_bytes
+        if e == n:
+            w += acc.head_bytes - (tied_extra if s == 0 else 0)
+        return w + sessions * (context * (pk[e] - pk[s]) + ps[e] - ps[s])
+
+    def greedy(bound: int) -> list[tuple[int, int]] | None:
+        cuts, s = [], 0
+        while s < n:
+            e = s
+            while e < n and cost(s, e + 1) <= bound:
+                e += 1
+            if e == s:
+                return None
+            cuts.append((s, e))
+            s = e
+        return cuts
+
+    cuts = greedy(node_memory)
+    if cuts is None:
+        worst = max(range(n), key=lambda i: cost(i, i + 1))
+        raise PlanError(f"block {worst} alone (with its stage and {sessions} session(s) of {context} tokens) needs "
+                        f"{_human(cost(worst, worst + 1))}, more than a node's {_human(node_memory)}; use bigger "
+                        f"nodes or a shorter --context")
+    if n_nodes is not None:
+        if len(cuts) > n_nodes:
+            raise PlanError(f"{n_nodes} node(s) of {_human(node_memory)} cannot hold the model with {sessions} "
+                            f"session(s) of {context} tokens: it needs at least {len(cuts)}")
+        lo, hi = max(cost(i, i + 1) for i in range(n)), node_memory
+        while lo < hi:  # the least bound under which greedy needs at most n_nodes nodes
+            mid = (lo + hi) // 2
+            found = greedy(mid)
+            if found is not None and len(found) <= n_nodes:
+                hi = mid
+            else:
+                lo = mid + 1
+        cuts = greedy(lo)
+    nodes = []
+    for s, e in cuts:
+        shard = acc.shard(s, e, embed=s == 0, head=e == n, wire_dtype=wire_dtype)
+        room = node_memory - shard.weight_bytes - sessions * shard.state_bytes_per_session
+        max_ctx = None if shard.kv_bytes_per_token == 0 else max(room, 0) // (sessions * shard.kv_bytes_per_token)
+        nodes.append(NodePlan(shard, cost(s, e), max_ctx))
+    limits = [p.max_context for p in nodes if p.max_context is not None]
+    trained = acc.metadata.get(f"{acc.arch}.context_length")
+    trained = int(trained) if trained else None
+    session_context = min(limits) if limits else None
+    if trained is not None:
+        session_context = trained if session_context is None else min(session_context, trained)
+    hop = FRAME_HEADER_BYTES + acc.boundary_bytes_per_token(wire_dtype) + TRAILER_BYTES_PER_TOKEN
+    return Placement(node_memory, context, sessions, nodes, session_context, trained, wire_dtype,
+                     hop * (len(nodes) - 1))
+
+
+# -- loading a header ------------------------------------------------------------------------------------
+
+def load_accounts(model: str, tracker: str | None = None) -> tuple[HeaderAccounts, str]:
+    """The accounting of ``model`` and a one-line description of where its header came from.
+
+    ``model``: a local GGUF (any file of a split set: every file's header is read, the tensor data need not
+    be there: a header-only copy is enough), or, with ``tracker``, a published name: its manifest gives the
+    tensor table and a node serving it the metadata (``GET /v1/model/header/0``). Never reads tensor data.
+    Raises GGUFError (missing file, not a GGUF, truncated header), PlanError (a name without a tracker, or
+    nothing the tracker knows gives the header).
+    """
+    path = Path(model)
+    if path.exists() or tracker is None:
+        if not path.exists():
+            raise GGUFError(f"{path}: no such file (a published model name needs --tracker URL)")
+        file = GGUFModelFile(path, header_only=True)
+        described = sum(t.n_bytes for t in file.tensors.values())
+        on_disk = sum(p.stat().st_size for p in file.paths)
+        note = "" if on_disk >= described + file.header_bytes else f", {_human(on_disk)} on disk (header only)"
+        return HeaderAccounts.from_model(file), (f"{path} ({len(file.paths)} file(s), {len(file.tensors)} tensors, "
+                                                  f"{_human(described)} of tensors described{note})")
+    return _from_tracker(model, tracker)
+
+
+def _from_tracker(name: str, tracker: str) -> tuple[HeaderAccounts, str]:
+    import urllib.error
+    import urllib.request
+    from urllib.parse import quote, urlencode
+
+    from ..protocol.auth import auth_headers
+    from ..swarm.publish import tracker_call
+    from .manifest import Manifest
+
+    base = tracker.rstrip("/")
+    found = tracker_call(f"{base}/manifests/{quote(name, safe='')}")
+    manifest = Manifest.from_json(json.dumps(found["manifest"]))
+    nodes = tracker_call(f"{base}/nodes?{urlencode({'model': name})}").get("nodes", [])
+    errors = []
+    for node in nodes:
+        url = str(node.get("url", "")).rstrip("/")
+        try:
+            req = urllib.request.Request(f"{url}/v1/model/header/0", headers=auth_headers())
+            with urllib.request.urlopen(req, timeout=30) as r:
+                data = r.read(manifest.files[0]["header_bytes"] + 1)
+        except (urllib.error.URLError, OSError) as exc:
+            errors.append(f"{url}: {getattr(exc, 'reason', exc)}")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            head = Path(tmp) / "header.gguf"
+            head.write_bytes(data)
+            metadata = GGUFModelFile(head, header_only=True).metadata
+        acc = HeaderAccounts(metadata, ((t.name, t.n_bytes) for t in manifest.tensors))
+        described = sum(t.n_bytes for t in manifest.tensors)
+        return acc, (f"{name} on {base} (manifest: {len(manifest.files)} file(s), {len(manifest.tensors)} tensors, "
+                     f"{_human(described)} described; metadata from {url})")
+    why = "; ".join(errors) if errors else "no node serves it now"
+    raise PlanError(f"{name}: the tracker's manifest has the tensor table but not the metadata, and no node gave "
+                    f"the header ({why}); plan from a local copy of the GGUF header instead")
+
+
+# -- output ----------------------------------------------------------------------------------------------
+
+def _human(n: int | float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def plan_json(acc: HeaderAccounts, placement: Placement | None, source: str) -> dict:
+    """Everything ``plan`` reports, as JSON-ready data (bytes as integers)."""
+    return {
+        "source": source, "arch": acc.arch, "n_layers": acc.n_layers, "n_blocks": acc.n_blocks, "n_embd": acc.n_embd,
+        "boundary_width": acc.boundary_width, "blocks": [asdict(b) for b in acc.layers],
+        "globals": dict(sorted(acc.global_bytes.items())),
+        "embed_bytes": acc.embed_bytes, "head_bytes": acc.head_bytes, "shared_bytes": acc.shared_bytes,
+        "total_bytes": acc.total_bytes,
+        "kv_bytes_per_token": sum(b.kv_bytes_per_token for b in acc.layers[:acc.n_layers]),
+        "state_bytes_per_session": sum(b.state_bytes_per_session for b in acc.layers[:acc.n_layers]),
+        "boundary_bytes_per_token": {d: acc.boundary_bytes_per_token(d) for d in WIRE_ELEMENT_BYTES},
+        "placement": None if placement is None else {
+            **{k: v for k, v in asdict(placement).items() if k != "nodes"},
+            "nodes": [{**p.shard.to_json(), "used_bytes": p.used_bytes, "max_context": p.max_context}
+                      for p in placement.nodes]},
+    }
+
+
+def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> str:
+    """The human report of ``plan``: per-block table, totals, boundary, placement."""
+    lines = [f"model: {source}", f"architecture {acc.arch}: {acc.n_layers} blocks on a route"
+             + (f" (+{acc.n_blocks - acc.n_layers} MTP/nextn blocks no route runs)" if acc.n_blocks > acc.n_layers
+                else "") + f", n_embd {acc.n_embd}", "",
+             f"{'block':>5}  {'kind':<10} {'weight bytes':>16} {'':>11}  {'KV B/token':>10}  {'state B/session':>15}"]
+    for b in acc.layers:
+        mark = "" if b.index < acc.n_layers else "  (MTP, not placed)"
+        lines.append(f"{b.index:>5}  {b.kind:<10} {b.weight_bytes:>16,} {_human(b.weight_bytes):>11}  "
+                     f"{b.kv_bytes_per_token:>10,}  {b.state_bytes_per_session:>15,}{mark}")
+    block_total = sum(b.weight_bytes for b in acc.layers)
+    lines += [f"{'all':>5}  {'':<10} {block_total:>16,} {_human(block_total):>11}", ""]
+    for name, n in sorted(acc.global_bytes.items()):
+        lines.append(f"  {name:<28} {n:>16,} {_human(n):>11}")
+    route_kv = sum(b.kv_bytes_per_token for b in acc.layers[:acc.n_layers])
+    width = f"n_embd {acc.n_embd}" + (f" x {acc.boundary_width // acc.n_embd} (hyper-connections)"
+                                      if acc.boundary_width != acc.n_embd else "")
+    route_state = sum(b.state_bytes_per_session for b in acc.layers[:acc.n_layers])
+    lines += [f"  {'tensor table total':<28} {acc.total_bytes:>16,} {_human(acc.total_bytes):>11}", "",
+              f"KV cache per token (all route blocks, f16): {route_kv:,} B; at 131072 tokens {_human(route_kv * 131072)}",
+              f"recurrent state per session (f32): {route_state:,} B",
+              f"boundary per decode token: {width} x 4 = {acc.boundary_bytes_per_token('f32'):,} B f32 "
+              f"({acc.boundary_bytes_per_token('f16'):,} B f16); a frame adds {FRAME_HEADER_BYTES} + "
+              f"{TRAILER_BYTES_PER_TOKEN} B"]
+    if placement is None:
+        return "\n".join(lines)
+    p = placement
+    lines += ["", f"placement: nodes of {_human(p.node_memory)}, {p.sessions} session(s) of {p.context:,} tokens "
+                  f"each (weights + KV + state; compute buffers not counted)",
+              f"{'node':>4}  {'layers':<9} {'stages':<11} {'weights':>11} {'KV+state':>11} {'used':>11} "
+              f"{'max context':>12}"]
+    for i, node in enumerate(p.nodes, 1):
+        s = node.shard
+        stages = "+".join(x for x, on in (("embed", s.embed), ("head", s.head)) if on) or "-"
+        sessions_bytes = node.used_bytes - s.weight_bytes
+        ctx = "unbounded" if node.max_context is None else f"{node.max_context:,}"
+        lines.append(f"{i:>4}  {s.layers[0]}:{s.layers[1]:<{8 - len(str(s.layers[0]))}} {stages:<11} "
+                     f"{_human(s.weight_bytes):>11} {_human(sessions_bytes):>11} {_human(node.used_bytes):>11} "
+                     f"{ctx:>12}")
+    ctx = "unbounded by memory" if p.session_context is None else f"{p.session_context:,} tokens"
+    trained = f" (trained context {p.trained_context:,})" if p.trained_context else ""
+    hops = len(p.nodes) - 1
+    lines += [f"nodes: {len(p.nodes)}; each session can have up to {ctx}{trained}",
+              f"wire bytes per decode token on this route ({p.wire_dtype}): {hops} hop(s) x "
+              f"{FRAME_HEADER_BYTES + acc.boundary_bytes_per_token(p.wire_dtype) + TRAILER_BYTES_PER_TOKEN:,} = "
+              f"{p.wire_bytes_per_token:,} B"]
+    return "\n".join(lines)
+
+
+__all__ = ["NodePlan", "PlanError", "Placement", "load_accounts", "place", "plan_json", "plan_text"]
