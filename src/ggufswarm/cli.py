@@ -455,7 +455,7 @@ def cmd_plan(args) -> int:
     from .artifact.planning import load_accounts, place, plan_json, plan_text
     if args.node_memory is None and args.nodes is not None:
         raise ValueError("--nodes places the model on nodes of --node-memory: give both")
-    acc, source = load_accounts(args.model, args.tracker)
+    acc, source = load_accounts(args.model, args.tracker, args.token)
     placement = None
     if args.node_memory is not None:
         placement = place(acc, args.node_memory, args.context, args.nodes, args.sessions, args.wire_dtype)

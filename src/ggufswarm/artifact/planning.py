@@ -141,7 +141,7 @@ def place(acc: HeaderAccounts, node_memory: int, context: int, n_nodes: int | No
 
 # -- loading a header ------------------------------------------------------------------------------------
 
-def load_accounts(model: str, tracker: str | None = None) -> tuple[HeaderAccounts, str]:
+def load_accounts(model: str, tracker: str | None = None, token: str | None = None) -> tuple[HeaderAccounts, str]:
     """The accounting of ``model`` and a one-line description of where its header came from.
 
     ``model``: a local GGUF (any file of a split set: every file's header is read, the tensor data need not
@@ -160,10 +160,10 @@ def load_accounts(model: str, tracker: str | None = None) -> tuple[HeaderAccount
         note = "" if on_disk >= described + file.header_bytes else f", {_human(on_disk)} on disk (header only)"
         return HeaderAccounts.from_model(file), (f"{path} ({len(file.paths)} file(s), {len(file.tensors)} tensors, "
                                                   f"{_human(described)} of tensors described{note})")
-    return _from_tracker(model, tracker)
+    return _from_tracker(model, tracker, token)
 
 
-def _from_tracker(name: str, tracker: str) -> tuple[HeaderAccounts, str]:
+def _from_tracker(name: str, tracker: str, token: str | None) -> tuple[HeaderAccounts, str]:
     import urllib.error
     import urllib.request
     from urllib.parse import quote, urlencode
@@ -173,14 +173,14 @@ def _from_tracker(name: str, tracker: str) -> tuple[HeaderAccounts, str]:
     from .manifest import Manifest
 
     base = tracker.rstrip("/")
-    found = tracker_call(f"{base}/manifests/{quote(name, safe='')}")
+    found = tracker_call(f"{base}/manifests/{quote(name, safe='')}", token=token)
     manifest = Manifest.from_json(json.dumps(found["manifest"]))
-    nodes = tracker_call(f"{base}/nodes?{urlencode({'model': name})}").get("nodes", [])
+    nodes = tracker_call(f"{base}/nodes?{urlencode({'model': name})}", token=token).get("nodes", [])
     errors = []
     for node in nodes:
         url = str(node.get("url", "")).rstrip("/")
         try:
-            req = urllib.request.Request(f"{url}/v1/model/header/0", headers=auth_headers())
+            req = urllib.request.Request(f"{url}/v1/model/header/0", headers=auth_headers(token))
             with urllib.request.urlopen(req, timeout=30) as r:
                 data = r.read(manifest.files[0]["header_bytes"] + 1)
         except (urllib.error.URLError, OSError) as exc:
