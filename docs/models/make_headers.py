@@ -24,6 +24,7 @@ The tensor types are what ``llama-quantize`` would pick for the two common file 
 * a row length not divisible by the block size falls back (Q4_K to Q5_0, Q6_K to Q8_0, then F16).
 
 Real published files often deviate (Unsloth "UD", ``-XL`` pins, MXFP4 experts): the audits say where.
+``tests/test_model_audits.py`` checks that the numbers the audits quote are still what this prints.
 """
 
 from __future__ import annotations
