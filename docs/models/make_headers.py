@@ -205,7 +205,7 @@ def glm_5_2() -> Model:
 def ornith_397b() -> Model:
     """60 blocks, n_embd 4096; every 4th block gated full attention (32 heads, 2 KV heads of 256), the others
     gated delta net (16 key heads / 64 value heads of 128, conv kernel 4); 512 experts of 1024 (top 10) + a
-    gated shared expert of 1024. No MTP block (the Ornith checkpoints ship without mtp.* tensors)."""
+    gated shared expert of 1024. No MTP block: the config declares one, but no route runs it."""
     d, n_layer, vocab, heads, kv_heads, hd = 4096, 60, 248320, 32, 2, 256
     n_exp, ff_exp, ff_sh, k_heads, v_heads, dk, conv = 512, 1024, 1024, 16, 64, 128, 4
     key_dim, value_dim = dk * k_heads, dk * v_heads
