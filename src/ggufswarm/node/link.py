@@ -132,22 +132,38 @@ class HopLinks:
         ``hop_timeout`` (no reply in time) or ``hop_failed`` (the link could not be opened or closed
         before the reply), naming ``url`` as the hop.
         """
+        reply, _ordered = await self.send(url, frame, timeout_s)
+        return await reply
+
+    async def send(self, url: str, frame: bytes, timeout_s: float) -> tuple[asyncio.Future, bool]:
+        """Send one step frame to ``url``; (the future of its reply, as ``step`` returns or raises it, within
+        ``timeout_s`` seconds of now; whether it went over a link). Over a link the frame has been written when
+        this returns, so frames sent one after another reach the hop in that order; a hop without links gets a
+        ``POST /v1/step`` that is under way (not ordered). Raises ProtocolError when the link cannot be opened or
+        written (hop_failed, hop_timeout)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         link = await self._link(url, timeout_s)
         if link is None:
-            return await self._post(url, frame, timeout_s)
+            return asyncio.ensure_future(self._post(url, frame, timeout_s)), False
         key = frame_key(frame)
         fut = link.pending[key] = loop.create_future()
         try:
-            try:
-                await link.ws.send_bytes(frame)
-            except (aiohttp.ClientError, ConnectionError, RuntimeError) as exc:
-                raise _error("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}", url) from None
-            try:
-                return await asyncio.wait_for(fut, max(deadline - loop.time(), 0.001))
-            except asyncio.TimeoutError:
-                raise _error("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s", url) from None
+            await link.ws.send_bytes(frame)
+        except (aiohttp.ClientError, ConnectionError, RuntimeError) as exc:
+            if link.pending.get(key) is fut:
+                del link.pending[key]
+            raise _error("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}", url) from None
+        return asyncio.ensure_future(self._reply(link, key, fut, deadline, url, timeout_s)), True
+
+    @staticmethod
+    async def _reply(link: _Link, key: bytes, fut: asyncio.Future, deadline: float, url: str,
+                     timeout_s: float) -> tuple[int, bytes]:
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(fut, max(deadline - loop.time(), 0.001))
+        except asyncio.TimeoutError:
+            raise _error("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s", url) from None
         finally:
             if link.pending.get(key) is fut:
                 del link.pending[key]

@@ -541,9 +541,13 @@ async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, b
 
 async def _apply_session_frame(state: NodeState, session: Session, frame: Frame, body: bytes, kind: str,
                                t0: float) -> tuple[int, bytes]:
-    """The part of _apply_frame that runs under the session's lock, in three parts: replay or apply the step
-    (_replay, _apply), relay its output downstream (_relay; the head answers itself, _head_reply), and record
-    the reply for a retry of the step (_record). Raises what the step raises."""
+    """Apply one step of ``session``, in parts: replay or apply the step (_replay, _apply) under the session's
+    lock; the head answers (_head_reply) and records its reply (_record) under the lock too; another node
+    pushes its output to the next hop (_push) under the lock, then releases it and waits for that hop's reply
+    (_relayed) and records it. The session's next step can run here while this one is still downstream: steps
+    reach the next hop in order (one link, in push order), and it applies each under its own lock. With the
+    head's reply link the client sends the next step as soon as the head has sampled, and no node holds it up
+    waiting for the reply of the one before. Raises what the step raises."""
     async with session.lock:
         digest = zlib.crc32(body)
         record = _replay(state, session, frame, digest)
@@ -553,18 +557,28 @@ async def _apply_session_frame(state: NodeState, session: Session, frame: Frame,
                 record = await record
             state.steps.labels(kind).inc()
             state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
+            if state.snapshots is not None:
+                state.snapshots.after_step(session, kind == "prefill" and frame.sample)
         elif record.reply is not None:  # a retry of a step answered: the same answer
             if state.spec.head:
                 await _send_direct(state, frame, body, record.reply)
             return 200, record.reply
+        elif record.relay is not None and not record.relay.done():  # a retry while the step is downstream
+            pending = record.relay
+            record = None
         # else a retry of a step whose relay failed: its recorded output is relayed again
-        hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
-        if state.spec.head:
-            reply = _record(state, session, frame, kind, record, _head_reply(record, hop), hop, t0)
-            await _send_direct(state, frame, body, reply)
-            return 200, reply
-        reply = await _relay(state, session, frame, record, kind, hop)
-        return 200, _record(state, session, frame, kind, record, reply, hop, t0)
+        if record is not None:
+            hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
+            if state.spec.head:
+                reply = _record(record, _head_reply(record, hop), hop, t0)
+                await _send_direct(state, frame, body, reply)
+                return 200, reply
+            sent = await _push(state, session, frame, record, kind)
+            pending = record.relay = asyncio.ensure_future(_relayed(sent, record, hop, t0))
+            pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # its waiters may have gone
+            if not sent.ordered:  # plain POSTs may overtake each other: keep the session until the reply
+                return 200, await asyncio.shield(pending)
+    return 200, await asyncio.shield(pending)
 
 
 def _replay(state: NodeState, session: Session, frame: Frame, digest: int) -> StepRecord | None:
@@ -605,38 +619,52 @@ def _head_reply(record: StepRecord, hop: dict) -> dict:
     return reply
 
 
-async def _relay(state: NodeState, session: Session, frame: Frame, record: StepRecord, kind: str, hop: dict) -> dict:
-    """Push the step's output (in the session's wire dtype, with the route's token ids) to the session's next
-    hop over its link; that hop's parsed reply with ``hop`` (this node's timings, ``push_ms`` added) first in
-    its ``hops``. ProtocolError naming the hop on any failure: the hop's own error passed on, hop_failed or
-    hop_timeout (after ``step_timeout_s`` of the session's ``hop_timeout_s``, seconds)."""
+@dataclass
+class _Sent:
+    """A step pushed to the next hop ``url`` at ``t_push`` (perf_counter s); ``reply``: the future of its
+    (status, body); ``ordered``: it went over a link, so later steps of the session reach the hop after it."""
+
+    url: str
+    t_push: float
+    reply: asyncio.Future
+    ordered: bool
+
+
+async def _push(state: NodeState, session: Session, frame: Frame, record: StepRecord, kind: str) -> _Sent:
+    """Send the step's output (in the session's wire dtype, with the route's token ids) to the session's next
+    hop over its link, waiting at most ``step_timeout_s`` of the session's ``hop_timeout_s`` (seconds) for the
+    reply. ProtocolError naming the hop when it cannot be sent (hop_failed, hop_timeout)."""
     ids = frame.data if frame.dtype == "ids" else frame.token_ids
     out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,
                         ids, frame.flags & FLAG_NO_SAMPLE)
     state.bytes_out.labels(kind).inc(len(out))
     url = session.next_hop
     t_push = time.perf_counter()
-    status, body = await state.links.step(url, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
+    reply, ordered = await state.links.send(url, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
+    return _Sent(url, t_push, reply, ordered)
+
+
+async def _relayed(sent: _Sent, record: StepRecord, hop: dict, t0: float) -> bytes:
+    """The reply to a pushed step: the next hop's parsed reply with ``hop`` (this node's timings, ``push_ms``
+    added) first in its ``hops``, recorded (_record). ProtocolError naming the hop on any failure: the hop's
+    own error passed on, hop_failed or hop_timeout."""
+    status, body = await sent.reply
     if status != 200:
-        raise reply_error(body, status, url)
+        raise reply_error(body, status, sent.url)
     try:
         reply = json.loads(body)
     except ValueError:
-        raise ProtocolError("hop_failed", f"next hop {url} answered a step with non-JSON", hop=url) from None
-    hop["push_ms"] = round((time.perf_counter() - t_push) * 1e3, 3)
+        raise ProtocolError("hop_failed", f"next hop {sent.url} answered a step with non-JSON", hop=sent.url) from None
+    hop["push_ms"] = round((time.perf_counter() - sent.t_push) * 1e3, 3)
     reply["hops"].insert(0, hop)
-    return reply
+    return _record(record, reply, hop, t0)
 
 
-def _record(state: NodeState, session: Session, frame: Frame, kind: str, record: StepRecord, reply: dict, hop: dict,
-            t0: float) -> bytes:
-    """Finish the step: ``hop`` gets ``handle_ms`` (since ``t0``, perf_counter s), the reply's JSON bytes are
-    kept on the step's record (a retry of the step is answered with exactly these), and the snapshot link
-    sees the step. The reply bytes."""
+def _record(record: StepRecord, reply: dict, hop: dict, t0: float) -> bytes:
+    """Finish the step: ``hop`` gets ``handle_ms`` (since ``t0``, perf_counter s) and the reply's JSON bytes
+    are kept on the step's record (a retry of the step is answered with exactly these). The reply bytes."""
     hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     record.reply = json.dumps(reply).encode()
-    if state.snapshots is not None:
-        state.snapshots.after_step(session, kind == "prefill" and frame.sample)
     return record.reply
 
 

@@ -52,6 +52,8 @@ class StepRecord:
     ``(id, logprob)`` pairs; ``token_logprob``: the sampled token's logprob (sessions opened with ``logprobs``).
     Logprobs are ``log_softmax`` of the raw logits (``runtime.sampling.token_logprobs``).
     ``reply``: the bytes answered to the caller once the step completed end to end (None until then).
+    ``relay``: on a node with a next hop, the asyncio.Future of that reply while the next hop has the step
+    (a retry of the step meanwhile waits for it instead of pushing the step again).
     """
 
     step: int
@@ -64,6 +66,7 @@ class StepRecord:
     token_logprob: float | None = None
     compute_ms: float = 0.0
     reply: bytes | None = None
+    relay: object = None
 
 
 @dataclass
