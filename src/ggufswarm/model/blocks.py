@@ -113,10 +113,11 @@ FFN_ACTIVATIONS = {
 }
 
 
-def gated_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], act: str) -> torch.Tensor:
-    """``down(act(gate(x)) * up(x))``; ``act`` is a key of FFN_ACTIVATIONS (SwiGLU / GeGLU)."""
-    gate = FFN_ACTIVATIONS[act](linear(x, w, "ffn_gate"))
-    return linear(gate * linear(x, w, "ffn_up"), w, "ffn_down")
+def gated_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], act: str, suffix: str = "") -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` on ``x`` ``[T, n_embd]``; ``act`` is a key of FFN_ACTIVATIONS (SwiGLU /
+    GeGLU). The tensors are ``ffn_gate{suffix}`` etc. (``suffix="_shexp"``: a MoE layer's shared expert)."""
+    gate = FFN_ACTIVATIONS[act](linear(x, w, "ffn_gate" + suffix))
+    return linear(gate * linear(x, w, "ffn_up" + suffix), w, "ffn_down" + suffix)
 
 
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
@@ -193,3 +194,59 @@ def prenorm_block(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch
     """The llama-style block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``. ``x``: ``[T, n_embd]``."""
     h = x + self_attention(cfg, il, rms_norm(x, w["attn_norm"], cfg.rms_eps), w, kv, positions, rope)
     return h + gated_ffn(rms_norm(h, w["ffn_norm"], cfg.rms_eps), w, cfg.ffn_act)
+
+
+EXPERT_GATING = {"softmax": lambda logits: torch.softmax(logits, dim=-1), "sigmoid": torch.sigmoid}
+WEIGHTS_SUM_MIN = 6.103515625e-5  # llama.cpp clamps the picked weights' sum to the smallest normal f16
+
+
+def expert_linear(x: torch.Tensor, w: dict, name: str, expert: int) -> torch.Tensor:
+    """``x @ W[expert].T`` for a 3-D expert tensor ``name`` (GGUF ``{name}.weight``, ``[n_expert, n_out, n_in]``);
+    ``x`` ``[N, n_in]`` → ``[N, n_out]``, with the activation rounding of ``linear`` (``{name}.act``)."""
+    act = w.get(name + ".act")
+    if act is not None:
+        x = ACTIVATION_QUANT[act](x)
+    return x @ w[name][expert].T
+
+
+def route_experts(cfg: ModelConfig, x: torch.Tensor, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of a MoE layer on normed ``x`` ``[T, n_embd]``: ``(chosen, weights)``, both
+    ``[T, n_expert_used]``: expert indices best first (int64) and their weights (``x``'s dtype).
+
+    As ``build_moe_ffn`` (llama.cpp ``src/llama-graph.cpp``): ``probs = gating(x @ ffn_gate_inp.T)``; the
+    top ``n_expert_used`` of ``probs + exp_probs_b`` (the DeepSeek-V3 selection bias, when the layer has
+    it); weights are the picked *unbiased* probs, divided by their sum (clamped below at
+    ``WEIGHTS_SUM_MIN``) when ``weights_norm``, times ``weights_scale`` unless that is 0 or 1.
+    """
+    moe = cfg.moe
+    probs = EXPERT_GATING[moe.gating](linear(x, w, "ffn_gate_inp"))
+    bias = w.get("exp_probs_b.bias")
+    chosen = torch.topk(probs if bias is None else probs + bias, moe.n_expert_used, dim=-1).indices
+    weights = probs.gather(-1, chosen)
+    if moe.weights_norm:
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=WEIGHTS_SUM_MIN)
+    if moe.weights_scale not in (0.0, 1.0):
+        weights = weights * moe.weights_scale
+    return chosen, weights
+
+
+def moe_ffn(cfg: ModelConfig, x: torch.Tensor, w: dict, act: str = "silu") -> torch.Tensor:
+    """Routed experts of a MoE layer on normed ``x`` ``[T, n_embd]`` → ``[T, n_embd]`` (no shared expert).
+
+    Each token runs its ``n_expert_used`` experts (``route_experts``), each a gated FFN of the 3-D tensors
+    ``ffn_gate_exps`` / ``ffn_up_exps`` ``[n_expert, n_ff_exp, n_embd]`` and ``ffn_down_exps``
+    ``[n_expert, n_embd, n_ff_exp]``; the outputs are weighted and summed in the router's order, best first
+    (llama.cpp ``build_moe_ffn``). Only the experts some token picked are computed.
+    """
+    chosen, weights = route_experts(cfg, x, w)
+    out = x.new_zeros(x.shape[0], chosen.shape[1], x.shape[1])  # [T, n_expert_used, n_embd]
+    for expert in chosen.unique().tolist():
+        tok, slot = (chosen == expert).nonzero(as_tuple=True)
+        xe = x[tok]
+        h = FFN_ACTIVATIONS[act](expert_linear(xe, w, "ffn_gate_exps", expert)) * expert_linear(xe, w, "ffn_up_exps", expert)
+        out[tok, slot] = expert_linear(h, w, "ffn_down_exps", expert)
+    out = out * weights[..., None]
+    y = out[:, 0]
+    for i in range(1, out.shape[1]):
+        y = y + out[:, i]
+    return y
