@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import gemma3, llama, qwen, qwenmoe
+from . import deepseek2, gemma3, llama, qwen, qwenmoe
 from .config import MAX_CONTEXT, MLAConfig, ModelConfig, MoEConfig, UnsupportedArchitecture
 
-FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (gemma3, llama, qwen, qwenmoe) for arch in fam.ARCHITECTURES}
+FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (deepseek2, gemma3, llama, qwen, qwenmoe) for arch in fam.ARCHITECTURES}
 SUPPORTED = tuple(sorted(FAMILIES))
 
 
