@@ -1,0 +1,148 @@
+"""The torch reference backend on the tiny mixture-of-experts GGUFs of ``tinymoe`` against llama.cpp on the same file.
+
+``qwen3moe`` (softmax router, renormalised top-2, q/k norms) and ``deepseek2`` (MLA with a q LoRA, 3 leading
+dense blocks, sigmoid router with a selection bias, normalised and scaled weights, a shared expert): a prompt
+and 20 greedy decode steps, one token at a time (so the MLA latent cache is read back at every step), on one
+shard and on three (``[0, 2) [2, 4) [4, 6)``: for deepseek2 the first cut falls inside the dense blocks, the
+second after them), within the F32 tolerance of ``test_architectures`` (1e-5 of the largest logit).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import llama_cpp_model
+from tinymoe import write_tiny_moe_model
+
+from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.model import load_config
+from ggufswarm.runtime.shard import ShardExecutor, ShardSpec, split_at
+
+N_DECODE = 20
+TOL = 1e-5  # of the largest |logit|: the F32 tolerance of test_architectures.test_logits_match_llama_cpp
+SPLITS = {"1-shard": [], "3-shards": [2, 4]}
+
+
+def _prompt(n: int = 12, seed: int = 1) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [1] + rng.integers(3, 384, n - 1).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """arch -> (path, tokens: prompt + N_DECODE greedy picks, llama.cpp's logits ``[len(tokens), n_vocab]``),
+    written and run once per module. llama.cpp evaluates the prompt in one batch, then one token per step."""
+    out, root = {}, tmp_path_factory.mktemp("tinymoe-torch")
+
+    def get(arch: str):
+        if arch not in out:
+            path = write_tiny_moe_model(root / f"{arch}.gguf", arch)
+            tokens = _prompt()
+            llm = llama_cpp_model(path, n_ctx=128)
+            try:
+                llm.eval(tokens)
+                for _ in range(N_DECODE):
+                    tokens.append(int(np.argmax(llm.scores[len(tokens) - 1])))
+                    llm.eval(tokens[-1:])
+                ref = np.array(llm.scores[:len(tokens)])
+            finally:
+                llm.close()
+            out[arch] = path, tokens, ref
+        return out[arch]
+    return get
+
+
+def _torch_logits(path, tokens: list[int], n_prompt: int, cuts: list[int], config=None) -> np.ndarray:
+    """The torch backend's logits at every position of ``tokens``: the prompt as one step, then one token per step,
+    through the shards cut at ``cuts`` (hidden states passed on), each with its own session."""
+    file = GGUFModelFile(path)
+    cfg = config or load_config(file)
+    shards = [ShardExecutor(file, spec, config=cfg, numerics="llama.cpp") for spec in split_at(cfg.n_layers, cuts)]
+    kvs = [s.new_session(128) for s in shards]
+    rows = []
+    for step in [tokens[:n_prompt]] + [[t] for t in tokens[n_prompt:]]:
+        x = torch.tensor(step)
+        for shard, kv in zip(shards, kvs):
+            x = shard.forward(kv, x, logits="all")
+        rows.append(x)
+    return torch.cat(rows).numpy()
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+def test_moe_logits_match_llama_cpp(tiny_moe, arch, split):
+    path, tokens, ref = tiny_moe(arch)
+    t0 = time.perf_counter()
+    ours = _torch_logits(path, tokens, len(tokens) - N_DECODE, SPLITS[split])
+    scale = np.abs(ref).max()
+    err = np.abs(ours - ref).max()
+    print(f"{arch} {split}: max |Δ| {err:.2e} of {scale:.2f} (relative {err / scale:.2e}), "
+          f"prompt + {N_DECODE} steps in {time.perf_counter() - t0:.2f} s")
+    assert ours.shape == ref.shape == (len(tokens), 384)
+    assert err <= TOL * scale
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+# A wrong routing setting moves the logits far outside TOL: the comparison above is tight enough to see each.
+WRONG_ROUTING = [
+    ("qwen3moe", "top-3", dict(n_expert_used=3)),
+    ("qwen3moe", "no-renorm", dict(weights_norm=False)),
+    ("qwen3moe", "sigmoid", dict(gating="sigmoid")),
+    ("deepseek2", "top-1", dict(n_expert_used=1)),
+    ("deepseek2", "softmax", dict(gating="softmax")),
+    ("deepseek2", "no-scale", dict(weights_scale=1.0)),
+    ("deepseek2", "no-renorm", dict(weights_norm=False)),
+]
+
+
+@pytest.mark.parametrize("arch,what,change", WRONG_ROUTING, ids=[f"{a}-{w}" for a, w, _ in WRONG_ROUTING])
+def test_wrong_routing_is_detected(tiny_moe, arch, what, change):
+    path, tokens, ref = tiny_moe(arch)
+    cfg = load_config(GGUFModelFile(path))
+    wrong = replace(cfg, moe=replace(cfg.moe, **change))
+    ours = _torch_logits(path, tokens, len(tokens) - N_DECODE, [], config=wrong)
+    err = np.abs(ours - ref).max()
+    print(f"{arch} {what}: max |Δ| {err:.2e}")
+    assert err > 100 * TOL * np.abs(ref).max()
+
+
+def test_selection_bias_is_used(tiny_moe, tmp_path):
+    """deepseek2's ``exp_probs_b`` picks the experts but does not weight them: dropping it from the torch side moves
+    the logits far outside TOL."""
+    path, tokens, ref = tiny_moe("deepseek2")
+    file = GGUFModelFile(path)
+    cfg = load_config(file)
+    shard = ShardExecutor(file, ShardSpec(0, cfg.n_layers, True, True), numerics="llama.cpp")
+    for layer in shard.layers.values():
+        layer.pop("exp_probs_b.bias", None)
+    kv = shard.new_session(128)
+    ours = shard.forward(kv, torch.tensor(tokens), logits="all").numpy()
+    assert np.abs(ours - ref).max() > 100 * TOL * np.abs(ref).max()
+
+
+def test_mla_cache_holds_the_latent(tiny_moe):
+    """A deepseek2 shard caches ``kv_lora_rank + rope_dim`` values per token and layer (64 + 16 here), no values,
+    and advertises that size; truncating the cache and replaying the decode steps gives the same logits."""
+    path, tokens, ref = tiny_moe("deepseek2")
+    file = GGUFModelFile(path)
+    cfg = load_config(file)
+    assert (cfg.mla.kv_lora_rank, cfg.mla.rope_dim, cfg.n_head) == (64, 16, 4)
+    shard = ShardExecutor(file, ShardSpec(2, 5))
+    assert shard.kv_bytes_per_token() == 3 * (64 + 16) * 4
+    full = ShardExecutor(file, ShardSpec(0, cfg.n_layers, True, True), numerics="llama.cpp")
+    kv = full.new_session(128)
+    n_prompt = len(tokens) - N_DECODE
+    full.forward(kv, torch.tensor(tokens[:n_prompt]))
+    first = [full.forward(kv, torch.tensor([t])) for t in tokens[n_prompt:]]
+    assert all(tuple(layer.k[:kv.length].shape) == (len(tokens), 1, 80) and layer.v.shape[-1] == 0
+               for layer in kv.layers)
+    assert kv.nbytes() == cfg.n_layers * kv.layers[0].k.shape[0] * 80 * 4
+    kv.truncate(n_prompt + 5)
+    again = [full.forward(kv, torch.tensor([t])) for t in tokens[n_prompt + 5:]]
+    assert all(torch.equal(a, b) for a, b in zip(first[5:], again))
+    np.testing.assert_allclose(torch.cat(first).numpy(), ref[n_prompt:], rtol=0, atol=TOL * np.abs(ref).max())
