@@ -1,6 +1,7 @@
 """The torch reference backend on the tiny mixture-of-experts GGUFs of ``tinymoe`` against llama.cpp on the same file.
 
-``qwen3moe`` (softmax router, renormalised top-2, q/k norms) and ``deepseek2`` (MLA with a q LoRA, 3 leading
+``qwen3moe`` (softmax router, renormalised top-2, q/k norms), ``qwen2moe`` (softmax router, top-2 weights not
+renormalised, q/k/v biases, a shared expert behind a sigmoid gate) and ``deepseek2`` (MLA with a q LoRA, 3 leading
 dense blocks, sigmoid router with a selection bias, normalised and scaled weights, a shared expert): a prompt
 and 20 greedy decode steps, one token at a time (so the MLA latent cache is read back at every step), on one
 shard and on three (``[0, 2) [2, 4) [4, 6)``: for deepseek2 the first cut falls inside the dense blocks, the
@@ -74,7 +75,7 @@ def _torch_logits(path, tokens: list[int], n_prompt: int, cuts: list[int], confi
 
 
 @pytest.mark.parametrize("split", SPLITS)
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "deepseek2"])
 def test_moe_logits_match_llama_cpp(tiny_moe, arch, split):
     path, tokens, ref = tiny_moe(arch)
     t0 = time.perf_counter()
@@ -93,6 +94,7 @@ WRONG_ROUTING = [
     ("qwen3moe", "top-3", dict(n_expert_used=3)),
     ("qwen3moe", "no-renorm", dict(weights_norm=False)),
     ("qwen3moe", "sigmoid", dict(gating="sigmoid")),
+    ("qwen2moe", "renorm", dict(weights_norm=True)),
     ("deepseek2", "top-1", dict(n_expert_used=1)),
     ("deepseek2", "softmax", dict(gating="softmax")),
     ("deepseek2", "no-scale", dict(weights_scale=1.0)),
@@ -111,18 +113,24 @@ def test_wrong_routing_is_detected(tiny_moe, arch, what, change):
     assert err > 100 * TOL * np.abs(ref).max()
 
 
-def test_selection_bias_is_used(tiny_moe, tmp_path):
-    """deepseek2's ``exp_probs_b`` picks the experts but does not weight them: dropping it from the torch side moves
-    the logits far outside TOL."""
-    path, tokens, ref = tiny_moe("deepseek2")
+DROPPED = [("deepseek2", "exp_probs_b.bias"), ("deepseek2", "ffn_gate_shexp"), ("qwen2moe", "ffn_gate_inp_shexp")]
+
+
+@pytest.mark.parametrize("arch,tensor", DROPPED, ids=[f"{a}-{t}" for a, t in DROPPED])
+def test_selection_bias_and_shared_experts_are_used(tiny_moe, arch, tensor):
+    """deepseek2's ``exp_probs_b`` (it picks the experts but does not weight them), its shared expert, and qwen2moe's
+    shared-expert gate: dropping one from the torch side's layers (the block then skips that part, as it does for
+    a model without it) moves the logits far outside TOL."""
+    path, tokens, ref = tiny_moe(arch)
     file = GGUFModelFile(path)
     cfg = load_config(file)
     shard = ShardExecutor(file, ShardSpec(0, cfg.n_layers, True, True), numerics="llama.cpp")
-    for layer in shard.layers.values():
-        layer.pop("exp_probs_b.bias", None)
-    kv = shard.new_session(128)
-    ours = shard.forward(kv, torch.tensor(tokens), logits="all").numpy()
-    assert np.abs(ours - ref).max() > 100 * TOL * np.abs(ref).max()
+    dropped = [layer.pop(tensor) for layer in shard.layers.values() if tensor in layer]
+    assert len(dropped) == cfg.n_layers - cfg.moe.n_dense_lead
+    ours = shard.forward(shard.new_session(128), torch.tensor(tokens), logits="all").numpy()
+    err = np.abs(ours - ref).max()
+    print(f"{arch} without {tensor}: max |Δ| {err:.2e}")
+    assert err > 100 * TOL * np.abs(ref).max()
 
 
 def test_mla_cache_holds_the_latent(tiny_moe):

@@ -1,7 +1,7 @@
 """Tiny random-weight mixture-of-experts GGUFs, written with the ``gguf`` writer.
 
 The companion of ``tinymodels`` for the MoE architectures of llama.cpp that we cannot
-download at test time: ``qwen3moe``, ``deepseek`` (DeepSeek-MoE v1), ``deepseek2`` (MLA attention,
+download at test time: ``qwen3moe``, ``qwen2moe``, ``deepseek`` (DeepSeek-MoE v1), ``deepseek2`` (MLA attention,
 DeepSeek-V2/V3 style), ``glm4moe`` (GLM-4.5) and ``gpt-oss``. Every file has the same small
 SentencePiece-style vocabulary as ``tinymodels`` (``N_VOCAB`` = 384 tokens) and all-F32 weights, so
 llama.cpp loads it and a forward pass takes milliseconds.
@@ -10,6 +10,8 @@ Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the sh
 ``[0, 2) [2, 4) [4, 6)``):
 
 * ``qwen3moe``: 8 experts, top-2, q/k RMS norms, normalised top-k softmax weights, every block MoE.
+* ``qwen2moe``: 8 experts, top-2, q/k/v biases, softmax weights not renormalised, and a shared expert
+  (``expert_shared_feed_forward_length`` = 96) scaled per token by ``sigmoid(x · ffn_gate_inp_shexp)``.
 * ``deepseek``: 1 leading dense block (split point 2 falls after it), 8 experts top-2 plus
   2 shared experts, softmax gating, no weight normalisation.
 * ``deepseek2``: MLA attention with a q LoRA (``q_lora_rank``, i.e. not the "lite" variant),
@@ -39,7 +41,7 @@ from gguf import GGUFWriter
 
 from tinymodels import N_VOCAB, _vocab
 
-MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss")
+MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss")
 
 # expert_gating_func values (llama.cpp's llama_expert_gating_func_type)
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
@@ -51,6 +53,7 @@ _COMMON: dict[str, Any] = dict(
 
 MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3moe": dict(_COMMON),
+    "qwen2moe": dict(_COMMON, n_ff_shexp=96),
     "deepseek": dict(_COMMON, n_head_kv=4, n_dense_lead=1, n_expert_shared=2),
     "deepseek2": dict(
         {k: v for k, v in _COMMON.items() if k not in ("n_head_kv", "head_dim")},  # MLA: own head dims
@@ -104,6 +107,8 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("leading_dense_block_count", c.n_dense_lead)
     if "n_expert_shared" in cfg:
         kv_u32("expert_shared_count", c.n_expert_shared)
+    if "n_ff_shexp" in cfg:
+        kv_u32("expert_shared_feed_forward_length", c.n_ff_shexp)
     if "expert_gating_func" in cfg:
         kv_u32("expert_gating_func", c.expert_gating_func)
     if "expert_weights_scale" in cfg:
@@ -184,7 +189,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
             matrix(p + "attn_k.weight", kv_dim, e)
             matrix(p + "attn_v.weight", kv_dim, e)
             matrix(p + "attn_output.weight", e, q_dim)
-            if arch in ("glm4moe", "gpt-oss"):
+            if arch in ("glm4moe", "gpt-oss", "qwen2moe"):
                 f32(p + "attn_q.bias", q_dim, scale=0.1)
                 f32(p + "attn_k.bias", kv_dim, scale=0.1)
                 f32(p + "attn_v.bias", kv_dim, scale=0.1)
@@ -216,6 +221,11 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
             f32(p + "ffn_gate_exps.bias", d, f, scale=0.05)
             f32(p + "ffn_up_exps.bias", d, f, scale=0.05)
             f32(p + "ffn_down_exps.bias", d, e, scale=0.02)
+        if arch == "qwen2moe":
+            f32(p + "ffn_gate_inp_shexp.weight", e, scale=e ** -0.5 * 2.0)  # the shared expert's sigmoid gate
+            matrix(p + "ffn_gate_shexp.weight", c.n_ff_shexp, e)
+            matrix(p + "ffn_up_shexp.weight", c.n_ff_shexp, e)
+            matrix(p + "ffn_down_shexp.weight", e, c.n_ff_shexp)
         if cfg.get("n_expert_shared", 0) > 0:
             fs = f * c.n_expert_shared
             matrix(p + "ffn_gate_shexp.weight", fs, e)
