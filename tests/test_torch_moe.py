@@ -27,6 +27,14 @@ from ggufswarm.runtime.shard import ShardExecutor, ShardSpec, split_at
 N_DECODE = 20
 TOL = 1e-5  # of the largest |logit|: the F32 tolerance of test_architectures.test_logits_match_llama_cpp
 SPLITS = {"1-shard": [], "3-shards": [2, 4]}
+# name -> (architecture, write_tiny_moe_model overrides)
+MODELS = {
+    "qwen3moe": ("qwen3moe", {}),
+    "qwen2moe": ("qwen2moe", {}),
+    "deepseek2": ("deepseek2", {}),
+    # DeepSeek-V3 group-limited routing: 4 groups of 2 experts, the experts picked within the best 2 groups
+    "deepseek2-groups": ("deepseek2", dict(n_expert_groups=4, n_group_used=2)),
+}
 
 
 def _prompt(n: int = 12, seed: int = 1) -> list[int]:
@@ -36,13 +44,15 @@ def _prompt(n: int = 12, seed: int = 1) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
-    """arch -> (path, tokens: prompt + N_DECODE greedy picks, llama.cpp's logits ``[len(tokens), n_vocab]``),
-    written and run once per module. llama.cpp evaluates the prompt in one batch, then one token per step."""
+    """name (of MODELS) -> (path, tokens: prompt + N_DECODE greedy picks, llama.cpp's logits
+    ``[len(tokens), n_vocab]``), written and run once per module. llama.cpp evaluates the prompt in one batch, then
+    one token per step."""
     out, root = {}, tmp_path_factory.mktemp("tinymoe-torch")
 
-    def get(arch: str):
-        if arch not in out:
-            path = write_tiny_moe_model(root / f"{arch}.gguf", arch)
+    def get(name: str):
+        if name not in out:
+            arch, overrides = MODELS[name]
+            path = write_tiny_moe_model(root / f"{name}.gguf", arch, **overrides)
             tokens = _prompt()
             llm = llama_cpp_model(path, n_ctx=128)
             try:
@@ -53,8 +63,8 @@ def tiny_moe(tmp_path_factory):
                 ref = np.array(llm.scores[:len(tokens)])
             finally:
                 llm.close()
-            out[arch] = path, tokens, ref
-        return out[arch]
+            out[name] = path, tokens, ref
+        return out[name]
     return get
 
 
@@ -75,7 +85,7 @@ def _torch_logits(path, tokens: list[int], n_prompt: int, cuts: list[int], confi
 
 
 @pytest.mark.parametrize("split", SPLITS)
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "deepseek2"])
+@pytest.mark.parametrize("arch", MODELS)
 def test_moe_logits_match_llama_cpp(tiny_moe, arch, split):
     path, tokens, ref = tiny_moe(arch)
     t0 = time.perf_counter()
@@ -99,6 +109,8 @@ WRONG_ROUTING = [
     ("deepseek2", "softmax", dict(gating="softmax")),
     ("deepseek2", "no-scale", dict(weights_scale=1.0)),
     ("deepseek2", "no-renorm", dict(weights_norm=False)),
+    ("deepseek2-groups", "no-groups", dict(n_groups=0, n_group_used=0)),
+    ("deepseek2-groups", "3-groups-used", dict(n_group_used=3)),
 ]
 
 

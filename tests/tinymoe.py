@@ -19,7 +19,8 @@ Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the sh
   (``key_length_mla``/``value_length_mla`` set, the absorbed-MLA form llama.cpp converts to),
   3 leading dense blocks (split point 2 falls inside them, 4 after them), 8 experts top-2 plus
   1 shared expert, sigmoid gating with ``exp_probs_b`` selection bias, normalised weights scaled
-  by ``expert_weights_scale`` (DeepSeek-V3 style).
+  by ``expert_weights_scale`` (DeepSeek-V3 style); ``n_expert_groups`` / ``n_group_used`` (default 0: none)
+  write group-limited routing (``expert_group_count`` / ``expert_group_used_count``).
 * ``glm4moe``: 2 leading dense blocks (split point 2 is exactly their end), q/k/v biases,
   q/k norms, partial rotary (``rope.dimension_count`` = head_dim / 2), ``post_attention_norm``
   as the FFN norm, sigmoid gating with ``exp_probs_b``, 1 shared expert, no MTP/nextn layers.
@@ -59,7 +60,7 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         {k: v for k, v in _COMMON.items() if k not in ("n_head_kv", "head_dim")},  # MLA: own head dims
         n_dense_lead=3, n_expert_shared=1, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16,
         qk_nope_head_dim=32, v_head_dim=32, expert_gating_func=GATING_SIGMOID, expert_weights_norm=True,
-        expert_weights_scale=2.5, exp_probs_b=True,
+        expert_weights_scale=2.5, exp_probs_b=True, n_expert_groups=0, n_group_used=0,
     ),
     "glm4moe": dict(
         _COMMON, n_dense_lead=2, n_expert_shared=1, rope_dim=16, expert_gating_func=GATING_SIGMOID,
@@ -113,6 +114,9 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("expert_gating_func", c.expert_gating_func)
     if "expert_weights_scale" in cfg:
         kv_f32("expert_weights_scale", c.expert_weights_scale)
+    if cfg.get("n_expert_groups", 0) > 1:  # DeepSeek-V3 group-limited routing
+        kv_u32("expert_group_count", c.n_expert_groups)
+        kv_u32("expert_group_used_count", c.n_group_used)
     if "expert_weights_norm" in cfg:
         w.add_bool(f"{arch}.expert_weights_norm", bool(c.expert_weights_norm))
 

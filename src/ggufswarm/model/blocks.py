@@ -215,13 +215,20 @@ def route_experts(cfg: ModelConfig, x: torch.Tensor, w: dict) -> tuple[torch.Ten
 
     As ``build_moe_ffn`` (llama.cpp ``src/llama-graph.cpp``): ``probs = gating(x @ ffn_gate_inp.T)``; the
     top ``n_expert_used`` of ``probs + exp_probs_b`` (the DeepSeek-V3 selection bias, when the layer has
-    it); weights are the picked *unbiased* probs, divided by their sum (clamped below at
+    it), with ``n_groups > 1`` only within the ``n_group_used`` groups of ``n_expert / n_groups`` consecutive
+    experts whose two best selection scores sum highest (the others' scores set to -inf); weights are the picked *unbiased* probs, divided by their sum (clamped below at
     ``WEIGHTS_SUM_MIN``) when ``weights_norm``, times ``weights_scale`` unless that is 0 or 1.
     """
     moe = cfg.moe
     probs = EXPERT_GATING[moe.gating](linear(x, w, "ffn_gate_inp"))
     bias = w.get("exp_probs_b.bias")
-    chosen = torch.topk(probs if bias is None else probs + bias, moe.n_expert_used, dim=-1).indices
+    select = probs if bias is None else probs + bias
+    if moe.n_groups > 1:
+        groups = select.view(select.shape[0], moe.n_groups, -1)                # [T, n_groups, n_expert / n_groups]
+        best = torch.topk(groups.topk(2, dim=-1).values.sum(-1), moe.n_group_used, dim=-1).indices
+        keep = torch.zeros(groups.shape[:2], dtype=torch.bool).scatter_(1, best, True)
+        select = groups.masked_fill(~keep[..., None], float("-inf")).view_as(select)
+    chosen = torch.topk(select, moe.n_expert_used, dim=-1).indices
     weights = probs.gather(-1, chosen)
     if moe.weights_norm:
         weights = weights / weights.sum(-1, keepdim=True).clamp(min=WEIGHTS_SUM_MIN)

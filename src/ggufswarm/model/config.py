@@ -19,7 +19,8 @@ class MoEConfig:
 
     The router scores ``probs = gating(x @ ffn_gate_inp)`` (``"softmax"`` over the experts or ``"sigmoid"``
     per expert), picks the ``n_expert_used`` best (by ``probs + exp_probs_b`` when the layer has that
-    selection bias), weights each picked expert by its unbiased prob, divided by the picked probs' sum when
+    selection bias; with ``n_groups > 1`` only among the ``n_group_used`` groups of consecutive experts
+    whose two best scores sum highest, DeepSeek-V3's group-limited routing), weights each picked expert by its unbiased prob, divided by the picked probs' sum when
     ``weights_norm`` and multiplied by ``weights_scale`` when that is neither 0 nor 1. Blocks
     ``il < n_dense_lead`` have a dense FFN (``n_ff``) instead. ``n_expert_shared`` shared experts (one
     FFN of ``n_ff_shexp`` rows) are added to every token's MoE output.
@@ -34,6 +35,8 @@ class MoEConfig:
     n_dense_lead: int = 0
     n_expert_shared: int = 0
     n_ff_shexp: int = 0
+    n_groups: int = 0                # expert_group_count; 0 or 1: no groups
+    n_group_used: int = 0            # expert_group_used_count
 
 
 @dataclass(frozen=True)
@@ -164,10 +167,17 @@ def moe_hparams(meta: dict[str, Any], arch: str, *, default_gating: str = "softm
     ``leading_dense_block_count``). ``weights_norm`` fixes the normalisation where the architecture's graph
     does (qwen3moe: always; qwen2moe: never) instead of reading ``expert_weights_norm``.
 
-    UnsupportedArchitecture for a gating function or expert groups the torch backend does not implement.
+    UnsupportedArchitecture for a gating function the torch backend does not implement or a per-layer expert
+    count; ValueError for inconsistent counts.
     """
     n_expert = int(meta_get(meta, arch, "expert_count"))
-    n_used = int(meta_get(meta, arch, "expert_used_count"))
+    n_used = meta_get(meta, arch, "expert_used_count")
+    if isinstance(n_used, list):
+        if len(set(n_used)) != 1:
+            raise UnsupportedArchitecture(f"{arch}: a per-layer expert_used_count is not implemented by the torch "
+                                          f"backend; use --backend llama.cpp")
+        n_used = n_used[0]
+    n_used = int(n_used)
     if not 0 < n_used <= n_expert:
         raise ValueError(f"{arch}: expert_used_count {n_used} must be in 1..expert_count {n_expert}")
     func = int(meta.get(f"{arch}.expert_gating_func", 0) or 0)
@@ -175,9 +185,11 @@ def moe_hparams(meta: dict[str, Any], arch: str, *, default_gating: str = "softm
     if gating is None:
         raise UnsupportedArchitecture(f"{arch}: expert_gating_func {func} is not implemented by the torch backend "
                                       f"(it takes 1 softmax, 2 sigmoid); use --backend llama.cpp")
-    if int(meta.get(f"{arch}.expert_group_count", 0) or 0) > 1:
-        raise UnsupportedArchitecture(f"{arch}: grouped expert selection (expert_group_count > 1) is not implemented "
-                                      f"by the torch backend; use --backend llama.cpp")
+    n_groups = int(meta.get(f"{arch}.expert_group_count", 0) or 0)
+    n_group_used = int(meta.get(f"{arch}.expert_group_used_count", 0) or 0)
+    if n_groups > 1 and not (n_expert % n_groups == 0 and n_expert // n_groups >= 2 and 0 < n_group_used < n_groups):
+        raise ValueError(f"{arch}: {n_expert} experts in expert_group_count {n_groups} groups (at least 2 each), "
+                         f"expert_group_used_count {n_group_used} of them: inconsistent")
     ff = meta.get(f"{arch}.feed_forward_length", 0)
     n_ff = int(max(ff) if isinstance(ff, list) else ff or 0)
     n_ff_exp = int(meta.get(f"{arch}.expert_feed_forward_length", 0) or 0) or (n_ff // n_used if n_ff else 0)
@@ -189,4 +201,5 @@ def moe_hparams(meta: dict[str, Any], arch: str, *, default_gating: str = "softm
         weights_scale=float(meta.get(f"{arch}.expert_weights_scale", 0.0) or 0.0),
         n_dense_lead=int(meta.get(f"{arch}.leading_dense_block_count", 0) or 0),
         n_expert_shared=n_shared, n_ff_shexp=n_ff_shexp,
+        n_groups=n_groups if n_groups > 1 else 0, n_group_used=n_group_used if n_groups > 1 else 0,
     )
