@@ -162,10 +162,12 @@ EXPERT_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 
 def moe_hparams(meta: dict[str, Any], arch: str, *, default_gating: str = "softmax",
-                weights_norm: bool | None = None) -> MoEConfig:
+                weights_norm: bool | None = None, read_weights_scale: bool = True) -> MoEConfig:
     """The MoE settings of a GGUF (llama.cpp ``llama-model.cpp`` keys ``{arch}.expert_*``,
     ``leading_dense_block_count``). ``weights_norm`` fixes the normalisation where the architecture's graph
-    does (qwen3moe: always; qwen2moe: never) instead of reading ``expert_weights_norm``.
+    does (qwen3moe: always; qwen2moe: never) instead of reading ``expert_weights_norm``; without
+    ``read_weights_scale`` the weights are not scaled, as for the architectures whose llama.cpp hparams
+    loader does not read ``expert_weights_scale`` (it stays 0 there).
 
     UnsupportedArchitecture for a gating function the torch backend does not implement or a per-layer expert
     count; ValueError for inconsistent counts.
@@ -198,7 +200,7 @@ def moe_hparams(meta: dict[str, Any], arch: str, *, default_gating: str = "softm
     return MoEConfig(
         n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, gating=gating,
         weights_norm=bool(meta.get(f"{arch}.expert_weights_norm", False)) if weights_norm is None else weights_norm,
-        weights_scale=float(meta.get(f"{arch}.expert_weights_scale", 0.0) or 0.0),
+        weights_scale=float(meta.get(f"{arch}.expert_weights_scale", 0.0) or 0.0) if read_weights_scale else 0.0,
         n_dense_lead=int(meta.get(f"{arch}.leading_dense_block_count", 0) or 0),
         n_expert_shared=n_shared, n_ff_shexp=n_ff_shexp,
         n_groups=n_groups if n_groups > 1 else 0, n_group_used=n_group_used if n_groups > 1 else 0,

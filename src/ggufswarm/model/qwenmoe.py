@@ -23,10 +23,12 @@ def config(meta: dict[str, Any], arch: str, n_vocab: int) -> ModelConfig:
     """Hyperparameters of a ``qwen3moe`` / ``qwen2moe`` GGUF: the dense model's, plus ``expert_count``,
     ``expert_used_count``, ``expert_feed_forward_length`` (qwen2moe: ``expert_shared_feed_forward_length``).
     The router is a softmax; its top-k weights are renormalised for qwen3moe and not for qwen2moe, as the graphs
-    fix it (``norm_w`` of ``build_moe_ffn``), whatever ``expert_weights_norm`` says."""
+    fix it (``norm_w`` of ``build_moe_ffn``), whatever ``expert_weights_norm`` says; ``expert_weights_scale`` is not
+    read (llama.cpp's loaders for these two leave it 0: no scaling)."""
     qwen3 = arch == "qwen3moe"
     return ModelConfig(**base_hparams(meta, arch, n_vocab), rope_type="neox", qk_norm=qwen3, qkv_bias=not qwen3,
-                       moe=moe_hparams(meta, arch, default_gating="softmax", weights_norm=qwen3))
+                       moe=moe_hparams(meta, arch, default_gating="softmax", weights_norm=qwen3,
+                                       read_weights_scale=False))
 
 
 def shared_expert(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
