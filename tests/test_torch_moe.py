@@ -34,6 +34,12 @@ MODELS = {
     "deepseek2": ("deepseek2", {}),
     # DeepSeek-V3 group-limited routing: 4 groups of 2 experts, the experts picked within the best 2 groups
     "deepseek2-groups": ("deepseek2", dict(n_expert_groups=4, n_group_used=2)),
+    # YaRN RoPE scaling as DeepSeek-V3 exports it (factor 40, yarn_log_multiplier 0.1, i.e. mscale_all_dim 1), from
+    # an original context of 64 so the blend between extrapolated and interpolated pairs falls inside the 16 dims
+    "deepseek2-yarn": ("deepseek2", dict(yarn_factor=40.0, yarn_log_mul=0.1, yarn_orig_ctx=64)),
+    # DeepSeek-V2's mscale_all_dim 0.707, and no multiplier at all (ggml's own magnitude 1 + 0.1 ln F stays)
+    "deepseek2-yarn-v2": ("deepseek2", dict(yarn_factor=40.0, yarn_log_mul=0.0707, yarn_orig_ctx=64)),
+    "deepseek2-yarn-nolog": ("deepseek2", dict(yarn_factor=4.0, yarn_log_mul=0.0, yarn_orig_ctx=16)),
 }
 
 
@@ -186,3 +192,23 @@ def test_mla_snapshot_round_trip(tiny_moe):
     restored = shard.new_session(128)
     restored.load(snap.keys, snap.values)
     assert torch.equal(shard.forward(restored, torch.tensor(tokens[n:])), shard.forward(kv, torch.tensor(tokens[n:])))
+
+
+YARN_WRONG = [
+    ("no-yarn", lambda cfg: replace(cfg, yarn=None, attn_scale=cfg.head_dim ** -0.5)),
+    ("no-ramp", lambda cfg: replace(cfg, yarn=replace(cfg.yarn, ext_factor=0.0))),
+    ("plain-kq-scale", lambda cfg: replace(cfg, attn_scale=cfg.head_dim ** -0.5)),
+]
+
+
+@pytest.mark.parametrize("what,change", YARN_WRONG, ids=[w for w, _ in YARN_WRONG])
+def test_yarn_parts_are_each_needed(tiny_moe, what, change):
+    """deepseek2's YaRN: without it, without the extrapolation/interpolation blend, or without the ``mscale^2``
+    folded into the ``q·k`` scale, the torch side is far outside TOL of llama.cpp."""
+    path, tokens, ref = tiny_moe("deepseek2-yarn")
+    cfg = load_config(GGUFModelFile(path))
+    assert cfg.yarn is not None and cfg.attn_scale > 1.8 * cfg.head_dim ** -0.5  # mscale = 1 + 0.1 ln 40
+    ours = _torch_logits(path, tokens, len(tokens) - N_DECODE, [], config=change(cfg))
+    err = np.abs(ours - ref).max()
+    print(f"yarn {what}: max |Δ| {err:.2e}")
+    assert err > 100 * TOL * np.abs(ref).max()

@@ -20,7 +20,8 @@ Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the sh
   3 leading dense blocks (split point 2 falls inside them, 4 after them), 8 experts top-2 plus
   1 shared expert, sigmoid gating with ``exp_probs_b`` selection bias, normalised weights scaled
   by ``expert_weights_scale`` (DeepSeek-V3 style); ``n_expert_groups`` / ``n_group_used`` (default 0: none)
-  write group-limited routing (``expert_group_count`` / ``expert_group_used_count``).
+  write group-limited routing (``expert_group_count`` / ``expert_group_used_count``); ``yarn_factor`` > 0 (default 0:
+  none) writes YaRN RoPE scaling with ``yarn_orig_ctx`` and ``yarn_log_mul`` (``rope.scaling.yarn_log_multiplier``).
 * ``glm4moe``: 2 leading dense blocks (split point 2 is exactly their end), q/k/v biases,
   q/k norms, partial rotary (``rope.dimension_count`` = head_dim / 2), ``post_attention_norm``
   as the FFN norm, sigmoid gating with ``exp_probs_b``, 1 shared expert, no MTP/nextn layers.
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 
 from tinymodels import N_VOCAB, _vocab
 
@@ -61,6 +62,7 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         n_dense_lead=3, n_expert_shared=1, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16,
         qk_nope_head_dim=32, v_head_dim=32, expert_gating_func=GATING_SIGMOID, expert_weights_norm=True,
         expert_weights_scale=2.5, exp_probs_b=True, n_expert_groups=0, n_group_used=0,
+        yarn_factor=0.0, yarn_orig_ctx=64, yarn_log_mul=0.1,
     ),
     "glm4moe": dict(
         _COMMON, n_dense_lead=2, n_expert_shared=1, rope_dim=16, expert_gating_func=GATING_SIGMOID,
@@ -131,6 +133,11 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("attention.value_length_mla", c.v_head_dim)
         kv_u32("rope.dimension_count", c.qk_rope_head_dim)
         kv_u32("vocab_size", N_VOCAB)
+        if c.yarn_factor > 0:  # YaRN as DeepSeek-V2/V3 exports have it (the converter writes 0.1 * mscale_all_dim)
+            w.add_rope_scaling_type(RopeScalingType.YARN)
+            w.add_rope_scaling_factor(c.yarn_factor)
+            w.add_rope_scaling_orig_ctx_len(c.yarn_orig_ctx)
+            w.add_rope_scaling_yarn_log_mul(c.yarn_log_mul)
     else:
         kv_u32("attention.head_count_kv", c.n_head_kv)
         kv_u32("attention.key_length", c.head_dim)

@@ -8,6 +8,7 @@ Reference: llama.cpp ``src/llama-graph.cpp`` (``build_norm``, ``build_attn``, ``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -50,13 +51,30 @@ class StepTables:
         return found
 
 
+def yarn_inv_freq(inv_freq: torch.Tensor, n_rot: int, base: float, yarn) -> torch.Tensor:
+    """float64 ``[n_rot // 2]``: ``inv_freq`` with YaRN's per-pair blend of extrapolation and interpolation
+    (``yarn``: a ``YarnConfig``), so that ``rope_tables(pos, yarn_inv_freq(...), 1.0)`` turns pair ``j`` by ggml's
+    ``theta_interp * (1 - mix) + theta_extrap * mix`` (``rope_yarn``, ``ggml-cpu/ops.cpp``)."""
+    def corr_dim(n_rotations: float) -> float:  # ggml_rope_yarn_corr_dim
+        return n_rot * math.log(yarn.n_ctx_orig / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+    low = max(0.0, math.floor(corr_dim(yarn.beta_fast)))
+    high = min(n_rot - 1.0, math.ceil(corr_dim(yarn.beta_slow)))
+    j = torch.arange(inv_freq.shape[0], dtype=torch.float64)
+    ramp = 1 - ((j - low) / max(0.001, high - low)).clamp(0, 1)
+    mix = ramp * yarn.ext_factor
+    return inv_freq * (yarn.freq_scale * (1 - mix) + mix)
+
+
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
-                dtype: torch.dtype = torch.float32) -> StepTables:
-    """cos/sin tables ``[n_tokens, head_dim // 2]`` for RoPE angle ``pos * scale * inv_freq`` (``rope_inv_freq``).
+                dtype: torch.dtype = torch.float32, magnitude: float = 1.0) -> StepTables:
+    """cos/sin tables ``[n_tokens, head_dim // 2]`` for RoPE angle ``pos * scale * inv_freq`` (``rope_inv_freq``),
+    times ``magnitude`` (YaRN's, ``YarnConfig.magnitude``; 1 otherwise).
 
     Angles are computed in float64 and rounded once, so every shard computes identical tables.
     """
     angles = positions.to(torch.float64)[:, None] * scale * inv_freq[None, :]
+    if magnitude != 1.0:
+        return StepTables((angles.cos() * magnitude).to(dtype), (angles.sin() * magnitude).to(dtype))
     return StepTables(angles.cos().to(dtype), angles.sin().to(dtype))
 
 

@@ -57,6 +57,22 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class YarnConfig:
+    """YaRN RoPE scaling as ggml applies it (``rope_yarn`` in ``ggml/src/ggml-cpu/ops.cpp``,
+    ``ggml_rope_yarn_corr_dims`` in ``ggml.c``): rotation pair ``j`` turns by
+    ``pos * inv_freq_j * (freq_scale * (1 - mix_j) + mix_j)``, ``mix_j = ramp_j * ext_factor`` with ``ramp_j``
+    falling from 1 to 0 between the correction dims of ``beta_fast`` and ``beta_slow`` for ``n_ctx_orig``;
+    cos/sin are multiplied by ``magnitude``."""
+
+    freq_scale: float     # 1 / rope.scaling.factor
+    ext_factor: float
+    beta_fast: float
+    beta_slow: float
+    n_ctx_orig: int
+    magnitude: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of a decoder-only transformer, as llama.cpp reads them (``llama-model.cpp``).
 
@@ -90,6 +106,7 @@ class ModelConfig:
     rope_dim: int = 0                    # dimensions RoPE rotates per head; 0 = head_dim
     moe: MoEConfig | None = None         # mixture-of-experts FFN (qwen3moe, deepseek2, ...)
     mla: MLAConfig | None = None         # multi-head latent attention (deepseek2)
+    yarn: YarnConfig | None = None       # YaRN RoPE scaling (deepseek2); rope_scale is then 1
 
     @property
     def n_rot(self) -> int:
@@ -130,8 +147,9 @@ def per_layer(value: Any, n_layers: int) -> list:
     return [value] * n_layers
 
 
-def base_hparams(meta: dict[str, Any], arch: str, n_vocab: int) -> dict[str, Any]:
-    """The hyperparameters every family reads the same way (llama.cpp ``llm_load_hparams``)."""
+def base_hparams(meta: dict[str, Any], arch: str, n_vocab: int, yarn: bool = False) -> dict[str, Any]:
+    """The hyperparameters every family reads the same way (llama.cpp ``llm_load_hparams``). With ``yarn``
+    the family implements YaRN scaling itself (``yarn_factor`` below): its positions are not scaled here."""
     n_layers = int(meta_get(meta, arch, "block_count"))
     n_embd = int(meta_get(meta, arch, "embedding_length"))
     n_head = per_layer(meta_get(meta, arch, "attention.head_count"), n_layers)[0]
@@ -142,7 +160,7 @@ def base_hparams(meta: dict[str, Any], arch: str, n_vocab: int) -> dict[str, Any
     # legacy rope.scale_linear key, and an absent or 0 factor means none
     scaling = meta.get(f"{arch}.rope.scaling.type", "linear")
     factor = float(meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear", 0.0)) or 0.0)
-    if scaling not in ("none", "linear") and factor > 0:
+    if scaling not in ("none", "linear") and factor > 0 and not (yarn and scaling == "yarn"):
         raise UnsupportedArchitecture(f"{arch}: RoPE scaling type {scaling!r} (factor {factor:g}) is not implemented "
                                       f"by the torch backend (it takes none and linear); use --backend llama.cpp")
     scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0

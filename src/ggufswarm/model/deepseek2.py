@@ -10,12 +10,13 @@ Reference: llama.cpp ``src/models/deepseek2.cpp`` (hparams, tensors and graph, i
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from .blocks import ACTIVATION_QUANT, StepTables, apply_rope, attend, gated_ffn, linear, moe_ffn, rms_norm
-from .config import MLAConfig, ModelConfig, UnsupportedArchitecture, base_hparams, meta_get, moe_hparams
+from .config import MLAConfig, ModelConfig, UnsupportedArchitecture, YarnConfig, base_hparams, meta_get, moe_hparams
 
 ARCHITECTURES = ("deepseek2",)
 
@@ -26,11 +27,12 @@ def config(meta: dict[str, Any], arch: str, n_vocab: int) -> ModelConfig:
     Heads: ``attention.key_length_mla`` = nope + rope dims per query/key head, ``value_length_mla`` per value
     head, ``rope.dimension_count`` the rotated dims; ``attention.q_lora_rank`` (0 or absent: the "lite" form
     with a plain ``attn_q``), ``attention.kv_lora_rank``. ``q·k`` is scaled by ``1/sqrt(key_length_mla)``.
+    RoPE (``rope.dimension_count`` dims, adjacent pairs) may be YaRN-scaled (``_yarn``), which also scales ``q·k``.
     Experts: ``expert_gating_func`` (absent: softmax, sigmoid for GLM-4.7-Lite as llama.cpp guesses it),
     ``expert_weights_norm``, ``expert_weights_scale``, ``leading_dense_block_count``, ``expert_shared_count``.
     The MTP blocks (``nextn_predict_layers``) at the end are not part of the model run.
     """
-    hp = base_hparams(meta, arch, n_vocab)
+    hp = base_hparams(meta, arch, n_vocab, yarn=True)
     k_mla = int(meta.get(f"{arch}.attention.key_length_mla", 0) or 0)
     v_mla = int(meta.get(f"{arch}.attention.value_length_mla", 0) or 0)
     if not (k_mla and v_mla):
@@ -46,13 +48,45 @@ def config(meta: dict[str, Any], arch: str, n_vocab: int) -> ModelConfig:
     n_layers = hp["n_layers"] - int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
     for key in ("rope_base", "rope_scale", "sliding_window"):
         hp[key] = hp[key][:n_layers]
-    hp.update(n_layers=n_layers, head_dim=k_mla, attn_scale=k_mla ** -0.5)
+    yarn, mscale = _yarn(meta, arch, hp["context_length"])
+    hp.update(n_layers=n_layers, head_dim=k_mla, attn_scale=mscale * mscale / math.sqrt(k_mla))
     mla = MLAConfig(q_lora_rank=int(meta.get(f"{arch}.attention.q_lora_rank", 0) or 0),
                     kv_lora_rank=int(meta_get(meta, arch, "attention.kv_lora_rank")),
                     nope_dim=k_mla - rope_dim, rope_dim=rope_dim, v_head_dim=v_mla)
     glm47_lite = n_layers in (47, 48) and n_vocab == 154880
     moe = moe_hparams(meta, arch, default_gating="sigmoid" if glm47_lite else "softmax")
-    return ModelConfig(**hp, rope_type="norm", rope_dim=rope_dim, moe=moe, mla=mla)
+    return ModelConfig(**hp, rope_type="norm", rope_dim=rope_dim, moe=moe, mla=mla, yarn=yarn)
+
+
+def _yarn(meta: dict[str, Any], arch: str, n_ctx_train: int) -> tuple[YarnConfig | None, float]:
+    """``(YaRN settings or None, mscale)``; ``q·k`` is scaled by ``mscale^2 / sqrt(key_length_mla)``.
+
+    As llama.cpp for deepseek2 (``llama-context.cpp``, ``deepseek2.cpp``, [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]), with
+    ``F = rope.scaling.factor`` and ``L = rope.scaling.yarn_log_multiplier / 0.1`` (the converter stores
+    ``0.1 * mscale_all_dim``): ggml's RoPE magnitude is ``attn_factor * (1 + 0.1 ln F)`` with ``attn_factor``
+    = ``(L != 0 ? 1 : 1 + 0.1 ln F) / (1 + 0.1 ln F) * rope.scaling.attn_factor``; ``mscale`` = that magnitude
+    times ``1 + 0.1 L ln F``. ``ext_factor`` 1, ``beta_fast`` 32, ``beta_slow`` 1 unless the GGUF says otherwise;
+    the original context is ``rope.scaling.original_context_length`` (else the trained one).
+    """
+    if meta.get(f"{arch}.rope.scaling.type") != "yarn":
+        return None, 1.0
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 0.0) or 0.0)
+    if factor <= 0:
+        return None, 1.0
+    log_mul = float(meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1
+    gain = 1.0 + 0.1 * math.log(factor)  # ggml's own mscale factor for ext_factor != 0 (F > 1)
+    mscale_of = lambda m: 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731 (get_mscale)
+    attn_factor = (1.0 if log_mul != 0.0 else mscale_of(1.0)) / gain
+    attn_factor *= float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0)
+    ext = float(meta.get(f"{arch}.rope.scaling.yarn_ext_factor", -1.0))
+    ext = 1.0 if ext < 0 else ext
+    magnitude = attn_factor * gain if ext != 0.0 else attn_factor
+    yarn = YarnConfig(freq_scale=1.0 / factor, ext_factor=ext,
+                      beta_fast=float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                      beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                      n_ctx_orig=int(meta.get(f"{arch}.rope.scaling.original_context_length", 0) or n_ctx_train),
+                      magnitude=magnitude)
+    return yarn, attn_factor * gain * (1.0 + 0.1 * log_mul * math.log(factor))
 
 
 def _per_head(x: torch.Tensor, w: dict, name: str, spec: str) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from ..artifact.gguf_file import GGUFModelFile
 from ..model import ModelConfig, family, load_config
-from ..model.blocks import linear, rms_norm, rope_inv_freq, rope_tables
+from ..model.blocks import linear, rms_norm, rope_inv_freq, rope_tables, yarn_inv_freq
 from .sampling import Sampler
 from .kv import ContextOverflow, SessionKV, TokenOutOfRange
 
@@ -191,8 +191,12 @@ class ShardExecutor:
                 if key not in tables:
                     inv_freq = self._inv_freq.get(key[0])
                     if inv_freq is None:
-                        inv_freq = self._inv_freq[key[0]] = rope_inv_freq(self.cfg.n_rot, key[0], self.rope_freqs)
-                    tables[key] = rope_tables(positions, inv_freq, key[1], self.dtype)
+                        inv_freq = rope_inv_freq(self.cfg.n_rot, key[0], self.rope_freqs)
+                        if self.cfg.yarn is not None:
+                            inv_freq = yarn_inv_freq(inv_freq, self.cfg.n_rot, key[0], self.cfg.yarn)
+                        self._inv_freq[key[0]] = inv_freq
+                    tables[key] = rope_tables(positions, inv_freq, key[1], self.dtype,
+                                              self.cfg.yarn.magnitude if self.cfg.yarn is not None else 1.0)
                 x = self._block(self.cfg, il, x, self.layers[il], kv.layers[il - self.spec.start], positions, tables[key])
         except BaseException:
             kv.truncate(start)
