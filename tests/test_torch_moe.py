@@ -34,6 +34,7 @@ MODELS = {
     "deepseek2": ("deepseek2", {}),
     # DeepSeek-V3 group-limited routing: 4 groups of 2 experts, the experts picked within the best 2 groups
     "deepseek2-groups": ("deepseek2", dict(n_expert_groups=4, n_group_used=2)),
+    "deepseek2-lite": ("deepseek2", dict(q_lora_rank=0)),  # DeepSeek-V2-Lite: a plain attn_q, no q LoRA
     # YaRN RoPE scaling as DeepSeek-V3 exports it (factor 40, yarn_log_multiplier 0.1, i.e. mscale_all_dim 1), from
     # an original context of 64 so the blend between extrapolated and interpolated pairs falls inside the 16 dims
     "deepseek2-yarn": ("deepseek2", dict(yarn_factor=40.0, yarn_log_mul=0.1, yarn_orig_ctx=64)),

@@ -14,7 +14,8 @@ Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the sh
   (``expert_shared_feed_forward_length`` = 96) scaled per token by ``sigmoid(x · ffn_gate_inp_shexp)``.
 * ``deepseek``: 1 leading dense block (split point 2 falls after it), 8 experts top-2 plus
   2 shared experts, softmax gating, no weight normalisation.
-* ``deepseek2``: MLA attention with a q LoRA (``q_lora_rank``, i.e. not the "lite" variant),
+* ``deepseek2``: MLA attention with a q LoRA (``q_lora_rank``, i.e. not the "lite" variant; ``q_lora_rank=0``
+  writes the lite form's plain ``attn_q``),
   ``kv_lora_rank``, decoupled rope head dims, the split ``attn_k_b``/``attn_v_b`` tensors
   (``key_length_mla``/``value_length_mla`` set, the absorbed-MLA form llama.cpp converts to),
   3 leading dense blocks (split point 2 falls inside them, 4 after them), 8 experts top-2 plus
@@ -182,10 +183,14 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         # --- attention
         if arch == "deepseek2":
             k_mla = c.qk_nope_head_dim + c.qk_rope_head_dim
-            norm(p + "attn_q_a_norm.weight", c.q_lora_rank)
+            if c.q_lora_rank > 0:
+                norm(p + "attn_q_a_norm.weight", c.q_lora_rank)
             norm(p + "attn_kv_a_norm.weight", c.kv_lora_rank)
-            matrix(p + "attn_q_a.weight", c.q_lora_rank, e)
-            matrix(p + "attn_q_b.weight", c.n_head * k_mla, c.q_lora_rank)
+            if c.q_lora_rank > 0:
+                matrix(p + "attn_q_a.weight", c.q_lora_rank, e)
+                matrix(p + "attn_q_b.weight", c.n_head * k_mla, c.q_lora_rank)
+            else:  # the "lite" form (DeepSeek-V2-Lite): a plain query projection
+                matrix(p + "attn_q.weight", c.n_head * k_mla, e)
             matrix(p + "attn_kv_a_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, e)
             # kv_b split per head; k_b is stored transposed (it maps q_nope into the kv latent):
             # ggml {nope, kv_lora_rank, n_head}, v_b ggml {kv_lora_rank, v_head_dim, n_head}
