@@ -1,7 +1,7 @@
 """Tiny random-weight mixture-of-experts GGUFs, written with the ``gguf`` writer.
 
 The companion of ``tinymodels`` for the MoE architectures of llama.cpp that we cannot
-download at test time: ``qwen3moe``, ``deepseek`` (DeepSeek-MoE v1), ``deepseek2`` (MLA attention,
+download at test time: ``qwen3moe``, ``qwen2moe``, ``deepseek`` (DeepSeek-MoE v1), ``deepseek2`` (MLA attention,
 DeepSeek-V2/V3 style), ``glm4moe`` (GLM-4.5) and ``gpt-oss``. Every file has the same small
 SentencePiece-style vocabulary as ``tinymodels`` (``N_VOCAB`` = 384 tokens) and all-F32 weights, so
 llama.cpp loads it and a forward pass takes milliseconds.
@@ -10,14 +10,19 @@ Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the sh
 ``[0, 2) [2, 4) [4, 6)``):
 
 * ``qwen3moe``: 8 experts, top-2, q/k RMS norms, normalised top-k softmax weights, every block MoE.
+* ``qwen2moe``: 8 experts, top-2, q/k/v biases, softmax weights not renormalised, and a shared expert
+  (``expert_shared_feed_forward_length`` = 96) scaled per token by ``sigmoid(x · ffn_gate_inp_shexp)``.
 * ``deepseek``: 1 leading dense block (split point 2 falls after it), 8 experts top-2 plus
   2 shared experts, softmax gating, no weight normalisation.
-* ``deepseek2``: MLA attention with a q LoRA (``q_lora_rank``, i.e. not the "lite" variant),
+* ``deepseek2``: MLA attention with a q LoRA (``q_lora_rank``, i.e. not the "lite" variant; ``q_lora_rank=0``
+  writes the lite form's plain ``attn_q``),
   ``kv_lora_rank``, decoupled rope head dims, the split ``attn_k_b``/``attn_v_b`` tensors
   (``key_length_mla``/``value_length_mla`` set, the absorbed-MLA form llama.cpp converts to),
   3 leading dense blocks (split point 2 falls inside them, 4 after them), 8 experts top-2 plus
   1 shared expert, sigmoid gating with ``exp_probs_b`` selection bias, normalised weights scaled
-  by ``expert_weights_scale`` (DeepSeek-V3 style).
+  by ``expert_weights_scale`` (DeepSeek-V3 style); ``n_expert_groups`` / ``n_group_used`` (default 0: none)
+  write group-limited routing (``expert_group_count`` / ``expert_group_used_count``); ``yarn_factor`` > 0 (default 0:
+  none) writes YaRN RoPE scaling with ``yarn_orig_ctx`` and ``yarn_log_mul`` (``rope.scaling.yarn_log_multiplier``).
 * ``glm4moe``: 2 leading dense blocks (split point 2 is exactly their end), q/k/v biases,
   q/k norms, partial rotary (``rope.dimension_count`` = head_dim / 2), ``post_attention_norm``
   as the FFN norm, sigmoid gating with ``exp_probs_b``, 1 shared expert, no MTP/nextn layers.
@@ -35,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 
 from tinymodels import N_VOCAB, _vocab
 
-MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss")
+MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss")
 
 # expert_gating_func values (llama.cpp's llama_expert_gating_func_type)
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
@@ -51,12 +56,14 @@ _COMMON: dict[str, Any] = dict(
 
 MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3moe": dict(_COMMON),
+    "qwen2moe": dict(_COMMON, n_ff_shexp=96),
     "deepseek": dict(_COMMON, n_head_kv=4, n_dense_lead=1, n_expert_shared=2),
     "deepseek2": dict(
         {k: v for k, v in _COMMON.items() if k not in ("n_head_kv", "head_dim")},  # MLA: own head dims
         n_dense_lead=3, n_expert_shared=1, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16,
         qk_nope_head_dim=32, v_head_dim=32, expert_gating_func=GATING_SIGMOID, expert_weights_norm=True,
-        expert_weights_scale=2.5, exp_probs_b=True,
+        expert_weights_scale=2.5, exp_probs_b=True, n_expert_groups=0, n_group_used=0,
+        yarn_factor=0.0, yarn_orig_ctx=64, yarn_log_mul=0.1,
     ),
     "glm4moe": dict(
         _COMMON, n_dense_lead=2, n_expert_shared=1, rope_dim=16, expert_gating_func=GATING_SIGMOID,
@@ -104,10 +111,15 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("leading_dense_block_count", c.n_dense_lead)
     if "n_expert_shared" in cfg:
         kv_u32("expert_shared_count", c.n_expert_shared)
+    if "n_ff_shexp" in cfg:
+        kv_u32("expert_shared_feed_forward_length", c.n_ff_shexp)
     if "expert_gating_func" in cfg:
         kv_u32("expert_gating_func", c.expert_gating_func)
     if "expert_weights_scale" in cfg:
         kv_f32("expert_weights_scale", c.expert_weights_scale)
+    if cfg.get("n_expert_groups", 0) > 1:  # DeepSeek-V3 group-limited routing
+        kv_u32("expert_group_count", c.n_expert_groups)
+        kv_u32("expert_group_used_count", c.n_group_used)
     if "expert_weights_norm" in cfg:
         w.add_bool(f"{arch}.expert_weights_norm", bool(c.expert_weights_norm))
 
@@ -122,6 +134,11 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("attention.value_length_mla", c.v_head_dim)
         kv_u32("rope.dimension_count", c.qk_rope_head_dim)
         kv_u32("vocab_size", N_VOCAB)
+        if c.yarn_factor > 0:  # YaRN as DeepSeek-V2/V3 exports have it (the converter writes 0.1 * mscale_all_dim)
+            w.add_rope_scaling_type(RopeScalingType.YARN)
+            w.add_rope_scaling_factor(c.yarn_factor)
+            w.add_rope_scaling_orig_ctx_len(c.yarn_orig_ctx)
+            w.add_rope_scaling_yarn_log_mul(c.yarn_log_mul)
     else:
         kv_u32("attention.head_count_kv", c.n_head_kv)
         kv_u32("attention.key_length", c.head_dim)
@@ -166,10 +183,14 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         # --- attention
         if arch == "deepseek2":
             k_mla = c.qk_nope_head_dim + c.qk_rope_head_dim
-            norm(p + "attn_q_a_norm.weight", c.q_lora_rank)
+            if c.q_lora_rank > 0:
+                norm(p + "attn_q_a_norm.weight", c.q_lora_rank)
             norm(p + "attn_kv_a_norm.weight", c.kv_lora_rank)
-            matrix(p + "attn_q_a.weight", c.q_lora_rank, e)
-            matrix(p + "attn_q_b.weight", c.n_head * k_mla, c.q_lora_rank)
+            if c.q_lora_rank > 0:
+                matrix(p + "attn_q_a.weight", c.q_lora_rank, e)
+                matrix(p + "attn_q_b.weight", c.n_head * k_mla, c.q_lora_rank)
+            else:  # the "lite" form (DeepSeek-V2-Lite): a plain query projection
+                matrix(p + "attn_q.weight", c.n_head * k_mla, e)
             matrix(p + "attn_kv_a_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, e)
             # kv_b split per head; k_b is stored transposed (it maps q_nope into the kv latent):
             # ggml {nope, kv_lora_rank, n_head}, v_b ggml {kv_lora_rank, v_head_dim, n_head}
@@ -184,7 +205,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
             matrix(p + "attn_k.weight", kv_dim, e)
             matrix(p + "attn_v.weight", kv_dim, e)
             matrix(p + "attn_output.weight", e, q_dim)
-            if arch in ("glm4moe", "gpt-oss"):
+            if arch in ("glm4moe", "gpt-oss", "qwen2moe"):
                 f32(p + "attn_q.bias", q_dim, scale=0.1)
                 f32(p + "attn_k.bias", kv_dim, scale=0.1)
                 f32(p + "attn_v.bias", kv_dim, scale=0.1)
@@ -216,6 +237,11 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
             f32(p + "ffn_gate_exps.bias", d, f, scale=0.05)
             f32(p + "ffn_up_exps.bias", d, f, scale=0.05)
             f32(p + "ffn_down_exps.bias", d, e, scale=0.02)
+        if arch == "qwen2moe":
+            f32(p + "ffn_gate_inp_shexp.weight", e, scale=e ** -0.5 * 2.0)  # the shared expert's sigmoid gate
+            matrix(p + "ffn_gate_shexp.weight", c.n_ff_shexp, e)
+            matrix(p + "ffn_up_shexp.weight", c.n_ff_shexp, e)
+            matrix(p + "ffn_down_shexp.weight", e, c.n_ff_shexp)
         if cfg.get("n_expert_shared", 0) > 0:
             fs = f * c.n_expert_shared
             matrix(p + "ffn_gate_shexp.weight", fs, e)

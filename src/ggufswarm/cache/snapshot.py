@@ -4,8 +4,10 @@ A snapshot holds, for the token prefix ``tokens[0:n]`` and the layers ``[start, 
 (named by its GGUF header fingerprint) in one KV dtype:
 
 * ``tokens``: int32 ``[n]``;
-* torch backend: ``k.{i}``, ``v.{i}`` for ``i`` in ``0..end-start-1``: ``[n, n_head_kv, head_dim]`` in the
-  KV dtype (``float32``, ``bfloat16``, ``float16``);
+* torch backend: ``k.{i}``, ``v.{i}`` for ``i`` in ``0..end-start-1``: ``[n, n_head_kv, head_dim]`` and
+  ``[n, n_head_kv, v_dim]`` in the KV dtype (``float32``, ``bfloat16``, ``float16``); ``v_dim`` is ``head_dim``
+  except for MLA (deepseek2), whose keys are the latent ``[n, 1, kv_lora_rank + rope_dim]`` and values empty
+  (``v_dim`` 0);
 * llama.cpp backend (dtype ``llama.cpp-f16``): ``state``, uint8 ``[bytes]``: the sequence's KV cells as
   ``llama_state_seq_get_data`` writes them (llama.cpp's own format; only a llama.cpp shard of the same
   model and layers restores it, and the dtype in the key keeps the backends apart);
@@ -196,7 +198,8 @@ def decode_snapshot(blob: bytes) -> Snapshot:
     keys, values = [], []
     for i in range(end - start):
         k, v = tensors.get(f"k.{i}"), tensors.get(f"v.{i}")
-        if k is None or v is None or k.shape[0] != n or v.shape != k.shape or k.dtype != KV_DTYPES[shard.dtype]:
+        if (k is None or v is None or k.dim() != 3 or k.shape[0] != n or v.shape[:2] != k.shape[:2] or v.dim() != 3
+                or k.dtype != KV_DTYPES[shard.dtype] or v.dtype != k.dtype):
             raise SnapshotError(f"snapshot layer {i} K/V missing or mis-shaped")
         if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
             raise SnapshotError(f"snapshot layer {i} K/V hold NaN/inf")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import gemma3, llama, qwen
-from .config import MAX_CONTEXT, ModelConfig, UnsupportedArchitecture
+from . import deepseek2, gemma3, llama, qwen, qwenmoe
+from .config import MAX_CONTEXT, MLAConfig, ModelConfig, MoEConfig, UnsupportedArchitecture
 
-FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (gemma3, llama, qwen) for arch in fam.ARCHITECTURES}
+FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (deepseek2, gemma3, llama, qwen, qwenmoe) for arch in fam.ARCHITECTURES}
 SUPPORTED = tuple(sorted(FAMILIES))
 
 
@@ -29,4 +29,4 @@ def load_config(model_file) -> ModelConfig:
     return fam.config(model_file.metadata, arch, n_vocab)
 
 
-__all__ = ["FAMILIES", "SUPPORTED", "MAX_CONTEXT", "ModelConfig", "UnsupportedArchitecture", "family", "load_config"]
+__all__ = ["FAMILIES", "SUPPORTED", "MAX_CONTEXT", "MLAConfig", "ModelConfig", "MoEConfig", "UnsupportedArchitecture", "family", "load_config"]

@@ -8,6 +8,7 @@ Reference: llama.cpp ``src/llama-graph.cpp`` (``build_norm``, ``build_attn``, ``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -50,13 +51,30 @@ class StepTables:
         return found
 
 
+def yarn_inv_freq(inv_freq: torch.Tensor, n_rot: int, base: float, yarn) -> torch.Tensor:
+    """float64 ``[n_rot // 2]``: ``inv_freq`` with YaRN's per-pair blend of extrapolation and interpolation
+    (``yarn``: a ``YarnConfig``), so that ``rope_tables(pos, yarn_inv_freq(...), 1.0)`` turns pair ``j`` by ggml's
+    ``theta_interp * (1 - mix) + theta_extrap * mix`` (``rope_yarn``, ``ggml-cpu/ops.cpp``)."""
+    def corr_dim(n_rotations: float) -> float:  # ggml_rope_yarn_corr_dim
+        return n_rot * math.log(yarn.n_ctx_orig / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+    low = max(0.0, math.floor(corr_dim(yarn.beta_fast)))
+    high = min(n_rot - 1.0, math.ceil(corr_dim(yarn.beta_slow)))
+    j = torch.arange(inv_freq.shape[0], dtype=torch.float64)
+    ramp = 1 - ((j - low) / max(0.001, high - low)).clamp(0, 1)
+    mix = ramp * yarn.ext_factor
+    return inv_freq * (yarn.freq_scale * (1 - mix) + mix)
+
+
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
-                dtype: torch.dtype = torch.float32) -> StepTables:
-    """cos/sin tables ``[n_tokens, head_dim // 2]`` for RoPE angle ``pos * scale * inv_freq`` (``rope_inv_freq``).
+                dtype: torch.dtype = torch.float32, magnitude: float = 1.0) -> StepTables:
+    """cos/sin tables ``[n_tokens, head_dim // 2]`` for RoPE angle ``pos * scale * inv_freq`` (``rope_inv_freq``),
+    times ``magnitude`` (YaRN's, ``YarnConfig.magnitude``; 1 otherwise).
 
     Angles are computed in float64 and rounded once, so every shard computes identical tables.
     """
     angles = positions.to(torch.float64)[:, None] * scale * inv_freq[None, :]
+    if magnitude != 1.0:
+        return StepTables((angles.cos() * magnitude).to(dtype), (angles.sin() * magnitude).to(dtype))
     return StepTables(angles.cos().to(dtype), angles.sin().to(dtype))
 
 
@@ -113,10 +131,11 @@ FFN_ACTIVATIONS = {
 }
 
 
-def gated_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], act: str) -> torch.Tensor:
-    """``down(act(gate(x)) * up(x))``; ``act`` is a key of FFN_ACTIVATIONS (SwiGLU / GeGLU)."""
-    gate = FFN_ACTIVATIONS[act](linear(x, w, "ffn_gate"))
-    return linear(gate * linear(x, w, "ffn_up"), w, "ffn_down")
+def gated_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], act: str, suffix: str = "") -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` on ``x`` ``[T, n_embd]``; ``act`` is a key of FFN_ACTIVATIONS (SwiGLU /
+    GeGLU). The tensors are ``ffn_gate{suffix}`` etc. (``suffix="_shexp"``: a MoE layer's shared expert)."""
+    gate = FFN_ACTIVATIONS[act](linear(x, w, "ffn_gate" + suffix))
+    return linear(gate * linear(x, w, "ffn_up" + suffix), w, "ffn_down" + suffix)
 
 
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
@@ -193,3 +212,66 @@ def prenorm_block(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch
     """The llama-style block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``. ``x``: ``[T, n_embd]``."""
     h = x + self_attention(cfg, il, rms_norm(x, w["attn_norm"], cfg.rms_eps), w, kv, positions, rope)
     return h + gated_ffn(rms_norm(h, w["ffn_norm"], cfg.rms_eps), w, cfg.ffn_act)
+
+
+EXPERT_GATING = {"softmax": lambda logits: torch.softmax(logits, dim=-1), "sigmoid": torch.sigmoid}
+WEIGHTS_SUM_MIN = 6.103515625e-5  # llama.cpp clamps the picked weights' sum to the smallest normal f16
+
+
+def expert_linear(x: torch.Tensor, w: dict, name: str, expert: int) -> torch.Tensor:
+    """``x @ W[expert].T`` for a 3-D expert tensor ``name`` (GGUF ``{name}.weight``, ``[n_expert, n_out, n_in]``);
+    ``x`` ``[N, n_in]`` → ``[N, n_out]``, with the activation rounding of ``linear`` (``{name}.act``)."""
+    act = w.get(name + ".act")
+    if act is not None:
+        x = ACTIVATION_QUANT[act](x)
+    return x @ w[name][expert].T
+
+
+def route_experts(cfg: ModelConfig, x: torch.Tensor, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of a MoE layer on normed ``x`` ``[T, n_embd]``: ``(chosen, weights)``, both
+    ``[T, n_expert_used]``: expert indices best first (int64) and their weights (``x``'s dtype).
+
+    As ``build_moe_ffn`` (llama.cpp ``src/llama-graph.cpp``): ``probs = gating(x @ ffn_gate_inp.T)``; the
+    top ``n_expert_used`` of ``probs + exp_probs_b`` (the DeepSeek-V3 selection bias, when the layer has
+    it), with ``n_groups > 1`` only within the ``n_group_used`` groups of ``n_expert / n_groups`` consecutive
+    experts whose two best selection scores sum highest (the others' scores set to -inf); weights are the picked *unbiased* probs, divided by their sum (clamped below at
+    ``WEIGHTS_SUM_MIN``) when ``weights_norm``, times ``weights_scale`` unless that is 0 or 1.
+    """
+    moe = cfg.moe
+    probs = EXPERT_GATING[moe.gating](linear(x, w, "ffn_gate_inp"))
+    bias = w.get("exp_probs_b.bias")
+    select = probs if bias is None else probs + bias
+    if moe.n_groups > 1:
+        groups = select.view(select.shape[0], moe.n_groups, -1)                # [T, n_groups, n_expert / n_groups]
+        best = torch.topk(groups.topk(2, dim=-1).values.sum(-1), moe.n_group_used, dim=-1).indices
+        keep = torch.zeros(groups.shape[:2], dtype=torch.bool).scatter_(1, best, True)
+        select = groups.masked_fill(~keep[..., None], float("-inf")).view_as(select)
+    chosen = torch.topk(select, moe.n_expert_used, dim=-1).indices
+    weights = probs.gather(-1, chosen)
+    if moe.weights_norm:
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=WEIGHTS_SUM_MIN)
+    if moe.weights_scale not in (0.0, 1.0):
+        weights = weights * moe.weights_scale
+    return chosen, weights
+
+
+def moe_ffn(cfg: ModelConfig, x: torch.Tensor, w: dict, act: str = "silu") -> torch.Tensor:
+    """Routed experts of a MoE layer on normed ``x`` ``[T, n_embd]`` → ``[T, n_embd]`` (no shared expert).
+
+    Each token runs its ``n_expert_used`` experts (``route_experts``), each a gated FFN of the 3-D tensors
+    ``ffn_gate_exps`` / ``ffn_up_exps`` ``[n_expert, n_ff_exp, n_embd]`` and ``ffn_down_exps``
+    ``[n_expert, n_embd, n_ff_exp]``; the outputs are weighted and summed in the router's order, best first
+    (llama.cpp ``build_moe_ffn``). Only the experts some token picked are computed.
+    """
+    chosen, weights = route_experts(cfg, x, w)
+    out = x.new_zeros(x.shape[0], chosen.shape[1], x.shape[1])  # [T, n_expert_used, n_embd]
+    for expert in chosen.unique().tolist():
+        tok, slot = (chosen == expert).nonzero(as_tuple=True)
+        xe = x[tok]
+        h = FFN_ACTIVATIONS[act](expert_linear(xe, w, "ffn_gate_exps", expert)) * expert_linear(xe, w, "ffn_up_exps", expert)
+        out[tok, slot] = expert_linear(h, w, "ffn_down_exps", expert)
+    out = out * weights[..., None]
+    y = out[:, 0]
+    for i in range(1, out.shape[1]):
+        y = y + out[:, i]
+    return y

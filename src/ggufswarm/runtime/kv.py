@@ -32,7 +32,9 @@ def check_max_length(max_length: int, model_limit: int = MAX_CONTEXT) -> int:
 
 
 class LayerKV:
-    """Keys and values of one layer for one session: ``[capacity, n_head_kv, head_dim]`` each.
+    """Keys and values of one layer for one session: keys ``[capacity, n_head_kv, head_dim]``, values
+    ``[capacity, n_head_kv, v_dim]`` (``v_dim`` = ``head_dim`` unless given; 0 for a cache that keeps
+    only keys, as MLA's latent).
 
     Capacity doubles as tokens arrive (never past ``max_length``), so a 128K-token session only
     holds memory for the tokens it has.
@@ -40,17 +42,19 @@ class LayerKV:
 
     __slots__ = ("k", "v", "length", "max_length")
 
-    def __init__(self, n_head_kv: int, head_dim: int, max_length: int, dtype: torch.dtype):
+    def __init__(self, n_head_kv: int, head_dim: int, max_length: int, dtype: torch.dtype,
+                 v_dim: int | None = None):
         cap = min(max_length, 256)
         self.k = torch.empty(cap, n_head_kv, head_dim, dtype=dtype)
-        self.v = torch.empty(cap, n_head_kv, head_dim, dtype=dtype)
+        self.v = torch.empty(cap, n_head_kv, head_dim if v_dim is None else v_dim, dtype=dtype)
         self.length = 0
         self.max_length = max_length
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write ``k``/``v`` ``[T, n_head_kv, head_dim]`` at positions ``length..length+T-1``.
+        """Write ``k`` ``[T, n_head_kv, head_dim]`` / ``v`` ``[T, n_head_kv, v_dim]`` at positions
+        ``length..length+T-1``.
 
-        Returns views of all keys, all values (``[length+T, n_head_kv, head_dim]``) and their
+        Returns views of all keys, all values (``[length+T, n_head_kv, head_dim / v_dim]``) and their
         positions ``[length+T]`` (int64).
         """
         end = self.length + k.shape[0]
@@ -91,9 +95,10 @@ class SessionKV(KVPosition):
     ``length`` is the number of tokens held (= position of the next token).
     """
 
-    def __init__(self, n_layers: int, n_head_kv: int, head_dim: int, max_length: int, dtype: torch.dtype):
+    def __init__(self, n_layers: int, n_head_kv: int, head_dim: int, max_length: int, dtype: torch.dtype,
+                 v_dim: int | None = None):
         self.max_length = check_max_length(max_length)
-        self.layers = [LayerKV(n_head_kv, head_dim, max_length, dtype) for _ in range(n_layers)]
+        self.layers = [LayerKV(n_head_kv, head_dim, max_length, dtype, v_dim) for _ in range(n_layers)]
         self.length = 0
         self.epoch = 0  # bumped by every truncate/load: positions below ``length`` may have been rewritten
 
@@ -107,16 +112,19 @@ class SessionKV(KVPosition):
             layer.length = length
 
     def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Replace the whole cache with ``keys[i]`` / ``values[i]`` ``[n, n_head_kv, head_dim]`` per layer
-        (a restored snapshot; converted to this cache's dtype). ValueError for a wrong layer count or
-        shape, ContextOverflow past ``max_length``; the cache is unchanged then."""
+        """Replace the whole cache with ``keys[i]`` ``[n, n_head_kv, head_dim]`` / ``values[i]``
+        ``[n, n_head_kv, v_dim]`` per layer (a restored snapshot; converted to this cache's dtype).
+        ValueError for a wrong layer count or shape, ContextOverflow past ``max_length``; the cache is
+        unchanged then."""
         if len(keys) != len(self.layers) or len(values) != len(self.layers):
             raise ValueError(f"snapshot has {len(keys)} layers, this shard {len(self.layers)}")
         n = keys[0].shape[0] if keys else 0
         want = tuple(self.layers[0].k.shape[1:]) if self.layers else ()
+        want_v = tuple(self.layers[0].v.shape[1:]) if self.layers else ()
         for k, v in zip(keys, values):
-            if k.shape[0] != n or tuple(k.shape[1:]) != want or v.shape != k.shape:
-                raise ValueError(f"snapshot K/V shape {tuple(k.shape)} does not fit [n, {want}]")
+            if k.shape[0] != n or tuple(k.shape[1:]) != want or tuple(v.shape) != (n, *want_v):
+                raise ValueError(f"snapshot K/V shapes {tuple(k.shape)} / {tuple(v.shape)} do not fit "
+                                 f"[n, {want}] / [n, {want_v}]")
         if n > self.max_length:
             raise ContextOverflow(f"snapshot holds {n} tokens; the session's max_length is {self.max_length}")
         self.truncate(0)

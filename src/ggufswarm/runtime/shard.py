@@ -10,7 +10,7 @@ import torch
 
 from ..artifact.gguf_file import GGUFModelFile
 from ..model import ModelConfig, family, load_config
-from ..model.blocks import linear, rms_norm, rope_inv_freq, rope_tables
+from ..model.blocks import linear, rms_norm, rope_inv_freq, rope_tables, yarn_inv_freq
 from .sampling import Sampler
 from .kv import ContextOverflow, SessionKV, TokenOutOfRange
 
@@ -142,12 +142,15 @@ class ShardExecutor:
     sampler_class = Sampler  # the head draws with the PyTorch sampler (llama.cpp's chain, re-implemented)
 
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one token costs on this shard (all its layers, keys and values, in ``dtype``)."""
-        return len(self.spec.layers) * self.cfg.n_head_kv * self.cfg.head_dim * 2 * self.dtype.itemsize
+        """KV bytes one token costs on this shard (all its layers, keys and values, in ``dtype``; for MLA the
+        latent, ``kv_lora_rank + rope_dim`` values per layer)."""
+        n_kv, k_dim, v_dim = self.cfg.cache_dims
+        return len(self.spec.layers) * n_kv * (k_dim + v_dim) * self.dtype.itemsize
 
     def new_session(self, max_length: int) -> SessionKV:
         """An empty KV cache for this shard's layers; ContextOverflow when max_length is over the cap."""
-        return SessionKV(len(self.spec.layers), self.cfg.n_head_kv, self.cfg.head_dim, max_length, self.dtype)
+        n_kv, k_dim, v_dim = self.cfg.cache_dims
+        return SessionKV(len(self.spec.layers), n_kv, k_dim, max_length, self.dtype, v_dim=v_dim)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[T]`` (int64) → scaled embeddings ``[T, n_embd]``; ValueError for an id out of vocab."""
@@ -188,8 +191,12 @@ class ShardExecutor:
                 if key not in tables:
                     inv_freq = self._inv_freq.get(key[0])
                     if inv_freq is None:
-                        inv_freq = self._inv_freq[key[0]] = rope_inv_freq(self.cfg.head_dim, key[0], self.rope_freqs)
-                    tables[key] = rope_tables(positions, inv_freq, key[1], self.dtype)
+                        inv_freq = rope_inv_freq(self.cfg.n_rot, key[0], self.rope_freqs)
+                        if self.cfg.yarn is not None:
+                            inv_freq = yarn_inv_freq(inv_freq, self.cfg.n_rot, key[0], self.cfg.yarn)
+                        self._inv_freq[key[0]] = inv_freq
+                    tables[key] = rope_tables(positions, inv_freq, key[1], self.dtype,
+                                              self.cfg.yarn.magnitude if self.cfg.yarn is not None else 1.0)
                 x = self._block(self.cfg, il, x, self.layers[il], kv.layers[il - self.spec.start], positions, tables[key])
         except BaseException:
             kv.truncate(start)
