@@ -106,6 +106,26 @@ def test_head_replies_straight_to_the_client(tiny_route):
     assert http("GET", tiny_route["head"] + "/health")[1]["links"]["replies"] == 0
 
 
+def test_prompt_longer_than_llama_cpps_batch(tiny_route):
+    """A prompt over llama.cpp's batch (n_batch 2048 tokens) goes through a route and in process: nodes advertise
+    max_step_tokens capped by it (not --max-step-tokens' 4096, which llama.cpp refused past 2048) and clients
+    send the prompt in chunks of it; split and whole, in process and over HTTP, sample the same token."""
+    from ggufswarm.client.local import LocalModel
+
+    assert http("GET", tiny_route["first"] + "/health")[1]["max_step_tokens"] == 2048
+    prompt = [3 + (7 * i) % 200 for i in range(2100)]
+    got = []
+    for urls in ([tiny_route["first"], tiny_route["head"]], [tiny_route["whole"]]):
+        session = RemoteRoute(urls).open(2200, GREEDY)
+        try:
+            got.append(session.step(prompt))
+        finally:
+            session.close()
+    local = LocalModel.load(tiny_route["model"], split=[1], max_length=2200, max_sessions=1, threads=1)
+    got.append(local.session(2200, GREEDY).step(prompt))
+    assert got[0] == got[1] == got[2]
+
+
 def test_reply_link_only_from_a_head_for_an_open_session(tiny_route):
     """``GET /v1/link?replies=`` is refused by a node without the head (400), for an unknown session (404) and
     for a malformed id (400), before the upgrade."""

@@ -200,6 +200,17 @@ def test_a_gateway_without_model_serves_every_model_of_the_swarm(tmp_path, tiny_
                         urllib.request.urlopen(req, timeout=60)
                     assert err.value.code == status
                     assert json.loads(err.value.read())["error"]["param"] == "model"
+                # a prompt longer than any session of tiny-b's nodes (its context: 2048) is the request's fault:
+                # 400 context_length_exceeded, not the 503 no_route a client would retry
+                req = urllib.request.Request(f"{base}/v1/completions", method="POST",
+                                             headers={"Content-Type": "application/json"},
+                                             data=json.dumps({"model": "tiny-b", "prompt": "a b " * 1500,
+                                                              "max_tokens": 4}).encode())
+                with pytest.raises(urllib.error.HTTPError) as err:
+                    urllib.request.urlopen(req, timeout=60)
+                error = json.loads(err.value.read())["error"]
+                assert (err.value.code, error["code"]) == (400, "context_length_exceeded"), error
+                assert "2048" in error["message"]
             finally:
                 gateway.stop()
         finally:

@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "this shard's KV bytes per token")
     n.add_argument("--kv-budget", type=int, default=262144, metavar="TOKENS",
                    help="KV budget: tokens all sessions may reserve together (each reserves its max_length); "
-                        "an open that does not fit gets 429 (full, retry later) or 503 (never fits). Default 262144")
+                        "an open that does not fit gets 429 (full, retry later) or 503 (never fits). Default 262144; on "
+                        "the llama.cpp backend also at most --max-sessions x --ctx-size, the KV it allocates")
     n.add_argument("--kv-budget-mb", type=float, default=None, metavar="MB",
                    help="cap the KV budget in MiB too (converted with this shard's bytes per token)")
     n.add_argument("--session-ttl", type=float, default=300.0, metavar="S",
@@ -141,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the next hop before failing the step with 504, for sessions that "
                         "do not set hop_timeout_s at open (default 30)")
     n.add_argument("--max-step-tokens", type=int, default=4096, metavar="N",
-                   help="most tokens one frame may carry; larger gets 413 (default 4096)")
+                   help="most tokens one frame may carry, at most the backend's batch (llama.cpp: 2048); larger gets "
+                        "413, and clients send longer prompts in chunks of it (default 4096)")
     n.add_argument("--workers", type=int, default=4, help="threads running steps of different sessions (default 4)")
     n.add_argument("--exit-with-parent", action="store_true", help="exit when the parent process dies")
     n.add_argument("--cache", metavar="URL", help="snapshot cache server (ggufswarm cache): snapshot sessions' KV "
@@ -284,19 +286,21 @@ def build_parser() -> argparse.ArgumentParser:
                "  ggufswarm plan --model big-model --tracker http://tracker:8470 --node-memory 48G --json\n"
                "A header-only copy is enough: e.g. the first megabytes of each file of a split set "
                "(curl -r 0-16777215).")
-    pl.add_argument("--model", required=True, metavar="PATH|NAME",
+    pl.add_argument("--model", default=None, metavar="PATH|NAME",
                     help="GGUF file or any file of a split set (every file's header is read; the tensor data may be "
-                         "absent), or with --tracker a published model name")
+                         "absent), smollm2, or with --tracker a published model name (default: the embedded model)")
     pl.add_argument("--tracker", metavar="URL", default=None,
                     help="tracker to read a published model's manifest (tensor table) from; the metadata comes from "
                          "a node serving it")
     pl.add_argument("--node-memory", type=_size, default=None, metavar="SIZE",
                     help="memory of each node for weights + KV + state, e.g. 24GiB, 48G, 512M (K/M/G/T are "
                          "powers of 1024); without it only the per-block table is printed")
-    pl.add_argument("--context", type=int, default=131072, metavar="TOKENS",
-                    help="tokens of context each session is planned for (default 131072)")
+    pl.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                    help="tokens of context each session is planned for (default: the model's trained context, "
+                         "at most 131072)")
     pl.add_argument("--nodes", type=int, default=None, metavar="N",
-                    help="place on exactly N nodes, balanced (default: the fewest that fit)")
+                    help="place on at most N nodes, balanced by memory: the fullest node as empty as possible (a "
+                         "large embedding or output table can leave a node one block; default: the fewest that fit)")
     pl.add_argument("--sessions", type=int, default=1, metavar="N",
                     help="concurrent sessions of --context tokens each node holds (default 1)")
     pl.add_argument("--wire-dtype", choices=["f32", "f16", "bf16"], default="f32",
@@ -456,6 +460,9 @@ def cmd_plan(args) -> int:
     if args.node_memory is None and args.nodes is not None:
         raise ValueError("--nodes places the model on nodes of --node-memory: give both")
     acc, source = load_accounts(args.model, args.tracker, args.token)
+    if args.context is None:
+        trained = acc.metadata.get(f"{acc.arch}.context_length")
+        args.context = min(int(trained), 131072) if trained else 131072
     placement = None
     if args.node_memory is not None:
         placement = place(acc, args.node_memory, args.context, args.nodes, args.sessions, args.wire_dtype)

@@ -145,11 +145,16 @@ def load_accounts(model: str, tracker: str | None = None, token: str | None = No
     """The accounting of ``model`` and a one-line description of where its header came from.
 
     ``model``: a local GGUF (any file of a split set: every file's header is read, the tensor data need not
-    be there: a header-only copy is enough), or, with ``tracker``, a published name: its manifest gives the
+    be there: a header-only copy is enough; None: the embedded default model; ``smollm2``: the model the
+    set-up installs), or, with ``tracker``, a published name: its manifest gives the
     tensor table and a node serving it the metadata (``GET /v1/model/header/0``). Never reads tensor data.
     Raises GGUFError (missing file, not a GGUF, truncated header), PlanError (a name without a tracker, or
     nothing the tracker knows gives the header).
     """
+    from .default_model import MODEL_ALIASES, resolve_model
+
+    if tracker is None or not model or model in MODEL_ALIASES:  # the embedded model when None, smollm2, ...
+        model = str(resolve_model(model))
     path = Path(model)
     if path.exists() or tracker is None:
         if not path.exists():

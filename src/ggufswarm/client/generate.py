@@ -40,9 +40,14 @@ class LocalSession:
         return x
 
     def step(self, token_ids: list[int]) -> int:
-        """See RouteSession.step."""
-        self.history.extend(token_ids)
-        return self.sampler.sample(self.logits(token_ids)[-1], self.history)
+        """See RouteSession.step. A prompt longer than a shard takes in one call (llama.cpp: ``n_batch``) goes
+        in chunks of that size, as a route sends it."""
+        limit = max(1, min(getattr(s, "n_batch", None) or len(token_ids) for s in self.shards))
+        for i in range(0, len(token_ids), limit):
+            chunk = token_ids[i:i + limit]
+            self.history.extend(chunk)
+            logits = self.logits(chunk)
+        return self.sampler.sample(logits[-1], self.history)
 
     def truncate(self, length: int) -> None:
         """Roll every shard back to ``length`` tokens."""

@@ -544,11 +544,28 @@ class Gateway:
         try:
             route = self.route(want)
         except RouteError as exc:
-            if exc.code != "no_route" or want <= len(ids) + 1:
+            if exc.code != "no_route":
                 raise
-            # No route has KV for the whole of max_tokens: take one that holds the prompt; the answer ends at
-            # its length with finish_reason "length", as llama-server's does at its context.
-            route = self.route(len(ids) + 1)
+            try:
+                if want <= len(ids) + 1:
+                    raise
+                # No route has KV for the whole of max_tokens: take one that holds the prompt; the answer ends at
+                # its length with finish_reason "length", as llama-server's does at its context.
+                route = self.route(len(ids) + 1)
+            except RouteError as held:
+                if held.code != "no_route":
+                    raise
+                # Nothing holds the prompt now. When no node could ever (its sessions are shorter) that is the
+                # request's fault, a 400 (not a 503 a client would retry); otherwise the nodes are busy: the 503.
+                try:
+                    longest = self.route(1).max_length
+                except RouteError:
+                    raise held from None
+                if len(ids) >= longest:
+                    raise RequestError(f"prompt is {len(ids)} tokens; the longest session this swarm's nodes hold "
+                                       f"is {longest} tokens", code="context_length_exceeded",
+                                       param=prompt_param) from None
+                raise held from None
         limit = route.max_length
         if len(ids) >= limit:
             raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",

@@ -110,7 +110,9 @@ class NodeState:
             from .snapshots import SnapshotLink, shard_of
             self.snapshots = SnapshotLink(config.cache, shard_of(executor), config.snapshot_every, lambda: self.client,
                                           executor, self.node_id)
-        self.max_body = HEADER_SIZE + config.max_step_tokens * (self.cfg.n_embd * 4 + 4)
+        # most tokens in one step: --max-step-tokens, at most what the backend takes in one call (llama.cpp: n_batch)
+        self.max_step_tokens = min(config.max_step_tokens, getattr(executor, "n_batch", None) or config.max_step_tokens)
+        self.max_body = HEADER_SIZE + self.max_step_tokens * (self.cfg.n_embd * 4 + 4)
         reg = self.registry = CollectorRegistry()
         store = self.store
         Gauge("ggufswarm_node_sessions_open", "Route sessions open on this node", registry=reg).set_function(
@@ -166,7 +168,7 @@ class NodeState:
             "n_vocab": self.cfg.n_vocab, "backend": self.executor.backend,
             "max_length": min(self.cfg.max_length, getattr(self.executor, "n_ctx_seq", self.cfg.max_length)),
             "layers": [self.spec.start, self.spec.end], "embed": self.spec.embed, "head": self.spec.head,
-            "max_step_tokens": self.config.max_step_tokens, "hop_timeout_s": self.config.hop_timeout_s,
+            "max_step_tokens": self.max_step_tokens, "hop_timeout_s": self.config.hop_timeout_s,
             "session_ttl_s": s.ttl_s, "sessions": len(s.sessions), "kv_budget_tokens": s.budget_tokens,
             "kv_tokens_reserved": s.reserved_tokens, "kv_tokens_held": s.held_tokens,
             "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals(),
@@ -412,7 +414,7 @@ async def restore_session(request: web.Request) -> web.Response:
 
 def _frame_too_large(state: NodeState) -> ProtocolError:
     return ProtocolError("too_many_tokens", f"frame body over {state.max_body} bytes: more than "
-                                            f"max_step_tokens {state.config.max_step_tokens} tokens")
+                                            f"max_step_tokens {state.max_step_tokens} tokens")
 
 
 async def step(request: web.Request) -> web.Response:
@@ -521,7 +523,7 @@ async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, b
     try:
         if len(body) > state.max_body + 1024:  # a chunked body (no Content-Length) or a link message
             raise _frame_too_large(state)
-        frame = decode_frame(body, state.cfg.n_embd, state.config.max_step_tokens)
+        frame = decode_frame(body, state.cfg.n_embd, state.max_step_tokens)
         kind = "decode" if frame.n_tokens == 1 else "prefill"
         state.bytes_in.labels(kind).inc(len(body))
         if (frame.dtype == "ids") != state.spec.embed:
