@@ -326,8 +326,11 @@ def test_replayed_step_is_answered_from_cache_never_applied_twice(cluster, gemma
 def test_too_many_tokens(cluster, gemma):
     session = RemoteRoute(urls(cluster), HOP_TIMEOUT).open(64, GREEDY)
     try:
+        # the node takes --max-step-tokens (4096) capped by llama.cpp's batch (2048), and says so
+        limit = health(cluster[0].url)["max_step_tokens"]
+        assert limit == 2048
         status, body = post_frame(cluster[0].url, encode_tokens(session.id, 1, 0, [2] * 5000))
-        assert status == 413 and body["error"]["code"] == "too_many_tokens" and "4096" in body["error"]["message"]
+        assert status == 413 and body["error"]["code"] == "too_many_tokens" and str(limit) in body["error"]["message"]
         status, body = post_frame(cluster[1].url, encode_hidden(session.id, 1, 0, torch.zeros(4097, N_EMBD)))
         assert status == 413
         status, body = post_frame(cluster[1].url, encode_hidden(session.id, 1, 0, torch.zeros(4200, N_EMBD), "f32"))

@@ -27,13 +27,16 @@ _OPEN_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="open")  # op
 
 class RouteError(RuntimeError):
     """A route operation failed. ``status``: HTTP status to pass on; ``code``: protocol error code;
-    ``hop``: URL of the node that failed (the message names it too)."""
+    ``hop``: URL of the node that failed (the message names it too); ``late``: it came back along the route
+    for an earlier step the head had already answered (the route is broken; the step now waiting was not
+    lost on its own connection, so it is not resent as is)."""
 
     def __init__(self, message: str, status: int = 502, code: str = "hop_failed", hop: str | None = None):
         super().__init__(message)
         self.status = status
         self.code = code
         self.hop = hop
+        self.late = False
 
 
 # Errors that mean a node of the route is gone or lost the session: a repair can replace it.
@@ -644,7 +647,7 @@ class RemoteSession:
         try:
             status, body, direct = link.step(frame, timeout, self._replies, self._late)
         except RouteError as exc:
-            if exc.code != "hop_failed":
+            if exc.code != "hop_failed" or exc.late:
                 raise
             # a fresh connection; same step number: never applied twice
             status, body, direct = link.step(frame, timeout, self._replies, self._late)
@@ -683,7 +686,11 @@ class RemoteSession:
             return
         if status != 200:
             if strict:
-                _check(self.route.hops[0].url, status, body, "an earlier step")
+                try:
+                    _check(self.route.hops[0].url, status, body, "an earlier step")
+                except RouteError as exc:
+                    exc.late = True
+                    raise
             return
         try:
             reply = json.loads(body)
