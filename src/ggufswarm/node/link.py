@@ -125,19 +125,10 @@ class HopLinks:
         if self._links.get(link.url) is link:
             del self._links[link.url]
 
-    async def step(self, url: str, frame: bytes, timeout_s: float) -> tuple[int, bytes]:
-        """Send one step frame to ``url`` and wait ``timeout_s`` seconds at most for its reply.
-
-        Returns (HTTP status, JSON body bytes) as ``POST url/v1/step`` would. Raises ProtocolError
-        ``hop_timeout`` (no reply in time) or ``hop_failed`` (the link could not be opened or closed
-        before the reply), naming ``url`` as the hop.
-        """
-        reply, _ordered = await self.send(url, frame, timeout_s)
-        return await reply
-
     async def send(self, url: str, frame: bytes, timeout_s: float) -> tuple[asyncio.Future, bool]:
-        """Send one step frame to ``url``; (the future of its reply, as ``step`` returns or raises it, within
-        ``timeout_s`` seconds of now; whether it went over a link). Over a link the frame has been written when
+        """Send one step frame to ``url``; (the future of its reply — (HTTP status, JSON body bytes) as
+        ``POST url/v1/step`` would answer, or ProtocolError ``hop_timeout`` / ``hop_failed`` naming ``url`` —
+        within ``timeout_s`` seconds of now; whether it went over a link). Over a link the frame has been written when
         this returns, so frames sent one after another reach the hop in that order; a hop without links gets a
         ``POST /v1/step`` that is under way (not ordered). Raises ProtocolError when the link cannot be opened or
         written (hop_failed, hop_timeout)."""
