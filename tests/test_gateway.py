@@ -482,3 +482,37 @@ def test_ignore_eos(gateway, gemma):
     text, out = completion_with(gateway, {**body, "ignore_eos": True})
     assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 6
     assert text == want
+
+
+def test_a_route_with_wan_latency_completes_and_its_telemetry_shows_the_delay(gateway, cluster, gemma):
+    """Issue 13 item 4: each node behind a delaying TCP proxy (ggufswarm.netdelay, DELAY ms each way, as netem
+    would add): a greedy generation through the delayed route gives the same tokens as the plain route, and each
+    hop's decode network time (what its caller waited beyond the hop's own handling) is at least the round
+    trip the proxy adds, where the undelayed route's is well below it."""
+    from ggufswarm.client.remote import RemoteRoute
+    from ggufswarm.netdelay import DelayProxy
+
+    delay = 40.0
+    ids = gemma.prompt_ids(SHORT)
+    proxies = [DelayProxy(("127.0.0.1", int(n.url.rsplit(":", 1)[1])), delay) for n in cluster]
+    try:
+        for p in proxies:
+            p.start()
+        results = {}
+        for name, urls in (("plain", [n.url for n in cluster]), ("wan", [p.url for p in proxies])):
+            route = RemoteRoute(urls, 30.0)
+            session = route.open(len(ids) + 12, SamplingParams(temperature=0))
+            try:
+                tokens = [session.step(ids)]
+                for _ in range(7):
+                    tokens.append(session.step([tokens[-1]]))
+                summary = session.telemetry.summary(route)
+            finally:
+                session.close()
+            results[name] = tokens, [h["network_ms"]["mean"] for h in summary["hops"]]
+    finally:
+        for p in proxies:
+            p.stop()
+    assert results["wan"][0] == results["plain"][0]
+    assert all(ms >= 2 * delay for ms in results["wan"][1]), results
+    assert all(ms < delay for ms in results["plain"][1]), results
