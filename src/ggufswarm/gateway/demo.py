@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..artifact.default_model import resolve_model
+from ..artifact.default_model import model_name, resolve_model
 from ..cache.app import CacheConfig
 from ..cache.app import make_app as make_cache_app
 from ..artifact.gguf_file import GGUFModelFile
@@ -140,7 +140,7 @@ def run_demo(args) -> int:
             cache = ServerThread(make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2 ** 30, token=token)),
                                  port=0)
             cache_url = cache.start()
-            name = path.name.removesuffix(".gguf")
+            name = model_name(args.model, path)
             published = publish(path, tracker_url, name, work / "publisher", token=token)
             seeder = Swarm()
             seeder.seed(published.torrent, save_path_for([path]))
