@@ -228,6 +228,16 @@ def test_deepseek_v3_class_header_plans_on_24gib_nodes(tmp_path, capsys):
     assert text.count(" mla ") == 61
 
 
+def test_context_columns_stop_at_the_models_trained_context(capsys):
+    """The embedded Gemma (trained context 32,768) on one 1 GiB node: memory would fit ~44K tokens, but the
+    "max context" column and the KV line speak of the 32,768 tokens a session can have, not more (or 128K)."""
+    rc, text, _ = run_plan(capsys, "--node-memory", "1GiB")
+    assert rc == 0
+    rows = [line.split() for line in text.splitlines() if line.split()[:3] == ["1", "0:18", "embed+head"]]
+    assert len(rows) == 1 and rows[0][-1] == "32,768", text
+    assert "at 32,768 tokens" in text and "131" not in text
+
+
 def test_exactly_n_nodes_are_balanced_and_too_few_is_an_error(tmp_path, capsys):
     path = tmp_path / "dsv3.gguf"
     sizes = deepseek_v3(path)

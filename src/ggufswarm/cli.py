@@ -455,13 +455,14 @@ def cmd_status(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
+    from .artifact.accounting import MAX_CONTEXT
     from .artifact.planning import load_accounts, place, plan_json, plan_text
     if args.node_memory is None and args.nodes is not None:
         raise ValueError("--nodes places the model on nodes of --node-memory: give both")
     acc, source = load_accounts(args.model, args.tracker, args.token)
     if args.context is None:
         trained = acc.metadata.get(f"{acc.arch}.context_length")
-        args.context = min(int(trained), 131072) if trained else 131072
+        args.context = min(int(trained), MAX_CONTEXT) if trained else MAX_CONTEXT
     placement = None
     if args.node_memory is not None:
         placement = place(acc, args.node_memory, args.context, args.nodes, args.sessions, args.wire_dtype)

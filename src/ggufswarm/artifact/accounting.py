@@ -51,6 +51,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
+MAX_CONTEXT = 131072  # product hard cap on a session's max_length (128K tokens)
 KV_ELEMENT_BYTES = 2     # f16: llama.cpp's default type_k / type_v (common/common.h)
 STATE_ELEMENT_BYTES = 4  # f32: llama.cpp's recurrent r/s state type (llama_model::create_memory)
 WIRE_ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .accounting import (FRAME_HEADER_BYTES, TRAILER_BYTES_PER_TOKEN, WIRE_ELEMENT_BYTES, HeaderAccounts,
+from .accounting import (FRAME_HEADER_BYTES, MAX_CONTEXT, TRAILER_BYTES_PER_TOKEN, WIRE_ELEMENT_BYTES, HeaderAccounts,
                          ShardAccount)
 from .gguf_file import GGUFError, GGUFModelFile
 
@@ -250,8 +250,11 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
     width = f"n_embd {acc.n_embd}" + (f" x {acc.boundary_width // acc.n_embd} (hyper-connections)"
                                       if acc.boundary_width != acc.n_embd else "")
     route_state = sum(b.state_bytes_per_session for b in acc.layers[:acc.n_layers])
+    trained = acc.metadata.get(f"{acc.arch}.context_length")
+    longest = min(int(trained), MAX_CONTEXT) if trained else MAX_CONTEXT  # the longest session a route serves
     lines += [f"  {'tensor table total':<28} {acc.total_bytes:>16,} {_human(acc.total_bytes):>11}", "",
-              f"KV cache per token (all route blocks, f16): {route_kv:,} B; at 131072 tokens {_human(route_kv * 131072)}",
+              f"KV cache per token (all route blocks, f16): {route_kv:,} B; at {longest:,} tokens "
+              f"{_human(route_kv * longest)}",
               f"recurrent state per session (f32): {route_state:,} B",
               f"boundary per decode token: {width} x 4 = {acc.boundary_bytes_per_token('f32'):,} B f32 "
               f"({acc.boundary_bytes_per_token('f16'):,} B f16); a frame adds {FRAME_HEADER_BYTES} + "
@@ -267,7 +270,7 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
         s = node.shard
         stages = "+".join(x for x, on in (("embed", s.embed), ("head", s.head)) if on) or "-"
         sessions_bytes = node.used_bytes - s.weight_bytes
-        ctx = "unbounded" if node.max_context is None else f"{node.max_context:,}"
+        ctx = f"{longest:,}" if node.max_context is None or node.max_context >= longest else f"{node.max_context:,}"
         lines.append(f"{i:>4}  {s.layers[0]}:{s.layers[1]:<{8 - len(str(s.layers[0]))}} {stages:<11} "
                      f"{_human(s.weight_bytes):>11} {_human(sessions_bytes):>11} {_human(node.used_bytes):>11} "
                      f"{ctx:>12}")

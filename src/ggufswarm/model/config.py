@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MAX_CONTEXT = 131072  # product hard cap on a session's max_length (128K tokens)
+from ..artifact.accounting import MAX_CONTEXT  # noqa: F401 - the 128K product cap, re-exported
 
 
 class UnsupportedArchitecture(ValueError):
