@@ -190,6 +190,28 @@ def test_start_order_names_and_early_errors(ggufswarm_cli, tiny_dir, tmp_path):
             gateway.kill()
             gateway.communicate(timeout=30)
 
+    # a port whose only holder is a TIME-WAIT connection (a node killed a moment ago) is free for a new node
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the node's server listens
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()  # the server's side closes first: its port stays in TIME-WAIT
+        client.close()
+    with pytest.raises(OSError), socket.socket() as plain:
+        plain.bind(("127.0.0.1", port))  # what the node's port check did before
+    node = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "node", "--layers", "0:4", "--embed", "--head",
+                             "--model", str(path), "--port", str(port), "--tracker", "http://127.0.0.1:9"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = node.stderr.readline()
+        assert "waiting for the tracker" in line, line
+    finally:
+        node.kill()
+        node.communicate(timeout=30)
+
     node = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "node", "--layers", "2:4", "--model", str(path),
                              "--data-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -919,6 +919,9 @@ def run_node(config: NodeConfig) -> int:
     if config.port:  # a port in use fails now, not after the shard's download
         import socket
         with socket.socket() as probe:
+            # as the server will bind (asyncio's reuse_address on Unix): a port held only by TIME-WAIT connections
+            # of a node killed a moment ago is free to listen on again
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((config.host, config.port))
             except OSError as exc:
