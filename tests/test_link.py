@@ -521,3 +521,27 @@ def test_an_unread_body_ends_the_connection_in_words(tiny_route):
             assert resp.status == 200 and resp.read()
     finally:
         conn.close()
+
+
+def test_a_step_longer_than_the_lease_keeps_the_session_on_later_nodes(tiny_route, monkeypatch):
+    """A gateway's sessions hold a short lease (nodes drop a session idle that long). A prefill that takes longer
+    than the lease on the first node leaves the head idle meanwhile: the client's keeper renews the lease on every
+    node while the step is in flight, so the head still holds the session when the step reaches it (it answered
+    unknown_session before: prompts past ~1800 tokens failed on a loaded machine)."""
+    from ggufswarm.runtime.llamacpp.backend import LlamaCppShard
+
+    forward = LlamaCppShard.forward
+
+    def slow_first_prefill(self, kv, inputs, logits="last"):
+        if self.spec.start == 0 and not self.spec.head and inputs.shape[0] > 1:
+            time.sleep(2.5)
+        return forward(self, kv, inputs, logits)
+
+    monkeypatch.setattr(LlamaCppShard, "forward", slow_first_prefill)
+    route = RemoteRoute([tiny_route["first"], tiny_route["head"]])
+    session = route.open(64, GREEDY, lease_s=0.9)
+    try:
+        first = session.step(PROMPT)
+        assert [first] + [session.step([first])] == greedy([tiny_route["whole"]], 2)
+    finally:
+        session.close()

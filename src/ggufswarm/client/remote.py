@@ -7,6 +7,7 @@ import json
 import os
 import select
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -478,6 +479,11 @@ class RemoteSession:
         self.reuse_prefix = reuse_prefix
         self.lease_s = lease_s
         self._renewed = time.monotonic()
+        # while one step takes longer than a third of the lease (a long prefill on a loaded node), a keeper thread
+        # renews the lease on every node: the nodes after the busy one see nothing of the session meanwhile
+        self._step_since: float | None = None  # time.monotonic() when the step in flight started
+        self._keeper: threading.Thread | None = None
+        self._closed = threading.Event()
         self.position = 0      # tokens every node of the route holds
         self.tokens: list[int] = []  # the whole history fed so far (position <= len(tokens) during a repair)
         # Positions where a step ended. llama.cpp's numerics depend on how tokens are grouped into steps, so a
@@ -596,11 +602,34 @@ class RemoteSession:
             token_ids = token_ids[restored:]
         token = None
         i = 0
-        while i < len(token_ids):
-            chunk = token_ids[i:i + min(h.max_step_tokens for h in self.route.hops)]
-            i += len(chunk)
-            token = self._step(chunk, sample and i >= len(token_ids))
+        if self.lease_s is not None and self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep_lease, name=f"lease-{self.id.hex[:8]}", daemon=True)
+            self._keeper.start()
+        self._step_since = time.monotonic()
+        try:
+            while i < len(token_ids):
+                chunk = token_ids[i:i + min(h.max_step_tokens for h in self.route.hops)]
+                i += len(chunk)
+                token = self._step(chunk, sample and i >= len(token_ids))
+        finally:
+            self._step_since = None
         return token
+
+    def _keep_lease(self) -> None:
+        """The keeper thread: every ``lease_s / 3`` s, when a step has been in flight that long, renew the session on
+        every node it is open on (own connections; a refusal or a dead node is left to the step to find)."""
+        while not self._closed.wait(self.lease_s / 3):
+            since = self._step_since
+            if since is None or time.monotonic() - since < self.lease_s / 3:
+                continue
+            for url in list(self._opened):
+                conn = _conn(url, min(self.lease_s / 3, 10.0))
+                try:
+                    _request(conn, url, "POST", f"/v1/sessions/{self.id}/renew", token=self.route.token)
+                except RouteError:
+                    pass
+                finally:
+                    conn.close()
 
     def _step(self, ids: list[int], sample: bool) -> int | None:
         """One chunk, repairing the route (at most MAX_REPAIRS_PER_STEP times) when a node fails."""
@@ -852,6 +881,7 @@ class RemoteSession:
 
     def close(self) -> None:
         """Release the session on every node it was opened on (best effort: errors are ignored)."""
+        self._closed.set()
         for conn in self._conns.values():
             conn.close()
         self._conns = {}
