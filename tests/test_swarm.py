@@ -197,15 +197,28 @@ def test_a_stalled_fetch_says_so_and_completes_once_a_seeder_appears(tiny_dir, t
 
 
 def test_auto_layers_pick_the_least_covered_range(artifact):
-    from ggufswarm.swarm.shard_fetch import choose_layers
+    """``--layers auto``: a range on the swarm's existing cuts that fits the budget (blocks + embedding/head bytes),
+    the least covered first, so the node can replace or chain with the others; else a window as wide as fits."""
+    from ggufswarm.swarm.shard_fetch import choose_layers, shard_bytes
     from ggufswarm.tracker.routing import Advertisement
 
     manifest, _ = artifact
-    per_layer = manifest.layer_bytes()
-    six_layers = sum(per_layer[:6]) + 1
+    n = manifest.n_layers
+    assert n == 18
+    assert shard_bytes(manifest, 12, 18) > sum(manifest.layer_bytes()[12:18])  # the head's tensors count
     ads = [Advertisement("a", "u", "m", (0, 6), True), Advertisement("b", "u", "m", (6, 12))]
-    spec = choose_layers(manifest, ads, six_layers)
-    assert (spec.start, spec.end, spec.head) == (12, 18, True)
-    spec = choose_layers(manifest, ads + [Advertisement("c", "u", "m", (12, 18), head=True)] * 2, six_layers)
-    assert (spec.start, spec.end) == (0, 6)  # ties on coverage go to the lowest range
-    assert choose_layers(manifest, [], 1).end - choose_layers(manifest, [], 1).start == 1
+    spec = choose_layers(manifest, ads, shard_bytes(manifest, 12, 18))
+    assert (spec.start, spec.end, spec.head) == (12, 18, True)  # uncovered, and it fits exactly
+    budget = shard_bytes(manifest, 12, 18) - 1
+    spec = choose_layers(manifest, ads, budget)  # the head does not fit: an aligned range that does (ties: lowest)
+    assert (spec.start, spec.end) == ((0, 6) if shard_bytes(manifest, 0, 6) <= budget else (6, 12))
+    spec = choose_layers(manifest, ads + [Advertisement("c", "u", "m", (12, 18), head=True)] * 2,
+                         shard_bytes(manifest, 0, 6))
+    assert (spec.start, spec.end, spec.embed) == (0, 6, True)  # ties on coverage go to the lowest range
+    spec = choose_layers(manifest, [Advertisement("a", "u", "m", (0, 9), True)], shard_bytes(manifest, 0, 18))
+    assert (spec.start, spec.end, spec.head) == (9, 18, True)  # aligned with the only node: it chains after it
+    assert shard_bytes(manifest, spec.start, spec.end) <= shard_bytes(manifest, 0, 18)
+    tight = choose_layers(manifest, [], 1)  # nothing fits: one block
+    assert tight.end - tight.start == 1
+    window = choose_layers(manifest, ads, shard_bytes(manifest, 6, 9))  # no aligned range fits: a window
+    assert shard_bytes(manifest, window.start, window.end) <= shard_bytes(manifest, 6, 9) and window.start >= 6

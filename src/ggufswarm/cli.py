@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "  ggufswarm node --layers 0:9 --embed --port 8471\n"
                               "  ggufswarm node --layers 9:18 --head --port 8472")
     n.add_argument("--layers", required=True, metavar="START:END",
-                   help="layer range to serve, e.g. 0:6; with --tracker also 'auto': as many layers as fit in "
-                        "--memory-budget, placed where the swarm has the fewest nodes (embed/head follow the range)")
+                   help="layer range to serve, e.g. 0:6; with --tracker also 'auto': a range that fits in "
+                        "--memory-budget, on the cuts the swarm's nodes already use (so it can replace or chain with "
+                        "them) where the swarm has the fewest nodes (embed/head follow the range)")
     n.add_argument("--embed", action="store_true", help="also run the embedding stage (first shard of a route)")
     n.add_argument("--head", action="store_true", help="also run output norm, LM head and sampler (last shard)")
     n.add_argument("--model", metavar="PATH|NAME",
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where swarm-fetched shards (sparse files) and the llama.cpp backend's derived shard GGUFs "
                         "(DIR/shards, one per layer range, reused across restarts) are kept; default ./ggufswarm-data")
     n.add_argument("--memory-budget", type=float, default=8192.0, metavar="MB",
-                   help="with --layers auto: take as many layers as fit in this many MiB of weights (default 8192)")
+                   help="with --layers auto: the most MiB of weights to take, embedding and LM head included "
+                        "(default 8192)")
     n.add_argument("--fetch-timeout", type=float, default=1800.0, metavar="S",
                    help="with --tracker: give up fetching the shard after S seconds in all (default 1800)")
     n.add_argument("--fetch-stall", type=float, default=60.0, metavar="S",

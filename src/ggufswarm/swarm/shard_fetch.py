@@ -13,21 +13,47 @@ from .publish import tracker_call
 from .torrent import FetchStats, Swarm
 
 
-def choose_layers(manifest: Manifest, ads: list[Advertisement], budget_bytes: int) -> ShardSpec:
-    """The layer range the swarm covers least (fewest advertisements per layer, summed), as wide as
-    ``budget_bytes`` of block weights allows (at least one layer); embed/head when it touches the ends."""
-    n = manifest.n_layers
+def shard_bytes(manifest: Manifest, start: int, end: int) -> int:
+    """Encoded tensor bytes a node serving blocks ``[start, end)`` holds: its blocks, plus the token embedding when
+    it starts at block 0 and the output norm and LM head (or the tied embedding) when it ends at the last block."""
     per_layer = manifest.layer_bytes()
+    sizes = {t.name: t.n_bytes for t in manifest.tensors}
+    stages = set()
+    if start == 0:
+        stages.add("token_embd.weight")
+    if end == manifest.n_layers:
+        stages |= {"output_norm.weight", "output.weight" if "output.weight" in sizes else "token_embd.weight"}
+    return sum(per_layer[start:end]) + sum(sizes.get(name, 0) for name in stages)
+
+
+def choose_layers(manifest: Manifest, ads: list[Advertisement], budget_bytes: int) -> ShardSpec:
+    """The layer range a new node (``--layers auto``) serves, within ``budget_bytes`` of tensors (``shard_bytes``:
+    blocks, embedding, head); embed/head when it touches the ends.
+
+    A range whose ends are boundaries the swarm already has (0, the last block, or an end of an advertised range)
+    can replace the nodes there or chain with them: among those that fit, the least covered (advertisements per
+    layer, mean), then the widest, then the lowest. When none fits, the least covered window as wide as the budget
+    allows (at least one block).
+    """
+    n = manifest.n_layers
     cover = [0] * n
+    cuts = {0, n}
     for ad in ads:
-        for i in range(max(0, ad.layers[0]), min(n, ad.layers[1])):
+        lo, hi = max(0, ad.layers[0]), min(n, ad.layers[1])
+        cuts |= {lo, hi}
+        for i in range(lo, hi):
             cover[i] += 1
-    width, total = 0, 0
-    while width < n and total + per_layer[width] <= budget_bytes:
-        total += per_layer[width]
-        width += 1
-    width = max(width, 1)
-    best = min(range(n - width + 1), key=lambda s: (sum(cover[s:s + width]), s))
+    cuts = sorted(c for c in cuts if 0 <= c <= n)
+    aligned = [(s, e) for s in cuts for e in cuts if s < e and shard_bytes(manifest, s, e) <= budget_bytes]
+    if aligned:
+        s, e = min(aligned, key=lambda r: (sum(cover[r[0]:r[1]]) / (r[1] - r[0]), r[0] - r[1], r[0]))
+        return ShardSpec(s, e, embed=s == 0, head=e == n)
+    best = None
+    for width in range(n, 0, -1):
+        fits = [s for s in range(n - width + 1) if shard_bytes(manifest, s, s + width) <= budget_bytes]
+        if fits or width == 1:
+            best = min(fits or range(n), key=lambda s: (sum(cover[s:s + width]), s))
+            break
     return ShardSpec(best, best + width, embed=best == 0, head=best + width == n)
 
 
