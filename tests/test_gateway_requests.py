@@ -120,6 +120,14 @@ def test_empty_prompt_on_a_model_without_bos():
         assert status == 400 and body["error"]["param"] == "prompt" and "BOS" in body["error"]["message"]
     finally:
         server.stop()
+    # started by its alias, the model is named by it (as publish and a node started with --model smollm2 name it)
+    server = ServerThread(make_app(GatewayConfig(route=["http://127.0.0.1:9"], model="smollm2")))
+    url = server.start()
+    try:
+        listed = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=30).read())
+        assert [m["id"] for m in listed["data"]] == ["smollm2"]
+    finally:
+        server.stop()
 
 
 def test_roles_developer_and_missing_content():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ..artifact.default_model import resolve_model
+from ..artifact.default_model import model_name, resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.generate import GenerationStats, generate
 from ..client.grammar import SchemaNotEnforceable, response_format_grammar
@@ -445,7 +445,7 @@ class Gateway:
         if self.config.chat_template:  # --chat-template-file: used instead of the GGUF's
             self.tokenizer.chat_template = self.config.chat_template
         self.fingerprint = file.fingerprint
-        self.model_name = self.model_name or file.path.name.removesuffix(".gguf")
+        self.model_name = self.model_name or model_name(self.config.model, file.path)
 
     def route(self, max_length: int = 1, exclude=(), span: tuple[int, int] | None = None) -> RemoteRoute:
         """The route, asking each node's /health the first time (blocking). Raises RouteError / ValueError.

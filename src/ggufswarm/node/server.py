@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..artifact.default_model import resolve_model
+from ..artifact.default_model import model_name, resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..protocol import PROTOCOL_VERSION, Frame, ProtocolError, decode_frame, encode_hidden
 from ..protocol.auth import auth_headers, token_middleware
@@ -155,8 +155,9 @@ class NodeState:
 
     @property
     def model_name(self) -> str:
-        """The model's name: the published name with a tracker, else the GGUF file name without its extension."""
-        return self.config.swarm_name or self.executor.model.path.name.removesuffix(".gguf")
+        """The model's name: the published name with a tracker, else the alias it was started with (smollm2) or the
+        GGUF file name without its extension (artifact.default_model.model_name)."""
+        return self.config.swarm_name or model_name(self.config.model, self.executor.model.path)
 
     def health(self) -> dict:
         """The ``/health`` body: shard, model shape, limits and counters."""
