@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,15 +32,30 @@ def test_hidden_roundtrip(dtype, tol):
     assert len(body) == frame_size(5, N_EMBD, dtype, token_ids=True)
     f = decode_frame(body, N_EMBD, 16)
     assert (f.session_id, f.step, f.start, f.n_tokens, f.n_embd, f.dtype) == (SID, 7, 42, 5, N_EMBD, dtype)
-    assert f.data.dtype == torch.float32 and f.data.shape == (5, N_EMBD)
-    assert torch.allclose(f.data, x, rtol=tol, atol=0)
+    assert f.data.dtype == np.float32 and f.data.shape == (5, N_EMBD)
+    assert torch.allclose(torch.from_numpy(f.data), x, rtol=tol, atol=0)
     assert f.token_ids.tolist() == ids.tolist() and f.sample
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
+def test_wire_rounding_is_torchs_round_to_nearest_even(dtype, torch_dtype):
+    """Frames are cast in numpy (bf16 through ml_dtypes), torch-free on llama.cpp nodes: the wire bits equal torch's
+    own cast of the same float32 values, ties and subnormals included, from a numpy array or a torch tensor."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(3, N_EMBD, generator=g) * 10 ** torch.randint(-6, 5, (3, 1), generator=g),
+                   # exact ties between two bf16 / f16 neighbours, and values near the bottom of each range
+                   (1 + torch.arange(N_EMBD) * 2.0 ** -10 + 2.0 ** -24)[None],
+                   (torch.arange(N_EMBD) * 2.0 ** -30 - 2.0 ** -21)[None]]).float()
+    want = x.to(torch_dtype).view(torch.int16).numpy().tobytes()
+    for given in (x, x.numpy()):
+        body = encode_hidden(SID, 1, 0, given, dtype)
+        assert body[HEADER_SIZE:] == want
 
 
 def test_token_roundtrip_and_no_sample_flag():
     body = encode_tokens(SID, 1, 0, [2, 818, 5279], sample=False)
     f = decode_frame(body, N_EMBD, 16)
-    assert f.dtype == "ids" and f.data.tolist() == [2, 818, 5279] and f.data.dtype == torch.int64
+    assert f.dtype == "ids" and f.data.tolist() == [2, 818, 5279] and f.data.dtype == np.int64
     assert not f.sample and f.token_ids is None
 
 
@@ -47,8 +63,8 @@ def test_f16_never_overflows_silently():
     """Gemma's residual stream reaches ~1e5 > f16 max (65504): the frame carries a power-of-two scale."""
     x = torch.tensor([[98538.04, -1.5, 3e-3, 70000.0]])
     f = decode_frame(encode_hidden(SID, 1, 0, x, "f16"), 4)
-    assert torch.isfinite(f.data).all()
-    assert torch.allclose(f.data, x, rtol=1e-3)
+    assert np.isfinite(f.data).all()
+    assert torch.allclose(torch.from_numpy(f.data), x, rtol=1e-3)
     y = torch.tensor([[1.0, 2.0]])
     assert HEADER.unpack_from(encode_hidden(SID, 1, 0, y, "f16"))[4] == 0  # no scale when in range
     with pytest.raises(FrameError) as e:

@@ -18,7 +18,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
-from ..model.config import MAX_CONTEXT
+from ..artifact.accounting import MAX_CONTEXT
 from ..protocol.auth import token_middleware
 from ..protocol.errors import ProtocolError
 from ..protocol.http import json_errors_middleware, read_json

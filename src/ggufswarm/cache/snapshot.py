@@ -29,14 +29,13 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.numpy import load as np_load
+from safetensors.numpy import save as np_save
 
 from ..protocol.snapshots import BLOCK_TOKENS
 
 FORMAT = "ggufswarm-kv/1"
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = ("float32", "bfloat16", "float16")  # torch backend KV dtypes (torch.<name>); tensors read with torch
 STATE_DTYPE = "llama.cpp-f16"  # a llama.cpp sequence state (f16 KV cache) instead of per-layer K/V tensors
 
 
@@ -96,13 +95,13 @@ def prefix_hashes(shard: Shard, tokens) -> list[str]:
 
 @dataclass
 class Snapshot:
-    """A decoded snapshot: ``tokens`` int64 ``[n]``, per-layer ``keys`` / ``values`` ``[n, n_head_kv, head_dim]``
-    (torch), or ``state`` (llama.cpp sequence state bytes, keys/values empty)."""
+    """A decoded snapshot: ``tokens`` int64 ``[n]`` (numpy), per-layer ``keys`` / ``values`` ``[n, n_head_kv, head_dim]``
+    (torch tensors), or ``state`` (llama.cpp sequence state bytes, keys/values empty; decoding it needs no torch)."""
 
     shard: Shard
-    tokens: torch.Tensor
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    tokens: np.ndarray
+    keys: list
+    values: list
     state: bytes | None = None
     boundaries: list[int] = field(default_factory=list)  # step ends of the computation (see encode_snapshot)
     node: str = ""  # id of the node that took it ("" when unnamed)
@@ -119,36 +118,41 @@ class Snapshot:
         """SHA-256 of what the snapshot holds (shard, tokens, boundaries, K/V or state), not of its blob: the
         blob's JSON header lists its metadata in no fixed order, and names the node that took it."""
         h = hashlib.sha256(self.shard.tag() + b"\0" + _ids(self.tokens.tolist()) + b"\0" + _ids(self.boundaries))
-        for t in self.keys + self.values:
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        if self.keys:  # a torch-backend snapshot: its K/V are torch tensors
+            import torch
+            for t in self.keys + self.values:
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
         h.update(self.state or b"")
         return h.hexdigest()
 
 
-def encode_snapshot(shard: Shard, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+def encode_snapshot(shard: Shard, tokens: list[int], keys: list, values: list,
                     state: bytes | None = None, boundaries: list[int] | None = None, node: str = "") -> bytes:
-    """A safetensors blob of one shard's KV for ``tokens`` (``keys[i]`` / ``values[i]``: ``[n, ...]`` per layer,
-    already sliced to ``len(tokens)`` positions; or a llama.cpp ``state`` holding exactly those positions).
-    ``boundaries``: the positions where the steps that computed it ended (ascending, each in ``1..n``; stored
-    as int32 ``boundaries``): a llama.cpp snapshot is restored only up to one of them. ``node``: the id of
-    the node taking it (metadata ``node``; the cache logs it when it refuses an upload). Copies the tensors;
-    safe to call off the event loop. SnapshotError for parts that do not fit together."""
+    """A safetensors blob of one shard's KV for ``tokens`` (``keys[i]`` / ``values[i]``: torch ``[n, ...]`` per layer,
+    already sliced to ``len(tokens)`` positions; or a llama.cpp ``state`` holding exactly those positions, written
+    without torch). ``boundaries``: the positions where the steps that computed it ended (ascending, each in
+    ``1..n``; stored as int32 ``boundaries``): a llama.cpp snapshot is restored only up to one of them. ``node``:
+    the id of the node taking it (metadata ``node``; the cache logs it when it refuses an upload). Copies the
+    tensors; safe to call off the event loop. SnapshotError for parts that do not fit together."""
     n = len(tokens)
     bounds = list(boundaries or [])
     if any(not 0 < b <= n for b in bounds) or bounds != sorted(set(bounds)):
         raise SnapshotError(f"boundaries must ascend within 1..{n}, got {bounds[:8]}...")
-    extra = {"boundaries": torch.tensor(bounds, dtype=torch.int32)} if bounds else {}
+    head = {"tokens": np.asarray(tokens, dtype=np.int32)}
+    if bounds:
+        head["boundaries"] = np.asarray(bounds, dtype=np.int32)
     meta = {"format": FORMAT, "model": shard.model, "layers": f"{shard.start}:{shard.end}", "dtype": shard.dtype,
             "n_tokens": str(n), "scope": shard.scope, "node": str(node)[:64]}
     if shard.dtype == STATE_DTYPE:
         if state is None:
             raise SnapshotError("a llama.cpp snapshot needs the sequence state")
-        return st_save({"tokens": torch.tensor(tokens, dtype=torch.int32),
-                        "state": torch.frombuffer(bytearray(state), dtype=torch.uint8), **extra}, metadata=meta)
+        return np_save({**head, "state": np.frombuffer(state, dtype=np.uint8)}, metadata=meta)
     if len(keys) != shard.end - shard.start or len(values) != len(keys):
         raise SnapshotError(f"layers {shard.start}:{shard.end} need {shard.end - shard.start} K/V pairs, got "
                             f"{len(keys)}/{len(values)}")
-    tensors = {"tokens": torch.tensor(tokens, dtype=torch.int32), **extra}
+    import torch  # torch-backend K/V (bfloat16 among them: safetensors' numpy side has no bfloat16)
+    from safetensors.torch import save as st_save
+    tensors = {name: torch.from_numpy(arr) for name, arr in head.items()}
     for i, (k, v) in enumerate(zip(keys, values)):
         if k.shape[0] != n or v.shape[0] != n:
             raise SnapshotError(f"layer {i}: K/V hold {k.shape[0]}/{v.shape[0]} positions, tokens {n}")
@@ -161,8 +165,16 @@ def decode_snapshot(blob: bytes) -> Snapshot:
     """Parse and check a snapshot blob; SnapshotError when it is not one, its parts disagree, or its K/V
     hold NaN/inf (a restore must never poison a session; the cache refuses such uploads too)."""
     try:
-        tensors = st_load(blob)
         meta = _metadata(blob)
+        if meta.get("dtype") not in (*KV_DTYPES, STATE_DTYPE):
+            raise SnapshotError(f"unknown snapshot dtype {meta.get('dtype')!r}")
+        if meta.get("dtype") == STATE_DTYPE:  # a llama.cpp state: numpy only
+            tensors = np_load(blob)
+        else:  # torch-backend K/V
+            from safetensors.torch import load as st_load
+            tensors = {name: t.numpy() if name in ("tokens", "boundaries") else t for name, t in st_load(blob).items()}
+    except SnapshotError:
+        raise
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise SnapshotError(f"not a safetensors snapshot: {exc}") from None
     if meta.get("format") != FORMAT:
@@ -177,7 +189,7 @@ def decode_snapshot(blob: bytes) -> Snapshot:
         raise SnapshotError("snapshot model must be a 64-hex-digit GGUF fingerprint, layers start:end, "
                             "scope empty or a 32-hex-digit session id")
     tokens = tensors.get("tokens")
-    if tokens is None or tokens.dtype != torch.int32 or tokens.shape != (n,) or \
+    if tokens is None or tokens.dtype != np.int32 or tokens.shape != (n,) or \
             (shard.dtype not in KV_DTYPES and shard.dtype != STATE_DTYPE):
         raise SnapshotError("snapshot tokens missing or not int32 [n_tokens], or unknown dtype")
     if n and int(tokens.min()) < 0:
@@ -185,27 +197,28 @@ def decode_snapshot(blob: bytes) -> Snapshot:
     node = str(meta.get("node", ""))[:64]
     bounds = tensors.pop("boundaries", None)
     if bounds is not None:
-        if bounds.dtype != torch.int32 or bounds.dim() != 1:
+        if bounds.dtype != np.int32 or bounds.ndim != 1:
             raise SnapshotError("snapshot boundaries must be int32 [k]")
         bounds = bounds.tolist()
         if any(not 0 < b <= n for b in bounds) or bounds != sorted(set(bounds)):
             raise SnapshotError(f"snapshot boundaries must ascend within 1..{n}")
     if shard.dtype == STATE_DTYPE:
         state = tensors.get("state")
-        if state is None or state.dtype != torch.uint8 or state.dim() != 1 or len(tensors) != 2:
+        if state is None or state.dtype != np.uint8 or state.ndim != 1 or len(tensors) != 2:
             raise SnapshotError("llama.cpp snapshot needs exactly a uint8 [bytes] state and its tokens")
-        return Snapshot(shard, tokens.long(), [], [], state.numpy().tobytes(), bounds or [], node)
+        return Snapshot(shard, tokens.astype(np.int64), [], [], state.tobytes(), bounds or [], node)
+    import torch
     keys, values = [], []
     for i in range(end - start):
         k, v = tensors.get(f"k.{i}"), tensors.get(f"v.{i}")
         if (k is None or v is None or k.dim() != 3 or k.shape[0] != n or v.shape[:2] != k.shape[:2] or v.dim() != 3
-                or k.dtype != KV_DTYPES[shard.dtype] or v.dtype != k.dtype):
+                or k.dtype != getattr(torch, shard.dtype) or v.dtype != k.dtype):
             raise SnapshotError(f"snapshot layer {i} K/V missing or mis-shaped")
         if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
             raise SnapshotError(f"snapshot layer {i} K/V hold NaN/inf")
         keys.append(k)
         values.append(v)
-    return Snapshot(shard, tokens.long(), keys, values, boundaries=bounds or [], node=node)
+    return Snapshot(shard, tokens.astype(np.int64), keys, values, boundaries=bounds or [], node=node)
 
 
 def _metadata(blob: bytes) -> dict:

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
-import torch
+import numpy as np
 
-from ..runtime.sampling import Sampler, SamplingParams
+from ..runtime.sampling import SamplingParams
 from .tokenizer import TextStream, Tokenizer
 
 
@@ -28,13 +28,14 @@ class LocalSession:
     def __init__(self, shards: list, max_length: int, sampling: SamplingParams):
         self.shards = shards
         self.kvs = [s.new_session(max_length) for s in shards]
-        self.sampler = getattr(shards[-1], "sampler_class", Sampler)(sampling)
+        self.sampler = shards[-1].sampler_class(sampling)  # the head backend's sampler
         self.sampler.bind(shards[-1])
         self.history: list[int] = []
 
-    def logits(self, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:
-        """Run ids ``[T]`` through every shard; float32 logits ``[1 or T, n_vocab]``."""
-        x = torch.tensor(token_ids, dtype=torch.long)
+    def logits(self, token_ids: list[int], all_positions: bool = False):
+        """Run ids ``[T]`` through every shard; float32 logits ``[1 or T, n_vocab]`` (numpy from a llama.cpp head, a
+        torch tensor from a torch one)."""
+        x = np.asarray(token_ids, dtype=np.int64)
         for shard, kv in zip(self.shards, self.kvs):
             x = shard.forward(kv, x, logits="all" if all_positions else "last")
         return x

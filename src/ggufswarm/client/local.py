@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
-from ..runtime.shard import ShardSpec, split_at
+from ..runtime.spec import ShardSpec, split_at
 from .generate import LocalSession
 from ..runtime.sampling import SamplingParams
 from .tokenizer import Tokenizer

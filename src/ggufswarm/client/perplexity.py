@@ -5,23 +5,26 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterator
 
-import torch
+import numpy as np
 
 
-def chunk_nll(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+def chunk_nll(logits, tokens: list[int]) -> list[float]:
     """Negative log-likelihoods (nats) of one chunk's scored tokens.
 
-    ``logits`` ``[n_ctx, n_vocab]`` for the chunk's ``n_ctx`` tokens; scores tokens
-    ``first+1 .. n_ctx-1`` from the logits one position before, with ``first = n_ctx // 2``.
+    ``logits`` ``[n_ctx, n_vocab]`` (numpy, or a CPU torch tensor) for the chunk's ``n_ctx`` tokens; scores
+    tokens ``first+1 .. n_ctx-1`` from the logits one position before, with ``first = n_ctx // 2``; each NLL is
+    ``logsumexp(row) - row[target]`` in float64, as llama-perplexity's ``log_softmax``.
     """
     n_ctx = len(tokens)
     first = n_ctx // 2
-    logp = torch.log_softmax(logits[first:n_ctx - 1].double(), dim=-1)
-    target = torch.tensor(tokens[first + 1:n_ctx], dtype=torch.long)
-    return (-logp.gather(1, target[:, None])[:, 0]).tolist()
+    rows = np.asarray(logits[first:n_ctx - 1], dtype=np.float64)
+    target = np.asarray(tokens[first + 1:n_ctx], dtype=np.int64)
+    peak = rows.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(rows - peak).sum(axis=1)) + peak[:, 0]
+    return (lse - rows[np.arange(len(target)), target]).tolist()
 
 
-def perplexity(all_logits: Callable[[list[int]], torch.Tensor], tokens: list[int], n_ctx: int,
+def perplexity(all_logits: Callable[[list[int]], np.ndarray], tokens: list[int], n_ctx: int,
                bos_id: int | None, max_chunks: int | None = None) -> Iterator[tuple[int, float]]:
     """Yield ``(chunks_done, running perplexity)`` per chunk, as ``llama-perplexity`` prints them.
 

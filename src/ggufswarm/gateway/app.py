@@ -31,7 +31,7 @@ from ..client.remote import REPAIRABLE, Hop, RemoteRoute, RouteError, fetch_mode
 from ..runtime.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, new_call_id, parse_tool_calls, tool_request
-from ..model.config import MAX_CONTEXT
+from ..artifact.accounting import MAX_CONTEXT
 from ..protocol.errors import ProtocolError
 from ..protocol.http import json_errors_middleware, read_json, run_server
 

@@ -25,7 +25,7 @@ from ..swarm.publish import publish
 from ..swarm.torrent import Swarm, save_path_for
 from ..tracker.app import TrackerConfig
 from ..tracker.app import make_app as make_tracker_app
-from ..runtime.shard import even_split
+from ..runtime.spec import even_split
 from ..protocol.http import ServerThread
 from .app import GatewayConfig, make_app
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from ..protocol.auth import TOKEN_ENV
-from ..runtime.shard import ShardSpec
+from ..runtime.spec import ShardSpec
 
 
 @dataclass

@@ -36,7 +36,7 @@ from ..runtime.sampling import SamplingParams
 from .link import HopLinks, encode_reply, reply_error
 from ..runtime.sessions import Session, SessionStore, StepRecord
 from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
-from ..runtime.shard import ShardSpec
+from ..runtime.spec import ShardSpec
 
 MAX_STEP = 2 ** 63 - 1  # step numbers are uint64 in a frame's header; JSON ones stay below 2**63
 NODE = web.AppKey("node", object)

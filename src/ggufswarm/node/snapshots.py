@@ -192,6 +192,6 @@ def shard_of(executor) -> Shard:
     """The Shard (model fingerprint, layers, KV dtype or llama.cpp state) a node's executor computes."""
     if executor.backend == "llama.cpp":
         return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, STATE_DTYPE)
-    dtype = next(name for name, dt in KV_DTYPES.items() if dt == executor.dtype)
+    dtype = next(name for name in KV_DTYPES if f"torch.{name}" == str(executor.dtype))
     return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, dtype)
 

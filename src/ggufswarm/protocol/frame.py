@@ -25,8 +25,8 @@ import struct
 import uuid
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
-import torch
 
 from .errors import ProtocolError
 
@@ -39,12 +39,13 @@ HEADER_SIZE = HEADER.size  # 48
 @dataclass(frozen=True)
 class WireDtype:
     """How one wire dtype travels: ``code`` (the header's dtype byte), ``numpy`` (the little-endian numpy dtype
-    of the payload's values; bf16 travels as its raw 16 bits, ``<u2``), ``torch`` (what a tensor is cast to
-    before encoding; None for ids, which are sent as given), ``itemsize`` (bytes per value)."""
+    of the payload's values; bf16 travels as its raw 16 bits, ``<u2``), ``cast`` (the numpy dtype float32 hidden
+    states are rounded to before encoding — round to nearest even; bf16 through ``ml_dtypes``; None for ids,
+    which are sent as given), ``itemsize`` (bytes per value)."""
 
     code: int
     numpy: str
-    torch: torch.dtype | None
+    cast: type | None
 
     @property
     def itemsize(self) -> int:
@@ -52,12 +53,12 @@ class WireDtype:
 
 
 # The one table of wire dtypes; every other mapping (codes, names, sizes, the hidden-state dtypes) derives from it.
-DTYPES = {"ids": WireDtype(1, "<i4", None), "f16": WireDtype(2, "<f2", torch.float16),
-          "bf16": WireDtype(3, "<u2", torch.bfloat16), "f32": WireDtype(4, "<f4", torch.float32)}
+DTYPES = {"ids": WireDtype(1, "<i4", None), "f16": WireDtype(2, "<f2", np.float16),
+          "bf16": WireDtype(3, "<u2", ml_dtypes.bfloat16), "f32": WireDtype(4, "<f4", np.float32)}
 DTYPE_CODES = {name: d.code for name, d in DTYPES.items()}
 DTYPE_NAMES = {d.code: name for name, d in DTYPES.items()}
 ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
-WIRE_DTYPES = tuple(name for name, d in DTYPES.items() if d.torch is not None)  # hidden states: f16, bf16, f32
+WIRE_DTYPES = tuple(name for name, d in DTYPES.items() if d.cast is not None)  # hidden states: f16, bf16, f32
 FLAG_TOKEN_IDS = 1
 FLAG_NO_SAMPLE = 2
 F16_MAX = 65504.0
@@ -69,7 +70,7 @@ class FrameError(ProtocolError):
 
 @dataclass
 class Frame:
-    """A decoded frame. ``data``: int64 ids ``[T]`` (dtype "ids") or float32 hidden states ``[T, n_embd]``.
+    """A decoded frame (numpy). ``data``: int64 ids ``[T]`` (dtype "ids") or float32 hidden states ``[T, n_embd]``.
 
     ``token_ids``: int64 ``[T]`` from the trailer (the route's input ids, for the head's sampler), or None.
     ``dtype`` is the wire dtype it travelled in (the data is always widened to float32 on decode).
@@ -82,8 +83,8 @@ class Frame:
     n_embd: int
     dtype: str
     flags: int
-    data: torch.Tensor
-    token_ids: torch.Tensor | None = None
+    data: np.ndarray
+    token_ids: np.ndarray | None = None
 
     @property
     def sample(self) -> bool:
@@ -125,42 +126,45 @@ def encode_tokens(session_id: uuid.UUID, step: int, start: int, token_ids: list[
     return _header(session_id, step, start, len(ids), 0, "ids", flags) + ids.tobytes()
 
 
-def encode_hidden(session_id: uuid.UUID, step: int, start: int, hidden: torch.Tensor, dtype: str = "f16",
-                  token_ids: torch.Tensor | None = None, flags: int = 0) -> bytes:
-    """A frame carrying hidden states ``[T, n_embd]`` (any float dtype) in wire ``dtype`` (f16 / bf16 / f32).
+def _float32(x) -> np.ndarray:
+    """``x`` ``[T, n_embd]`` as a float32 numpy array: a numpy array as it is, a CPU torch tensor (the torch backend's
+    output, any float dtype: widening to float32 is exact) through ``.numpy()``, without importing torch here."""
+    if isinstance(x, np.ndarray):
+        return x if x.dtype == np.float32 else x.astype(np.float32)
+    return x.detach().float().numpy()
+
+
+def _int_ids(ids) -> np.ndarray:
+    return np.asarray(ids if isinstance(ids, (np.ndarray, list, tuple)) else ids.numpy(), dtype=DTYPES["ids"].numpy)
+
+
+def encode_hidden(session_id: uuid.UUID, step: int, start: int, hidden, dtype: str = "f16",
+                  token_ids=None, flags: int = 0) -> bytes:
+    """A frame carrying hidden states ``[T, n_embd]`` (numpy array or CPU torch tensor, any float dtype) in wire
+    ``dtype`` (f16 / bf16 / f32), rounded to nearest even.
 
     f16 never overflows silently: when ``max|hidden|`` exceeds the f16 range the values are sent
     divided by a power of two and ``scale_exp`` says by which (exact; Gemma's residual stream
-    reaches ~1e5). ``token_ids`` (int64 ``[T]``) are appended as a trailer when given.
+    reaches ~1e5). ``token_ids`` (ints ``[T]``) are appended as a trailer when given.
     Raises FrameError("non_finite") when ``hidden`` already holds NaN/inf.
     """
     if dtype not in WIRE_DTYPES:
         raise FrameError("bad_dtype", f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {dtype!r}")
     wire = DTYPES[dtype]
-    x = hidden.detach()
-    n_tokens, n_embd = x.shape
-    if x.dtype == torch.float32:  # numpy: a decode step's row costs ~0.1 ms less than through torch's dispatcher
-        arr = x.numpy()
-        peak = float(np.abs(arr).max())
-    else:
-        arr, peak = None, float(x.abs().max())
+    arr = _float32(hidden)
+    n_tokens, n_embd = arr.shape
+    peak = float(np.abs(arr).max())
     if not math.isfinite(peak):
         raise FrameError("non_finite", f"step {step}: hidden states hold NaN/inf before encoding; refusing to send",
                          status=500)
     scale_exp = 0
-    if dtype == "f32" and arr is not None:
-        payload = arr.astype(wire.numpy, copy=False).tobytes()
-    else:
-        if dtype == "f16" and peak > F16_MAX * (1 - 2 ** -12):
-            scale_exp = math.ceil(math.log2(peak / (F16_MAX * (1 - 2 ** -12))))
-            x = x.float() * (2.0 ** -scale_exp)
-        cast = x.to(wire.torch)
-        if dtype == "bf16":  # numpy has no bfloat16: its raw bits
-            cast = cast.view(torch.int16)
-        payload = cast.numpy().view(wire.numpy).tobytes()
+    if dtype == "f16" and peak > F16_MAX * (1 - 2 ** -12):
+        scale_exp = math.ceil(math.log2(peak / (F16_MAX * (1 - 2 ** -12))))
+        arr = arr * np.float32(2.0 ** -scale_exp)  # a power of two: exact
+    payload = arr.astype(wire.cast, copy=False).view(wire.numpy).tobytes()
     if token_ids is not None:
         flags |= FLAG_TOKEN_IDS
-        payload += token_ids.numpy().astype(DTYPES["ids"].numpy).tobytes()
+        payload += _int_ids(token_ids).tobytes()
     return _header(session_id, step, start, n_tokens, n_embd, dtype, flags, scale_exp) + payload
 
 
@@ -205,7 +209,7 @@ def decode_frame(body: bytes, n_embd: int | None = None, max_tokens: int | None 
     count = n_tokens if dtype == "ids" else n_tokens * width
     raw = np.frombuffer(body, dtype=DTYPES[dtype].numpy, count=count, offset=HEADER_SIZE)
     if dtype == "ids":
-        data = torch.from_numpy(raw.astype(np.int64))
+        data = raw.astype(np.int64)
     else:
         if dtype == "bf16":  # its raw bits are a float32's upper half
             arr = (raw.astype(np.uint32) << 16).view(np.float32)
@@ -216,9 +220,8 @@ def decode_frame(body: bytes, n_embd: int | None = None, max_tokens: int | None 
                     arr *= np.float32(2.0 ** scale_exp)
         if not np.isfinite(arr).all():
             raise FrameError("non_finite", f"step {step}: frame holds NaN/inf values")
-        data = torch.from_numpy(arr.reshape(n_tokens, width))
+        data = arr.reshape(n_tokens, width)
     ids = None
     if has_ids:
-        ids = torch.from_numpy(np.frombuffer(body, dtype=DTYPES["ids"].numpy, count=n_tokens, offset=end)
-                               .astype(np.int64))
+        ids = np.frombuffer(body, dtype=DTYPES["ids"].numpy, count=n_tokens, offset=end).astype(np.int64)
     return Frame(uuid.UUID(bytes=sid), step, start, n_tokens, width, dtype, flags, data, ids)

@@ -1,6 +1,6 @@
 """Backend choice: the one place that knows both shard backends (llama.cpp, torch) and builds either.
 
-A backend executes one shard (``runtime.shard.ShardSpec``) with the same interface:
+A backend executes one shard (``runtime.spec.ShardSpec``) with the same interface:
 ``new_session(max_length) -> kv`` (``kv.length``, ``kv.epoch``, ``kv.truncate(n)``),
 ``forward(kv, inputs, logits) -> hidden [T, n_embd] | logits [1 or T, n_vocab]``,
 ``kv_bytes_per_token()``, ``cfg`` (``n_layers``, ``n_embd``, ``n_vocab``, ``max_length``, ``arch``),
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from ..artifact.gguf_file import GGUFModelFile
-from .shard import ShardSpec
+from .spec import ShardSpec
 
 BACKENDS = ("llama.cpp", "torch")
 DEFAULT_BACKEND = "llama.cpp"

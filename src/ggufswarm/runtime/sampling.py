@@ -1,28 +1,34 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, logit bias, repetition, presence and
-frequency penalties, seeded.
+"""Sampling settings and the backend-neutral pieces of sampling (numpy only, no torch): greedy, logprobs.
 
-The order follows llama.cpp's default sampler chain (``common/sampling.cpp``): logit bias → penalties →
-top-k → top-p → min-p → temperature → draw.
+The samplers themselves belong to the backends: a llama.cpp head draws with llama.cpp's sampler chain
+(``runtime/llamacpp/sampling.py``), a torch head with its PyTorch re-implementation of that chain
+(``runtime/torch_sampling.py``, ``Sampler``; also importable from here).
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
-import torch
 
-
-_FLOAT_MAX = torch.finfo(torch.float64).max
+_FLOAT_MAX = float(np.finfo(np.float64).max)
 MAX_GRAMMAR_CHARS = 2 ** 20  # a GBNF grammar of a session (characters)
-_F32_MAX = torch.finfo(torch.float32).max
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
-def greedy(logits: torch.Tensor) -> int:
-    """The id of the first maximum of ``logits`` ``[n_vocab]`` (any float dtype, CPU), as llama.cpp's greedy
-    sampler picks it. Through numpy: ``torch.argmax`` takes ~1 ms over Gemma 3's 262,144 logits on one CPU
-    thread, ``numpy.argmax`` ~20 us (measured here), on every decoded token."""
-    return int(np.argmax(logits.detach().to(torch.float32).numpy()))
+def _as_numpy(logits) -> np.ndarray:
+    """float32 numpy view of logits: a numpy array as it is, a (CPU) torch tensor through ``.numpy()``."""
+    if isinstance(logits, np.ndarray):
+        return logits if logits.dtype == np.float32 else logits.astype(np.float32)
+    return logits.detach().float().numpy()  # a torch tensor (torch backend): no torch import needed here
+
+
+def greedy(logits) -> int:
+    """The id of the first maximum of ``logits`` ``[n_vocab]`` (numpy array or CPU torch tensor, any float dtype),
+    as llama.cpp's greedy sampler picks it. Through numpy: ``torch.argmax`` takes ~1 ms over Gemma 3's 262,144
+    logits on one CPU thread, ``numpy.argmax`` ~20 us (measured here), on every decoded token."""
+    return int(np.argmax(_as_numpy(logits)))
 
 
 @dataclass(frozen=True)
@@ -129,9 +135,12 @@ def _logit_bias(value) -> tuple:
     return tuple(sorted(out.items()))
 
 
-class Sampler:
-    """Draws token ids for one session. Each draw's randomness is keyed by (seed, position): the same
-    seed gives the same tokens, also after a route repair hands the session to a new head node."""
+class SamplerBase:
+    """What every head's sampler shares (no torch): validated settings, the session seed, ``bind`` and
+    ``check_vocab``. Each draw's randomness is keyed by (seed, position): the same seed gives the same tokens,
+    also after a route repair hands the session to a new head node. Subclasses: ``torch_sampling.Sampler`` (the
+    torch backend) and ``llamacpp.sampling.LlamaCppSampler``; both have ``sample(logits, history) -> int`` and
+    ``adjust(logits, history)``."""
 
     grammar_support = False  # see SamplingParams.grammar
 
@@ -146,8 +155,7 @@ class Sampler:
         self.params = replace(params, **{name: float(getattr(params, name))
                                          for name in ("temperature", "top_p", "min_p", "repeat_penalty",
                                                       "presence_penalty", "frequency_penalty")})
-        self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,)))
-        self.generator = torch.Generator()
+        self.seed = params.seed if params.seed is not None else secrets.randbelow(2 ** 62)
 
     def bind(self, executor) -> None:
         """Attach the head shard executor this sampler draws for (a llama.cpp head lends its vocabulary to the
@@ -159,74 +167,33 @@ class Sampler:
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {n_vocab})")
 
-    def adjust(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
-        """The float32 logits ``[n_vocab]`` the draw sees: ``logit_bias`` added, then the repeat penalty over the last
-        ``repeat_last_n`` ids of ``history``, then the frequency / presence penalties over ``history[penalize_from:]``
-        (llama.cpp's logit-bias and penalties samplers, in its chain's order). ``logits`` is not modified."""
-        p = self.params
-        logits = logits.float()
-        if p.logit_bias:
-            self.check_vocab(logits.shape[-1])
-            logits = logits.clone()
-            ids = torch.tensor([tok for tok, _ in p.logit_bias], dtype=torch.long)
-            logits[ids] += torch.tensor([bias for _, bias in p.logit_bias], dtype=torch.float32)
-        if p.repeat_penalty != 1.0 and history and p.repeat_last_n > 0:  # llama.cpp: penalty_last_n 0 = off
-            # llama.cpp penalties: positive logits divided, negative multiplied (CTRL paper, arXiv:1909.05858)
-            logits = logits.clone()
-            ids = torch.tensor(sorted(set(history[-p.repeat_last_n:])), dtype=torch.long)
-            vals = logits[ids]
-            penalized = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-            # an extreme penalty overflows (x / 1e-300, 0 * inf): keep the logits finite
-            logits[ids] = penalized.nan_to_num(nan=0.0, posinf=_F32_MAX, neginf=-_F32_MAX)
-        generated = history[p.penalize_from:] if history else []
-        if (p.presence_penalty or p.frequency_penalty) and generated:
-            # OpenAI's frequency / presence penalties, after the repeat penalty (llama.cpp's penalties sampler's order)
-            ids, counts = torch.unique(torch.tensor(generated, dtype=torch.long), return_counts=True)
-            penalty = counts.float() * p.frequency_penalty + p.presence_penalty
-            logits = logits.clone()
-            logits[ids] = (logits[ids] - penalty).clamp(-_F32_MAX, _F32_MAX)
-        return logits
 
-    def sample(self, logits: torch.Tensor, history: list[int] | None = None) -> int:
-        """One token id from float32 logits ``[n_vocab]``; ``history`` = the token ids before it, prompt included
-        (its length keys the draw; the penalties look at it). ValueError for a logit_bias id past ``n_vocab``."""
-        p = self.params
-        logits = self.adjust(logits, history)
-        if p.temperature <= 0:
-            return greedy(logits)
-        k = p.top_k if 0 < p.top_k < logits.numel() else logits.numel()
-        values, ids = torch.topk(logits, k)  # sorted descending
-        probs = torch.softmax(values, dim=-1)
-        keep = torch.ones_like(values, dtype=torch.bool)
-        if p.top_p < 1.0:
-            cum = torch.cumsum(probs, dim=-1)
-            keep &= (cum - probs) < p.top_p  # keep the smallest prefix reaching top_p (at least one)
-        if p.min_p > 0.0:
-            keep &= probs >= p.min_p * probs[0]
-        keep[0] = True
-        values, ids = values[keep], ids[keep]
-        scaled = values / p.temperature
-        if not bool(torch.isfinite(scaled).all()):  # a tiny temperature overflows (or rounds to 0 in float32):
-            scaled = (values.double() - float(values[0])) / p.temperature  # softmax is shift-invariant
-        probs = torch.softmax(scaled, dim=-1)
-        position = len(history) if history else 0
-        self.generator.manual_seed((self.seed * 1_000_003 + position) % 2 ** 63)
-        return int(ids[torch.multinomial(probs, 1, generator=self.generator)])
-
-
-def top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:
+def top_logprobs(logits, n: int) -> list[tuple[int, float]]:
     """The ``n`` most likely token ids with their natural-log probabilities, from logits ``[n_vocab]``."""
     return token_logprobs(logits, None, n)[1]
 
 
-def token_logprobs(logits: torch.Tensor, token: int | None, n: int) -> tuple[float | None, list[tuple[int, float]]]:
-    """(logprob of ``token``, the ``n`` most likely ``(id, logprob)`` pairs, most likely first) from float logits
-    ``[n_vocab]``: natural-log probabilities as ``log_softmax`` of the raw logits, in float32 — the model's own
-    distribution, before logit bias, penalties, temperature or truncation (OpenAI reports logprobs of the
-    model's distribution the same way). ``token`` None gives None for the first item."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def token_logprobs(logits, token: int | None, n: int) -> tuple[float | None, list[tuple[int, float]]]:
+    """(logprob of ``token``, the ``n`` most likely ``(id, logprob)`` pairs, most likely first, ties by lower id)
+    from float logits ``[n_vocab]`` (numpy or torch): natural-log probabilities as ``log_softmax`` of the raw
+    logits, in float32 — the model's own distribution, before logit bias, penalties, temperature or truncation
+    (OpenAI reports logprobs of the model's distribution the same way). ``token`` None gives None for the first
+    item."""
+    x = _as_numpy(logits)
+    shifted = x - x.max()
+    logp = shifted - np.log(np.exp(shifted).sum(dtype=np.float32), dtype=np.float32)
     top = []
     if n > 0:
-        values, ids = torch.topk(logp, n)
-        top = [(int(i), float(v)) for i, v in zip(ids, values)]
+        n = min(n, logp.shape[-1])
+        ids = np.argpartition(-logp, n - 1)[:n]
+        ids = ids[np.lexsort((ids, -logp[ids]))]
+        top = [(int(i), float(logp[i])) for i in ids]
     return (float(logp[token]) if token is not None else None), top
+
+
+def __getattr__(name: str):
+    """``Sampler``, the torch backend's sampler, imported on first use (it needs torch; nothing else here does)."""
+    if name == "Sampler":
+        from .torch_sampling import Sampler
+        return Sampler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

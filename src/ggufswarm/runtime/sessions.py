@@ -11,10 +11,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
-from .sampling import Sampler, SamplingParams, token_logprobs
-from .kv import ContextOverflow, SessionKV, TokenOutOfRange, check_max_length
+from .sampling import SamplerBase, SamplingParams, token_logprobs
+from .kv import ContextOverflow, KVPosition, TokenOutOfRange, check_max_length
 
 
 class SessionError(Exception):
@@ -60,7 +60,7 @@ class StepRecord:
     digest: int
     start: int
     n_tokens: int
-    output: torch.Tensor | None = None
+    output: np.ndarray | None = None  # hidden states [T, n_embd] (a torch tensor on the torch backend)
     token: int | None = None
     logprobs: list[tuple[int, float]] | None = None
     token_logprob: float | None = None
@@ -74,11 +74,11 @@ class Session:
     """One route session on this node: its KV cache, sampler (head only) and last step."""
 
     id: uuid.UUID
-    kv: SessionKV
+    kv: KVPosition
     max_length: int
     next_hop: str | None = None
     wire_dtype: str = "f32"
-    sampler: Sampler | None = None
+    sampler: SamplerBase | None = None
     n_logprobs: int = 0
     want_logprob: bool = False  # the head reports the sampled token's logprob with each sample
     history: list[int] = field(default_factory=list)  # token ids of every position held (sampler, snapshots)
@@ -262,8 +262,8 @@ class SessionStore:
             raise StepConflict(f"step {step} is older than the last step applied ({expected - 1})", "stale_step")
         raise StepConflict(f"step {step} skips ahead; the next step of this session is {expected}", "step_gap")
 
-    def apply(self, session: Session, step: int, digest: int, start: int, inputs: torch.Tensor,
-              token_ids: torch.Tensor | None, sample: bool = True) -> StepRecord:
+    def apply(self, session: Session, step: int, digest: int, start: int, inputs: np.ndarray,
+              token_ids: np.ndarray | None, sample: bool = True) -> StepRecord:
         """Run one step (blocking; call off the event loop) and record it as the session's last step.
 
         ``inputs``: int64 ids ``[T]`` (embedding shard) or float32 hidden ``[T, n_embd]``;
@@ -273,7 +273,7 @@ class SessionStore:
         history are unchanged.
         """
         n_vocab = self.executor.cfg.n_vocab
-        if token_ids is not None and token_ids.numel() and (int(token_ids.min()) < 0
+        if token_ids is not None and token_ids.size and (int(token_ids.min()) < 0
                                                             or int(token_ids.max()) >= n_vocab):
             raise TokenOutOfRange(f"token id out of range [0, {n_vocab}) in the frame's token-id trailer")
         session.busy += 1
@@ -283,7 +283,7 @@ class SessionStore:
             out = self.executor.forward(session.kv, inputs)
             record = StepRecord(step, digest, start, inputs.shape[0])
             try:
-                ids = token_ids if token_ids is not None else (inputs if inputs.dim() == 1 else None)
+                ids = token_ids if token_ids is not None else (inputs if inputs.ndim == 1 else None)
                 if ids is not None:
                     session.history.extend(ids.tolist())
                 else:

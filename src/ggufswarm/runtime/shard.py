@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -11,8 +10,10 @@ import torch
 from ..artifact.gguf_file import GGUFModelFile
 from ..model import ModelConfig, family, load_config
 from ..model.blocks import linear, rms_norm, rope_inv_freq, rope_tables, yarn_inv_freq
-from .sampling import Sampler
-from .kv import ContextOverflow, SessionKV, TokenOutOfRange
+from .torch_sampling import Sampler
+from .kv import ContextOverflow, TokenOutOfRange
+from .spec import ShardSpec, even_split, split_at  # noqa: F401 (re-exported)
+from .torch_kv import SessionKV
 
 NUMERICS = ("llama.cpp", "exact")
 # ggml-cpu.c type_traits_cpu[...].vec_dot_type: activations are quantized to this before the dot product
@@ -21,57 +22,6 @@ VEC_DOT_ACTIVATION = {
     **{t: "q8_k" for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
                            "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_XS")},
 }
-_RANGE_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """A contiguous layer range ``[start, end)``, plus the embedding stage and/or the head stage."""
-
-    start: int
-    end: int
-    embed: bool = False
-    head: bool = False
-
-    @classmethod
-    def parse(cls, text: str, n_layers: int, embed: bool = False, head: bool = False) -> "ShardSpec":
-        """Parse ``"START:END"`` (half-open, as Python slices); ValueError when malformed or out of range."""
-        m = _RANGE_RE.match(text)
-        if not m:
-            raise ValueError(f"layer range must look like START:END, got {text!r}")
-        spec = cls(int(m[1]), int(m[2]), embed, head)
-        spec.validate(n_layers)
-        return spec
-
-    def validate(self, n_layers: int) -> None:
-        """ValueError unless ``0 <= start <= end <= n_layers`` and the shard does something."""
-        if self.start > self.end:
-            raise ValueError(f"layer range {self.start}:{self.end} is reversed (START must be <= END)")
-        if not 0 <= self.start <= self.end <= n_layers:
-            raise ValueError(f"layer range {self.start}:{self.end} is outside the model's 0:{n_layers}")
-        if self.start == self.end and not (self.embed or self.head):
-            raise ValueError(f"layer range {self.start}:{self.end} is empty")
-
-    @property
-    def layers(self) -> range:
-        """The block indices this shard runs."""
-        return range(self.start, self.end)
-
-
-def even_split(n_layers: int, n_shards: int) -> list[ShardSpec]:
-    """Split ``[0, n_layers)`` into ``n_shards`` contiguous near-equal ranges; embed first, head last."""
-    if not 1 <= n_shards <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {n_shards} shards")
-    bounds = [round(i * n_layers / n_shards) for i in range(n_shards + 1)]
-    return [ShardSpec(bounds[i], bounds[i + 1], embed=i == 0, head=i == n_shards - 1) for i in range(n_shards)]
-
-
-def split_at(n_layers: int, points: list[int]) -> list[ShardSpec]:
-    """Shards cut at ``points`` (e.g. ``[6, 12]`` → ``[0,6) [6,12) [12,n)``); ValueError unless increasing and inside."""
-    bounds = [0, *points, n_layers]
-    if any(b >= c for b, c in zip(bounds, bounds[1:])):
-        raise ValueError(f"split points {points} must be strictly increasing inside 1..{n_layers - 1}")
-    return [ShardSpec(a, b, embed=i == 0, head=i == len(bounds) - 2) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
 
 class ShardExecutor:
@@ -163,13 +113,16 @@ class ShardExecutor:
         """Run one prefill (T > 1) or decode (T = 1) step for a session.
 
         ``inputs``: token ids ``[T]`` int64 when the shard has the embedding stage, else hidden
-        states ``[T, n_embd]``. Positions continue from ``kv.length``. Returns hidden states
+        states ``[T, n_embd]`` (a torch tensor or a numpy array, as a decoded frame carries them).
+        Positions continue from ``kv.length``. Returns (torch) hidden states
         ``[T, n_embd]`` (``dtype``), or with the head stage float32 logits ``[1, n_vocab]``
         (``logits="last"``) or ``[T, n_vocab]`` (``logits="all"``).
 
         Raises ContextOverflow past ``max_length`` and ValueError for wrong shapes; on any error
         the KV cache is left exactly as before the call.
         """
+        if isinstance(inputs, np.ndarray):
+            inputs = torch.from_numpy(inputs)
         n_tokens = inputs.shape[0]
         if n_tokens == 0:
             raise ValueError("a step needs at least one token")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..artifact.manifest import Manifest
-from ..runtime.shard import ShardSpec
+from ..runtime.spec import ShardSpec
 from ..tracker.routing import Advertisement
 from .publish import tracker_call
 from .torrent import FetchStats, Swarm

@@ -24,14 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import llama_cpp as L
 
 from ...artifact.accounting import shard_account
 from ...artifact.gguf_file import GGUFModelFile
 from ..kv import ContextOverflow, KVPosition, TokenOutOfRange, check_max_length
-from ..shard import ShardSpec
+from ..spec import ShardSpec
 from . import _graph_tap
 from .sampling import LlamaCppSampler
 from .derive import TokenEmbedding, UnsupportedShard, n_model_layers, rules_for, shard_path
@@ -200,7 +199,6 @@ class LlamaCppShard:
     """
 
     backend = "llama.cpp"
-    dtype = torch.float16  # KV cache element type (llama.cpp's default f16 cache)
     sampler_class = LlamaCppSampler  # the head draws with llama.cpp's sampler chain
 
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
@@ -317,13 +315,13 @@ class LlamaCppShard:
             self._free_seqs.append(seq_id)
 
     # -- steps ---------------------------------------------------------------------------------
-    def forward(self, kv: SeqKV, inputs: torch.Tensor, logits: str = "last") -> torch.Tensor:
+    def forward(self, kv: SeqKV, inputs, logits: str = "last") -> np.ndarray:
         """Run one prefill (T > 1) or decode (T = 1) step of a session.
 
-        ``inputs``: token ids ``[T]`` (int) when the shard has the embedding stage, else hidden
-        states ``[T, n_embd]`` (float, converted to float32). Returns float32 hidden states
-        ``[T, n_embd]`` (the last block's output), or at the head float32 logits ``[1, n_vocab]``
-        (``logits="last"``) or ``[T, n_vocab]`` (``"all"``).
+        ``inputs`` (a numpy array, or anything ``numpy.asarray`` takes: a list, a CPU torch tensor): token ids
+        ``[T]`` (int) when the shard has the embedding stage, else hidden states ``[T, n_embd]`` (float,
+        converted to float32). Returns numpy float32 hidden states ``[T, n_embd]`` (the last block's output), or
+        at the head float32 logits ``[1, n_vocab]`` (``logits="last"``) or ``[T, n_vocab]`` (``"all"``).
 
         Raises ContextOverflow past ``max_length``, ValueError for wrong shapes / ids / a step over
         ``n_batch`` tokens, KVCellsFull when the context has no free cells, LlamaCppError when
@@ -331,7 +329,8 @@ class LlamaCppShard:
         """
         if kv.closed or kv.shard is not self:
             raise ValueError("session is closed or belongs to another shard")
-        n_tokens = int(inputs.shape[0])
+        inputs = np.asarray(inputs)
+        n_tokens = int(inputs.shape[0]) if inputs.ndim else 0
         if n_tokens == 0:
             raise ValueError("a step needs at least one token")
         if n_tokens > self.n_batch:
@@ -341,16 +340,17 @@ class LlamaCppShard:
             raise ValueError(f"this head returns at most {self.max_outputs} rows of logits per step "
                              f"(load it with all_logits=True for perplexity)")
         if self.spec.embed:
-            if inputs.dim() != 1:
-                raise ValueError(f"the first shard takes token ids [n_tokens], got shape {tuple(inputs.shape)}")
-            ids = inputs.numpy().astype(np.int32, copy=False)
+            if inputs.ndim != 1 or inputs.dtype.kind not in "iu":
+                raise ValueError(f"the first shard takes integer token ids [n_tokens], got {inputs.dtype} "
+                                 f"{tuple(inputs.shape)}")
+            ids = inputs.astype(np.int32, copy=False)
             if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.n_vocab:
                 raise TokenOutOfRange(f"token id out of range [0, {self.cfg.n_vocab})")
             embd = None if self.takes_tokens else self.embedding(ids)
         else:
-            if inputs.dim() != 2 or inputs.shape[1] != self.cfg.n_embd:
+            if inputs.ndim != 2 or inputs.shape[1] != self.cfg.n_embd:
                 raise ValueError(f"expected hidden states [n_tokens, {self.cfg.n_embd}], got {tuple(inputs.shape)}")
-            embd = (inputs if inputs.dtype == torch.float32 else inputs.to(torch.float32)).numpy()
+            embd = inputs
             ids = None
         all_out = not self.spec.head or logits == "all"
         with self._lock:
@@ -380,13 +380,13 @@ class LlamaCppShard:
                     L.llama_memory_seq_rm(self._mem, kv.seq_id, kv.length, -1)
                     raise LlamaCppError(f"captured {got} hidden-state rows for {n_tokens} tokens "
                                         f"(tensor {self._tap.target.decode()})")
-                out = torch.from_numpy(self._capture[:n_tokens].copy())
+                out = self._capture[:n_tokens].copy()
             elif logits == "all":
                 ptr = L.llama_get_logits(self._ctx)
-                out = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_tokens, self.n_vocab_out)).copy())
+                out = np.ctypeslib.as_array(ptr, shape=(n_tokens, self.n_vocab_out)).copy()
             else:
                 ptr = L.llama_get_logits_ith(self._ctx, -1)
-                out = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(1, self.n_vocab_out)).copy())
+                out = np.ctypeslib.as_array(ptr, shape=(1, self.n_vocab_out)).copy()
             kv.length += n_tokens
         return out
 

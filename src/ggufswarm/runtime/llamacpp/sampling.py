@@ -17,11 +17,10 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-import torch
 
 import llama_cpp as L
 
-from ..sampling import Sampler, SamplingParams, greedy
+from ..sampling import SamplerBase, SamplingParams, _as_numpy, greedy
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)
@@ -32,8 +31,8 @@ def draw_seed(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position) % 2 ** 32
 
 
-class LlamaCppSampler(Sampler):
-    """``runtime.sampling.Sampler``'s interface, drawing with llama.cpp's sampler chain.
+class LlamaCppSampler(SamplerBase):
+    """A head's sampler drawing with llama.cpp's sampler chain (the torch backend's ``Sampler`` has the same interface).
 
     ``temperature <= 0`` is greedy (argmax after the penalties, as llama.cpp's greedy sampler).
     Raises ValueError for settings of the wrong type or out of range (``SamplingParams.validate``).
@@ -126,9 +125,9 @@ class LlamaCppSampler(Sampler):
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(draw_seed(self.seed, position)))
         return chain
 
-    def _array(self, logits: torch.Tensor):
+    def _array(self, logits):
         """A ``llama_token_data_array`` over this sampler's buffer holding ``logits`` (ids in order), and n_vocab."""
-        values = np.ascontiguousarray(logits.float().numpy(), dtype=np.float32)
+        values = _as_numpy(logits)
         n = values.shape[0]
         if self._data is None or self._data.shape[0] != n:
             self._data = np.zeros(n, dtype=_TOKEN_DATA)
@@ -138,8 +137,9 @@ class LlamaCppSampler(Sampler):
         data["p"] = 0.0
         return L.llama_token_data_array(data.ctypes.data_as(L.llama_token_data_p), n, -1, False), n
 
-    def adjust(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
-        """``Sampler.adjust`` computed by llama.cpp's own logit-bias and penalties samplers: float32 ``[n_vocab]``."""
+    def adjust(self, logits, history: list[int] | None = None) -> np.ndarray:
+        """``Sampler.adjust`` computed by llama.cpp's own logit-bias and penalties samplers: float32 ``[n_vocab]``
+        (numpy) from ``logits`` (numpy or torch)."""
         arr, n = self._array(logits)
         chain = self._chain(history or [], len(history or []), n, draw=False)
         try:
@@ -149,9 +149,9 @@ class LlamaCppSampler(Sampler):
         data = self._data[:arr.size]
         out = np.empty(n, dtype=np.float32)
         out[data["id"]] = data["logit"]
-        return torch.from_numpy(out)
+        return out
 
-    def sample(self, logits: torch.Tensor, history: list[int] | None = None) -> int:
+    def sample(self, logits, history: list[int] | None = None) -> int:
         """One token id from float32 logits ``[n_vocab]``; ``history`` = the token ids before it (its length is
         the position that keys the draw; its last ``repeat_last_n`` ids get the repeat penalty, those from
         ``penalize_from`` on the frequency and presence penalties and the grammar, which must allow them).
@@ -166,7 +166,7 @@ class LlamaCppSampler(Sampler):
         token = self._draw(logits, history, False)
         return token if self._allows(token) else self._draw(logits, history, True)
 
-    def _draw(self, logits: torch.Tensor, history: list[int], grammar: bool) -> int:
+    def _draw(self, logits, history: list[int], grammar: bool) -> int:
         p = self.params
         if not grammar and p.temperature <= 0 and (p.repeat_penalty == 1.0 or not history) and not p.logit_bias \
                 and not ((p.frequency_penalty or p.presence_penalty) and history[p.penalize_from:]):
