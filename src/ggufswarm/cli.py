@@ -498,11 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         from .protocol.auth import TOKEN_ENV
         args.token = args.token or os.environ.get(TOKEN_ENV) or None
     from .artifact.gguf_file import GGUFError
-    from .model import UnsupportedArchitecture
-    from .runtime.kv import ContextOverflow
     try:
         return COMMANDS[args.command](args)
-    except (GGUFError, UnsupportedArchitecture, ContextOverflow, ValueError, OSError, RuntimeError) as exc:
+    except (GGUFError, ValueError, OSError, RuntimeError) as exc:  # UnsupportedArchitecture, ContextOverflow: ValueErrors
         print(f"ggufswarm {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
