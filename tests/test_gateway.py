@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
+import numpy as np
 import pytest
 
 import torch
@@ -314,7 +315,7 @@ def reference_logprobs(model, ids: list[int], tokens: list[int]) -> torch.Tensor
             rows += [session.logits([t])[-1] for t in tokens[:-1]]
         finally:
             session.close()
-    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+    return torch.log_softmax(torch.as_tensor(np.stack(rows)).float(), dim=-1)
 
 
 def piece(model, token: int) -> str:
