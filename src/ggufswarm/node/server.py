@@ -55,7 +55,7 @@ class NodeConfig:
     dtype: str = "float32"            # torch backend's compute dtype
     backend: str = DEFAULT_BACKEND    # "llama.cpp" or "torch" (runtime.backends)
     threads: int | None = None        # llama.cpp decode/batch threads (None: all cores)
-    ctx_size: int = 4096              # llama.cpp: KV cells per session = the longest session (tokens)
+    ctx_size: int = 8192              # llama.cpp: KV cells per session = the longest session (tokens)
     max_sessions: int = 4             # llama.cpp: sessions at once (sequence ids of the context)
     kv_budget_tokens: int = 262144
     kv_budget_mb: float | None = None
