@@ -441,6 +441,15 @@ def test_a_gateway_given_only_a_route_serves_the_route_s_model(tiny_route, tmp_p
         check_route(GatewayConfig(route=urls, model=str(gemma_path)))
     with pytest.raises(ValueError, match="bad route: route must start at layer 0"):
         check_route(GatewayConfig(route=urls[::-1]))
+    with pytest.raises(ValueError, match="bad route: route must start at layer 0 .* and end at layer 2 with the head"):
+        check_route(GatewayConfig(route=urls[:1]))  # coverage: layer 1 and the head missing
+    # the token: a route of nodes that require one is refused at start, naming the fix, and checked with it
+    with AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=tiny_route["model"],
+                                                    token="route-t0ken", data_dir=str(tmp_path / "tok")))) as locked:
+        for token in (None, "wrong"):
+            with pytest.raises(ValueError, match=r"bad route: .*give the nodes' --token"):
+                check_route(GatewayConfig(route=[locked], token=token), every_s=0.01)
+        assert check_route(GatewayConfig(route=[locked], token="route-t0ken")).hops[0].url == locked
 
     server = ServerThread(make_app(GatewayConfig(route=urls, data_dir=str(tmp_path))))
     base = server.start()
