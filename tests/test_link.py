@@ -335,6 +335,76 @@ def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
             session.close()
 
 
+def test_a_repair_whose_replay_fails_halfway_records_the_tokens_it_replayed(tiny_route):
+    """A replacement head that opens and restores, answers the first replayed step (the prompt) and fails the
+    next: that repair is listed with the tokens it actually replayed and the replay's error, and the next repair
+    (back to the first head, healthy again) replays the whole history; the text is unchanged."""
+    from dataclasses import replace
+
+    from ggufswarm.client.remote import RouteError
+
+    steps = []
+
+    async def opened(request):
+        return web.json_response({"session_id": (await request.json())["session_id"]}, status=201)
+
+    async def restored(request):
+        return web.json_response({"length": 0, "boundaries": [0]})
+
+    async def truncated(request):
+        return web.json_response({"length": 0})
+
+    async def step(request):
+        frame = decode_frame(await request.read())
+        steps.append(frame.n_tokens)
+        if len(steps) > 1:
+            return web.json_response({"error": {"code": "internal", "message": "disk on fire"}}, status=500)
+        return web.json_response({"token": None,
+                                  "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}]})
+
+    async def closed(request):
+        return web.json_response({"closed": True})
+
+    def flaky_head():
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/sessions", opened)
+        app.router.add_post("/v1/sessions/{sid}/restore", restored)
+        app.router.add_post("/v1/sessions/{sid}/truncate", truncated)
+        app.router.add_delete("/v1/sessions/{sid}", closed)
+        app.router.add_post("/v1/step", step)
+        return app
+
+    first, head = tiny_route["first"], tiny_route["head"]
+    with AppThread(flaky_head) as fake:
+        route = RemoteRoute([first, head])
+        spare = RemoteRoute.of_hops([replace(route.hops[1], url=fake)], 30.0, part=True)
+
+        def replan(exclude, span):
+            if fake not in exclude:
+                return spare
+            if head not in exclude:
+                return RemoteRoute([head], 30.0, part=True)
+            raise RouteError(f"no node serves layers {span[0]}:{span[1]} but those excluded", 503, "no_route")
+
+        want = greedy([tiny_route["whole"]], n=4)
+        session = route.open(64, GREEDY, replan=replan)
+        try:
+            out = [session.step(PROMPT)]
+            out.append(session.step([out[-1]]))
+            out.append(session.step([out[-1]]))
+            http("DELETE", f"{head}/v1/sessions/{session.id}")  # the head lost the session
+            out.append(session.step([out[-1]]))
+        finally:
+            session.close()
+        assert out == want
+        assert steps == [len(PROMPT), 1]  # the fake got the prompt, then failed the first decode step's replay
+        flaky, back = session.telemetry.repairs
+        assert (flaky["hop"], flaky["replacement"], back["hop"], back["replacement"]) == (head, [fake], fake, [head])
+        assert flaky["restored_tokens"] == 0 and flaky["tokens_replayed"] == len(PROMPT)
+        assert "replay failed" in flaky["error"] and "disk on fire" in flaky["error"]
+        assert back["restored_tokens"] == 0 and back["tokens_replayed"] == len(PROMPT) + 2 and "error" not in back
+
+
 def test_a_node_excluded_by_one_repair_can_replace_a_later_failure(tiny_route, tiny_dir):
     """The head fails (the session moves to a second head), then the second head fails too: the session goes
     back to the first head, which serves again, instead of ending with no_replacement; the text is unchanged."""
