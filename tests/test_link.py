@@ -288,6 +288,49 @@ def test_a_client_that_dies_frees_its_sessions_within_its_lease(tiny_route):
     abandoned.close()  # its step link to the first node stays open until then (other tests count links)
 
 
+@pytest.mark.slow
+def test_a_gateway_killed_mid_request_has_its_sessions_freed_within_its_lease(tiny_route, tmp_path):
+    """A gateway process killed (SIGKILL) while it streams closes nothing; every node drops its session once
+    idle for the gateway's lease (GatewayConfig.session_lease_s, 30 s), long before the nodes' 300 s session TTL."""
+    import subprocess
+    import sys
+    from http.client import HTTPConnection
+
+    from ggufswarm.gateway.app import GatewayConfig
+
+    lease = GatewayConfig([]).session_lease_s
+    urls = [tiny_route["first"], tiny_route["head"]]
+    assert lease <= 30 and all(http("GET", u + "/health")[1]["session_ttl_s"] >= 300 for u in urls)
+    before = [http("GET", u + "/health")[1]["sessions"] for u in urls]  # other tests' sessions, if any
+    proc = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "gateway", "--route", ",".join(urls),
+                             "--port", "0", "--data-dir", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ggufswarm gateway ready: "), line
+        base = line.split()[3].rsplit("/v1", 1)[0]
+        host, port = base.split("//", 1)[1].rsplit(":", 1)
+        conn = HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "a b c d", "max_tokens": 10 ** 6,
+                                                             "temperature": 0, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")
+        assert [http("GET", u + "/health")[1]["sessions"] - b for u, b in zip(urls, before)] == [1, 1]
+        proc.kill()
+        proc.wait(timeout=30)
+        t0 = time.monotonic()
+        # polled; the bound is the lease plus the reaper's round and a loaded machine's slack, far below the TTL
+        while [http("GET", u + "/health")[1]["sessions"] for u in urls] != before:
+            assert time.monotonic() - t0 < lease + 30, "the dead gateway's session outlived its lease"
+            time.sleep(0.5)
+        conn.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
     """Telemetry lists every repair attempt: one whose replacement fails while restoring (recorded with its
     error), then the one that finds no replacement left."""
