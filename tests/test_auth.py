@@ -90,6 +90,32 @@ def test_the_token_is_never_in_a_torrent(apps, tmp_path):
     assert status_of(tracker + "/status.json?swarm_key=" + announce_key(TOKEN), "GET", {}) == 401  # announce only
 
 
+def test_the_token_is_not_in_the_tracker_database(tmp_path):
+    """A tracker keeping its registry in a file: after a publish, an announce and a node's heartbeat, the token is
+    in none of the database's files (the database, its WAL), in clear or as the hex of its bytes."""
+    from ggufswarm.protocol.auth import announce_key
+    from ggufswarm.swarm.publish import publish, tracker_call
+
+    db = tmp_path / "tracker.db"
+    server = ServerThread(make_tracker_app(TrackerConfig(db=str(db), token=TOKEN)))
+    tracker = server.start()
+    try:
+        model = write_tiny_model(tmp_path / "published.gguf", "llama", n_layers=2)
+        publish(model, tracker, "tiny", token=TOKEN)
+        announce = f"{tracker}/announce?swarm_key={announce_key(TOKEN)}&info_hash={'%00' * 20}&peer_id=x&port=1"
+        assert status_of(announce, "GET", {}) == 200
+        ad = {"node_id": "n1", "url": "http://127.0.0.1:9", "model": "tiny", "layers": [0, 2], "embed": True,
+              "head": True, "state": "ready", "free_kv_tokens": 64, "decode_ms": 1.0}
+        tracker_call(f"{tracker}/nodes/heartbeat", "POST", ad, token=TOKEN)
+        assert [a["url"] for a in tracker_call(f"{tracker}/nodes?model=tiny", token=TOKEN)["nodes"]] == [ad["url"]]
+        files = sorted(tmp_path.glob("tracker.db*"))
+        stored = b"".join(f.read_bytes() for f in files)
+        assert db in files and stored
+        assert TOKEN.encode() not in stored and TOKEN.encode().hex().encode() not in stored
+    finally:
+        server.stop()
+
+
 def test_the_library_never_reads_the_environment(apps, monkeypatch):
     """Only the command line reads ``$GGUFSWARM_TOKEN``: an in-process client or config given no token sends
     none (401 from a private swarm) even with the variable set, and one given the token gets through."""

@@ -84,6 +84,8 @@ def test_store_prefix_lookup_supersede_lru_and_corruption(tmp_path):
     assert store.lookup(SHARD, [7] + a) is None
     assert store.lookup(Shard(SHARD.model, 0, 2, "bfloat16"), a) is None  # other dtype, other address
     assert store.lookup(Shard(SHARD.model, 2, 4, "float32"), a) is None  # other layers
+    other_model = ("0" if SHARD.model[0] != "0" else "1") + SHARD.model[1:]
+    assert store.lookup(Shard(other_model, SHARD.start, SHARD.end, SHARD.dtype), a) is None  # other model (GGUF)
     # the first blob under a key stays: the same bytes again are a no-op, other bytes are refused
     again = store.put(blob_for(a)[0])
     assert again["key"] == info["key"] and again["existing"] and store.count == 1

@@ -114,6 +114,23 @@ def test_long_prompt_greedy_equals_generate(gateway, cluster, gemma, long_prompt
     check_telemetry(final, cluster, len(gemma.prompt_ids(long_prompt)), len(ref_tokens))
 
 
+@pytest.mark.slow
+def test_an_8k_token_prompt_works_with_default_settings(gateway, cluster, gemma, reference_text):
+    """Nodes started without --ctx-size hold an ~8K-token prompt (the default was 4096: a 400
+    context_length_exceeded), and its 2048-token prefill chunks get hop timeouts scaled to their size
+    (a fixed one gave 504): the answer comes, counted in full."""
+    prompt = ((reference_text + "\n\n") * 4)[:-1200]
+    n = len(gemma.prompt_ids(prompt))
+    assert 7800 < n <= 8192 - 2, n
+    assert {http("GET", node.url + "/health")[1]["max_length"] for node in cluster} == {8192}
+    status, out = http("POST", gateway + "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0},
+                       timeout=600)
+    assert status == 200, out
+    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2}
+    assert out["choices"][0]["finish_reason"] == "length" and out["telemetry"]["kv_tokens_held"] == \
+        {node.url: n + 1 for node in cluster}
+
+
 def test_chat_stream_greedy_equals_generate_chat(gateway, gemma):
     ref_text, ref_tokens = reference(gemma, CHAT, 40, chat=True)
     body = {"messages": [{"role": "user", "content": CHAT}], "max_tokens": 40, "temperature": 0}

@@ -288,6 +288,49 @@ def test_a_client_that_dies_frees_its_sessions_within_its_lease(tiny_route):
     abandoned.close()  # its step link to the first node stays open until then (other tests count links)
 
 
+@pytest.mark.slow
+def test_a_gateway_killed_mid_request_has_its_sessions_freed_within_its_lease(tiny_route, tmp_path):
+    """A gateway process killed (SIGKILL) while it streams closes nothing; every node drops its session once
+    idle for the gateway's lease (GatewayConfig.session_lease_s, 30 s), long before the nodes' 300 s session TTL."""
+    import subprocess
+    import sys
+    from http.client import HTTPConnection
+
+    from ggufswarm.gateway.app import GatewayConfig
+
+    lease = GatewayConfig([]).session_lease_s
+    urls = [tiny_route["first"], tiny_route["head"]]
+    assert lease <= 30 and all(http("GET", u + "/health")[1]["session_ttl_s"] >= 300 for u in urls)
+    before = [http("GET", u + "/health")[1]["sessions"] for u in urls]  # other tests' sessions, if any
+    proc = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "gateway", "--route", ",".join(urls),
+                             "--port", "0", "--data-dir", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ggufswarm gateway ready: "), line
+        base = line.split()[3].rsplit("/v1", 1)[0]
+        host, port = base.split("//", 1)[1].rsplit(":", 1)
+        conn = HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "a b c d", "max_tokens": 10 ** 6,
+                                                             "temperature": 0, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")
+        assert [http("GET", u + "/health")[1]["sessions"] - b for u, b in zip(urls, before)] == [1, 1]
+        proc.kill()
+        proc.wait(timeout=30)
+        t0 = time.monotonic()
+        # polled; the bound is the lease plus the reaper's round and a loaded machine's slack, far below the TTL
+        while [http("GET", u + "/health")[1]["sessions"] for u in urls] != before:
+            assert time.monotonic() - t0 < lease + 30, "the dead gateway's session outlived its lease"
+            time.sleep(0.5)
+        conn.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
     """Telemetry lists every repair attempt: one whose replacement fails while restoring (recorded with its
     error), then the one that finds no replacement left."""
@@ -333,6 +376,76 @@ def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
             assert last["hop"] == fake and last["replacement"] is None and "any more" in last["error"]
         finally:
             session.close()
+
+
+def test_a_repair_whose_replay_fails_halfway_records_the_tokens_it_replayed(tiny_route):
+    """A replacement head that opens and restores, answers the first replayed step (the prompt) and fails the
+    next: that repair is listed with the tokens it actually replayed and the replay's error, and the next repair
+    (back to the first head, healthy again) replays the whole history; the text is unchanged."""
+    from dataclasses import replace
+
+    from ggufswarm.client.remote import RouteError
+
+    steps = []
+
+    async def opened(request):
+        return web.json_response({"session_id": (await request.json())["session_id"]}, status=201)
+
+    async def restored(request):
+        return web.json_response({"length": 0, "boundaries": [0]})
+
+    async def truncated(request):
+        return web.json_response({"length": 0})
+
+    async def step(request):
+        frame = decode_frame(await request.read())
+        steps.append(frame.n_tokens)
+        if len(steps) > 1:
+            return web.json_response({"error": {"code": "internal", "message": "disk on fire"}}, status=500)
+        return web.json_response({"token": None,
+                                  "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}]})
+
+    async def closed(request):
+        return web.json_response({"closed": True})
+
+    def flaky_head():
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/sessions", opened)
+        app.router.add_post("/v1/sessions/{sid}/restore", restored)
+        app.router.add_post("/v1/sessions/{sid}/truncate", truncated)
+        app.router.add_delete("/v1/sessions/{sid}", closed)
+        app.router.add_post("/v1/step", step)
+        return app
+
+    first, head = tiny_route["first"], tiny_route["head"]
+    with AppThread(flaky_head) as fake:
+        route = RemoteRoute([first, head])
+        spare = RemoteRoute.of_hops([replace(route.hops[1], url=fake)], 30.0, part=True)
+
+        def replan(exclude, span):
+            if fake not in exclude:
+                return spare
+            if head not in exclude:
+                return RemoteRoute([head], 30.0, part=True)
+            raise RouteError(f"no node serves layers {span[0]}:{span[1]} but those excluded", 503, "no_route")
+
+        want = greedy([tiny_route["whole"]], n=4)
+        session = route.open(64, GREEDY, replan=replan)
+        try:
+            out = [session.step(PROMPT)]
+            out.append(session.step([out[-1]]))
+            out.append(session.step([out[-1]]))
+            http("DELETE", f"{head}/v1/sessions/{session.id}")  # the head lost the session
+            out.append(session.step([out[-1]]))
+        finally:
+            session.close()
+        assert out == want
+        assert steps == [len(PROMPT), 1]  # the fake got the prompt, then failed the first decode step's replay
+        flaky, back = session.telemetry.repairs
+        assert (flaky["hop"], flaky["replacement"], back["hop"], back["replacement"]) == (head, [fake], fake, [head])
+        assert flaky["restored_tokens"] == 0 and flaky["tokens_replayed"] == len(PROMPT)
+        assert "replay failed" in flaky["error"] and "disk on fire" in flaky["error"]
+        assert back["restored_tokens"] == 0 and back["tokens_replayed"] == len(PROMPT) + 2 and "error" not in back
 
 
 def test_a_node_excluded_by_one_repair_can_replace_a_later_failure(tiny_route, tiny_dir):
@@ -441,6 +554,15 @@ def test_a_gateway_given_only_a_route_serves_the_route_s_model(tiny_route, tmp_p
         check_route(GatewayConfig(route=urls, model=str(gemma_path)))
     with pytest.raises(ValueError, match="bad route: route must start at layer 0"):
         check_route(GatewayConfig(route=urls[::-1]))
+    with pytest.raises(ValueError, match="bad route: route must start at layer 0 .* and end at layer 2 with the head"):
+        check_route(GatewayConfig(route=urls[:1]))  # coverage: layer 1 and the head missing
+    # the token: a route of nodes that require one is refused at start, naming the fix, and checked with it
+    with AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=tiny_route["model"],
+                                                    token="route-t0ken", data_dir=str(tmp_path / "tok")))) as locked:
+        for token in (None, "wrong"):
+            with pytest.raises(ValueError, match=r"bad route: .*give the nodes' --token"):
+                check_route(GatewayConfig(route=[locked], token=token), every_s=0.01)
+        assert check_route(GatewayConfig(route=[locked], token="route-t0ken")).hops[0].url == locked
 
     server = ServerThread(make_app(GatewayConfig(route=urls, data_dir=str(tmp_path))))
     base = server.start()

@@ -347,9 +347,11 @@ def test_too_many_tokens(cluster, gemma):
 
 @pytest.fixture(scope="module")
 def spares(gemma_path):
-    """An extra 12:18 +head node (torch backend) with a 2048-token KV budget and a 2 s session TTL."""
+    """An extra 12:18 +head node (torch backend) with a 2048-token KV budget, at most half of it per session
+    (--max-sessions 2), and a 2 s session TTL."""
     nodes = start_nodes([ShardSpec(12, 18, head=True)], str(gemma_path), threads=1,
-                        extra=["--kv-budget", "2048", "--session-ttl", "2", "--backend", "torch"])
+                        extra=["--kv-budget", "2048", "--max-sessions", "2", "--session-ttl", "2",
+                               "--backend", "torch"])
     yield nodes
     stop_nodes(nodes)
 
@@ -376,16 +378,25 @@ def test_kv_budget_admission_llama_cpp(gemma_path):
 
 
 def test_kv_budget_admission_and_idle_expiry(spares):
-    """torch backend: sessions share one token budget (each reserves its max_length)."""
+    """torch backend: sessions share one token budget (each reserves its max_length), and one session reserves
+    at most 1/--max-sessions of it (as a llama.cpp sequence), so no single request takes the whole budget."""
     url = spares[0].url
     status, body = http("POST", url + "/v1/sessions", {"max_length": 4096})
     assert status == 503 and body["error"]["code"] == "kv_budget_too_small" and "2048" in body["error"]["message"]
+    assert health(url)["max_length"] == 1024  # advertised: what a gateway caps a request's reservation at
     status, body = http("POST", url + "/v1/sessions", {"max_length": 1500})
+    assert status == 503 and body["error"]["code"] == "kv_budget_too_small" and "1024 tokens" in \
+        body["error"]["message"]
+    status, body = http("POST", url + "/v1/sessions", {"max_length": 1000})
+    assert status == 201
+    other = body["session_id"]
+    status, body = http("POST", url + "/v1/sessions", {"max_length": 1000})
     assert status == 201
     sid = body["session_id"]
-    status, body = http("POST", url + "/v1/sessions", {"max_length": 1000})
-    assert status == 429 and body["error"]["code"] == "kv_budget_full" and "548 of 2048" in body["error"]["message"]
-    assert health(url)["kv_tokens_reserved"] == 1500
+    status, body = http("POST", url + "/v1/sessions", {"max_length": 100})
+    assert status == 429 and body["error"]["code"] == "kv_budget_full" and "48 of 2048" in body["error"]["message"]
+    assert health(url)["kv_tokens_reserved"] == 2000
+    assert http("DELETE", f"{url}/v1/sessions/{other}")[0] == 200
     t0 = time.monotonic()
     while health(url)["sessions"] and time.monotonic() - t0 < 30:  # TTL 2 s; the reaper runs every 0.5 s
         time.sleep(0.1)
@@ -397,9 +408,9 @@ def test_kv_budget_admission_and_idle_expiry(spares):
     assert http("DELETE", f"{url}/v1/sessions/{body['session_id']}")[0] == 200
 
 
-def _stream_first_delta(gateway_url: str, prompt: str):
+def _stream_first_delta(gateway_url: str, prompt: str, max_tokens: int = 400):
     conn = HTTPConnection("127.0.0.1", int(gateway_url.rsplit(":", 1)[1]), timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 400, "temperature": 0,
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                                         "stream": True}), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
@@ -518,13 +529,19 @@ def test_repair_without_snapshots_replays_the_whole_history(cluster, gemma, gemm
 
 def test_gateway_ends_an_answer_at_the_route_context_with_length(gemma_path):
     """Nodes holding 64 tokens per session: a request asking for more stops at the context with
-    finish_reason "length" (every sampled token but the last is fed back), instead of failing midway."""
+    finish_reason "length" (every sampled token but the last is fed back), instead of failing midway.
+    A huge max_tokens reserves one session's length, never the node's whole KV budget: while such a request
+    streams, it holds one of the node's two slots and another request is served beside it."""
     node = start_nodes([ShardSpec(0, 18, embed=True, head=True)], str(gemma_path), threads=1,
-                       extra=["--ctx-size", "64"])[0]
+                       extra=["--ctx-size", "64", "--max-sessions", "2"])[0]
     server = ServerThread(make_app(GatewayConfig([node.url], model=str(gemma_path), hop_timeout_s=HOP_TIMEOUT)))
+    hog = None
     try:
         base = server.start()
         assert health(node.url)["max_length"] == 256  # llama.cpp rounds a session's cells up to 256
+        assert health(node.url)["kv_budget_tokens"] == 512
+        hog, _ = _stream_first_delta(base, "Once upon a time", max_tokens=10 ** 9)
+        assert health(node.url)["kv_tokens_reserved"] == 256 and health(node.url)["sessions"] == 1
         status, body = http("POST", base + "/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 1000,
                                                                "temperature": 0})
         assert status == 200, body
@@ -532,6 +549,8 @@ def test_gateway_ends_an_answer_at_the_route_context_with_length(gemma_path):
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["usage"]["completion_tokens"] == 256 - prompt_tokens + 1
     finally:
+        if hog is not None:
+            hog.close()
         server.stop()
         stop_nodes([node])
 

@@ -52,7 +52,7 @@ def test_kv_budget_mb_caps_the_budget_in_tokens(model, tiny_dir, backend):
     (kv_budget_full)."""
     mb = 0.25
     with AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=model,
-                                                    backend=backend, kv_budget_mb=mb,
+                                                    backend=backend, kv_budget_mb=mb, max_sessions=1,
                                                     data_dir=str(tiny_dir / f"kvmb-{backend}")))) as url:
         h = health(url)
         budget = int(mb * 2 ** 20) // h["kv_bytes_per_token"]

@@ -58,7 +58,21 @@ def test_manifest_indexes_layers(artifact, gemma_path):
     assert manifest.layer_bytes() == want and min(want) > 0
 
 
-def test_partial_fetch_downloads_only_the_shard(artifact, seeders, gemma_path, tmp_path):
+def test_partial_fetch_downloads_only_the_shard(artifact, seeders, gemma_path, tmp_path, monkeypatch):
+    """Only the shard's pieces (and the header) are fetched; the progress bar shows the peers connected."""
+    import tqdm
+
+    postfixes = []
+
+    class Bar(tqdm.tqdm):  # the real bar, forced on (stderr is no terminal here), its peer counts recorded
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": False})
+
+        def set_postfix_str(self, s="", refresh=True):
+            postfixes.append(s)
+            super().set_postfix_str(s, refresh)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
     manifest, torrent = artifact
     ranges = manifest.byte_ranges(6, 12)
     header = manifest.files[0]["header_bytes"]
@@ -68,7 +82,9 @@ def test_partial_fetch_downloads_only_the_shard(artifact, seeders, gemma_path, t
     leech = Swarm()
     try:
         stats = leech.fetch(torrent, tmp_path, ranges, peers=[("127.0.0.1", s.port) for s, _ in seeders[1:]],
-                            timeout=120, progress=False)
+                            timeout=120, progress=True)
+        assert postfixes and all(re.fullmatch(r"\d+ peers?", p) for p in postfixes), postfixes
+        assert any(int(p.split()[0]) >= 1 for p in postfixes), postfixes  # the seeders it was given connected
         path = tmp_path / gemma_path.name
         print(f"downloaded {stats.bytes_downloaded} B for {shard_bytes} B of blocks + {header} B header; "
               f"{_disk_bytes(path)} B on disk; {stats.seconds:.2f} s")

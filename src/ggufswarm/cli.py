@@ -126,12 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
     _backend_args(n)
-    n.add_argument("--ctx-size", type=int, default=4096, metavar="TOKENS",
-                   help="llama.cpp backend: KV cells per session, i.e. the longest session this node takes "
-                        "(capped by the model's context; allocated up front for --max-sessions; default 4096)")
+    n.add_argument("--ctx-size", type=int, default=8192, metavar="TOKENS",
+                   help="the longest session this node takes (capped by the model's context); llama.cpp "
+                        "backend: KV cells per session, allocated up front for --max-sessions; default 8192")
     n.add_argument("--max-sessions", type=int, default=4, metavar="N",
                    help="llama.cpp backend: sessions held at once (default 4); KV memory = N x --ctx-size x "
-                        "this shard's KV bytes per token")
+                        "this shard's KV bytes per token. Both backends: one session reserves at most 1/N of "
+                        "the KV budget, so no single request takes all of it")
     n.add_argument("--kv-budget", type=int, default=262144, metavar="TOKENS",
                    help="KV budget: tokens all sessions may reserve together (each reserves its max_length); "
                         "an open that does not fit gets 429 (full, retry later) or 503 (never fits). Default 262144; on "

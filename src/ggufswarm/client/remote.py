@@ -491,6 +491,7 @@ class RemoteSession:
         self.boundaries: set[int] = {0}
         self.step_no = 0
         self._telemetry = RouteTelemetry()
+        self._replaying: dict | None = None  # the repair (telemetry entry) whose history is being replayed
         # the reply link to the head (StepLink.reply_link), opened after the first step; heads that gave none
         self._replies: StepLink | None = None
         self._replies_opening = None  # a Future of StepLink.reply_link, opened off the step path
@@ -644,10 +645,16 @@ class RemoteSession:
                     chunk = self.tokens[self.position:min(end, self.position + min(h.max_step_tokens
                                                                                    for h in self.route.hops))]
                     self._send(chunk, False)
+                    if self._replaying is not None:  # what the repair actually replayed, counted as it goes
+                        self._replaying["tokens_replayed"] += len(chunk)
+                self._replaying = None
                 token = self._send(ids, sample)
                 self.tokens.extend(ids)
                 return token
             except RouteError as exc:
+                if self._replaying is not None:  # the replay failed halfway: that repair says how far it got
+                    self._replaying["error"] = f"replay failed: {exc}"[:300]
+                    self._replaying = None
                 if self.replan is None or exc.code not in REPAIRABLE or repairs >= self.MAX_REPAIRS_PER_STEP:
                     raise
                 repairs += 1
@@ -860,10 +867,13 @@ class RemoteSession:
                 "message": str(exc)[:300], "replacement": [h.url for h in spare.hops], "restored_tokens": 0,
                 "tokens_replayed": 0, "error": str(err)[:300], "ms": round((time.perf_counter() - t0) * 1e3, 1)})
             raise
-        self._telemetry.repairs.append({
+        # tokens_replayed counts up as the history from ``length`` to ``target`` is replayed (_step); ms is the
+        # repair's own time (plan, open, restore, relink), without the replay
+        self._replaying = {
             "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code, "message": str(exc)[:300],
             "replacement": [h.url for h in spare.hops], "restored_tokens": length,
-            "tokens_replayed": target - length, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+            "tokens_replayed": 0, "ms": round((time.perf_counter() - t0) * 1e3, 1)}
+        self._telemetry.repairs.append(self._replaying)
 
     def renew(self) -> None:
         """Restart the idle clock (lease) of the session on every node it is open on; RouteError on a refusal."""

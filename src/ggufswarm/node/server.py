@@ -55,7 +55,7 @@ class NodeConfig:
     dtype: str = "float32"            # torch backend's compute dtype
     backend: str = DEFAULT_BACKEND    # "llama.cpp" or "torch" (runtime.backends)
     threads: int | None = None        # llama.cpp decode/batch threads (None: all cores)
-    ctx_size: int = 4096              # llama.cpp: KV cells per session = the longest session (tokens)
+    ctx_size: int = 8192              # llama.cpp: KV cells per session = the longest session (tokens)
     max_sessions: int = 4             # llama.cpp: sessions at once (sequence ids of the context)
     kv_budget_tokens: int = 262144
     kv_budget_mb: float | None = None
@@ -93,6 +93,13 @@ class NodeState:
         if config.kv_budget_mb is not None:
             per_token = max(self.store.kv_bytes_per_token(), 1)
             self.store.budget_tokens = min(budget, int(config.kv_budget_mb * 2 ** 20) // per_token)
+        # The longest session one open may reserve, so that no single request (a huge max_tokens) takes the whole
+        # KV budget: llama.cpp, one sequence's cells (--ctx-size, at most 1/--max-sessions of the budget: see
+        # load_executor); torch, the same rule over its token budget.
+        cap = getattr(executor, "n_ctx_seq", None)
+        if cap is None:
+            cap = min(config.ctx_size, max(self.store.budget_tokens // config.max_sessions, 1))
+        self.store.max_session_tokens = self.max_session_tokens = min(self.cfg.max_length, cap)
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="shard")
         # a shard whose steps serialize on one lock (llama.cpp: one context) runs idle decode steps inline (see step)
         self.inline_lock = getattr(executor, "step_lock", None)
@@ -167,7 +174,7 @@ class NodeState:
             "model_name": self.model_name, "model_fingerprint": self.executor.model.fingerprint,
             "arch": self.cfg.arch, "n_layers": self.cfg.n_layers, "n_embd": self.cfg.n_embd,
             "n_vocab": self.cfg.n_vocab, "backend": self.executor.backend,
-            "max_length": min(self.cfg.max_length, getattr(self.executor, "n_ctx_seq", self.cfg.max_length)),
+            "max_length": self.max_session_tokens,
             "layers": [self.spec.start, self.spec.end], "embed": self.spec.embed, "head": self.spec.head,
             "max_step_tokens": self.max_step_tokens, "hop_timeout_s": self.config.hop_timeout_s,
             "session_ttl_s": s.ttl_s, "sessions": len(s.sessions), "kv_budget_tokens": s.budget_tokens,
@@ -754,7 +761,7 @@ def shard_accounting(state: NodeState) -> dict:
     return {**static, "kv_bytes_per_token": per_token,
             "free_bytes": max(store.budget_tokens - store.reserved_tokens, 0) * per_token + free_state,
             "free_sessions": free_sessions,
-            "max_length": min(state.cfg.max_length, getattr(state.executor, "n_ctx_seq", state.cfg.max_length))}
+            "max_length": state.max_session_tokens}
 
 
 def advertisement(state: NodeState) -> dict:

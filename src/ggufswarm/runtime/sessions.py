@@ -128,6 +128,7 @@ class SessionStore:
     def __init__(self, executor, budget_tokens: int, ttl_s: float = 300.0):
         self.executor = executor
         self.budget_tokens = budget_tokens
+        self.max_session_tokens: int | None = None  # the longest one session may reserve (None: the budget)
         self.ttl_s = ttl_s
         self.sessions: dict[uuid.UUID, Session] = {}
         self._lock = threading.Lock()
@@ -154,7 +155,8 @@ class SessionStore:
         likely tokens and, with ``logprobs``, the sampled token's logprob come with each sample.
 
         Raises ContextOverflow (max_length out of 1..model limit), SessionError("session_exists"),
-        AdmissionRefused("kv_budget_too_small") when max_length alone exceeds the budget, or
+        AdmissionRefused("kv_budget_too_small") when max_length alone exceeds the budget or
+        ``max_session_tokens`` (the longest session one open may reserve, when set), or
         AdmissionRefused("kv_budget_full") when other sessions hold the budget (after expiring idle ones),
         ValueError for a ``logit_bias`` token id outside the vocabulary, or a ``grammar`` the head cannot use.
         """
@@ -162,6 +164,10 @@ class SessionStore:
         if max_length > self.budget_tokens:
             raise AdmissionRefused(f"max_length {max_length} exceeds this node's whole KV budget of "
                                    f"{self.budget_tokens} tokens", "kv_budget_too_small")
+        if self.max_session_tokens is not None and max_length > self.max_session_tokens:
+            raise AdmissionRefused(f"max_length {max_length} exceeds the longest session this node holds, "
+                                   f"{self.max_session_tokens} tokens (node --ctx-size, and 1/--max-sessions of "
+                                   f"its KV budget of {self.budget_tokens})", "kv_budget_too_small")
         if self.executor.spec.head:
             sampler = self.executor.sampler_class(sampling or SamplingParams())
             sampler.check_vocab(self.executor.cfg.n_vocab)
