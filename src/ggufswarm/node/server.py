@@ -528,7 +528,7 @@ async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, b
         if len(body) > state.max_body + 1024:  # a chunked body (no Content-Length) or a link message
             raise _frame_too_large(state)
         frame = decode_frame(body, state.cfg.n_embd, state.max_step_tokens)
-        kind = "decode" if frame.n_tokens == 1 else "prefill"
+        kind = "decode" if frame.n_tokens == 1 or frame.verify else "prefill"  # a verify step decodes several
         state.bytes_in.labels(kind).inc(len(body))
         if (frame.dtype == "ids") != state.spec.embed:
             want = "token ids (dtype ids)" if state.spec.embed else f"hidden states ({', '.join(WIRE_DTYPES)})"

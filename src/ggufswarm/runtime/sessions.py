@@ -301,7 +301,7 @@ class SessionStore:
         ``token_ids``: the route's input ids ``[T]`` (the head's sampler history), may be None.
         Raises ContextOverflow / ValueError from the executor, and TokenOutOfRange when a
         ``token_ids`` entry is outside ``[0, n_vocab)``; on any error the KV cache and the session's
-        history are unchanged.
+        history are unchanged (but for the rejected drafts a rewind dropped: a retry starts where they were).
         """
         n_vocab = self.executor.cfg.n_vocab
         if token_ids is not None and token_ids.numel() and (int(token_ids.min()) < 0
