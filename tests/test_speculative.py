@@ -131,7 +131,7 @@ def test_every_node_holds_the_accepted_position(cluster, gemma):  # noqa: F811
     rec = Recording(session)
     stats = GenerationStats()
     try:
-        list(generate(rec, gemma.tokenizer, ids, 48, None, stats, NgramDrafter(3)))
+        list(generate(rec, gemma.tokenizer, ids, 48, None, stats, NgramDrafter(2)))
         steps = session.telemetry.steps
     finally:
         session.close()
@@ -147,7 +147,6 @@ def test_every_node_holds_the_accepted_position(cluster, gemma):  # noqa: F811
     # some verify step had a draft rejected, and the next step started before the end of it (a rewind)
     assert any(b[0] < a[0] + a[1] for a, b in zip(rec.sent, rec.sent[1:]))
     assert stats.accepted > 0 and stats.accepted < stats.drafted
-    # draft_max 3 (4-token steps) is past the bitwise range on Gemma in general; these 48 tokens are equal
     assert stats.tokens == ref.tokens
 
 

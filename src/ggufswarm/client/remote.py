@@ -684,7 +684,7 @@ class RemoteSession:
                     chunk = self.tokens[self.position:min(end, self.position + min(h.max_step_tokens
                                                                                    for h in self.route.hops))]
                     self._send(chunk, False)
-                token = self._send(ids, sample, verify)
+                token = self._send(ids, sample, verify=True) if verify else self._send(ids, sample)
                 self.tokens.extend(ids)
                 return token
             except RouteError as exc:
