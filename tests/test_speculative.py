@@ -41,16 +41,34 @@ def spec_gateway(cluster, gemma_path):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def smollm2_gateway():
+def smollm2_nodes():
     from ggufswarm.artifact.default_model import smollm2_path
     nodes = start_nodes(even_split(30, 3), str(smollm2_path()), threads=1, extra=["--hop-timeout", str(HOP_TIMEOUT)])
+    yield nodes
+    stop_nodes(nodes)
+
+
+def _smollm2_gateway(nodes, **speculative):
+    from ggufswarm.artifact.default_model import smollm2_path
     server = ServerThread(make_app(GatewayConfig([n.url for n in nodes], model=str(smollm2_path()),
-                                                 hop_timeout_s=HOP_TIMEOUT, speculative="ngram", draft_max=4)))
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-        stop_nodes(nodes)
+                                                 hop_timeout_s=HOP_TIMEOUT, **speculative)))
+    return server, server.start()
+
+
+@pytest.fixture(scope="module")
+def smollm2_gateway(smollm2_nodes):
+    server, url = _smollm2_gateway(smollm2_nodes, speculative="ngram", draft_max=4)
+    yield url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2_draft_gateway(smollm2_nodes):
+    """--speculative draft with SmolLM2 itself as the draft model (the mechanics; a real draft model is smaller)."""
+    server, url = _smollm2_gateway(smollm2_nodes, speculative="draft", draft_max=4, draft_model="smollm2",
+                                   draft_sessions=1)
+    yield url
+    server.stop()
 
 
 def stream(url: str, path: str, body: dict) -> tuple[str, dict]:
@@ -101,6 +119,28 @@ def test_speculative_chat_smollm2(smollm2_gateway):
         spec, tel = stream(smollm2_gateway, "/v1/chat/completions", body)
         assert spec == plain
         assert tel["speculative"]["verify_steps"] > 0 and tel["speculative"]["accepted"] > 0
+
+
+def test_speculative_draft_model_smollm2(smollm2_draft_gateway):
+    body = {"messages": [{"role": "user", "content": "Name three colors and describe each in one sentence."}],
+            "max_tokens": 40, "temperature": 0}
+    plain, _ = stream(smollm2_draft_gateway, "/v1/chat/completions", {**body, "speculative.n_max": 0})
+    spec, tel = stream(smollm2_draft_gateway, "/v1/chat/completions", body)
+    assert spec == plain
+    s = tel["speculative"]
+    # the draft model is the served one: its greedy drafts are the head's greedy tokens
+    assert s["method"] == "draft" and s["verify_steps"] > 0 and s["accepted"] == s["drafted"] > 10, s
+
+
+def test_draft_model_needs_the_same_vocabulary(gemma_path):
+    from ggufswarm.gateway.app import Gateway
+    gw = Gateway(GatewayConfig(["http://127.0.0.1:1"], model=str(gemma_path), speculative="draft",
+                               draft_model="smollm2"))
+    with pytest.raises(ValueError, match="vocabulary"):
+        gw.load()
+    for bad in ({"speculative": "draft"}, {"speculative": "ngram", "draft_model": "smollm2"}):
+        with pytest.raises(ValueError, match="draft model"):
+            Gateway(GatewayConfig(["http://127.0.0.1:1"], model=str(gemma_path), **bad))
 
 
 class Recording:
@@ -159,7 +199,7 @@ def test_bad_draft_max(spec_gateway, ggufswarm_cli, gemma_path):
     with pytest.raises(ValueError, match="draft_max"):
         make_app(GatewayConfig(["http://127.0.0.1:1"], model=str(gemma_path), speculative="ngram", draft_max=0))
     with pytest.raises(ValueError, match="speculative"):
-        make_app(GatewayConfig(["http://127.0.0.1:1"], model=str(gemma_path), speculative="draft"))
+        make_app(GatewayConfig(["http://127.0.0.1:1"], model=str(gemma_path), speculative="eagle"))
     for args in (["--draft-max", "0"], ["--draft-max", "16"], ["--speculative", "maybe"]):
         proc = subprocess.run(ggufswarm_cli + ["generate", "x", *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and ("--draft-max" in proc.stderr or "--speculative" in proc.stderr), proc.stderr

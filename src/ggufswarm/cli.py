@@ -76,11 +76,12 @@ def _draft_max(text: str) -> int:
 
 
 def _speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", choices=["none", "ngram"], default="none",
+    p.add_argument("--speculative", choices=["none", "ngram", "draft"], default="none",
                    help="speculative decoding (default none). ngram: draft up to --draft-max tokens by prompt lookup "
-                        "(the tokens that followed the latest earlier occurrence of the last 1-3 tokens), send them "
-                        "with the last sampled token as one step in which the head samples every position, keep the "
-                        "drafts it confirms plus its next token: the same tokens as without it (greedy or seeded "
+                        "(the tokens that followed the latest earlier occurrence of the last 1-3 tokens); draft: the "
+                        "greedy continuation of --draft-model, a small GGUF of the same vocabulary run in this "
+                        "process. The drafts go with the last sampled token as one step in which the head samples "
+                        "every position; the client keeps the drafts it confirms plus the head's next token: the same tokens as without it (greedy or seeded "
                         "sampling), in fewer trips through the route. Pays off on code and repetitive text, most "
                         "over slow links; requests with logprobs decode plainly")
     p.add_argument("--draft-max", type=_draft_max, default=2, metavar="K",
@@ -88,6 +89,10 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
                         "verify step bitwise as one-token steps (output identical to plain decoding); from 3 on "
                         "ggml's batched kernels round differently on some weight types (Gemma's Q4_K/Q8_0) and a "
                         "token can differ now and then (docs/protocol.md, \"Speculative decoding\")")
+    p.add_argument("--draft-model", metavar="PATH|NAME", help="with --speculative draft: the draft GGUF (same "
+                   "vocabulary as the served model, e.g. a smaller model of its family)")
+    p.add_argument("--draft-threads", type=int, default=1, metavar="N", help="llama.cpp threads of the draft model "
+                   "(default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,9 +372,16 @@ def cmd_generate(args) -> int:
     session = model.session(min(limit, len(ids) + max(args.max_tokens, 1)), sampling)
     stats = GenerationStats()
     drafter = None
+    if (args.speculative == "draft") != bool(args.draft_model):
+        raise ValueError("--speculative draft needs --draft-model PATH (and --draft-model needs --speculative draft)")
     if args.speculative == "ngram":
         from .client.speculative import NgramDrafter
         drafter = NgramDrafter(min(args.draft_max, session.max_verify_tokens - 1))
+    elif args.speculative == "draft":
+        from .client.speculative import DraftModel
+        drafter = DraftModel(args.draft_model, model.file.metadata, max_length=_context_for(args.max_tokens),
+                             sessions=1, threads=args.draft_threads).drafter(
+            min(args.draft_max, session.max_verify_tokens - 1), session.max_length)
     for delta in generate(session, model.tokenizer, ids, args.max_tokens, args.stop, stats, drafter):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -450,7 +462,8 @@ def cmd_gateway(args) -> int:
                                      default_max_tokens=args.max_tokens, tracker=args.tracker,
                                      api_keys=tuple(args.api_key), prompt_special=not args.literal_prompts,
                                      data_dir=args.data_dir, chat_template=chat_template, token=args.token,
-                                     speculative=args.speculative, draft_max=args.draft_max))
+                                     speculative=args.speculative, draft_max=args.draft_max,
+                                     draft_model=args.draft_model, draft_threads=args.draft_threads))
 
 
 def cmd_demo(args) -> int:

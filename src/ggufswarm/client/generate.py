@@ -127,7 +127,7 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
              stop: list[str] | None = None, stats: GenerationStats | None = None, drafter=None) -> Iterator[str]:
     """Yield text deltas of the completion of ``prompt_ids`` (stops at EOG tokens, stop strings, max_tokens).
 
-    ``drafter`` (``client.speculative.NgramDrafter``; the session then needs ``verify``, ``drop`` and
+    ``drafter`` (``client.speculative.NgramDrafter`` or ``ModelDrafter``; the session then needs ``verify``, ``drop`` and
     ``max_verify_tokens``): speculative decoding. Each decode step sends the drafted tokens after the last
     sampled one as one verify step and keeps what the head confirms (``speculative.speculate``): the same tokens
     as without it, fewer trips through the route; ``stats`` counts drafted and accepted tokens.
@@ -140,7 +140,7 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
     stats.prompt_tokens = len(prompt_ids)
     if drafter is not None:
         from .speculative import speculate
-        stats.speculative = "ngram"
+        stats.speculative = getattr(drafter, "method", "ngram")
         history = list(prompt_ids)  # what the drafter looks up: the prompt and every token emitted
         pending: list[int] = []     # tokens a verify step confirmed, not yet emitted
         room = min(getattr(session, "max_verify_tokens", 1), getattr(session, "max_length", 1 << 31)) - 1

@@ -26,7 +26,7 @@ from aiohttp import web
 from ..artifact.default_model import model_name, resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.generate import GenerationStats, generate
-from ..client.speculative import DEFAULT_DRAFT_MAX, MAX_DRAFT, METHODS, NgramDrafter, check_draft_max
+from ..client.speculative import DEFAULT_DRAFT_MAX, MAX_DRAFT, METHODS, DraftModel, NgramDrafter, check_draft_max
 from ..client.grammar import SchemaNotEnforceable, response_format_grammar
 from ..client.remote import REPAIRABLE, Hop, RemoteRoute, RouteError, fetch_model_headers
 from ..runtime.sampling import SamplingParams
@@ -66,6 +66,9 @@ class GatewayConfig:
     chat_template: str | None = None  # jinja2 chat template used instead of the GGUF's (``--chat-template-file``)
     speculative: str = "none"  # "ngram": prompt-lookup drafts verified by the route (client.speculative), or "none"
     draft_max: int = DEFAULT_DRAFT_MAX  # most tokens drafted per verify step (a request's speculative.n_max lowers it)
+    draft_model: str | None = None  # speculative "draft": a small GGUF of the served model's vocabulary, run here
+    draft_threads: int = 1          # its llama.cpp threads
+    draft_sessions: int = 4         # requests drafting at once (others decode without drafts)
 
 
 class RequestError(ProtocolError):
@@ -374,7 +377,14 @@ class Gateway:
         if config.speculative not in METHODS:
             raise ValueError(f"speculative must be one of {', '.join(METHODS)}, got {config.speculative!r}")
         check_draft_max(config.draft_max)
+        if (config.speculative == "draft") != bool(config.draft_model):
+            raise ValueError("speculative draft needs a draft model (--draft-model PATH), and a draft model needs "
+                             "--speculative draft")
+        if config.speculative == "draft" and config.tracker and not config.model:
+            raise ValueError("speculative draft needs the served model named (--model): a draft model drafts for one "
+                             "vocabulary")
         self.config = config
+        self.draft: DraftModel | None = None  # loaded with the vocabulary (load)
         self.tokenizer: Tokenizer | None = None
         self.model_name = config.model_name
         self.fingerprint: str | None = None  # the model's GGUF header fingerprint (load)
@@ -473,6 +483,9 @@ class Gateway:
             self.tokenizer.chat_template = self.config.chat_template
         self.fingerprint = file.fingerprint
         self.model_name = self.model_name or model_name(self.config.model, file.path)
+        if self.config.speculative == "draft" and self.draft is None:  # ValueError: another vocabulary
+            self.draft = DraftModel(self.config.draft_model, file.metadata, sessions=self.config.draft_sessions,
+                                    threads=self.config.draft_threads)
 
     def route(self, max_length: int = 1, exclude=(), span: tuple[int, int] | None = None) -> RemoteRoute:
         """The route, asking each node's /health the first time (blocking). Raises RouteError / ValueError.
@@ -547,8 +560,13 @@ class Gateway:
             # a session holds max_length tokens: the prompt, then every sampled token but the last is fed back
             budget = min(max_tokens, max_length - len(ids) + 1)  # past it the answer ends with "length"
             guarded = _Guarded(session, cancelled, opts.logprobs, self.tokenizer.eog_ids)
-            for delta in generate(guarded, self.tokenizer, ids, budget, stop, stats, self._drafter(session, opts)):
-                emit(("delta", delta, guarded.drain()))
+            drafter = self._drafter(session, opts)
+            try:
+                for delta in generate(guarded, self.tokenizer, ids, budget, stop, stats, drafter):
+                    emit(("delta", delta, guarded.drain()))
+            finally:
+                if hasattr(drafter, "close"):
+                    drafter.close()
             rest = guarded.drain()  # tokens whose text was held back (a stop string) or empty
             if rest:
                 emit(("delta", "", rest))
@@ -607,14 +625,18 @@ class Gateway:
         return route.open(max_length, params, self.config.wire_dtype, top_logprobs=opts.top_logprobs, replan=replan,
                           lease_s=self.config.session_lease_s, logprobs=opts.logprobs), max_length
 
-    def _drafter(self, session, opts: RequestOptions) -> NgramDrafter | None:
-        """The request's drafter with ``--speculative ngram``: None when speculation is off (also per request:
-        ``speculative.n_max`` 0), for requests with logprobs (a verify step reports none), or on a route whose
-        head cannot verify (an older node: decoded plainly)."""
+    def _drafter(self, session, opts: RequestOptions):
+        """The request's drafter with ``--speculative ngram`` or ``draft`` (close it after the generation): None when
+        speculation is off (also per request: ``speculative.n_max`` 0), for requests with logprobs (a verify step
+        reports none), on a route whose head cannot verify (an older node), or when the draft model has no free
+        session that long: the request is decoded plainly."""
         k = self.config.draft_max if opts.draft_max is None else min(opts.draft_max, self.config.draft_max)
-        if self.config.speculative != "ngram" or k < 1 or opts.logprobs or session.max_verify_tokens < 2:
+        if self.config.speculative == "none" or k < 1 or opts.logprobs or session.max_verify_tokens < 2:
             return None
-        return NgramDrafter(min(k, session.max_verify_tokens - 1))
+        k = min(k, session.max_verify_tokens - 1)
+        if self.config.speculative == "draft":
+            return self.draft.drafter(k, session.max_length) if self.draft is not None else None
+        return NgramDrafter(k)
 
     def telemetry(self, session, stats: GenerationStats) -> dict:
         """The ``telemetry`` object of a finished generation (ms, tok/s, bytes, tokens; the route as it
