@@ -218,3 +218,31 @@ def test_verify_step_limits(cluster, gemma):  # noqa: F811
         assert 1 <= len(out) <= 3 and session.position == len(gemma.tokenizer.encode(PROSE)) + len(out)
     finally:
         session.close()
+
+
+def test_model_drafter_follows_the_history():
+    """A draft session keeps the common prefix of what it was fed and the new history, drops the rest, and
+    feeds what is new: its KV holds exactly the history and the drafts fed after it."""
+    from ggufswarm.artifact.default_model import smollm2_path
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.client.speculative import DraftModel
+    draft = DraftModel("smollm2", GGUFModelFile(smollm2_path()).metadata, max_length=256, sessions=2)
+    tok = draft.model.tokenizer
+    d, other = draft.drafter(3, 128), draft.drafter(3, 128)
+    assert draft.drafter(3, 128) is None and draft.drafter(3, 250) is None  # both sessions taken; too long
+    other.close()
+    try:
+        h1 = tok.encode("The quick brown fox jumps over the")
+        out1 = d.draft(h1)
+        assert len(out1) == 3 and d.fed == h1 + out1[:2] and d.session.history == d.fed
+        h2 = h1[:-2] + tok.encode(" a lazy", add_bos=False)  # diverges two tokens before the end
+        out2 = d.draft(h2, cap=2)
+        assert len(out2) == 2 and d.fed == h2 + out2[:1] and d.session.history == d.fed
+        assert d.session.kvs[0].length == len(d.fed)
+        fresh = draft.model.session(128)
+        try:
+            assert out2[0] == fresh.step(h2)  # the first draft is the model's greedy token after h2
+        finally:
+            fresh.close()
+    finally:
+        d.close()
