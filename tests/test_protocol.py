@@ -170,3 +170,40 @@ def test_store_step_dedup(middle_shard):
     assert s.length == 3 and s.last is rec                # a failed step changes nothing
     store.truncate(s.id, 1)
     assert s.length == 1 and store.replay(s, 2, 9, 1, 1) is None
+
+
+def test_store_rewind_and_verify_flags(middle_shard):
+    """FLAG_REWIND (speculative decoding): the next step may start inside the previous step only; the node drops the
+    tokens from there on first, and the previous step's boundary moves there."""
+    from ggufswarm.protocol.frame import FLAG_REWIND, FLAG_VERIFY, decode_frame, encode_tokens
+    store = SessionStore(middle_shard, budget_tokens=1000)
+    s = store.open(uuid.uuid4(), 100)
+    store.apply(s, 1, 1, 0, torch.randn(4, N_EMBD), torch.arange(4))
+    store.apply(s, 2, 2, 4, torch.randn(3, N_EMBD), torch.arange(3))  # a verify step: positions 4..6
+    assert s.length == 7 and s.boundaries == [4, 7]
+    for start in (4, 3, 0):  # not after the previous step's first token: refused, nothing dropped
+        with pytest.raises(StepConflict) as e:
+            store.replay(s, 3, 3, start, 1, rewind=True)
+        assert e.value.code == "position_mismatch" and s.length == 7
+    with pytest.raises(StepConflict):  # without the flag a shorter start is a mismatch as before
+        store.replay(s, 3, 3, 5, 1)
+    assert store.replay(s, 3, 3, 5, 1, rewind=True) is None
+    store.apply(s, 3, 3, 5, torch.randn(1, N_EMBD), torch.arange(1))
+    assert s.length == 6 and s.boundaries == [4, 5, 6] and s.history == [0, 1, 2, 3, 0, 0]
+    frame = decode_frame(encode_tokens(s.id, 4, 6, [1, 2], verify=True, rewind=True))
+    assert frame.verify and frame.rewind and frame.sample and frame.flags == FLAG_VERIFY | FLAG_REWIND
+    assert not decode_frame(encode_tokens(s.id, 4, 6, [1, 2], sample=False, verify=True)).verify
+
+
+def test_ngram_drafter():
+    from ggufswarm.client.speculative import NgramDrafter
+    d = NgramDrafter(3)
+    h = [1, 2, 3, 4, 9, 1, 2]
+    assert d.draft(h) == [3, 4, 9]        # "1 2" seen before, followed by 3 4 9
+    h += [3]
+    assert d.draft(h) == [4, 9, 1]       # the longest match, "1 2 3", wins
+    assert d.draft(h, cap=1) == [4]
+    h += [7]
+    assert d.draft(h) == []              # "7" never seen before
+    with pytest.raises(ValueError):
+        NgramDrafter(0)

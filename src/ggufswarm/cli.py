@@ -63,6 +63,38 @@ def _token_arg(p: argparse.ArgumentParser) -> None:
                         "default $GGUFSWARM_TOKEN, none = an open swarm")
 
 
+def _draft_max(text: str) -> int:
+    from .client.speculative import MAX_DRAFT
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in 1..{MAX_DRAFT}, got {text!r}") from None
+    if not 1 <= k <= MAX_DRAFT:
+        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_DRAFT} (tokens drafted per verify step; the head "
+                                         f"verifies at most {MAX_DRAFT + 1} tokens in one step), got {k}")
+    return k
+
+
+def _speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=["none", "ngram", "draft"], default="none",
+                   help="speculative decoding (default none). ngram: draft up to --draft-max tokens by prompt lookup "
+                        "(the tokens that followed the latest earlier occurrence of the last 1-3 tokens); draft: the "
+                        "greedy continuation of --draft-model, a small GGUF of the same vocabulary run in this "
+                        "process. The drafts go with the last sampled token as one step in which the head samples "
+                        "every position; the client keeps the drafts it confirms plus the head's next token: the same tokens as without it (greedy or seeded "
+                        "sampling), in fewer trips through the route. Pays off on code and repetitive text, most "
+                        "over slow links; requests with logprobs decode plainly")
+    p.add_argument("--draft-max", type=_draft_max, default=2, metavar="K",
+                   help="most tokens drafted per step, 1..15 (default 2). Up to 2 the llama.cpp backend computes a "
+                        "verify step bitwise as one-token steps (output identical to plain decoding); from 3 on "
+                        "ggml's batched kernels round differently on some weight types (Gemma's Q4_K/Q8_0) and a "
+                        "token can differ now and then (docs/protocol.md, \"Speculative decoding\")")
+    p.add_argument("--draft-model", metavar="PATH|NAME", help="with --speculative draft: the draft GGUF (same "
+                   "vocabulary as the served model, e.g. a smaller model of its family)")
+    p.add_argument("--draft-threads", type=int, default=1, metavar="N", help="llama.cpp threads of the draft model "
+                   "(default 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ggufswarm", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
@@ -83,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same output)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _speculative_args(g)
 
     p = sub.add_parser("perplexity", help="perplexity of a text file, as llama.cpp's llama-perplexity defines it",
                        description="Tokenize FILE once, cut it into chunks of --ctx-size tokens (first token of "
@@ -193,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hidden-state frame dtype between nodes (default f32: the route computes exactly what "
                         "llama.cpp computes; f16 (range-extended) or bf16 halve the bytes; see docs/protocol.md)")
     w.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
+    _speculative_args(w)
 
     d = sub.add_parser("demo", help="start N nodes + a gateway on loopback and stream one answer (the main job)",
                        description="The whole story on loopback: a tracker, a publisher seeding the model, --nodes "
@@ -338,7 +372,18 @@ def cmd_generate(args) -> int:
         raise ValueError(f"prompt is {len(ids)} tokens; the limit for this model is {limit} tokens")
     session = model.session(min(limit, len(ids) + max(args.max_tokens, 1)), sampling)
     stats = GenerationStats()
-    for delta in generate(session, model.tokenizer, ids, args.max_tokens, args.stop, stats):
+    drafter = None
+    if (args.speculative == "draft") != bool(args.draft_model):
+        raise ValueError("--speculative draft needs --draft-model PATH (and --draft-model needs --speculative draft)")
+    if args.speculative == "ngram":
+        from .client.speculative import NgramDrafter
+        drafter = NgramDrafter(min(args.draft_max, session.max_verify_tokens - 1))
+    elif args.speculative == "draft":
+        from .client.speculative import DraftModel
+        drafter = DraftModel(args.draft_model, model.file.metadata, max_length=_context_for(args.max_tokens),
+                             sessions=1, threads=args.draft_threads).drafter(
+            min(args.draft_max, session.max_verify_tokens - 1), session.max_length)
+    for delta in generate(session, model.tokenizer, ids, args.max_tokens, args.stop, stats, drafter):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -417,7 +462,9 @@ def cmd_gateway(args) -> int:
                                      hop_timeout_s=args.hop_timeout, wire_dtype=args.wire_dtype,
                                      default_max_tokens=args.max_tokens, tracker=args.tracker,
                                      api_keys=tuple(args.api_key), prompt_special=not args.literal_prompts,
-                                     data_dir=args.data_dir, chat_template=chat_template, token=args.token))
+                                     data_dir=args.data_dir, chat_template=chat_template, token=args.token,
+                                     speculative=args.speculative, draft_max=args.draft_max,
+                                     draft_model=args.draft_model, draft_threads=args.draft_threads))
 
 
 def cmd_demo(args) -> int:

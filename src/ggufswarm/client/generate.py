@@ -40,6 +40,32 @@ class LocalSession:
             x = shard.forward(kv, x, logits="all" if all_positions else "last")
         return x
 
+    @property
+    def max_length(self) -> int:
+        """Tokens the session may hold."""
+        return self.kvs[0].max_length
+
+    @property
+    def max_verify_tokens(self) -> int:
+        """Most tokens of one ``verify`` step (a llama.cpp head returns at most that many rows of logits)."""
+        return getattr(self.shards[-1], "max_outputs", None) or 16
+
+    def verify(self, token_ids: list[int]) -> list[int]:
+        """Feed ``token_ids`` as one step and sample after every position (speculative decoding): the token a
+        one-token step would sample after each, ``[len(token_ids)]``. ValueError past ``max_verify_tokens``."""
+        base = len(self.history)
+        self.history.extend(token_ids)
+        try:
+            logits = self.logits(token_ids, all_positions=True)
+        except BaseException:
+            del self.history[base:]
+            raise
+        return [self.sampler.sample(logits[i], self.history[:base + i + 1]) for i in range(len(token_ids))]
+
+    def drop(self, n: int) -> None:
+        """Forget the last ``n`` tokens fed (rejected drafts)."""
+        self.truncate(len(self.history) - n)
+
     def step(self, token_ids: list[int]) -> int:
         """See RouteSession.step. A prompt longer than a shard takes in one call (llama.cpp: ``n_batch``) goes
         in chunks of that size, as a route sends it."""
@@ -75,17 +101,37 @@ class GenerationStats:
     decode_tok_s: float = 0.0
     finish_reason: str = "length"
     tokens: list[int] = field(default_factory=list)
+    speculative: str = "none"  # drafting method ("ngram") or "none"
+    drafted: int = 0           # tokens drafted and sent for verification
+    accepted: int = 0          # drafted tokens the head's samples confirmed
+    verify_steps: int = 0      # verify steps sent (each also yields the head's own next token)
 
     def summary(self) -> str:
         """One line for stderr."""
-        return (f"prompt tokens: {self.prompt_tokens}, completion tokens: {self.completion_tokens}, "
+        line = (f"prompt tokens: {self.prompt_tokens}, completion tokens: {self.completion_tokens}, "
                 f"TTFT: {self.ttft_ms:.1f} ms, prefill: {self.prefill_tok_s:.1f} tok/s, "
                 f"decode: {self.decode_tok_s:.1f} tok/s, finish: {self.finish_reason}")
+        if self.speculative != "none":
+            rate = f" ({100 * self.accepted / self.drafted:.0f}%)" if self.drafted else ""
+            line += (f", speculative {self.speculative}: drafted {self.drafted}, accepted {self.accepted}{rate} "
+                     f"in {self.verify_steps} verify steps")
+        return line
+
+    def speculative_summary(self) -> dict:
+        """The ``speculative`` telemetry object: method, drafted / accepted tokens, verify steps, acceptance."""
+        return {"method": self.speculative, "drafted": self.drafted, "accepted": self.accepted,
+                "verify_steps": self.verify_steps,
+                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
 
 
 def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
-             stop: list[str] | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
+             stop: list[str] | None = None, stats: GenerationStats | None = None, drafter=None) -> Iterator[str]:
     """Yield text deltas of the completion of ``prompt_ids`` (stops at EOG tokens, stop strings, max_tokens).
+
+    ``drafter`` (``client.speculative.NgramDrafter`` or ``ModelDrafter``; the session then needs ``verify``, ``drop`` and
+    ``max_verify_tokens``): speculative decoding. Each decode step sends the drafted tokens after the last
+    sampled one as one verify step and keeps what the head confirms (``speculative.speculate``): the same tokens
+    as without it, fewer trips through the route; ``stats`` counts drafted and accepted tokens.
 
     ``stats`` (if given) is filled in as generation proceeds; ``stats.tokens`` gets every generated id, the one
     that ended the generation (an end-of-generation token, or the one completing a stop string) included, and
@@ -93,6 +139,12 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
     """
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
+    if drafter is not None:
+        from .speculative import speculate
+        stats.speculative = getattr(drafter, "method", "ngram")
+        history = list(prompt_ids)  # what the drafter looks up: the prompt and every token emitted
+        pending: list[int] = []     # tokens a verify step confirmed, not yet emitted
+        room = min(getattr(session, "max_verify_tokens", 1), getattr(session, "max_length", 1 << 31)) - 1
     stream = TextStream(tokenizer, stop)
     t0 = time.perf_counter()
     token = session.step(prompt_ids) if max_tokens > 0 else None
@@ -112,7 +164,26 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
             yield delta
         if len(stats.tokens) >= max_tokens:
             break
-        token = session.step([token])
+        if drafter is None:
+            token = session.step([token])
+            continue
+        history.append(token)
+        if pending:
+            token = pending.pop(0)
+            continue
+        # drafts: no more than the tokens still wanted need (a verify step yields one more than it drafts), than
+        # the head verifies in one step, or than the session holds
+        held = len(prompt_ids) + len(stats.tokens) - 1  # tokens the session holds: all but the last sampled
+        cap = min(max_tokens - len(stats.tokens) - 1, room, getattr(session, "max_length", 1 << 31) - held - 1)
+        drafts = drafter.draft(history, cap) if cap > 0 else []
+        if not drafts:
+            token = session.step([token])
+            continue
+        out = speculate(session, token, drafts)
+        stats.verify_steps += 1
+        stats.drafted += len(drafts)
+        stats.accepted += len(out) - 1
+        token, pending = out[0], out[1:]
     tail = stream.finish("length")
     if tail:
         yield tail

@@ -60,6 +60,7 @@ class Hop:
     model_fingerprint: str | None = None  # SHA-256 of the model's GGUF headers (None: a node that does not say)
     model_name: str | None = None
     cache: bool | None = None  # whether the node has a snapshot cache (None: it does not say)
+    max_verify_tokens: int | None = None  # head: most tokens of a speculative verify step (None: it cannot verify)
 
     @classmethod
     def from_advertisement(cls, ad: dict) -> "Hop | None":
@@ -72,7 +73,7 @@ class Hop:
             return cls(str(ad["url"]).rstrip("/"), int(ad["layers"][0]), int(ad["layers"][1]), bool(ad["embed"]),
                        bool(ad["head"]), **{k: hop[k] for k in ("n_embd", "n_layers", "max_length", "max_step_tokens")},
                        model_fingerprint=hop.get("model_fingerprint"), model_name=hop.get("model_name"),
-                       cache=hop.get("cache"))
+                       cache=hop.get("cache"), max_verify_tokens=hop.get("max_verify_tokens"))
         except (KeyError, TypeError, ValueError, IndexError):
             return None
 
@@ -364,7 +365,7 @@ class RemoteRoute:
             conn.close()
         return Hop(url, h["layers"][0], h["layers"][1], h["embed"], h["head"], h["n_embd"], h["n_layers"],
                    h["max_length"], h["max_step_tokens"], h.get("model_fingerprint"), h.get("model_name"),
-                   bool(h["cache"]) if "cache" in h else None)
+                   bool(h["cache"]) if "cache" in h else None, h.get("max_verify_tokens"))
 
     def describe(self) -> list[dict]:
         """``[{"node": URL, "layers": [start, end]}, ...]`` in route order."""
@@ -404,6 +405,8 @@ class StepTiming:
     bytes_in: list[int]
     kv_tokens: list[int]
     urls: list[str] = field(default_factory=list)
+    verify: bool = False  # a speculative verify step (a decode step of several tokens)
+    start: int = -1  # position of the step's first token
 
 
 @dataclass
@@ -417,8 +420,8 @@ class RouteTelemetry:
 
     def summary(self, route: RemoteRoute) -> dict:
         """Per-hop compute/network ms (mean, p95) over decode steps, payload bytes per decode token, KV held."""
-        decode = [s for s in self.steps if s.n_tokens == 1]
-        prefill = [s for s in self.steps if s.n_tokens > 1]
+        decode = [s for s in self.steps if s.n_tokens == 1 or s.verify]
+        prefill = [s for s in self.steps if s.n_tokens > 1 and not s.verify]
 
         def per_hop(steps: list[StepTiming], url: str, field_name: str) -> list[float]:
             return [getattr(s, field_name)[s.urls.index(url)] for s in steps if url in s.urls]
@@ -427,7 +430,7 @@ class RouteTelemetry:
         for hop in route.hops:
             comp = per_hop(decode, hop.url, "compute_ms")
             net = per_hop(decode, hop.url, "network_ms")
-            sent = per_hop(decode, hop.url, "bytes_in")
+            sent = [s.bytes_in[s.urls.index(hop.url)] / s.n_tokens for s in decode if hop.url in s.urls]
             kv = per_hop(self.steps, hop.url, "kv_tokens")
             hops.append({
                 "node": hop.url, "layers": [hop.start, hop.end],
@@ -497,10 +500,12 @@ class RemoteSession:
         self._replies_opening = None  # a Future of StepLink.reply_link, opened off the step path
         self._no_replies: set[str] = set()
         # steps answered on the reply link whose reply along the route (per-hop telemetry) is still to be read:
-        # frame key -> (perf_counter s sent, n_tokens, hop urls)
-        self._unacked: dict[bytes, tuple[float, int, list[str]]] = {}
+        # frame key -> (perf_counter s sent, n_tokens, hop urls, verify step, start position)
+        self._unacked: dict[bytes, tuple[float, int, list[str], bool, int]] = {}
         self.last_logprobs = None
         self.last_token_logprob: float | None = None  # the last sample's logprob (sessions opened with logprobs)
+        self.last_tokens: list[int] | None = None  # a verify step's samples, one per position
+        self._rewinding = False  # the nodes hold rejected drafts past ``position``: the next frame rewinds (drop)
         self._conns = {}
         self._links: dict[str, StepLink] = {}
         self._opened: list[str] = []
@@ -632,7 +637,42 @@ class RemoteSession:
                 finally:
                     conn.close()
 
-    def _step(self, ids: list[int], sample: bool) -> int | None:
+    @property
+    def max_verify_tokens(self) -> int:
+        """Most tokens of one ``verify`` step on this route: the head's limit (0: the head cannot verify)."""
+        return min(self.route.hops[-1].max_verify_tokens or 0, min(h.max_step_tokens for h in self.route.hops))
+
+    def verify(self, token_ids: list[int]) -> list[int]:
+        """Speculative decoding: feed ``token_ids`` (the last sampled token, then drafted ones) as one step whose
+        head samples after every position; the token a one-token step would have sampled after each
+        (``[len(token_ids)]``). The session then holds them all: ``drop`` the rejected drafts. ValueError for more
+        than ``max_verify_tokens`` ids; RouteError as ``step`` (``bad_route`` when the head answers no samples)."""
+        if not token_ids or len(token_ids) > self.max_verify_tokens:
+            raise ValueError(f"a verify step takes 1..{self.max_verify_tokens} token ids on this route "
+                             f"(the head's max_verify_tokens), got {len(token_ids)}")
+        self._step(token_ids, True, verify=True)
+        samples = self.last_tokens
+        if not isinstance(samples, list) or len(samples) != len(token_ids):
+            raise RouteError(f"head {self.route.hops[-1].url} answered a verify step of {len(token_ids)} tokens "
+                             f"with {samples!r}: it does not do speculative decoding", 502, "bad_route",
+                             self.route.hops[-1].url)
+        return samples
+
+    def drop(self, n: int) -> None:
+        """Forget the last ``n`` tokens fed (a verify step's rejected drafts). No request: the next step's frame
+        starts at the shorter position with FLAG_REWIND, and every node drops them before applying it."""
+        if not 0 <= n <= self.position:
+            raise ValueError(f"cannot drop {n} of {self.position} tokens")
+        if n == 0:
+            return
+        old = self.position
+        self.position -= n
+        del self.tokens[self.position:]
+        self.boundaries.discard(old)
+        self.boundaries.add(self.position)
+        self._rewinding = True
+
+    def _step(self, ids: list[int], sample: bool, verify: bool = False) -> int | None:
         """One chunk, repairing the route (at most MAX_REPAIRS_PER_STEP times) when a node fails."""
         repairs, pending = 0, None
         while True:
@@ -648,7 +688,7 @@ class RemoteSession:
                     if self._replaying is not None:  # what the repair actually replayed, counted as it goes
                         self._replaying["tokens_replayed"] += len(chunk)
                 self._replaying = None
-                token = self._send(ids, sample)
+                token = self._send(ids, sample, verify=True) if verify else self._send(ids, sample)
                 self.tokens.extend(ids)
                 return token
             except RouteError as exc:
@@ -660,10 +700,10 @@ class RemoteSession:
                 repairs += 1
                 pending = exc
 
-    def _send(self, ids: list[int], sample: bool) -> int | None:
+    def _send(self, ids: list[int], sample: bool, verify: bool = False) -> int | None:
         first, head = self.route.hops[0], self.route.hops[-1]
         self.step_no += 1
-        frame = encode_tokens(self.id, self.step_no, self.position, ids, sample)
+        frame = encode_tokens(self.id, self.step_no, self.position, ids, sample, verify, self._rewinding)
         link = self._links.get(first.url)
         if link is None:
             link = self._links[first.url] = StepLink(first.url, self.route.timeout_s, self.route.token)
@@ -689,19 +729,22 @@ class RemoteSession:
             status, body, direct = link.step(frame, timeout, self._replies, self._late)
         rtt = (time.perf_counter() - t0) * 1e3
         reply = _check(first.url, status, body, f"step {self.step_no}")
+        self._rewinding = False
         self.position += len(ids)
         self.boundaries.add(self.position)
         urls = [h.url for h in self.route.hops]
         if direct:  # the head's own reply: the route's, with every hop's numbers, is read later (_late)
-            self._unacked[frame[8:32]] = (t0, len(ids), urls)
+            self._unacked[frame[8:32]] = (t0, len(ids), urls, verify, self.position - len(ids))
             self._telemetry.direct_replies += 1
         else:
-            self._record_timing(reply, rtt, len(ids), urls)
+            self._record_timing(reply, rtt, len(ids), urls, verify, self.position - len(ids))
+        self.last_tokens = reply.get("tokens")
         self.last_logprobs = reply.get("logprobs")
         self.last_token_logprob = reply.get("token_logprob")
         return reply["token"]
 
-    def _record_timing(self, reply: dict, rtt: float, n_tokens: int, urls: list[str]) -> None:
+    def _record_timing(self, reply: dict, rtt: float, n_tokens: int, urls: list[str], verify: bool = False,
+                       start: int = -1) -> None:
         """One StepTiming from a reply that came back along the route (``hops``: each node's numbers, ms) and
         its round trip ``rtt`` (ms): a hop's network time is what its caller waited beyond its handling."""
         hops = reply["hops"]
@@ -711,7 +754,8 @@ class RemoteSession:
             network.append(max(outer - hop["handle_ms"], 0.0))
             outer = hop.get("push_ms", 0.0)
         self._telemetry.steps.append(StepTiming(n_tokens, [h["compute_ms"] for h in hops], network,
-                                                [h["bytes_in"] for h in hops], [h["kv_tokens"] for h in hops], urls))
+                                                [h["bytes_in"] for h in hops], [h["kv_tokens"] for h in hops], urls,
+                                                verify, start))
 
     def _late(self, key: bytes, status: int, body: bytes, strict: bool = True) -> None:
         """The route's reply to a step the head already answered on the reply link: its telemetry. An error
@@ -732,8 +776,8 @@ class RemoteSession:
             reply = json.loads(body)
         except ValueError:
             return
-        t0, n_tokens, urls = entry
-        self._record_timing(reply, (time.perf_counter() - t0) * 1e3, n_tokens, urls)
+        t0, n_tokens, urls, verify, start = entry
+        self._record_timing(reply, (time.perf_counter() - t0) * 1e3, n_tokens, urls, verify, start)
 
     def _drop_replies(self) -> None:
         """Close the reply link (one still opening is closed once open) and forget the replies it answered."""
@@ -886,6 +930,7 @@ class RemoteSession:
         for hop in self.route.hops:
             self._call(hop.url, "POST", f"/v1/sessions/{self.id}/truncate", {"length": length}, "truncate")
         self.position = length
+        self._rewinding = False
         del self.tokens[length:]
         self.boundaries = {b for b in self.boundaries if b <= length} | {length}
 

@@ -26,6 +26,7 @@ from aiohttp import web
 from ..artifact.default_model import model_name, resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.generate import GenerationStats, generate
+from ..client.speculative import DEFAULT_DRAFT_MAX, MAX_DRAFT, METHODS, DraftModel, NgramDrafter, check_draft_max
 from ..client.grammar import SchemaNotEnforceable, response_format_grammar
 from ..client.remote import REPAIRABLE, Hop, RemoteRoute, RouteError, fetch_model_headers
 from ..runtime.sampling import SamplingParams
@@ -63,6 +64,11 @@ class GatewayConfig:
     prompt_special: bool = True
     session_lease_s: float = 30.0  # nodes drop a session idle this long: a gateway that dies frees its KV that soon
     chat_template: str | None = None  # jinja2 chat template used instead of the GGUF's (``--chat-template-file``)
+    speculative: str = "none"  # "ngram": prompt-lookup drafts verified by the route (client.speculative), or "none"
+    draft_max: int = DEFAULT_DRAFT_MAX  # most tokens drafted per verify step (a request's speculative.n_max lowers it)
+    draft_model: str | None = None  # speculative "draft": a small GGUF of the served model's vocabulary, run here
+    draft_threads: int = 1          # its llama.cpp threads
+    draft_sessions: int = 4         # requests drafting at once (others decode without drafts)
 
 
 class RequestError(ProtocolError):
@@ -124,7 +130,8 @@ DEPENDENT_EXTRAS = frozenset({"mirostat_tau", "mirostat_eta", "dry_base", "dry_a
                               "dry_sequence_breakers", "xtc_threshold", "dynatemp_exponent"})
 _COMMON_PARAMS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
                             "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-                            "logprobs", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos"})
+                            "logprobs", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos",
+                            "speculative.n_max"})
 CHAT_PARAMS = _COMMON_PARAMS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
                                 "function_call"}
 COMPLETION_PARAMS = _COMMON_PARAMS | {"prompt", "echo", "suffix", "best_of"}
@@ -150,6 +157,7 @@ class RequestOptions:
     top_logprobs: int = 0
     echo: bool = False
     ignore_eos: bool = False
+    draft_max: int | None = None  # llama-server's speculative.n_max: at most this many drafts per step (0: none)
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -249,6 +257,8 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
         raise RequestError("stop must be a string or a list of up to 16 non-empty strings", param="stop")
     stream = _flag(body, "stream")
     opts = RequestOptions(params, max_tokens, stop, stream, ignore_eos=_flag(body, "ignore_eos"))
+    if body.get("speculative.n_max") is not None:
+        opts.draft_max = _number(body, "speculative.n_max", 0, 0, MAX_DRAFT, int)
     stream_options = body.get("stream_options")
     if stream_options is not None:
         if not stream:
@@ -334,6 +344,23 @@ class _Guarded:
             self.entries.append((token, self.session.last_token_logprob, self.session.last_logprobs or []))
         return token
 
+    @property
+    def max_length(self) -> int:
+        return self.session.max_length
+
+    @property
+    def max_verify_tokens(self) -> int:
+        return self.session.max_verify_tokens
+
+    def verify(self, token_ids):
+        """The session's verify step (speculative decoding; never with logprobs: Gateway._drafter)."""
+        if self.cancelled.is_set():
+            raise Cancelled()
+        return self.session.verify(token_ids)
+
+    def drop(self, n):
+        self.session.drop(n)
+
     def drain(self) -> list[tuple[int, float, list]]:
         """The samples kept since the last drain."""
         out, self.entries = self.entries, []
@@ -347,7 +374,17 @@ class Gateway:
     """State shared by the handlers: tokenizer, route (described lazily from the nodes' /health), workers."""
 
     def __init__(self, config: GatewayConfig, parent: "Gateway | None" = None):
+        if config.speculative not in METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(METHODS)}, got {config.speculative!r}")
+        check_draft_max(config.draft_max)
+        if (config.speculative == "draft") != bool(config.draft_model):
+            raise ValueError("speculative draft needs a draft model (--draft-model PATH), and a draft model needs "
+                             "--speculative draft")
+        if config.speculative == "draft" and config.tracker and not config.model:
+            raise ValueError("speculative draft needs the served model named (--model): a draft model drafts for one "
+                             "vocabulary")
         self.config = config
+        self.draft: DraftModel | None = None  # loaded with the vocabulary (load)
         self.tokenizer: Tokenizer | None = None
         self.model_name = config.model_name
         self.fingerprint: str | None = None  # the model's GGUF header fingerprint (load)
@@ -446,6 +483,9 @@ class Gateway:
             self.tokenizer.chat_template = self.config.chat_template
         self.fingerprint = file.fingerprint
         self.model_name = self.model_name or model_name(self.config.model, file.path)
+        if self.config.speculative == "draft" and self.draft is None:  # ValueError: another vocabulary
+            self.draft = DraftModel(self.config.draft_model, file.metadata, sessions=self.config.draft_sessions,
+                                    threads=self.config.draft_threads)
 
     def route(self, max_length: int = 1, exclude=(), span: tuple[int, int] | None = None) -> RemoteRoute:
         """The route, asking each node's /health the first time (blocking). Raises RouteError / ValueError.
@@ -520,8 +560,13 @@ class Gateway:
             # a session holds max_length tokens: the prompt, then every sampled token but the last is fed back
             budget = min(max_tokens, max_length - len(ids) + 1)  # past it the answer ends with "length"
             guarded = _Guarded(session, cancelled, opts.logprobs, self.tokenizer.eog_ids)
-            for delta in generate(guarded, self.tokenizer, ids, budget, stop, stats):
-                emit(("delta", delta, guarded.drain()))
+            drafter = self._drafter(session, opts)
+            try:
+                for delta in generate(guarded, self.tokenizer, ids, budget, stop, stats, drafter):
+                    emit(("delta", delta, guarded.drain()))
+            finally:
+                if hasattr(drafter, "close"):
+                    drafter.close()
             rest = guarded.drain()  # tokens whose text was held back (a stop string) or empty
             if rest:
                 emit(("delta", "", rest))
@@ -580,6 +625,19 @@ class Gateway:
         return route.open(max_length, params, self.config.wire_dtype, top_logprobs=opts.top_logprobs, replan=replan,
                           lease_s=self.config.session_lease_s, logprobs=opts.logprobs), max_length
 
+    def _drafter(self, session, opts: RequestOptions):
+        """The request's drafter with ``--speculative ngram`` or ``draft`` (close it after the generation): None when
+        speculation is off (also per request: ``speculative.n_max`` 0), for requests with logprobs (a verify step
+        reports none), on a route whose head cannot verify (an older node), or when the draft model has no free
+        session that long: the request is decoded plainly."""
+        k = self.config.draft_max if opts.draft_max is None else min(opts.draft_max, self.config.draft_max)
+        if self.config.speculative == "none" or k < 1 or opts.logprobs or session.max_verify_tokens < 2:
+            return None
+        k = min(k, session.max_verify_tokens - 1)
+        if self.config.speculative == "draft":
+            return self.draft.drafter(k, session.max_length) if self.draft is not None else None
+        return NgramDrafter(k)
+
     def telemetry(self, session, stats: GenerationStats) -> dict:
         """The ``telemetry`` object of a finished generation (ms, tok/s, bytes, tokens; the route as it
         ended, after any repairs, each listed in ``repairs``)."""
@@ -587,7 +645,8 @@ class Gateway:
         return {"route": session.route.describe(), "session": str(session.id), "wire_dtype": self.config.wire_dtype,
                 "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
                 "ttft_ms": round(stats.ttft_ms, 2), "prefill_tok_s": round(stats.prefill_tok_s, 2),
-                "decode_tok_s": round(stats.decode_tok_s, 2), **per_hop}
+                "decode_tok_s": round(stats.decode_tok_s, 2), **per_hop,
+                "speculative": stats.speculative_summary()}
 
 
 def _sse(obj) -> bytes:

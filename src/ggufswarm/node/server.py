@@ -30,7 +30,7 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..protocol import PROTOCOL_VERSION, Frame, ProtocolError, decode_frame, encode_hidden
 from ..protocol.auth import auth_headers, token_middleware
 from ..protocol.fields import json_field
-from ..protocol.frame import FLAG_NO_SAMPLE, HEADER_SIZE, WIRE_DTYPES, step_timeout_s
+from ..protocol.frame import FLAG_NO_SAMPLE, FLAG_REWIND, FLAG_VERIFY, HEADER_SIZE, WIRE_DTYPES, step_timeout_s
 from ..protocol.http import JSON, as_protocol_error, json_errors_middleware, read_json, run_server
 from ..runtime.sampling import SamplingParams
 from .link import HopLinks, encode_reply, reply_error
@@ -177,6 +177,9 @@ class NodeState:
             "max_length": self.max_session_tokens,
             "layers": [self.spec.start, self.spec.end], "embed": self.spec.embed, "head": self.spec.head,
             "max_step_tokens": self.max_step_tokens, "hop_timeout_s": self.config.hop_timeout_s,
+            # the head: most tokens of a speculative verify step (FLAG_VERIFY; every row's logits), None elsewhere
+            "max_verify_tokens": min(getattr(self.executor, "max_outputs", self.max_step_tokens), self.max_step_tokens)
+            if self.spec.head else None,
             "session_ttl_s": s.ttl_s, "sessions": len(s.sessions), "kv_budget_tokens": s.budget_tokens,
             "kv_tokens_reserved": s.reserved_tokens, "kv_tokens_held": s.held_tokens,
             "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals(),
@@ -532,7 +535,7 @@ async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, b
         if len(body) > state.max_body + 1024:  # a chunked body (no Content-Length) or a link message
             raise _frame_too_large(state)
         frame = decode_frame(body, state.cfg.n_embd, state.max_step_tokens)
-        kind = "decode" if frame.n_tokens == 1 else "prefill"
+        kind = "decode" if frame.n_tokens == 1 or frame.verify else "prefill"  # a verify step decodes several
         state.bytes_in.labels(kind).inc(len(body))
         if (frame.dtype == "ids") != state.spec.embed:
             want = "token ids (dtype ids)" if state.spec.embed else f"hidden states ({', '.join(WIRE_DTYPES)})"
@@ -595,7 +598,7 @@ def _replay(state: NodeState, session: Session, frame: Frame, digest: int) -> St
     """The StepRecord of the session's last step when ``frame`` retries it (same step number, same content,
     CRC-32 ``digest`` of the frame): answer it again, never apply it twice. None when ``frame`` is the
     session's next step. StepConflict otherwise: position_mismatch, step_conflict, stale_step or step_gap."""
-    record = state.store.replay(session, frame.step, digest, frame.start, frame.n_tokens)
+    record = state.store.replay(session, frame.step, digest, frame.start, frame.n_tokens, frame.rewind)
     if record is not None:
         state.replays.inc()
     return record
@@ -604,7 +607,7 @@ def _replay(state: NodeState, session: Session, frame: Frame, digest: int) -> St
 def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> StepRecord | asyncio.Future:
     """Apply the session's next step: its StepRecord when it ran here, or an asyncio.Future of it when it went
     to the worker pool (await it). Raises (or the future does) what SessionStore.apply raises."""
-    args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample)
+    args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample, frame.verify)
     lock = state.inline_lock if frame.n_tokens == 1 else None
     if lock is not None and lock.acquire(blocking=False):
         # A decode step when the shard is idle runs right here on the event loop: it takes a few ms,
@@ -622,6 +625,8 @@ def _head_reply(record: StepRecord, hop: dict) -> dict:
     """The head's reply to a step: ``{token, hops: [hop]}``, with ``logprobs`` / ``token_logprob`` when the
     session asked for them."""
     reply = {"token": record.token, "hops": [hop]}
+    if record.tokens is not None:  # a verify step: the token sampled after each of its positions
+        reply["tokens"] = record.tokens
     if record.logprobs is not None:
         reply["logprobs"] = record.logprobs
     if record.token_logprob is not None:
@@ -646,7 +651,7 @@ async def _push(state: NodeState, session: Session, frame: Frame, record: StepRe
     reply. ProtocolError naming the hop when it cannot be sent (hop_failed, hop_timeout)."""
     ids = frame.data if frame.dtype == "ids" else frame.token_ids
     out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,
-                        ids, frame.flags & FLAG_NO_SAMPLE)
+                        ids, frame.flags & (FLAG_NO_SAMPLE | FLAG_VERIFY | FLAG_REWIND))
     state.bytes_out.labels(kind).inc(len(out))
     url = session.next_hop
     t_push = time.perf_counter()
@@ -777,7 +782,8 @@ def advertisement(state: NodeState) -> dict:
             "decode_ms": round(1e3 * total / n, 3) if n else 0.0,
             # what a client needs to use this node in a route (client.remote.Hop), so it need not ask /health
             "extra": {"hop": {k: h[k] for k in ("n_embd", "n_layers", "max_length", "max_step_tokens",
-                                                "model_fingerprint", "model_name")} | {"cache": bool(h["cache"])},
+                                                "model_fingerprint", "model_name", "max_verify_tokens")}
+                      | {"cache": bool(h["cache"])},
                       "accounting": shard_accounting(state)}}
 
 

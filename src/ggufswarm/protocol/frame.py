@@ -6,7 +6,8 @@ Layout (docs/protocol.md is the normative spec)::
       0   4  magic        b"GSWF"
       4   1  version      PROTOCOL_VERSION
       5   1  dtype        1 = int32 token ids, 2 = f16, 3 = bf16, 4 = f32
-      6   1  flags        bit 0: int32 token-id trailer follows the tensor; bit 1: do not sample
+      6   1  flags        bit 0: int32 token-id trailer follows the tensor; bit 1: do not sample;
+                         bit 2: verify (sample every position); bit 3: rewind into the previous step
       7   1  scale_exp    int8; value = stored * 2**scale_exp (f16 range extension)
       8  16  session id   UUID bytes
      24   8  step         uint64, 1 for the first step of a session
@@ -61,6 +62,8 @@ ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
 WIRE_DTYPES = tuple(name for name, d in DTYPES.items() if d.cast is not None)  # hidden states: f16, bf16, f32
 FLAG_TOKEN_IDS = 1
 FLAG_NO_SAMPLE = 2
+FLAG_VERIFY = 4   # speculative decoding: the head samples at every position and replies ``tokens`` (one per token)
+FLAG_REWIND = 8   # the step may start inside the session's previous step: nodes first drop the tokens from ``start``
 F16_MAX = 65504.0
 
 
@@ -91,6 +94,16 @@ class Frame:
         """False when the sender asked the head not to sample (an intermediate prefill chunk)."""
         return not self.flags & FLAG_NO_SAMPLE
 
+    @property
+    def verify(self) -> bool:
+        """True when the head is to sample at every position (a speculative verify step, FLAG_VERIFY)."""
+        return bool(self.flags & FLAG_VERIFY) and not self.flags & FLAG_NO_SAMPLE
+
+    @property
+    def rewind(self) -> bool:
+        """True when the step may start before the session's end, inside its previous step (FLAG_REWIND)."""
+        return bool(self.flags & FLAG_REWIND)
+
 
 def frame_size(n_tokens: int, n_embd: int, dtype: str, token_ids: bool = False) -> int:
     """Bytes of a frame with this shape (header + payload + optional id trailer)."""
@@ -119,10 +132,13 @@ def _header(session_id: uuid.UUID, step: int, start: int, n_tokens: int, n_embd:
                        step, start, n_tokens, n_embd, 0)
 
 
-def encode_tokens(session_id: uuid.UUID, step: int, start: int, token_ids: list[int], sample: bool = True) -> bytes:
-    """A frame carrying token ids (for the first shard). ``start``: position of the first id."""
+def encode_tokens(session_id: uuid.UUID, step: int, start: int, token_ids: list[int], sample: bool = True,
+                  verify: bool = False, rewind: bool = False) -> bytes:
+    """A frame carrying token ids (for the first shard). ``start``: position of the first id. ``verify``: the head
+    samples at every position (FLAG_VERIFY); ``rewind``: nodes holding more than ``start`` tokens drop the rest of
+    the previous step first (FLAG_REWIND)."""
     ids = np.asarray(token_ids, dtype=DTYPES["ids"].numpy)
-    flags = 0 if sample else FLAG_NO_SAMPLE
+    flags = (0 if sample else FLAG_NO_SAMPLE) | (FLAG_VERIFY if verify else 0) | (FLAG_REWIND if rewind else 0)
     return _header(session_id, step, start, len(ids), 0, "ids", flags) + ids.tobytes()
 
 

@@ -51,6 +51,7 @@ class StepRecord:
     ``token`` / ``logprobs``: the head's sample (None when not sampled) and the ``n_logprobs`` most likely
     ``(id, logprob)`` pairs; ``token_logprob``: the sampled token's logprob (sessions opened with ``logprobs``).
     Logprobs are ``log_softmax`` of the raw logits (``runtime.sampling.token_logprobs``).
+    ``tokens``: on the head, a verify step's samples: the token drawn after each of its positions.
     ``reply``: the bytes answered to the caller once the step completed end to end (None until then).
     ``relay``: on a node with a next hop, the asyncio.Future of that reply while the next hop has the step
     (a retry of the step meanwhile waits for it instead of pushing the step again).
@@ -64,6 +65,7 @@ class StepRecord:
     token: int | None = None
     logprobs: list[tuple[int, float]] | None = None
     token_logprob: float | None = None
+    tokens: list[int] | None = None  # a verify step's samples, one per position (speculative decoding)
     compute_ms: float = 0.0
     reply: bytes | None = None
     relay: object = None
@@ -236,6 +238,20 @@ class SessionStore:
         return session
 
     @staticmethod
+    def _rewind(session: Session, start: int) -> None:
+        """Drop the tokens from ``start`` on (the rejected drafts of the previous step); its recorded step
+        boundary moves to ``start``."""
+        held = session.kv.length
+        session.kv.truncate(start)
+        del session.history[start:]
+        session.snapshot_at = min(session.snapshot_at, start)
+        if session.boundaries and session.boundaries[-1] == held and \
+                (len(session.boundaries) < 2 or session.boundaries[-2] < start):
+            session.boundaries[-1] = start
+        else:
+            cut_boundaries(session, start)
+
+    @staticmethod
     def set_step(session: Session, step: int) -> None:
         """Make ``step`` the last step applied (the next one is ``step + 1``): after a route repair every
         node of the route, old or new, continues from the same step number. ValueError when negative."""
@@ -245,17 +261,26 @@ class SessionStore:
 
     # -- steps -------------------------------------------------------------------------------
     @staticmethod
-    def replay(session: Session, step: int, digest: int, start: int, n_tokens: int) -> StepRecord | None:
+    def replay(session: Session, step: int, digest: int, start: int, n_tokens: int,
+               rewind: bool = False) -> StepRecord | None:
         """Check a step number against the last one applied.
 
-        Returns None for the next step (``last.step + 1``) at the right position: apply it.
+        Returns None for the next step (``last.step + 1``) at the right position: apply it. With ``rewind``
+        (speculative decoding: the previous step verified drafted tokens, some rejected) the right position is
+        anywhere after the previous step's first token, up to the tokens held (``last.start < start <= held``);
+        ``apply`` drops the tokens from ``start`` on first.
         Returns the last StepRecord for an identical retry (same step number and digest): do not apply.
         Raises StepConflict for a conflicting retry, an older step, a gap, or a wrong start position.
         """
         last = session.last
         expected = 1 if last is None else last.step + 1
         if step == expected:
-            if start != session.kv.length:
+            held = session.kv.length
+            if rewind and start < held and (last is None or start <= last.start or last.n_tokens < 1):
+                raise StepConflict(f"step {step} rewinds to position {start}: a rewind stays inside the previous "
+                                   f"step (positions {(last.start + 1) if last else held}..{held})",
+                                   "position_mismatch")
+            if start != held and not (rewind and start < held):
                 raise StepConflict(f"step {step} starts at position {start}; the session holds "
                                    f"{session.kv.length} tokens", "position_mismatch")
             return None
@@ -269,14 +294,20 @@ class SessionStore:
         raise StepConflict(f"step {step} skips ahead; the next step of this session is {expected}", "step_gap")
 
     def apply(self, session: Session, step: int, digest: int, start: int, inputs: np.ndarray,
-              token_ids: np.ndarray | None, sample: bool = True) -> StepRecord:
+              token_ids: np.ndarray | None, sample: bool = True, verify: bool = False) -> StepRecord:
         """Run one step (blocking; call off the event loop) and record it as the session's last step.
+
+        A ``start`` below the tokens held (a rewind ``replay`` allowed) first drops the tokens from ``start`` on: the
+        previous step's rejected drafts; the step boundary that step recorded moves to ``start`` (the kept tokens
+        count as the previous step). ``verify`` (head): sample after every position, not only the last
+        (``record.tokens``; the draw after position ``p`` sees the history up to ``p`` and is keyed by ``p + 1``,
+        exactly as in a one-token step there).
 
         ``inputs``: int64 ids ``[T]`` (embedding shard) or float32 hidden ``[T, n_embd]``;
         ``token_ids``: the route's input ids ``[T]`` (the head's sampler history), may be None.
         Raises ContextOverflow / ValueError from the executor, and TokenOutOfRange when a
         ``token_ids`` entry is outside ``[0, n_vocab)``; on any error the KV cache and the session's
-        history are unchanged.
+        history are unchanged (but for the rejected drafts a rewind dropped: a retry starts where they were).
         """
         n_vocab = self.executor.cfg.n_vocab
         if token_ids is not None and token_ids.size and (int(token_ids.min()) < 0
@@ -285,8 +316,13 @@ class SessionStore:
         session.busy += 1
         try:
             t0 = time.perf_counter()
+            if start < session.kv.length:
+                self._rewind(session, start)
             kept = (session.kv.length, len(session.history), session.history_complete)
-            out = self.executor.forward(session.kv, inputs)
+            head = self.executor.spec.head
+            all_rows = head and verify and sample
+            out = self.executor.forward(session.kv, inputs, logits="all") if all_rows else \
+                self.executor.forward(session.kv, inputs)
             record = StepRecord(step, digest, start, inputs.shape[0])
             try:
                 ids = token_ids if token_ids is not None else (inputs if inputs.ndim == 1 else None)
@@ -294,8 +330,13 @@ class SessionStore:
                     session.history.extend(ids.tolist())
                 else:
                     session.history_complete = False
-                if self.executor.spec.head:
-                    if sample:
+                if head:
+                    if all_rows:
+                        base = kept[1]
+                        record.tokens = [session.sampler.sample(out[i], session.history[:base + i + 1])
+                                         for i in range(out.shape[0])]
+                        record.token = record.tokens[-1]
+                    elif sample:
                         logits = out[-1]
                         record.token = session.sampler.sample(logits, session.history)
                         if session.n_logprobs or session.want_logprob:

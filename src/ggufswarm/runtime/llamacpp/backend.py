@@ -39,6 +39,7 @@ _BACKEND_READY = False
 _BACKEND_LOCK = threading.Lock()
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
 STATE_FORMAT = "llama.cpp-seq-state-v1"
+MAX_VERIFY_TOKENS = 16  # most tokens of a speculative verify step (all rows' logits) a head takes
 
 
 class GraphTap(ctypes.Structure):
@@ -245,7 +246,8 @@ class LlamaCppShard:
         cparams.no_perf = True
         # outputs llama.cpp may return per ubatch (sizes the LM head's compute buffer: 512 x n_vocab floats would
         # be 512 MiB for Gemma); llama.cpp asserts it is at least n_seq_max (src/llama-context.cpp output_reserve)
-        self.max_outputs = n_batch if all_logits or not spec.head else n_seq_max
+        # a head also returns every row of a speculative verify step (up to MAX_VERIFY_TOKENS: 16 x n_vocab floats)
+        self.max_outputs = n_batch if all_logits or not spec.head else min(max(n_seq_max, MAX_VERIFY_TOKENS), n_batch)
         cparams.n_outputs_max = self.max_outputs
         self._tap = None
         if not spec.head:

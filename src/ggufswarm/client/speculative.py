@@ -1,0 +1,169 @@
+"""Speculative decoding across a route: draft tokens on the client, verify them in one step through the route.
+
+A decode step costs one trip through every node of the route, however many tokens it carries: over a WAN the
+round trip, not the compute, bounds tok/s. Speculation sends the last sampled token together with ``k`` drafted
+tokens as one ``(k + 1)``-token *verify* step (frame flag ``FLAG_VERIFY``): the head samples after **every**
+position, exactly as it would have in ``k + 1`` one-token steps (same logits rows, same history prefix, the draw
+keyed by the same position), and replies with those ``k + 1`` tokens. The client keeps the longest prefix of
+drafts that equals the head's samples plus the head's next sample (1 to ``k + 1`` tokens per step) and the route
+drops the rejected drafts' KV at the next step (``FLAG_REWIND``: the next frame starts at the accepted position).
+
+Because each sample is what the non-speculative run draws at that position, the output is the same tokens —
+greedy or sampled (draws are keyed by ``(seed, position)``, so a drafted token is kept exactly when the
+draw there yields it; for a deterministic drafter that accepts with probability ``p(token)``, the acceptance
+rate of the standard accept/reject rule, and the result is not only distributed as the plain run but equal to
+it). What can differ is the floating point of the verify step itself: on the llama.cpp backend a step of 4 or
+more tokens goes through ggml's batched kernels (repacked Q4_K / Q8_0 weights multiply 4 rows at a time),
+whose rounding differs from a one-token step's; steps of at most 3 tokens compute bitwise the rows of
+one-token steps on the models measured here (docs/protocol.md, "Speculative decoding"). Hence the default
+``draft_max`` of 2.
+
+Drafting is prompt lookup (``NgramDrafter``): the most recent earlier occurrence of the last n tokens of the
+history (n from 3 down to 1) proposes the tokens that followed it. It costs nothing, and pays off on code,
+quoted or repetitive text and chat answers that reuse the question's words. Or a small model of the same
+vocabulary run in this process (``DraftModel`` / ``ModelDrafter``): its greedy continuation.
+"""
+
+from __future__ import annotations
+
+MAX_DRAFT = 15  # most drafted tokens per verify step (a llama.cpp head returns at most 16 rows of logits per step)
+DEFAULT_DRAFT_MAX = 2  # k + 1 = 3 tokens per verify step: bitwise one-token numerics on llama.cpp (see above)
+METHODS = ("none", "ngram", "draft")
+
+
+def check_draft_max(k: int) -> int:
+    """``k`` when it is an int in 1..MAX_DRAFT; ValueError naming the range otherwise."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT:
+        raise ValueError(f"draft_max must be an integer in 1..{MAX_DRAFT} (tokens drafted per verify step), got {k!r}")
+    return k
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting over a growing token history.
+
+    ``draft(history, cap)`` matches the last ``n`` tokens of ``history`` (``n`` from ``max_ngram`` down to
+    ``min_ngram``) against their most recent earlier occurrence and proposes the up to ``min(k, cap)`` tokens
+    that followed it; ``[]`` when nothing matches. ``history`` must only grow between calls (it is indexed
+    incrementally: O(new tokens x max_ngram) per call). Raises ValueError for ``k`` outside 1..MAX_DRAFT.
+    """
+
+    method = "ngram"
+
+    def __init__(self, k: int = DEFAULT_DRAFT_MAX, max_ngram: int = 3, min_ngram: int = 1):
+        self.k = check_draft_max(k)
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token that last followed it
+        self._done = 0  # positions indexed: every n-gram ending before this position
+
+    def draft(self, history: list[int], cap: int | None = None) -> list[int]:
+        """Up to ``min(k, cap)`` drafted continuations of ``history`` (token ids)."""
+        limit = self.k if cap is None else min(self.k, cap)
+        if limit <= 0:
+            return []
+        end = len(history)
+        if end < self._done:
+            raise ValueError("the history shrank: a drafter serves one growing sequence")
+        for pos in range(max(self._done, 1), end):  # the n-grams ending just before pos, followed by history[pos]
+            for n in range(self.min_ngram, min(self.max_ngram, pos) + 1):
+                self._index[tuple(history[pos - n:pos])] = pos
+        self._done = max(self._done, end)
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
+            at = self._index.get(tuple(history[end - n:]))
+            if at is not None:
+                return list(history[at:at + limit])
+        return []
+
+
+def same_vocabulary(a: dict, b: dict) -> bool:
+    """Whether two GGUF metadata dicts hold the same vocabulary (``tokenizer.ggml.tokens``, in order)."""
+    ta, tb = a.get("tokenizer.ggml.tokens"), b.get("tokenizer.ggml.tokens")
+    return bool(ta) and list(ta) == list(tb or [])
+
+
+class DraftModel:
+    """A small GGUF model drafting for a bigger one of the same vocabulary, in this process (llama.cpp, one shard,
+    greedy). ``path``: the draft GGUF; ``target_metadata``: the served model's GGUF metadata, whose vocabulary it
+    must share (ValueError otherwise, naming both sizes); ``max_length``: KV cells per drafting session (tokens);
+    ``sessions``: drafting sessions at once (each request holds one; when all are taken a request decodes without
+    drafts); ``threads``: llama.cpp threads. Raises what ``LocalModel.load`` raises."""
+
+    def __init__(self, path: str, target_metadata: dict, max_length: int = 4096, sessions: int = 4,
+                 threads: int | None = 1):
+        from ..artifact.default_model import resolve_model
+        from ..artifact.gguf_file import GGUFModelFile
+        from .local import LocalModel
+        meta = GGUFModelFile(resolve_model(path)).metadata
+        if not same_vocabulary(meta, target_metadata):
+            raise ValueError(f"draft model {path}: its vocabulary ({len(meta.get('tokenizer.ggml.tokens') or [])} "
+                             f"tokens) is not the served model's "
+                             f"({len(target_metadata.get('tokenizer.ggml.tokens') or [])} tokens); a draft model "
+                             f"must share the tokenizer")
+        self.model = LocalModel.load(path, threads=threads, max_length=max_length, max_sessions=sessions)
+        self.max_length = min(max_length, self.model.config.max_length)
+
+    def drafter(self, k: int, length: int) -> "ModelDrafter | None":
+        """A drafter for one generation of at most ``length`` tokens, or None when none fits now (no free session,
+        or longer than this model's sessions)."""
+        if length + MAX_DRAFT + 1 > self.max_length:
+            return None
+        from ..runtime.sampling import SamplingParams
+        try:
+            session = self.model.session(length + MAX_DRAFT + 1, SamplingParams(temperature=0))
+        except RuntimeError:  # llama.cpp: every session slot taken
+            return None
+        return ModelDrafter(session, k)
+
+
+class ModelDrafter:
+    """Drafts with a model session (``LocalSession``, greedy): its KV follows the generation's history (the
+    common prefix is kept, the rest fed), then it decodes up to ``k`` tokens one at a time. ``close`` frees it."""
+
+    method = "draft"
+
+    def __init__(self, session, k: int):
+        self.session, self.k = session, check_draft_max(k)
+        self.fed: list[int] = []  # tokens in the draft session's KV
+
+    def draft(self, history: list[int], cap: int | None = None) -> list[int]:
+        """Up to ``min(k, cap)`` greedy continuations of ``history`` by the draft model."""
+        limit = self.k if cap is None else min(self.k, cap)
+        if limit <= 0 or not history:
+            return []
+        n = 0
+        for a, b in zip(self.fed, history):
+            if a != b:
+                break
+            n += 1
+        n = min(n, len(history) - 1)  # at least one token is fed: its logits give the first draft
+        if n < len(self.fed):
+            self.session.truncate(n)
+            del self.fed[n:]
+        out = [self.session.step(history[n:])]
+        self.fed.extend(history[n:])
+        while len(out) < limit:
+            self.fed.append(out[-1])
+            out.append(self.session.step([out[-1]]))
+        return out
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def speculate(session, token: int, drafts: list[int]) -> list[int]:
+    """Verify ``drafts`` after ``token`` (the last sampled token, not yet fed) in one step of ``session`` (a
+    RemoteSession or LocalSession: ``verify`` and ``drop``): the accepted drafts and the head's next token,
+    ``1..len(drafts) + 1`` ids, each one the token a one-token step would have sampled there. The rejected
+    drafts are dropped from the session (``drop``)."""
+    samples = session.verify([token] + drafts)
+    n = 0
+    while n < len(drafts) and drafts[n] == samples[n]:
+        n += 1
+    if n < len(drafts):
+        session.drop(len(drafts) - n)
+    return samples[:n + 1]
+
+
+__all__ = ["DEFAULT_DRAFT_MAX", "DraftModel", "MAX_DRAFT", "METHODS", "ModelDrafter", "NgramDrafter",
+           "check_draft_max", "same_vocabulary", "speculate"]
