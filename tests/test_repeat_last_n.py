@@ -36,7 +36,7 @@ def test_repeat_penalty_applies_only_inside_the_last_n(sampler):
     adjusted = sampler(SamplingParams(temperature=0, repeat_penalty=2.0, repeat_last_n=3)).adjust(logits, history)
     want = logits.clone()
     want[2:5] = torch.tensor([-2.0, 1.0, -4.0])  # ids 2, 3, 4: positive halved, negative doubled
-    torch.testing.assert_close(adjusted, want)  # 7 and 1 (further back) untouched
+    torch.testing.assert_close(torch.as_tensor(adjusted), want)  # 7 and 1 (further back) untouched
 
 
 @pytest.fixture(scope="module")
