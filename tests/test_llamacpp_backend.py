@@ -20,7 +20,7 @@ from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.local import LocalModel
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.llamacpp.backend import LlamaCppError, LlamaCppShard, model_info
-from ggufswarm.runtime.llamacpp.derive import UnsupportedShard, rules_for
+from ggufswarm.runtime.llamacpp.derive import UnsupportedShard, recurrent_layers, rules_for
 from ggufswarm.runtime.shard import ShardSpec, split_at
 
 THREADS = 2
@@ -120,6 +120,22 @@ def test_tiny_architectures_bitwise(arch, write, tiny_dir, tmp_path):
     rng = np.random.default_rng(3)
     ids = [1] + rng.integers(3, 384, 40).tolist()  # past the sliding windows (16, 8)
     assert_chain_equals_llama_cpp(path, [2, 4], ids, tmp_path, n_ctx=256)
+
+
+def test_qwen3next_hybrid_shards_bitwise(tiny_dir, tmp_path):
+    """Qwen3-Next (gated delta-net recurrent blocks + gated full attention, MoE with a gated shared expert), 9 blocks
+    with full_attention_interval 3 (attention at 2, 5, 8): the 3-shard chain [0,4)+[4,6)+[6,9) equals llama.cpp's
+    whole model bitwise over a prefill and 20 decode steps. The middle shard's attention block is its block 1,
+    which llama.cpp would take for a recurrent one if the shard file did not carry ``attention.recurrent_layers``.
+    Ranges without a block of each kind are refused (llama.cpp's hybrid memory aborts on them)."""
+    path = write_tiny_moe_model(tiny_dir / "bitwise-qwen3next.gguf", "qwen3next", n_layers=9)
+    file = GGUFModelFile(path)
+    assert recurrent_layers(file) == [True, True, False] * 3
+    for a, b, kind in ((0, 2, "full-attention"), (2, 3, "recurrent")):
+        with pytest.raises(UnsupportedShard, match=f"{a}:{b} has no {kind} block"):
+            LlamaCppShard(file, ShardSpec(a, b), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+    ids = [1] + np.random.default_rng(3).integers(3, 384, 40).tolist()
+    assert_chain_equals_llama_cpp(path, [4, 6], ids, tmp_path, n_ctx=256)
 
 
 def test_glm4moe_runs_whole_model_only(tiny_dir, tmp_path):

@@ -26,6 +26,13 @@ Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the sh
 * ``glm4moe``: 2 leading dense blocks (split point 2 is exactly their end), q/k/v biases,
   q/k norms, partial rotary (``rope.dimension_count`` = head_dim / 2), ``post_attention_norm``
   as the FFN norm, sigmoid gating with ``exp_probs_b``, 1 shared expert, no MTP/nextn layers.
+* ``qwen3next`` (Qwen3-Next, hybrid recurrent): ``full_attention_interval`` 3 (blocks 2 and 5 are gated full
+  attention with a joint query+gate projection and q/k norms, the others gated delta-net blocks: fused
+  ``attn_qkv`` + ``attn_gate`` projections, ``ssm_conv1d`` kernel 4, ``ssm_ba``, ``ssm_dt`` / ``ssm_a``,
+  gated ``ssm_norm``, ``ssm_out``; 2 key heads and 4 value heads of 32), ``post_attention_norm``, 8 experts
+  top-2 (softmax, normalised) plus a sigmoid-gated shared expert of 96. The recurrent blocks keep a fixed
+  per-session state (``(conv_kernel - 1) * (inner + 2 * groups * state)`` + ``state * inner`` f32 values)
+  instead of per-token KV.
 * ``gpt-oss``: alternating sliding-window / full attention (window 8, layers 0, 2, 4 are the
   sliding ones), attention sinks, q/k/v/o biases, router and expert biases, SwiGLU-OAI experts
   in F32 (no MXFP4), softmax over the selected router logits.
@@ -44,7 +51,7 @@ from gguf import GGUFWriter, RopeScalingType
 
 from tinymodels import N_VOCAB, _vocab
 
-MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss")
+MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss", "qwen3next")
 
 # expert_gating_func values (llama.cpp's llama_expert_gating_func_type)
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
@@ -70,6 +77,11 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         expert_weights_norm=True, expert_weights_scale=1.0,
     ),
     "gpt-oss": dict(_COMMON, sliding_window=8, n_swa_pattern=2),
+    # hybrid: gated delta-net (recurrent) blocks and gated full attention; full_attention_interval 3 puts the
+    # attention blocks at 2 and 5, so the middle shard [2, 4) starts on one (recomputed from the shard's own
+    # block numbers, block 0 of it would be a delta-net block)
+    "qwen3next": dict(_COMMON, n_ff_shexp=96, full_attention_interval=3, ssm_conv_kernel=4, ssm_state_size=32,
+                      ssm_group_count=2, ssm_time_step_rank=4),
 }
 
 
@@ -122,6 +134,14 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("expert_group_used_count", c.n_group_used)
     if "expert_weights_norm" in cfg:
         w.add_bool(f"{arch}.expert_weights_norm", bool(c.expert_weights_norm))
+
+    if arch == "qwen3next":
+        kv_u32("full_attention_interval", c.full_attention_interval)
+        kv_u32("ssm.conv_kernel", c.ssm_conv_kernel)
+        kv_u32("ssm.state_size", c.ssm_state_size)
+        kv_u32("ssm.group_count", c.ssm_group_count)
+        kv_u32("ssm.time_step_rank", c.ssm_time_step_rank)
+        kv_u32("ssm.inner_size", c.ssm_state_size * c.ssm_time_step_rank)
 
     if arch == "deepseek2":
         # MLA converted to MQA with one big kv head (what convert_hf_to_gguf.py writes)
@@ -181,7 +201,26 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         moe = il >= cfg.get("n_dense_lead", 0)
 
         # --- attention
-        if arch == "deepseek2":
+        if arch == "qwen3next" and (il + 1) % c.full_attention_interval:  # a gated delta-net block
+            key_dim = c.ssm_state_size * c.ssm_group_count
+            value_dim = c.ssm_state_size * c.ssm_time_step_rank
+            matrix(p + "attn_qkv.weight", 2 * key_dim + value_dim, e)
+            matrix(p + "attn_gate.weight", value_dim, e)
+            f32(p + "ssm_conv1d.weight", 2 * key_dim + value_dim, c.ssm_conv_kernel, scale=0.3)
+            f32(p + "ssm_dt.bias", c.ssm_time_step_rank, scale=0.5)
+            w.add_tensor(p + "ssm_a", -np.exp(rng.standard_normal(c.ssm_time_step_rank) * 0.5).astype(np.float32))
+            matrix(p + "ssm_ba.weight", 2 * c.ssm_time_step_rank, e)
+            norm(p + "ssm_norm.weight", c.ssm_state_size)
+            matrix(p + "ssm_out.weight", e, value_dim)
+        elif arch == "qwen3next":  # gated full attention: the query projection carries the gate
+            q_dim, kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+            matrix(p + "attn_q.weight", 2 * q_dim, e)
+            matrix(p + "attn_k.weight", kv_dim, e)
+            matrix(p + "attn_v.weight", kv_dim, e)
+            matrix(p + "attn_output.weight", e, q_dim)
+            norm(p + "attn_q_norm.weight", c.head_dim)
+            norm(p + "attn_k_norm.weight", c.head_dim)
+        elif arch == "deepseek2":
             k_mla = c.qk_nope_head_dim + c.qk_rope_head_dim
             if c.q_lora_rank > 0:
                 norm(p + "attn_q_a_norm.weight", c.q_lora_rank)
@@ -217,7 +256,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
                 f32(p + "attn_sinks.weight", c.n_head, scale=0.5)
 
         # --- FFN norm: glm4moe and gpt-oss call it post_attention_norm
-        norm(p + ("post_attention_norm.weight" if arch in ("glm4moe", "gpt-oss") else "ffn_norm.weight"), e)
+        norm(p + ("post_attention_norm.weight" if arch in ("glm4moe", "gpt-oss", "qwen3next") else "ffn_norm.weight"), e)
 
         # --- FFN
         if not moe:
@@ -237,7 +276,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
             f32(p + "ffn_gate_exps.bias", d, f, scale=0.05)
             f32(p + "ffn_up_exps.bias", d, f, scale=0.05)
             f32(p + "ffn_down_exps.bias", d, e, scale=0.02)
-        if arch == "qwen2moe":
+        if arch in ("qwen2moe", "qwen3next"):
             f32(p + "ffn_gate_inp_shexp.weight", e, scale=e ** -0.5 * 2.0)  # the shared expert's sigmoid gate
             matrix(p + "ffn_gate_shexp.weight", c.n_ff_shexp, e)
             matrix(p + "ffn_up_shexp.weight", c.n_ff_shexp, e)

@@ -11,6 +11,10 @@ architecture, taken from llama.cpp's ``src/models/<arch>.cpp`` (``load_arch_hpar
 * ``sliding_window_pattern`` is written as a per-layer bool array (llama.cpp accepts an array;
   its default pattern counts from the shard's own layer 0, which is wrong for most ``a``);
 * ``leading_dense_block_count`` becomes ``max(0, lead - a)``;
+* hybrid recurrent models (``qwen3next``: gated delta-net blocks between full-attention ones) get
+  ``attention.recurrent_layers`` as a per-layer bool array: without it llama.cpp recomputes which blocks are
+  recurrent from ``full_attention_interval`` and the shard's own block numbers
+  (``src/models/qwen3next.cpp``: block ``i`` is recurrent unless ``(i + 1) % interval == 0``);
 * MTP/nextn blocks (the last ``nextn_predict_layers`` blocks) are dropped: no shard serves them;
 * heuristics llama.cpp applies to the layer count are resolved from the whole model and written
   out, or the range is refused when llama.cpp cannot be told (Gemma 3 27B's attention scale).
@@ -49,6 +53,8 @@ class ArchRules:
     ``swa_pattern``: llama.cpp's default sliding-window period when the GGUF has none (0: no SWA);
     ``swa_dense_first``: the pattern's first layer is the full-attention one;
     ``leading_dense``: the model has ``leading_dense_block_count``; ``nextn``: it may carry MTP blocks;
+    ``recurrent_interval``: hybrid recurrent model whose recurrent blocks llama.cpp derives from
+    ``full_attention_interval`` (this is its default) when ``attention.recurrent_layers`` is absent (0: none);
     ``token_scale``: factor llama.cpp applies to token embeddings only (not to ``batch.embd``), as a
     function of ``n_embd``; ``check``: raises UnsupportedShard for ranges llama.cpp would misread,
     and may return extra metadata to write; ``embd_input``: set when the architecture's graph aborts
@@ -59,6 +65,7 @@ class ArchRules:
     swa_dense_first: bool = False
     leading_dense: bool = False
     nextn: bool = False
+    recurrent_interval: int = 0
     token_scale: Callable[[int], np.float32] | None = None
     check: Callable[[GGUFModelFile, int, int], dict[str, Any]] | None = None
     embd_input: str | None = None  # why llama.cpp's graph refuses ``batch.embd`` (then: whole model only)
@@ -94,6 +101,19 @@ def _deepseek2_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
     return extra
 
 
+def _hybrid_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/llama-graph.cpp llm_graph_input_mem_hybrid::set_input fills the attention KV inputs and the recurrent
+    # state-copy input unconditionally; a graph without an attention block (or without a recurrent one) never
+    # allocates them and llama.cpp aborts on the first decode (GGML_ASSERT(buffer) in set_input_k_idxs)
+    flags = recurrent_layers(model)[a:b]
+    if all(flags) or not any(flags):
+        kind = "full-attention" if all(flags) else "recurrent"
+        raise UnsupportedShard(f"{model.architecture}: layer range {a}:{b} has no {kind} block; llama.cpp's hybrid "
+                               f"memory aborts on a graph without both kinds (llm_graph_input_mem_hybrid::set_input), "
+                               f"so a shard must hold at least one recurrent and one full-attention block")
+    return {}
+
+
 def _sqrt_n_embd(n_embd: int) -> np.float32:
     return np.sqrt(np.float32(n_embd))  # sqrtf(n_embd), src/models/gemma3.cpp
 
@@ -111,6 +131,7 @@ ARCH_RULES: dict[str, ArchRules] = {
                          embd_input="src/models/glm4-moe.cpp aborts on embedding input unless the model uses M-RoPE "
                                     "(\"does not support multimodal\"); a layer range needs a llama.cpp change"),
     "gpt-oss": ArchRules(swa_pattern=2),
+    "qwen3next": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
 }
 
 
@@ -149,6 +170,24 @@ def _swa_layers(model: GGUFModelFile, rules: ArchRules) -> list[bool] | None:
     return [period == 0 or il % period < period - 1 for il in range(n)]
 
 
+def recurrent_layers(model: GGUFModelFile) -> list[bool] | None:
+    """Per-block recurrent flags of the whole model as llama.cpp computes them (None: not a hybrid recurrent
+    architecture). ``attention.recurrent_layers`` when the file has it, else from ``full_attention_interval``
+    (``src/models/qwen3next.cpp``: recurrent unless ``(i + 1) % interval == 0``; MTP blocks are not recurrent)."""
+    arch = model.architecture
+    rules = rules_for(arch)
+    if not rules.recurrent_interval:
+        return None
+    md = model.metadata
+    n_all = int(md[f"{arch}.block_count"])
+    flags = md.get(f"{arch}.attention.recurrent_layers")
+    if isinstance(flags, list):
+        return [bool(v) for v in flags]
+    interval = int(md.get(f"{arch}.full_attention_interval", rules.recurrent_interval))
+    n_layer = n_model_layers(model)
+    return [il < n_layer and (il + 1) % interval != 0 for il in range(n_all)]
+
+
 def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
     """Metadata of the shard GGUF for blocks ``[start, end)``: key → (value, type, array item type).
 
@@ -182,6 +221,9 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
     swa = _swa_layers(model, rules)
     if swa is not None:
         out[f"{arch}.attention.sliding_window_pattern"] = (swa[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
+    recr = recurrent_layers(model)
+    if recr is not None:
+        out[f"{arch}.attention.recurrent_layers"] = (recr[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
     for key, (value, vtype) in extra.items():
         out[key] = (value, vtype, None)
     if not head:
