@@ -138,6 +138,48 @@ def test_qwen3next_hybrid_shards_bitwise(tiny_dir, tmp_path):
     assert_chain_equals_llama_cpp(path, [4, 6], ids, tmp_path, n_ctx=256)
 
 
+def test_qwen3next_truncates_only_to_exact_state_checkpoints(tiny_dir, tmp_path):
+    """A recurrent shard keeps one state per session: truncation goes to 0, or to a position whose full sequence state
+    it copied (``state_bytes``, as the node does for each cache snapshot) or loaded; there the chain continues
+    bitwise as it did the first time. Any other cut is StateNotAtPosition (409 state_not_at_position) and changes
+    nothing. The accounting's ``state_bytes_per_session`` (what a node advertises) is llama.cpp's own state size:
+    a serialized sequence is that plus the attention KV and 12 bytes of cell metadata per token, plus a header."""
+    from ggufswarm.artifact.accounting import shard_account
+    from ggufswarm.protocol.http import as_protocol_error
+    from ggufswarm.runtime.llamacpp.backend import StateNotAtPosition
+    path = write_tiny_moe_model(tiny_dir / "bitwise-qwen3next.gguf", "qwen3next", n_layers=9)
+    file = GGUFModelFile(path)
+    shards = chain(path, [4, 6], tmp_path, n_ctx=256)
+    assert all(s.recurrent for s in shards)
+    kvs = [s.new_session(256) for s in shards]
+    rng = np.random.default_rng(5)
+    prompt, more = [1] + rng.integers(3, 384, 19).tolist(), rng.integers(3, 384, 6).tolist()
+    run_chain(shards, kvs, prompt, "last")
+    states = [s.state_bytes(kv) for s, kv in zip(shards, kvs)]  # checkpoints at 20
+    first = [run_chain(shards, kvs, [t], "last") for t in more]
+    for s, kv, state in zip(shards, kvs, states):
+        acc = shard_account(file, s.spec.start, s.spec.end)
+        assert acc.state_bytes_per_session > 0 and acc.kv_bytes_per_token > 0
+        overhead = len(state) - 20 * (acc.kv_bytes_per_token + 12) - acc.state_bytes_per_session
+        assert 0 <= overhead < 256, (s.spec, len(state), acc)
+        with pytest.raises(StateNotAtPosition, match=r"cannot be rolled back to 23 tokens.*\[20\]") as err:
+            kv.truncate(23)
+        assert as_protocol_error(err.value).status == 409 and kv.length == 26
+    again = run_chain(shards, kvs, [more[-1]], "last")  # nothing changed: the session goes on from 26
+    for kv in kvs:
+        kv.truncate(kv.length)  # to its own length: always possible
+        kv.truncate(20)
+        assert kv.length == 20 and sorted(kv.checkpoints) == [20]
+    assert all(np.array_equal(run_chain(shards, kvs, [t], "last"), ref) for t, ref in zip(more, first))
+    assert np.array_equal(run_chain(shards, kvs, [more[-1]], "last"), again)
+    for kv in kvs:
+        kv.truncate(0)
+    run_chain(shards, kvs, prompt, "last")
+    assert np.array_equal(run_chain(shards, kvs, [more[0]], "last"), first[0])
+    for s in shards:
+        s.close()
+
+
 def test_glm4moe_runs_whole_model_only(tiny_dir, tmp_path):
     """llama.cpp's glm4moe graph aborts on hidden-state input: layer ranges are refused with the reason
     (before llama.cpp could abort the process); the whole model runs and equals llama.cpp."""

@@ -392,6 +392,8 @@ async def restore_session(request: web.Request) -> web.Response:
                         session.kv.truncate(n)
                 except (RuntimeError, ValueError) as exc:  # e.g. taken by a node with other --max-sessions
                     snap, reason = None, f"snapshot not loadable here: {exc}"
+                    if session.length:  # loaded but not cut back (a recurrent shard refuses the cut): start empty
+                        session.kv.truncate(0)
             elif snap is not None:
                 session.kv.load([k[:n] for k in snap.keys], [v[:n] for v in snap.values])
             if snap is not None:

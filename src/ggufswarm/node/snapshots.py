@@ -130,6 +130,8 @@ class SnapshotLink:
         back to a step boundary of the snapshot: the restored KV is exactly what llama.cpp left after those
         steps. With ``boundaries`` (a route repair: the session's own step ends, ascending) the snapshot's
         steps must also be the session's, up to ``length``: the repaired session continues bit for bit.
+        On a recurrent llama.cpp shard (hybrid models) only the whole snapshot restores (``length`` equal to
+        its ``n_tokens``): its recurrent state exists at that position alone.
 
         ``snapshot`` is None (``length`` 0) on a miss or when the cache fails in any way (unreachable,
         corrupt, a blob that does not match): a restore falls back to recomputing, it never fails.
@@ -168,6 +170,10 @@ class SnapshotLink:
                 if not length:
                     return None, 0, "no step of the cached computation ends inside the shared prefix" + (
                         "" if boundaries is None else " with this session's steps")
+                if getattr(self.executor, "recurrent", False) and length != snap.n_tokens:
+                    # a recurrent state is the state at exactly n_tokens: it cannot be cut back to a shorter prefix
+                    return None, 0, (f"the cached recurrent state holds {snap.n_tokens} tokens, of which only {length} "
+                                     f"are usable here; a recurrent state restores only at its exact position")
             return snap, length, "restored"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
             return None, 0, f"cache failed: {type(exc).__name__}: {exc}"

@@ -10,6 +10,17 @@ copied out by a compiled eval callback (``_graph_tap.c``) that then stops the gr
 output norm and LM head. The head shard returns llama.cpp's logits. Truncation is
 ``llama_memory_seq_rm``; snapshots are ``llama_state_seq_get_data`` / ``llama_state_seq_set_data``.
 
+Recurrent shards (hybrid models such as ``qwen3next``: a layer range holding gated delta-net blocks) keep
+a fixed-size state per session that llama.cpp cannot roll back partway (``llama_memory_seq_rm`` returns
+false for any cut but "all"). Such a shard truncates only to 0, to the current length, or to an exact
+position it holds a *state checkpoint* of: the session's full sequence state (attention KV + recurrent
+state) copied whenever it is serialized (``state_bytes``: the node's snapshots for the cache, after the
+sampled prefill and every ``--snapshot-every`` tokens) or loaded (``load_state``: a restore from the
+cache). The last ``checkpoints`` of them are kept per session. Any other truncation raises
+``StateNotAtPosition`` (protocol code ``state_not_at_position``, 409) naming the positions it can return
+to; route repair and prefix reuse then fall back to recomputing from 0. Those checkpoints are exactly the
+positions the cache holds snapshots of, which are the only positions a repaired route restores.
+
 The same context, batch splitting (``n_ubatch``) and thread count as llama.cpp's own full-model
 run give bitwise-equal results: the tests compare 3-shard chains with ``llama_cpp.Llama``.
 """
@@ -34,7 +45,7 @@ from ..kv import ContextOverflow, KVPosition, TokenOutOfRange, check_max_length
 from ..shard import ShardSpec
 from . import _graph_tap
 from .sampling import LlamaCppSampler
-from .derive import TokenEmbedding, UnsupportedShard, n_model_layers, rules_for, shard_path
+from .derive import TokenEmbedding, UnsupportedShard, n_model_layers, recurrent_layers, rules_for, shard_path
 
 _BACKEND_READY = False
 _BACKEND_LOCK = threading.Lock()
@@ -105,6 +116,13 @@ class KVCellsFull(LlamaCppError):
         self.code = code
 
 
+class StateNotAtPosition(LlamaCppError):
+    """A recurrent shard was asked to truncate to a position it holds no exact state checkpoint of
+    (``code`` state_not_at_position); the session is unchanged."""
+
+    code = "state_not_at_position"
+
+
 @dataclass(frozen=True)
 class ShardModelInfo:
     """What the node and clients need to know of the model a llama.cpp shard belongs to."""
@@ -158,14 +176,44 @@ class SeqKV(KVPosition):
         self.length = 0
         self.epoch = 0
         self.closed = False
+        # recurrent shards: position -> the sequence state (llama_state_seq_get_data bytes) at exactly that
+        # position, oldest first, at most shard.checkpoints of them
+        self.checkpoints: dict[int, bytes] = {}
 
     def truncate(self, length: int) -> None:
-        """Roll back to ``length`` tokens (``llama_memory_seq_rm``); ValueError past the end."""
+        """Roll back to ``length`` tokens (``llama_memory_seq_rm``); ValueError past the end.
+
+        On a recurrent shard only to 0, ``length`` itself, or a position in ``checkpoints`` (the state there is
+        loaded); StateNotAtPosition otherwise (the session is unchanged)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: session holds {self.length} tokens")
-        self.shard._seq_rm(self.seq_id, length)
+        if self.shard.recurrent and 0 < length < self.length:
+            state = self.checkpoints.get(length)
+            if state is None:
+                raise StateNotAtPosition(
+                    f"this shard's recurrent state cannot be rolled back to {length} tokens (llama.cpp keeps one state "
+                    f"per session); exact state checkpoints held: {sorted(self.checkpoints) or 'none'}")
+            try:
+                self.shard._set_state(self, state, length)
+            except LlamaCppError:  # llama.cpp refused its own state: the sequence is empty now
+                self.length, self.checkpoints = 0, {}
+                self.epoch += 1
+                raise
+        else:
+            self.shard._seq_rm(self.seq_id, length)
         self.length = length
         self.epoch += 1
+        for pos in [p for p in self.checkpoints if p > length]:
+            del self.checkpoints[pos]
+
+    def checkpoint(self, state: bytes) -> None:
+        """Keep ``state`` (this session's sequence state at ``length`` tokens) as a truncation target (recurrent
+        shards only; the oldest is dropped past ``shard.checkpoints``)."""
+        if self.shard.recurrent and self.length and self.shard.checkpoints:
+            self.checkpoints.pop(self.length, None)
+            self.checkpoints[self.length] = state
+            while len(self.checkpoints) > self.shard.checkpoints:
+                del self.checkpoints[next(iter(self.checkpoints))]
 
     def nbytes(self) -> int:
         """KV bytes this session's tokens occupy in the context."""
@@ -175,6 +223,7 @@ class SeqKV(KVPosition):
         """Free the sequence's KV cells and its id (idempotent)."""
         if not self.closed:
             self.closed = True
+            self.checkpoints = {}
             self.shard._release(self.seq_id)
 
     def __del__(self):  # a session dropped without close() (e.g. expired) still frees its cells
@@ -193,7 +242,9 @@ class LlamaCppShard:
     physical batch (512 as in llama.cpp's defaults: keep equal to the reference run for bitwise
     results); ``threads``: llama.cpp decode and batch threads; ``cache_dir``: where derived shard
     GGUFs are written; ``all_logits``: the head will be asked for every position's logits
-    (perplexity) — otherwise its compute buffer is sized for one output row.
+    (perplexity) — otherwise its compute buffer is sized for one output row; ``checkpoints``: exact-position
+    state checkpoints kept per session on a recurrent shard (``recurrent``: the range holds recurrent blocks;
+    see the module docstring), each ``state_bytes_per_session`` plus the attention KV of its tokens.
 
     Raises UnsupportedShard (architecture/range), LlamaCppError (llama.cpp refused the file or
     the context), ValueError (bad parameters).
@@ -205,7 +256,7 @@ class LlamaCppShard:
 
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
                  n_batch: int = 2048, n_ubatch: int = 512, threads: int | None = None,
-                 cache_dir: str | os.PathLike | None = None, all_logits: bool = False):
+                 cache_dir: str | os.PathLike | None = None, all_logits: bool = False, checkpoints: int = 4):
         self.model = model
         self.cfg = model_info(model)
         spec.validate(self.cfg.n_layers)
@@ -225,6 +276,9 @@ class LlamaCppShard:
         self._lock = threading.RLock()  # reentrant: SeqKV.__del__ may run inside a step
         self._free_seqs = list(range(n_seq_max - 1, -1, -1))
         self._kv_bytes = kv_bytes_per_token(model, spec)
+        recr = recurrent_layers(model)
+        self.recurrent = bool(recr and any(recr[spec.start:spec.end]))
+        self.checkpoints = max(0, int(checkpoints))
 
         mparams = L.llama_model_default_params()
         mparams.use_mmap = True
@@ -399,7 +453,22 @@ class LlamaCppShard:
             got = L.llama_state_seq_get_data(self._ctx, buf, size, kv.seq_id)
         if got != size:
             raise LlamaCppError(f"llama.cpp wrote {got} of {size} state bytes")
-        return bytes(buf)
+        data = bytes(buf)
+        kv.checkpoint(data)
+        return data
+
+    def _set_state(self, kv: SeqKV, data: bytes, n_tokens: int) -> None:
+        """Load a sequence state holding exactly ``n_tokens`` tokens into ``kv``'s sequence (LlamaCppError, the
+        sequence then empty, when llama.cpp rejects it); does not touch ``kv.length``."""
+        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        with self._lock:
+            L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
+            got = L.llama_state_seq_set_data(self._ctx, src, len(data), kv.seq_id)
+            held = L.llama_memory_seq_pos_max(self._mem, kv.seq_id) + 1
+            if got == 0 or held != n_tokens:
+                L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
+                raise LlamaCppError(f"llama.cpp rejected the state ({len(data)} bytes; holds {held} tokens, "
+                                    f"expected {n_tokens})")
 
     def load_state(self, kv: SeqKV, data: bytes, n_tokens: int) -> None:
         """Replace the session's KV with a state from ``state_bytes`` holding ``n_tokens`` tokens.
@@ -409,19 +478,15 @@ class LlamaCppShard:
         """
         if n_tokens > kv.max_length:
             raise ContextOverflow(f"snapshot holds {n_tokens} tokens; the session's max_length is {kv.max_length}")
-        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        with self._lock:
-            L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
-            got = L.llama_state_seq_set_data(self._ctx, src, len(data), kv.seq_id)
-            held = L.llama_memory_seq_pos_max(self._mem, kv.seq_id) + 1
         kv.epoch += 1
-        if got == 0 or held != n_tokens:
-            with self._lock:
-                L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
+        kv.checkpoints = {}
+        try:
+            self._set_state(kv, data, n_tokens)
+        except LlamaCppError:
             kv.length = 0
-            raise LlamaCppError(f"llama.cpp rejected the state ({len(data)} bytes; holds {held} tokens, "
-                                f"expected {n_tokens})")
+            raise
         kv.length = n_tokens
+        kv.checkpoint(data)
 
     def close(self) -> None:
         """Free the context, batch and model (idempotent)."""
@@ -439,4 +504,5 @@ class LlamaCppShard:
 
 
 __all__ = ["kv_bytes_per_token", "KVCellsFull", "LlamaCppError", "LlamaCppShard", "STATE_FORMAT", "SeqKV", "ShardModelInfo",
+           "StateNotAtPosition",
            "UnsupportedShard", "model_info"]
