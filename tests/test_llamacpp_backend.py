@@ -122,13 +122,15 @@ def test_tiny_architectures_bitwise(arch, write, tiny_dir, tmp_path):
     assert_chain_equals_llama_cpp(path, [2, 4], ids, tmp_path, n_ctx=256)
 
 
-def test_qwen3next_hybrid_shards_bitwise(tiny_dir, tmp_path):
-    """Qwen3-Next (gated delta-net recurrent blocks + gated full attention, MoE with a gated shared expert), 9 blocks
-    with full_attention_interval 3 (attention at 2, 5, 8): the 3-shard chain [0,4)+[4,6)+[6,9) equals llama.cpp's
-    whole model bitwise over a prefill and 20 decode steps. The middle shard's attention block is its block 1,
-    which llama.cpp would take for a recurrent one if the shard file did not carry ``attention.recurrent_layers``.
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_hybrid_recurrent_shards_bitwise(arch, tiny_dir, tmp_path):
+    """Qwen3-Next and Qwen3.5-MoE (Ornith; gated delta-net recurrent blocks + gated full attention, MoE with a gated
+    shared expert), 9 blocks with full_attention_interval 3 (attention at 2, 5, 8): the 3-shard chain
+    [0,4)+[4,6)+[6,9) equals llama.cpp's whole model bitwise over a prefill and 20 decode steps. The middle shard's
+    attention block is its block 1, which llama.cpp would take for a recurrent one if the shard file did not carry
+    ``attention.recurrent_layers``; qwen35moe's IMRoPE needs its four positions per token in hidden-state batches.
     Ranges without a block of each kind are refused (llama.cpp's hybrid memory aborts on them)."""
-    path = write_tiny_moe_model(tiny_dir / "bitwise-qwen3next.gguf", "qwen3next", n_layers=9)
+    path = write_tiny_moe_model(tiny_dir / f"bitwise-{arch}.gguf", arch, n_layers=9)
     file = GGUFModelFile(path)
     assert recurrent_layers(file) == [True, True, False] * 3
     for a, b, kind in ((0, 2, "full-attention"), (2, 3, "recurrent")):

@@ -33,6 +33,9 @@ Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the sh
   top-2 (softmax, normalised) plus a sigmoid-gated shared expert of 96. The recurrent blocks keep a fixed
   per-session state (``(conv_kernel - 1) * (inner + 2 * groups * state)`` + ``state * inner`` f32 values)
   instead of per-token KV.
+* ``qwen35moe`` (Qwen3.5-MoE / Ornith): as ``qwen3next`` but ``ssm_beta`` and ``ssm_alpha`` instead of the joint
+  ``ssm_ba``, and IMRoPE (``rope.dimension_sections`` 3/3/2/0 over ``rope.dimension_count`` 16 of the 32-wide
+  heads): text positions enter as ``[p, p, p, 0]``.
 * ``gpt-oss``: alternating sliding-window / full attention (window 8, layers 0, 2, 4 are the
   sliding ones), attention sinks, q/k/v/o biases, router and expert biases, SwiGLU-OAI experts
   in F32 (no MXFP4), softmax over the selected router logits.
@@ -51,7 +54,7 @@ from gguf import GGUFWriter, RopeScalingType
 
 from tinymodels import N_VOCAB, _vocab
 
-MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss", "qwen3next")
+MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe")
 
 # expert_gating_func values (llama.cpp's llama_expert_gating_func_type)
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
@@ -82,6 +85,10 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     # block numbers, block 0 of it would be a delta-net block)
     "qwen3next": dict(_COMMON, n_ff_shexp=96, full_attention_interval=3, ssm_conv_kernel=4, ssm_state_size=32,
                       ssm_group_count=2, ssm_time_step_rank=4),
+    # Qwen3.5-MoE (Ornith-1.0-397B's architecture): qwen3next's blocks with separate ssm_beta / ssm_alpha
+    # projections and interleaved multi-section RoPE (IMRoPE) on a partial rotary dimension
+    "qwen35moe": dict(_COMMON, n_ff_shexp=96, full_attention_interval=3, ssm_conv_kernel=4, ssm_state_size=32,
+                      ssm_group_count=2, ssm_time_step_rank=4, rope_dim=16, rope_sections=(3, 3, 2, 0)),
 }
 
 
@@ -135,13 +142,15 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
     if "expert_weights_norm" in cfg:
         w.add_bool(f"{arch}.expert_weights_norm", bool(c.expert_weights_norm))
 
-    if arch == "qwen3next":
+    if arch in ("qwen3next", "qwen35moe"):
         kv_u32("full_attention_interval", c.full_attention_interval)
         kv_u32("ssm.conv_kernel", c.ssm_conv_kernel)
         kv_u32("ssm.state_size", c.ssm_state_size)
         kv_u32("ssm.group_count", c.ssm_group_count)
         kv_u32("ssm.time_step_rank", c.ssm_time_step_rank)
         kv_u32("ssm.inner_size", c.ssm_state_size * c.ssm_time_step_rank)
+    if arch == "qwen35moe":
+        w.add_array(f"{arch}.rope.dimension_sections", [int(v) for v in c.rope_sections])
 
     if arch == "deepseek2":
         # MLA converted to MQA with one big kv head (what convert_hf_to_gguf.py writes)
@@ -163,7 +172,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("attention.head_count_kv", c.n_head_kv)
         kv_u32("attention.key_length", c.head_dim)
         kv_u32("attention.value_length", c.head_dim)
-        kv_u32("rope.dimension_count", c.rope_dim if arch == "glm4moe" else c.head_dim)
+        kv_u32("rope.dimension_count", c.rope_dim if arch in ("glm4moe", "qwen35moe") else c.head_dim)
     if arch == "glm4moe":
         kv_u32("nextn_predict_layers", 0)
     if arch == "gpt-oss":
@@ -201,7 +210,8 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         moe = il >= cfg.get("n_dense_lead", 0)
 
         # --- attention
-        if arch == "qwen3next" and (il + 1) % c.full_attention_interval:  # a gated delta-net block
+        hybrid = arch in ("qwen3next", "qwen35moe")
+        if hybrid and (il + 1) % c.full_attention_interval:  # a gated delta-net block
             key_dim = c.ssm_state_size * c.ssm_group_count
             value_dim = c.ssm_state_size * c.ssm_time_step_rank
             matrix(p + "attn_qkv.weight", 2 * key_dim + value_dim, e)
@@ -209,10 +219,14 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
             f32(p + "ssm_conv1d.weight", 2 * key_dim + value_dim, c.ssm_conv_kernel, scale=0.3)
             f32(p + "ssm_dt.bias", c.ssm_time_step_rank, scale=0.5)
             w.add_tensor(p + "ssm_a", -np.exp(rng.standard_normal(c.ssm_time_step_rank) * 0.5).astype(np.float32))
-            matrix(p + "ssm_ba.weight", 2 * c.ssm_time_step_rank, e)
+            if arch == "qwen3next":
+                matrix(p + "ssm_ba.weight", 2 * c.ssm_time_step_rank, e)
+            else:
+                matrix(p + "ssm_beta.weight", c.ssm_time_step_rank, e)
+                matrix(p + "ssm_alpha.weight", c.ssm_time_step_rank, e)
             norm(p + "ssm_norm.weight", c.ssm_state_size)
             matrix(p + "ssm_out.weight", e, value_dim)
-        elif arch == "qwen3next":  # gated full attention: the query projection carries the gate
+        elif hybrid:  # gated full attention: the query projection carries the gate
             q_dim, kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
             matrix(p + "attn_q.weight", 2 * q_dim, e)
             matrix(p + "attn_k.weight", kv_dim, e)
@@ -256,7 +270,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
                 f32(p + "attn_sinks.weight", c.n_head, scale=0.5)
 
         # --- FFN norm: glm4moe and gpt-oss call it post_attention_norm
-        norm(p + ("post_attention_norm.weight" if arch in ("glm4moe", "gpt-oss", "qwen3next") else "ffn_norm.weight"), e)
+        norm(p + ("post_attention_norm.weight" if arch in ("glm4moe", "gpt-oss", "qwen3next", "qwen35moe") else "ffn_norm.weight"), e)
 
         # --- FFN
         if not moe:
@@ -276,7 +290,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
             f32(p + "ffn_gate_exps.bias", d, f, scale=0.05)
             f32(p + "ffn_up_exps.bias", d, f, scale=0.05)
             f32(p + "ffn_down_exps.bias", d, e, scale=0.02)
-        if arch in ("qwen2moe", "qwen3next"):
+        if arch in ("qwen2moe", "qwen3next", "qwen35moe"):
             f32(p + "ffn_gate_inp_shexp.weight", e, scale=e ** -0.5 * 2.0)  # the shared expert's sigmoid gate
             matrix(p + "ffn_gate_shexp.weight", c.n_ff_shexp, e)
             matrix(p + "ffn_up_shexp.weight", c.n_ff_shexp, e)

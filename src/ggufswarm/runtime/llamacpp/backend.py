@@ -322,7 +322,19 @@ class LlamaCppShard:
         self._mem = L.llama_get_memory(self._ctx)
         self.n_vocab_out = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
         self._batch = L.llama_batch_init(n_batch, 0 if self.takes_tokens else n_embd, 1)
-        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(n_batch,))
+        # M-RoPE / IMRoPE models (qwen35moe) take 4 positions per token; llama.cpp expands a token batch's one
+        # position to [p, p, p, 0] itself (llm_graph_input_pos::set_input) but reads an embedding batch's four,
+        # section-major (pos[j * n_tokens + i], src/llama-batch.cpp): our buffer replaces the batch's 1-wide one
+        rope = L.llama_model_rope_type(self._model)
+        self.n_pos_per_token = 4 if not self.takes_tokens and rope in (L.LLAMA_ROPE_TYPE_MROPE,
+                                                                       L.LLAMA_ROPE_TYPE_IMROPE) else 1
+        self._batch_pos = ctypes.cast(self._batch.pos, ctypes.c_void_p).value  # the one llama_batch_free frees
+        if self.n_pos_per_token > 1:
+            self._pos_buffer = np.zeros(n_batch * self.n_pos_per_token, dtype=np.int32)
+            self._batch.pos = self._pos_buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+            self._pos = self._pos_buffer
+        else:
+            self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(n_batch,))
         self._n_seq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))
         self._out = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
         self._n_seq[:] = 1
@@ -410,7 +422,12 @@ class LlamaCppShard:
         with self._lock:
             batch = self._batch
             batch.n_tokens = n_tokens
-            self._pos[:n_tokens] = np.arange(kv.length, kv.length + n_tokens, dtype=np.int32)
+            positions = np.arange(kv.length, kv.length + n_tokens, dtype=np.int32)
+            if self.n_pos_per_token == 4:  # text positions as llama.cpp writes them for tokens: [p, p, p, 0]
+                self._pos[:3 * n_tokens] = np.tile(positions, 3)
+                self._pos[3 * n_tokens:4 * n_tokens] = 0
+            else:
+                self._pos[:n_tokens] = positions
             for i in range(n_tokens):
                 batch.seq_id[i][0] = kv.seq_id
             self._out[:n_tokens] = 1 if all_out else 0
@@ -491,6 +508,7 @@ class LlamaCppShard:
     def close(self) -> None:
         """Free the context, batch and model (idempotent)."""
         if getattr(self, "_ctx", None):
+            self._batch.pos = ctypes.cast(self._batch_pos, ctypes.POINTER(ctypes.c_int32))
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)

@@ -132,6 +132,8 @@ ARCH_RULES: dict[str, ArchRules] = {
                                     "(\"does not support multimodal\"); a layer range needs a llama.cpp change"),
     "gpt-oss": ArchRules(swa_pattern=2),
     "qwen3next": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
+    # IMRoPE: a hidden-state batch carries 4 positions per token (backend.LlamaCppShard.n_pos_per_token)
+    "qwen35moe": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
 }
 
 
