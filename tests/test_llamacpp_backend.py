@@ -182,6 +182,23 @@ def test_qwen3next_truncates_only_to_exact_state_checkpoints(tiny_dir, tmp_path)
         s.close()
 
 
+def test_glm_dsa_shards_bitwise(tiny_dir, tmp_path):
+    """GLM-5.2 (glm-dsa: MLA + DSA lightning indexer, leading dense block, MoE with a shared expert), 8 blocks with
+    llama.cpp's default GLM-5.2 indexer pattern (1M trained context, no indexer.types key: blocks 0, 1, 2, 6 full,
+    3-5 and 7 shared): the 3-shard chain [0,2)+[2,6)+[6,8) equals llama.cpp's whole model bitwise, 41 tokens
+    past the indexer's top-12 so the sparse selection matters. The shard files carry their own indexer types
+    (defaulted from the shard's block 0, [2,6) would expect indexer weights on blocks 3 and 4); a range
+    starting at a shared-indexer block is refused (its top-k would have to cross the cut)."""
+    from ggufswarm.runtime.llamacpp.derive import glm_dsa_indexer_types
+    path = write_tiny_moe_model(tiny_dir / "bitwise-glm-dsa.gguf", "glm-dsa", n_layers=8)
+    file = GGUFModelFile(path)
+    assert glm_dsa_indexer_types(file) == [1, 1, 1, 0, 0, 0, 1, 0]
+    with pytest.raises(UnsupportedShard, match=r"block 3 is a shared-indexer block.*full-indexer block 2.*0, 1, 2, 6"):
+        LlamaCppShard(file, ShardSpec(3, 6), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+    ids = [1] + np.random.default_rng(3).integers(3, 384, 40).tolist()
+    assert_chain_equals_llama_cpp(path, [2, 6], ids, tmp_path, n_ctx=256)
+
+
 def test_glm4moe_runs_whole_model_only(tiny_dir, tmp_path):
     """llama.cpp's glm4moe graph aborts on hidden-state input: layer ranges are refused with the reason
     (before llama.cpp could abort the process); the whole model runs and equals llama.cpp."""

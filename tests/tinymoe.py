@@ -36,6 +36,11 @@ Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the sh
 * ``qwen35moe`` (Qwen3.5-MoE / Ornith): as ``qwen3next`` but ``ssm_beta`` and ``ssm_alpha`` instead of the joint
   ``ssm_ba``, and IMRoPE (``rope.dimension_sections`` 3/3/2/0 over ``rope.dimension_count`` 16 of the 32-wide
   heads): text positions enter as ``[p, p, p, 0]``.
+* ``glm-dsa`` (GLM-5.2): ``deepseek2``'s MLA (q LoRA, split ``attn_k_b``/``attn_v_b``), 1 leading dense block,
+  sigmoid routing with ``exp_probs_b``, 1 shared expert, and DSA: a lightning indexer (4 heads of 64: llama.cpp rotates its keys by a Hadamard matrix of at least 64, top-12 keys)
+  on the "full" blocks (``indexer.*`` tensors), whose top-k the following "shared" blocks reuse. Without an
+  ``indexer_types`` override no ``attention.indexer.types`` key is written and the trained context is 1M, so
+  llama.cpp applies GLM-5.2's default pattern (blocks 0, 1, 2, 6, 10, ... full).
 * ``gpt-oss``: alternating sliding-window / full attention (window 8, layers 0, 2, 4 are the
   sliding ones), attention sinks, q/k/v/o biases, router and expert biases, SwiGLU-OAI experts
   in F32 (no MXFP4), softmax over the selected router logits.
@@ -54,7 +59,8 @@ from gguf import GGUFWriter, RopeScalingType
 
 from tinymodels import N_VOCAB, _vocab
 
-MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe")
+MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe",
+                               "glm-dsa")
 
 # expert_gating_func values (llama.cpp's llama_expert_gating_func_type)
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
@@ -87,6 +93,16 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                       ssm_group_count=2, ssm_time_step_rank=4),
     # Qwen3.5-MoE (Ornith-1.0-397B's architecture): qwen3next's blocks with separate ssm_beta / ssm_alpha
     # projections and interleaved multi-section RoPE (IMRoPE) on a partial rotary dimension
+    # GLM-5.2 (DSA): deepseek2's MLA with a lightning indexer on the "full" blocks; the "shared" ones reuse the
+    # top-k of the last full one. No indexer.types key and a 1M trained context: llama.cpp then applies
+    # GLM-5.2's default pattern 1,1,1,0,0,0,1,0,... counted from the file's block 0
+    "glm-dsa": dict(
+        {k: v for k, v in _COMMON.items() if k not in ("n_head_kv", "head_dim")}, context_length=1048576,
+        n_dense_lead=1, n_expert_shared=1, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, expert_gating_func=GATING_SIGMOID, expert_weights_norm=True,
+        expert_weights_scale=2.5, exp_probs_b=True, indexer_n_head=4, indexer_head_size=64, indexer_top_k=12,
+        indexer_types=None,
+    ),
     "qwen35moe": dict(_COMMON, n_ff_shexp=96, full_attention_interval=3, ssm_conv_kernel=4, ssm_state_size=32,
                       ssm_group_count=2, ssm_time_step_rank=4, rope_dim=16, rope_sections=(3, 3, 2, 0)),
 }
@@ -152,7 +168,18 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
     if arch == "qwen35moe":
         w.add_array(f"{arch}.rope.dimension_sections", [int(v) for v in c.rope_sections])
 
-    if arch == "deepseek2":
+    if arch == "glm-dsa":
+        kv_u32("attention.indexer.head_count", c.indexer_n_head)
+        kv_u32("attention.indexer.key_length", c.indexer_head_size)
+        kv_u32("attention.indexer.top_k", c.indexer_top_k)
+        kv_u32("nextn_predict_layers", 0)
+        if c.indexer_types is not None:
+            w.add_array(f"{arch}.attention.indexer.types", [int(v) for v in c.indexer_types])
+    if arch == "glm-dsa":
+        indexer_full = (list(c.indexer_types) if c.indexer_types is not None else
+                        [1, 1] + [1, 0, 0, 0] * ((n_layers + 3) // 4))[:n_layers]
+
+    if arch in ("deepseek2", "glm-dsa"):
         # MLA converted to MQA with one big kv head (what convert_hf_to_gguf.py writes)
         kv_u32("attention.head_count_kv", 1)
         kv_u32("attention.q_lora_rank", c.q_lora_rank)
@@ -163,7 +190,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("attention.value_length_mla", c.v_head_dim)
         kv_u32("rope.dimension_count", c.qk_rope_head_dim)
         kv_u32("vocab_size", N_VOCAB)
-        if c.yarn_factor > 0:  # YaRN as DeepSeek-V2/V3 exports have it (the converter writes 0.1 * mscale_all_dim)
+        if cfg.get("yarn_factor", 0) > 0:  # YaRN as DeepSeek-V2/V3 exports have it (the converter writes 0.1 * mscale_all_dim)
             w.add_rope_scaling_type(RopeScalingType.YARN)
             w.add_rope_scaling_factor(c.yarn_factor)
             w.add_rope_scaling_orig_ctx_len(c.yarn_orig_ctx)
@@ -234,7 +261,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
             matrix(p + "attn_output.weight", e, q_dim)
             norm(p + "attn_q_norm.weight", c.head_dim)
             norm(p + "attn_k_norm.weight", c.head_dim)
-        elif arch == "deepseek2":
+        elif arch in ("deepseek2", "glm-dsa"):
             k_mla = c.qk_nope_head_dim + c.qk_rope_head_dim
             if c.q_lora_rank > 0:
                 norm(p + "attn_q_a_norm.weight", c.q_lora_rank)
@@ -250,6 +277,12 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
             matrix(p + "attn_k_b.weight", c.n_head, c.kv_lora_rank, c.qk_nope_head_dim)
             matrix(p + "attn_v_b.weight", c.n_head, c.v_head_dim, c.kv_lora_rank)
             matrix(p + "attn_output.weight", e, c.n_head * c.v_head_dim)
+            if arch == "glm-dsa" and indexer_full[il]:  # the lightning indexer of a "full" block
+                f32(p + "indexer.k_norm.weight", c.indexer_head_size, scale=0.1, offset=1.0)
+                f32(p + "indexer.k_norm.bias", c.indexer_head_size, scale=0.1)
+                matrix(p + "indexer.proj.weight", c.indexer_n_head, e)
+                matrix(p + "indexer.attn_k.weight", c.indexer_head_size, e)
+                matrix(p + "indexer.attn_q_b.weight", c.indexer_n_head * c.indexer_head_size, c.q_lora_rank)
         else:
             q_dim, kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
             if arch == "deepseek" and q_dim != e:
@@ -283,7 +316,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         matrix(p + "ffn_gate_exps.weight", d, f, e)
         matrix(p + "ffn_up_exps.weight", d, f, e)
         matrix(p + "ffn_down_exps.weight", d, e, f)
-        if arch == "glm4moe" or (arch == "deepseek2" and c.exp_probs_b):
+        if arch == "glm4moe" or (arch in ("deepseek2", "glm-dsa") and c.exp_probs_b):
             f32(p + "exp_probs_b.bias", d, scale=0.1)
         if arch == "gpt-oss":
             f32(p + "ffn_gate_inp.bias", d, scale=0.1)

@@ -16,6 +16,9 @@ architecture, taken from llama.cpp's ``src/models/<arch>.cpp`` (``load_arch_hpar
   recurrent from ``full_attention_interval`` and the shard's own block numbers
   (``src/models/qwen3next.cpp``: block ``i`` is recurrent unless ``(i + 1) % interval == 0``);
 * MTP/nextn blocks (the last ``nextn_predict_layers`` blocks) are dropped: no shard serves them;
+* ``glm-dsa``'s indexer types (which blocks have their own DSA lightning indexer) are written for the
+  shard's range (llama.cpp defaults them from the shard's own block 0 otherwise), and a range must start
+  at a full-indexer block (a shared one reuses the previous block's top-k, which cannot cross a cut);
 * heuristics llama.cpp applies to the layer count are resolved from the whole model and written
   out, or the range is refused when llama.cpp cannot be told (Gemma 3 27B's attention scale).
 
@@ -114,6 +117,37 @@ def _hybrid_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
     return {}
 
 
+# src/models/glm-dsa.cpp GLM_5_2_DEFAULT_INDEXER_TYPES: 1, 1, then 1, 0, 0, 0 repeated (1: the block has its own
+# lightning indexer, 0: it reuses the top-k of the last full one); used when the file has no
+# attention.indexer.types and a trained context of at least 1M (GLM-5.2); shorter contexts: every block full
+_GLM_DSA_DEFAULT_PERIOD = (1, 0, 0, 0)
+
+
+def glm_dsa_indexer_types(model: GGUFModelFile) -> list[int]:
+    """Per-block indexer types (1 full, 0 shared) of a ``glm-dsa`` model's ``n_layer`` trunk blocks, as llama.cpp's
+    loader reads or defaults them (``src/models/glm-dsa.cpp`` load_arch_hparams)."""
+    md = model.metadata
+    n = n_model_layers(model)
+    types = md.get("glm-dsa.attention.indexer.types")
+    if isinstance(types, list):
+        return [int(t) for t in types][:n]
+    if int(md.get("glm-dsa.context_length", 0)) < 1048576:  # "BC for GLM 5, 5.1 (full indexers)"
+        return [1] * n
+    return ([1, 1] + list(_GLM_DSA_DEFAULT_PERIOD) * (n // 4 + 1))[:n]
+
+
+def _glm_dsa_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    types = glm_dsa_indexer_types(model)
+    if not types[a]:
+        full = [i for i, t in enumerate(types) if t]
+        raise UnsupportedShard(f"glm-dsa: block {a} is a shared-indexer block (it reuses the top-k of full-indexer block "
+                               f"{max(i for i in full if i < a)}, which llama.cpp cannot take across a cut: "
+                               f"src/models/glm-dsa.cpp asserts prev_top_k); a layer range must start at a "
+                               f"full-indexer block ({', '.join(map(str, full))})")
+    # the shard's own pattern, written out: llama.cpp would otherwise default it from the shard's block 0
+    return {"glm-dsa.attention.indexer.types": (types[a:b], GGUFValueType.ARRAY)}
+
+
 def _sqrt_n_embd(n_embd: int) -> np.float32:
     return np.sqrt(np.float32(n_embd))  # sqrtf(n_embd), src/models/gemma3.cpp
 
@@ -134,6 +168,7 @@ ARCH_RULES: dict[str, ArchRules] = {
     "qwen3next": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
     # IMRoPE: a hidden-state batch carries 4 positions per token (backend.LlamaCppShard.n_pos_per_token)
     "qwen35moe": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
+    "glm-dsa": ArchRules(leading_dense=True, nextn=True, check=_glm_dsa_check),
 }
 
 
@@ -227,7 +262,7 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
     if recr is not None:
         out[f"{arch}.attention.recurrent_layers"] = (recr[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
     for key, (value, vtype) in extra.items():
-        out[key] = (value, vtype, None)
+        out[key] = (value, vtype, GGUFValueType.UINT32 if vtype == GGUFValueType.ARRAY else None)
     if not head:
         out["tokenizer.ggml.model"] = ("none", GGUFValueType.STRING, None)
         out[f"{arch}.vocab_size"] = (1, GGUFValueType.UINT32, None)
