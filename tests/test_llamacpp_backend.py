@@ -13,7 +13,7 @@ import pytest
 import torch
 from route_fixtures import greedy_prompts, llama_cpp_greedy_tokens
 from tinymodels import write_tiny_model
-from tinymoe import write_tiny_moe_model
+from tinymoe import write_tiny_deepseek4_model, write_tiny_moe_model
 
 from ggufswarm.artifact.default_model import smollm2_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
@@ -152,7 +152,7 @@ def test_qwen3next_truncates_only_to_exact_state_checkpoints(tiny_dir, tmp_path)
     path = write_tiny_moe_model(tiny_dir / "bitwise-qwen3next.gguf", "qwen3next", n_layers=9)
     file = GGUFModelFile(path)
     shards = chain(path, [4, 6], tmp_path, n_ctx=256)
-    assert all(s.recurrent for s in shards)
+    assert all(s.exact_states_only for s in shards)
     kvs = [s.new_session(256) for s in shards]
     rng = np.random.default_rng(5)
     prompt, more = [1] + rng.integers(3, 384, 19).tolist(), rng.integers(3, 384, 6).tolist()
@@ -197,6 +197,32 @@ def test_glm_dsa_shards_bitwise(tiny_dir, tmp_path):
         LlamaCppShard(file, ShardSpec(3, 6), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
     ids = [1] + np.random.default_rng(3).integers(3, 384, 40).tolist()
     assert_chain_equals_llama_cpp(path, [2, 6], ids, tmp_path, n_ctx=256)
+
+
+def test_deepseek4_runs_whole_model_only(tiny_dir, tmp_path):
+    """DeepSeek-V4 (deepseek4: hyper-connections, compressed attention with ratios 0/4/128/4, lightning indexer,
+    a hash-routed first block, sqrt-softplus routing, grouped output LoRA, attention sinks): a layer range is
+    refused with the llama.cpp change it needs; the whole model on one node equals llama.cpp bitwise over a
+    150-token prompt (past the 128-token compression block) and 20 decode steps. Its cache refuses partial
+    removal, so a session rolls back only to an exact state checkpoint, and continues bitwise from there."""
+    from ggufswarm.runtime.llamacpp.backend import StateNotAtPosition
+    path = write_tiny_deepseek4_model(tiny_dir / "bitwise-deepseek4.gguf")
+    file = GGUFModelFile(path)
+    with pytest.raises(UnsupportedShard, match="only the whole model.*hc_mult x n_embd.*hash_layer_count"):
+        LlamaCppShard(file, ShardSpec(0, 2, embed=True), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+    ids = [1] + np.random.default_rng(3).integers(3, 384, 149).tolist()
+    assert_chain_equals_llama_cpp(path, [], ids, tmp_path, n_ctx=256)
+    (whole,) = chain(path, [], tmp_path, n_ctx=256)
+    assert whole.exact_states_only
+    kv = whole.new_session(256)
+    run_chain([whole], [kv], ids, "last")
+    whole.state_bytes(kv)
+    nxt = [run_chain([whole], [kv], [t], "last") for t in (5, 6, 7)]
+    with pytest.raises(StateNotAtPosition, match=r"\[150\]"):
+        kv.truncate(151)
+    kv.truncate(150)
+    assert all(np.array_equal(run_chain([whole], [kv], [t], "last"), ref) for t, ref in zip((5, 6, 7), nxt))
+    whole.close()
 
 
 def test_glm4moe_runs_whole_model_only(tiny_dir, tmp_path):

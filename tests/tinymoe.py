@@ -346,3 +346,147 @@ class _Cfg:
 
     def __init__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
+
+
+DEEPSEEK4_DEFAULTS: dict[str, Any] = dict(
+    n_embd=128, n_head=4, head_dim=64, rope_dim=16, q_lora_rank=96, o_groups=2, o_lora_rank=32, hc_mult=4,
+    n_ff_exp=64, n_expert=8, n_expert_used=2, n_expert_shared=1, compress_ratios=(0, 4, 128, 4),
+    hash_layers=1, sliding_window=8, indexer_n_head=4, indexer_head_size=64, indexer_top_k=4,
+    context_length=4096, rope_freq_base=10000.0, compress_rope_freq_base=160000.0, rms_eps=1e-6,
+    swiglu_clamp=10.0, expert_weights_scale=1.5, sinkhorn_iters=3, hc_eps=1e-6,
+)
+
+
+def write_tiny_deepseek4_model(path: Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random-weight ``deepseek4`` (DeepSeek-V4-Flash layout) GGUF to ``path`` and return ``path``.
+
+    One block per entry of ``compress_ratios`` (default 0 / 4 / 128 / 4: raw sliding-window attention, the
+    compressed attention with its lightning indexer, the heavily compressed one, the indexer again); a residual
+    stream widened to ``hc_mult`` = 4 copies mixed by hyper-connections (Sinkhorn); the first ``hash_layers``
+    blocks route tokens to experts by a fixed token-id table (``ffn_gate_tid2eid``), the others by
+    sqrt-softplus scores with a selection bias; grouped low-rank output projection; attention sinks;
+    8 experts top-2 plus a shared one with clamped SwiGLU. All F32 (the table int32). ``overrides`` replace
+    entries of ``DEEPSEEK4_DEFAULTS`` (unknown names raise ``TypeError``).
+    """
+    cfg = dict(DEEPSEEK4_DEFAULTS)
+    unknown = set(overrides) - set(cfg)
+    if unknown:
+        raise TypeError(f"unknown settings for deepseek4: {sorted(unknown)}")
+    cfg.update(overrides)
+    c = _Cfg(cfg)
+    arch = "deepseek4"
+    n_layers = len(c.compress_ratios)
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), arch)
+    u32 = lambda key, v: w.add_uint32(f"{arch}.{key}", int(v))  # noqa: E731
+    f32k = lambda key, v: w.add_float32(f"{arch}.{key}", float(v))  # noqa: E731
+    w.add_block_count(n_layers)
+    w.add_context_length(c.context_length)
+    w.add_embedding_length(c.n_embd)
+    w.add_feed_forward_length(c.n_ff_exp)
+    w.add_head_count(c.n_head)
+    u32("attention.head_count_kv", 1)
+    u32("attention.key_length", c.head_dim)
+    u32("attention.value_length", c.head_dim)
+    u32("rope.dimension_count", c.rope_dim)
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_rope_freq_base(c.rope_freq_base)
+    w.add_file_type(0)
+    u32("attention.q_lora_rank", c.q_lora_rank)
+    u32("attention.sliding_window", c.sliding_window)
+    u32("expert_count", c.n_expert)
+    u32("expert_used_count", c.n_expert_used)
+    u32("expert_feed_forward_length", c.n_ff_exp)
+    u32("expert_shared_count", c.n_expert_shared)
+    f32k("expert_weights_scale", c.expert_weights_scale)
+    w.add_bool(f"{arch}.expert_weights_norm", True)
+    u32("expert_gating_func", 4)  # sqrt(softplus)
+    f32k("swiglu_clamp_exp", c.swiglu_clamp)
+    u32("attention.indexer.head_count", c.indexer_n_head)
+    u32("attention.indexer.key_length", c.indexer_head_size)
+    u32("attention.indexer.top_k", c.indexer_top_k)
+    u32("attention.output_group_count", c.o_groups)
+    u32("attention.output_lora_rank", c.o_lora_rank)
+    f32k("attention.compress_rope_freq_base", c.compress_rope_freq_base)
+    w.add_array(f"{arch}.attention.compress_ratios", [int(r) for r in c.compress_ratios])
+    u32("hyper_connection.count", c.hc_mult)
+    u32("hyper_connection.sinkhorn_iterations", c.sinkhorn_iters)
+    f32k("hyper_connection.epsilon", c.hc_eps)
+    u32("hash_layer_count", c.hash_layers)
+    tokens, scores, types = _vocab()
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+    def f32(name: str, *shape: int, scale: float = 0.05, offset: float = 0.0) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * scale + offset).astype(np.float32))
+
+    def norm(name: str, dim: int) -> None:
+        f32(name, dim, scale=0.1, offset=1.0)
+
+    def matrix(name: str, *shape: int, scale: float = 1.0) -> None:
+        f32(name, *shape, scale=scale * shape[-1] ** -0.5)
+
+    e, hd, hc = c.n_embd, c.head_dim, c.hc_mult
+    mix = (2 + hc) * hc
+    f32("token_embd.weight", N_VOCAB, e, scale=0.5)
+    norm("output_norm.weight", e)
+    matrix("output.weight", N_VOCAB, e)
+    matrix("output_hc_fn.weight", hc, hc * e)
+    f32("output_hc_base.weight", hc, scale=0.1)
+    f32("output_hc_scale.weight", 1, scale=0.1, offset=1.0)
+    for il, ratio in enumerate(c.compress_ratios):
+        p = f"blk.{il}."
+        norm(p + "attn_norm.weight", e)
+        f32(p + "attn_sinks.weight", c.n_head, scale=0.5)
+        matrix(p + "attn_q_a.weight", c.q_lora_rank, e)
+        norm(p + "attn_q_a_norm.weight", c.q_lora_rank)
+        matrix(p + "attn_q_b.weight", c.n_head * hd, c.q_lora_rank)
+        matrix(p + "attn_kv.weight", hd, e)
+        norm(p + "attn_kv_a_norm.weight", hd)
+        matrix(p + "attn_output_a.weight", c.o_lora_rank * c.o_groups, c.n_head * hd // c.o_groups)
+        matrix(p + "attn_output_b.weight", e, c.o_groups * c.o_lora_rank)
+        for part in ("attn", "ffn"):
+            matrix(p + f"hc_{part}_fn.weight", mix, hc * e)
+            f32(p + f"hc_{part}_base.weight", mix, scale=0.1)
+            f32(p + f"hc_{part}_scale.weight", 3, scale=0.1, offset=1.0)
+        if ratio:
+            coff = 2 if ratio == 4 else 1
+            matrix(p + "attn_compressor_kv.weight", coff * hd, e)
+            matrix(p + "attn_compressor_gate.weight", coff * hd, e)
+            f32(p + "attn_compressor_ape.weight", ratio, coff * hd, scale=0.1)
+            norm(p + "attn_compressor_norm.weight", hd)
+            if ratio == 4:
+                ih = c.indexer_head_size
+                matrix(p + "indexer.proj.weight", c.indexer_n_head, e)
+                matrix(p + "indexer.attn_q_b.weight", c.indexer_n_head * ih, c.q_lora_rank)
+                matrix(p + "indexer_compressor_kv.weight", 2 * ih, e)
+                matrix(p + "indexer_compressor_gate.weight", 2 * ih, e)
+                f32(p + "indexer_compressor_ape.weight", ratio, 2 * ih, scale=0.1)
+                norm(p + "indexer_compressor_norm.weight", ih)
+        matrix(p + "ffn_gate_inp.weight", c.n_expert, e, scale=2.0)
+        if il < c.hash_layers:  # token id -> its experts, fixed
+            table = np.stack([rng.choice(c.n_expert, c.n_expert_used, replace=False) for _ in range(N_VOCAB)])
+            w.add_tensor(p + "ffn_gate_tid2eid.weight", table.astype(np.int32))
+        else:
+            f32(p + "exp_probs_b.bias", c.n_expert, scale=0.1)
+        norm(p + "ffn_norm.weight", e)
+        f = c.n_ff_exp
+        matrix(p + "ffn_gate_exps.weight", c.n_expert, f, e)
+        matrix(p + "ffn_up_exps.weight", c.n_expert, f, e)
+        matrix(p + "ffn_down_exps.weight", c.n_expert, e, f)
+        fs = f * c.n_expert_shared
+        matrix(p + "ffn_gate_shexp.weight", fs, e)
+        matrix(p + "ffn_up_shexp.weight", fs, e)
+        matrix(p + "ffn_down_shexp.weight", e, fs)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -170,7 +170,7 @@ class SnapshotLink:
                 if not length:
                     return None, 0, "no step of the cached computation ends inside the shared prefix" + (
                         "" if boundaries is None else " with this session's steps")
-                if getattr(self.executor, "recurrent", False) and length != snap.n_tokens:
+                if getattr(self.executor, "exact_states_only", False) and length != snap.n_tokens:
                     # a recurrent state is the state at exactly n_tokens: it cannot be cut back to a shorter prefix
                     return None, 0, (f"the cached recurrent state holds {snap.n_tokens} tokens, of which only {length} "
                                      f"are usable here; a recurrent state restores only at its exact position")

@@ -12,7 +12,8 @@ output norm and LM head. The head shard returns llama.cpp's logits. Truncation i
 
 Recurrent shards (hybrid models such as ``qwen3next``: a layer range holding gated delta-net blocks) keep
 a fixed-size state per session that llama.cpp cannot roll back partway (``llama_memory_seq_rm`` returns
-false for any cut but "all"). Such a shard truncates only to 0, to the current length, or to an exact
+false for any cut but "all"); so does ``deepseek4``'s compressed cache (``llama_kv_cache_dsv4::seq_rm``).
+Such a shard (``exact_states_only``) truncates only to 0, to the current length, or to an exact
 position it holds a *state checkpoint* of: the session's full sequence state (attention KV + recurrent
 state) copied whenever it is serialized (``state_bytes``: the node's snapshots for the cache, after the
 sampled prefill and every ``--snapshot-every`` tokens) or loaded (``load_state``: a restore from the
@@ -187,12 +188,12 @@ class SeqKV(KVPosition):
         loaded); StateNotAtPosition otherwise (the session is unchanged)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: session holds {self.length} tokens")
-        if self.shard.recurrent and 0 < length < self.length:
+        if self.shard.exact_states_only and 0 < length < self.length:
             state = self.checkpoints.get(length)
             if state is None:
                 raise StateNotAtPosition(
-                    f"this shard's recurrent state cannot be rolled back to {length} tokens (llama.cpp keeps one state "
-                    f"per session); exact state checkpoints held: {sorted(self.checkpoints) or 'none'}")
+                    f"this shard's state cannot be rolled back to {length} tokens (llama.cpp keeps one recurrent or "
+                    f"compressed state per session); exact state checkpoints held: {sorted(self.checkpoints) or 'none'}")
             try:
                 self.shard._set_state(self, state, length)
             except LlamaCppError:  # llama.cpp refused its own state: the sequence is empty now
@@ -209,7 +210,7 @@ class SeqKV(KVPosition):
     def checkpoint(self, state: bytes) -> None:
         """Keep ``state`` (this session's sequence state at ``length`` tokens) as a truncation target (recurrent
         shards only; the oldest is dropped past ``shard.checkpoints``)."""
-        if self.shard.recurrent and self.length and self.shard.checkpoints:
+        if self.shard.exact_states_only and self.length and self.shard.checkpoints:
             self.checkpoints.pop(self.length, None)
             self.checkpoints[self.length] = state
             while len(self.checkpoints) > self.shard.checkpoints:
@@ -243,7 +244,8 @@ class LlamaCppShard:
     results); ``threads``: llama.cpp decode and batch threads; ``cache_dir``: where derived shard
     GGUFs are written; ``all_logits``: the head will be asked for every position's logits
     (perplexity) — otherwise its compute buffer is sized for one output row; ``checkpoints``: exact-position
-    state checkpoints kept per session on a recurrent shard (``recurrent``: the range holds recurrent blocks;
+    state checkpoints kept per session on a shard llama.cpp cannot truncate partway (``exact_states_only``:
+    the range holds recurrent blocks, or the architecture's cache refuses partial removal, ``deepseek4``;
     see the module docstring), each ``state_bytes_per_session`` plus the attention KV of its tokens.
 
     Raises UnsupportedShard (architecture/range), LlamaCppError (llama.cpp refused the file or
@@ -277,7 +279,8 @@ class LlamaCppShard:
         self._free_seqs = list(range(n_seq_max - 1, -1, -1))
         self._kv_bytes = kv_bytes_per_token(model, spec)
         recr = recurrent_layers(model)
-        self.recurrent = bool(recr and any(recr[spec.start:spec.end]))
+        # llama.cpp cannot roll this shard's sessions back partway: recurrent blocks, or a cache that refuses it
+        self.exact_states_only = bool(recr and any(recr[spec.start:spec.end])) or rules_for(model.architecture).exact_states
         self.checkpoints = max(0, int(checkpoints))
 
         mparams = L.llama_model_default_params()

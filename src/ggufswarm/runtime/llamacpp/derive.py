@@ -58,6 +58,8 @@ class ArchRules:
     ``leading_dense``: the model has ``leading_dense_block_count``; ``nextn``: it may carry MTP blocks;
     ``recurrent_interval``: hybrid recurrent model whose recurrent blocks llama.cpp derives from
     ``full_attention_interval`` (this is its default) when ``attention.recurrent_layers`` is absent (0: none);
+    ``exact_states``: llama.cpp's cache for it cannot truncate a sequence partway whatever the range (the
+    shard then truncates only to exact state checkpoints, as recurrent ones do);
     ``token_scale``: factor llama.cpp applies to token embeddings only (not to ``batch.embd``), as a
     function of ``n_embd``; ``check``: raises UnsupportedShard for ranges llama.cpp would misread,
     and may return extra metadata to write; ``embd_input``: set when the architecture's graph aborts
@@ -69,6 +71,7 @@ class ArchRules:
     leading_dense: bool = False
     nextn: bool = False
     recurrent_interval: int = 0
+    exact_states: bool = False
     token_scale: Callable[[int], np.float32] | None = None
     check: Callable[[GGUFModelFile, int, int], dict[str, Any]] | None = None
     embd_input: str | None = None  # why llama.cpp's graph refuses ``batch.embd`` (then: whole model only)
@@ -169,6 +172,13 @@ ARCH_RULES: dict[str, ArchRules] = {
     # IMRoPE: a hidden-state batch carries 4 positions per token (backend.LlamaCppShard.n_pos_per_token)
     "qwen35moe": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
     "glm-dsa": ArchRules(leading_dense=True, nextn=True, check=_glm_dsa_check),
+    "deepseek4": ArchRules(
+        nextn=True, exact_states=True,
+        embd_input="a layer range needs a llama.cpp change: src/models/deepseek4.cpp takes an n_embd-wide input and "
+                   "repeats it into the hc_mult hyper-connection streams (a continuation shard must take the "
+                   "hc_mult x n_embd residual stream), and with a hidden-state batch its hash-routed blocks "
+                   "(< hash_layer_count) route by the learned router instead of the token-id table "
+                   "(docs/models/deepseek-v4-flash.md)"),
 }
 
 
