@@ -225,6 +225,29 @@ def test_deepseek4_runs_whole_model_only(tiny_dir, tmp_path):
     whole.close()
 
 
+@pytest.mark.parametrize("arch", ["qwen3next", "glm-dsa", "deepseek2"])
+def test_plan_cut_rules_are_the_backends(arch, tiny_dir):
+    """The header accounting's cut rules (``range_problem``, from block kinds and the tensor table only: what ``plan``
+    places with) accept exactly the layer ranges the llama.cpp backend derives shards for, on every range of the
+    tiny hybrid and DSA models (and of a model without such rules)."""
+    from ggufswarm.artifact.accounting import HeaderAccounts
+    from ggufswarm.runtime.llamacpp.derive import shard_metadata
+    path = write_tiny_moe_model(tiny_dir / f"cuts-{arch}.gguf", arch, n_layers=9 if arch == "qwen3next" else 8)
+    file = GGUFModelFile(path)
+    acc = HeaderAccounts.from_model(file)
+    verdicts = []
+    for a in range(acc.n_layers):
+        for b in range(a + 1, acc.n_layers + 1):
+            try:
+                shard_metadata(file, a, b, head=b == acc.n_layers)
+                backend = True
+            except UnsupportedShard:
+                backend = False
+            assert (acc.range_problem(a, b) is None) == backend, (a, b, acc.range_problem(a, b))
+            verdicts.append(backend)
+    assert all(verdicts) == (arch == "deepseek2")  # the rules do refuse some ranges of the first two
+
+
 def test_glm4moe_runs_whole_model_only(tiny_dir, tmp_path):
     """llama.cpp's glm4moe graph aborts on hidden-state input: layer ranges are refused with the reason
     (before llama.cpp could abort the process); the whole model runs and equals llama.cpp."""
