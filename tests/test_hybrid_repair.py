@@ -10,6 +10,8 @@ reference is llama.cpp's own full model (llama-cpp-python) fed the same steps wi
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -155,3 +157,54 @@ def test_hybrid_node_advertises_its_recurrent_state(hybrid_route, tmp_path):
         assert acc["kv_bytes_per_token"] == want.kv_bytes_per_token == 256  # one attention block: 2 x 2 x 32 x f16
         assert acc["free_bytes"] == (state.store.budget_tokens * 256 + 2 * want.state_bytes_per_session)
         state.executor.close()
+
+
+def test_exact_state_node_checkpoints_every_due_position(hybrid_route, tmp_path):
+    """A node snapshots a session at every due position unless its previous upload is still running; a recurrent
+    node then still copies the state into the session's checkpoints (another node's snapshot of that position may
+    be what a repair restores). Snapshots due at every step (``snapshot_every`` 1), the cache behind a 150 ms proxy
+    (an upload takes 300 ms or more, a step of the tiny model a few): the session's last 4 positions are all
+    checkpoints, although most uploads were skipped."""
+    from ggufswarm.node.server import NODE, NodeConfig
+    from ggufswarm.node.server import make_app as make_node_app
+    from ggufswarm.protocol import encode_tokens
+    from route_fixtures import open_greedy
+
+    from ggufswarm.netdelay import DelayProxy
+    cache_port = int(hybrid_route["cache"].rsplit(":", 1)[1])
+    slow = DelayProxy(("127.0.0.1", cache_port), 150.0)
+    slow.start()
+    held = {}
+
+    def factory():
+        held["app"] = make_node_app(NodeConfig(layers="0:9", embed=True, head=True, model=str(hybrid_route["model"]),
+                                               cache=slow.url, snapshot_every=1, data_dir=str(tmp_path),
+                                               max_sessions=2, ctx_size=256))
+        return held["app"]
+
+    with _stopping(slow), AppThread(factory) as node:
+        sid = open_greedy(node)
+        prompt = [1] + list(range(40, 59))
+        status, reply = http("POST", node + "/v1/step", encode_tokens(sid, 1, 0, prompt, True))
+        assert status == 200, reply
+        tokens = prompt + [reply["token"]]
+        for i in range(12):
+            status, reply = http("POST", node + "/v1/step", encode_tokens(sid, 2 + i, len(tokens) - 1,
+                                                                          [tokens[-1]], True))
+            assert status == 200, reply
+            tokens.append(reply["token"])
+        state = held["app"][NODE]
+        session = state.store.sessions[sid]
+        n = session.length
+        assert n == 32
+        wait_for(lambda: sorted(session.kv.checkpoints) == list(range(n - 3, n + 1)), 20)
+        counters = health(node)["snapshots"]
+        assert counters["written"] + counters["kept"] < 13, counters  # some due snapshots were not uploaded
+
+
+@contextlib.contextmanager
+def _stopping(proxy):
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
