@@ -122,10 +122,10 @@ def test_tiny_architectures_bitwise(arch, write, tiny_dir, tmp_path):
     assert_chain_equals_llama_cpp(path, [2, 4], ids, tmp_path, n_ctx=256)
 
 
-@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe", "qwen35"])
 def test_hybrid_recurrent_shards_bitwise(arch, tiny_dir, tmp_path):
-    """Qwen3-Next and Qwen3.5-MoE (Ornith; gated delta-net recurrent blocks + gated full attention, MoE with a gated
-    shared expert), 9 blocks with full_attention_interval 3 (attention at 2, 5, 8): the 3-shard chain
+    """Qwen3-Next, Qwen3.5-MoE (Ornith) and the dense Qwen3.5 (gated delta-net recurrent blocks + gated full
+    attention; MoE with a gated shared expert, or a SwiGLU FFN), 9 blocks with full_attention_interval 3 (attention at 2, 5, 8): the 3-shard chain
     [0,4)+[4,6)+[6,9) equals llama.cpp's whole model bitwise over a prefill and 20 decode steps. The middle shard's
     attention block is its block 1, which llama.cpp would take for a recurrent one if the shard file did not carry
     ``attention.recurrent_layers``; qwen35moe's IMRoPE needs its four positions per token in hidden-state batches.

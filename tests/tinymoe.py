@@ -36,6 +36,7 @@ Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the sh
 * ``qwen35moe`` (Qwen3.5-MoE / Ornith): as ``qwen3next`` but ``ssm_beta`` and ``ssm_alpha`` instead of the joint
   ``ssm_ba``, and IMRoPE (``rope.dimension_sections`` 3/3/2/0 over ``rope.dimension_count`` 16 of the 32-wide
   heads): text positions enter as ``[p, p, p, 0]``.
+* ``qwen35`` (dense Qwen3.5): ``qwen35moe``'s blocks with a plain SwiGLU FFN of 256, no experts.
 * ``glm-dsa`` (GLM-5.2): ``deepseek2``'s MLA (q LoRA, split ``attn_k_b``/``attn_v_b``), 1 leading dense block,
   sigmoid routing with ``exp_probs_b``, 1 shared expert, and DSA: a lightning indexer (4 heads of 64: llama.cpp rotates its keys by a Hadamard matrix of at least 64, top-12 keys)
   on the "full" blocks (``indexer.*`` tensors), whose top-k the following "shared" blocks reuse. Without an
@@ -60,7 +61,7 @@ from gguf import GGUFWriter, RopeScalingType
 from tinymodels import N_VOCAB, _vocab
 
 MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe",
-                               "glm-dsa")
+                               "qwen35", "glm-dsa")
 
 # expert_gating_func values (llama.cpp's llama_expert_gating_func_type)
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
@@ -103,6 +104,10 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         expert_weights_scale=2.5, exp_probs_b=True, indexer_n_head=4, indexer_head_size=64, indexer_top_k=12,
         indexer_types=None,
     ),
+    # the dense Qwen3.5 (Ornith's 9B / 31B sizes, if they are Qwen3.5-based): qwen35moe's blocks with a SwiGLU FFN
+    "qwen35": dict({k: v for k, v in _COMMON.items() if k not in ("n_ff_exp", "n_expert", "n_expert_used")},
+                   full_attention_interval=3, ssm_conv_kernel=4, ssm_state_size=32, ssm_group_count=2,
+                   ssm_time_step_rank=4, rope_dim=16, rope_sections=(3, 3, 2, 0)),
     "qwen35moe": dict(_COMMON, n_ff_shexp=96, full_attention_interval=3, ssm_conv_kernel=4, ssm_state_size=32,
                       ssm_group_count=2, ssm_time_step_rank=4, rope_dim=16, rope_sections=(3, 3, 2, 0)),
 }
@@ -139,9 +144,11 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
     w.add_layer_norm_rms_eps(c.rms_eps)
     w.add_rope_freq_base(c.rope_freq_base)
     w.add_file_type(0)  # all F32
-    kv_u32("expert_count", c.n_expert)
-    kv_u32("expert_used_count", c.n_expert_used)
-    kv_u32("expert_feed_forward_length", c.n_ff_exp)
+    dense = arch == "qwen35"  # the dense Qwen3.5: no experts at all
+    if not dense:
+        kv_u32("expert_count", c.n_expert)
+        kv_u32("expert_used_count", c.n_expert_used)
+        kv_u32("expert_feed_forward_length", c.n_ff_exp)
     if "n_dense_lead" in cfg:
         kv_u32("leading_dense_block_count", c.n_dense_lead)
     if "n_expert_shared" in cfg:
@@ -158,14 +165,14 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
     if "expert_weights_norm" in cfg:
         w.add_bool(f"{arch}.expert_weights_norm", bool(c.expert_weights_norm))
 
-    if arch in ("qwen3next", "qwen35moe"):
+    if arch in ("qwen3next", "qwen35moe", "qwen35"):
         kv_u32("full_attention_interval", c.full_attention_interval)
         kv_u32("ssm.conv_kernel", c.ssm_conv_kernel)
         kv_u32("ssm.state_size", c.ssm_state_size)
         kv_u32("ssm.group_count", c.ssm_group_count)
         kv_u32("ssm.time_step_rank", c.ssm_time_step_rank)
         kv_u32("ssm.inner_size", c.ssm_state_size * c.ssm_time_step_rank)
-    if arch == "qwen35moe":
+    if arch in ("qwen35moe", "qwen35"):
         w.add_array(f"{arch}.rope.dimension_sections", [int(v) for v in c.rope_sections])
 
     if arch == "glm-dsa":
@@ -199,7 +206,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("attention.head_count_kv", c.n_head_kv)
         kv_u32("attention.key_length", c.head_dim)
         kv_u32("attention.value_length", c.head_dim)
-        kv_u32("rope.dimension_count", c.rope_dim if arch in ("glm4moe", "qwen35moe") else c.head_dim)
+        kv_u32("rope.dimension_count", c.rope_dim if arch in ("glm4moe", "qwen35moe", "qwen35") else c.head_dim)
     if arch == "glm4moe":
         kv_u32("nextn_predict_layers", 0)
     if arch == "gpt-oss":
@@ -227,17 +234,17 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         """A weight of numpy shape ``(..., n_out, n_in)``, entries ~ N(0, scale^2 / n_in)."""
         f32(name, *shape, scale=scale * shape[-1] ** -0.5)
 
-    e, d = c.n_embd, c.n_expert
+    e, d = c.n_embd, cfg.get("n_expert", 0)
     f32("token_embd.weight", N_VOCAB, e, scale=0.5)
     norm("output_norm.weight", e)
     matrix("output.weight", N_VOCAB, e)
     for il in range(n_layers):
         p = f"blk.{il}."
         norm(p + "attn_norm.weight", e)
-        moe = il >= cfg.get("n_dense_lead", 0)
+        moe = il >= cfg.get("n_dense_lead", 0) and not dense
 
         # --- attention
-        hybrid = arch in ("qwen3next", "qwen35moe")
+        hybrid = arch in ("qwen3next", "qwen35moe", "qwen35")
         if hybrid and (il + 1) % c.full_attention_interval:  # a gated delta-net block
             key_dim = c.ssm_state_size * c.ssm_group_count
             value_dim = c.ssm_state_size * c.ssm_time_step_rank
@@ -303,7 +310,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
                 f32(p + "attn_sinks.weight", c.n_head, scale=0.5)
 
         # --- FFN norm: glm4moe and gpt-oss call it post_attention_norm
-        norm(p + ("post_attention_norm.weight" if arch in ("glm4moe", "gpt-oss", "qwen3next", "qwen35moe") else "ffn_norm.weight"), e)
+        norm(p + ("post_attention_norm.weight" if arch in ("glm4moe", "gpt-oss", "qwen3next", "qwen35moe", "qwen35") else "ffn_norm.weight"), e)
 
         # --- FFN
         if not moe:

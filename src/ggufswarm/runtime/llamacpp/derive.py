@@ -171,6 +171,7 @@ ARCH_RULES: dict[str, ArchRules] = {
     "qwen3next": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
     # IMRoPE: a hidden-state batch carries 4 positions per token (backend.LlamaCppShard.n_pos_per_token)
     "qwen35moe": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
+    "qwen35": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
     "glm-dsa": ArchRules(leading_dense=True, nextn=True, check=_glm_dsa_check),
     "deepseek4": ArchRules(
         nextn=True, exact_states=True,
