@@ -15,12 +15,13 @@ a fixed-size state per session that llama.cpp cannot roll back partway (``llama_
 false for any cut but "all"); so does ``deepseek4``'s compressed cache (``llama_kv_cache_dsv4::seq_rm``).
 Such a shard (``exact_states_only``) truncates only to 0, to the current length, or to an exact
 position it holds a *state checkpoint* of: the session's full sequence state (attention KV + recurrent
-state) copied whenever it is serialized (``state_bytes``: the node's snapshots for the cache, after the
-sampled prefill and every ``--snapshot-every`` tokens) or loaded (``load_state``: a restore from the
-cache). The last ``checkpoints`` of them are kept per session. Any other truncation raises
-``StateNotAtPosition`` (protocol code ``state_not_at_position``, 409) naming the positions it can return
-to; route repair and prefix reuse then fall back to recomputing from 0. Those checkpoints are exactly the
-positions the cache holds snapshots of, which are the only positions a repaired route restores.
+state) copied whenever it is serialized (``state_bytes``: at the node's snapshot positions, after the
+sampled prefill and every ``--snapshot-every`` tokens, ``node/snapshots.py``) or loaded (``load_state``:
+a restore from the cache). The last ``checkpoints`` of them are kept per session (host memory the
+node's KV advertisement does not count). Any other truncation raises ``StateNotAtPosition`` (protocol
+code ``state_not_at_position``, 409) naming the positions it can return to; route repair and prefix
+reuse then fall back to recomputing from 0. Every node of a route snapshots at the same positions, and a
+repaired route restores only a cache snapshot's position, so the survivors normally hold it.
 
 The same context, batch splitting (``n_ubatch``) and thread count as llama.cpp's own full-model
 run give bitwise-equal results: the tests compare 3-shard chains with ``llama_cpp.Llama``.
@@ -118,8 +119,8 @@ class KVCellsFull(LlamaCppError):
 
 
 class StateNotAtPosition(LlamaCppError):
-    """A recurrent shard was asked to truncate to a position it holds no exact state checkpoint of
-    (``code`` state_not_at_position); the session is unchanged."""
+    """A shard that truncates only to exact states (recurrent blocks, ``deepseek4``) was asked for a position it
+    holds no state checkpoint of (``code`` state_not_at_position); the session is unchanged."""
 
     code = "state_not_at_position"
 
@@ -177,15 +178,16 @@ class SeqKV(KVPosition):
         self.length = 0
         self.epoch = 0
         self.closed = False
-        # recurrent shards: position -> the sequence state (llama_state_seq_get_data bytes) at exactly that
+        # exact-state shards: position -> the sequence state (llama_state_seq_get_data bytes) at exactly that
         # position, oldest first, at most shard.checkpoints of them
         self.checkpoints: dict[int, bytes] = {}
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` tokens (``llama_memory_seq_rm``); ValueError past the end.
 
-        On a recurrent shard only to 0, ``length`` itself, or a position in ``checkpoints`` (the state there is
-        loaded); StateNotAtPosition otherwise (the session is unchanged)."""
+        On an exact-state shard (``shard.exact_states_only``) only to 0, ``length`` itself, or a position in
+        ``checkpoints`` (the state there is loaded); StateNotAtPosition otherwise (the session is unchanged).
+        LlamaCppError when llama.cpp refuses a checkpoint (the session is then empty)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: session holds {self.length} tokens")
         if self.shard.exact_states_only and 0 < length < self.length:
@@ -208,7 +210,7 @@ class SeqKV(KVPosition):
             del self.checkpoints[pos]
 
     def checkpoint(self, state: bytes) -> None:
-        """Keep ``state`` (this session's sequence state at ``length`` tokens) as a truncation target (recurrent
+        """Keep ``state`` (this session's sequence state at ``length`` tokens) as a truncation target (exact-state
         shards only; the oldest is dropped past ``shard.checkpoints``)."""
         if self.shard.exact_states_only and self.length and self.shard.checkpoints:
             self.checkpoints.pop(self.length, None)

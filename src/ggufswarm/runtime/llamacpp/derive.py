@@ -144,7 +144,7 @@ def _glm_dsa_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
     if not types[a]:
         full = [i for i, t in enumerate(types) if t]
         raise UnsupportedShard(f"glm-dsa: block {a} is a shared-indexer block (it reuses the top-k of full-indexer block "
-                               f"{max(i for i in full if i < a)}, which llama.cpp cannot take across a cut: "
+                               f"{max((i for i in full if i < a), default=None)}, which llama.cpp cannot take across a cut: "
                                f"src/models/glm-dsa.cpp asserts prev_top_k); a layer range must start at a "
                                f"full-indexer block ({', '.join(map(str, full))})")
     # the shard's own pattern, written out: llama.cpp would otherwise default it from the shard's block 0
