@@ -139,6 +139,43 @@ def test_hybrid_route_repair_after_sigkill_and_prefix_reuse(hybrid_route):
         assert health(node.url)["status"] == "ok"
 
 
+def test_hybrid_repair_without_checkpoints_recomputes_from_the_start(hybrid_route, tmp_path):
+    """Survivors started with ``--state-checkpoints 0`` hold no state at the repair point: their truncate answers
+    409 state_not_at_position, the repair truncates every node to 0 and replays the whole history, and the
+    tokens are still llama.cpp's."""
+    model, cache = hybrid_route["model"], hybrid_route["cache"]
+    specs = [ShardSpec(0, 4, embed=True), ShardSpec(4, 6), ShardSpec(6, 9, head=True), ShardSpec(4, 6)]
+    none = {0, 2}  # the first node and the head keep no checkpoints
+    nodes = start_nodes(specs, str(model), threads=1, timeout=300,
+                        extra=["--cache", cache, "--snapshot-every", str(EVERY), "--hop-timeout", "10",
+                               "--ctx-size", "256", "--max-sessions", "2"],
+                        per_node=lambda i: ["--data-dir", str(tmp_path / f"n{i}")]
+                        + (["--state-checkpoints", "0"] if i in none else []))
+    try:
+        first, middle, head, spare = nodes
+        rng = np.random.default_rng(12)
+        prompt = [1] + rng.integers(3, 384, 19).tolist()
+        want = llama_cpp_steps(model, [prompt], N_DECODE)
+        session = RemoteRoute([first.url, middle.url, head.url], 10.0).open(
+            128, GREEDY, replan=lambda exclude, span: RemoteRoute([spare.url], 10.0, part=True))
+        tokens = [session.step(prompt)]
+        for taken, until in ((1, 5), (2, 13), (3, 14)):
+            wait_for(lambda: all(snapshots_taken(n) >= taken for n in (first, middle, head)))
+            while len(tokens) < until:
+                tokens.append(session.step([tokens[-1]]))
+        wait_for(lambda: snapshots_taken(middle) >= 3)
+        middle.kill()
+        while len(tokens) < N_DECODE:
+            tokens.append(session.step([tokens[-1]]))
+        repairs = session.telemetry.repairs
+        session.close()
+        assert tokens == want
+        assert len(repairs) == 1 and repairs[0]["restored_tokens"] == 0, repairs
+        assert repairs[0]["tokens_replayed"] == 20 + 13, repairs
+    finally:
+        stop_nodes(nodes)
+
+
 def test_hybrid_node_advertises_its_recurrent_state(hybrid_route, tmp_path):
     """What a node of each shard advertises to the tracker (``extra.accounting``) is its shard's accounting from the
     header: the recurrent state per session (llama.cpp's size, test_llamacpp_backend checks) and the KV per token
