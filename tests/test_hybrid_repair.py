@@ -6,6 +6,8 @@ whole) and, on the surviving nodes, the checkpoints they kept when they took tho
 (``runtime/llamacpp/backend.py``). Three node processes [0,4)+embed, [4,6), [6,9)+head over a 9-block model
 (attention at 2, 5, 8) and a spare [4,6), a snapshot cache; the middle node is SIGKILLed mid-stream. The
 reference is llama.cpp's own full model (llama-cpp-python) fed the same steps with the same thread count.
+Also: survivors without checkpoints make the repair recompute from 0 (same tokens); a recurrent node keeps a
+checkpoint at a due position whose upload it skipped; each node advertises its shard's recurrent state.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 The companion of ``tinymodels`` for the MoE architectures of llama.cpp that we cannot
 download at test time: ``qwen3moe``, ``qwen2moe``, ``deepseek`` (DeepSeek-MoE v1), ``deepseek2`` (MLA attention,
-DeepSeek-V2/V3 style), ``glm4moe`` (GLM-4.5) and ``gpt-oss``. Every file has the same small
+DeepSeek-V2/V3 style), ``glm4moe`` (GLM-4.5), ``gpt-oss``, the hybrid recurrent ``qwen3next``, ``qwen35moe`` and
+``qwen35`` (dense), ``glm-dsa`` (GLM-5.2) and, with ``write_tiny_deepseek4_model``, ``deepseek4``
+(DeepSeek-V4-Flash). Every file has the same small
 SentencePiece-style vocabulary as ``tinymodels`` (``N_VOCAB`` = 384 tokens) and all-F32 weights, so
 llama.cpp loads it and a forward pass takes milliseconds.
 
