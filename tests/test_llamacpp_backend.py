@@ -13,14 +13,14 @@ import pytest
 import torch
 from route_fixtures import greedy_prompts, llama_cpp_greedy_tokens
 from tinymodels import write_tiny_model
-from tinymoe import write_tiny_moe_model
+from tinymoe import write_tiny_deepseek4_model, write_tiny_moe_model
 
 from ggufswarm.artifact.default_model import smollm2_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.local import LocalModel
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.llamacpp.backend import LlamaCppError, LlamaCppShard, model_info
-from ggufswarm.runtime.llamacpp.derive import UnsupportedShard, rules_for
+from ggufswarm.runtime.llamacpp.derive import UnsupportedShard, recurrent_layers, rules_for
 from ggufswarm.runtime.shard import ShardSpec, split_at
 
 THREADS = 2
@@ -120,6 +120,132 @@ def test_tiny_architectures_bitwise(arch, write, tiny_dir, tmp_path):
     rng = np.random.default_rng(3)
     ids = [1] + rng.integers(3, 384, 40).tolist()  # past the sliding windows (16, 8)
     assert_chain_equals_llama_cpp(path, [2, 4], ids, tmp_path, n_ctx=256)
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe", "qwen35"])
+def test_hybrid_recurrent_shards_bitwise(arch, tiny_dir, tmp_path):
+    """Qwen3-Next, Qwen3.5-MoE (Ornith) and the dense Qwen3.5 (gated delta-net recurrent blocks + gated full
+    attention; MoE with a gated shared expert, or a SwiGLU FFN), 9 blocks with full_attention_interval 3 (attention at 2, 5, 8): the 3-shard chain
+    [0,4)+[4,6)+[6,9) equals llama.cpp's whole model bitwise over a prefill and 20 decode steps. The middle shard's
+    attention block is its block 1, which llama.cpp would take for a recurrent one if the shard file did not carry
+    ``attention.recurrent_layers``; qwen35moe's IMRoPE needs its four positions per token in hidden-state batches.
+    Ranges without a block of each kind are refused (llama.cpp's hybrid memory aborts on them)."""
+    path = write_tiny_moe_model(tiny_dir / f"bitwise-{arch}.gguf", arch, n_layers=9)
+    file = GGUFModelFile(path)
+    assert recurrent_layers(file) == [True, True, False] * 3
+    for a, b, kind in ((0, 2, "full-attention"), (2, 3, "recurrent")):
+        with pytest.raises(UnsupportedShard, match=f"{a}:{b} has no {kind} block"):
+            LlamaCppShard(file, ShardSpec(a, b), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+    ids = [1] + np.random.default_rng(3).integers(3, 384, 40).tolist()
+    assert_chain_equals_llama_cpp(path, [4, 6], ids, tmp_path, n_ctx=256)
+
+
+def test_qwen3next_truncates_only_to_exact_state_checkpoints(tiny_dir, tmp_path):
+    """A recurrent shard keeps one state per session: truncation goes to 0, or to a position whose full sequence state
+    it copied (``state_bytes``, as the node does for each cache snapshot) or loaded; there the chain continues
+    bitwise as it did the first time. Any other cut is StateNotAtPosition (409 state_not_at_position) and changes
+    nothing. The accounting's ``state_bytes_per_session`` (what a node advertises) is llama.cpp's own state size:
+    a serialized sequence is that plus the attention KV and 12 bytes of cell metadata per token, plus a header."""
+    from ggufswarm.artifact.accounting import shard_account
+    from ggufswarm.protocol.http import as_protocol_error
+    from ggufswarm.runtime.llamacpp.backend import StateNotAtPosition
+    path = write_tiny_moe_model(tiny_dir / "bitwise-qwen3next.gguf", "qwen3next", n_layers=9)
+    file = GGUFModelFile(path)
+    shards = chain(path, [4, 6], tmp_path, n_ctx=256)
+    assert all(s.exact_states_only for s in shards)
+    kvs = [s.new_session(256) for s in shards]
+    rng = np.random.default_rng(5)
+    prompt, more = [1] + rng.integers(3, 384, 19).tolist(), rng.integers(3, 384, 6).tolist()
+    run_chain(shards, kvs, prompt, "last")
+    states = [s.state_bytes(kv) for s, kv in zip(shards, kvs)]  # checkpoints at 20
+    first = [run_chain(shards, kvs, [t], "last") for t in more]
+    for s, kv, state in zip(shards, kvs, states):
+        acc = shard_account(file, s.spec.start, s.spec.end)
+        assert acc.state_bytes_per_session > 0 and acc.kv_bytes_per_token > 0
+        overhead = len(state) - 20 * (acc.kv_bytes_per_token + 12) - acc.state_bytes_per_session
+        assert 0 <= overhead < 256, (s.spec, len(state), acc)
+        with pytest.raises(StateNotAtPosition, match=r"cannot be rolled back to 23 tokens.*\[20\]") as err:
+            kv.truncate(23)
+        assert as_protocol_error(err.value).status == 409 and kv.length == 26
+    again = run_chain(shards, kvs, [more[-1]], "last")  # nothing changed: the session goes on from 26
+    for kv in kvs:
+        kv.truncate(kv.length)  # to its own length: always possible
+        kv.truncate(20)
+        assert kv.length == 20 and sorted(kv.checkpoints) == [20]
+    assert all(np.array_equal(run_chain(shards, kvs, [t], "last"), ref) for t, ref in zip(more, first))
+    assert np.array_equal(run_chain(shards, kvs, [more[-1]], "last"), again)
+    for kv in kvs:
+        kv.truncate(0)
+    run_chain(shards, kvs, prompt, "last")
+    assert np.array_equal(run_chain(shards, kvs, [more[0]], "last"), first[0])
+    for s in shards:
+        s.close()
+
+
+def test_glm_dsa_shards_bitwise(tiny_dir, tmp_path):
+    """GLM-5.2 (glm-dsa: MLA + DSA lightning indexer, leading dense block, MoE with a shared expert), 8 blocks with
+    llama.cpp's default GLM-5.2 indexer pattern (1M trained context, no indexer.types key: blocks 0, 1, 2, 6 full,
+    3-5 and 7 shared): the 3-shard chain [0,2)+[2,6)+[6,8) equals llama.cpp's whole model bitwise, 41 tokens
+    past the indexer's top-12 so the sparse selection matters. The shard files carry their own indexer types
+    (defaulted from the shard's block 0, [2,6) would expect indexer weights on blocks 3 and 4); a range
+    starting at a shared-indexer block is refused (its top-k would have to cross the cut)."""
+    from ggufswarm.runtime.llamacpp.derive import glm_dsa_indexer_types
+    path = write_tiny_moe_model(tiny_dir / "bitwise-glm-dsa.gguf", "glm-dsa", n_layers=8)
+    file = GGUFModelFile(path)
+    assert glm_dsa_indexer_types(file) == [1, 1, 1, 0, 0, 0, 1, 0]
+    with pytest.raises(UnsupportedShard, match=r"block 3 is a shared-indexer block.*full-indexer block 2.*0, 1, 2, 6"):
+        LlamaCppShard(file, ShardSpec(3, 6), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+    ids = [1] + np.random.default_rng(3).integers(3, 384, 40).tolist()
+    assert_chain_equals_llama_cpp(path, [2, 6], ids, tmp_path, n_ctx=256)
+
+
+def test_deepseek4_runs_whole_model_only(tiny_dir, tmp_path):
+    """DeepSeek-V4 (deepseek4: hyper-connections, compressed attention with ratios 0/4/128/4, lightning indexer,
+    a hash-routed first block, sqrt-softplus routing, grouped output LoRA, attention sinks): a layer range is
+    refused with the llama.cpp change it needs; the whole model on one node equals llama.cpp bitwise over a
+    150-token prompt (past the 128-token compression block) and 20 decode steps. Its cache refuses partial
+    removal, so a session rolls back only to an exact state checkpoint, and continues bitwise from there."""
+    from ggufswarm.runtime.llamacpp.backend import StateNotAtPosition
+    path = write_tiny_deepseek4_model(tiny_dir / "bitwise-deepseek4.gguf")
+    file = GGUFModelFile(path)
+    with pytest.raises(UnsupportedShard, match="only the whole model.*hc_mult x n_embd.*hash_layer_count"):
+        LlamaCppShard(file, ShardSpec(0, 2, embed=True), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+    ids = [1] + np.random.default_rng(3).integers(3, 384, 149).tolist()
+    assert_chain_equals_llama_cpp(path, [], ids, tmp_path, n_ctx=256)
+    (whole,) = chain(path, [], tmp_path, n_ctx=256)
+    assert whole.exact_states_only
+    kv = whole.new_session(256)
+    run_chain([whole], [kv], ids, "last")
+    whole.state_bytes(kv)
+    nxt = [run_chain([whole], [kv], [t], "last") for t in (5, 6, 7)]
+    with pytest.raises(StateNotAtPosition, match=r"\[150\]"):
+        kv.truncate(151)
+    kv.truncate(150)
+    assert all(np.array_equal(run_chain([whole], [kv], [t], "last"), ref) for t, ref in zip((5, 6, 7), nxt))
+    whole.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "glm-dsa", "deepseek2"])
+def test_plan_cut_rules_are_the_backends(arch, tiny_dir):
+    """The header accounting's cut rules (``range_problem``, from block kinds and the tensor table only: what ``plan``
+    places with) accept exactly the layer ranges the llama.cpp backend derives shards for, on every range of the
+    tiny hybrid and DSA models (and of a model without such rules)."""
+    from ggufswarm.artifact.accounting import HeaderAccounts
+    from ggufswarm.runtime.llamacpp.derive import shard_metadata
+    path = write_tiny_moe_model(tiny_dir / f"cuts-{arch}.gguf", arch, n_layers=9 if arch == "qwen3next" else 8)
+    file = GGUFModelFile(path)
+    acc = HeaderAccounts.from_model(file)
+    verdicts = []
+    for a in range(acc.n_layers):
+        for b in range(a + 1, acc.n_layers + 1):
+            try:
+                shard_metadata(file, a, b, head=b == acc.n_layers)
+                backend = True
+            except UnsupportedShard:
+                backend = False
+            assert (acc.range_problem(a, b) is None) == backend, (a, b, acc.range_problem(a, b))
+            verdicts.append(backend)
+    assert all(verdicts) == (arch == "deepseek2")  # the rules do refuse some ranges of the first two
 
 
 def test_glm4moe_runs_whole_model_only(tiny_dir, tmp_path):

@@ -188,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--snapshot-every", type=int, default=32, metavar="N",
                    help="with --cache: snapshot a session after its prefill and whenever it reaches a multiple "
                         "of N tokens (default 32; a multiple of 16 wastes nothing; 0 = after prefill only)")
+    n.add_argument("--state-checkpoints", type=int, default=4, metavar="N",
+                   help="llama.cpp shards of hybrid recurrent models and deepseek4 (which cannot roll a session back "
+                        "partway): exact session states kept per session, at the snapshot positions, for route "
+                        "repair and prefix reuse to return to (default 4; each costs the shard's recurrent state "
+                        "plus its KV of the tokens held; 0 = none: a repair then recomputes from the start)")
 
     w = sub.add_parser("gateway", help="OpenAI-compatible API over a route of nodes",
                        description="Serve /v1/chat/completions, /v1/completions and /v1/models over a route of "
@@ -437,7 +442,8 @@ def cmd_node(args) -> int:
         session_ttl_s=args.session_ttl, hop_timeout_s=args.hop_timeout, max_step_tokens=args.max_step_tokens,
         workers=args.workers, exit_with_parent=args.exit_with_parent, tracker=args.tracker, data_dir=args.data_dir,
         memory_budget_mb=args.memory_budget, fetch_timeout_s=args.fetch_timeout,
-        fetch_stall_s=args.fetch_stall, cache=args.cache, snapshot_every=args.snapshot_every, token=args.token))
+        fetch_stall_s=args.fetch_stall, cache=args.cache, snapshot_every=args.snapshot_every, token=args.token,
+        state_checkpoints=args.state_checkpoints))
 
 
 def cmd_cache(args) -> int:

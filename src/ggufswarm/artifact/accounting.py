@@ -73,13 +73,16 @@ class AccountingError(ValueError):
 class LayerAccount:
     """One block: ``kind`` is ``attention``, ``mla``, ``compressed``, ``recurrent`` or ``none`` (no KV,
     no state); sizes in bytes (``kv_bytes_per_token`` per token of context, ``state_bytes_per_session``
-    per session, ``weight_bytes`` encoded)."""
+    per session, ``weight_bytes`` encoded). ``cut_before``: a shard may start at this block (False for a
+    block that reuses what an earlier block computed, e.g. a DSA block without an indexer of its own,
+    which takes the previous indexer's top-k)."""
 
     index: int
     kind: str
     weight_bytes: int
     kv_bytes_per_token: int
     state_bytes_per_session: int
+    cut_before: bool = True
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,9 @@ class HeaderAccounts:
             else:
                 self.other_block_bytes += int(n_bytes)
         self.layers = [self._layer(il, block_bytes[il], names[il]) for il in range(self.n_blocks)]
+        self._recurrent_prefix = [0]  # recurrent blocks among the first i (range_problem)
+        for b in self.layers:
+            self._recurrent_prefix.append(self._recurrent_prefix[-1] + (b.kind == "recurrent"))
 
     # -- metadata helpers ------------------------------------------------------------------------
     def _get(self, key: str, default: Any = None) -> Any:
@@ -239,8 +245,10 @@ class HeaderAccounts:
             k_elems, v_elems, kind = n_kv * k, 0 if compressed_model else n_kv * v, "attention"
         row = (k_elems + v_elems) * KV_ELEMENT_BYTES
         idx_elems = int(self._get("attention.indexer.key_length", 0) or 0)
+        shared_indexer = False
         if idx_elems and names and not any(".indexer" in n for n in names):
             idx_elems = 0  # this block has no indexer of its own (the tensor table says)
+            shared_indexer = kind == "mla"  # it attends over the top-k of the previous indexer block
         ratio = int(ratios[il]) if compressed_model and il < len(ratios) else 0
         if ratio > 1:
             # raw rows of every position (swa_full), one compressed K row per `ratio` tokens, and as many indexer
@@ -252,7 +260,21 @@ class HeaderAccounts:
             if idx_elems:
                 state += 2 * (2 * ratio) * (2 * idx_elems) * STATE_ELEMENT_BYTES
             return LayerAccount(il, "compressed", weight, per_token, state)
-        return LayerAccount(il, kind, weight, row + idx_elems * KV_ELEMENT_BYTES, 0)
+        return LayerAccount(il, kind, weight, row + idx_elems * KV_ELEMENT_BYTES, 0, not shared_indexer)
+
+    def range_problem(self, start: int, end: int) -> str | None:
+        """Why blocks ``[start, end)`` cannot be one shard (None: they can), from the blocks' kinds alone: a shard
+        starts at a block with ``cut_before``, and in a model mixing recurrent and other blocks it holds at least
+        one of each (llama.cpp's hybrid memory aborts on a graph with only one kind)."""
+        if start < self.n_layers and not self.layers[start].cut_before:
+            return f"block {start} reuses an earlier block's result (a shard cannot start there)"
+        recurrent = self._recurrent_prefix
+        n = min(end, self.n_layers)
+        hybrid = 0 < recurrent[self.n_layers] < self.n_layers
+        if hybrid and recurrent[n] - recurrent[start] in (0, n - start):
+            return f"blocks {start}:{end} are all of one kind in a hybrid model (a shard needs a recurrent and an " \
+                   f"attention block)"
+        return None
 
     # -- shards ----------------------------------------------------------------------------------
     @property

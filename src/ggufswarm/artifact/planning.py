@@ -91,19 +91,29 @@ def place(acc: HeaderAccounts, node_memory: int, context: int, n_nodes: int | No
             w += acc.head_bytes - (tied_extra if s == 0 else 0)
         return w + sessions * (context * (pk[e] - pk[s]) + ps[e] - ps[s])
 
+    def cut_ok(s: int, e: int) -> bool:  # [s, e) is a shard, and what follows can still be cut into shards
+        return acc.range_problem(s, e) is None and (e == n or acc.range_problem(e, n) is None)
+
     def greedy(bound: int) -> list[tuple[int, int]] | None:
         cuts, s = [], 0
         while s < n:
-            e = s
+            e, best = s, None
             while e < n and cost(s, e + 1) <= bound:
                 e += 1
-            if e == s:
+                if cut_ok(s, e):
+                    best = e
+            if best is None:
                 return None
-            cuts.append((s, e))
-            s = e
+            cuts.append((s, best))
+            s = best
         return cuts
 
     cuts = greedy(node_memory)
+    if cuts is None and all(cost(i, i + 1) <= node_memory for i in range(n)):
+        problem = next((p for p in (acc.range_problem(i, i + 1) for i in range(n)) if p), "")
+        raise PlanError(f"no placement on nodes of {_human(node_memory)} with {sessions} session(s) of {context} "
+                        f"tokens: the shards that fit break the model's cut rules ({problem}); use bigger nodes or "
+                        f"a shorter --context")
     if cuts is None:
         worst = max(range(n), key=lambda i: cost(i, i + 1))
         raise PlanError(f"block {worst} alone (with its stage and {sessions} session(s) of {context} tokens) needs "

@@ -904,7 +904,14 @@ class RemoteSession:
                 if fresh else {}
             length = max(b for b in self.boundaries if b <= min([target] + list(held.values())))
             self.position = length  # if this repair fails midway, the next one starts from here
-            self._rewind(hops, held, length, relink=True)
+            try:
+                self._rewind(hops, held, length, relink=True)
+            except RouteError as err:
+                if err.code != "state_not_at_position" or not length:
+                    raise
+                # a recurrent (hybrid) node holds no exact state at ``length``: every node starts again from 0
+                length = 0
+                self._rewind(hops, {}, 0, relink=True)
         except RouteError as err:  # failed halfway (the replacement failed too): recorded, then the caller retries
             self._telemetry.repairs.append({
                 "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code,

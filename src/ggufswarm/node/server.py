@@ -74,6 +74,7 @@ class NodeConfig:
     token: str | None = None          # swarm token: required on every endpoint, sent to tracker, hops, cache
     cache: str | None = None          # snapshot cache server URL (``ggufswarm cache``)
     snapshot_every: int = 32          # with a cache: snapshot each session every N tokens after its prefill
+    state_checkpoints: int = 4        # llama.cpp exact-state shards: session states kept to truncate to
 
 
 class NodeState:
@@ -402,6 +403,8 @@ async def restore_session(request: web.Request) -> web.Response:
                         session.kv.truncate(n)
                 except (RuntimeError, ValueError) as exc:  # e.g. taken by a node with other --max-sessions
                     snap, reason = None, f"snapshot not loadable here: {exc}"
+                    if session.length:  # loaded but not cut back (a recurrent shard refuses the cut): start empty
+                        session.kv.truncate(0)
             elif snap is not None:
                 session.kv.load([k[:n] for k in snap.keys], [v[:n] for v in snap.values])
             if snap is not None:
@@ -832,6 +835,8 @@ def load_executor(config: NodeConfig):
     for flag, value in (("--max-sessions", config.max_sessions), ("--ctx-size", config.ctx_size)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
+    if config.state_checkpoints < 0:
+        raise ValueError(f"--state-checkpoints must be at least 0, got {config.state_checkpoints}")
     per_session = min(config.ctx_size, model_cfg.max_length, max(config.kv_budget_tokens // config.max_sessions, 1))
     if config.kv_budget_mb is not None and config.backend == "llama.cpp":  # the context is allocated whole
         from ..runtime.llamacpp.backend import kv_bytes_per_token
@@ -839,7 +844,7 @@ def load_executor(config: NodeConfig):
         per_session = max(1, min(per_session, int(config.kv_budget_mb * 2 ** 20) // per_token // config.max_sessions))
     shard = load_shard(file, spec, config.backend, config=model_cfg, dtype=config.dtype, threads=config.threads,
                        max_length=per_session, max_sessions=config.max_sessions,
-                       cache_dir=Path(config.data_dir) / "shards")
+                       cache_dir=Path(config.data_dir) / "shards", state_checkpoints=config.state_checkpoints)
     return shard
 
 

@@ -4,7 +4,9 @@ Snapshots are taken after a sampled prefill and each time a session reaches a mu
 tokens. Taking one costs the step nothing: the step handler only records views of the KV buffers (positions ``< n`` are never
 written again unless the session is truncated, which bumps ``SessionKV.epoch``); serialization and
 upload run on a separate thread and task, and a snapshot whose session was truncated meanwhile is
-dropped. One snapshot per session is in flight at a time.
+dropped. One snapshot per session is in flight at a time; a due one meanwhile is skipped, except that a
+shard which truncates only to exact states (recurrent blocks, ``deepseek4``) still copies the state into the
+session's checkpoints there (a route repair may restore another node's snapshot of that position).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class SnapshotLink:
         self.every = every
         self._client = client_factory  # () -> aiohttp.ClientSession (the node's, with the swarm token)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
+        self._copy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")  # never behind an upload
         self._inflight: set = set()
         self._tasks: set[asyncio.Task] = set()
         self._warned = False
@@ -46,12 +49,20 @@ class SnapshotLink:
     def after_step(self, session: Session, prefill_sampled: bool) -> None:
         """Called by the step handler after a step: schedule a snapshot when one is due. Never blocks."""
         n = session.length
-        if n < BLOCK_TOKENS or not session.history_complete or len(session.history) != n \
-                or session.id in self._inflight:
+        if n < BLOCK_TOKENS or not session.history_complete or len(session.history) != n:
             return
         # decode snapshots land on multiples of ``every`` (whole blocks when it is a multiple of BLOCK_TOKENS)
         due = prefill_sampled or (self.every > 0 and n // self.every > session.snapshot_at // self.every)
         if not due:
+            return
+        if session.id in self._inflight:  # the last one still uploads: this position is not snapshotted here
+            if getattr(self.executor, "exact_states_only", False):
+                # but a shard that truncates only to exact states keeps it as a checkpoint all the same: another
+                # node's snapshot of this position may be what a route repair restores
+                session.snapshot_at = n
+                task = asyncio.get_running_loop().create_task(self._checkpoint(session))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             return
         session.snapshot_at = n
         self._inflight.add(session.id)
@@ -65,6 +76,17 @@ class SnapshotLink:
                             boundaries=list(session.boundaries)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _checkpoint(self, session: Session) -> None:
+        """An exact-state shard: copy the session's state into its checkpoints (``state_bytes``), no upload."""
+        try:
+            async with session.lock:
+                if not session.kv.closed:
+                    await asyncio.get_running_loop().run_in_executor(self._copy_pool, self.executor.state_bytes,
+                                                                     session.kv)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint never fails the session
+            self.counters["failed"] += 1
+            print(f"ggufswarm node: state checkpoint failed ({exc}); still serving", file=sys.stderr, flush=True)
 
     async def _write_state(self, session: Session) -> None:
         """llama.cpp: copy the sequence state once the step handler releases the session (the next step
@@ -130,6 +152,8 @@ class SnapshotLink:
         back to a step boundary of the snapshot: the restored KV is exactly what llama.cpp left after those
         steps. With ``boundaries`` (a route repair: the session's own step ends, ascending) the snapshot's
         steps must also be the session's, up to ``length``: the repaired session continues bit for bit.
+        On a recurrent llama.cpp shard (hybrid models) only the whole snapshot restores (``length`` equal to
+        its ``n_tokens``): its recurrent state exists at that position alone.
 
         ``snapshot`` is None (``length`` 0) on a miss or when the cache fails in any way (unreachable,
         corrupt, a blob that does not match): a restore falls back to recomputing, it never fails.
@@ -168,12 +192,17 @@ class SnapshotLink:
                 if not length:
                     return None, 0, "no step of the cached computation ends inside the shared prefix" + (
                         "" if boundaries is None else " with this session's steps")
+                if getattr(self.executor, "exact_states_only", False) and length != snap.n_tokens:
+                    # a recurrent state is the state at exactly n_tokens: it cannot be cut back to a shorter prefix
+                    return None, 0, (f"the cached recurrent state holds {snap.n_tokens} tokens, of which only {length} "
+                                     f"are usable here; a recurrent state restores only at its exact position")
             return snap, length, "restored"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
             return None, 0, f"cache failed: {type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._copy_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def grouped_length(snapshot_bounds: list[int], shared: int, wanted: list[int] | None = None) -> int:

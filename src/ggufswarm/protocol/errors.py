@@ -26,6 +26,7 @@ ERROR_STATUS = {
     "stale_step": 409,          # step number below the last one applied
     "step_gap": 409,            # step number skips ahead
     "position_mismatch": 409,   # frame start position != tokens the session holds
+    "state_not_at_position": 409,  # truncate of a recurrent (hybrid) shard to a position it holds no state snapshot of
     "too_many_tokens": 413,     # n_tokens above the node's max_step_tokens
     "body_too_large": 413,      # a JSON request body over the server's limit
     "kv_budget_full": 429,      # the node's KV budget is taken by other sessions: retry later

@@ -346,7 +346,13 @@ class SessionStore:
                 else:
                     record.output = out
             except BaseException:  # a step that fails after the forward pass leaves the session as it was
-                session.kv.truncate(kept[0])
+                try:
+                    session.kv.truncate(kept[0])
+                except RuntimeError:  # a recurrent shard holding no state at kept[0]: the session restarts empty
+                    session.kv.truncate(0)
+                    kept = (0, 0, True)
+                    cut_boundaries(session, 0)
+                    session.snapshot_at = 0
                 del session.history[kept[1]:]
                 session.history_complete = kept[2]
                 raise

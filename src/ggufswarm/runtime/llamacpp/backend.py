@@ -10,6 +10,19 @@ copied out by a compiled eval callback (``_graph_tap.c``) that then stops the gr
 output norm and LM head. The head shard returns llama.cpp's logits. Truncation is
 ``llama_memory_seq_rm``; snapshots are ``llama_state_seq_get_data`` / ``llama_state_seq_set_data``.
 
+Recurrent shards (hybrid models such as ``qwen3next``: a layer range holding gated delta-net blocks) keep
+a fixed-size state per session that llama.cpp cannot roll back partway (``llama_memory_seq_rm`` returns
+false for any cut but "all"); so does ``deepseek4``'s compressed cache (``llama_kv_cache_dsv4::seq_rm``).
+Such a shard (``exact_states_only``) truncates only to 0, to the current length, or to an exact
+position it holds a *state checkpoint* of: the session's full sequence state (attention KV + recurrent
+state) copied whenever it is serialized (``state_bytes``: at the node's snapshot positions, after the
+sampled prefill and every ``--snapshot-every`` tokens, ``node/snapshots.py``) or loaded (``load_state``:
+a restore from the cache). The last ``checkpoints`` of them are kept per session (host memory the
+node's KV advertisement does not count). Any other truncation raises ``StateNotAtPosition`` (protocol
+code ``state_not_at_position``, 409) naming the positions it can return to; route repair and prefix
+reuse then fall back to recomputing from 0. Every node of a route snapshots at the same positions, and a
+repaired route restores only a cache snapshot's position, so the survivors normally hold it.
+
 The same context, batch splitting (``n_ubatch``) and thread count as llama.cpp's own full-model
 run give bitwise-equal results: the tests compare 3-shard chains with ``llama_cpp.Llama``.
 """
@@ -33,7 +46,7 @@ from ..kv import ContextOverflow, KVPosition, TokenOutOfRange, check_max_length
 from ..spec import ShardSpec
 from . import _graph_tap
 from .sampling import LlamaCppSampler
-from .derive import TokenEmbedding, UnsupportedShard, n_model_layers, rules_for, shard_path
+from .derive import TokenEmbedding, UnsupportedShard, n_model_layers, recurrent_layers, rules_for, shard_path
 
 _BACKEND_READY = False
 _BACKEND_LOCK = threading.Lock()
@@ -105,6 +118,13 @@ class KVCellsFull(LlamaCppError):
         self.code = code
 
 
+class StateNotAtPosition(LlamaCppError):
+    """A shard that truncates only to exact states (recurrent blocks, ``deepseek4``) was asked for a position it
+    holds no state checkpoint of (``code`` state_not_at_position); the session is unchanged."""
+
+    code = "state_not_at_position"
+
+
 @dataclass(frozen=True)
 class ShardModelInfo:
     """What the node and clients need to know of the model a llama.cpp shard belongs to."""
@@ -158,14 +178,45 @@ class SeqKV(KVPosition):
         self.length = 0
         self.epoch = 0
         self.closed = False
+        # exact-state shards: position -> the sequence state (llama_state_seq_get_data bytes) at exactly that
+        # position, oldest first, at most shard.checkpoints of them
+        self.checkpoints: dict[int, bytes] = {}
 
     def truncate(self, length: int) -> None:
-        """Roll back to ``length`` tokens (``llama_memory_seq_rm``); ValueError past the end."""
+        """Roll back to ``length`` tokens (``llama_memory_seq_rm``); ValueError past the end.
+
+        On an exact-state shard (``shard.exact_states_only``) only to 0, ``length`` itself, or a position in
+        ``checkpoints`` (the state there is loaded); StateNotAtPosition otherwise (the session is unchanged).
+        LlamaCppError when llama.cpp refuses a checkpoint (the session is then empty)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: session holds {self.length} tokens")
-        self.shard._seq_rm(self.seq_id, length)
+        if self.shard.exact_states_only and 0 < length < self.length:
+            state = self.checkpoints.get(length)
+            if state is None:
+                raise StateNotAtPosition(
+                    f"this shard's state cannot be rolled back to {length} tokens (llama.cpp keeps one recurrent or "
+                    f"compressed state per session); exact state checkpoints held: {sorted(self.checkpoints) or 'none'}")
+            try:
+                self.shard._set_state(self, state, length)
+            except LlamaCppError:  # llama.cpp refused its own state: the sequence is empty now
+                self.length, self.checkpoints = 0, {}
+                self.epoch += 1
+                raise
+        else:
+            self.shard._seq_rm(self.seq_id, length)
         self.length = length
         self.epoch += 1
+        for pos in [p for p in self.checkpoints if p > length]:
+            del self.checkpoints[pos]
+
+    def checkpoint(self, state: bytes) -> None:
+        """Keep ``state`` (this session's sequence state at ``length`` tokens) as a truncation target (exact-state
+        shards only; the oldest is dropped past ``shard.checkpoints``)."""
+        if self.shard.exact_states_only and self.length and self.shard.checkpoints:
+            self.checkpoints.pop(self.length, None)
+            self.checkpoints[self.length] = state
+            while len(self.checkpoints) > self.shard.checkpoints:
+                del self.checkpoints[next(iter(self.checkpoints))]
 
     def nbytes(self) -> int:
         """KV bytes this session's tokens occupy in the context."""
@@ -175,6 +226,7 @@ class SeqKV(KVPosition):
         """Free the sequence's KV cells and its id (idempotent)."""
         if not self.closed:
             self.closed = True
+            self.checkpoints = {}
             self.shard._release(self.seq_id)
 
     def __del__(self):  # a session dropped without close() (e.g. expired) still frees its cells
@@ -193,7 +245,10 @@ class LlamaCppShard:
     physical batch (512 as in llama.cpp's defaults: keep equal to the reference run for bitwise
     results); ``threads``: llama.cpp decode and batch threads; ``cache_dir``: where derived shard
     GGUFs are written; ``all_logits``: the head will be asked for every position's logits
-    (perplexity) — otherwise its compute buffer is sized for one output row.
+    (perplexity) — otherwise its compute buffer is sized for one output row; ``checkpoints``: exact-position
+    state checkpoints kept per session on a shard llama.cpp cannot truncate partway (``exact_states_only``:
+    the range holds recurrent blocks, or the architecture's cache refuses partial removal, ``deepseek4``;
+    see the module docstring), each ``state_bytes_per_session`` plus the attention KV of its tokens.
 
     Raises UnsupportedShard (architecture/range), LlamaCppError (llama.cpp refused the file or
     the context), ValueError (bad parameters).
@@ -204,7 +259,7 @@ class LlamaCppShard:
 
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
                  n_batch: int = 2048, n_ubatch: int = 512, threads: int | None = None,
-                 cache_dir: str | os.PathLike | None = None, all_logits: bool = False):
+                 cache_dir: str | os.PathLike | None = None, all_logits: bool = False, checkpoints: int = 4):
         self.model = model
         self.cfg = model_info(model)
         spec.validate(self.cfg.n_layers)
@@ -224,6 +279,10 @@ class LlamaCppShard:
         self._lock = threading.RLock()  # reentrant: SeqKV.__del__ may run inside a step
         self._free_seqs = list(range(n_seq_max - 1, -1, -1))
         self._kv_bytes = kv_bytes_per_token(model, spec)
+        recr = recurrent_layers(model)
+        # llama.cpp cannot roll this shard's sessions back partway: recurrent blocks, or a cache that refuses it
+        self.exact_states_only = bool(recr and any(recr[spec.start:spec.end])) or rules_for(model.architecture).exact_states
+        self.checkpoints = max(0, int(checkpoints))
 
         mparams = L.llama_model_default_params()
         mparams.use_mmap = True
@@ -268,7 +327,19 @@ class LlamaCppShard:
         self._mem = L.llama_get_memory(self._ctx)
         self.n_vocab_out = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
         self._batch = L.llama_batch_init(n_batch, 0 if self.takes_tokens else n_embd, 1)
-        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(n_batch,))
+        # M-RoPE / IMRoPE models (qwen35moe) take 4 positions per token; llama.cpp expands a token batch's one
+        # position to [p, p, p, 0] itself (llm_graph_input_pos::set_input) but reads an embedding batch's four,
+        # section-major (pos[j * n_tokens + i], src/llama-batch.cpp): our buffer replaces the batch's 1-wide one
+        rope = L.llama_model_rope_type(self._model)
+        self.n_pos_per_token = 4 if not self.takes_tokens and rope in (L.LLAMA_ROPE_TYPE_MROPE,
+                                                                       L.LLAMA_ROPE_TYPE_IMROPE) else 1
+        self._batch_pos = ctypes.cast(self._batch.pos, ctypes.c_void_p).value  # the one llama_batch_free frees
+        if self.n_pos_per_token > 1:
+            self._pos_buffer = np.zeros(n_batch * self.n_pos_per_token, dtype=np.int32)
+            self._batch.pos = self._pos_buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+            self._pos = self._pos_buffer
+        else:
+            self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(n_batch,))
         self._n_seq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))
         self._out = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
         self._n_seq[:] = 1
@@ -358,7 +429,12 @@ class LlamaCppShard:
         with self._lock:
             batch = self._batch
             batch.n_tokens = n_tokens
-            self._pos[:n_tokens] = np.arange(kv.length, kv.length + n_tokens, dtype=np.int32)
+            positions = np.arange(kv.length, kv.length + n_tokens, dtype=np.int32)
+            if self.n_pos_per_token == 4:  # text positions as llama.cpp writes them for tokens: [p, p, p, 0]
+                self._pos[:3 * n_tokens] = np.tile(positions, 3)
+                self._pos[3 * n_tokens:4 * n_tokens] = 0
+            else:
+                self._pos[:n_tokens] = positions
             for i in range(n_tokens):
                 batch.seq_id[i][0] = kv.seq_id
             self._out[:n_tokens] = 1 if all_out else 0
@@ -401,7 +477,22 @@ class LlamaCppShard:
             got = L.llama_state_seq_get_data(self._ctx, buf, size, kv.seq_id)
         if got != size:
             raise LlamaCppError(f"llama.cpp wrote {got} of {size} state bytes")
-        return bytes(buf)
+        data = bytes(buf)
+        kv.checkpoint(data)
+        return data
+
+    def _set_state(self, kv: SeqKV, data: bytes, n_tokens: int) -> None:
+        """Load a sequence state holding exactly ``n_tokens`` tokens into ``kv``'s sequence (LlamaCppError, the
+        sequence then empty, when llama.cpp rejects it); does not touch ``kv.length``."""
+        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        with self._lock:
+            L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
+            got = L.llama_state_seq_set_data(self._ctx, src, len(data), kv.seq_id)
+            held = L.llama_memory_seq_pos_max(self._mem, kv.seq_id) + 1
+            if got == 0 or held != n_tokens:
+                L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
+                raise LlamaCppError(f"llama.cpp rejected the state ({len(data)} bytes; holds {held} tokens, "
+                                    f"expected {n_tokens})")
 
     def load_state(self, kv: SeqKV, data: bytes, n_tokens: int) -> None:
         """Replace the session's KV with a state from ``state_bytes`` holding ``n_tokens`` tokens.
@@ -411,23 +502,20 @@ class LlamaCppShard:
         """
         if n_tokens > kv.max_length:
             raise ContextOverflow(f"snapshot holds {n_tokens} tokens; the session's max_length is {kv.max_length}")
-        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        with self._lock:
-            L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
-            got = L.llama_state_seq_set_data(self._ctx, src, len(data), kv.seq_id)
-            held = L.llama_memory_seq_pos_max(self._mem, kv.seq_id) + 1
         kv.epoch += 1
-        if got == 0 or held != n_tokens:
-            with self._lock:
-                L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
+        kv.checkpoints = {}
+        try:
+            self._set_state(kv, data, n_tokens)
+        except LlamaCppError:
             kv.length = 0
-            raise LlamaCppError(f"llama.cpp rejected the state ({len(data)} bytes; holds {held} tokens, "
-                                f"expected {n_tokens})")
+            raise
         kv.length = n_tokens
+        kv.checkpoint(data)
 
     def close(self) -> None:
         """Free the context, batch and model (idempotent)."""
         if getattr(self, "_ctx", None):
+            self._batch.pos = ctypes.cast(self._batch_pos, ctypes.POINTER(ctypes.c_int32))
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)
@@ -441,4 +529,5 @@ class LlamaCppShard:
 
 
 __all__ = ["kv_bytes_per_token", "KVCellsFull", "LlamaCppError", "LlamaCppShard", "STATE_FORMAT", "SeqKV", "ShardModelInfo",
+           "StateNotAtPosition",
            "UnsupportedShard", "model_info"]

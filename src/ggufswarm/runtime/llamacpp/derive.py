@@ -11,7 +11,14 @@ architecture, taken from llama.cpp's ``src/models/<arch>.cpp`` (``load_arch_hpar
 * ``sliding_window_pattern`` is written as a per-layer bool array (llama.cpp accepts an array;
   its default pattern counts from the shard's own layer 0, which is wrong for most ``a``);
 * ``leading_dense_block_count`` becomes ``max(0, lead - a)``;
+* hybrid recurrent models (``qwen3next``: gated delta-net blocks between full-attention ones) get
+  ``attention.recurrent_layers`` as a per-layer bool array: without it llama.cpp recomputes which blocks are
+  recurrent from ``full_attention_interval`` and the shard's own block numbers
+  (``src/models/qwen3next.cpp``: block ``i`` is recurrent unless ``(i + 1) % interval == 0``);
 * MTP/nextn blocks (the last ``nextn_predict_layers`` blocks) are dropped: no shard serves them;
+* ``glm-dsa``'s indexer types (which blocks have their own DSA lightning indexer) are written for the
+  shard's range (llama.cpp defaults them from the shard's own block 0 otherwise), and a range must start
+  at a full-indexer block (a shared one reuses the previous block's top-k, which cannot cross a cut);
 * heuristics llama.cpp applies to the layer count are resolved from the whole model and written
   out, or the range is refused when llama.cpp cannot be told (Gemma 3 27B's attention scale).
 
@@ -49,6 +56,10 @@ class ArchRules:
     ``swa_pattern``: llama.cpp's default sliding-window period when the GGUF has none (0: no SWA);
     ``swa_dense_first``: the pattern's first layer is the full-attention one;
     ``leading_dense``: the model has ``leading_dense_block_count``; ``nextn``: it may carry MTP blocks;
+    ``recurrent_interval``: hybrid recurrent model whose recurrent blocks llama.cpp derives from
+    ``full_attention_interval`` (this is its default) when ``attention.recurrent_layers`` is absent (0: none);
+    ``exact_states``: llama.cpp's cache for it cannot truncate a sequence partway whatever the range (the
+    shard then truncates only to exact state checkpoints, as recurrent ones do);
     ``token_scale``: factor llama.cpp applies to token embeddings only (not to ``batch.embd``), as a
     function of ``n_embd``; ``check``: raises UnsupportedShard for ranges llama.cpp would misread,
     and may return extra metadata to write; ``embd_input``: set when the architecture's graph aborts
@@ -59,6 +70,8 @@ class ArchRules:
     swa_dense_first: bool = False
     leading_dense: bool = False
     nextn: bool = False
+    recurrent_interval: int = 0
+    exact_states: bool = False
     token_scale: Callable[[int], np.float32] | None = None
     check: Callable[[GGUFModelFile, int, int], dict[str, Any]] | None = None
     embd_input: str | None = None  # why llama.cpp's graph refuses ``batch.embd`` (then: whole model only)
@@ -94,6 +107,50 @@ def _deepseek2_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
     return extra
 
 
+def _hybrid_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/llama-graph.cpp llm_graph_input_mem_hybrid::set_input fills the attention KV inputs and the recurrent
+    # state-copy input unconditionally; a graph without an attention block (or without a recurrent one) never
+    # allocates them and llama.cpp aborts on the first decode (GGML_ASSERT(buffer) in set_input_k_idxs)
+    flags = recurrent_layers(model)[a:b]
+    if all(flags) or not any(flags):
+        kind = "full-attention" if all(flags) else "recurrent"
+        raise UnsupportedShard(f"{model.architecture}: layer range {a}:{b} has no {kind} block; llama.cpp's hybrid "
+                               f"memory aborts on a graph without both kinds (llm_graph_input_mem_hybrid::set_input), "
+                               f"so a shard must hold at least one recurrent and one full-attention block")
+    return {}
+
+
+# src/models/glm-dsa.cpp GLM_5_2_DEFAULT_INDEXER_TYPES: 1, 1, then 1, 0, 0, 0 repeated (1: the block has its own
+# lightning indexer, 0: it reuses the top-k of the last full one); used when the file has no
+# attention.indexer.types and a trained context of at least 1M (GLM-5.2); shorter contexts: every block full
+_GLM_DSA_DEFAULT_PERIOD = (1, 0, 0, 0)
+
+
+def glm_dsa_indexer_types(model: GGUFModelFile) -> list[int]:
+    """Per-block indexer types (1 full, 0 shared) of a ``glm-dsa`` model's ``n_layer`` trunk blocks, as llama.cpp's
+    loader reads or defaults them (``src/models/glm-dsa.cpp`` load_arch_hparams)."""
+    md = model.metadata
+    n = n_model_layers(model)
+    types = md.get("glm-dsa.attention.indexer.types")
+    if isinstance(types, list):
+        return [int(t) for t in types][:n]
+    if int(md.get("glm-dsa.context_length", 0)) < 1048576:  # "BC for GLM 5, 5.1 (full indexers)"
+        return [1] * n
+    return ([1, 1] + list(_GLM_DSA_DEFAULT_PERIOD) * (n // 4 + 1))[:n]
+
+
+def _glm_dsa_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    types = glm_dsa_indexer_types(model)
+    if not types[a]:
+        full = [i for i, t in enumerate(types) if t]
+        raise UnsupportedShard(f"glm-dsa: block {a} is a shared-indexer block (it reuses the top-k of full-indexer block "
+                               f"{max((i for i in full if i < a), default=None)}, which llama.cpp cannot take across a cut: "
+                               f"src/models/glm-dsa.cpp asserts prev_top_k); a layer range must start at a "
+                               f"full-indexer block ({', '.join(map(str, full))})")
+    # the shard's own pattern, written out: llama.cpp would otherwise default it from the shard's block 0
+    return {"glm-dsa.attention.indexer.types": (types[a:b], GGUFValueType.ARRAY)}
+
+
 def _sqrt_n_embd(n_embd: int) -> np.float32:
     return np.sqrt(np.float32(n_embd))  # sqrtf(n_embd), src/models/gemma3.cpp
 
@@ -111,6 +168,18 @@ ARCH_RULES: dict[str, ArchRules] = {
                          embd_input="src/models/glm4-moe.cpp aborts on embedding input unless the model uses M-RoPE "
                                     "(\"does not support multimodal\"); a layer range needs a llama.cpp change"),
     "gpt-oss": ArchRules(swa_pattern=2),
+    "qwen3next": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
+    # IMRoPE: a hidden-state batch carries 4 positions per token (backend.LlamaCppShard.n_pos_per_token)
+    "qwen35moe": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
+    "qwen35": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
+    "glm-dsa": ArchRules(leading_dense=True, nextn=True, check=_glm_dsa_check),
+    "deepseek4": ArchRules(
+        nextn=True, exact_states=True,
+        embd_input="a layer range needs a llama.cpp change: src/models/deepseek4.cpp takes an n_embd-wide input and "
+                   "repeats it into the hc_mult hyper-connection streams (a continuation shard must take the "
+                   "hc_mult x n_embd residual stream), and with a hidden-state batch its hash-routed blocks "
+                   "(< hash_layer_count) route by the learned router instead of the token-id table "
+                   "(docs/models/deepseek-v4-flash.md)"),
 }
 
 
@@ -149,6 +218,24 @@ def _swa_layers(model: GGUFModelFile, rules: ArchRules) -> list[bool] | None:
     return [period == 0 or il % period < period - 1 for il in range(n)]
 
 
+def recurrent_layers(model: GGUFModelFile) -> list[bool] | None:
+    """Per-block recurrent flags of the whole model as llama.cpp computes them (None: not a hybrid recurrent
+    architecture). ``attention.recurrent_layers`` when the file has it, else from ``full_attention_interval``
+    (``src/models/qwen3next.cpp``: recurrent unless ``(i + 1) % interval == 0``; MTP blocks are not recurrent)."""
+    arch = model.architecture
+    rules = rules_for(arch)
+    if not rules.recurrent_interval:
+        return None
+    md = model.metadata
+    n_all = int(md[f"{arch}.block_count"])
+    flags = md.get(f"{arch}.attention.recurrent_layers")
+    if isinstance(flags, list):
+        return [bool(v) for v in flags]
+    interval = int(md.get(f"{arch}.full_attention_interval", rules.recurrent_interval))
+    n_layer = n_model_layers(model)
+    return [il < n_layer and (il + 1) % interval != 0 for il in range(n_all)]
+
+
 def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
     """Metadata of the shard GGUF for blocks ``[start, end)``: key → (value, type, array item type).
 
@@ -182,8 +269,11 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
     swa = _swa_layers(model, rules)
     if swa is not None:
         out[f"{arch}.attention.sliding_window_pattern"] = (swa[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
+    recr = recurrent_layers(model)
+    if recr is not None:
+        out[f"{arch}.attention.recurrent_layers"] = (recr[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
     for key, (value, vtype) in extra.items():
-        out[key] = (value, vtype, None)
+        out[key] = (value, vtype, GGUFValueType.UINT32 if vtype == GGUFValueType.ARRAY else None)
     if not head:
         out["tokenizer.ggml.model"] = ("none", GGUFValueType.STRING, None)
         out[f"{arch}.vocab_size"] = (1, GGUFValueType.UINT32, None)
