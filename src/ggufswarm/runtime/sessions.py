@@ -262,6 +262,12 @@ class SessionStore:
             raise StepConflict(f"step {step} is older than the last step applied ({expected - 1})", "stale_step")
         raise StepConflict(f"step {step} skips ahead; the next step of this session is {expected}", "step_gap")
 
+    def _check_token_ids(self, token_ids: torch.Tensor | None) -> None:
+        n_vocab = self.executor.cfg.n_vocab
+        if token_ids is not None and token_ids.numel() and (int(token_ids.min()) < 0
+                                                            or int(token_ids.max()) >= n_vocab):
+            raise TokenOutOfRange(f"token id out of range [0, {n_vocab}) in the frame's token-id trailer")
+
     def apply(self, session: Session, step: int, digest: int, start: int, inputs: torch.Tensor,
               token_ids: torch.Tensor | None, sample: bool = True) -> StepRecord:
         """Run one step (blocking; call off the event loop) and record it as the session's last step.
@@ -272,45 +278,128 @@ class SessionStore:
         ``token_ids`` entry is outside ``[0, n_vocab)``; on any error the KV cache and the session's
         history are unchanged.
         """
-        n_vocab = self.executor.cfg.n_vocab
-        if token_ids is not None and token_ids.numel() and (int(token_ids.min()) < 0
-                                                            or int(token_ids.max()) >= n_vocab):
-            raise TokenOutOfRange(f"token id out of range [0, {n_vocab}) in the frame's token-id trailer")
+        self._check_token_ids(token_ids)
         session.busy += 1
         try:
             t0 = time.perf_counter()
             kept = (session.kv.length, len(session.history), session.history_complete)
             out = self.executor.forward(session.kv, inputs)
-            record = StepRecord(step, digest, start, inputs.shape[0])
-            try:
-                ids = token_ids if token_ids is not None else (inputs if inputs.dim() == 1 else None)
-                if ids is not None:
-                    session.history.extend(ids.tolist())
-                else:
-                    session.history_complete = False
-                if self.executor.spec.head:
-                    if sample:
-                        logits = out[-1]
-                        record.token = session.sampler.sample(logits, session.history)
-                        if session.n_logprobs or session.want_logprob:
-                            lp, top = token_logprobs(logits, record.token, session.n_logprobs)
-                            record.logprobs = top if session.n_logprobs else None
-                            record.token_logprob = lp if session.want_logprob else None
-                else:
-                    record.output = out
-            except BaseException:  # a step that fails after the forward pass leaves the session as it was
-                session.kv.truncate(kept[0])
-                del session.history[kept[1]:]
-                session.history_complete = kept[2]
-                raise
+            record = self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept, 0.0)
             record.compute_ms = (time.perf_counter() - t0) * 1e3
-            if not session.grouping_cut:
-                session.boundaries.append(session.kv.length)
-            session.last = record
             return record
         finally:
             session.busy -= 1
             session.last_used = time.monotonic()
+
+    def apply_chunked(self, session: Session, step: int, digest: int, start: int, inputs: torch.Tensor,
+                      token_ids: torch.Tensor | None, sample: bool = True, chunk: int = 512):
+        """``apply`` as a generator that runs the forward pass in pieces of ``chunk`` tokens and yields (None)
+        between pieces, so a scheduler can run other sessions' steps in between; its return value
+        (``StopIteration.value``) is the StepRecord. Each ``next()`` blocks (call off the event loop).
+
+        With ``chunk`` = the llama.cpp backend's ``n_ubatch`` the pieces are exactly the ubatches llama.cpp
+        would split the whole step into, so the result is bitwise the one of ``apply``. ``compute_ms`` is the
+        sum of the pieces' times. Raises as ``apply``; on an error (or ``close()`` before the end) the KV
+        cache and history are as before the step.
+        """
+        self._check_token_ids(token_ids)
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1 token, got {chunk}")
+        session.busy += 1
+        try:
+            kept = (session.kv.length, len(session.history), session.history_complete)
+            outs, ms = [], 0.0
+            try:
+                for a in range(0, int(inputs.shape[0]), chunk):
+                    if a:
+                        yield None
+                    t0 = time.perf_counter()
+                    outs.append(self.executor.forward(session.kv, inputs[a:a + chunk]))
+                    ms += (time.perf_counter() - t0) * 1e3
+            except BaseException:
+                if session.kv.length != kept[0]:
+                    session.kv.truncate(kept[0])
+                raise
+            out = outs[-1] if self.executor.spec.head else torch.cat(outs)
+            return self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept, ms)
+        finally:
+            session.busy -= 1
+            session.last_used = time.monotonic()
+
+    def apply_batch(self, items: list[tuple]) -> list[StepRecord | Exception]:
+        """Run one step of each of several different sessions together (blocking; call off the event loop):
+        the executor's ``forward_batch`` (llama.cpp: one ``llama_decode`` for the single-token steps).
+
+        ``items``: ``(session, step, digest, start, inputs, token_ids, sample)`` as ``apply``'s arguments.
+        Returns one entry per item, in order: its StepRecord, or the exception it raised (the same errors as
+        ``apply``; one session's error leaves the others' steps applied and its own KV and history as before).
+        ``compute_ms`` of each record is the whole batch's time. ValueError when two items share a session.
+        """
+        if len({id(it[0]) for it in items}) != len(items):
+            raise ValueError("apply_batch takes at most one step per session")
+        results: list = [None] * len(items)
+        todo = []
+        for i, (session, _step, _digest, _start, _inputs, token_ids, _sample) in enumerate(items):
+            try:
+                self._check_token_ids(token_ids)
+            except TokenOutOfRange as exc:
+                results[i] = exc
+                continue
+            todo.append(i)
+            session.busy += 1
+        try:
+            kept = {i: (items[i][0].kv.length, len(items[i][0].history), items[i][0].history_complete) for i in todo}
+            t0 = time.perf_counter()
+            outs = self.executor.forward_batch([(items[i][0].kv, items[i][4]) for i in todo])
+            ms = (time.perf_counter() - t0) * 1e3
+            for i, out in zip(todo, outs):
+                if isinstance(out, Exception):
+                    results[i] = out
+                    continue
+                session, step, digest, start, inputs, token_ids, sample = items[i]
+                try:
+                    results[i] = self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept[i],
+                                              ms)
+                except Exception as exc:  # noqa: BLE001 - that session's error only
+                    results[i] = exc
+        finally:
+            for i in todo:
+                items[i][0].busy -= 1
+                items[i][0].last_used = time.monotonic()
+        return results
+
+    def _finish(self, session: Session, step: int, digest: int, start: int, inputs: torch.Tensor,
+                token_ids: torch.Tensor | None, sample: bool, out: torch.Tensor, kept: tuple,
+                compute_ms: float) -> StepRecord:
+        """Record a step whose forward pass gave ``out``: history, the head's sample, the session's last step.
+        ``kept``: (KV length, history length, history_complete) before the step, restored on an error."""
+        record = StepRecord(step, digest, start, inputs.shape[0])
+        try:
+            ids = token_ids if token_ids is not None else (inputs if inputs.dim() == 1 else None)
+            if ids is not None:
+                session.history.extend(ids.tolist())
+            else:
+                session.history_complete = False
+            if self.executor.spec.head:
+                if sample:
+                    logits = out[-1]
+                    record.token = session.sampler.sample(logits, session.history)
+                    if session.n_logprobs or session.want_logprob:
+                        lp, top = token_logprobs(logits, record.token, session.n_logprobs)
+                        record.logprobs = top if session.n_logprobs else None
+                        record.token_logprob = lp if session.want_logprob else None
+            else:
+                record.output = out
+        except BaseException:  # a step that fails after the forward pass leaves the session as it was
+            session.kv.truncate(kept[0])
+            del session.history[kept[1]:]
+            session.history_complete = kept[2]
+            raise
+        record.compute_ms = compute_ms
+        if not session.grouping_cut:
+            session.boundaries.append(session.kv.length)
+        session.last = record
+        return record
 
 
 __all__ = ["AdmissionRefused", "ContextOverflow", "Session", "SessionError", "SessionStore", "StepConflict",

@@ -202,6 +202,10 @@ class LlamaCppShard:
     backend = "llama.cpp"
     dtype = torch.float16  # KV cache element type (llama.cpp's default f16 cache)
     sampler_class = LlamaCppSampler  # the head draws with llama.cpp's sampler chain
+    # forward_batch: most sessions whose decode steps share one graph evaluation (a ubatch). Up to 3 keeps every
+    # session's result bitwise equal to its step run alone: llama.cpp's CPU matmul switches from gemv to gemm at
+    # 4 rows (ggml-cpu/repack.cpp), which rounds differently. More is faster, and no longer bitwise.
+    batch_group: int = 3
 
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
                  n_batch: int = 2048, n_ubatch: int = 512, threads: int | None = None,
@@ -265,6 +269,7 @@ class LlamaCppShard:
             raise LlamaCppError(f"llama.cpp could not create a context (n_ctx_seq {n_ctx_seq}, n_seq_max {n_seq_max})")
         self.n_ctx_seq = L.llama_n_ctx_seq(self._ctx)
         self.n_seq_max = n_seq_max
+        self.n_ubatch = cparams.n_ubatch
         self._mem = L.llama_get_memory(self._ctx)
         self.n_vocab_out = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
         self._batch = L.llama_batch_init(n_batch, 0 if self.takes_tokens else n_embd, 1)
@@ -389,6 +394,132 @@ class LlamaCppShard:
                 out = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(1, self.n_vocab_out)).copy())
             kv.length += n_tokens
         return out
+
+    def _check_step(self, kv: SeqKV, inputs: torch.Tensor):
+        """Validate one step as ``forward`` does; (ids int32 [T] or None, embd float32 [T, n_embd] or None)."""
+        if kv.closed or kv.shard is not self:
+            raise ValueError("session is closed or belongs to another shard")
+        n_tokens = int(inputs.shape[0])
+        if n_tokens == 0:
+            raise ValueError("a step needs at least one token")
+        if n_tokens > self.n_batch:
+            raise ValueError(f"a step holds at most {self.n_batch} tokens on this shard, got {n_tokens}")
+        kv.reserve(n_tokens)
+        if self.spec.embed:
+            if inputs.dim() != 1:
+                raise ValueError(f"the first shard takes token ids [n_tokens], got shape {tuple(inputs.shape)}")
+            ids = inputs.numpy().astype(np.int32, copy=False)
+            if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.n_vocab:
+                raise TokenOutOfRange(f"token id out of range [0, {self.cfg.n_vocab})")
+            return (ids, None) if self.takes_tokens else (None, self.embedding(ids))
+        if inputs.dim() != 2 or inputs.shape[1] != self.cfg.n_embd:
+            raise ValueError(f"expected hidden states [n_tokens, {self.cfg.n_embd}], got {tuple(inputs.shape)}")
+        return None, (inputs if inputs.dtype == torch.float32 else inputs.to(torch.float32)).numpy()
+
+    def forward_batch(self, steps: list[tuple[SeqKV, torch.Tensor]]) -> list[torch.Tensor | Exception]:
+        """Run one step of each of several sessions; the decode steps (T = 1) together in one ``llama_decode``.
+
+        ``steps``: ``(kv, inputs)`` pairs of *different* sessions, ``inputs`` as for ``forward``. Returns one
+        entry per step, in order: what ``forward`` would return (hidden states ``[T, n_embd]`` float32, at the
+        head the last position's logits ``[1, n_vocab]`` float32), or the exception that step raised (the
+        others are unaffected; on an error a session's KV cache is as before the call).
+
+        The single-token steps go into one ``llama_batch``, one sequence id each, sorted by sequence id:
+        with non-unified KV llama.cpp splits such a batch into ubatches of *consecutive* sequence ids
+        (``split_equal``, sequential), so sessions whose ids are consecutive share one graph evaluation.
+        Steps of more than one token run one after another through ``forward`` (their ubatch split is then
+        the one they get alone). When llama.cpp fails the shared decode (no free cells, an abort), it has
+        rolled every sequence back and each of those steps is run again alone, with its own result or error.
+        ValueError when two steps belong to the same session.
+        """
+        if len({id(kv) for kv, _ in steps}) != len(steps):
+            raise ValueError("forward_batch takes at most one step per session")
+        results: list = [None] * len(steps)
+        decode = []  # (seq_id, index, kv, ids, embd)
+        for i, (kv, inputs) in enumerate(steps):
+            if int(inputs.shape[0]) != 1:
+                continue
+            try:
+                ids, embd = self._check_step(kv, inputs)
+            except Exception as exc:  # noqa: BLE001 - that step's error, the others go on
+                results[i] = exc
+                continue
+            decode.append((kv.seq_id, i, kv, ids, embd))
+        if len(decode) == 1:  # nothing to share a decode with
+            _, i, kv, _, _ = decode[0]
+            results[i] = self._forward_one(kv, steps[i][1])
+        elif decode:
+            decode = self._grouped(decode)
+            try:
+                outs = self._decode_together(decode)
+            except LlamaCppError:  # llama.cpp rolled the whole batch back: each step alone
+                outs = [self._forward_one(kv, steps[i][1]) for _, i, kv, _, _ in decode]
+            for (_, i, _, _, _), out in zip(decode, outs):
+                results[i] = out
+        for i, (kv, inputs) in enumerate(steps):
+            if int(inputs.shape[0]) != 1:
+                results[i] = self._forward_one(kv, inputs)
+        return results
+
+    def _grouped(self, decode: list) -> list:
+        """``decode`` ordered so that llama.cpp's sequential ``split_equal`` makes each ubatch one group of at most
+        ``batch_group`` consecutive sequence ids: sorted by id, cut into groups, the groups in descending order
+        (a ubatch takes the first unused token's sequence and then ids +1, +2, ... found later in the batch; the
+        next id after a group's last is absent or in a group placed before it, already used)."""
+        decode = sorted(decode, key=lambda d: d[0])
+        groups, run = [], []
+        for d in decode:
+            if run and (d[0] != run[-1][0] + 1 or len(run) >= self.batch_group):
+                groups.append(run)
+                run = []
+            run.append(d)
+        groups.append(run)
+        return [d for g in reversed(groups) for d in g]
+
+    def _forward_one(self, kv: SeqKV, inputs: torch.Tensor) -> torch.Tensor | Exception:
+        try:
+            return self.forward(kv, inputs)
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    def _decode_together(self, decode: list) -> list[torch.Tensor]:
+        """One ``llama_decode`` of single-token steps ``(seq_id, index, kv, ids, embd)`` sorted by sequence id;
+        their outputs in that order. LlamaCppError (every sequence rolled back) when llama.cpp fails it."""
+        n = len(decode)
+        with self._lock:
+            batch = self._batch
+            batch.n_tokens = n
+            for j, (seq, _, kv, ids, embd) in enumerate(decode):
+                self._pos[j] = kv.length
+                batch.seq_id[j][0] = seq
+                if ids is not None:
+                    batch.token[j] = int(ids[0])
+                else:
+                    row = np.ascontiguousarray(embd, dtype=np.float32)
+                    ctypes.memmove(ctypes.addressof(batch.embd.contents) + j * row.nbytes, row.ctypes.data, row.nbytes)
+            self._out[:n] = 1
+            if self._tap is not None:
+                self._tap.filled = 0
+                self._tap.overflow = 0
+            rc = L.llama_decode(self._ctx, batch)
+            if rc != 0:
+                raise LlamaCppError(f"llama_decode of {n} sessions' steps failed with code {rc}")
+            if self._tap is not None:
+                got = self._tap.filled // (4 * self.cfg.n_embd)
+                if self._tap.overflow or got != n:
+                    for seq, _, kv, _, _ in decode:
+                        L.llama_memory_seq_rm(self._mem, seq, kv.length, -1)
+                    raise LlamaCppError(f"captured {got} hidden-state rows for {n} tokens "
+                                        f"(tensor {self._tap.target.decode()})")
+                rows = self._capture[:n].copy()
+                outs = [torch.from_numpy(rows[j:j + 1]) for j in range(n)]
+            else:
+                outs = [torch.from_numpy(np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j),
+                                                               shape=(1, self.n_vocab_out)).copy())
+                        for j in range(n)]
+            for _, _, kv, _, _ in decode:
+                kv.length += 1
+        return outs
 
     # -- snapshots -----------------------------------------------------------------------------
     def state_bytes(self, kv: SeqKV) -> bytes:
