@@ -265,3 +265,34 @@ def test_decode_flows_during_4k_prefill(long_cluster, gemma, reference_text):
           f"it {len(during)}, largest gap {gaps.max() * 1e3:.0f} ms, median {np.median(gaps) * 1e3:.0f} ms")
     assert len(during) >= 4
     assert gaps.max() < 0.8 * max(per_step), (gaps.max(), per_step)
+
+
+def test_apply_batch_records_each_session(gemma_file, tmp_path_factory):
+    """SessionStore.apply_batch: each session's step recorded with its own sample, a bad token-id trailer failing
+    only its own step (history and KV as before), the samples those of apply one session at a time."""
+    def store_of(name):
+        shard = LlamaCppShard(gemma_file, ShardSpec(0, 18, embed=True, head=True), n_ctx_seq=256, n_seq_max=4,
+                              threads=1, cache_dir=tmp_path_factory.mktemp(name))
+        return SessionStore(shard, 1024)
+
+    one, many = store_of("one"), store_of("many")
+    prompts = _prompts(4, seed=5)
+    prompts = [p[:200] for p in prompts]
+    sa = [one.open(uuid4(), 256, sampling=GREEDY) for _ in prompts]
+    sb = [many.open(uuid4(), 256, sampling=GREEDY) for _ in prompts]
+    toks = []
+    for a, b, p in zip(sa, sb, prompts):
+        toks.append(one.apply(a, 1, 0, 0, p, None).token)
+        assert many.apply(b, 1, 0, 0, p, None).token == toks[-1]
+    items = []
+    for i, (b, t) in enumerate(zip(sb, toks)):
+        trailer = torch.tensor([10 ** 7]) if i == 2 else None
+        items.append((b, 2, 0, b.length, torch.tensor([t]), trailer, True))
+    out = many.apply_batch(items)
+    assert isinstance(out[2], TokenOutOfRange) and sb[2].length == len(prompts[2]) and sb[2].last.step == 1
+    for i in (0, 1, 3):
+        want = one.apply(sa[i], 2, 0, sa[i].length, torch.tensor([toks[i]]), None)
+        assert out[i].step == 2 and out[i].token == want.token and sb[i].last is out[i]
+        assert sb[i].history == sa[i].history and sb[i].boundaries == sa[i].boundaries
+    one.executor.close()
+    many.executor.close()

@@ -317,7 +317,8 @@ class SessionStore:
                     outs.append(self.executor.forward(session.kv, inputs[a:a + chunk]))
                     ms += (time.perf_counter() - t0) * 1e3
             except BaseException:
-                if session.kv.length != kept[0]:
+                # a session closed between two pieces has given its cells (and sequence id) back: nothing to undo
+                if session.kv.length != kept[0] and not getattr(session.kv, "closed", False):
                     session.kv.truncate(kept[0])
                 raise
             out = outs[-1] if self.executor.spec.head else torch.cat(outs)
