@@ -296,3 +296,25 @@ def test_apply_batch_records_each_session(gemma_file, tmp_path_factory):
         assert sb[i].history == sa[i].history and sb[i].boundaries == sa[i].boundaries
     one.executor.close()
     many.executor.close()
+
+
+def test_forward_batch_bitwise_with_two_threads(gemma_file, tmp_path_factory):
+    """With 2 threads, sessions of 256+ tokens (llama.cpp splits their attention across threads only alone) get a
+    ubatch of their own, the short ones share one: every row still equals forward's, bitwise."""
+    lens = [300, 20, 400, 30, 40]
+    shards = [LlamaCppShard(gemma_file, SPECS[0], n_ctx_seq=1024, n_seq_max=len(lens), threads=2,
+                            cache_dir=tmp_path_factory.mktemp(f"two{i}")) for i in range(2)]
+    rng = np.random.default_rng(1)
+    kvs = [[sh.new_session(1024) for _ in lens] for sh in shards]
+    for i, n in enumerate(lens):
+        ids = torch.tensor(rng.integers(10, 20000, n))
+        for sh, kv in zip(shards, kvs):
+            sh.forward(kv[i], ids)
+    for step in range(2):
+        ins = [torch.tensor([50 + 7 * i + step]) for i in range(len(lens))]
+        want = [shards[0].forward(kvs[0][i], ins[i]) for i in range(len(lens))]
+        got = shards[1].forward_batch([(kvs[1][i], ins[i]) for i in range(len(lens))])
+        for i in range(len(lens)):
+            assert torch.equal(want[i], got[i]), f"session {i} ({lens[i]} tokens), step {step}"
+    for sh in shards:
+        sh.close()

@@ -40,6 +40,7 @@ _BACKEND_READY = False
 _BACKEND_LOCK = threading.Lock()
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
 STATE_FORMAT = "llama.cpp-seq-state-v1"
+SPLIT_KV_TOKENS = 256  # from this many tokens held a decode step attends to 512+ cells (see LlamaCppShard._solo)
 
 
 class GraphTap(ctypes.Structure):
@@ -204,7 +205,8 @@ class LlamaCppShard:
     sampler_class = LlamaCppSampler  # the head draws with llama.cpp's sampler chain
     # forward_batch: most sessions whose decode steps share one graph evaluation (a ubatch). Up to 3 keeps every
     # session's result bitwise equal to its step run alone: llama.cpp's CPU matmul switches from gemv to gemm at
-    # 4 rows (ggml-cpu/repack.cpp), which rounds differently. More is faster, and no longer bitwise.
+    # 4 rows (ggml-cpu/repack.cpp), which rounds differently (and with more than one thread a session of 256+
+    # tokens then gets a ubatch of its own: _solo). More is faster, and no longer bitwise.
     batch_group: int = 3
 
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
@@ -426,7 +428,9 @@ class LlamaCppShard:
 
         The single-token steps go into one ``llama_batch``, one sequence id each, sorted by sequence id:
         with non-unified KV llama.cpp splits such a batch into ubatches of *consecutive* sequence ids
-        (``split_equal``, sequential), so sessions whose ids are consecutive share one graph evaluation.
+        (``split_equal``, sequential), so sessions whose ids are consecutive share one graph evaluation, at most
+        ``batch_group`` of them (``_grouped``; up to 3, and a long session alone with several threads (``_solo``),
+        each result is bitwise what ``forward`` gives for that step alone).
         Steps of more than one token run one after another through ``forward`` (their ubatch split is then
         the one they get alone). When llama.cpp fails the shared decode (no free cells, an abort), it has
         rolled every sequence back and each of those steps is run again alone, with its own result or error.
@@ -469,12 +473,21 @@ class LlamaCppShard:
         decode = sorted(decode, key=lambda d: d[0])
         groups, run = [], []
         for d in decode:
-            if run and (d[0] != run[-1][0] + 1 or len(run) >= self.batch_group):
+            if run and (d[0] != run[-1][0] + 1 or len(run) >= self.batch_group or self._solo(run[-1][2])
+                        or self._solo(d[2])):
                 groups.append(run)
                 run = []
             run.append(d)
         groups.append(run)
         return [d for g in reversed(groups) for d in g]
+
+    def _solo(self, kv: SeqKV) -> bool:
+        """Whether this session's decode step must have a ubatch of its own to stay bitwise its step alone: with
+        more than one thread, llama.cpp's CPU flash attention splits the KV cells among the threads only for a
+        ubatch of one sequence holding 512+ cells (``use_split_kv_path``, ggml-cpu/ops.cpp; llama.cpp pads the
+        cells it attends to to 256, so from 256 tokens on), which rounds differently from the unsplit path a
+        multi-sequence ubatch takes. Only in the exact mode (``batch_group`` <= 3)."""
+        return self.batch_group <= 3 and self.threads > 1 and kv.length >= SPLIT_KV_TOKENS
 
     def _forward_one(self, kv: SeqKV, inputs: torch.Tensor) -> torch.Tensor | Exception:
         try:
