@@ -226,7 +226,8 @@ def main() -> int:
                 r = route_aggregate(urls, prompts(ids, n, args.prompt), args.decode)
                 after = batching_counters(urls)
                 r["mean_batch"] = max((a.get("batched_steps", 0) - b.get("batched_steps", 0))
-                                      / max(a.get("batches", 0) - b.get("batches", 0), 1)
+                                      / (a.get("batches", 0) - b.get("batches", 0))
+                                      if a.get("batches", 0) > b.get("batches", 0) else 1.0
                                       for a, b in zip(after, before))
                 rows.setdefault(f"route, --batch-group {group}", {})[n] = r
                 print(f"  route group {group}, {n} sessions: {r['tok_s']:.1f} tok/s aggregate", flush=True)
@@ -246,6 +247,7 @@ def main() -> int:
             proc.terminate()
             proc.wait(30)
 
+    print("\naggregate decode tok/s (in brackets: mean sessions per shared llama_decode on the node batching most)")
     print("\n| | " + " | ".join(f"{n} sessions" for n in counts) + " | aggregate x single |")
     print("|---|" + "---|" * (len(counts) + 1))
     for name, by_n in rows.items():
@@ -253,7 +255,7 @@ def main() -> int:
                                                 else "") for n in counts]
         scale = by_n[max(counts)]["tok_s"] / by_n[min(counts)]["tok_s"]
         print(f"| {name} | " + " | ".join(cells) + f" | {scale:.2f} |")
-    print("\naggregate decode tok/s (mean sessions per shared llama_decode on the busiest node)")
+    print()
     server = rows.get("llama-server --parallel 16, 3 threads")
     for name, by_n in rows.items():
         if name.startswith("route") and 16 in by_n:
