@@ -610,7 +610,9 @@ def _replay(state: NodeState, session: Session, frame: Frame, digest: int) -> St
 
 def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> StepRecord | asyncio.Future:
     """Apply the session's next step: its StepRecord when it ran here, or an asyncio.Future of it when it went
-    to the worker pool (await it). Raises (or the future does) what SessionStore.apply raises."""
+    to the worker pool (await it). Raises (or the future does) what SessionStore.apply raises. On a llama.cpp
+    node the step goes through the batcher (node/batching.py: run together with other sessions' steps, a prefill
+    in pieces); on a torch node it runs alone."""
     args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample)
     if state.batcher is not None:  # llama.cpp: batched with other sessions' steps, prefills in pieces
         return state.batcher.submit(args, alone=state.active_sessions <= 1)
