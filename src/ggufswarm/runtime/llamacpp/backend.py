@@ -17,6 +17,7 @@ run give bitwise-equal results: the tests compare 3-shard chains with ``llama_cp
 from __future__ import annotations
 
 import ctypes
+import heapq
 import os
 import sys
 import threading
@@ -229,7 +230,7 @@ class LlamaCppShard:
         self.path = shard_path(model, spec.start, spec.end, spec.head, cache_dir)
         self.embedding = TokenEmbedding(model) if spec.embed and not spec.head else None
         self._lock = threading.RLock()  # reentrant: SeqKV.__del__ may run inside a step
-        self._free_seqs = list(range(n_seq_max - 1, -1, -1))
+        self._free_seqs = list(range(n_seq_max))  # a heap: the lowest free id first (keeps ids consecutive)
         self._kv_bytes = kv_bytes_per_token(model, spec)
 
         mparams = L.llama_model_default_params()
@@ -308,7 +309,7 @@ class LlamaCppShard:
         with self._lock:
             if not self._free_seqs:
                 raise KVCellsFull(f"all {self.n_seq_max} session slots of this shard are in use")
-            seq = self._free_seqs.pop()
+            seq = heapq.heappop(self._free_seqs)
         return SeqKV(self, seq, max_length)
 
     def _seq_rm(self, seq_id: int, start: int) -> None:
@@ -321,7 +322,7 @@ class LlamaCppShard:
             return
         with self._lock:
             L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-            self._free_seqs.append(seq_id)
+            heapq.heappush(self._free_seqs, seq_id)
 
     # -- steps ---------------------------------------------------------------------------------
     def forward(self, kv: SeqKV, inputs: torch.Tensor, logits: str = "last") -> torch.Tensor:
