@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from uuid import uuid4
 
 import numpy as np
 import pytest
@@ -60,10 +61,9 @@ def test_forward_batch_is_bitwise_forward(gemma_file, tmp_path_factory):
     toks = []
     for i, p in enumerate(_prompts(n)):
         x = p
-        for k in range(3):
+        for k in range(3):  # the same prefill on both chains (each shard fed the alone chain's input)
+            batched[k].forward(kv_b[i][k], x)
             x = alone[k].forward(kv_a[i][k], x)
-            batched[k].forward(kv_b[i][k], p if k == 0 else prev)  # noqa: F821 - prev set below
-            prev = x
         toks.append(int(x[-1].argmax()))
     for _ in range(3):
         ins = [torch.tensor([t]) for t in toks]
@@ -143,11 +143,6 @@ def test_apply_chunked_is_bitwise_apply(gemma_file, tmp_path_factory):
     nxt = torch.tensor([5])
     assert torch.equal(shard.forward(a.kv, nxt), shard.forward(b.kv, nxt))  # same KV
     shard.close()
-
-
-def uuid4():
-    import uuid
-    return uuid.uuid4()
 
 
 def _generate(route: RemoteRoute, ids: list[int], n: int, out: list, start: threading.Barrier | None = None):
