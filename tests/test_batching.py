@@ -300,3 +300,49 @@ def test_forward_batch_bitwise_with_two_threads(gemma_file, tmp_path_factory):
             assert torch.equal(want[i], got[i]), f"session {i} ({lens[i]} tokens), step {step}"
     for sh in shards:
         sh.close()
+
+
+def test_node_batch_error_stays_with_its_session(batching_cluster):
+    """On a busy head node (another session's 1024-token prefill), four sessions' decode steps queue and run as
+    one batch; the one whose token-id trailer is out of range gets its 400 bad_token, the three others their
+    tokens, the same tokens as the same frames applied one at a time afterwards on fresh sessions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ggufswarm.protocol.frame import encode_hidden
+
+    from route_fixtures import http, open_greedy
+
+    head = batching_cluster[2].url
+    rng = np.random.default_rng(7)
+    ctx = [torch.tensor(rng.standard_normal((8, 640)) * 4, dtype=torch.float32) for _ in range(4)]
+    row = [torch.tensor(rng.standard_normal((1, 640)) * 4, dtype=torch.float32) for _ in range(4)]
+
+    def frames(sids):
+        for sid, c in zip(sids, ctx):
+            status, body = http("POST", head + "/v1/step", encode_hidden(sid, 1, 0, c, "f32"))
+            assert status == 200, body
+        return [encode_hidden(sid, 2, 8, r, "f32", torch.tensor([10 ** 7 if i == 1 else 5]))
+                for i, (sid, r) in enumerate(zip(sids, row))]
+
+    sids = [open_greedy(head, 64) for _ in range(4)]
+    batch_frames = frames(sids)
+    busy = open_greedy(head, 1024)
+    long_frame = encode_hidden(busy, 1, 0, torch.tensor(rng.standard_normal((1024, 640)), dtype=torch.float32),
+                               "f32")
+    before = health(head)["batching"]
+    with ThreadPoolExecutor(5) as pool:
+        prefill = pool.submit(http, "POST", head + "/v1/step", long_frame, 300)
+        while not health(head)["batching"]["queued"]:
+            time.sleep(0.005)  # the prefill holds the shard (two 512-token pieces): the decode steps queue
+        replies = list(pool.map(lambda f: http("POST", head + "/v1/step", f), batch_frames))
+        assert prefill.result()[0] == 200
+    after = health(head)["batching"]
+    assert after["largest_batch"] >= 3 and after["batched_steps"] - before["batched_steps"] >= 3, (before, after)
+    assert replies[1][0] == 400 and replies[1][1]["error"]["code"] == "bad_token", replies[1]
+    fresh = [open_greedy(head, 64) for _ in range(4)]
+    alone = [http("POST", head + "/v1/step", f) for f in frames(fresh)]
+    for i in (0, 2, 3):
+        assert replies[i][0] == 200 and replies[i][1]["token"] == alone[i][1]["token"], (replies[i], alone[i])
+        assert replies[i][1]["logprobs"] == alone[i][1]["logprobs"]
+    for sid in sids + fresh + [busy]:
+        http("DELETE", f"{head}/v1/sessions/{sid}")
