@@ -3,7 +3,8 @@
 Backend: ``LlamaCppShard.forward_batch`` against ``forward`` one session at a time (bitwise), one session's
 error never failing the others, a failed shared decode retried singly. Store: ``apply_chunked`` (a prefill in
 ubatch pieces) against ``apply`` (bitwise). Route: 16 concurrent greedy sessions through a 3-node route give
-each exactly the tokens and logprobs of the same request run alone, with the nodes batching; a session keeps
+each exactly the tokens and logprobs of the same request run alone, with the nodes batching; on a node, one
+session's bad step in a batch fails only that step; a session keeps
 decoding while another's 4K-token prompt is prefilled, its largest inter-token gap well under one prefill step.
 """
 
