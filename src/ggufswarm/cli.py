@@ -166,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp backend: sessions held at once (default 4); KV memory = N x --ctx-size x "
                         "this shard's KV bytes per token. Both backends: one session reserves at most 1/N of "
                         "the KV budget, so no single request takes all of it")
+    n.add_argument("--batch-group", type=int, default=3, metavar="N",
+                   help="llama.cpp backend: decode steps of different sessions that arrive while the shard is busy "
+                        "run together; at most N sessions share one graph evaluation (default 3: each session's "
+                        "result stays bitwise equal to running it alone; llama.cpp's CPU matmul rounds differently "
+                        "from 4 rows on). Larger is faster, not bitwise")
     n.add_argument("--kv-budget", type=int, default=262144, metavar="TOKENS",
                    help="KV budget: tokens all sessions may reserve together (each reserves its max_length); "
                         "an open that does not fit gets 429 (full, retry later) or 503 (never fits). Default 262144; on "
@@ -438,7 +443,7 @@ def cmd_node(args) -> int:
     return run_node(NodeConfig(
         layers=args.layers, embed=args.embed, head=args.head, model=args.model, host=args.host, port=args.port,
         dtype=args.dtype, backend=args.backend, threads=args.threads, ctx_size=args.ctx_size,
-        max_sessions=args.max_sessions, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,
+        max_sessions=args.max_sessions, batch_group=args.batch_group, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,
         session_ttl_s=args.session_ttl, hop_timeout_s=args.hop_timeout, max_step_tokens=args.max_step_tokens,
         workers=args.workers, exit_with_parent=args.exit_with_parent, tracker=args.tracker, data_dir=args.data_dir,
         memory_budget_mb=args.memory_budget, fetch_timeout_s=args.fetch_timeout,

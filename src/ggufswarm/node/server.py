@@ -57,6 +57,7 @@ class NodeConfig:
     threads: int | None = None        # llama.cpp decode/batch threads (None: all cores)
     ctx_size: int = 8192              # llama.cpp: KV cells per session = the longest session (tokens)
     max_sessions: int = 4             # llama.cpp: sessions at once (sequence ids of the context)
+    batch_group: int = 3              # llama.cpp: most sessions per shared ubatch (<= 3: bitwise as alone)
     kv_budget_tokens: int = 262144
     kv_budget_mb: float | None = None
     session_ttl_s: float = 300.0
@@ -104,6 +105,15 @@ class NodeState:
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="shard")
         # a shard whose steps serialize on one lock (llama.cpp: one context) runs idle decode steps inline (see step)
         self.inline_lock = getattr(executor, "step_lock", None)
+        # llama.cpp: steps of different sessions arriving while the shard is busy run together (node/batching.py)
+        self.batcher = None
+        if hasattr(executor, "forward_batch") and self.inline_lock is not None:
+            from .batching import StepBatcher
+            if config.batch_group < 1:
+                raise ValueError(f"--batch-group must be at least 1, got {config.batch_group}")
+            executor.batch_group = config.batch_group
+            self.batcher = StepBatcher(self.store, self.pool)
+        self.active_sessions = 0  # sessions with a step in flight here (their stepping > 0)
         self.client: aiohttp.ClientSession | None = None
         self.links = HopLinks(lambda: self.client)  # to next hops (node/link.py)
         self.links_in: set[web.WebSocketResponse] = set()  # from previous hops
@@ -186,6 +196,8 @@ class NodeState:
             "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals(),
             "cache": self.config.cache, "snapshots": self.snapshots.counters if self.snapshots else None,
             "links": {"in": len(self.links_in), "replies": len(self.reply_links), **self.links.counts()},
+            "batching": None if self.batcher is None else {"batch_group": self.config.batch_group,
+                                                           **self.batcher.counters()},
         }
 
 
@@ -546,10 +558,12 @@ async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, b
                                              f"got a {frame.dtype} frame")
         session = state.store.get(frame.session_id)
         session.stepping += 1  # in a step until its reply is back: never expired meanwhile (next hops may be slow)
+        state.active_sessions += session.stepping == 1
         try:
             return await _apply_session_frame(state, session, frame, body, kind, t0)
         finally:
             session.stepping -= 1
+            state.active_sessions -= session.stepping == 0
             session.last_used = time.monotonic()
     except Exception as exc:  # noqa: BLE001
         return _error_reply(state, exc)
@@ -609,8 +623,15 @@ def _replay(state: NodeState, session: Session, frame: Frame, digest: int) -> St
 
 def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> StepRecord | asyncio.Future:
     """Apply the session's next step: its StepRecord when it ran here, or an asyncio.Future of it when it went
-    to the worker pool (await it). Raises (or the future does) what SessionStore.apply raises."""
-    args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample, frame.verify)
+    to the worker pool (await it). Raises (or the future does) what SessionStore.apply raises. On a llama.cpp
+    node the step goes through the batcher (node/batching.py: run together with other sessions' steps, a prefill
+    in pieces), except a speculative verify step (all rows' logits at the head), which runs alone; on a torch
+    node every step runs alone."""
+    args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample)
+    if frame.verify:
+        args += (True,)
+    elif state.batcher is not None:  # llama.cpp: batched with other sessions' steps, prefills in pieces
+        return state.batcher.submit(args, alone=state.active_sessions <= 1)
     lock = state.inline_lock if frame.n_tokens == 1 else None
     if lock is not None and lock.acquire(blocking=False):
         # A decode step when the shard is idle runs right here on the event loop: it takes a few ms,

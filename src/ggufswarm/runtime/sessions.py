@@ -293,6 +293,18 @@ class SessionStore:
             raise StepConflict(f"step {step} is older than the last step applied ({expected - 1})", "stale_step")
         raise StepConflict(f"step {step} skips ahead; the next step of this session is {expected}", "step_gap")
 
+    def _check_token_ids(self, token_ids: np.ndarray | None) -> None:
+        n_vocab = self.executor.cfg.n_vocab
+        if token_ids is not None and token_ids.size and (int(token_ids.min()) < 0 or int(token_ids.max()) >= n_vocab):
+            raise TokenOutOfRange(f"token id out of range [0, {n_vocab}) in the frame's token-id trailer")
+
+    def _begin(self, session: Session, start: int) -> tuple:
+        """Before a step's forward pass: drop a rewound step's rejected drafts (``start`` below the tokens held, see
+        ``apply``); (KV length, history length, history_complete) to restore on an error."""
+        if start < session.kv.length:
+            self._rewind(session, start)
+        return session.kv.length, len(session.history), session.history_complete
+
     def apply(self, session: Session, step: int, digest: int, start: int, inputs: np.ndarray,
               token_ids: np.ndarray | None, sample: bool = True, verify: bool = False) -> StepRecord:
         """Run one step (blocking; call off the event loop) and record it as the session's last step.
@@ -303,68 +315,156 @@ class SessionStore:
         (``record.tokens``; the draw after position ``p`` sees the history up to ``p`` and is keyed by ``p + 1``,
         exactly as in a one-token step there).
 
-        ``inputs``: int64 ids ``[T]`` (embedding shard) or float32 hidden ``[T, n_embd]``;
+        ``inputs``: int64 ids ``[T]`` (embedding shard) or float32 hidden ``[T, n_embd]`` (numpy);
         ``token_ids``: the route's input ids ``[T]`` (the head's sampler history), may be None.
         Raises ContextOverflow / ValueError from the executor, and TokenOutOfRange when a
         ``token_ids`` entry is outside ``[0, n_vocab)``; on any error the KV cache and the session's
         history are unchanged (but for the rejected drafts a rewind dropped: a retry starts where they were).
         """
-        n_vocab = self.executor.cfg.n_vocab
-        if token_ids is not None and token_ids.size and (int(token_ids.min()) < 0
-                                                            or int(token_ids.max()) >= n_vocab):
-            raise TokenOutOfRange(f"token id out of range [0, {n_vocab}) in the frame's token-id trailer")
+        self._check_token_ids(token_ids)
         session.busy += 1
         try:
             t0 = time.perf_counter()
-            if start < session.kv.length:
-                self._rewind(session, start)
-            kept = (session.kv.length, len(session.history), session.history_complete)
-            head = self.executor.spec.head
-            all_rows = head and verify and sample
+            kept = self._begin(session, start)
+            all_rows = self.executor.spec.head and verify and sample
             out = self.executor.forward(session.kv, inputs, logits="all") if all_rows else \
                 self.executor.forward(session.kv, inputs)
-            record = StepRecord(step, digest, start, inputs.shape[0])
-            try:
-                ids = token_ids if token_ids is not None else (inputs if inputs.ndim == 1 else None)
-                if ids is not None:
-                    session.history.extend(ids.tolist())
-                else:
-                    session.history_complete = False
-                if head:
-                    if all_rows:
-                        base = kept[1]
-                        record.tokens = [session.sampler.sample(out[i], session.history[:base + i + 1])
-                                         for i in range(out.shape[0])]
-                        record.token = record.tokens[-1]
-                    elif sample:
-                        logits = out[-1]
-                        record.token = session.sampler.sample(logits, session.history)
-                        if session.n_logprobs or session.want_logprob:
-                            lp, top = token_logprobs(logits, record.token, session.n_logprobs)
-                            record.logprobs = top if session.n_logprobs else None
-                            record.token_logprob = lp if session.want_logprob else None
-                else:
-                    record.output = out
-            except BaseException:  # a step that fails after the forward pass leaves the session as it was
-                try:
-                    session.kv.truncate(kept[0])
-                except RuntimeError:  # a recurrent shard holding no state at kept[0]: the session restarts empty
-                    session.kv.truncate(0)
-                    kept = (0, 0, True)
-                    cut_boundaries(session, 0)
-                    session.snapshot_at = 0
-                del session.history[kept[1]:]
-                session.history_complete = kept[2]
-                raise
+            record = self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept, 0.0, all_rows)
             record.compute_ms = (time.perf_counter() - t0) * 1e3
-            if not session.grouping_cut:
-                session.boundaries.append(session.kv.length)
-            session.last = record
             return record
         finally:
             session.busy -= 1
             session.last_used = time.monotonic()
 
+    def apply_chunked(self, session: Session, step: int, digest: int, start: int, inputs: np.ndarray,
+                      token_ids: np.ndarray | None, sample: bool = True, chunk: int = 512):
+        """``apply`` as a generator that runs the forward pass in pieces of ``chunk`` tokens and yields (None)
+        between pieces, so a scheduler can run other sessions' steps in between; its return value
+        (``StopIteration.value``) is the StepRecord. Each ``next()`` blocks (call off the event loop).
+
+        With ``chunk`` = the llama.cpp backend's ``n_ubatch`` the pieces are exactly the ubatches llama.cpp
+        would split the whole step into, so the result is bitwise the one of ``apply``. ``compute_ms`` is the
+        sum of the pieces' times. Raises as ``apply``; on an error (or ``close()`` before the end) the KV
+        cache and history are as before the step (a recurrent shard's session restarts empty, see ``_undo``).
+        """
+        self._check_token_ids(token_ids)
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1 token, got {chunk}")
+        session.busy += 1
+        try:
+            kept = self._begin(session, start)
+            outs, ms = [], 0.0
+            try:
+                for a in range(0, int(inputs.shape[0]), chunk):
+                    if a:
+                        yield None
+                    t0 = time.perf_counter()
+                    outs.append(self.executor.forward(session.kv, inputs[a:a + chunk]))
+                    ms += (time.perf_counter() - t0) * 1e3
+            except BaseException:
+                # a session closed between two pieces has given its cells (and sequence id) back: nothing to undo
+                if session.kv.length != kept[0] and not getattr(session.kv, "closed", False):
+                    self._undo(session, kept)
+                raise
+            out = outs[-1] if self.executor.spec.head else np.concatenate(outs)
+            return self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept, ms)
+        finally:
+            session.busy -= 1
+            session.last_used = time.monotonic()
+
+    def apply_batch(self, items: list[tuple]) -> list[StepRecord | Exception]:
+        """Run one step of each of several different sessions together (blocking; call off the event loop):
+        the executor's ``forward_batch`` (llama.cpp: one ``llama_decode`` for the single-token steps).
+
+        ``items``: ``(session, step, digest, start, inputs, token_ids, sample)`` as ``apply``'s arguments (no verify
+        steps: those run alone). Returns one entry per item, in order: its StepRecord, or the exception it raised
+        (the same errors as ``apply``; one session's error leaves the others' steps applied and its own KV and
+        history as before). ``compute_ms`` of each record is the whole batch's time. ValueError when two items
+        share a session.
+        """
+        if len({id(it[0]) for it in items}) != len(items):
+            raise ValueError("apply_batch takes at most one step per session")
+        results: list = [None] * len(items)
+        todo, kept = [], {}
+        for i, (session, _step, _digest, start, _inputs, token_ids, _sample) in enumerate(items):
+            try:
+                self._check_token_ids(token_ids)
+                kept[i] = self._begin(session, start)
+            except Exception as exc:  # noqa: BLE001 - that session's error only
+                results[i] = exc
+                continue
+            todo.append(i)
+            session.busy += 1
+        try:
+            t0 = time.perf_counter()
+            outs = self.executor.forward_batch([(items[i][0].kv, items[i][4]) for i in todo])
+            ms = (time.perf_counter() - t0) * 1e3
+            for i, out in zip(todo, outs):
+                if isinstance(out, Exception):
+                    results[i] = out
+                    continue
+                session, step, digest, start, inputs, token_ids, sample = items[i]
+                try:
+                    results[i] = self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept[i],
+                                              ms)
+                except Exception as exc:  # noqa: BLE001 - that session's error only
+                    results[i] = exc
+        finally:
+            for i in todo:
+                items[i][0].busy -= 1
+                items[i][0].last_used = time.monotonic()
+        return results
+
+    @staticmethod
+    def _undo(session: Session, kept: tuple) -> None:
+        """Return a session to ``kept`` (KV length, history length, history_complete) after a failed step. A
+        recurrent shard that holds no exact state there (it cannot truncate partway) restarts the session empty."""
+        try:
+            session.kv.truncate(kept[0])
+        except RuntimeError:  # a recurrent shard holding no state at kept[0]: the session restarts empty
+            session.kv.truncate(0)
+            kept = (0, 0, True)
+            cut_boundaries(session, 0)
+            session.snapshot_at = 0
+        del session.history[kept[1]:]
+        session.history_complete = kept[2]
+
+    def _finish(self, session: Session, step: int, digest: int, start: int, inputs: np.ndarray,
+                token_ids: np.ndarray | None, sample: bool, out, kept: tuple, compute_ms: float,
+                all_rows: bool = False) -> StepRecord:
+        """Record a step whose forward pass gave ``out``: history, the head's sample (``all_rows``: a verify step's
+        sample after every position), the session's last step. ``kept``: (KV length, history length,
+        history_complete) before the step, restored on an error."""
+        record = StepRecord(step, digest, start, inputs.shape[0])
+        try:
+            ids = token_ids if token_ids is not None else (inputs if inputs.ndim == 1 else None)
+            if ids is not None:
+                session.history.extend(ids.tolist())
+            else:
+                session.history_complete = False
+            if self.executor.spec.head:
+                if all_rows:
+                    base = kept[1]
+                    record.tokens = [session.sampler.sample(out[i], session.history[:base + i + 1])
+                                     for i in range(out.shape[0])]
+                    record.token = record.tokens[-1]
+                elif sample:
+                    logits = out[-1]
+                    record.token = session.sampler.sample(logits, session.history)
+                    if session.n_logprobs or session.want_logprob:
+                        lp, top = token_logprobs(logits, record.token, session.n_logprobs)
+                        record.logprobs = top if session.n_logprobs else None
+                        record.token_logprob = lp if session.want_logprob else None
+            else:
+                record.output = out
+        except BaseException:  # a step that fails after the forward pass leaves the session as it was
+            self._undo(session, kept)
+            raise
+        record.compute_ms = compute_ms
+        if not session.grouping_cut:
+            session.boundaries.append(session.kv.length)
+        session.last = record
+        return record
 
 __all__ = ["AdmissionRefused", "ContextOverflow", "Session", "SessionError", "SessionStore", "StepConflict",
            "StepRecord", "UnknownSession", "cut_boundaries"]

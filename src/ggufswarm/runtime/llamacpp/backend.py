@@ -30,6 +30,7 @@ run give bitwise-equal results: the tests compare 3-shard chains with ``llama_cp
 from __future__ import annotations
 
 import ctypes
+import heapq
 import os
 import sys
 import threading
@@ -53,6 +54,7 @@ _BACKEND_LOCK = threading.Lock()
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
 STATE_FORMAT = "llama.cpp-seq-state-v1"
 MAX_VERIFY_TOKENS = 16  # most tokens of a speculative verify step (all rows' logits) a head takes
+SPLIT_KV_TOKENS = 256  # from this many tokens held a decode step attends to 512+ cells (see LlamaCppShard._solo)
 
 
 class GraphTap(ctypes.Structure):
@@ -256,6 +258,11 @@ class LlamaCppShard:
 
     backend = "llama.cpp"
     sampler_class = LlamaCppSampler  # the head draws with llama.cpp's sampler chain
+    # forward_batch: most sessions whose decode steps share one graph evaluation (a ubatch). Up to 3 keeps every
+    # session's result bitwise equal to its step run alone: llama.cpp's CPU matmul switches from gemv to gemm at
+    # 4 rows (ggml-cpu/repack.cpp), which rounds differently (and with more than one thread a session of 256+
+    # tokens then gets a ubatch of its own: _solo). More is faster, and no longer bitwise.
+    batch_group: int = 3
 
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
                  n_batch: int = 2048, n_ubatch: int = 512, threads: int | None = None,
@@ -277,7 +284,7 @@ class LlamaCppShard:
         self.path = shard_path(model, spec.start, spec.end, spec.head, cache_dir)
         self.embedding = TokenEmbedding(model) if spec.embed and not spec.head else None
         self._lock = threading.RLock()  # reentrant: SeqKV.__del__ may run inside a step
-        self._free_seqs = list(range(n_seq_max - 1, -1, -1))
+        self._free_seqs = list(range(n_seq_max))  # a heap: the lowest free id first (keeps ids consecutive)
         self._kv_bytes = kv_bytes_per_token(model, spec)
         recr = recurrent_layers(model)
         # llama.cpp cannot roll this shard's sessions back partway: recurrent blocks, or a cache that refuses it
@@ -324,6 +331,7 @@ class LlamaCppShard:
             raise LlamaCppError(f"llama.cpp could not create a context (n_ctx_seq {n_ctx_seq}, n_seq_max {n_seq_max})")
         self.n_ctx_seq = L.llama_n_ctx_seq(self._ctx)
         self.n_seq_max = n_seq_max
+        self.n_ubatch = cparams.n_ubatch
         self._mem = L.llama_get_memory(self._ctx)
         self.n_vocab_out = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
         self._batch = L.llama_batch_init(n_batch, 0 if self.takes_tokens else n_embd, 1)
@@ -372,7 +380,7 @@ class LlamaCppShard:
         with self._lock:
             if not self._free_seqs:
                 raise KVCellsFull(f"all {self.n_seq_max} session slots of this shard are in use")
-            seq = self._free_seqs.pop()
+            seq = heapq.heappop(self._free_seqs)
         return SeqKV(self, seq, max_length)
 
     def _seq_rm(self, seq_id: int, start: int) -> None:
@@ -385,7 +393,7 @@ class LlamaCppShard:
             return
         with self._lock:
             L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-            self._free_seqs.append(seq_id)
+            heapq.heappush(self._free_seqs, seq_id)
 
     # -- steps ---------------------------------------------------------------------------------
     def forward(self, kv: SeqKV, inputs, logits: str = "last") -> np.ndarray:
@@ -400,31 +408,12 @@ class LlamaCppShard:
         ``n_batch`` tokens, KVCellsFull when the context has no free cells, LlamaCppError when
         llama.cpp fails; on any error the session's KV cache is as before the call.
         """
-        if kv.closed or kv.shard is not self:
-            raise ValueError("session is closed or belongs to another shard")
         inputs = np.asarray(inputs)
-        n_tokens = int(inputs.shape[0]) if inputs.ndim else 0
-        if n_tokens == 0:
-            raise ValueError("a step needs at least one token")
-        if n_tokens > self.n_batch:
-            raise ValueError(f"a step holds at most {self.n_batch} tokens on this shard, got {n_tokens}")
-        kv.reserve(n_tokens)
+        ids, embd = self._check_step(kv, inputs)
+        n_tokens = int(inputs.shape[0])
         if self.spec.head and logits == "all" and n_tokens > self.max_outputs:
             raise ValueError(f"this head returns at most {self.max_outputs} rows of logits per step "
                              f"(load it with all_logits=True for perplexity)")
-        if self.spec.embed:
-            if inputs.ndim != 1 or inputs.dtype.kind not in "iu":
-                raise ValueError(f"the first shard takes integer token ids [n_tokens], got {inputs.dtype} "
-                                 f"{tuple(inputs.shape)}")
-            ids = inputs.astype(np.int32, copy=False)
-            if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.n_vocab:
-                raise TokenOutOfRange(f"token id out of range [0, {self.cfg.n_vocab})")
-            embd = None if self.takes_tokens else self.embedding(ids)
-        else:
-            if inputs.ndim != 2 or inputs.shape[1] != self.cfg.n_embd:
-                raise ValueError(f"expected hidden states [n_tokens, {self.cfg.n_embd}], got {tuple(inputs.shape)}")
-            embd = inputs
-            ids = None
         all_out = not self.spec.head or logits == "all"
         with self._lock:
             batch = self._batch
@@ -467,6 +456,148 @@ class LlamaCppShard:
                 out = np.ctypeslib.as_array(ptr, shape=(1, self.n_vocab_out)).copy()
             kv.length += n_tokens
         return out
+
+    def _check_step(self, kv: SeqKV, inputs: np.ndarray):
+        """Validate one step (``inputs`` a numpy array) as ``forward`` does; (ids int32 [T] for a shard that takes
+        token ids itself, else None; embd float32 [T, n_embd] or None)."""
+        if kv.closed or kv.shard is not self:
+            raise ValueError("session is closed or belongs to another shard")
+        n_tokens = int(inputs.shape[0]) if inputs.ndim else 0
+        if n_tokens == 0:
+            raise ValueError("a step needs at least one token")
+        if n_tokens > self.n_batch:
+            raise ValueError(f"a step holds at most {self.n_batch} tokens on this shard, got {n_tokens}")
+        kv.reserve(n_tokens)
+        if self.spec.embed:
+            if inputs.ndim != 1 or inputs.dtype.kind not in "iu":
+                raise ValueError(f"the first shard takes integer token ids [n_tokens], got {inputs.dtype} "
+                                 f"{tuple(inputs.shape)}")
+            ids = inputs.astype(np.int32, copy=False)
+            if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.n_vocab:
+                raise TokenOutOfRange(f"token id out of range [0, {self.cfg.n_vocab})")
+            return (ids, None) if self.takes_tokens else (None, self.embedding(ids))
+        if inputs.ndim != 2 or inputs.shape[1] != self.cfg.n_embd:
+            raise ValueError(f"expected hidden states [n_tokens, {self.cfg.n_embd}], got {tuple(inputs.shape)}")
+        return None, inputs
+
+    def forward_batch(self, steps: list[tuple[SeqKV, np.ndarray]]) -> list[np.ndarray | Exception]:
+        """Run one step of each of several sessions; the decode steps (T = 1) together in one ``llama_decode``.
+
+        ``steps``: ``(kv, inputs)`` pairs of *different* sessions, ``inputs`` as for ``forward``. Returns one
+        entry per step, in order: what ``forward`` would return (hidden states ``[T, n_embd]`` float32, at the
+        head the last position's logits ``[1, n_vocab]`` float32), or the exception that step raised (the
+        others are unaffected; on an error a session's KV cache is as before the call).
+
+        The single-token steps go into one ``llama_batch``, one sequence id each, sorted by sequence id:
+        with non-unified KV llama.cpp splits such a batch into ubatches of *consecutive* sequence ids
+        (``split_equal``, sequential), so sessions whose ids are consecutive share one graph evaluation, at most
+        ``batch_group`` of them (``_grouped``; up to 3, and a long session alone with several threads (``_solo``),
+        each result is bitwise what ``forward`` gives for that step alone).
+        Steps of more than one token run one after another through ``forward`` (their ubatch split is then
+        the one they get alone). When llama.cpp fails the shared decode (no free cells, an abort), it has
+        rolled every sequence back and each of those steps is run again alone, with its own result or error.
+        ValueError when two steps belong to the same session.
+        """
+        if len({id(kv) for kv, _ in steps}) != len(steps):
+            raise ValueError("forward_batch takes at most one step per session")
+        steps = [(kv, np.asarray(inputs)) for kv, inputs in steps]
+        if self.exact_states_only or self.n_pos_per_token != 1:
+            # recurrent state and multi-position (M-RoPE) batches are not checked against llama.cpp run alone
+            return [self._forward_one(kv, inputs) for kv, inputs in steps]
+        results: list = [None] * len(steps)
+        decode = []  # (seq_id, index, kv, ids, embd)
+        for i, (kv, inputs) in enumerate(steps):
+            if int(inputs.shape[0]) != 1:
+                continue
+            try:
+                ids, embd = self._check_step(kv, inputs)
+            except Exception as exc:  # noqa: BLE001 - that step's error, the others go on
+                results[i] = exc
+                continue
+            decode.append((kv.seq_id, i, kv, ids, embd))
+        if len(decode) == 1:  # nothing to share a decode with
+            _, i, kv, _, _ = decode[0]
+            results[i] = self._forward_one(kv, steps[i][1])
+        elif decode:
+            decode = self._grouped(decode)
+            try:
+                outs = self._decode_together(decode)
+            except LlamaCppError:  # llama.cpp rolled the whole batch back: each step alone
+                outs = [self._forward_one(kv, steps[i][1]) for _, i, kv, _, _ in decode]
+            for (_, i, _, _, _), out in zip(decode, outs):
+                results[i] = out
+        for i, (kv, inputs) in enumerate(steps):
+            if int(inputs.shape[0]) != 1:
+                results[i] = self._forward_one(kv, inputs)
+        return results
+
+    def _grouped(self, decode: list) -> list:
+        """``decode`` ordered so that llama.cpp's sequential ``split_equal`` makes each ubatch one group of at most
+        ``batch_group`` consecutive sequence ids: sorted by id, cut into groups, the groups in descending order
+        (a ubatch takes the first unused token's sequence and then ids +1, +2, ... found later in the batch; the
+        next id after a group's last is absent or in a group placed before it, already used)."""
+        decode = sorted(decode, key=lambda d: d[0])
+        groups, run = [], []
+        for d in decode:
+            if run and (d[0] != run[-1][0] + 1 or len(run) >= self.batch_group or self._solo(run[-1][2])
+                        or self._solo(d[2])):
+                groups.append(run)
+                run = []
+            run.append(d)
+        groups.append(run)
+        return [d for g in reversed(groups) for d in g]
+
+    def _solo(self, kv: SeqKV) -> bool:
+        """Whether this session's decode step must have a ubatch of its own to stay bitwise its step alone: with
+        more than one thread, llama.cpp's CPU flash attention splits the KV cells among the threads only for a
+        ubatch of one sequence holding 512+ cells (``use_split_kv_path``, ggml-cpu/ops.cpp; llama.cpp pads the
+        cells it attends to to 256, so from 256 tokens on), which rounds differently from the unsplit path a
+        multi-sequence ubatch takes. Only in the exact mode (``batch_group`` <= 3)."""
+        return self.batch_group <= 3 and self.threads > 1 and kv.length >= SPLIT_KV_TOKENS
+
+    def _forward_one(self, kv: SeqKV, inputs: np.ndarray) -> np.ndarray | Exception:
+        try:
+            return self.forward(kv, inputs)
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    def _decode_together(self, decode: list) -> list[np.ndarray]:
+        """One ``llama_decode`` of single-token steps ``(seq_id, index, kv, ids, embd)`` sorted by sequence id;
+        their outputs in that order. LlamaCppError (every sequence rolled back) when llama.cpp fails it."""
+        n = len(decode)
+        with self._lock:
+            batch = self._batch
+            batch.n_tokens = n
+            for j, (seq, _, kv, ids, embd) in enumerate(decode):
+                self._pos[j] = kv.length
+                batch.seq_id[j][0] = seq
+                if ids is not None:
+                    batch.token[j] = int(ids[0])
+                else:
+                    row = np.ascontiguousarray(embd, dtype=np.float32)
+                    ctypes.memmove(ctypes.addressof(batch.embd.contents) + j * row.nbytes, row.ctypes.data, row.nbytes)
+            self._out[:n] = 1
+            if self._tap is not None:
+                self._tap.filled = 0
+                self._tap.overflow = 0
+            rc = L.llama_decode(self._ctx, batch)
+            if rc != 0:
+                raise LlamaCppError(f"llama_decode of {n} sessions' steps failed with code {rc}")
+            if self._tap is not None:
+                got = self._tap.filled // (4 * self.cfg.n_embd)
+                if self._tap.overflow or got != n:
+                    for seq, _, kv, _, _ in decode:
+                        L.llama_memory_seq_rm(self._mem, seq, kv.length, -1)
+                    raise LlamaCppError(f"captured {got} hidden-state rows for {n} tokens "
+                                        f"(tensor {self._tap.target.decode()})")
+                rows = self._capture[:n].copy()
+                outs = [rows[j:j + 1] for j in range(n)]
+            else:
+                outs = [np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j), shape=(1, self.n_vocab_out)).copy()
+                        for j in range(n)]
+            for _, _, kv, _, _ in decode:
+                kv.length += 1
+        return outs
 
     # -- snapshots -----------------------------------------------------------------------------
     def state_bytes(self, kv: SeqKV) -> bytes:
