@@ -206,3 +206,37 @@ def test_a_reported_node_is_dropped_only_when_the_tracker_finds_it_down():
         assert status == 404 and body["error"]["code"] == "unknown_node"
         assert call(f"{url}/nodes/report", "POST", {"url": live})[0] == 401  # no token: refused, nothing probed
         assert seen == ["sekret"]
+
+
+def test_free_kv_reaches_the_tracker_when_sessions_close(tmp_path, tiny_artifact):
+    """A node re-advertises within a fraction of a second of sessions opening or closing, not only at its next
+    heartbeat (60 s here): a swarm a burst of requests has just freed is routable again at once (it used to be
+    refused as full, 503 no_route, until the next beat)."""
+    import uuid
+
+    from ggufswarm.node.server import NODE, NodeConfig
+    from ggufswarm.node.server import make_app as make_node_app
+
+    path, manifest = tiny_artifact
+    with AppThread(lambda: make_app(TrackerConfig(db=str(tmp_path / "t.sqlite")))) as tracker:
+        assert call(f"{tracker}/manifests/tiny", "PUT", {"manifest": json.loads(manifest.to_json()),
+                                                           "torrent_hex": make_torrent([path]).hex()})[0] == 200
+        config = NodeConfig(layers="0:4", embed=True, head=True, model=str(path), tracker=tracker, swarm_name="tiny",
+                            heartbeat_s=60.0, ctx_size=256, max_sessions=1, data_dir=str(tmp_path / "node"))
+        app = make_node_app(config)
+        with AppThread(lambda: app) as node:
+            app[NODE].url = node  # what run_node sets from its listening socket: the advertised address
+
+            def route_status(deadline_s: float, want: int) -> float:
+                t0 = time.monotonic()
+                while call(f"{tracker}/route?model=tiny&max_length=200")[0] != want:
+                    assert time.monotonic() - t0 < deadline_s, f"the tracker did not answer {want} in {deadline_s} s"
+                    time.sleep(0.05)
+                return time.monotonic() - t0
+
+            route_status(10.0, 200)  # the first advertisement
+            sid = str(uuid.uuid4())
+            assert call(f"{node}/v1/sessions", "POST", {"session_id": sid, "max_length": 200})[0] == 201
+            assert route_status(3.0, 503) < 3.0  # the node's one session slot is taken: no route
+            assert call(f"{node}/v1/sessions/{sid}", "DELETE")[0] == 200
+            assert route_status(3.0, 200) < 3.0  # freed: routable again long before the 60 s heartbeat

@@ -114,6 +114,7 @@ class NodeState:
             executor.batch_group = config.batch_group
             self.batcher = StepBatcher(self.store, self.pool)
         self.active_sessions = 0  # sessions with a step in flight here (their stepping > 0)
+        self.capacity_changed: asyncio.Event | None = None  # set by readvertise(); the heartbeat loop's (see there)
         self.client: aiohttp.ClientSession | None = None
         self.links = HopLinks(lambda: self.client)  # to next hops (node/link.py)
         self.links_in: set[web.WebSocketResponse] = set()  # from previous hops
@@ -155,6 +156,12 @@ class NodeState:
         for kind in ("prefill", "decode"):  # export the series before the first step
             for metric in (self.steps, self.step_seconds, self.bytes_in, self.bytes_out):
                 metric.labels(kind)
+
+    def readvertise(self) -> None:
+        """Sessions opened, closed or expired: have the heartbeat loop send the new free KV to the tracker now, not
+        at its next beat (a swarm just freed by a burst of requests was refused as full for up to a beat)."""
+        if self.capacity_changed is not None:
+            self.capacity_changed.set()
 
     def totals(self) -> dict:
         """Plain counters for /health (read from the Prometheus registry, so a test need not parse its text)."""
@@ -265,6 +272,7 @@ async def open_session(request: web.Request) -> web.Response:
         session.lease_s = lease
     except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
         return _error(state, exc)
+    state.readvertise()
     return _json({"session_id": str(sid), "max_length": max_length, "layers": [state.spec.start, state.spec.end],
                   "kv_tokens_reserved": state.store.reserved_tokens, "kv_budget_tokens": state.store.budget_tokens},
                  201)
@@ -289,6 +297,7 @@ async def close_session(request: web.Request) -> web.Response:
         session = state.store.close(_session_id(request.match_info["sid"]))
     except Exception as exc:  # noqa: BLE001
         return _error(state, exc)
+    state.readvertise()
     replies = state.reply_links.pop(session.id, None)
     if replies is not None:
         await replies.close()
@@ -752,7 +761,8 @@ async def _reaper(state: NodeState) -> None:
     period = max(0.05, min(state.store.ttl_s / 4, 1.0))  # leases may be a few seconds
     while True:
         await asyncio.sleep(period)
-        state.store.expire()
+        if state.store.expire():
+            state.readvertise()
 
 
 async def _watch_parent(parent: int) -> None:
@@ -811,11 +821,17 @@ def advertisement(state: NodeState) -> dict:
                       "accounting": shard_accounting(state)}}
 
 
+READVERTISE_S = 0.2  # after a change of free KV, at most this long (s) before the tracker hears of it; batches a burst
+
+
 async def _heartbeats(state: NodeState) -> None:
     """Advertise to the tracker once listening, then every ``heartbeat_s`` seconds (at most a third of
-    the tracker's TTL, which it returns); tracker errors are reported once, never fatal."""
+    the tracker's TTL, which it returns), and within ``READVERTISE_S`` of sessions opening, closing or expiring
+    (``NodeState.readvertise``): the tracker plans from the free KV advertised. Tracker errors are reported once,
+    never fatal."""
     url = state.config.tracker.rstrip("/") + "/nodes/heartbeat"
     interval, warned = state.config.heartbeat_s, False
+    state.capacity_changed = changed = asyncio.Event()
     while not state.url:  # advertise as soon as we listen
         await asyncio.sleep(0.05)
     while True:
@@ -831,7 +847,12 @@ async def _heartbeats(state: NodeState) -> None:
         if not ok and not warned:
             print(f"ggufswarm node: tracker heartbeat failed ({reason}); still serving", file=sys.stderr, flush=True)
         warned = not ok
-        await asyncio.sleep(interval)
+        try:
+            await asyncio.wait_for(changed.wait(), interval)
+            await asyncio.sleep(READVERTISE_S)  # the rest of a burst of opens / closes goes in the same beat
+        except asyncio.TimeoutError:
+            pass
+        changed.clear()
 
 
 async def _deregister(state: NodeState) -> None:
