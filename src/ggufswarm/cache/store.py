@@ -183,7 +183,8 @@ class SnapshotStore:
         if row is not None:
             if not same:
                 self.stats.refused += 1
-                log.warning("refused a different snapshot for existing key %s from node %s", key, snap.node or "?")
+                log.warning("kept the first snapshot under key %s, refused other content from node %s (the same "
+                            "prefix computed in other steps, or a faulty node)", key, snap.node or "?")
                 raise SnapshotExists(key, snap.node)
             return {"key": key, "n_tokens": len(tokens), "bytes": len(blob), "blocks": len(hashes), "evicted": [],
                     "existing": True}

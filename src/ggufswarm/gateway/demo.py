@@ -189,7 +189,8 @@ def run_demo(args) -> int:
                     if i not in gone and n.proc.poll() is not None:
                         gone.add(i)
                         print(f"ggufswarm demo: node {n.url} (layers {n.spec.start}:{n.spec.end}) exited with "
-                              f"{n.proc.returncode}; requests need a node serving those layers again"
+                              f"{n.proc.returncode}; sessions through it repair with another node serving those layers, "
+                              f"if the swarm has one"
                               + ("" if tracker is not None else " (no tracker: restart the demo)"),
                               file=sys.stderr, flush=True)
                 time.sleep(0.5)
