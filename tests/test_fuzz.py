@@ -70,6 +70,7 @@ N_LAYERS, N_EMBD, CONTEXT = 2, 64, 1024
 BUDGET = 768          # --kv-budget (tokens): below CONTEXT, so both 503 kv_budget_too_small and 400 context_overflow happen
 TTL_S = 1.5           # --session-ttl
 MAX_STEP = 512        # --max-step-tokens
+MAX_VERIFY = 16       # the heads' max_verify_tokens (llama.cpp: MAX_VERIFY_TOKENS rows of logits)
 MAX_BODY = HEADER_SIZE + MAX_STEP * (N_EMBD * 4 + 4)  # the node's largest frame; it accepts 1024 bytes more
 TOKEN = "fuzz-swarm-token"
 MIN_REQUESTS = 10_000
@@ -223,6 +224,7 @@ class Own:
     max_length: int
     last: int = 0                    # last step applied (0: none)
     pos: int = 0                     # tokens held
+    last_start: int = 0              # where the last step applied started (a rewind may go back into it)
     last_body: bytes | None = None   # frame of the last step (None after a truncate: retries then conflict)
     last_reply: bytes | None = None
     touched: float = 0.0             # when the last request on it that succeeded was sent (time.monotonic)
@@ -547,18 +549,22 @@ def build_frame(p: dict, fz: Fuzzer, target: Target) -> tuple[bytes, dict]:
                    and 1 <= n_tokens <= MAX_STEP and n_embd == width and size == "exact" and finite and in_vocab
                    and (code != 2 or -8 <= scale_exp <= 8) and p["reserved"] == 0)
     return body, {"sid": sid, "own": own, "well_formed": well_formed, "step": step, "start": start,
-                  "n_tokens": n_tokens, "sample": not flags & 2, "huge": p["kind"] == "huge"}
+                  "n_tokens": n_tokens, "sample": not flags & 2, "huge": p["kind"] == "huge",
+                  "verify": bool(flags & 4) and not flags & 2, "rewind": bool(flags & 8)}
 
 
 def expected_step(own: Own, facts: dict, body: bytes) -> str | None:
     """The node's answer to a well-formed frame of an own session (docs/protocol.md "Step numbers"):
     None when it must be applied or replayed, else the error code."""
     step, start, n = facts["step"], facts["start"], facts["n_tokens"]
+    if facts["verify"] and n > MAX_VERIFY:  # the head checks a verify step's size before its step number
+        return "too_many_tokens"
     nxt = own.last + 1
     if step == nxt:
-        if start != own.pos:
+        # a rewind (flag 8, speculative decoding) may start inside the previous step, after its first token
+        if start != own.pos and not (facts["rewind"] and own.last >= 1 and own.last_start < start < own.pos):
             return "position_mismatch"
-        if own.pos + n > own.max_length:
+        if start + n > own.max_length:
             return "context_overflow"
         return None
     if own.last >= 1 and step == own.last:
@@ -592,8 +598,9 @@ def fuzz_frame(p: dict, fz: Fuzzer) -> None:
             assert reply == own.last_reply, "a retry must get the recorded reply"
             own.touched = fz.sent_at
             return
-        assert facts["step"] == own.last + 1 and facts["start"] == own.pos, (facts, own)
-        own.last, own.pos, own.touched = facts["step"], own.pos + facts["n_tokens"], fz.sent_at
+        assert facts["step"] == own.last + 1 and (facts["start"] == own.pos or facts["rewind"]), (facts, own)
+        own.last, own.pos, own.touched = facts["step"], facts["start"] + facts["n_tokens"], fz.sent_at
+        own.last_start = facts["start"]
         own.last_body, own.last_reply = body, reply
         assert out["hops"][0]["kv_tokens"] == own.pos, (out, own)
         if facts["sample"]:

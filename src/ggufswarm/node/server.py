@@ -157,6 +157,13 @@ class NodeState:
             for metric in (self.steps, self.step_seconds, self.bytes_in, self.bytes_out):
                 metric.labels(kind)
 
+    @property
+    def max_verify_tokens(self) -> int | None:
+        """The head's most tokens in a speculative verify step (FLAG_VERIFY: every row's logits); None elsewhere."""
+        if not self.spec.head:
+            return None
+        return min(getattr(self.executor, "max_outputs", self.max_step_tokens), self.max_step_tokens)
+
     def readvertise(self) -> None:
         """Sessions opened, closed or expired: have the heartbeat loop send the new free KV to the tracker now, not
         at its next beat (a swarm just freed by a burst of requests was refused as full for up to a beat)."""
@@ -195,9 +202,7 @@ class NodeState:
             "max_length": self.max_session_tokens,
             "layers": [self.spec.start, self.spec.end], "embed": self.spec.embed, "head": self.spec.head,
             "max_step_tokens": self.max_step_tokens, "hop_timeout_s": self.config.hop_timeout_s,
-            # the head: most tokens of a speculative verify step (FLAG_VERIFY; every row's logits), None elsewhere
-            "max_verify_tokens": min(getattr(self.executor, "max_outputs", self.max_step_tokens), self.max_step_tokens)
-            if self.spec.head else None,
+            "max_verify_tokens": self.max_verify_tokens,
             "session_ttl_s": s.ttl_s, "sessions": len(s.sessions), "kv_budget_tokens": s.budget_tokens,
             "kv_tokens_reserved": s.reserved_tokens, "kv_tokens_held": s.held_tokens,
             "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals(),
@@ -565,6 +570,9 @@ async def _apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, b
             want = "token ids (dtype ids)" if state.spec.embed else f"hidden states ({', '.join(WIRE_DTYPES)})"
             raise ProtocolError("bad_dtype", f"layers {state.spec.start}:{state.spec.end} take {want}; "
                                              f"got a {frame.dtype} frame")
+        if frame.verify and state.spec.head and frame.n_tokens > state.max_verify_tokens:
+            raise ProtocolError("too_many_tokens", f"a verify step (frame flag 4) holds at most "
+                                                   f"{state.max_verify_tokens} tokens on this head, got {frame.n_tokens}")
         session = state.store.get(frame.session_id)
         session.stepping += 1  # in a step until its reply is back: never expired meanwhile (next hops may be slow)
         state.active_sessions += session.stepping == 1
