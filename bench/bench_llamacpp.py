@@ -12,7 +12,7 @@ Rows (prefill: one prompt of --prefill tokens; decode: --decode greedy tokens af
 3. ``generate`` in-process on the llama.cpp backend: 1 shard, and 3 chained shards (split 6,12).
 4. ``generate`` in-process on the torch backend (1 shard, float32).
 5. The route (``ggufswarm node`` processes on loopback, ``even_split(18, n)``, f32 frames (the default), node defaults:
-   --ctx-size 4096, --max-sessions 4) with 1, 2 and 3 llama.cpp nodes, and 3 torch nodes; for each node
+   --ctx-size 8192, --max-sessions 4) with 1, 2 and 3 llama.cpp nodes, and 3 torch nodes; for each node
    its RSS after the run next to the file bytes of what it serves.
 
 Columns: prefill and decode tok/s, their ratios to row 1, and RSS MiB / shard MiB per node. Each engine is
@@ -63,7 +63,7 @@ GREEDY = SamplingParams(temperature=0)
 MIB = 1024 * 1024
 N_LAYERS = 18  # Gemma 3 270M
 RPC_SPLIT = "6/6/7"  # 19 units (18 blocks + output) -> blocks 0-5, 6-11, 12-17 + output: the 3-node route's cut
-NODE_CTX, NODE_SESSIONS = 4096, 4  # ggufswarm node defaults (--ctx-size, --max-sessions)
+NODE_CTX, NODE_SESSIONS = 8192, 4  # ggufswarm node defaults (--ctx-size, --max-sessions)
 
 def say(msg: str) -> None:
     print(msg, flush=True)
@@ -557,7 +557,8 @@ def main() -> int:
     say(f"Ratios: to row 1 (llama.cpp in-process, {T} thread(s)). Shard MiB = GGUF bytes of the node's blk.N.* "
         "tensors (GGUFModelFile.layer_tensor_bytes), + token_embd.weight on the first node, + the head's output "
         "(output.weight, or tied token_embd.weight again: Gemma) and output_norm.weight on the last. RSS: psutil "
-        "rss of each node process after the run (includes Python, torch, llama.cpp, mapped GGUF pages that were "
+        "rss of each node process after the run (includes Python, llama.cpp (torch on torch nodes only), mapped "
+        "GGUF pages that were "
         f"touched, and the KV cache: llama.cpp nodes allocate --max-sessions {NODE_SESSIONS} x --ctx-size "
         f"{NODE_CTX} cells up front; a llama.cpp first node reads only the token_embd rows it uses).")
     for note in notes:

@@ -12,7 +12,7 @@ dropped again on the route by truncation, and by llama.cpp's own seq_rm, so the 
 The KV table: llama.cpp allocates (and clears, so it is resident) a node's whole KV cache when its context is
 created, ``--ctx-size`` x ``--max-sessions`` cells; each node's advertised ``kv_bytes_per_token`` (its /health,
 from the GGUF header; tests/test_accounting.py checks it against llama.cpp's own per-token state growth) times
-those cells is set next to the node's RSS after the fill (which also holds Python, torch, llama.cpp and the
+those cells is set next to the node's RSS after the fill (which also holds Python, llama.cpp and the
 mapped weights).
 
 Usage: .venv/bin/python bench/bench_long_context.py [--context 32768] [--decode 8]
