@@ -81,8 +81,9 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
                         "(the tokens that followed the latest earlier occurrence of the last 1-3 tokens); draft: the "
                         "greedy continuation of --draft-model, a small GGUF of the same vocabulary run in this "
                         "process. The drafts go with the last sampled token as one step in which the head samples "
-                        "every position; the client keeps the drafts it confirms plus the head's next token: the same tokens as without it (greedy or seeded "
-                        "sampling), in fewer trips through the route. Pays off on code and repetitive text, most "
+                        "every position; the client keeps the drafts it confirms plus the head's next token: the "
+                        "same tokens as without it (greedy or seeded sampling), in fewer trips through the route. "
+                        "Pays off on code and repetitive text, most "
                         "over slow links; requests with logprobs decode plainly")
     p.add_argument("--draft-max", type=_draft_max, default=2, metavar="K",
                    help="most tokens drafted per step, 1..15 (default 2). Up to 2 the llama.cpp backend computes a "
