@@ -55,10 +55,12 @@ class StepBatcher:
         return {"batches": self.batches, "batched_steps": self.batched_steps, "largest_batch": self.largest_batch,
                 "prefill_pieces": self.prefill_pieces, "queued": len(self.decodes) + len(self.prefills)}
 
-    def submit(self, args: tuple, alone: bool) -> StepRecord | asyncio.Future:
+    def submit(self, args: tuple, alone: bool, more: bool = False) -> StepRecord | asyncio.Future:
         """Schedule one step (``SessionStore.apply``'s arguments). ``alone``: no other session has a step in flight
-        on this node. Returns the StepRecord when it ran inline (an idle shard, a lone decode step), else an
-        asyncio.Future of it (raising what the step raised)."""
+        on this node; ``more``: other steps have been read and are about to be submitted (in this turn of the event
+        loop): an idle shard then starts after them, so that they share the first batch. Returns the StepRecord when
+        it ran inline (an idle shard, a lone decode step), else an asyncio.Future of it (raising what the step
+        raised)."""
         n_tokens = int(args[4].shape[0])
         idle = not self.running and not self.decodes and not self.prefills
         if idle and alone and n_tokens == 1 and self.lock.acquire(blocking=False):
@@ -71,8 +73,16 @@ class StepBatcher:
         job = _Job(args, asyncio.get_running_loop().create_future(), n_tokens=n_tokens)
         (self.decodes if n_tokens == 1 else self.prefills).append(job)
         if not self.running:
-            self._next()
+            if more:  # the steps read with this one queue first (their tasks run before call_soon's callback)
+                self.running = True
+                job.future.get_loop().call_soon(self._start)
+            else:
+                self._next()
         return job.future
+
+    def _start(self) -> None:
+        self.running = False
+        self._next()
 
     def _next(self) -> None:
         """Start the next job in a worker (on the event loop), or mark the shard idle."""

@@ -114,6 +114,9 @@ class NodeState:
             executor.batch_group = config.batch_group
             self.batcher = StepBatcher(self.store, self.pool)
         self.active_sessions = 0  # sessions with a step in flight here (their stepping > 0)
+        # link messages read but not yet started: the steps of several sessions that arrived while the shard computed
+        # (one loop iteration reads them all, their tasks then start one after another; see _apply)
+        self.frames_waiting = 0
         self.capacity_changed: asyncio.Event | None = None  # set by readvertise(); the heartbeat loop's (see there)
         self.client: aiohttp.ClientSession | None = None
         self.links = HopLinks(lambda: self.client)  # to next hops (node/link.py)
@@ -503,6 +506,7 @@ async def link(request: web.Request) -> web.StreamResponse:
     tasks = state.link_tasks  # strong references: the loop keeps only weak ones to running tasks
 
     async def answer(body: bytes, t0: float) -> None:
+        state.frames_waiting -= 1
         status, reply = await _apply_frame(state, body, t0)
         if not ws.closed:
             try:
@@ -514,6 +518,7 @@ async def link(request: web.Request) -> web.StreamResponse:
         async for msg in ws:
             t0 = time.perf_counter()
             if msg.type == aiohttp.WSMsgType.BINARY:
+                state.frames_waiting += 1
                 task = asyncio.create_task(answer(msg.data, t0))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -648,7 +653,10 @@ def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> Ste
     if frame.verify:
         args += (True,)
     elif state.batcher is not None:  # llama.cpp: batched with other sessions' steps, prefills in pieces
-        return state.batcher.submit(args, alone=state.active_sessions <= 1)
+        # alone: no other session's step is in flight here, nor read and about to start: a step run inline on the
+        # loop would otherwise hold up the steps its batch could have taken along
+        return state.batcher.submit(args, alone=state.active_sessions <= 1 and not state.frames_waiting,
+                                    more=state.frames_waiting > 0)
     lock = state.inline_lock if frame.n_tokens == 1 else None
     if lock is not None and lock.acquire(blocking=False):
         # A decode step when the shard is idle runs right here on the event loop: it takes a few ms,
