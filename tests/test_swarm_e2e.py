@@ -41,6 +41,23 @@ def test_demo_whole_story_equals_generate(ggufswarm_cli):
     assert demo.stdout.strip() == gen.stdout.strip()
 
 
+def test_demo_speculative_equals_generate(ggufswarm_cli):
+    """``demo --speculative ngram`` (no swarm) streams the same greedy text as ``generate`` and reports its drafts;
+    ``--speculative draft`` without a draft model is refused before anything starts."""
+    prompt = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\ndef fib2(n):\n"
+    demo = subprocess.run([*ggufswarm_cli, "demo", prompt, "--raw", "--no-swarm", "--temperature", "0",
+                           "--max-tokens", "24", "--speculative", "ngram"], capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    assert "speculative ngram: drafted" in demo.stderr, demo.stderr[-3000:]
+    gen = subprocess.run([*ggufswarm_cli, "generate", prompt, "--temperature", "0", "--max-tokens", "24"],
+                         capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    assert demo.stdout.strip() == gen.stdout.strip()
+    bad = subprocess.run([*ggufswarm_cli, "demo", "hi", "--no-swarm", "--speculative", "draft"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "--draft-model" in bad.stderr and "starting" not in bad.stderr, bad.stderr
+
+
 def test_dead_node_expires_and_new_routes_avoid_it(gemma_path, tmp_path):
     with AppThread(lambda: make_tracker_app(TrackerConfig(db=str(tmp_path / "t.sqlite"), ttl_s=3.0))) as tracker:
         published = publish(gemma_path, tracker, "gemma")

@@ -267,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frame dtype (default f32: the route computes exactly what llama.cpp does; f16 halves the bytes)")
     d.add_argument("--no-swarm", action="store_true",
                    help="skip the tracker and swarm: nodes load the local file, the gateway gets the route by hand")
+    _speculative_args(d)
 
     t = sub.add_parser("tracker", help="registry of nodes, manifests and routes; BitTorrent tracker of the swarms",
                        description="Serve the tracker: node registry with heartbeats (TTL expiry), shard "

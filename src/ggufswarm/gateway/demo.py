@@ -77,6 +77,10 @@ def telemetry_summary(t: dict) -> str:
              f"{t['payload_bytes_per_decode_token']:.0f} payload B per decode token ({t['wire_dtype']} frames)"
              + (f", {t['prefix_tokens_restored']} prompt tokens restored from the snapshot cache"
                 if t.get("prefix_tokens_restored") else "")]
+    spec = t.get("speculative") or {}
+    if spec.get("method") not in (None, "none"):
+        rate = f" ({100 * spec['acceptance']:.0f}%)" if spec.get("acceptance") is not None else ""
+        lines.append(f"speculative {spec['method']}: drafted {spec['drafted']}, accepted {spec['accepted']}{rate}")
     for i, h in enumerate(t["hops"], 1):
         lines.append(f"  hop {i} {h['node']}: compute {h['compute_ms']['mean']:.1f} ms "
                      f"(p95 {h['compute_ms']['p95']:.1f}), network {h['network_ms']['mean']:.1f} ms "
@@ -103,12 +107,25 @@ def wait_servable(tracker_url: str, name: str, timeout: float, token: str | None
         time.sleep(0.1)
 
 
+def _speculative(args) -> dict:
+    """The gateway's speculative decoding settings from the demo's ``--speculative``, ``--draft-max``,
+    ``--draft-model`` and ``--draft-threads``; ValueError when ``draft`` and ``--draft-model`` do not come together."""
+    method = getattr(args, "speculative", "none")
+    if (method == "draft") != bool(getattr(args, "draft_model", None)):
+        raise ValueError("--speculative draft needs --draft-model PATH (and --draft-model needs --speculative draft)")
+    if method == "none":
+        return {}
+    return {"speculative": method, "draft_max": args.draft_max, "draft_model": args.draft_model,
+            "draft_threads": args.draft_threads}
+
+
 def run_demo(args) -> int:
     """Start the cluster, stream ``args.prompt``, print telemetry, stop everything (also on Ctrl-C/SIGTERM).
     ``args.token``: the swarm token (None: the demo makes one)."""
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     path = resolve_model(args.model)
+    _speculative(args)  # a bad combination fails before anything starts
     file = GGUFModelFile(path)
     cfg = model_config(file, args.backend)
     chat = not args.raw and bool(file.metadata.get("tokenizer.chat_template"))
@@ -131,7 +148,7 @@ def run_demo(args) -> int:
             nodes = start_nodes(specs, str(path), threads, extra=["--hop-timeout", str(args.timeout), "--backend", args.backend],
                                 token=token)
             config = GatewayConfig([n.url for n in nodes], model=str(path), hop_timeout_s=args.timeout,
-                                   wire_dtype=args.wire_dtype, token=token)
+                                   wire_dtype=args.wire_dtype, token=token, **_speculative(args))
         else:
             # the whole story: tracker, a publisher seeding the model, nodes fetching only their layers
             work = Path(tempfile.mkdtemp(prefix="ggufswarm-demo-"))
@@ -156,7 +173,8 @@ def run_demo(args) -> int:
                 file=sys.stderr, flush=True)
             wait_servable(tracker_url, name, timeout=30, token=token)
             config = GatewayConfig([], model=name, tracker=tracker_url, data_dir=str(work / "gateway"),
-                                   hop_timeout_s=args.timeout, wire_dtype=args.wire_dtype, token=token)
+                                   hop_timeout_s=args.timeout, wire_dtype=args.wire_dtype, token=token,
+                                   **_speculative(args))
         gateway = ServerThread(make_app(config), port=args.port)
         base = gateway.start() + "/v1"
         print(f"ggufswarm demo: cluster up in {time.perf_counter() - t0:.1f} s; gateway {base}",
