@@ -4,8 +4,8 @@ decode step of a running session while another session's 4K-token prompt is pref
 
 Model: the embedded default (Gemma 3 270M Q4_K_M). Route: three ``ggufswarm node`` processes (blocks 0-5 / 6-11 /
 12-17, 1 thread each, ``--max-sessions`` = the most sessions measured), once per ``--batch-group`` value (3: every
-session's result bitwise its result alone, the default; larger: more sessions share a graph evaluation, not
-bitwise). Each session has its own prompt (``--prompt`` tokens of the GPL excerpt, each from another offset),
+session's result bitwise its result alone, the default; larger: the throughput mode, one unified KV stream per
+node so that any sessions share a graph evaluation, not bitwise). Each session has its own prompt (``--prompt`` tokens of the GPL excerpt, each from another offset),
 prefilled before the clock starts; then all decode ``--decode`` tokens at once, each in its own client thread;
 aggregate = all decoded tokens / wall time from the common start to the last token.
 

@@ -171,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp backend: decode steps of different sessions that arrive while the shard is busy "
                         "run together; at most N sessions share one graph evaluation (default 3: each session's "
                         "result stays bitwise equal to running it alone; llama.cpp's CPU matmul rounds differently "
-                        "from 4 rows on). Larger is faster, not bitwise")
+                        "from 4 rows on). Larger is the throughput mode: all sessions' KV cells in one llama.cpp "
+                        "stream, so that any of them batch together (with one stream per session only consecutive "
+                        "sequence ids can); much faster with many sessions, not bitwise")
     n.add_argument("--kv-budget", type=int, default=262144, metavar="TOKENS",
                    help="KV budget: tokens all sessions may reserve together (each reserves its max_length); "
                         "an open that does not fit gets 429 (full, retry later) or 503 (never fits). Default 262144; on "

@@ -40,6 +40,9 @@ from ..runtime.spec import ShardSpec
 
 MAX_STEP = 2 ** 63 - 1  # step numbers are uint64 in a frame's header; JSON ones stay below 2**63
 NODE = web.AppKey("node", object)
+# --batch-group up to this: llama.cpp sessions batched together stay bitwise their runs alone (LlamaCppShard.batch_group);
+# above it the node's throughput mode: one unified KV stream, so that any of its sessions share a ubatch
+EXACT_BATCH_GROUP = 3
 
 
 @dataclass
@@ -57,7 +60,8 @@ class NodeConfig:
     threads: int | None = None        # llama.cpp decode/batch threads (None: all cores)
     ctx_size: int = 8192              # llama.cpp: KV cells per session = the longest session (tokens)
     max_sessions: int = 4             # llama.cpp: sessions at once (sequence ids of the context)
-    batch_group: int = 3              # llama.cpp: most sessions per shared ubatch (<= 3: bitwise as alone)
+    batch_group: int = 3              # llama.cpp: most sessions per shared ubatch (<= 3: bitwise as alone; more:
+                                      # one unified KV stream, any sessions batch together, not bitwise)
     kv_budget_tokens: int = 262144
     kv_budget_mb: float | None = None
     session_ttl_s: float = 300.0
@@ -902,7 +906,8 @@ def load_executor(config: NodeConfig):
         per_session = max(1, min(per_session, int(config.kv_budget_mb * 2 ** 20) // per_token // config.max_sessions))
     shard = load_shard(file, spec, config.backend, config=model_cfg, dtype=config.dtype, threads=config.threads,
                        max_length=per_session, max_sessions=config.max_sessions,
-                       cache_dir=Path(config.data_dir) / "shards", state_checkpoints=config.state_checkpoints)
+                       cache_dir=Path(config.data_dir) / "shards", state_checkpoints=config.state_checkpoints,
+                       kv_unified=config.batch_group > EXACT_BATCH_GROUP)  # throughput mode: any sessions batch
     return shard
 
 

@@ -41,7 +41,8 @@ def model_config(model: GGUFModelFile, backend: str):
 
 def load_shard(model: GGUFModelFile, spec: ShardSpec, backend: str = DEFAULT_BACKEND, *, config=None,
                dtype: str = "float32", threads: int | None = None, max_length: int = 4096, max_sessions: int = 4,
-               all_logits: bool = False, cache_dir: str | os.PathLike | None = None, state_checkpoints: int = 4):
+               all_logits: bool = False, cache_dir: str | os.PathLike | None = None, state_checkpoints: int = 4,
+               kv_unified: bool = False):
     """Load one shard of ``model`` on ``backend``.
 
     ``dtype``: torch compute dtype (``float32`` / ``bfloat16``); llama.cpp computes as llama.cpp does.
@@ -50,7 +51,8 @@ def load_shard(model: GGUFModelFile, spec: ShardSpec, backend: str = DEFAULT_BAC
     sessions at once (llama.cpp sequence ids); ``all_logits``: the head will be asked for every
     position's logits (perplexity). ``cache_dir``: where llama.cpp's derived shard GGUFs go.
     ``state_checkpoints``: llama.cpp shards that truncate only to exact states (recurrent blocks, deepseek4):
-    states kept per session (``LlamaCppShard`` ``checkpoints``).
+    states kept per session (``LlamaCppShard`` ``checkpoints``). ``kv_unified``: llama.cpp keeps all sessions'
+    cells in one KV stream (any sessions batch together; not bitwise their runs alone).
     Raises ValueError (bad spec, unsupported architecture) or the backend's load errors.
     """
     if check_backend(backend) == "torch":
@@ -63,7 +65,8 @@ def load_shard(model: GGUFModelFile, spec: ShardSpec, backend: str = DEFAULT_BAC
         return ShardExecutor(model, spec, dtypes[dtype], config)
     from .llamacpp.backend import LlamaCppShard
     return LlamaCppShard(model, spec, n_ctx_seq=max_length, n_seq_max=max_sessions, threads=threads,
-                         all_logits=all_logits, cache_dir=cache_dir, checkpoints=state_checkpoints)
+                         all_logits=all_logits, cache_dir=cache_dir, checkpoints=state_checkpoints,
+                         kv_unified=kv_unified)
 
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "check_backend", "load_shard", "model_config"]

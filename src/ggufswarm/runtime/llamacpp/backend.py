@@ -25,6 +25,13 @@ repaired route restores only a cache snapshot's position, so the survivors norma
 
 The same context, batch splitting (``n_ubatch``) and thread count as llama.cpp's own full-model
 run give bitwise-equal results: the tests compare 3-shard chains with ``llama_cpp.Llama``.
+
+``kv_unified=True`` (the node's throughput mode, ``--batch-group`` above 3) puts every session's cells in one
+KV stream instead (llama.cpp's unified KV): llama.cpp can then run the decode steps of *any* set of sessions as
+one ubatch (with per-session streams it only takes consecutive sequence ids together, ``split_equal``), so a
+node that is handed the steps of 8 of its 16 sessions reads its weights once, not once per run of consecutive
+ids. Each session still attends only to its own cells (llama.cpp masks the others), but results are no longer
+bitwise those of the session alone, and each step's attention walks the cells of all sessions.
 """
 
 from __future__ import annotations
@@ -250,7 +257,9 @@ class LlamaCppShard:
     (perplexity) — otherwise its compute buffer is sized for one output row; ``checkpoints``: exact-position
     state checkpoints kept per session on a shard llama.cpp cannot truncate partway (``exact_states_only``:
     the range holds recurrent blocks, or the architecture's cache refuses partial removal, ``deepseek4``;
-    see the module docstring), each ``state_bytes_per_session`` plus the attention KV of its tokens.
+    see the module docstring), each ``state_bytes_per_session`` plus the attention KV of its tokens;
+    ``kv_unified``: all sessions' cells in one KV stream (any sessions batch together, not bitwise; the module
+    docstring), a session still holding at most ``n_ctx_seq`` of them.
 
     Raises UnsupportedShard (architecture/range), LlamaCppError (llama.cpp refused the file or
     the context), ValueError (bad parameters).
@@ -266,7 +275,8 @@ class LlamaCppShard:
 
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
                  n_batch: int = 2048, n_ubatch: int = 512, threads: int | None = None,
-                 cache_dir: str | os.PathLike | None = None, all_logits: bool = False, checkpoints: int = 4):
+                 cache_dir: str | os.PathLike | None = None, all_logits: bool = False, checkpoints: int = 4,
+                 kv_unified: bool = False):
         self.model = model
         self.cfg = model_info(model)
         spec.validate(self.cfg.n_layers)
@@ -306,7 +316,7 @@ class LlamaCppShard:
         cparams.n_seq_max = n_seq_max
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads
-        cparams.kv_unified = False  # one KV stream per session (see the module docstring)
+        cparams.kv_unified = self.kv_unified = bool(kv_unified)  # False: one KV stream per session (module docstring)
         cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED  # llama.cpp's CPU default (auto -> on)
         cparams.swa_full = True  # sliding-window layers keep every position, so truncate is exact
         cparams.no_perf = True
@@ -329,7 +339,9 @@ class LlamaCppShard:
         if not self._ctx:
             L.llama_model_free(self._model)
             raise LlamaCppError(f"llama.cpp could not create a context (n_ctx_seq {n_ctx_seq}, n_seq_max {n_seq_max})")
-        self.n_ctx_seq = L.llama_n_ctx_seq(self._ctx)
+        # cells one session may hold: its stream (llama.cpp rounds n_ctx_seq up to 256), or with unified KV (where
+        # llama.cpp's n_ctx_seq is the whole context) the same share of the one stream
+        self.n_ctx_seq = -(-n_ctx_seq // 256) * 256 if self.kv_unified else L.llama_n_ctx_seq(self._ctx)
         self.n_seq_max = n_seq_max
         self.n_ubatch = cparams.n_ubatch
         self._mem = L.llama_get_memory(self._ctx)
@@ -537,6 +549,8 @@ class LlamaCppShard:
         (a ubatch takes the first unused token's sequence and then ids +1, +2, ... found later in the batch; the
         next id after a group's last is absent or in a group placed before it, already used)."""
         decode = sorted(decode, key=lambda d: d[0])
+        if self.kv_unified:  # one stream: llama.cpp takes any sequences into a ubatch
+            return decode
         groups, run = [], []
         for d in decode:
             if run and (d[0] != run[-1][0] + 1 or len(run) >= self.batch_group or self._solo(run[-1][2])
