@@ -221,14 +221,16 @@ def batching_cluster(gemma_path):
     stop_nodes(nodes)
 
 
-def test_16_concurrent_sessions_equal_alone(batching_cluster, gemma):
-    """16 greedy sessions at once through a 3-node route: each one's tokens and top logprobs are exactly those
-    of the same request run alone on the route; the nodes ran steps of several sessions together."""
-    urls = [n.url for n in batching_cluster]
+def _sixteen_prompts(gemma) -> list[list[int]]:
     prompts = [gemma.prompt_ids(p) for p in GREEDY_PROMPTS]
     prompts += [gemma.prompt_ids(p + " and") for p in GREEDY_PROMPTS[:16 - len(prompts)]]
     assert len(prompts) == 16
-    n = 12
+    return prompts
+
+
+def _alone_then_together(urls: list[str], prompts: list[list[int]], n: int):
+    """Each prompt's ``n`` greedy tokens (with top logprobs) run alone on the route, then all at once (prefilled,
+    then decoding together); (alone, together, /health batching of every node before and after the run together)."""
     alone = []
     for ids in prompts:
         out = []
@@ -243,7 +245,14 @@ def test_16_concurrent_sessions_equal_alone(batching_cluster, gemma):
         t.start()
     for t in threads:
         t.join(300)
-    after = [health(u)["batching"] for u in urls]
+    return alone, results, before, [health(u)["batching"] for u in urls]
+
+
+def test_16_concurrent_sessions_equal_alone(batching_cluster, gemma):
+    """16 greedy sessions at once through a 3-node route: each one's tokens and top logprobs are exactly those
+    of the same request run alone on the route; the nodes ran steps of several sessions together."""
+    prompts, n = _sixteen_prompts(gemma), 12
+    alone, results, before, after = _alone_then_together([x.url for x in batching_cluster], prompts, n)
     for i, (res, ref) in enumerate(zip(results, alone)):
         assert res, f"session {i} failed"
         assert res[0][0] == ref[0], f"session {i}: tokens differ"
@@ -264,26 +273,10 @@ def test_throughput_mode_16_sessions(gemma_path, gemma):
     nodes = start_nodes(even_split(18, 3), str(gemma_path), threads=1,
                         extra=["--max-sessions", "16", "--ctx-size", "1024", "--hop-timeout", "60",
                                "--batch-group", "32"])
+    prompts, n = _sixteen_prompts(gemma), 10
     try:
-        urls = [x.url for x in nodes]
-        prompts = [gemma.prompt_ids(p) for p in GREEDY_PROMPTS]
-        prompts += [gemma.prompt_ids(p + " and") for p in GREEDY_PROMPTS[:16 - len(prompts)]]
-        n = 10
-        alone = []
-        for ids in prompts:
-            out = []
-            _generate(RemoteRoute(urls, 60.0), ids, n, out)
-            alone.append(out[0])
-        before = health(urls[-1])["batching"]
-        results = [[] for _ in prompts]
-        barrier = threading.Barrier(len(prompts))
-        threads = [threading.Thread(target=_generate, args=(RemoteRoute(urls, 60.0), ids, n, results[i], barrier))
-                   for i, ids in enumerate(prompts)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        after = health(urls[-1])["batching"]
+        alone, results, before, after = _alone_then_together([x.url for x in nodes], prompts, n)
+        before, after = before[-1], after[-1]  # the head's
     finally:
         stop_nodes(nodes)
     assert all(len(r) == 1 and len(r[0][0]) == n for r in results), "a session did not finish"
