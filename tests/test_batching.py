@@ -129,6 +129,14 @@ def test_unified_kv_batches_any_sessions_each_attending_only_to_its_own(gemma_fi
         kvs[1].close()
     again = shard.new_session(1024)
     assert shard.forward(again, np.ones((5, 640), dtype=np.float32)).shape == (5, 640)
+    # every session can fill its share, rounded as llama.cpp rounds a stream (300 -> 512 cells)
+    odd = LlamaCppShard(gemma_file, ShardSpec(6, 7), n_ctx_seq=300, n_seq_max=3, threads=1, cache_dir=cache,
+                        kv_unified=True)
+    full = [odd.new_session(512) for _ in range(3)]
+    for kv in full:
+        odd.forward(kv, np.ones((512, 640), dtype=np.float32))
+    assert [kv.length for kv in full] == [512] * 3
+    odd.close()
     for sh in alone + unified[0] + unified[1]:
         sh.close()
 

@@ -310,7 +310,8 @@ class LlamaCppShard:
         if n_embd != self.cfg.n_embd:
             raise LlamaCppError(f"{self.path}: n_embd {n_embd}, expected {self.cfg.n_embd}")
         cparams = L.llama_context_default_params()
-        cparams.n_ctx = n_ctx_seq * n_seq_max
+        # unified KV: every session may hold its n_ctx_seq rounded up as llama.cpp rounds a stream's (256 cells)
+        cparams.n_ctx = (-(-n_ctx_seq // 256) * 256 if kv_unified else n_ctx_seq) * n_seq_max
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(n_ubatch, n_batch)
         cparams.n_seq_max = n_seq_max
