@@ -248,6 +248,32 @@ def test_plan_cut_rules_are_the_backends(arch, tiny_dir):
     assert all(verdicts) == (arch == "deepseek2")  # the rules do refuse some ranges of the first two
 
 
+def test_gemma3_ranges_need_a_sliding_window_layer(gemma_path, tmp_path):
+    """llama.cpp's memory for a model with sliding-window attention asserts one in every shard (is_swa_any): a
+    Gemma 3 range of only global layers (5, 11, 17) is refused with the reason, by the backend before llama.cpp
+    could abort the node, and by the header accounting ``plan`` places with, which agree on every range."""
+    from ggufswarm.artifact.accounting import HeaderAccounts
+    from ggufswarm.runtime.llamacpp.derive import shard_metadata
+    file = GGUFModelFile(gemma_path)
+    with pytest.raises(UnsupportedShard, match="17:18 holds no sliding-window layer.*is_swa_any"):
+        LlamaCppShard(file, ShardSpec(17, 18, head=True), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+    acc = HeaderAccounts.from_model(file)
+    refused = []
+    for a in range(18):
+        for b in range(a + 1, 19):
+            try:
+                shard_metadata(file, a, b, head=b == 18)
+                backend = True
+            except UnsupportedShard:
+                backend = False
+            assert (acc.range_problem(a, b) is None) == backend, (a, b, acc.range_problem(a, b))
+            if not backend:
+                refused.append((a, b))
+    assert refused == [(5, 6), (11, 12), (17, 18)]
+    whole = LlamaCppShard(file, ShardSpec(16, 18, head=True), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+    whole.close()  # a global layer with a sliding-window one loads
+
+
 def test_glm4moe_runs_whole_model_only(tiny_dir, tmp_path):
     """llama.cpp's glm4moe graph aborts on hidden-state input: layer ranges are refused with the reason
     (before llama.cpp could abort the process); the whole model runs and equals llama.cpp."""

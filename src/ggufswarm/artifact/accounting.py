@@ -69,6 +69,11 @@ class AccountingError(ValueError):
     no ``embedding_length``)."""
 
 
+# llama.cpp's sliding-window period for architectures that set it in code when the GGUF has no
+# attention.sliding_window_pattern (src/llama-model.cpp load_hparams: set_swa_pattern); layer il is sliding-window
+# unless il % period == period - 1. The llama.cpp backend's derivation rules take theirs from here.
+DEFAULT_SWA_PERIOD = {"gemma3": 6, "gpt-oss": 2}
+
 @dataclass(frozen=True)
 class LayerAccount:
     """One block: ``kind`` is ``attention``, ``mla``, ``compressed``, ``recurrent`` or ``none`` (no KV,
@@ -164,6 +169,9 @@ class HeaderAccounts:
         self._recurrent_prefix = [0]  # recurrent blocks among the first i (range_problem)
         for b in self.layers:
             self._recurrent_prefix.append(self._recurrent_prefix[-1] + (b.kind == "recurrent"))
+        self._swa_prefix = [0]  # sliding-window blocks among the first i (range_problem)
+        for il in range(self.n_blocks):
+            self._swa_prefix.append(self._swa_prefix[-1] + self._is_swa(il))
 
     # -- metadata helpers ------------------------------------------------------------------------
     def _get(self, key: str, default: Any = None) -> Any:
@@ -186,7 +194,9 @@ class HeaderAccounts:
         if isinstance(pattern, list):
             return bool(pattern[il]) if il < len(pattern) else False
         if pattern is None:
-            return False
+            pattern = DEFAULT_SWA_PERIOD.get(self.arch)
+            if pattern is None:
+                return False
         n = int(pattern)
         return n == 0 or il % n < n - 1  # llama_hparams::set_swa_pattern
 
@@ -274,6 +284,10 @@ class HeaderAccounts:
         if hybrid and recurrent[n] - recurrent[start] in (0, n - start):
             return f"blocks {start}:{end} are all of one kind in a hybrid model (a shard needs a recurrent and an " \
                    f"attention block)"
+        swa = self._swa_prefix
+        if swa[self.n_blocks] and n > start and swa[n] == swa[start]:
+            return f"blocks {start}:{end} hold no sliding-window layer (llama.cpp's memory for a model with " \
+                   f"sliding-window attention asserts one in every shard: is_swa_any)"
         return None
 
     # -- shards ----------------------------------------------------------------------------------

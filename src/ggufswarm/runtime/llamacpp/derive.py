@@ -41,6 +41,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
+from ...artifact.accounting import DEFAULT_SWA_PERIOD
 from ...artifact.gguf_file import GGUFModelFile, dequantize_q8_0
 from ..kv import TokenOutOfRange
 
@@ -161,13 +162,13 @@ ARCH_RULES: dict[str, ArchRules] = {
     "qwen3": ArchRules(),
     "qwen2moe": ArchRules(),
     "qwen3moe": ArchRules(),
-    "gemma3": ArchRules(swa_pattern=6, token_scale=_sqrt_n_embd, check=_gemma3_check),
+    "gemma3": ArchRules(swa_pattern=DEFAULT_SWA_PERIOD["gemma3"], token_scale=_sqrt_n_embd, check=_gemma3_check),
     "deepseek": ArchRules(leading_dense=True),
     "deepseek2": ArchRules(leading_dense=True, nextn=True, check=_deepseek2_check),
     "glm4moe": ArchRules(leading_dense=True, nextn=True,
                          embd_input="src/models/glm4-moe.cpp aborts on embedding input unless the model uses M-RoPE "
                                     "(\"does not support multimodal\"); a layer range needs a llama.cpp change"),
-    "gpt-oss": ArchRules(swa_pattern=2),
+    "gpt-oss": ArchRules(swa_pattern=DEFAULT_SWA_PERIOD["gpt-oss"]),
     "qwen3next": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
     # IMRoPE: a hidden-state batch carries 4 positions per token (backend.LlamaCppShard.n_pos_per_token)
     "qwen35moe": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
@@ -267,6 +268,11 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
         lead = int(model.metadata[f"{arch}.leading_dense_block_count"])
         out[f"{arch}.leading_dense_block_count"] = (max(0, lead - start), GGUFValueType.UINT32, None)
     swa = _swa_layers(model, rules)
+    if swa is not None and any(swa) and not any(swa[start:end]):
+        raise UnsupportedShard(f"{arch}: layer range {start}:{end} holds no sliding-window layer, and llama.cpp's "
+                               f"memory for a model with sliding-window attention asserts one (src/llama-model.cpp "
+                               f"create_memory: is_swa_any); widen the range (sliding-window layers: "
+                               f"{', '.join(str(i) for i, w in enumerate(swa) if w)})")
     if swa is not None:
         out[f"{arch}.attention.sliding_window_pattern"] = (swa[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
     recr = recurrent_layers(model)
