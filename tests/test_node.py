@@ -460,6 +460,7 @@ def _dead_node_checks(cluster, spares, gemma, gemma_path):
         # hop_failed (refused), not hop_timeout, shows it did not wait; the bound (the hop timeout, 10 s) is generous
         assert time.monotonic() - t0 < HOP_TIMEOUT
         assert spares[0].url in err["message"] and err["code"] == "hop_failed"
+        assert "fixed --route and cannot replace a failed node" in err["message"]  # no tracker: what to do says so
         status, body = http("POST", gw_urls[0] + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
         assert status == 502 and spares[0].url in body["error"]["message"]
         # 2. a hung last hop (SIGSTOP): fails within the configured hop timeout, naming that node

@@ -203,6 +203,9 @@ def test_bad_draft_max(spec_gateway, ggufswarm_cli, gemma_path):
     for args in (["--draft-max", "0"], ["--draft-max", "16"], ["--speculative", "maybe"]):
         proc = subprocess.run(ggufswarm_cli + ["generate", "x", *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and ("--draft-max" in proc.stderr or "--speculative" in proc.stderr), proc.stderr
+    for command in (["generate", "x"], ["gateway", "--route", "http://127.0.0.1:1"]):  # drafts without speculation
+        proc = subprocess.run(ggufswarm_cli + [*command, "--draft-max", "4"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and "--draft-max" in proc.stderr and "--speculative" in proc.stderr, proc.stderr
 
 
 def test_verify_step_limits(cluster, gemma):  # noqa: F811

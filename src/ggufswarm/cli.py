@@ -85,7 +85,7 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
                         "same tokens as without it (greedy or seeded sampling), in fewer trips through the route. "
                         "Pays off on code and repetitive text, most "
                         "over slow links; requests with logprobs decode plainly")
-    p.add_argument("--draft-max", type=_draft_max, default=2, metavar="K",
+    p.add_argument("--draft-max", type=_draft_max, default=None, metavar="K",
                    help="most tokens drafted per step, 1..15 (default 2). Up to 2 the llama.cpp backend computes a "
                         "verify step bitwise as one-token steps (output identical to plain decoding); from 3 on "
                         "ggml's batched kernels round differently on some weight types (Gemma's Q4_K/Q8_0) and a "
@@ -94,6 +94,18 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
                    "vocabulary as the served model, e.g. a smaller model of its family)")
     p.add_argument("--draft-threads", type=int, default=1, metavar="N", help="llama.cpp threads of the draft model "
                    "(default 1)")
+
+
+def _check_speculative(args) -> None:
+    """ValueError for speculative settings that do not go together (a draft model without ``--speculative draft``
+    or the reverse, ``--draft-max`` without ``--speculative``); ``args.draft_max`` gets its default (2)."""
+    if (args.speculative == "draft") != bool(args.draft_model):
+        raise ValueError("--speculative draft needs --draft-model PATH (and --draft-model needs --speculative draft)")
+    if args.draft_max is not None and args.speculative == "none":
+        raise ValueError("--draft-max sets the drafts of speculative decoding: give --speculative ngram or draft too")
+    if args.draft_max is None:
+        from .client.speculative import DEFAULT_DRAFT_MAX
+        args.draft_max = DEFAULT_DRAFT_MAX
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -368,6 +380,7 @@ def _context_for(max_tokens: int) -> int:
 
 
 def cmd_generate(args) -> int:
+    _check_speculative(args)
     from .client.generate import GenerationStats, generate
     from .client.local import LocalModel
     from .runtime.sampling import SamplingParams
@@ -387,8 +400,6 @@ def cmd_generate(args) -> int:
     session = model.session(min(limit, len(ids) + max(args.max_tokens, 1)), sampling)
     stats = GenerationStats()
     drafter = None
-    if (args.speculative == "draft") != bool(args.draft_model):
-        raise ValueError("--speculative draft needs --draft-model PATH (and --draft-model needs --speculative draft)")
     if args.speculative == "ngram":
         from .client.speculative import NgramDrafter
         drafter = NgramDrafter(min(args.draft_max, session.max_verify_tokens - 1))
@@ -462,6 +473,7 @@ def cmd_cache(args) -> int:
 
 def cmd_gateway(args) -> int:
     from .gateway import GatewayConfig, run_gateway
+    _check_speculative(args)
     if not args.route and not args.tracker:
         raise ValueError("give --route URL1,URL2,... or --tracker URL")
     route = [u.strip() for u in (args.route or "").split(",") if u.strip()]
@@ -484,6 +496,7 @@ def cmd_gateway(args) -> int:
 
 def cmd_demo(args) -> int:
     from .gateway.demo import run_demo
+    _check_speculative(args)
     return run_demo(args)
 
 

@@ -84,6 +84,15 @@ class Cancelled(Exception):
     """The client went away; the worker stops at the next token."""
 
 
+def _fixed_route_error(exc: RouteError) -> RouteError:
+    """``exc`` (a node of the route failed) with what a gateway without a tracker can and cannot do about it."""
+    out = RouteError(f"{exc} (this gateway serves a fixed --route and cannot replace a failed node: start that node "
+                     f"again, the gateway finds it on the next request; or run the gateway with --tracker and spare "
+                     f"nodes, and routes are repaired mid-request)", exc.status, exc.code, exc.hop)
+    out.late = exc.late
+    return out
+
+
 def _error_response(exc: Exception, headers: dict | None = None) -> web.Response:
     """OpenAI's error answer ``{"error": {message, type, param, code}}`` (plus ``telemetry`` when the exception
     carries it) for a RequestError, a RouteError, any other ProtocolError, or a bug (500)."""
@@ -574,6 +583,8 @@ class Gateway:
         except Cancelled:
             emit(("error", RequestError("client went away", 499, "cancelled")))
         except Exception as exc:  # noqa: BLE001 - handed to the event loop
+            if isinstance(exc, RouteError) and exc.code in REPAIRABLE and not self.config.tracker:
+                exc = _fixed_route_error(exc)
             if session is not None:  # what the session did before it failed (repairs attempted, route)
                 exc.telemetry = {"route": session.route.describe(), "session": str(session.id),
                                  "repairs": list(session.telemetry.repairs)}

@@ -109,10 +109,8 @@ def wait_servable(tracker_url: str, name: str, timeout: float, token: str | None
 
 def _speculative(args) -> dict:
     """The gateway's speculative decoding settings from the demo's ``--speculative``, ``--draft-max``,
-    ``--draft-model`` and ``--draft-threads``; ValueError when ``draft`` and ``--draft-model`` do not come together."""
+    ``--draft-model`` and ``--draft-threads`` (checked by the CLI: ``cli._check_speculative``)."""
     method = getattr(args, "speculative", "none")
-    if (method == "draft") != bool(getattr(args, "draft_model", None)):
-        raise ValueError("--speculative draft needs --draft-model PATH (and --draft-model needs --speculative draft)")
     if method == "none":
         return {}
     return {"speculative": method, "draft_max": args.draft_max, "draft_model": args.draft_model,
@@ -125,7 +123,6 @@ def run_demo(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     path = resolve_model(args.model)
-    _speculative(args)  # a bad combination fails before anything starts
     file = GGUFModelFile(path)
     cfg = model_config(file, args.backend)
     chat = not args.raw and bool(file.metadata.get("tokenizer.chat_template"))
