@@ -83,6 +83,23 @@ def wait_for(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def decode_killing(session, prompt: list[int], route: tuple, victim, settled: tuple) -> list[int]:
+    """Greedy tokens of ``session``: the prompt, then N_DECODE tokens, ``victim`` SIGKILLed after the third snapshot
+    (``settled``: the nodes whose third snapshot is waited for first). 20 + 13 tokens fed, snapshots are due after
+    the prefill (20), at 24 and at 32; a node takes one snapshot of a session at a time (a step reaching a due
+    position while the last one uploads is skipped), so each is waited for."""
+    tokens = [session.step(prompt)]
+    for taken, until in ((1, 5), (2, 13), (3, 14)):  # len(tokens) - 1 tokens after the prompt are fed
+        wait_for(lambda: all(snapshots_taken(n) >= taken for n in route))
+        while len(tokens) < until:
+            tokens.append(session.step([tokens[-1]]))
+    wait_for(lambda: all(snapshots_taken(n) >= 3 for n in settled))
+    victim.kill()
+    while len(tokens) < N_DECODE:
+        tokens.append(session.step([tokens[-1]]))
+    return tokens
+
+
 def test_hybrid_route_repair_after_sigkill_and_prefix_reuse(hybrid_route):
     """SIGKILL of the middle node after 14 decoded tokens: the spare restores the cache's snapshot of the killed
     node at 32 tokens (its exact recurrent state), the first node and the head go back to their own state
@@ -103,17 +120,7 @@ def test_hybrid_route_repair_after_sigkill_and_prefix_reuse(hybrid_route):
         return RemoteRoute([spare.url], 10.0, part=True)
 
     session = RemoteRoute([first.url, middle.url, head.url], 10.0).open(128, GREEDY, replan=replan)
-    tokens = [session.step(prompt)]
-    # 20 + 13 tokens fed, snapshots due after the prefill (20), at 24 and at 32. A node takes one snapshot of a
-    # session at a time (a step reaching a due position while the last one uploads is skipped): wait for each
-    for taken, until in ((1, 5), (2, 13), (3, 14)):  # len(tokens) - 1 tokens after the prompt are fed
-        wait_for(lambda: all(snapshots_taken(n) >= taken for n in (first, middle, head)))
-        while len(tokens) < until:
-            tokens.append(session.step([tokens[-1]]))
-    wait_for(lambda: all(snapshots_taken(n) >= 3 for n in (first, middle, head)))
-    middle.kill()
-    while len(tokens) < N_DECODE:
-        tokens.append(session.step([tokens[-1]]))
+    tokens = decode_killing(session, prompt, (first, middle, head), middle, (first, middle, head))
     repairs = session.telemetry.repairs
     session.close()
     assert tokens == want
@@ -160,15 +167,7 @@ def test_hybrid_repair_without_checkpoints_recomputes_from_the_start(hybrid_rout
         want = llama_cpp_steps(model, [prompt], N_DECODE)
         session = RemoteRoute([first.url, middle.url, head.url], 10.0).open(
             128, GREEDY, replan=lambda exclude, span: RemoteRoute([spare.url], 10.0, part=True))
-        tokens = [session.step(prompt)]
-        for taken, until in ((1, 5), (2, 13), (3, 14)):
-            wait_for(lambda: all(snapshots_taken(n) >= taken for n in (first, middle, head)))
-            while len(tokens) < until:
-                tokens.append(session.step([tokens[-1]]))
-        wait_for(lambda: snapshots_taken(middle) >= 3)
-        middle.kill()
-        while len(tokens) < N_DECODE:
-            tokens.append(session.step([tokens[-1]]))
+        tokens = decode_killing(session, prompt, (first, middle, head), middle, (middle,))
         repairs = session.telemetry.repairs
         session.close()
         assert tokens == want

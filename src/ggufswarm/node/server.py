@@ -509,9 +509,8 @@ async def link(request: web.Request) -> web.StreamResponse:
     state.links_in.add(ws)
     tasks = state.link_tasks  # strong references: the loop keeps only weak ones to running tasks
 
-    async def answer(body: bytes, t0: float, waiting: list) -> None:
-        state.frames_waiting -= 1
-        waiting[0] = False
+    async def answer(body: bytes, t0: float) -> None:
+        state.frames_waiting -= 1  # (a task cancelled before it starts only happens at shutdown)
         status, reply = await _apply_frame(state, body, t0)
         if not ws.closed:
             try:
@@ -524,23 +523,15 @@ async def link(request: web.Request) -> web.StreamResponse:
             t0 = time.perf_counter()
             if msg.type == aiohttp.WSMsgType.BINARY:
                 state.frames_waiting += 1
-                waiting = [True]  # until answer starts; a task cancelled before that is uncounted when done
-                task = asyncio.create_task(answer(msg.data, t0, waiting))
+                task = asyncio.create_task(answer(msg.data, t0))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-                task.add_done_callback(lambda _t, w=waiting: _uncount(state, w))
             elif msg.type == aiohttp.WSMsgType.TEXT:
                 status, reply = _error_reply(state, ProtocolError("bad_frame", "a link takes binary frames"))
                 await ws.send_bytes(encode_reply(b"", status, reply))
     finally:
         state.links_in.discard(ws)
     return ws
-
-
-def _uncount(state: NodeState, waiting: list) -> None:
-    if waiting[0]:
-        waiting[0] = False
-        state.frames_waiting -= 1
 
 
 async def _reply_link(state: NodeState, ws: web.WebSocketResponse, request: web.Request,

@@ -311,7 +311,8 @@ class LlamaCppShard:
             raise LlamaCppError(f"{self.path}: n_embd {n_embd}, expected {self.cfg.n_embd}")
         cparams = L.llama_context_default_params()
         # unified KV: every session may hold its n_ctx_seq rounded up as llama.cpp rounds a stream's (256 cells)
-        cparams.n_ctx = (-(-n_ctx_seq // 256) * 256 if kv_unified else n_ctx_seq) * n_seq_max
+        per_session = -(-n_ctx_seq // 256) * 256 if kv_unified else n_ctx_seq
+        cparams.n_ctx = per_session * n_seq_max
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(n_ubatch, n_batch)
         cparams.n_seq_max = n_seq_max
@@ -340,9 +341,9 @@ class LlamaCppShard:
         if not self._ctx:
             L.llama_model_free(self._model)
             raise LlamaCppError(f"llama.cpp could not create a context (n_ctx_seq {n_ctx_seq}, n_seq_max {n_seq_max})")
-        # cells one session may hold: its stream (llama.cpp rounds n_ctx_seq up to 256), or with unified KV (where
-        # llama.cpp's n_ctx_seq is the whole context) the same share of the one stream
-        self.n_ctx_seq = -(-n_ctx_seq // 256) * 256 if self.kv_unified else L.llama_n_ctx_seq(self._ctx)
+        # cells one session may hold: its stream, or with unified KV (where llama.cpp's n_ctx_seq is the whole
+        # context) the same share of the one stream
+        self.n_ctx_seq = per_session if self.kv_unified else L.llama_n_ctx_seq(self._ctx)
         self.n_seq_max = n_seq_max
         self.n_ubatch = cparams.n_ubatch
         self._mem = L.llama_get_memory(self._ctx)
