@@ -89,6 +89,15 @@ def test_models(gateway):
     assert status == 200 and body["object"] == "list" and body["data"][0]["owned_by"] == "ggufswarm"
 
 
+def test_health_asks_every_node_of_the_route(gateway, cluster):
+    """A fixed-route gateway's /health is 200 "ok" only after every node of its route answered its own /health
+    (test_node.py's dead-node test checks the 503 "degraded" answer)."""
+    status, body = http("GET", gateway + "/health")
+    assert status == 200 and body["status"] == "ok" and "reason" not in body, body
+    assert body["nodes"] == [{"url": n.url, "ok": True} for n in cluster]
+    assert body["route"] == [n.url for n in cluster]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_short_prompt_greedy_equals_generate(gateway, cluster, gemma, stream):
     ref_text, ref_tokens = reference(gemma, SHORT, 24)

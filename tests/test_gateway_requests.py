@@ -35,6 +35,21 @@ def test_unknown_model_is_404(gateway):
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
+def test_a_failed_request_leaves_one_line_on_stderr(gateway, capsys):
+    """A 5xx answer (this module's route is a port nothing listens on: 502 hop_failed), streamed or not, leaves one
+    line on the gateway's stderr (it runs in this process); a client's 4xx leaves none."""
+    capsys.readouterr()
+    assert post(f"{gateway}/v1/completions", {"prompt": "hi", "temperature": 9})[0] == 400
+    assert post(f"{gateway}/v1/completions", {"model": "nope", "prompt": "hi"})[0] == 404
+    assert "ggufswarm gateway" not in capsys.readouterr().err
+    for stream in (False, True):  # the route fails before a stream starts: an error answer either way
+        status, body = post(f"{gateway}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                "max_tokens": 1, "stream": stream})
+        assert status == 502 and body["error"]["code"] == "hop_failed", body
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("ggufswarm gateway")]
+        assert lines == [f"ggufswarm gateway: request failed (502 hop_failed): {body['error']['message']}"]
+
+
 def test_unknown_role_and_bad_numbers_are_400(gateway):
     status, body = post(f"{gateway}/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]})
     assert status == 400 and "role" in body["error"]["message"]
@@ -54,8 +69,8 @@ def test_api_keys(gemma_path):
                                                  api_keys=("k1", "k2"))))
     url = server.start()
     try:
-        def get(headers):
-            req = urllib.request.Request(f"{url}/v1/models", headers=headers)
+        def get(headers, path="/v1/models"):
+            req = urllib.request.Request(url + path, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=30) as r:
                     return r.status, json.loads(r.read())
@@ -68,6 +83,9 @@ def test_api_keys(gemma_path):
         assert get({"Authorization": "Bearer k2"})[0] == 200
         assert get({"Authorization": "bearer k2"})[0] == 200  # the scheme is case-insensitive (RFC 9110)
         assert get({"Authorization": "k2"})[0] == 401  # but it must be there
+        # /health needs no key: it answers 503 "degraded" (the route's one node does not listen), not 401
+        status, body = get({}, "/health")
+        assert status == 503 and body["status"] == "degraded", body
         import openai
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k1")
         assert [m.id for m in client.models.list()] == [gemma_path.stem]
@@ -173,7 +191,8 @@ def test_open_gateway_beyond_loopback_warns_and_waits_for_its_route(gemma_path):
 
 
 def test_a_huge_prompt_does_not_stall_the_gateway(gateway):
-    """Tokenizing a 1 MB prompt runs off the event loop: /health answers meanwhile."""
+    """Tokenizing a 1 MB prompt runs off the event loop: /health answers meanwhile (503 "degraded" here: this
+    module's route is a port nothing listens on, which /health finds at once)."""
     import threading
     import time
 
@@ -190,8 +209,11 @@ def test_a_huge_prompt_does_not_stall_the_gateway(gateway):
     slowest = 0.0
     while not done.is_set():
         t0 = time.monotonic()
-        with urllib.request.urlopen(f"{gateway}/health", timeout=30) as r:
-            assert r.status == 200
+        try:
+            urllib.request.urlopen(f"{gateway}/health", timeout=30).close()
+            raise AssertionError("/health answered 200 for a route whose node does not listen")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and json.loads(e.read())["status"] == "degraded"
         slowest = max(slowest, time.monotonic() - t0)
         time.sleep(0.02)
     # on the event loop, tokenizing would hold /health for most of the huge request; a share of that request's own

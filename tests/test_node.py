@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from http.client import HTTPConnection
 import json
+import re
 import signal
 import time
 import urllib.request
@@ -431,16 +432,32 @@ def _rest_of_stream(resp) -> dict:
     raise AssertionError("stream ended without an error event")
 
 
-def test_dead_node_fails_in_flight_request_naming_the_hop(cluster, gemma, gemma_path):
+def test_dead_node_fails_in_flight_request_naming_the_hop(cluster, gemma, gemma_path, capsys):
+    """A killed (then a hung) last hop of a fixed-route gateway: the request in flight fails naming it, the next one
+    too, the gateway's /health turns 503 "degraded" naming it, and each failed request leaves a line on stderr."""
     # two heads of its own, since it kills them (the module's spares stay up for the other tests, in any order)
     spares = start_nodes([ShardSpec(12, 18, head=True)] * 2, str(gemma_path), threads=1)
     try:
-        _dead_node_checks(cluster, spares, gemma, gemma_path)
+        _dead_node_checks(cluster, spares, gemma, gemma_path, capsys)
     finally:
         stop_nodes(spares)
 
 
-def _dead_node_checks(cluster, spares, gemma, gemma_path):
+def _degraded_health(gateway_url: str, node_url: str, error: str) -> None:
+    """The gateway's /health answers within the probes' timeout: 503 "degraded", ``node_url`` (the route's last
+    node) not ok with ``error`` in its entry, the others ok, and a one-line reason naming that node and saying
+    what a fixed-route gateway cannot do."""
+    t0 = time.monotonic()
+    status, body = http("GET", gateway_url + "/health")
+    assert time.monotonic() - t0 < 5  # the probes' 2 s timeout, not the hop timeout (10 s)
+    assert status == 503 and body["status"] == "degraded", body
+    assert [n["ok"] for n in body["nodes"]] == [True, True, False] and body["nodes"][2]["url"] == node_url
+    assert error in body["nodes"][2]["error"], body
+    assert node_url in body["reason"] and "cannot replace a failed node" in body["reason"]
+    assert "\n" not in body["reason"]
+
+
+def _dead_node_checks(cluster, spares, gemma, gemma_path, capsys):
     healthy = urls(cluster)
     _, ref = reference(gemma, PROMPT, 8)
     # a session on the healthy route, mid-generation, shares nodes 0:6 and 6:12 with the broken route
@@ -451,6 +468,8 @@ def _dead_node_checks(cluster, spares, gemma, gemma_path):
                                                     hop_timeout_s=HOP_TIMEOUT))) for s in spares]
     gw_urls = [g.start() for g in gateways]
     try:
+        assert http("GET", gw_urls[0] + "/health")[0] == 200
+        capsys.readouterr()  # the gateways' stderr from here on (they run in this process)
         # 1. SIGKILL the last hop while a request streams through it: fails fast, naming that node
         conn, resp = _stream_first_delta(gw_urls[0], "Once upon a time")
         t0 = time.monotonic()
@@ -463,6 +482,14 @@ def _dead_node_checks(cluster, spares, gemma, gemma_path):
         assert "fixed --route and cannot replace a failed node" in err["message"]  # no tracker: what to do says so
         status, body = http("POST", gw_urls[0] + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
         assert status == 502 and spares[0].url in body["error"]["message"]
+        _degraded_health(gw_urls[0], spares[0].url, "connection refused")
+        # one line on the gateway's stderr per failed request: the stream's, then the plain request's
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("ggufswarm gateway:")]
+        assert len(lines) == 2, lines
+        streamed = re.match(r"ggufswarm gateway: stream failed after (\d+) tokens \(502 hop_failed\): ", lines[0])
+        assert streamed and int(streamed[1]) >= 1, lines  # it failed after the first delta
+        assert lines[1].startswith("ggufswarm gateway: request failed (502 hop_failed): ")
+        assert all(spares[0].url in line for line in lines)
         # 2. a hung last hop (SIGSTOP): fails within the configured hop timeout, naming that node
         conn, resp = _stream_first_delta(gw_urls[1], "Once upon a time")
         t0 = time.monotonic()
@@ -474,6 +501,9 @@ def _dead_node_checks(cluster, spares, gemma, gemma_path):
         # node before it), not the first node's (2 x) or the client's (3 x + 1 s): generous for a loaded machine
         assert elapsed < 2 * HOP_TIMEOUT
         assert spares[1].url in err["message"] and err["code"] == "hop_timeout"
+        _degraded_health(gw_urls[1], spares[1].url, "timeout")
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("ggufswarm gateway:")]
+        assert len(lines) == 1 and "stream failed after " in lines[0] and "(504 hop_timeout)" in lines[0], lines
         spares[1].kill()
     finally:
         for g in gateways:

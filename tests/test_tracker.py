@@ -208,6 +208,38 @@ def test_a_reported_node_is_dropped_only_when_the_tracker_finds_it_down():
         assert seen == ["sekret"]
 
 
+def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path):
+    """A --tracker gateway's /health is 200 "ok" while its tracker answers it (with the swarm token), and 503
+    "degraded" naming the tracker when the tracker refuses its token or is gone."""
+    from ggufswarm.gateway import GatewayConfig
+    from ggufswarm.gateway import make_app as make_gateway_app
+    from ggufswarm.protocol.http import ServerThread
+
+    tracker_server = ServerThread(make_app(TrackerConfig(db=":memory:", token="sekret")))
+    tracker = tracker_server.start()
+    # serving every model of the swarm (no --model), a gateway starts without any node; one without the token
+    gateways = {token: ServerThread(make_gateway_app(GatewayConfig([], tracker=tracker, token=token,
+                                                                   data_dir=str(tmp_path / "gw"))))
+                for token in ("sekret", None)}
+    try:
+        urls = {token: g.start() for token, g in gateways.items()}
+        status, body = call(urls["sekret"] + "/health")
+        assert status == 200 and body["status"] == "ok" and body["tracker"] == {"url": tracker, "ok": True}, body
+        status, body = call(urls[None] + "/health")
+        assert status == 503 and body["status"] == "degraded" and body["tracker"]["ok"] is False, body
+        assert body["reason"].startswith(f"tracker {tracker} does not answer: HTTP 401"), body
+        tracker_server.stop()  # the tracker is gone
+        tracker_server = None
+        status, body = call(urls["sekret"] + "/health")
+        assert status == 503 and body["status"] == "degraded", body
+        assert body["reason"] == f"tracker {tracker} does not answer: connection refused", body
+    finally:
+        for g in gateways.values():
+            g.stop()
+        if tracker_server is not None:
+            tracker_server.stop()
+
+
 def test_free_kv_reaches_the_tracker_when_sessions_close(tmp_path, tiny_artifact):
     """A node re-advertises within a fraction of a second of sessions opening or closing, not only at its next
     heartbeat (60 s here): a swarm a burst of requests has just freed is routable again at once (it used to be

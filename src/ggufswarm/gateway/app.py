@@ -3,12 +3,14 @@
 Each request gets its own route session (KV on every node), run in a worker thread by the same
 ``generate`` loop as ``ggufswarm generate``; text deltas cross to the event loop through a queue, so
 concurrent requests proceed concurrently. The final stream chunk and the non-streamed body carry
-``usage`` and a ``telemetry`` object (docs/protocol.md, "Generation telemetry").
+``usage`` and a ``telemetry`` object (docs/protocol.md, "Generation telemetry"). A request that fails
+with a 5xx (an error answer, or a stream's error event) leaves one line on stderr (``_say_failed``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import json
 import logging
@@ -20,7 +22,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import quote
 
+import aiohttp
 from aiohttp import web
 
 from ..artifact.default_model import model_name, resolve_model
@@ -33,6 +37,7 @@ from ..runtime.sampling import SamplingParams
 from ..client.tokenizer import Tokenizer
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, new_call_id, parse_tool_calls, tool_request
 from ..artifact.accounting import MAX_CONTEXT
+from ..protocol.auth import auth_headers
 from ..protocol.errors import ProtocolError
 from ..protocol.http import json_errors_middleware, read_json, run_server
 
@@ -40,6 +45,11 @@ log = logging.getLogger(__name__)
 
 JSON = "application/json"
 GATEWAY = web.AppKey("gateway", object)
+HEALTH_PROBE_S = 2.0  # GET /health: how long it waits for each node's (or the tracker's) answer, in seconds
+# what a gateway without a tracker can and cannot do about a failed node (its error answers and its /health say it)
+FIXED_ROUTE_HINT = ("this gateway serves a fixed --route and cannot replace a failed node: start that node again, "
+                    "the gateway finds it on the next request; or run the gateway with --tracker and spare nodes, "
+                    "and routes are repaired mid-request")
 
 
 @dataclass
@@ -86,16 +96,27 @@ class Cancelled(Exception):
 
 def _fixed_route_error(exc: RouteError) -> RouteError:
     """``exc`` (a node of the route failed) with what a gateway without a tracker can and cannot do about it."""
-    out = RouteError(f"{exc} (this gateway serves a fixed --route and cannot replace a failed node: start that node "
-                     f"again, the gateway finds it on the next request; or run the gateway with --tracker and spare "
-                     f"nodes, and routes are repaired mid-request)", exc.status, exc.code, exc.hop)
+    out = RouteError(f"{exc} ({FIXED_ROUTE_HINT})", exc.status, exc.code, exc.hop)
     out.late = exc.late
     return out
 
 
-def _error_response(exc: Exception, headers: dict | None = None) -> web.Response:
+def _one_line(text) -> str:
+    """``text`` with its line breaks as spaces: one line of a log."""
+    return " ".join(str(text).splitlines())
+
+
+def _say_failed(what: str, status: int, code: str, message: str) -> None:
+    """One line on stderr for a request that failed on the gateway's side (``status`` >= 500; a client's 4xx
+    says nothing): ``ggufswarm gateway: WHAT (STATUS CODE): MESSAGE``, flushed at once."""
+    if status >= 500:
+        print(f"ggufswarm gateway: {what} ({status} {code}): {_one_line(message)}", file=sys.stderr, flush=True)
+
+
+def _error_response(exc: Exception, headers: dict | None = None, log: bool = False) -> web.Response:
     """OpenAI's error answer ``{"error": {message, type, param, code}}`` (plus ``telemetry`` when the exception
-    carries it) for a RequestError, a RouteError, any other ProtocolError, or a bug (500)."""
+    carries it) for a RequestError, a RouteError, any other ProtocolError, or a bug (500). ``log``: a 5xx also
+    leaves a "request failed" line on stderr (_say_failed)."""
     if isinstance(exc, RequestError):
         err = {"message": str(exc), "type": exc.type, "param": exc.param, "code": exc.code}
         status = exc.status
@@ -112,6 +133,8 @@ def _error_response(exc: Exception, headers: dict | None = None) -> web.Response
     body = {"error": err}
     if getattr(exc, "telemetry", None):
         body["telemetry"] = exc.telemetry
+    if log:
+        _say_failed("request failed", status, err["code"], err["message"])
     return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON, headers=headers)
 
 
@@ -544,8 +567,9 @@ class Gateway:
     def run(self, ids: list[int], opts: RequestOptions, emit, cancelled: threading.Event,
             prompt_param: str = "prompt") -> None:
         """Worker thread: open a route session, generate, emit ("open", session), ("delta", text, logprob entries
-        of the tokens behind it (see _Guarded)), ("done", stats, telemetry) or ("error", exc) events."""
-        session = None
+        of the tokens behind it (see _Guarded)), ("done", stats, telemetry) or ("error", exc, tokens generated
+        before it) events."""
+        session, stats = None, GenerationStats()
         params, max_tokens, stop = opts.params, opts.max_tokens, opts.stop
         try:
             if params.seed is None:  # a seed of our own: a repaired route draws the same tokens (see Sampler)
@@ -565,7 +589,6 @@ class Gateway:
                         raise
                     self.suspect(exc.hop)
             emit(("open", session))
-            stats = GenerationStats()
             # a session holds max_length tokens: the prompt, then every sampled token but the last is fed back
             budget = min(max_tokens, max_length - len(ids) + 1)  # past it the answer ends with "length"
             guarded = _Guarded(session, cancelled, opts.logprobs, self.tokenizer.eog_ids)
@@ -581,14 +604,14 @@ class Gateway:
                 emit(("delta", "", rest))
             emit(("done", stats, self.telemetry(session, stats)))
         except Cancelled:
-            emit(("error", RequestError("client went away", 499, "cancelled")))
+            emit(("error", RequestError("client went away", 499, "cancelled"), stats.completion_tokens))
         except Exception as exc:  # noqa: BLE001 - handed to the event loop
             if isinstance(exc, RouteError) and exc.code in REPAIRABLE and not self.config.tracker:
                 exc = _fixed_route_error(exc)
             if session is not None:  # what the session did before it failed (repairs attempted, route)
                 exc.telemetry = {"route": session.route.describe(), "session": str(session.id),
                                  "repairs": list(session.telemetry.repairs)}
-            emit(("error", exc))
+            emit(("error", exc, stats.completion_tokens))
         finally:
             if session is not None:
                 session.close()
@@ -668,9 +691,9 @@ async def _stream(resp: web.StreamResponse, request: web.Request, queue: asyncio
                   chat: bool, opts: RequestOptions, echo: str | None, calls: ToolCallStream | None = None,
                   tools: ToolRequest | None = None) -> None:
     """Write SSE chunks from the worker's events until done (final chunk, the usage chunk when asked for,
-    [DONE]) or an error event. With ``calls`` (tools offered), text that may be a tool call is held back and
-    sent at the end as one ``delta.tool_calls`` chunk (finish_reason ``tool_calls``), or as content when it
-    was none."""
+    [DONE]) or an error event (a 5xx one also leaves a "stream failed after N tokens" line on stderr). With
+    ``calls`` (tools offered), text that may be a tool call is held back and sent at the end as one
+    ``delta.tool_calls`` chunk (finish_reason ``tool_calls``), or as content when it was none."""
     await resp.prepare(request)
     if chat:
         await resp.write(_sse(chunk(None, first=True)))
@@ -705,6 +728,7 @@ async def _stream(resp: web.StreamResponse, request: web.Request, queue: asyncio
             err = {"message": str(exc), "type": "route_error" if isinstance(exc, RouteError) else
                    "server_error", "code": getattr(exc, "code", "internal"),
                    "status": getattr(exc, "status", 500)}
+            _say_failed(f"stream failed after {event[2]} tokens", err["status"], err["code"], err["message"])
             event = {"error": err}
             if getattr(exc, "telemetry", None):
                 event["telemetry"] = exc.telemetry
@@ -794,7 +818,7 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
         except ConnectionResetError:
             return web.Response(status=499)
         if event[0] == "error":
-            return _error_response(event[1])
+            return _error_response(event[1], log=True)
 
         def chunk(text: str | None, finish: str | None = None, first: bool = False, entries=None,
                   tool_calls=None) -> dict:
@@ -837,7 +861,7 @@ async def _complete(request: web.Request, ids: list[int], body: dict, chat: bool
                 stats, telemetry = event[1], event[2]
                 break
             else:
-                return _error_response(event[1])
+                return _error_response(event[1], log=True)
         text = "".join(parts)
         if chat:
             message, finish = {"role": "assistant", "content": text}, stats.finish_reason
@@ -974,7 +998,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise RequestError(str(exc), param="messages") from None
         return await _complete(request, ids, body, chat=True, gw=gw, tools=tools)
     except Exception as exc:  # noqa: BLE001
-        return _error_response(exc)
+        return _error_response(exc, log=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -994,7 +1018,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                param="prompt")
         return await _complete(request, ids, body, chat=False, prompt=prompt, gw=gw)
     except Exception as exc:  # noqa: BLE001
-        return _error_response(exc)
+        return _error_response(exc, log=True)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -1025,10 +1049,54 @@ async def model(request: web.Request) -> web.Response:
     return web.json_response(found)
 
 
+async def _probe(http: aiohttp.ClientSession, url: str, path: str, headers: dict) -> dict:
+    """``GET url + path`` (a node's /health, the tracker's /nodes) with ``http`` (its timeout: HEALTH_PROBE_S, 2 s):
+    ``{"url", "ok": true}`` when it answers 200, else ``{"url", "ok": false, "error"}`` saying why in one line
+    (connection refused, timeout, the HTTP status). Never raises for a network error."""
+    try:
+        async with http.get(url.rstrip("/") + path, headers=headers) as resp:
+            if resp.status == 200:
+                return {"url": url, "ok": True}
+            error = f"HTTP {resp.status}" + (" (wrong or missing swarm token: the gateway's --token)"
+                                             if resp.status == 401 else "")
+    except asyncio.TimeoutError:  # (aiohttp's timeouts are asyncio.TimeoutError too)
+        error = f"timeout: no answer within {HEALTH_PROBE_S:g} s"
+    except aiohttp.ClientConnectorError as exc:
+        refused = getattr(exc.os_error, "errno", None) == errno.ECONNREFUSED
+        error = "connection refused" if refused else f"cannot connect: {exc.os_error or exc}"
+    except (aiohttp.ClientError, OSError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"url": url, "ok": False, "error": _one_line(error)}
+
+
 async def health(request: web.Request) -> web.Response:
-    """``GET /health``: the configured route."""
+    """``GET /health``: whether this gateway can serve now. With a fixed ``--route``, every node's ``GET /health``
+    is asked at once (the swarm token sent, HEALTH_PROBE_S = 2 s each); with ``--tracker``, the tracker's ``GET
+    /nodes`` (it has no /health). ``200 {"status": "ok", "model", "route", "nodes": [{"url", "ok"}]}`` (with a
+    tracker ``"tracker": {"url", "ok"}`` instead of ``nodes``) when all answer 200; else ``503 {"status":
+    "degraded", ..., "reason"}``, each failed probe with its ``error`` (connection refused, timeout, HTTP
+    status) and ``reason`` one line naming what failed (for a fixed route: that the gateway cannot replace a
+    node, and what to do). Answers within about 2 s; needs no API key."""
     gw: Gateway = request.app[GATEWAY]
-    return web.json_response({"status": "ok", "model": gw.model_name, "route": gw.config.route})
+    config, headers = gw.config, auth_headers(gw.config.token)
+    body = {"status": "ok", "model": gw.model_name, "route": config.route}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_S)) as http:
+        if config.tracker:
+            path = "/nodes" + (f"?model={quote(gw.model_name)}" if gw.model_name else "")
+            body["tracker"] = tracker = await _probe(http, config.tracker, path, headers)
+            if not tracker["ok"]:
+                body["reason"] = f"tracker {config.tracker} does not answer: {tracker['error']}"
+        else:
+            body["nodes"] = await asyncio.gather(*(_probe(http, url, "/health", headers) for url in config.route))
+            failed = [n for n in body["nodes"] if not n["ok"]]
+            if failed:
+                names = ", ".join(f"{n['url']} ({n['error']})" for n in failed)
+                which = "nodes" if len(failed) > 1 else "node"
+                body["reason"] = f"{which} {names} of the route failed; {FIXED_ROUTE_HINT}"
+    if "reason" in body:
+        body["status"] = "degraded"
+        return web.json_response(body, status=503)
+    return web.json_response(body)
 
 
 def api_key_middleware(keys: tuple[str, ...]):
