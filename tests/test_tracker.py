@@ -224,15 +224,15 @@ def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path):
     try:
         urls = {token: g.start() for token, g in gateways.items()}
         status, body = call(urls["sekret"] + "/health")
-        assert status == 200 and body["status"] == "ok" and body["tracker"] == {"url": tracker, "ok": True}, body
+        assert status == 200 and body["status"] == "ok" and body["tracker"] == {"ok": True}, body
         status, body = call(urls[None] + "/health")
         assert status == 503 and body["status"] == "degraded" and body["tracker"]["ok"] is False, body
-        assert body["reason"].startswith(f"tracker {tracker} does not answer: HTTP 401"), body
+        assert body["reason"].startswith("the tracker does not answer: HTTP 401"), body
         tracker_server.stop()  # the tracker is gone
         tracker_server = None
         status, body = call(urls["sekret"] + "/health")
         assert status == 503 and body["status"] == "degraded", body
-        assert body["reason"] == f"tracker {tracker} does not answer: connection refused", body
+        assert body["reason"] == "the tracker does not answer: connection refused" and tracker not in str(body), body
     finally:
         for g in gateways.values():
             g.stop()

@@ -1073,7 +1073,7 @@ async def health(request: web.Request) -> web.Response:
     """``GET /health``: whether this gateway can serve now. With a fixed ``--route``, every node's ``GET /health``
     is asked at once (the swarm token sent, HEALTH_PROBE_S = 2 s each); with ``--tracker``, the tracker's ``GET
     /nodes`` (it has no /health). ``200 {"status": "ok", "model", "route", "nodes": [{"url", "ok"}]}`` (with a
-    tracker ``"tracker": {"url", "ok"}`` instead of ``nodes``) when all answer 200; else ``503 {"status":
+    tracker ``"tracker": {"ok"}`` instead of ``nodes``: its address is not shown) when all answer 200; else ``503 {"status":
     "degraded", ..., "reason"}``, each failed probe with its ``error`` (connection refused, timeout, HTTP
     status) and ``reason`` one line naming what failed (for a fixed route: that the gateway cannot replace a
     node, and what to do). Answers within about 2 s; needs no API key."""
@@ -1083,9 +1083,11 @@ async def health(request: web.Request) -> web.Response:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_S)) as http:
         if config.tracker:
             path = "/nodes" + (f"?model={quote(gw.model_name)}" if gw.model_name else "")
-            body["tracker"] = tracker = await _probe(http, config.tracker, path, headers)
+            tracker = await _probe(http, config.tracker, path, headers)
+            del tracker["url"]  # as in every API answer, the tracker's address stays with the gateway's operator
+            body["tracker"] = tracker
             if not tracker["ok"]:
-                body["reason"] = f"tracker {config.tracker} does not answer: {tracker['error']}"
+                body["reason"] = f"the tracker does not answer: {tracker['error']}"
         else:
             body["nodes"] = await asyncio.gather(*(_probe(http, url, "/health", headers) for url in config.route))
             failed = [n for n in body["nodes"] if not n["ok"]]
