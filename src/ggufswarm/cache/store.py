@@ -183,8 +183,10 @@ class SnapshotStore:
         if row is not None:
             if not same:
                 self.stats.refused += 1
-                log.warning("kept the first snapshot under key %s, refused other content from node %s (the same "
-                            "prefix computed in other steps, or a faulty node)", key, snap.node or "?")
+                # info, not a warning: concurrent sessions on one prompt do this all the time (the same prefix
+                # computed in other steps); /health's ``refused`` counts them, a faulty node shows there too
+                log.info("kept the first snapshot under key %s, refused other content from node %s (the same "
+                         "prefix computed in other steps, or a faulty node)", key, snap.node or "?")
                 raise SnapshotExists(key, snap.node)
             return {"key": key, "n_tokens": len(tokens), "bytes": len(blob), "blocks": len(hashes), "evicted": [],
                     "existing": True}

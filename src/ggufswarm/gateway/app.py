@@ -1073,13 +1073,15 @@ async def health(request: web.Request) -> web.Response:
     """``GET /health``: whether this gateway can serve now. With a fixed ``--route``, every node's ``GET /health``
     is asked at once (the swarm token sent, HEALTH_PROBE_S = 2 s each); with ``--tracker``, the tracker's ``GET
     /nodes`` (it has no /health). ``200 {"status": "ok", "model", "route", "nodes": [{"url", "ok"}]}`` (with a
-    tracker ``"tracker": {"ok"}`` instead of ``nodes``: its address is not shown) when all answer 200; else ``503 {"status":
+    tracker ``"tracker": {"ok"}`` instead of ``route`` and ``nodes``: its address is not shown) when all answer 200; else ``503 {"status":
     "degraded", ..., "reason"}``, each failed probe with its ``error`` (connection refused, timeout, HTTP
     status) and ``reason`` one line naming what failed (for a fixed route: that the gateway cannot replace a
     node, and what to do). Answers within about 2 s; needs no API key."""
     gw: Gateway = request.app[GATEWAY]
     config, headers = gw.config, auth_headers(gw.config.token)
-    body = {"status": "ok", "model": gw.model_name, "route": config.route}
+    body = {"status": "ok", "model": gw.model_name}
+    if not config.tracker:  # (a tracker gateway plans a route per session)
+        body["route"] = config.route
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_S)) as http:
         if config.tracker:
             path = "/nodes" + (f"?model={quote(gw.model_name)}" if gw.model_name else "")

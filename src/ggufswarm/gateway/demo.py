@@ -194,9 +194,13 @@ def run_demo(args) -> int:
         if args.serve:
             print(base, flush=True)
             if tracker is not None:  # what a user needs to watch the swarm or add a node to it
+                spare = specs[len(specs) // 2]  # a range that needs neither --embed nor --head
                 print(f"ggufswarm demo: to add a node or watch the swarm: export {TOKEN_ENV}={token}; "
                       f"ggufswarm node --tracker {tracker_url} --model {name} --layers auto --cache {cache_url} "
-                      f"--port 0; ggufswarm status --tracker {tracker_url}", file=sys.stderr, flush=True)
+                      f"--port 0 (the least-covered range that fits --memory-budget MiB, the whole model when it "
+                      f"fits: for a spare of one node give its range, e.g. --layers "
+                      f"{spare.start}:{spare.end}); "
+                      f"ggufswarm status --tracker {tracker_url}", file=sys.stderr, flush=True)
             print("ggufswarm demo: serving; Ctrl-C stops the cluster", file=sys.stderr, flush=True)
             gone: set[int] = set()
             while True:  # a node that dies is reported; the gateway keeps serving (and repairs, given a spare)
