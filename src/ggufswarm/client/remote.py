@@ -290,8 +290,14 @@ def _check(url: str, status: int, body: bytes, what: str) -> dict:
         err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
         message = err.get("message") or body[:200].decode(errors="replace")
         code = err.get("code", "hop_failed")
-        raise RouteError(f"{what} on node {url}: {message}" if url not in message else message,
-                         status if status >= 400 else 502, code, err.get("hop") or url)
+        hop = err.get("hop") or url
+        if url in message:
+            text = message
+        elif hop != url and isinstance(hop, str):  # a later node's error passed back: that node first
+            text = f"{what}: node {hop} (via node {url}): {message}"
+        else:
+            text = f"{what} on node {url}: {message}"
+        raise RouteError(text, status if status >= 400 else 502, code, hop)
     return data
 
 
