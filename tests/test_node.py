@@ -657,3 +657,19 @@ def _torch_head_checks(route, gemma):
     with pytest.raises(RouteError, match="needs a llama.cpp head") as err:  # constrained decoding: llama.cpp only
         route.open(16, SamplingParams(temperature=0, penalize_from=len(ids), grammar='root ::= "{}"'))
     assert err.value.status == 400
+
+
+def test_a_later_node_s_error_names_that_node_first():
+    """A step error a later node caused (its ``hop`` in the error body) reads "step N: node B (via node A): ...";
+    an error of the node answered reads "step N on node A: ..."; a malformed ``hop`` falls back to the node."""
+    from ggufswarm.client.remote import RouteError, _check
+
+    def message(err: dict) -> tuple[str, str]:
+        with pytest.raises(RouteError) as caught:
+            _check("http://a", 502, json.dumps({"error": err}).encode(), "step 3")
+        return str(caught.value), caught.value.hop
+
+    assert message({"message": "next hop http://b failed: link failed", "code": "hop_failed", "hop": "http://b"}) \
+        == ("step 3: node http://b (via node http://a): next hop http://b failed: link failed", "http://b")
+    assert message({"message": "bad frame", "code": "bad_frame"}) == ("step 3 on node http://a: bad frame", "http://a")
+    assert message({"message": "odd", "code": "hop_failed", "hop": 7}) == ("step 3 on node http://a: odd", "http://a")

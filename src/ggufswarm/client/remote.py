@@ -290,10 +290,10 @@ def _check(url: str, status: int, body: bytes, what: str) -> dict:
         err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
         message = err.get("message") or body[:200].decode(errors="replace")
         code = err.get("code", "hop_failed")
-        hop = err.get("hop") or url
+        hop = err.get("hop") if isinstance(err.get("hop"), str) and err.get("hop") else url
         if url in message:
             text = message
-        elif hop != url and isinstance(hop, str):  # a later node's error passed back: that node first
+        elif hop != url:  # a later node's error passed back: that node first
             text = f"{what}: node {hop} (via node {url}): {message}"
         else:
             text = f"{what} on node {url}: {message}"

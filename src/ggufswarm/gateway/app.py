@@ -10,7 +10,6 @@ with a 5xx (an error answer, or a stream's error event) leaves one line on stder
 from __future__ import annotations
 
 import asyncio
-import errno
 import hmac
 import json
 import logging
@@ -39,7 +38,7 @@ from ..client.tools import ToolCallStream, ToolError, ToolRequest, new_call_id, 
 from ..artifact.accounting import MAX_CONTEXT
 from ..protocol.auth import auth_headers
 from ..protocol.errors import ProtocolError
-from ..protocol.http import json_errors_middleware, read_json, run_server
+from ..protocol.http import json_errors_middleware, probe, read_json, run_server
 
 log = logging.getLogger(__name__)
 
@@ -1049,54 +1048,38 @@ async def model(request: web.Request) -> web.Response:
     return web.json_response(found)
 
 
-async def _probe(http: aiohttp.ClientSession, url: str, path: str, headers: dict) -> dict:
-    """``GET url + path`` (a node's /health, the tracker's /nodes) with ``http`` (its timeout: HEALTH_PROBE_S, 2 s):
-    ``{"url", "ok": true}`` when it answers 200, else ``{"url", "ok": false, "error"}`` saying why in one line
-    (connection refused, timeout, the HTTP status). Never raises for a network error."""
-    try:
-        async with http.get(url.rstrip("/") + path, headers=headers) as resp:
-            if resp.status == 200:
-                return {"url": url, "ok": True}
-            error = f"HTTP {resp.status}" + (" (wrong or missing swarm token: the gateway's --token)"
-                                             if resp.status == 401 else "")
-    except asyncio.TimeoutError:  # (aiohttp's timeouts are asyncio.TimeoutError too)
-        error = f"timeout: no answer within {HEALTH_PROBE_S:g} s"
-    except aiohttp.ClientConnectorError as exc:
-        refused = getattr(exc.os_error, "errno", None) == errno.ECONNREFUSED
-        error = "connection refused" if refused else f"cannot connect: {exc.os_error or exc}"
-    except (aiohttp.ClientError, OSError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    return {"url": url, "ok": False, "error": _one_line(error)}
-
-
 async def health(request: web.Request) -> web.Response:
     """``GET /health``: whether this gateway can serve now. With a fixed ``--route``, every node's ``GET /health``
-    is asked at once (the swarm token sent, HEALTH_PROBE_S = 2 s each); with ``--tracker``, the tracker's ``GET
-    /nodes`` (it has no /health). ``200 {"status": "ok", "model", "route", "nodes": [{"url", "ok"}]}`` (with a
-    tracker ``"tracker": {"ok"}`` instead of ``route`` and ``nodes``: its address is not shown) when all answer 200; else ``503 {"status":
-    "degraded", ..., "reason"}``, each failed probe with its ``error`` (connection refused, timeout, HTTP
-    status) and ``reason`` one line naming what failed (for a fixed route: that the gateway cannot replace a
-    node, and what to do). Answers within about 2 s; needs no API key."""
+    is asked at once (the swarm token sent, HEALTH_PROBE_S = 2 s each); with ``--tracker``, the tracker's
+    ``GET /nodes`` (it has no /health). ``200 {"status": "ok", "model", "route", "nodes": [{"url", "ok"}]}``
+    (a tracker gateway: ``"tracker": {"ok"}`` instead of ``route`` and ``nodes``; its address is not shown)
+    when all answer 200; else ``503 {"status": "degraded", ..., "reason"}``, each failed probe with its
+    ``error`` (protocol.http.probe: connection refused, timeout, HTTP status) and ``reason`` one line naming
+    what failed (for a fixed route: that the gateway cannot replace a node, and what to do). Answers within
+    about 2 s; needs no API key."""
     gw: Gateway = request.app[GATEWAY]
     config, headers = gw.config, auth_headers(gw.config.token)
     body = {"status": "ok", "model": gw.model_name}
-    if not config.tracker:  # (a tracker gateway plans a route per session)
-        body["route"] = config.route
+
+    def entry(error: str | None) -> dict:
+        return {"ok": True} if error is None else {"ok": False, "error": error}
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_S)) as http:
         if config.tracker:
             path = "/nodes" + (f"?model={quote(gw.model_name)}" if gw.model_name else "")
-            tracker = await _probe(http, config.tracker, path, headers)
-            del tracker["url"]  # as in every API answer, the tracker's address stays with the gateway's operator
-            body["tracker"] = tracker
-            if not tracker["ok"]:
-                body["reason"] = f"the tracker does not answer: {tracker['error']}"
+            error = await probe(http, config.tracker.rstrip("/") + path, headers)
+            body["tracker"] = entry(error)
+            if error is not None:
+                body["reason"] = f"the tracker does not answer: {error}"
         else:
-            body["nodes"] = await asyncio.gather(*(_probe(http, url, "/health", headers) for url in config.route))
-            failed = [n for n in body["nodes"] if not n["ok"]]
+            errors = await asyncio.gather(*(probe(http, url.rstrip("/") + "/health", headers)
+                                            for url in config.route))
+            body["route"] = config.route
+            body["nodes"] = [{"url": url, **entry(e)} for url, e in zip(config.route, errors)]
+            failed = [f"{url} ({e})" for url, e in zip(config.route, errors) if e is not None]
             if failed:
-                names = ", ".join(f"{n['url']} ({n['error']})" for n in failed)
                 which = "nodes" if len(failed) > 1 else "node"
-                body["reason"] = f"{which} {names} of the route failed; {FIXED_ROUTE_HINT}"
+                body["reason"] = f"{which} {', '.join(failed)} of the route failed; {FIXED_ROUTE_HINT}"
     if "reason" in body:
         body["status"] = "degraded"
         return web.json_response(body, status=503)

@@ -194,12 +194,12 @@ def run_demo(args) -> int:
         if args.serve:
             print(base, flush=True)
             if tracker is not None:  # what a user needs to watch the swarm or add a node to it
-                spare = specs[len(specs) // 2]  # a range that needs neither --embed nor --head
+                middle = specs[len(specs) // 2]  # with 3 nodes or more: a range without --embed or --head
+                example = f", e.g. --layers {middle.start}:{middle.end}" if len(specs) > 2 else ""
                 print(f"ggufswarm demo: to add a node or watch the swarm: export {TOKEN_ENV}={token}; "
                       f"ggufswarm node --tracker {tracker_url} --model {name} --layers auto --cache {cache_url} "
                       f"--port 0 (the least-covered range that fits --memory-budget MiB, the whole model when it "
-                      f"fits: for a spare of one node give its range, e.g. --layers "
-                      f"{spare.start}:{spare.end}); "
+                      f"fits: for a spare of one node give its range{example}); "
                       f"ggufswarm status --tracker {tracker_url}", file=sys.stderr, flush=True)
             print("ggufswarm demo: serving; Ctrl-C stops the cluster", file=sys.stderr, flush=True)
             gone: set[int] = set()

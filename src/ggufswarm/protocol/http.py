@@ -10,6 +10,7 @@ instead (``gateway/app.py``) from the same ProtocolError.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import re
@@ -17,6 +18,7 @@ import signal
 import threading
 from typing import Callable
 
+import aiohttp
 from aiohttp import web
 
 from .errors import ERROR_STATUS, ProtocolError, error_body
@@ -28,6 +30,25 @@ MAX_JSON_DEPTH = 100  # arrays/objects nested deeper than this are refused befor
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+async def probe(http: aiohttp.ClientSession, url: str, headers: dict | None = None) -> str | None:
+    """``GET url`` with ``http`` (its timeout bounds the wait): None when it answers 200, else why not in one line
+    (``connection refused``, ``timeout``, ``HTTP 503``; a 401 names the swarm token). Never raises for a network
+    error. The tracker checks a reported node with it, the gateway its route (or its tracker) for ``/health``."""
+    try:
+        async with http.get(url, headers=headers) as resp:
+            if resp.status == 200:
+                return None
+            return f"HTTP {resp.status}" + (" (wrong or missing swarm token: --token)" if resp.status == 401 else "")
+    except asyncio.TimeoutError:  # (aiohttp's timeouts are asyncio.TimeoutError too)
+        return "timeout"
+    except aiohttp.ClientConnectorError as exc:
+        if getattr(exc.os_error, "errno", None) == errno.ECONNREFUSED:
+            return "connection refused"
+        return " ".join(f"cannot connect: {exc.os_error or exc}".splitlines())
+    except (aiohttp.ClientError, OSError) as exc:
+        return " ".join(f"{type(exc).__name__}: {exc}".splitlines())
 
 
 def json_depth(text: str) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import socket
@@ -18,7 +17,7 @@ from aiohttp import web
 from ..artifact.manifest import Manifest
 from ..protocol.auth import auth_headers, token_middleware
 from ..protocol.errors import ProtocolError
-from ..protocol.http import json_errors_middleware, read_json
+from ..protocol.http import json_errors_middleware, probe, read_json
 from .registry import Registry
 from .routing import Advertisement, NoRoute, free_kv_tokens, plan_route, route_context, route_wire_bytes_per_token
 
@@ -91,15 +90,13 @@ def make_app(config: TrackerConfig) -> web.Application:
         ads = [a for a in registry.nodes() if a.url.rstrip("/") == url]
         if not url or not ads:
             raise ProtocolError("unknown_node", f"no node advertises {url!r}")
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REPORT_PROBE_S)) as http:
-                async with http.get(f"{url}/health", headers=probe_headers) as resp:
-                    alive, reason = resp.status == 200, f"/health answered {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            alive, reason = False, f"/health failed: {type(exc).__name__}"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REPORT_PROBE_S)) as http:
+            reason = await probe(http, f"{url}/health", probe_headers)
+        alive = reason is None
         removed = 0 if alive else sum(registry.deregister(a.node_id) for a in ads)
         if removed:
-            log.warning("node %s reported failing and %s: dropped %d advertisement(s)", url, reason, removed)
+            log.warning("node %s reported failing and its /health: %s: dropped %d advertisement(s)", url, reason,
+                        removed)
         return web.json_response({"url": url, "alive": alive, "removed": removed})
 
     async def nodes(request: web.Request) -> web.Response:
