@@ -10,6 +10,7 @@ import contextlib
 import json
 import urllib.error
 import urllib.request
+import uuid
 
 import pytest
 import torch
@@ -155,10 +156,8 @@ def tiny_split_route(model: str, data_dir):
         yield {"first": first, "head": head, "whole": whole, "model": model}
 
 
-def open_greedy(url: str, max_length: int = 128) -> "uuid.UUID":
+def open_greedy(url: str, max_length: int = 128) -> uuid.UUID:
     """Open a greedy session (top 5 logprobs) straight on node ``url``; its id."""
-    import uuid
-
     sid = uuid.uuid4()
     status, body = http("POST", url + "/v1/sessions", {"session_id": str(sid), "max_length": max_length,
                                                        "sampling": {"temperature": 0}, "top_logprobs": 5})

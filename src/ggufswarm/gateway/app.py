@@ -649,13 +649,12 @@ class Gateway:
             raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",
                                code="context_length_exceeded", param=prompt_param)
         max_length = min(limit, len(ids) + max(max_tokens, 1))
-        replan = None
-        if self.config.tracker:  # repair: a replacement for a failed hop's span, from the tracker
-            def replan(exclude, span):
-                for url in exclude:  # nodes this session saw fail: new sessions avoid them too
-                    self.suspect(url)
-                return self.route(max_length, exclude, span)
-        return route.open(max_length, params, self.config.wire_dtype, top_logprobs=opts.top_logprobs, replan=replan,
+        def replan(exclude, span):  # repair: a replacement for a failed hop's span, from the tracker
+            for url in exclude:  # nodes this session saw fail: new sessions avoid them too
+                self.suspect(url)
+            return self.route(max_length, exclude, span)
+        return route.open(max_length, params, self.config.wire_dtype, top_logprobs=opts.top_logprobs,
+                          replan=replan if self.config.tracker else None,
                           lease_s=self.config.session_lease_s, logprobs=opts.logprobs), max_length
 
     def _drafter(self, session, opts: RequestOptions):
