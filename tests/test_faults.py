@@ -418,10 +418,13 @@ def test_max_tokens_past_every_node_s_kv_is_served_up_to_the_route_s_length(swar
 
 def test_no_replacement_is_a_clear_error(swarm):
     """With both nodes of a span gone, the repair finds no replacement: the stream ends with a 503
-    ``no_replacement`` error naming the failed node."""
+    ``no_replacement`` error naming the failed node, and the gateway's /health turns 503 naming the layers no
+    ready node serves (it was 200 while the swarm could serve the model)."""
     nodes, tracker = swarm["nodes"], swarm["tracker"]
     middle = [n for n in nodes if n.spec.start == 6 and n.proc.poll() is None]
     assert len(middle) == 2
+    status, body = http_json("GET", swarm["gateway"] + "/health")
+    assert status == 200 and body["status"] == "ok", body
     middle[0].kill()
     wait_for(lambda: middle[0].url not in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]},
              3 * TTL_S)
@@ -433,3 +436,8 @@ def test_no_replacement_is_a_clear_error(swarm):
     failed = json.loads(str(err.value).split("telemetry=", 1)[1].split("\n", 1)[0])
     [attempt] = failed["repairs"]
     assert attempt["hop"] == middle[1].url and attempt["replacement"] is None and "6:12" in attempt["error"]
+    wait_for(lambda: http_json("GET", swarm["gateway"] + "/health")[0] == 503, 3 * TTL_S)  # the tracker drops it
+    status, body = http_json("GET", swarm["gateway"] + "/health")
+    assert body["status"] == "degraded" and body["tracker"] == {"ok": True}, body
+    assert body["reason"] == "the swarm cannot serve gemma end to end now: layers 6:12 are not served by any ready " \
+                             "node" and tracker not in json.dumps(body), body

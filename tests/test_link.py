@@ -480,6 +480,43 @@ def test_a_node_excluded_by_one_repair_can_replace_a_later_failure(tiny_route, t
         assert asked == [{head}, {head, head2}, {head2}]
 
 
+def test_with_no_spare_for_the_failed_span_the_whole_route_is_replanned(tiny_route):
+    """No node serves the failed head's layers alone, but one serves the whole model: the repair re-plans the
+    whole route onto it (replaced_layers: all of them), releases the session on the first node, which the new
+    route leaves out, and the text is unchanged (f32 frames). With no plan for either, the error is the one for
+    the failed layers."""
+    from ggufswarm.client.remote import RouteError
+
+    first, head, whole = tiny_route["first"], tiny_route["head"], tiny_route["whole"]
+    asked = []
+
+    def replan(exclude, span):
+        asked.append((set(exclude), span))
+        if span == (0, 2) and whole not in exclude:
+            return RemoteRoute([whole], 30.0, part=True)
+        raise RouteError(f"no node serves layers {span[0]}:{span[1]}", 503, "no_route")
+
+    want = greedy([whole], n=4)
+    session = RemoteRoute([first, head]).open(64, GREEDY, replan=replan)
+    try:
+        out = [session.step(PROMPT)]
+        http("DELETE", f"{head}/v1/sessions/{session.id}")  # the head lost the session
+        for _ in range(3):
+            out.append(session.step([out[-1]]))
+        assert [h.url for h in session.route.hops] == [whole]
+        assert http("DELETE", f"{first}/v1/sessions/{session.id}")[0] == 404  # released by the repair
+        [repair] = session.telemetry.repairs
+        assert repair["layers"] == [1, 2] and repair["replaced_layers"] == [0, 2] and repair["replacement"] == [whole]
+        assert asked == [({head}, (1, 2)), ({head}, (0, 2))]
+        http("DELETE", f"{whole}/v1/sessions/{session.id}")  # now the whole-model node loses it: nothing is left
+        with pytest.raises(RouteError, match="no node serves layers 0:2") as err:
+            session.step([out[-1]])
+        assert err.value.code == "no_replacement"
+    finally:
+        session.close()
+    assert out == want
+
+
 def test_hop_timeouts_grow_with_the_frame(tiny_route):
     """A node waits ``hop_timeout_s`` for its next hop's answer to a decode step, and proportionally longer for a
     prefill chunk (x4 for 2048 tokens): a next hop that takes 2 s times out a 1-token step with a 1 s hop

@@ -208,9 +208,10 @@ def test_a_reported_node_is_dropped_only_when_the_tracker_finds_it_down():
         assert seen == ["sekret"]
 
 
-def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path):
-    """A --tracker gateway's /health is 200 "ok" while its tracker answers it (with the swarm token), and 503
-    "degraded" naming the tracker when the tracker refuses its token or is gone."""
+def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path, tiny_artifact):
+    """A --tracker gateway's /health is 200 "ok" while its tracker answers it (with the swarm token) and the swarm
+    can serve a model end to end; 503 "degraded" when no model has a complete chain of ready nodes, and naming
+    the tracker when the tracker refuses its token or is gone."""
     from ggufswarm.gateway import GatewayConfig
     from ggufswarm.gateway import make_app as make_gateway_app
     from ggufswarm.protocol.http import ServerThread
@@ -223,6 +224,29 @@ def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path):
                 for token in ("sekret", None)}
     try:
         urls = {token: g.start() for token, g in gateways.items()}
+        status, body = call(urls["sekret"] + "/health")  # nothing published, no node
+        assert status == 503 and body["status"] == "degraded" and body["tracker"] == {"ok": True}, body
+        assert body["reason"] == "no model of this swarm can be served end to end now (no chain of ready nodes)"
+        path, manifest = tiny_artifact
+        headers = {"Content-Type": "application/json", "X-Ggufswarm-Token": "sekret"}
+        for method, where, sent in (
+                ("PUT", "/manifests/tiny", {"manifest": json.loads(manifest.to_json()),
+                                            "torrent_hex": make_torrent([path]).hex()}),
+                ("POST", "/nodes/heartbeat", {"node_id": "a", "url": "http://a", "model": "tiny", "layers": [0, 2],
+                                              "embed": True, "head": False, "state": "ready", "free_kv_tokens": 4096})):
+            req = urllib.request.Request(tracker + where, json.dumps(sent).encode(), headers, method=method)
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert r.status == 200
+            status, body = call(urls["sekret"] + "/health")  # published; then layers 2:4 served by no one
+            assert status == 503 and body["reason"].startswith("no model of this swarm"), body
+        req = urllib.request.Request(tracker + "/models", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.loads(r.read())["unservable"] == {"tiny": "layers 2:4 are not served by any ready node"}
+        req = urllib.request.Request(tracker + "/nodes/heartbeat", json.dumps(
+            {"node_id": "b", "url": "http://b", "model": "tiny", "layers": [2, 4], "embed": False, "head": True,
+             "state": "ready", "free_kv_tokens": 4096}).encode(), headers, method="POST")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200
         status, body = call(urls["sekret"] + "/health")
         assert status == 200 and body["status"] == "ok" and body["tracker"] == {"ok": True}, body
         status, body = call(urls[None] + "/health")

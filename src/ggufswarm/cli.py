@@ -553,6 +553,30 @@ COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "node": cmd_
             "cache": cmd_cache, "plan": cmd_plan}
 
 
+COMPONENTS = ("tracker", "node", "gateway", "cache")  # what a log line names when its logger is one of theirs
+
+
+def _log_to_stderr(command: str) -> None:
+    """Warnings of the ``ggufswarm`` loggers go to stderr as the commands' own lines do: ``ggufswarm tracker: ...``
+    (the component that logged it: the demo runs the tracker in its process), else ``ggufswarm COMMAND: ...``."""
+    import logging
+
+    class Named(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            part = record.name.split(".")[1] if record.name.count(".") else ""
+            record.component = part if part in COMPONENTS else command
+            return super().format(record)
+
+    logger = logging.getLogger("ggufswarm")
+    for old in [h for h in logger.handlers if getattr(h, "ggufswarm_cli", False)]:  # main() called again
+        logger.removeHandler(old)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(Named("ggufswarm %(component)s: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    handler.ggufswarm_cli = True
+    logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ggufswarm`` console script; known errors become one line on stderr, exit 1."""
     parser = build_parser()
@@ -574,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         from .protocol.auth import TOKEN_ENV
         args.token = args.token or os.environ.get(TOKEN_ENV) or None
     from .artifact.gguf_file import GGUFError
+    _log_to_stderr(args.command)
     try:
         return COMMANDS[args.command](args)
     except (GGUFError, ValueError, OSError, RuntimeError) as exc:  # UnsupportedArchitecture, ContextOverflow: ValueErrors

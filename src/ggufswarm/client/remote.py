@@ -464,8 +464,13 @@ class RemoteSession:
     lost the session, the failed node's layer span is re-planned without it, the new nodes open the
     session and restore the longest cached prefix snapshot of the history (``/restore``), every other
     node is truncated to the common position, the tokens since then are replayed, and the step is
-    sent again: the caller sees the same tokens as without the failure (greedy sampling). Each repair
-    is recorded in ``telemetry.repairs``. Without ``replan`` the RouteError is raised.
+    sent again: the caller sees the same tokens as without the failure (greedy sampling). When no node
+    serves exactly the failed span, the whole route is re-planned instead (a node serving more layers,
+    such as a whole-model one, takes over; nodes it leaves out are released); the hop boundaries then
+    move, so with f16/bf16 frames the text after the failure can differ from an uninterrupted run (f32
+    frames: llama.cpp shards chain bit for bit, so it does not). Each repair is recorded in
+    ``telemetry.repairs`` (``replaced_layers``: the layers re-planned). Without ``replan`` the RouteError
+    is raised.
 
     Prefix reuse (``reuse_prefix``): the first step restores the longest cached prefix of the prompt on
     every node and computes only the rest.
@@ -862,11 +867,27 @@ class RemoteSession:
         self._telemetry.prefix_tokens_restored = length
         return length
 
-    def _replacement(self, failed: Hop) -> "RemoteRoute":
-        """A chain for ``failed``'s layers from ``replan``: first avoiding every node that failed this session,
-        then, when none is left, any but ``failed`` itself: a node that failed earlier may be healthy again
-        (restarted, its fault passed), and the open or restore on it tells. RouteError when there is none."""
+    def _replacement(self, failed: Hop) -> tuple["RemoteRoute", tuple[int, int]]:
+        """A chain from ``replan`` and the layers ``(start, end)`` it replaces: ``failed``'s own layers when some
+        node serves exactly them, else the whole route's (every hop re-planned: a node serving more layers than
+        the failed one, such as a whole-model node, can then take over). Each plan first avoids every node that
+        failed this session, then, when none is left, any but ``failed`` itself: a node that failed earlier may be
+        healthy again (restarted, its fault passed), and the open or restore on it tells. RouteError (the one for
+        ``failed``'s own layers) when there is none."""
         span = (failed.start, failed.end)
+        whole = (self.route.hops[0].start, self.route.hops[-1].end)
+        try:
+            return self._plan(failed, span), span
+        except RouteError:
+            if span == whole:
+                raise
+            try:
+                return self._plan(failed, whole), whole
+            except RouteError:
+                pass
+            raise
+
+    def _plan(self, failed: Hop, span: tuple[int, int]) -> "RemoteRoute":
         try:
             return self.replan(frozenset(self._excluded), span)
         except RouteError:
@@ -883,23 +904,30 @@ class RemoteSession:
         failed = next((h for h in old.hops if h.url == exc.hop), old.hops[0])
         self._excluded.add(failed.url)
         try:
-            spare = self._replacement(failed)
+            spare, span = self._replacement(failed)
         except RouteError as err:
             self._telemetry.repairs.append({
                 "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code, "message": str(exc)[:300],
                 "replacement": None, "error": str(err)[:300], "ms": round((time.perf_counter() - t0) * 1e3, 1)})
             raise RouteError(f"node {failed.url} (layers {failed.start}:{failed.end}) failed ({exc}); no replacement: "
                              f"{err}", 503, "no_replacement", failed.url) from None
-        i = old.hops.index(failed)
-        hops = old.hops[:i] + spare.hops + old.hops[i + 1:]
+        replaced = [h for h in old.hops if span[0] <= h.start and h.end <= span[1]]  # failed alone, or every hop
+        i, j = old.hops.index(replaced[0]), old.hops.index(replaced[-1])
+        hops = old.hops[:i] + spare.hops + old.hops[j + 1:]
         self.route = RemoteRoute.of_hops(hops, old.hop_timeout_s, model=old.model, token=old.token)
         self._drop_replies()  # the head may have changed; late replies of the old route carry nothing we need
-        self._conns.pop(failed.url, None)
-        link = self._links.pop(failed.url, None)
-        if link is not None:
-            link.close()
-        if failed.url in self._opened:
-            self._opened.remove(failed.url)
+        kept = {h.url for h in hops}
+        for h in replaced:
+            if h.url in kept:  # a node of the old route that the new plan uses again keeps its session
+                continue
+            self._conns.pop(h.url, None)
+            link = self._links.pop(h.url, None)
+            if link is not None:
+                link.close()
+            if h.url in self._opened:
+                self._opened.remove(h.url)
+                if h is not failed:  # a live node the new route leaves out: its KV is freed now
+                    self._close_on(h.url)
         target = self.position
         try:
             fresh = [h for h in spare.hops if h.url not in self._opened]
@@ -921,14 +949,14 @@ class RemoteSession:
         except RouteError as err:  # failed halfway (the replacement failed too): recorded, then the caller retries
             self._telemetry.repairs.append({
                 "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code,
-                "message": str(exc)[:300], "replacement": [h.url for h in spare.hops], "restored_tokens": 0,
-                "tokens_replayed": 0, "error": str(err)[:300], "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+                "message": str(exc)[:300], "replacement": [h.url for h in spare.hops], "replaced_layers": list(span),
+                "restored_tokens": 0, "tokens_replayed": 0, "error": str(err)[:300], "ms": round((time.perf_counter() - t0) * 1e3, 1)})
             raise
         # tokens_replayed counts up as the history from ``length`` to ``target`` is replayed (_step); ms is the
         # repair's own time (plan, open, restore, relink), without the replay
         self._replaying = {
             "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code, "message": str(exc)[:300],
-            "replacement": [h.url for h in spare.hops], "restored_tokens": length,
+            "replacement": [h.url for h in spare.hops], "replaced_layers": list(span), "restored_tokens": length,
             "tokens_replayed": 0, "ms": round((time.perf_counter() - t0) * 1e3, 1)}
         self._telemetry.repairs.append(self._replaying)
 
@@ -961,11 +989,15 @@ class RemoteSession:
 
     def _close_opened(self) -> None:
         for url in self._opened:
-            conn = _conn(url, min(self.route.hop_timeout_s, 5.0))
-            try:
-                _request(conn, url, "DELETE", f"/v1/sessions/{self.id}", token=self.route.token)
-            except RouteError:
-                pass
-            finally:
-                conn.close()
+            self._close_on(url)
         self._opened = []
+
+    def _close_on(self, url: str) -> None:
+        """Release the session on node ``url`` (best effort: errors are ignored)."""
+        conn = _conn(url, min(self.route.hop_timeout_s, 5.0))
+        try:
+            _request(conn, url, "DELETE", f"/v1/sessions/{self.id}", token=self.route.token)
+        except RouteError:
+            pass
+        finally:
+            conn.close()

@@ -21,7 +21,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -38,7 +37,7 @@ from ..client.tools import ToolCallStream, ToolError, ToolRequest, new_call_id, 
 from ..artifact.accounting import MAX_CONTEXT
 from ..protocol.auth import auth_headers
 from ..protocol.errors import ProtocolError
-from ..protocol.http import json_errors_middleware, probe, read_json, run_server
+from ..protocol.http import json_errors_middleware, probe, probe_json, read_json, run_server
 
 log = logging.getLogger(__name__)
 
@@ -1050,9 +1049,10 @@ async def model(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """``GET /health``: whether this gateway can serve now. With a fixed ``--route``, every node's ``GET /health``
     is asked at once (the swarm token sent, HEALTH_PROBE_S = 2 s each); with ``--tracker``, the tracker's
-    ``GET /nodes`` (it has no /health). ``200 {"status": "ok", "model", "route", "nodes": [{"url", "ok"}]}``
-    (a tracker gateway: ``"tracker": {"ok"}`` instead of ``route`` and ``nodes``; its address is not shown)
-    when all answer 200; else ``503 {"status": "degraded", ..., "reason"}``, each failed probe with its
+    ``GET /models`` (what the swarm can serve end to end now). ``200 {"status": "ok", "model", "route", "nodes":
+    [{"url", "ok"}]}`` (a tracker gateway: ``"tracker": {"ok"}`` instead of ``route`` and ``nodes``; its address
+    is not shown) when all answer 200 and (tracker) the model has a complete chain of ready nodes (a gateway of
+    every model: some model has); else ``503 {"status": "degraded", ..., "reason"}``, each failed probe with its
     ``error`` (protocol.http.probe: connection refused, timeout, HTTP status) and ``reason`` one line naming
     what failed (for a fixed route: that the gateway cannot replace a node, and what to do). Answers within
     about 2 s; needs no API key."""
@@ -1065,11 +1065,16 @@ async def health(request: web.Request) -> web.Response:
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_S)) as http:
         if config.tracker:
-            path = "/nodes" + (f"?model={quote(gw.model_name)}" if gw.model_name else "")
-            error = await probe(http, config.tracker.rstrip("/") + path, headers)
+            answer, error = await probe_json(http, config.tracker.rstrip("/") + "/models", headers)
             body["tracker"] = entry(error)
             if error is not None:
                 body["reason"] = f"the tracker does not answer: {error}"
+            elif gw.every_model:
+                if not answer.get("models"):
+                    body["reason"] = "no model of this swarm can be served end to end now (no chain of ready nodes)"
+            elif gw.model_name not in (answer.get("models") or []):
+                why = (answer.get("unservable") or {}).get(gw.model_name)
+                body["reason"] = f"the swarm cannot serve {gw.model_name} end to end now" + (f": {why}" if why else "")
         else:
             errors = await asyncio.gather(*(probe(http, url.rstrip("/") + "/health", headers)
                                             for url in config.route))

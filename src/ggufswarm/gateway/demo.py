@@ -179,6 +179,9 @@ def run_demo(args) -> int:
         default = DEFAULT_PROMPT if chat else DEFAULT_COMPLETION
         prompt = args.prompt if args.prompt is not None else (None if args.serve else default)
         if prompt is not None:
+            print(f"ggufswarm demo: {'chat message' if chat else 'prompt'}: {prompt!r}"
+                  + (" (the default; give your own as the demo's argument)" if args.prompt is None else ""),
+                  file=sys.stderr, flush=True)
             body = {"max_tokens": args.max_tokens, "temperature": args.temperature}
             if args.seed is not None:
                 body["seed"] = args.seed
@@ -209,7 +212,7 @@ def run_demo(args) -> int:
                         gone.add(i)
                         print(f"ggufswarm demo: node {n.url} (layers {n.spec.start}:{n.spec.end}) exited with "
                               f"{n.proc.returncode}; sessions through it repair with another node serving those layers, "
-                              f"if the swarm has one"
+                              f"or on a re-planned route if the swarm has one"
                               + ("" if tracker is not None else " (no tracker: restart the demo)"),
                               file=sys.stderr, flush=True)
                 time.sleep(0.5)

@@ -36,19 +36,33 @@ async def probe(http: aiohttp.ClientSession, url: str, headers: dict | None = No
     """``GET url`` with ``http`` (its timeout bounds the wait): None when it answers 200, else why not in one line
     (``connection refused``, ``timeout``, ``HTTP 503``; a 401 names the swarm token). Never raises for a network
     error. The tracker checks a reported node with it, the gateway its route (or its tracker) for ``/health``."""
+    return (await probe_json(http, url, headers, read=False))[1]
+
+
+async def probe_json(http: aiohttp.ClientSession, url: str, headers: dict | None = None,
+                     read: bool = True) -> tuple[dict | None, str | None]:
+    """``probe`` that also reads the answer: ``(JSON object, None)`` on a 200 whose body is one (``({}, None)``
+    with ``read=False``), else ``(None, why)``; a 200 that is not a JSON object is ``"bad answer: ..."``."""
     try:
         async with http.get(url, headers=headers) as resp:
-            if resp.status == 200:
-                return None
-            return f"HTTP {resp.status}" + (" (wrong or missing swarm token: --token)" if resp.status == 401 else "")
+            if resp.status != 200:
+                why = f"HTTP {resp.status}" + (" (wrong or missing swarm token: --token)" if resp.status == 401 else "")
+                return None, why
+            if not read:
+                return {}, None
+            try:
+                body = await resp.json(content_type=None)
+            except ValueError as exc:
+                return None, f"bad answer: {exc}"
+            return (body, None) if isinstance(body, dict) else (None, "bad answer: not a JSON object")
     except asyncio.TimeoutError:  # (aiohttp's timeouts are asyncio.TimeoutError too)
-        return "timeout"
+        return None, "timeout"
     except aiohttp.ClientConnectorError as exc:
         if getattr(exc.os_error, "errno", None) == errno.ECONNREFUSED:
-            return "connection refused"
-        return " ".join(f"cannot connect: {exc.os_error or exc}".splitlines())
+            return None, "connection refused"
+        return None, " ".join(f"cannot connect: {exc.os_error or exc}".splitlines())
     except (aiohttp.ClientError, OSError) as exc:
-        return " ".join(f"{type(exc).__name__}: {exc}".splitlines())
+        return None, " ".join(f"{type(exc).__name__}: {exc}".splitlines())
 
 
 def json_depth(text: str) -> int:

@@ -163,14 +163,16 @@ def make_app(config: TrackerConfig) -> web.Application:
                                   "wire_bytes_per_token": route_wire_bytes_per_token(chain)})
 
     async def models(request: web.Request) -> web.Response:
-        out = []
+        """``GET /models``: ``{"models": [servable now, end to end], "published": [...], "unservable": {name:
+        why}}`` (why: the planner's NoRoute reason, which names layers, never addresses)."""
+        out, why = [], {}
         for name in registry.manifest_names():
             try:
                 plan_route(registry.nodes(name), n_layers(name), 1, config.hop_ms)
                 out.append(name)
-            except NoRoute:
-                pass
-        return web.json_response({"models": out, "published": registry.manifest_names()})
+            except NoRoute as exc:
+                why[name] = str(exc)
+        return web.json_response({"models": out, "published": registry.manifest_names(), "unservable": why})
 
     async def status_json(request: web.Request) -> web.Response:
         return web.json_response(status_snapshot(registry))
