@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import random
+import sys
 import time
 from urllib.parse import urlsplit
 
@@ -165,7 +166,7 @@ def wait_for(predicate, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log):
+def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
     ref_text, _ = reference(gemma, PROMPT, MAX_TOKENS)
     prompt_tokens = len(gemma.prompt_ids(PROMPT))
     base, nodes, tracker = swarm["gateway"], swarm["nodes"], swarm["tracker"]
@@ -222,8 +223,15 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log):
             head["node"].kill()
 
     repair_log.clear()
+    sys.stdout.write(capfd.readouterr().out)  # (the table above, when run with -s)
     got, telemetry = stream(base, PROMPT, kill_head, **seeded)
     assert [r["hop"] for r in telemetry["repairs"]] == [head["node"].url] and got == want
+    said = [ln for ln in capfd.readouterr().err.splitlines() if "repaired a route" in ln]
+    spare = telemetry["repairs"][0]["replacement"][0]
+    assert said == [f"ggufswarm gateway: repaired a route: node {head['node'].url} (layers 12:18) failed "
+                    f"({telemetry['repairs'][0]['cause']}); continued on {spare} "
+                    f"({telemetry['repairs'][0]['restored_tokens']} tokens restored, "
+                    f"{telemetry['repairs'][0]['tokens_replayed']} replayed)"], said
     assert len(repair_log) == 1
     check_repair(telemetry["repairs"][0], repair_log[0], prompt_tokens)
     i = nodes.index(head["node"])

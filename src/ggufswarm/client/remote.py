@@ -640,13 +640,7 @@ class RemoteSession:
             if since is None or time.monotonic() - since < self.lease_s / 3:
                 continue
             for url in list(self._opened):
-                conn = _conn(url, min(self.lease_s / 3, 10.0))
-                try:
-                    _request(conn, url, "POST", f"/v1/sessions/{self.id}/renew", token=self.route.token)
-                except RouteError:
-                    pass
-                finally:
-                    conn.close()
+                self._best_effort(url, "POST", f"/v1/sessions/{self.id}/renew", min(self.lease_s / 3, 10.0))
 
     @property
     def max_verify_tokens(self) -> int:
@@ -994,9 +988,13 @@ class RemoteSession:
 
     def _close_on(self, url: str) -> None:
         """Release the session on node ``url`` (best effort: errors are ignored)."""
-        conn = _conn(url, min(self.route.hop_timeout_s, 5.0))
+        self._best_effort(url, "DELETE", f"/v1/sessions/{self.id}", min(self.route.hop_timeout_s, 5.0))
+
+    def _best_effort(self, url: str, method: str, path: str, timeout_s: float) -> None:
+        """One request to node ``url`` on its own connection; a refusal or a dead node is ignored."""
+        conn = _conn(url, timeout_s)
         try:
-            _request(conn, url, "DELETE", f"/v1/sessions/{self.id}", token=self.route.token)
+            _request(conn, url, method, path, token=self.route.token)
         except RouteError:
             pass
         finally:

@@ -4,7 +4,8 @@ Each request gets its own route session (KV on every node), run in a worker thre
 ``generate`` loop as ``ggufswarm generate``; text deltas cross to the event loop through a queue, so
 concurrent requests proceed concurrently. The final stream chunk and the non-streamed body carry
 ``usage`` and a ``telemetry`` object (docs/protocol.md, "Generation telemetry"). A request that fails
-with a 5xx (an error answer, or a stream's error event) leaves one line on stderr (``_say_failed``).
+with a 5xx (an error answer, or a stream's error event) leaves one line on stderr (``_say_failed``), and so
+does each route repair that worked (``_say_repaired``).
 """
 
 from __future__ import annotations
@@ -109,6 +110,19 @@ def _say_failed(what: str, status: int, code: str, message: str) -> None:
     says nothing): ``ggufswarm gateway: WHAT (STATUS CODE): MESSAGE``, flushed at once."""
     if status >= 500:
         print(f"ggufswarm gateway: {what} ({status} {code}): {_one_line(message)}", file=sys.stderr, flush=True)
+
+
+def _say_repaired(repairs: list[dict]) -> None:
+    """One stderr line per route repair that worked (``telemetry.repairs``): ``ggufswarm gateway: repaired a
+    route: node URL (layers a:b) failed (CAUSE); continued on URL, ... (N tokens restored, M replayed)``."""
+    for r in repairs:
+        if r.get("replacement") and "error" not in r:
+            lo, hi = r.get("replaced_layers") or r["layers"]
+            replanned = "" if [lo, hi] == r["layers"] else f"; layers {lo}:{hi} re-planned"
+            print(f"ggufswarm gateway: repaired a route: node {r['hop']} (layers {r['layers'][0]}:{r['layers'][1]}) "
+                  f"failed ({r['cause']}); continued on {', '.join(r['replacement'])}{replanned} "
+                  f"({r['restored_tokens']} tokens restored, {r['tokens_replayed']} replayed)",
+                  file=sys.stderr, flush=True)
 
 
 def _error_response(exc: Exception, headers: dict | None = None, log: bool = False) -> web.Response:
@@ -612,6 +626,7 @@ class Gateway:
             emit(("error", exc, stats.completion_tokens))
         finally:
             if session is not None:
+                _say_repaired(session.telemetry.repairs)
                 session.close()
 
     def _open(self, ids: list[int], params: SamplingParams, max_tokens: int, prompt_param: str,

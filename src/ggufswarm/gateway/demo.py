@@ -210,8 +210,9 @@ def run_demo(args) -> int:
                 for i, n in enumerate(nodes):
                     if i not in gone and n.proc.poll() is not None:
                         gone.add(i)
-                        print(f"ggufswarm demo: node {n.url} (layers {n.spec.start}:{n.spec.end}) exited with "
-                              f"{n.proc.returncode}; sessions through it repair with another node serving those layers, "
+                        code = n.proc.returncode
+                        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+                        print(f"ggufswarm demo: node {n.url} (layers {n.spec.start}:{n.spec.end}) {how}; sessions through it repair with another node serving those layers, "
                               f"or on a re-planned route if the swarm has one"
                               + ("" if tracker is not None else " (no tracker: restart the demo)"),
                               file=sys.stderr, flush=True)

@@ -1016,8 +1016,10 @@ def run_node(config: NodeConfig) -> int:
         fetched = fetch_shard(config.tracker, name, config.layers, config.embed, config.head, Path(config.data_dir),
                               budget_bytes=int(config.memory_budget_mb * 2**20), timeout=config.fetch_timeout_s,
                               stall_s=config.fetch_stall_s, token=config.token)
-        print(f"ggufswarm node: fetched layers {fetched.spec.start}:{fetched.spec.end} of {name}: "
-              f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s", file=sys.stderr, flush=True)
+        got = (f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s"
+               if fetched.stats.bytes_downloaded else "already on disk, checked")
+        print(f"ggufswarm node: fetched layers {fetched.spec.start}:{fetched.spec.end} of {name}: {got}",
+              file=sys.stderr, flush=True)
         config = replace(config, layers=f"{fetched.spec.start}:{fetched.spec.end}", embed=fetched.spec.embed,
                          head=fetched.spec.head, model=str(fetched.path), swarm_name=name)
     app = make_app(config)
