@@ -872,14 +872,13 @@ class RemoteSession:
         whole = (self.route.hops[0].start, self.route.hops[-1].end)
         try:
             return self._plan(failed, span), span
-        except RouteError:
+        except RouteError as err:
             if span == whole:
                 raise
             try:
                 return self._plan(failed, whole), whole
             except RouteError:
-                pass
-            raise
+                raise err from None
 
     def _plan(self, failed: Hop, span: tuple[int, int]) -> "RemoteRoute":
         try:
@@ -944,7 +943,8 @@ class RemoteSession:
             self._telemetry.repairs.append({
                 "hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code,
                 "message": str(exc)[:300], "replacement": [h.url for h in spare.hops], "replaced_layers": list(span),
-                "restored_tokens": 0, "tokens_replayed": 0, "error": str(err)[:300], "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+                "restored_tokens": 0, "tokens_replayed": 0, "error": str(err)[:300],
+                "ms": round((time.perf_counter() - t0) * 1e3, 1)})
             raise
         # tokens_replayed counts up as the history from ``length`` to ``target`` is replayed (_step); ms is the
         # repair's own time (plan, open, restore, relink), without the replay

@@ -117,7 +117,7 @@ def _say_repaired(repairs: list[dict]) -> None:
     route: node URL (layers a:b) failed (CAUSE); continued on URL, ... (N tokens restored, M replayed)``."""
     for r in repairs:
         if r.get("replacement") and "error" not in r:
-            lo, hi = r.get("replaced_layers") or r["layers"]
+            lo, hi = r["replaced_layers"]
             replanned = "" if [lo, hi] == r["layers"] else f"; layers {lo}:{hi} re-planned"
             print(f"ggufswarm gateway: repaired a route: node {r['hop']} (layers {r['layers'][0]}:{r['layers'][1]}) "
                   f"failed ({r['cause']}); continued on {', '.join(r['replacement'])}{replanned} "

@@ -212,8 +212,9 @@ def run_demo(args) -> int:
                         gone.add(i)
                         code = n.proc.returncode
                         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
-                        print(f"ggufswarm demo: node {n.url} (layers {n.spec.start}:{n.spec.end}) {how}; sessions through it repair with another node serving those layers, "
-                              f"or on a re-planned route if the swarm has one"
+                        print(f"ggufswarm demo: node {n.url} (layers {n.spec.start}:{n.spec.end}) {how}; sessions "
+                              f"through it repair with another node serving those layers, or on a re-planned route, "
+                              f"if the swarm has one"
                               + ("" if tracker is not None else " (no tracker: restart the demo)"),
                               file=sys.stderr, flush=True)
                 time.sleep(0.5)
