@@ -778,9 +778,16 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _reaper(state: NodeState) -> None:
+    """Drop sessions idle past their lease or the TTL, every ``period`` s. A wake-up later than that by more than
+    half a period means the loop was stalled: that time is credited to every session (SessionStore.credit_stall)."""
     period = max(0.05, min(state.store.ttl_s / 4, 1.0))  # leases may be a few seconds
+    last = time.monotonic()
     while True:
         await asyncio.sleep(period)
+        now = time.monotonic()
+        late, last = now - last - period, now
+        if late > period / 2:
+            state.store.credit_stall(late)
         if state.store.expire():
             state.readvertise()
 

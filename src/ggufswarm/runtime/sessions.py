@@ -212,6 +212,16 @@ class SessionStore:
         _free(session)
         return session
 
+    def credit_stall(self, seconds: float) -> None:
+        """Time the node could not serve (its event loop stalled ``seconds``: CPU starvation, a long blocking call)
+        is no client's idle time: every session's idle clock moves on by it. A step that arrived during the stall
+        waits in the socket; without this, the reaper, which runs first when the loop resumes, would drop the
+        session of a client that was not idle at all."""
+        if seconds > 0:
+            with self._lock:
+                for s in self.sessions.values():
+                    s.last_used += seconds
+
     def expire(self, now: float | None = None) -> list[uuid.UUID]:
         """Drop sessions idle for more than ``ttl_s``, or their own shorter ``lease_s`` (never one in the middle of a
         step); returns their ids."""
