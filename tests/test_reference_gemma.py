@@ -10,7 +10,6 @@ bitwise: tests/test_llamacpp_backend.py.) Perplexity on both backends is checked
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from llamacpp_reference import llama_perplexity
 from route_fixtures import greedy_prompts
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
@@ -68,6 +68,9 @@ def _compare(label: str, ids: list[int], ours: np.ndarray, ref: np.ndarray) -> t
 
 
 def test_teacher_forced_vs_llama_cpp_f32(teacher_forced, gemma_f32_llama_cpp):
+    """What differs: the same F32 weights (and an f32 KV cache on both sides) summed in torch's order and in llama.cpp's
+    kernels'. Measured (AMD EPYC, AVX-512): top-1 agreement 100%, perplexity 15.2344 vs 15.2342, max |Δlogit| 0.044
+    over 1600 positions; asserted: top-1 >= 98%, perplexity within 1%."""
     ids, ours = teacher_forced
     agree, ratio = _compare("llama.cpp F32", ids, ours, _llama_cpp_logits(gemma_f32_llama_cpp, ids))
     assert agree.mean() >= 0.98
@@ -112,24 +115,36 @@ def _cli_perplexity(ggufswarm_cli, *args: str) -> float:
     return float(last.split()[-1])
 
 
-def _llama_perplexity_figure(ctx_size: int) -> float:
-    """``llama-perplexity``'s own final estimate on the same text (a fixture: tests/data/llama_perplexity_gemma.json,
-    made by tests/data/make_llama_perplexity_fixture.sh with the llama.cpp that llama-cpp-python bundles)."""
-    runs = json.loads((DATA / "llama_perplexity_gemma.json").read_text())["runs"]
-    return next(r["ppl"] for r in runs if r["ctx_size"] == ctx_size)
+def _llama_perplexity_figure(gemma_path, ctx_size: int, chunks: int | None = None) -> float:
+    """``llama-perplexity``'s estimate on the same text with 2 threads (the running figure after ``chunks`` chunks, as
+    the tool prints it; None: all), computed on this machine through the same libllama (tests/llamacpp_reference.py;
+    cached per machine kind and build). Checked against the tool itself once: the tool's own run (``-c 256 -t 2``)
+    printed 10.4944 12.7885 15.4609 15.1945 16.1857 15.7371 17.1076 18.1665, and this computation gives the same
+    eight running figures on the same CPU kind."""
+    running = llama_perplexity(gemma_path, DATA / "gpl-3.0-excerpt.txt", ctx_size, threads=2)["running"]
+    return running[-1] if chunks is None else running[chunks - 1]
 
 
 @pytest.mark.slow
-def test_perplexity_cli_llama_cpp_backend_matches_llama_perplexity(ggufswarm_cli):
-    """The default (llama.cpp) backend, as two shards: within 0.1% of llama-perplexity's figure."""
-    ours, ref = _cli_perplexity(ggufswarm_cli, "--threads", "2"), _llama_perplexity_figure(256)
-    print(f"perplexity CLI (llama.cpp backend, split at 9) {ours:.4f}, llama-perplexity {ref:.4f}")
-    assert abs(ours / ref - 1) < 0.001
+def test_perplexity_cli_llama_cpp_backend_matches_llama_perplexity(ggufswarm_cli, gemma_path):
+    """The default (llama.cpp) backend, as two shards, one chunk per step: llama-perplexity's figure as printed (4
+    decimals). What differs between the two: the tool decodes the 8 chunks side by side as 8 sequences of one batch,
+    the CLI one chunk at a time through two chained shards. Neither changes a row's bits (split invariance; llama.cpp's
+    kernels compute each row alone, measured: 1 or 8 chunks per batch give the same running figures to 1e-15), so
+    the figures are equal. (On an AVX2-only machine this CLI printed 18.0910 against 18.1665 made on an AVX-512 one:
+    the CPU kind changes the bits, so the reference is computed here.)"""
+    ours, ref = _cli_perplexity(ggufswarm_cli, "--threads", "2"), _llama_perplexity_figure(gemma_path, 256)
+    print(f"perplexity CLI (llama.cpp backend, split at 9) {ours:.4f}, llama-perplexity {ref:.6f}")
+    assert ours == round(ref, 4)
 
 
 @pytest.mark.slow
-def test_perplexity_cli_torch_backend_near_llama_perplexity(ggufswarm_cli):
-    """The torch reference (exact dequantized weights, no 8-bit activation rounding): within 1%."""
-    ours, ref = _cli_perplexity(ggufswarm_cli, "--backend", "torch"), _llama_perplexity_figure(256)
+def test_perplexity_cli_torch_backend_near_llama_perplexity(ggufswarm_cli, gemma_path):
+    """The torch reference (exact dequantized weights, no 8-bit activation rounding), over the first 4 chunks (508
+    scored tokens): within 1% of llama-perplexity's figure there. What differs: llama.cpp's quantized kernels round
+    the activations to 8 bits before each dot product, the torch backend does not. Measured (AMD EPYC, AVX-512):
+    15.2536 vs 15.1945, 0.39%."""
+    ours = _cli_perplexity(ggufswarm_cli, "--backend", "torch", "--chunks", "4")
+    ref = _llama_perplexity_figure(gemma_path, 256, chunks=4)
     print(f"perplexity CLI (torch backend) {ours:.4f}, llama-perplexity {ref:.4f}")
     assert abs(ours / ref - 1) < 0.01
