@@ -261,6 +261,7 @@ MSGS = [{"role": "user", "content": "Hi"}]
     (CHAT, {"mirostat": 2}, "mirostat"),
     (CHAT, {"typical_p": 0.5}, "typical_p"),
     (CHAT, {"ignore_eos": 1}, "ignore_eos"),
+    (CHAT, {"skip_special_tokens": "no"}, "skip_special_tokens"),
     (CHAT, {"min_keep": 2}, "min_keep"),
     (CHAT, {"audio": {"voice": "x"}}, "audio"),
     (CHAT, {"temprature": 0}, "temprature"),  # a typo is not silently ignored

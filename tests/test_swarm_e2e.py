@@ -31,7 +31,10 @@ def complete(base: str, prompt: str, max_tokens: int = 12) -> dict:
 
 
 def test_demo_whole_story_equals_generate(ggufswarm_cli):
-    demo = subprocess.run([*ggufswarm_cli, "demo", PROMPT, "--raw", "--temperature", "0", "--max-tokens", "16"],
+    # the demo without its base-model repetition guard, greedy: generate's text (its other base-model default, no
+    # media markers drawn, changes nothing here: this greedy answer holds none)
+    demo = subprocess.run([*ggufswarm_cli, "demo", PROMPT, "--raw", "--temperature", "0", "--max-tokens", "16",
+                           "--repeat-penalty", "1"],
                           capture_output=True, text=True, timeout=600)
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "published" in demo.stderr and "from the swarm" in demo.stderr
@@ -46,7 +49,8 @@ def test_demo_speculative_equals_generate(ggufswarm_cli):
     ``--speculative draft`` without a draft model is refused before anything starts."""
     prompt = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\ndef fib2(n):\n"
     demo = subprocess.run([*ggufswarm_cli, "demo", prompt, "--raw", "--no-swarm", "--temperature", "0",
-                           "--max-tokens", "24", "--speculative", "ngram"], capture_output=True, text=True, timeout=600)
+                           "--max-tokens", "24", "--speculative", "ngram", "--repeat-penalty", "1"], capture_output=True,
+                          text=True, timeout=600)
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "speculative ngram: drafted" in demo.stderr, demo.stderr[-3000:]
     gen = subprocess.run([*ggufswarm_cli, "generate", prompt, "--temperature", "0", "--max-tokens", "24"],

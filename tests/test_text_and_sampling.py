@@ -18,7 +18,7 @@ class FakeVocab:
         self.pieces = pieces
         self.eog_ids = frozenset({0})
 
-    def token_bytes(self, token_id: int) -> bytes:
+    def token_bytes(self, token_id: int, special: bool = False) -> bytes:
         return self.pieces[token_id]
 
 
@@ -61,6 +61,23 @@ def test_end_of_generation_token_stops():
     stream = TextStream(vocab)
     assert stream.push(1) == "hi"
     assert stream.push(0) == "" and stream.stopped and stream.finish_reason == "stop"
+
+
+def test_control_tokens_and_media_markers_are_no_text_unless_asked(gemma):
+    """Gemma 3's base model emits <start_of_image> (a user-defined token, which llama.cpp would print): it renders
+    to nothing, as control tokens do; ``special`` (generate --special, the gateway's skip_special_tokens: false)
+    shows both. User-defined tokens that are text (Gemma's <table>) still render."""
+    tok = gemma.tokenizer
+    marker, turn = tok.encode("<start_of_image>", add_bos=False), tok.encode("<start_of_turn>", add_bos=False)
+    assert len(marker) == len(turn) == 1 and marker[0] in tok.media_marker_ids
+    assert tok.token_bytes(marker[0]) == b"" and tok.token_bytes(turn[0]) == b""
+    assert tok.token_bytes(marker[0], special=True) == b"<start_of_image>"
+    assert tok.token_bytes(turn[0], special=True) == b"<start_of_turn>"
+    assert tok.decode(tok.encode("<table><tr>", add_bos=False)) == "<table><tr>"
+    ids = tok.encode("The sky", add_bos=False) + marker + turn + tok.encode(" is blue", add_bos=False)
+    for special, want in ((False, "The sky is blue"), (True, "The sky<start_of_image><start_of_turn> is blue")):
+        stream = TextStream(tok, special=special)
+        assert "".join(stream.push(t) for t in ids) + stream.finish() == want
 
 
 def test_gemma_bos_added_once_and_chat_template(gemma):

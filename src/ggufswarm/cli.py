@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty on recent tokens; 1 = off (default 1.0)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same output)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--special", action="store_true", help="print control tokens and media markers (e.g. Gemma's "
+                   "<start_of_image>) as their text; by default they print nothing")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _speculative_args(g)
 
@@ -251,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hidden-state frame dtype between nodes (default f32: the route computes exactly what "
                         "llama.cpp computes; f16 (range-extended) or bf16 halve the bytes; see docs/protocol.md)")
     w.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
+    w.add_argument("--session-lease", type=float, default=30.0, metavar="S",
+                   help="nodes drop a request's session once idle this long: a gateway that dies frees its KV that "
+                        "soon (default 30; the gateway renews it while a step takes long)")
     _speculative_args(w)
 
     d = sub.add_parser("demo", help="start N nodes + a gateway on loopback and stream one answer (the main job)",
@@ -260,12 +265,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "streams the answer to stdout; telemetry goes to stderr. Everything stops at the end (or on "
                                    "Ctrl-C). --serve keeps the cluster up and prints the gateway URL.")
     d.add_argument("prompt", nargs="?", default=None,
-                   help="prompt (default: a question for chat models, 'The sky is blue because' for base models)")
+                   help="prompt (default: a question for chat models, 'Photosynthesis is the process by which' "
+                        "for base models)")
     d.add_argument("--nodes", type=int, default=3, help="node processes (default 3)")
     d.add_argument("--model", metavar="PATH", help="GGUF file, or smollm2 (SmolLM2-135M-Instruct, a chat model "
                    "installed by the set-up); default: embedded Gemma 3 270M")
     d.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
-    d.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    d.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    d.add_argument("--repeat-penalty", type=float, default=None, metavar="P",
+                   help="repetition guard, llama.cpp's repeat penalty (default 1.15 for a base model, which loops "
+                        "without one; 1.0, off, for a chat model). A base model's media markers (Gemma's "
+                        "<start_of_image>, which a text-only route cannot follow) are also never drawn")
     d.add_argument("--seed", type=int, default=None, help="sampling seed")
     d.add_argument("--raw", action="store_true", help="send the prompt as a plain completion (no chat template; "
                    "automatic for base models, whose GGUF has no chat template)")
@@ -408,7 +418,7 @@ def cmd_generate(args) -> int:
         drafter = DraftModel(args.draft_model, model.file.metadata, max_length=_context_for(args.max_tokens),
                              sessions=1, threads=args.draft_threads).drafter(
             min(args.draft_max, session.max_verify_tokens - 1), session.max_length)
-    for delta in generate(session, model.tokenizer, ids, args.max_tokens, args.stop, stats, drafter):
+    for delta in generate(session, model.tokenizer, ids, args.max_tokens, args.stop, stats, drafter, args.special):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -488,6 +498,7 @@ def cmd_gateway(args) -> int:
     return run_gateway(GatewayConfig(route=route, model=args.model, host=args.host, port=args.port,
                                      hop_timeout_s=args.hop_timeout, wire_dtype=args.wire_dtype,
                                      default_max_tokens=args.max_tokens, tracker=args.tracker,
+                                     session_lease_s=args.session_lease,
                                      api_keys=tuple(args.api_key), prompt_special=not args.literal_prompts,
                                      data_dir=args.data_dir, chat_template=chat_template, token=args.token,
                                      speculative=args.speculative, draft_max=args.draft_max,
@@ -588,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag, None)
         if value is not None and value < (1 if flag == "chunks" else 0):
             parser.error(f"--{flag.replace('_', '-')} must be at least {1 if flag == 'chunks' else 0}, got {value}")
+    lease = getattr(args, "session_lease", None)
+    if lease is not None and not 0 < lease < float("inf"):
+        parser.error(f"--session-lease must be a positive number of seconds, got {lease}")
     if getattr(args, "dtype", "float32") != "float32" and getattr(args, "backend", None) == "llama.cpp":
         parser.error(f"--dtype {args.dtype} is the torch backend's compute dtype; the llama.cpp backend computes "
                      f"as llama.cpp does (add --backend torch)")

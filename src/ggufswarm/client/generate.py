@@ -125,8 +125,10 @@ class GenerationStats:
 
 
 def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
-             stop: list[str] | None = None, stats: GenerationStats | None = None, drafter=None) -> Iterator[str]:
+             stop: list[str] | None = None, stats: GenerationStats | None = None, drafter=None,
+             special: bool = False) -> Iterator[str]:
     """Yield text deltas of the completion of ``prompt_ids`` (stops at EOG tokens, stop strings, max_tokens).
+    Control tokens and media markers are no text unless ``special`` (``Tokenizer.token_bytes``).
 
     ``drafter`` (``client.speculative.NgramDrafter`` or ``ModelDrafter``; the session then needs ``verify``, ``drop`` and
     ``max_verify_tokens``): speculative decoding. Each decode step sends the drafted tokens after the last
@@ -145,7 +147,7 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
         history = list(prompt_ids)  # what the drafter looks up: the prompt and every token emitted
         pending: list[int] = []     # tokens a verify step confirmed, not yet emitted
         room = min(getattr(session, "max_verify_tokens", 1), getattr(session, "max_length", 1 << 31)) - 1
-    stream = TextStream(tokenizer, stop)
+    stream = TextStream(tokenizer, stop, special)
     t0 = time.perf_counter()
     token = session.step(prompt_ids) if max_tokens > 0 else None
     t_first = time.perf_counter()

@@ -18,6 +18,22 @@ import jinja2.sandbox
 # (llama.cpp's common chat code falls back to chatml the same way).
 BUILTIN_CHAT_TEMPLATES = {"gemma3": "gemma"}
 
+USER_DEFINED = 4  # tokenizer.ggml.token_type of a user-defined token (llama.cpp's LLAMA_TOKEN_TYPE_USER_DEFINED)
+# A user-defined token naming a media embedding's place: <start_of_image>, <end_of_image>, [multimodal] (Gemma 3),
+# <|vision_start|>, <image_soft_token> ... (llama.cpp prints user-defined tokens as text; Hugging Face marks these
+# special, so its skip_special_tokens drops them)
+MEDIA_MARKER = re.compile(r"<\|?[a-z_]*(image|audio|video|vision|multimodal)[a-z_]*\|?>|\[multimodal\]")
+
+
+def media_marker_ids(metadata: dict[str, Any]) -> frozenset[int]:
+    """Ids of the user-defined tokens of a GGUF's vocabulary (``tokenizer.ggml.tokens`` / ``token_type``) that mark
+    where an image, audio or video embedding goes (Gemma 3's ``<start_of_image>``). A text-only route can never
+    follow one with media: like control tokens they are no text to show (``Tokenizer.token_bytes``)."""
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    types = metadata.get("tokenizer.ggml.token_type") or []
+    return frozenset(i for i, (t, ty) in enumerate(zip(tokens, types))
+                     if ty == USER_DEFINED and MEDIA_MARKER.fullmatch(t))
+
 
 @contextlib.contextmanager
 def _quiet_stderr():
@@ -78,6 +94,7 @@ class Tokenizer:
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         self.bos_token = tokens[self.bos_id] if 0 <= self.bos_id < len(tokens) else ""
         self.eos_token = tokens[self.eos_id] if 0 <= self.eos_id < len(tokens) else ""
+        self.media_marker_ids = media_marker_ids(metadata)
         self.chat_template = metadata.get("tokenizer.chat_template")
         self.builtin_template = BUILTIN_CHAT_TEMPLATES.get(metadata.get("general.architecture"), "chatml")
 
@@ -93,13 +110,17 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a token renders to (control tokens render to nothing)."""
-        return self._llm.detokenize([token_id], special=False)
+    def token_bytes(self, token_id: int, special: bool = False) -> bytes:
+        """The bytes a token renders to. Without ``special``, control tokens (``<eos>``, ``<start_of_turn>``: as
+        llama.cpp's ``llama_token_to_piece``) and media markers (``media_marker_ids``) render to nothing; with it,
+        to their text."""
+        if not special and token_id in self.media_marker_ids:
+            return b""
+        return self._llm.detokenize([token_id], special=special)
 
-    def decode(self, ids: list[int]) -> str:
-        """Text of a token sequence (invalid UTF-8 replaced)."""
-        return b"".join(self.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], special: bool = False) -> str:
+        """Text of a token sequence (invalid UTF-8 replaced); ``special`` as ``token_bytes``."""
+        return b"".join(self.token_bytes(t, special) for t in ids).decode("utf-8", errors="replace")
 
     @property
     def control_pattern(self) -> "re.Pattern | None":
@@ -234,8 +255,9 @@ class TextStream:
     tokens. ``push`` returns the newly safe text; ``finish`` returns what is left to flush.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, special: bool = False):
         self.tokenizer = tokenizer
+        self.special = special  # control tokens and media markers as text (Tokenizer.token_bytes)
         self.stop = [s for s in (stop or []) if s]
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pending = ""
@@ -249,7 +271,7 @@ class TextStream:
         if token_id in self.tokenizer.eog_ids:
             self.stopped, self.finish_reason = True, "stop"
             return self._flush_pending()
-        self._pending += self._decoder.decode(self.tokenizer.token_bytes(token_id))
+        self._pending += self._decoder.decode(self.tokenizer.token_bytes(token_id, self.special))
         for s in self.stop:
             idx = self._pending.find(s)
             if idx >= 0:

@@ -175,7 +175,7 @@ DEPENDENT_EXTRAS = frozenset({"mirostat_tau", "mirostat_eta", "dry_base", "dry_a
 _COMMON_PARAMS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
                             "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
                             "logprobs", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos",
-                            "speculative.n_max"})
+                            "speculative.n_max", "skip_special_tokens"})
 CHAT_PARAMS = _COMMON_PARAMS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
                                 "function_call"}
 COMPLETION_PARAMS = _COMMON_PARAMS | {"prompt", "echo", "suffix", "best_of"}
@@ -201,6 +201,7 @@ class RequestOptions:
     top_logprobs: int = 0
     echo: bool = False
     ignore_eos: bool = False
+    special: bool = False  # vLLM's skip_special_tokens false: control tokens and media markers rendered as text
     draft_max: int | None = None  # llama-server's speculative.n_max: at most this many drafts per step (0: none)
 
 
@@ -300,7 +301,8 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
     elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 16):
         raise RequestError("stop must be a string or a list of up to 16 non-empty strings", param="stop")
     stream = _flag(body, "stream")
-    opts = RequestOptions(params, max_tokens, stop, stream, ignore_eos=_flag(body, "ignore_eos"))
+    opts = RequestOptions(params, max_tokens, stop, stream, ignore_eos=_flag(body, "ignore_eos"),
+                          special=body.get("skip_special_tokens") is not None and not _flag(body, "skip_special_tokens"))
     if body.get("speculative.n_max") is not None:
         opts.draft_max = _number(body, "speculative.n_max", 0, 0, MAX_DRAFT, int)
     stream_options = body.get("stream_options")
@@ -606,7 +608,7 @@ class Gateway:
             guarded = _Guarded(session, cancelled, opts.logprobs, self.tokenizer.eog_ids)
             drafter = self._drafter(session, opts)
             try:
-                for delta in generate(guarded, self.tokenizer, ids, budget, stop, stats, drafter):
+                for delta in generate(guarded, self.tokenizer, ids, budget, stop, stats, drafter, opts.special):
                     emit(("delta", delta, guarded.drain()))
             finally:
                 if hasattr(drafter, "close"):

@@ -27,10 +27,12 @@ from ..tracker.app import TrackerConfig
 from ..tracker.app import make_app as make_tracker_app
 from ..runtime.spec import even_split
 from ..protocol.http import ServerThread
+from ..client.tokenizer import media_marker_ids
 from .app import GatewayConfig, make_app
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."   # for chat (instruction-tuned) models
-DEFAULT_COMPLETION = "The sky is blue because"                      # for base models (no chat template)
+DEFAULT_COMPLETION = "Photosynthesis is the process by which"       # for base models (no chat template)
+BASE_REPEAT_PENALTY = 1.15  # a base model's default repetition guard (Gemma 3 270M loops without one)
 
 
 def stream_completion(base_url: str, body: dict, chat: bool = True, out=sys.stdout, timeout: float = 600.0) -> dict:
@@ -183,6 +185,12 @@ def run_demo(args) -> int:
                   + (" (the default; give your own as the demo's argument)" if args.prompt is None else ""),
                   file=sys.stderr, flush=True)
             body = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+            repeat_penalty = args.repeat_penalty if args.repeat_penalty is not None else (
+                1.0 if chat else BASE_REPEAT_PENALTY)
+            if repeat_penalty != 1.0:
+                body["repeat_penalty"] = repeat_penalty
+            if not chat:  # a base model's media markers start an image the route cannot give: never drawn
+                body["logit_bias"] = {str(t): -100 for t in sorted(media_marker_ids(file.metadata))}
             if args.seed is not None:
                 body["seed"] = args.seed
             if chat:
