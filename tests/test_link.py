@@ -291,19 +291,21 @@ def test_a_client_that_dies_frees_its_sessions_within_its_lease(tiny_route):
 @pytest.mark.slow
 def test_a_gateway_killed_mid_request_has_its_sessions_freed_within_its_lease(tiny_route, tmp_path):
     """A gateway process killed (SIGKILL) while it streams closes nothing; every node drops its session once
-    idle for the gateway's lease (GatewayConfig.session_lease_s, 30 s), long before the nodes' 300 s session TTL."""
+    idle for the gateway's lease (``gateway --session-lease``, default 30 s; 5 s here), long before the nodes' 300 s
+    session TTL."""
     import subprocess
     import sys
     from http.client import HTTPConnection
 
     from ggufswarm.gateway.app import GatewayConfig
 
-    lease = GatewayConfig([]).session_lease_s
+    assert GatewayConfig([]).session_lease_s == 30
+    lease = 5.0
     urls = [tiny_route["first"], tiny_route["head"]]
-    assert lease <= 30 and all(http("GET", u + "/health")[1]["session_ttl_s"] >= 300 for u in urls)
+    assert all(http("GET", u + "/health")[1]["session_ttl_s"] >= 300 for u in urls)
     before = [http("GET", u + "/health")[1]["sessions"] for u in urls]  # other tests' sessions, if any
-    proc = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "gateway", "--route", ",".join(urls),
-                             "--port", "0", "--data-dir", str(tmp_path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "gateway", "--route", ",".join(urls), "--port", "0",
+                             "--data-dir", str(tmp_path), "--session-lease", str(lease)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()
@@ -515,6 +517,42 @@ def test_with_no_spare_for_the_failed_span_the_whole_route_is_replanned(tiny_rou
     finally:
         session.close()
     assert out == want
+
+
+def test_a_repair_onto_a_node_of_other_numerics_continues_coherently(tiny_route, tiny_dir):
+    """A head fails and its layers go to a node whose numerics differ: here the torch backend (f32 dequantized
+    weights, its own kernels), standing for a llama.cpp node of another CPU kind (whose AVX2 / AVX-512 kernels round
+    differently). The stream goes on without an error, nothing lost or repeated: the tokens before the failure are
+    llama.cpp's, and every token after it is the one the new route gives for the same history fed in the same steps
+    (checked by teacher forcing on a fresh session of that route): a coherent continuation, which from that point
+    may differ from an uninterrupted run."""
+    first, head, model = tiny_route["first"], tiny_route["head"], tiny_route["model"]
+    with AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=model, backend="torch",
+                                                    data_dir=str(tiny_dir / "link-torch-head")))) as other:
+        def replan(exclude, span):
+            assert span == (1, 2) and head in exclude
+            return RemoteRoute([other], 30.0, part=True)
+
+        n = 6
+        want = greedy([first, head], n=n)
+        session = RemoteRoute([first, head]).open(64, GREEDY, replan=replan)
+        try:
+            out = [session.step(PROMPT), session.step([want[0]])]
+            http("DELETE", f"{head}/v1/sessions/{session.id}")  # the head lost the session
+            while len(out) < n:
+                out.append(session.step([out[-1]]))
+            [repair] = session.telemetry.repairs
+            assert repair["replacement"] == [other] and "error" not in repair, repair
+        finally:
+            session.close()
+        assert out[:2] == want[:2]
+        forced = RemoteRoute([first, other]).open(64, GREEDY)
+        try:  # the same steps: the prompt, then one token at a time
+            forced.step(PROMPT)
+            after = [forced.step([t]) for t in out[:-1]]
+        finally:
+            forced.close()
+        assert out[2:] == after[1:], (out, after)
 
 
 def test_hop_timeouts_grow_with_the_frame(tiny_route):
