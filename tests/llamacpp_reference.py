@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-CACHE_DIR = Path(os.environ.get("GGUFSWARM_REFERENCE_CACHE", Path.home() / ".cache" / "ggufswarm" / "llamacpp-references"))
+CACHE_DIR = Path(os.environ.get("GGUFSWARM_REFERENCE_CACHE",
+                               Path.home() / ".cache" / "ggufswarm" / "llamacpp-references"))
 
 
 class ForeignReference(Exception):

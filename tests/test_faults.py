@@ -77,17 +77,18 @@ def swarm(whole_swarm):
     """The module's swarm with every node up: a node an earlier test killed is replaced by a fresh process (once
     the tracker has forgotten the dead one), so the tests pass in any order."""
     nodes, tracker = whole_swarm["nodes"], whole_swarm["tracker"]
-
-    def listed() -> set[str]:
-        return {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]}
-
     for i, node in enumerate(nodes):
         if node.proc.poll() is None:
             continue
-        wait_for(lambda: node.url not in listed(), 3 * TTL_S)
+        wait_for(lambda: node.url not in listed(tracker), 3 * TTL_S)
         nodes[i] = whole_swarm["launch"](i)
-    wait_for(lambda: {n.url for n in nodes} <= listed(), 30)
+    wait_for(lambda: {n.url for n in nodes} <= listed(tracker), 30)
     return whole_swarm
+
+
+def listed(tracker: str) -> set[str]:
+    """URLs of the nodes the tracker lists for the model."""
+    return {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]}
 
 
 @pytest.fixture(scope="module")
@@ -200,13 +201,11 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
         assert len(repair_log) == 1
         check_repair(repairs[0], repair_log[0], prompt_tokens)
         assert killed.url not in {h["node"] for h in telemetry["route"]}
-        # bring the slot back (a fresh process) once the tracker has forgotten the dead one
+        # bring the slot back (a fresh process, on a new port) while the tracker forgets the dead one; the next
+        # trial starts once both happened
         i = nodes.index(killed)
-        wait_for(lambda: killed.url not in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]},
-                 3 * TTL_S)
         nodes[i] = swarm["launch"](i)
-        wait_for(lambda: nodes[i].url in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]},
-                 30)
+        wait_for(lambda: killed.url not in listed(tracker) and nodes[i].url in listed(tracker), 3 * TTL_S + 30)
     print("\ntrial kill_at span repairs cause restored replayed repair_ms identical seconds")
     for row in rows:
         print("  ".join(str(x) for x in row))
@@ -235,8 +234,7 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
     assert len(repair_log) == 1
     check_repair(telemetry["repairs"][0], repair_log[0], prompt_tokens)
     i = nodes.index(head["node"])
-    wait_for(lambda: head["node"].url not in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]},
-             3 * TTL_S)
+    wait_for(lambda: head["node"].url not in listed(tracker), 3 * TTL_S)
     nodes[i] = swarm["launch"](i)
 
 
@@ -391,12 +389,11 @@ def test_new_requests_plan_around_a_dead_node_the_tracker_still_lists(swarm, cap
     text, telemetry = stream(swarm["gateway"], PROMPT, lambda i: None, max_tokens=2)
     assert text and other.url in {h["node"] for h in telemetry["route"]}
     wait_for(lambda: f"node {victim.url} reported failing" in caplog.text, TTL_S)
-    assert victim.url not in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]}
+    assert victim.url not in listed(tracker)
     i = nodes.index(victim)
-    wait_for(lambda: victim.url not in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]},
-             3 * TTL_S)
+    wait_for(lambda: victim.url not in listed(tracker), 3 * TTL_S)
     nodes[i] = swarm["launch"](i)
-    wait_for(lambda: nodes[i].url in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]}, 30)
+    wait_for(lambda: nodes[i].url in listed(tracker), 30)
 
 
 def test_max_tokens_past_every_node_s_kv_is_served_up_to_the_route_s_length(swarm):
@@ -434,8 +431,7 @@ def test_no_replacement_is_a_clear_error(swarm):
     status, body = http_json("GET", swarm["gateway"] + "/health")
     assert status == 200 and body["status"] == "ok", body
     middle[0].kill()
-    wait_for(lambda: middle[0].url not in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]},
-             3 * TTL_S)
+    wait_for(lambda: middle[0].url not in listed(tracker), 3 * TTL_S)
     with pytest.raises(AssertionError, match="no_replacement") as err:
         stream(swarm["gateway"], PROMPT, lambda i: i == 3 and middle[1].kill())
     assert middle[1].url in str(err.value) and "layers 6:12" in str(err.value)

@@ -49,8 +49,8 @@ def test_demo_speculative_equals_generate(ggufswarm_cli):
     ``--speculative draft`` without a draft model is refused before anything starts."""
     prompt = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\ndef fib2(n):\n"
     demo = subprocess.run([*ggufswarm_cli, "demo", prompt, "--raw", "--no-swarm", "--temperature", "0",
-                           "--max-tokens", "24", "--speculative", "ngram", "--repeat-penalty", "1"], capture_output=True,
-                          text=True, timeout=600)
+                           "--max-tokens", "24", "--speculative", "ngram", "--repeat-penalty", "1"],
+                          capture_output=True, text=True, timeout=600)
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "speculative ngram: drafted" in demo.stderr, demo.stderr[-3000:]
     gen = subprocess.run([*ggufswarm_cli, "generate", prompt, "--temperature", "0", "--max-tokens", "24"],

@@ -301,8 +301,9 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
     elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 16):
         raise RequestError("stop must be a string or a list of up to 16 non-empty strings", param="stop")
     stream = _flag(body, "stream")
+    skip_special = body.get("skip_special_tokens") is None or _flag(body, "skip_special_tokens")
     opts = RequestOptions(params, max_tokens, stop, stream, ignore_eos=_flag(body, "ignore_eos"),
-                          special=body.get("skip_special_tokens") is not None and not _flag(body, "skip_special_tokens"))
+                          special=not skip_special)
     if body.get("speculative.n_max") is not None:
         opts.draft_max = _number(body, "speculative.n_max", 0, 0, MAX_DRAFT, int)
     stream_options = body.get("stream_options")
