@@ -193,6 +193,14 @@ def run_demo(args) -> int:
                 body["logit_bias"] = {str(t): -100 for t in sorted(media_marker_ids(file.metadata))}
             if args.seed is not None:
                 body["seed"] = args.seed
+            how = ["greedy"] if args.temperature == 0 else [
+                f"sampled at temperature {args.temperature:g}",
+                f"seed {args.seed}" if args.seed is not None else "a random seed (--seed N repeats an answer)"]
+            if repeat_penalty != 1.0:
+                how.append(f"repeat penalty {repeat_penalty:g}")
+            if not chat:
+                how.append("media markers never drawn (a base model's defaults)")
+            print("ggufswarm demo: " + ", ".join(how), file=sys.stderr, flush=True)
             if chat:
                 body["messages"] = [{"role": "user", "content": prompt}]
             else:
@@ -205,8 +213,9 @@ def run_demo(args) -> int:
         if args.serve:
             print(base, flush=True)
             if tracker is not None:  # what a user needs to watch the swarm or add a node to it
-                middle = specs[len(specs) // 2]  # with 3 nodes or more: a range without --embed or --head
-                example = f", e.g. --layers {middle.start}:{middle.end}" if len(specs) > 2 else ""
+                last = specs[-1]  # with 2 nodes or more: a range with --head
+                example = (f", e.g. --layers {last.start}:{last.end} --head for the last; a spare of the first range "
+                           f"adds --embed" if len(specs) > 1 else "")
                 print(f"ggufswarm demo: to add a node or watch the swarm: export {TOKEN_ENV}={token}; "
                       f"ggufswarm node --tracker {tracker_url} --model {name} --layers auto --cache {cache_url} "
                       f"--port 0 (the least-covered range that fits --memory-budget MiB, the whole model when it "
