@@ -43,7 +43,7 @@ SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
 test: setup test-deps
 	@echo "test order: pytest-randomly seed $(SEED) (repeat it with make test SEED=$(SEED))"
-	$(BIN)/python -m pytest -q -p randomly --randomly-seed=$(SEED)
+	$(BIN)/python -m pytest -q -p randomly --randomly-seed=$(SEED) --durations=20
 
 # Fault suite alone, with its table: 20 trials SIGKILLing a random node of a live 3-node route.
 faults: setup

@@ -1,7 +1,8 @@
 """Shared by test_node.py and test_gateway.py: a 3-node Gemma cluster (subprocesses), a gateway, references.
 
-Import the fixtures explicitly (``from route_fixtures import cluster, gateway``); pytest scopes them
-to each importing module, so every module boots its cluster once.
+Import the fixtures explicitly (``from route_fixtures import cluster, gateway``). They are session-scoped: the
+modules that use them (test_node, test_gateway, test_speculative) share one cluster and one gateway, booted once.
+A test that stops or kills a node starts its own (``start_spare_head``), never one of these.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ggufswarm.runtime.shard import ShardSpec, even_split
 HOP_TIMEOUT = 10.0  # seconds per hop, for the gateway's sessions and the nodes' default
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(gemma_path):
     """Three node processes serving Gemma 3 270M as 0:6 (+embed), 6:12, 12:18 (+head); 1 thread each."""
     nodes = start_nodes(even_split(18, 3), str(gemma_path), threads=1, extra=["--hop-timeout", str(HOP_TIMEOUT)])
@@ -33,7 +34,7 @@ def cluster(gemma_path):
     stop_nodes(nodes)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gateway(cluster, gemma_path):
     """Base URL (``http://127.0.0.1:PORT``) of an in-process gateway over ``cluster``."""
     server = ServerThread(make_app(GatewayConfig([n.url for n in cluster], model=str(gemma_path),
