@@ -617,8 +617,11 @@ class Gateway:
             rest = guarded.drain()  # tokens whose text was held back (a stop string) or empty
             if rest:
                 emit(("delta", "", rest))
+            _say_repaired(session.telemetry.repairs)  # before the answer ends: its reader may look for the line
             emit(("done", stats, self.telemetry(session, stats)))
         except Cancelled:
+            if session is not None:
+                _say_repaired(session.telemetry.repairs)
             emit(("error", RequestError("client went away", 499, "cancelled"), stats.completion_tokens))
         except Exception as exc:  # noqa: BLE001 - handed to the event loop
             if isinstance(exc, RouteError) and exc.code in REPAIRABLE and not self.config.tracker:
@@ -626,10 +629,10 @@ class Gateway:
             if session is not None:  # what the session did before it failed (repairs attempted, route)
                 exc.telemetry = {"route": session.route.describe(), "session": str(session.id),
                                  "repairs": list(session.telemetry.repairs)}
+                _say_repaired(session.telemetry.repairs)
             emit(("error", exc, stats.completion_tokens))
         finally:
             if session is not None:
-                _say_repaired(session.telemetry.repairs)
                 session.close()
 
     def _open(self, ids: list[int], params: SamplingParams, max_tokens: int, prompt_param: str,
