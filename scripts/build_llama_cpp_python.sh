@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Build the llama-cpp-python wheel ggufswarm runs on: llama-cpp-python's PyPI source distribution with the
+# patch queue of patches/llama.cpp applied to its vendor/llama.cpp, compiled for this machine.
+#
+# Usage:   scripts/build_llama_cpp_python.sh PIP          (make setup calls it; PIP is the venv's pip)
+# Prints:  the path of the wheel (last line of stdout); everything else goes to stderr.
+# Cache:   ~/.cache/ggufswarm/wheels/<cpu>-<patches>/ — <cpu> hashes this machine's CPU flags (-march=native), <patches>
+#          the patch files: a new patch, or another CPU kind, gets its own wheel; a fresh clone (CI) of the same
+#          queue on the same kind of machine installs the cached wheel in seconds. The patched source
+#          (src/) and CMake build tree (build/) stay beside the wheel: `tools` builds llama.cpp's test-llama-archs
+#          from them in a minute instead of compiling llama.cpp again.
+#          scripts/build_llama_cpp_python.sh tools   builds build/bin/test-llama-archs and prints its path.
+# Flags:   -march=native minus AMX (-mno-amx-*): ggml's AMX kernels SIGSEGV in ggml_backend_amx_mul_mat on the
+#          virtual machines this project runs on.
+# Needs:   a C/C++ compiler, cmake, patch (or git); network access to PyPI for the sdist and scikit-build-core.
+set -euo pipefail
+
+VERSION=0.3.36
+SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e  # PyPI file, checked
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PATCHES="$ROOT/patches/llama.cpp"
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+CPU_KEY="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)"
+PATCH_KEY="$(cat "$PATCHES"/*.patch 2>/dev/null | sha256sum | cut -c1-12)"
+DIR="${GGUFSWARM_WHEELS:-$HOME/.cache/ggufswarm/wheels}/$CPU_KEY-$PATCH_KEY"
+
+say() { printf '[llama-cpp-python] %s\n' "$*" >&2; }
+die() { printf '[llama-cpp-python] ERROR: %s\n' "$*" >&2; exit 1; }
+
+if [ "${1:-}" = tools ]; then   # llama.cpp's test-llama-archs (the architecture zoo's writer), from the kept tree
+    [ -f "$DIR/build/CMakeCache.txt" ] || die "no build tree in $DIR/build: run make setup first"
+    if [ ! -x "$DIR/build/bin/test-llama-archs" ]; then
+        say "building test-llama-archs in $DIR/build (patched llama.cpp $VERSION)"
+        cmake -S "$DIR/src" -B "$DIR/build" -DLLAMA_BUILD_TESTS=ON >/dev/null
+        cmake --build "$DIR/build" --target test-llama-archs -j "${JOBS:-2}" >&2
+    fi
+    echo "$DIR/build/bin/test-llama-archs"
+    exit 0
+fi
+
+PIP="${1:?usage: $0 PIP | tools}"
+wheel="$(ls "$DIR"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -n1 || true)"
+if [ -n "$wheel" ]; then
+    say "cached wheel: $wheel"
+    echo "$wheel"
+    exit 0
+fi
+mkdir -p "$DIR"
+say "building llama-cpp-python $VERSION with $(ls "$PATCHES"/*.patch | wc -l) llama.cpp patches into $DIR (about 7 minutes on 2 cores)"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+"$PIP" download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$tmp" >&2 \
+    || die "pip download of llama-cpp-python==$VERSION failed"
+sdist="$tmp/llama_cpp_python-$VERSION.tar.gz"
+[ "$(sha256sum "$sdist" | cut -d' ' -f1)" = "$SDIST_SHA256" ] || die "sha256 of $sdist differs from the pinned one"
+rm -rf "$DIR/src" "$DIR/build"
+mkdir -p "$DIR/src"
+tar -xzf "$sdist" -C "$DIR/src" --strip-components=1
+for p in "$PATCHES"/*.patch; do
+    say "applying $(basename "$p")"
+    if command -v patch >/dev/null 2>&1; then
+        patch -p1 --forward --quiet -d "$DIR/src/vendor/llama.cpp" < "$p" >&2 || die "patch $(basename "$p") does not apply"
+    else  # git apply works outside a repository too
+        git -C "$DIR/src" apply -p1 --directory=vendor/llama.cpp "$p" >&2 || die "patch $(basename "$p") does not apply"
+    fi
+done
+CMAKE_ARGS="-DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'" \
+    "$PIP" wheel -q --no-deps --no-cache-dir --config-settings=build-dir="$DIR/build" "$DIR/src" -w "$DIR" >&2 \
+    || die "the wheel build failed (see above)"
+wheel="$(ls "$DIR"/llama_cpp_python-"$VERSION"-*.whl | head -n1)"
+say "built $wheel"
+echo "$wheel"

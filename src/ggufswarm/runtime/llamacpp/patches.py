@@ -1,0 +1,58 @@
+"""Which patches of ggufswarm's llama.cpp patch queue the loaded libllama carries.
+
+``make setup`` builds llama-cpp-python from its source distribution with the patches of ``patches/llama.cpp``
+applied to its ``vendor/llama.cpp`` (``scripts/build_llama_cpp_python.sh``). A user's own llama-cpp-python has
+none of them: the architectures that need one then run only as whole models, and a node asked for a layer range
+of them says so in one line. Each patch leaves a string in libllama that this module looks for (the GGUF key or
+message the patch adds), so the check reads the library file once and loads nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+# patch (file name without .patch) -> a string that patch adds to libllama's read-only data
+PATCH_MARKERS: dict[str, bytes] = {
+    "0001-embedding-length-in": b"%s.embedding_length_in",
+    "0002-deepseek4-layer-range": b"DeepSeek-V4 embedding_length_in must be",
+    "0003-glm4-layer-range-input": b"a layer range sets embedding_length_in",
+    "0004-split-sources": b"split.sources.block_offset",
+}
+# a patch needs the ones it builds on
+REQUIRES: dict[str, tuple[str, ...]] = {
+    "0002-deepseek4-layer-range": ("0001-embedding-length-in",),
+    "0003-glm4-layer-range-input": ("0001-embedding-length-in",),
+}
+
+
+def libllama_path() -> Path:
+    """The libllama shared library llama-cpp-python loaded (``llama_cpp.llama_cpp._lib``)."""
+    import llama_cpp
+
+    return Path(llama_cpp.llama_cpp._lib._name)
+
+
+@functools.lru_cache(maxsize=None)
+def _library_bytes(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def applied(name: str) -> bool:
+    """Whether the loaded libllama carries patch ``name`` (and the patches it builds on). KeyError: unknown."""
+    data = _library_bytes(str(libllama_path()))
+    return all(PATCH_MARKERS[n] in data for n in (*REQUIRES.get(name, ()), name))
+
+
+def require_patch(name: str, what: str) -> None:
+    """Raise UnsupportedShard (one line: what needs which patch, and how to get it) unless ``applied(name)``."""
+    if not applied(name):
+        from .derive import UnsupportedShard
+
+        raise UnsupportedShard(
+            f"{what} needs llama.cpp patch {name} (patches/llama.cpp in ggufswarm), which the llama-cpp-python at "
+            f"{libllama_path().parent.parent} does not carry; `make setup` builds one with the patch queue "
+            f"(until then only the whole model runs)")
+
+
+__all__ = ["PATCH_MARKERS", "applied", "libllama_path", "require_patch"]
