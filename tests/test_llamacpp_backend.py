@@ -8,6 +8,8 @@ passed as float32, so equality must be exact, not approximate.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -55,8 +57,8 @@ def chain(path, points: list[int], tmp_path, n_ctx: int = 2048, sessions: int = 
 
 def run_chain(shards, kvs, ids: list[int], logits: str = "all") -> np.ndarray:
     x = np.asarray(ids)
-    for shard, kv in zip(shards, kvs):
-        x = shard.forward(kv, x, logits=logits)
+    for shard, kv in zip(shards, kvs):  # a shard routing by token id (DeepSeek-V4) gets them with the hidden states
+        x = shard.forward(kv, x, logits=logits, **({"token_ids": ids} if shard.needs_token_ids else {}))
     return x
 
 
@@ -199,29 +201,78 @@ def test_glm_dsa_shards_bitwise(tiny_dir, tmp_path):
     assert_chain_equals_llama_cpp(path, [2, 6], ids, tmp_path, n_ctx=256)
 
 
-def test_deepseek4_runs_whole_model_only(tiny_dir, tmp_path):
-    """DeepSeek-V4 (deepseek4: hyper-connections, compressed attention with ratios 0/4/128/4, lightning indexer,
-    a hash-routed first block, sqrt-softplus routing, grouped output LoRA, attention sinks): a layer range is
-    refused with the llama.cpp change it needs; the whole model on one node equals llama.cpp bitwise over a
-    150-token prompt (past the 128-token compression block) and 20 decode steps. Its cache refuses partial
-    removal, so a session rolls back only to an exact state checkpoint, and continues bitwise from there."""
-    from ggufswarm.runtime.llamacpp.backend import StateNotAtPosition
-    path = write_tiny_deepseek4_model(tiny_dir / "bitwise-deepseek4.gguf")
-    file = GGUFModelFile(path)
-    with pytest.raises(UnsupportedShard, match="only the whole model.*hc_mult x n_embd.*hash_layer_count"):
-        LlamaCppShard(file, ShardSpec(0, 2, embed=True), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+@pytest.fixture(scope="module")
+def deepseek4_path(tiny_dir):
+    """The tiny DeepSeek-V4 in 6 blocks: compress ratios 0/0/4/128/4/128 (as DeepSeek-V4-Flash: two raw blocks,
+    then the compressed attention with its lightning indexer and the heavily compressed one alternating),
+    hyper-connections of 4 streams, 3 hash-routed blocks."""
+    return write_tiny_deepseek4_model(tiny_dir / "bitwise-deepseek4.gguf", compress_ratios=[0, 0, 4, 128, 4, 128],
+                                      hash_layers=3)
+
+
+@pytest.mark.parametrize("points", [list(p) for p in itertools.combinations(range(1, 6), 2)])
+def test_deepseek4_shards_bitwise(deepseek4_path, points, tmp_path):
+    """DeepSeek-V4 (deepseek4: hyper-connections, compressed attention with ratios 0/4/128, lightning indexer,
+    hash-routed blocks, sqrt-softplus routing, grouped output LoRA, attention sinks) as 3 shards cut at every pair
+    of block boundaries, including inside the hash-routed blocks 0-2: bitwise equal to llama.cpp's whole model over
+    a 150-token prompt (past the 128-token compression block) and 20 decode steps. The cuts carry the 4 residual
+    streams (4 x n_embd per token) and each shard's batch the token ids (llama.cpp patches 0001-0002)."""
     ids = [1] + np.random.default_rng(3).integers(3, 384, 149).tolist()
-    assert_chain_equals_llama_cpp(path, [], ids, tmp_path, n_ctx=256)
-    (whole,) = chain(path, [], tmp_path, n_ctx=256)
-    assert whole.exact_states_only
-    kv = whole.new_session(256)
-    run_chain([whole], [kv], ids, "last")
-    whole.state_bytes(kv)
-    nxt = [run_chain([whole], [kv], [t], "last") for t in (5, 6, 7)]
+    assert_chain_equals_llama_cpp(deepseek4_path, points, ids, tmp_path, n_ctx=256)
+
+
+def test_deepseek4_hash_blocks_route_by_the_token_ids(deepseek4_path, tmp_path):
+    """The control for the test above: a middle shard holding a hash-routed block, given other token ids with the
+    same hidden states, computes something else (the token ids reach llama.cpp's expert choice); a shard asked to
+    run without them refuses; the hidden states between shards are 4 x n_embd wide."""
+    first, middle, head = chain(deepseek4_path, [2, 4], tmp_path, n_ctx=256, sessions=2)
+    assert first.cfg.n_embd == middle.cfg.n_embd == 4 * 128 and middle.needs_token_ids
+    ids = [1] + np.random.default_rng(4).integers(3, 384, 39).tolist()
+    x = first.forward(first.new_session(256), np.asarray(ids))
+    assert x.shape == (40, 512)
+    kv_a, kv_b = middle.new_session(256), middle.new_session(256)
+    with pytest.raises(ValueError, match="routes blocks by token id"):
+        middle.forward(kv_a, x)
+    same = middle.forward(kv_a, x, token_ids=ids)
+    other = middle.forward(kv_b, x, token_ids=[(t + 1) % 384 for t in ids])
+    assert not np.array_equal(same, other)
+    for s in (first, middle, head):
+        s.close()
+
+
+def test_deepseek4_truncates_only_to_exact_state_checkpoints(deepseek4_path, tmp_path):
+    """Its cache refuses partial removal, so a session (here of a middle shard) rolls back only to an exact state
+    checkpoint, and continues bitwise from there."""
+    from ggufswarm.runtime.llamacpp.backend import StateNotAtPosition
+    shards = chain(deepseek4_path, [2, 4], tmp_path, n_ctx=256)
+    assert all(s.exact_states_only for s in shards)
+    kvs = [s.new_session(256) for s in shards]
+    ids = [1] + np.random.default_rng(3).integers(3, 384, 149).tolist()
+    run_chain(shards, kvs, ids, "last")
+    for s, kv in zip(shards, kvs):
+        s.state_bytes(kv)
+    nxt = [run_chain(shards, kvs, [t], "last") for t in (5, 6, 7)]
     with pytest.raises(StateNotAtPosition, match=r"\[150\]"):
-        kv.truncate(151)
-    kv.truncate(150)
-    assert all(np.array_equal(run_chain([whole], [kv], [t], "last"), ref) for t, ref in zip((5, 6, 7), nxt))
+        kvs[1].truncate(151)
+    for kv in kvs:
+        kv.truncate(150)
+    assert all(np.array_equal(run_chain(shards, kvs, [t], "last"), ref) for t, ref in zip((5, 6, 7), nxt))
+    for s in shards:
+        s.close()
+
+
+def test_layer_range_without_the_patch_is_refused_in_one_line(deepseek4_path, tmp_path, monkeypatch):
+    """A llama-cpp-python without ggufswarm's patch queue (a user's own): a DeepSeek-V4 layer range is refused before
+    llama.cpp loads it, naming the patch and how to get it; the whole model still runs."""
+    from ggufswarm.runtime.llamacpp import patches
+    monkeypatch.setattr(patches, "PATCH_MARKERS", {**patches.PATCH_MARKERS,
+                                                   "0002-deepseek4-layer-range": b"not in any library"})
+    with pytest.raises(UnsupportedShard, match="needs llama.cpp patch 0002-deepseek4-layer-range.*make setup") as err:
+        LlamaCppShard(GGUFModelFile(deepseek4_path), ShardSpec(0, 2, embed=True), n_ctx_seq=256, n_seq_max=1,
+                      cache_dir=tmp_path)
+    assert "\n" not in str(err.value)
+    whole = LlamaCppShard(GGUFModelFile(deepseek4_path), ShardSpec(0, 6, embed=True, head=True), n_ctx_seq=256,
+                          n_seq_max=1, cache_dir=tmp_path)
     whole.close()
 
 
@@ -274,15 +325,14 @@ def test_gemma3_ranges_need_a_sliding_window_layer(gemma_path, tmp_path):
     whole.close()  # a global layer with a sliding-window one loads
 
 
-def test_glm4moe_runs_whole_model_only(tiny_dir, tmp_path):
-    """llama.cpp's glm4moe graph aborts on hidden-state input: layer ranges are refused with the reason
-    (before llama.cpp could abort the process); the whole model runs and equals llama.cpp."""
+@pytest.mark.parametrize("points", [[1, 3], [2, 4], [3, 5]])
+def test_glm4moe_shards_bitwise(points, tiny_dir, tmp_path):
+    """GLM-4.5/4.6/4.7 (glm4moe; a leading dense block, MTP block dropped): llama.cpp's graph aborts on embedding
+    input of a file without M-RoPE, unless the file is a layer range (llama.cpp patch 0003); 3 shards equal
+    llama.cpp's whole model bitwise."""
     path = write_tiny_moe_model(tiny_dir / "bitwise-glm4moe.gguf", "glm4moe")
-    file = GGUFModelFile(path)
-    with pytest.raises(UnsupportedShard, match="only the whole model.*glm4-moe.cpp"):
-        LlamaCppShard(file, ShardSpec(2, 4), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
     ids = [1] + np.random.default_rng(3).integers(3, 384, 40).tolist()
-    assert_chain_equals_llama_cpp(path, [], ids, tmp_path, n_ctx=256)
+    assert_chain_equals_llama_cpp(path, points, ids, tmp_path, n_ctx=256)
 
 
 @pytest.mark.slow

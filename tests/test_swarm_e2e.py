@@ -79,7 +79,8 @@ def test_dead_node_expires_and_new_routes_avoid_it(gemma_path, tmp_path):
                 time.sleep(0.2)
             # the second range was fetched, not copied: on disk, the bytes the manifest gives its layers and head (the
             # header included), plus at most the rest of a piece at each end of each range (the swarm moves whole
-            # pieces). (The llama.cpp backend's derived shard GGUF under shards/ is a local copy, not fetched.)
+            # pieces). llama.cpp reads the layers from those very bytes (patch 0004): the node's shard file under
+            # shards/ is a header (metadata and tokenizer), so the whole data dir holds one copy of the layers
             manifest = published.manifest
             ranges = manifest.byte_ranges(9, 18, head=True)
             needed = sum(end - begin for _, begin, end in ranges)
@@ -87,6 +88,10 @@ def test_dead_node_expires_and_new_routes_avoid_it(gemma_path, tmp_path):
             files = {f: f.stat().st_blocks * 512 for f in (tmp_path / "node1").rglob("*.gguf") if "shards" not in f.parts}
             assert needed <= sum(files.values()) <= needed + 2 * len(ranges) * manifest.piece_size, \
                 (files, needed, len(ranges), manifest.piece_size)
+            everything = sum(f.stat().st_blocks * 512 for f in (tmp_path / "node1").rglob("*") if f.is_file())
+            shard_headers = [f for f in (tmp_path / "node1" / "shards").iterdir() if f.name.endswith("-header.gguf")]
+            assert len(shard_headers) == 1 and shard_headers[0].stat().st_size < 2 * manifest.files[0]["header_bytes"]
+            assert everything <= 1.05 * needed + shard_headers[0].stat().st_size, (everything, needed)
             gateway = ServerThread(make_app(GatewayConfig([], model="gemma", tracker=tracker,
                                                           data_dir=str(tmp_path / "gw"), hop_timeout_s=10)))
             base = gateway.start()

@@ -59,7 +59,10 @@ FRAME_HEADER_BYTES = 48  # protocol/frame.py HEADER_SIZE
 TRAILER_BYTES_PER_TOKEN = 4  # int32 token id per token (flag bit 0)
 
 EMBED_TENSORS = ("token_embd.weight",)
-HEAD_TENSORS = ("output_norm.weight", "output_norm.bias", "output.weight", "output.bias")
+# the head stage: output norm and LM head, and DeepSeek-V4's hyper-connection collapse of the residual streams
+# (output_hc_*, src/models/deepseek4.cpp build_hc_head), which only the last shard loads (llama.cpp patch 0002)
+HEAD_TENSORS = ("output_norm.weight", "output_norm.bias", "output.weight", "output.bias",
+                "output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight")
 _RECURRENT_MARKERS = (".ssm_", ".time_mix_", ".shortconv.", ".channel_mix_")
 _ATTENTION_MARKERS = (".attn_q.", ".attn_k.", ".attn_qkv.", ".attn_kv_a_mqa.", ".attn_q_a.", ".attn_kv.")
 

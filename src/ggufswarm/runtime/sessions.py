@@ -308,6 +308,11 @@ class SessionStore:
         if token_ids is not None and token_ids.size and (int(token_ids.min()) < 0 or int(token_ids.max()) >= n_vocab):
             raise TokenOutOfRange(f"token id out of range [0, {n_vocab}) in the frame's token-id trailer")
 
+    def _ids(self, token_ids: np.ndarray | None) -> dict:
+        """``{"token_ids": ...}`` for an executor whose graph reads token ids with hidden states (``needs_token_ids``:
+        the llama.cpp backend's DeepSeek-V4 shards), else ``{}``."""
+        return {"token_ids": token_ids} if getattr(self.executor, "needs_token_ids", False) else {}
+
     def _begin(self, session: Session, start: int) -> tuple:
         """Before a step's forward pass: drop a rewound step's rejected drafts (``start`` below the tokens held, see
         ``apply``); (KV length, history length, history_complete) to restore on an error."""
@@ -337,8 +342,8 @@ class SessionStore:
             t0 = time.perf_counter()
             kept = self._begin(session, start)
             all_rows = self.executor.spec.head and verify and sample
-            out = self.executor.forward(session.kv, inputs, logits="all") if all_rows else \
-                self.executor.forward(session.kv, inputs)
+            out = self.executor.forward(session.kv, inputs, logits="all" if all_rows else "last",
+                                        **self._ids(token_ids))
             record = self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept, 0.0, all_rows)
             record.compute_ms = (time.perf_counter() - t0) * 1e3
             return record
@@ -369,7 +374,9 @@ class SessionStore:
                     if a:
                         yield None
                     t0 = time.perf_counter()
-                    outs.append(self.executor.forward(session.kv, inputs[a:a + chunk]))
+                    outs.append(self.executor.forward(
+                        session.kv, inputs[a:a + chunk],
+                        **self._ids(None if token_ids is None else token_ids[a:a + chunk])))
                     ms += (time.perf_counter() - t0) * 1e3
             except BaseException:
                 # a session closed between two pieces has given its cells (and sequence id) back: nothing to undo
@@ -407,7 +414,8 @@ class SessionStore:
             session.busy += 1
         try:
             t0 = time.perf_counter()
-            outs = self.executor.forward_batch([(items[i][0].kv, items[i][4]) for i in todo])
+            outs = self.executor.forward_batch([(items[i][0].kv, items[i][4], *self._ids(items[i][5]).values())
+                                                for i in todo])
             ms = (time.perf_counter() - t0) * 1e3
             for i, out in zip(todo, outs):
                 if isinstance(out, Exception):

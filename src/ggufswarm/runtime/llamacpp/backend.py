@@ -54,7 +54,8 @@ from ..kv import ContextOverflow, KVPosition, TokenOutOfRange, check_max_length
 from ..spec import ShardSpec
 from . import _graph_tap
 from .sampling import LlamaCppSampler
-from .derive import TokenEmbedding, UnsupportedShard, n_model_layers, recurrent_layers, rules_for, shard_path
+from .derive import (TokenEmbedding, UnsupportedShard, hidden_width, n_model_layers, n_vocab, recurrent_layers,
+                     rules_for, shard_paths)
 
 _BACKEND_READY = False
 _BACKEND_LOCK = threading.Lock()
@@ -140,7 +141,7 @@ class ShardModelInfo:
 
     arch: str
     n_layers: int          # blocks a route covers (MTP/nextn blocks excluded)
-    n_embd: int
+    n_embd: int            # values per token of a hidden state between shards (derive.hidden_width)
     n_vocab: int
     context_length: int    # trained context (tokens)
 
@@ -155,11 +156,7 @@ def model_info(model: GGUFModelFile) -> ShardModelInfo:
     arch = model.architecture
     rules_for(arch)
     md = model.metadata
-    if "token_embd.weight" in model.tensors:
-        n_vocab = model.tensors["token_embd.weight"].shape[0]
-    else:
-        n_vocab = int(md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", [])))
-    return ShardModelInfo(arch, n_model_layers(model), int(md[f"{arch}.embedding_length"]), n_vocab,
+    return ShardModelInfo(arch, n_model_layers(model), hidden_width(model), n_vocab(model),
                           int(md.get(f"{arch}.context_length", 4096)))
 
 
@@ -259,7 +256,9 @@ class LlamaCppShard:
     the range holds recurrent blocks, or the architecture's cache refuses partial removal, ``deepseek4``;
     see the module docstring), each ``state_bytes_per_session`` plus the attention KV of its tokens;
     ``kv_unified``: all sessions' cells in one KV stream (any sessions batch together, not bitwise; the module
-    docstring), a session still holding at most ``n_ctx_seq`` of them.
+    docstring), a session still holding at most ``n_ctx_seq`` of them; ``in_place``: load the layers from the model's
+    own files (a shard header and the model files, llama.cpp patch 0004; default when the loaded libllama has it)
+    or from a derived copy (``derive.shard_paths``).
 
     Raises UnsupportedShard (architecture/range), LlamaCppError (llama.cpp refused the file or
     the context), ValueError (bad parameters).
@@ -276,7 +275,7 @@ class LlamaCppShard:
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
                  n_batch: int = 2048, n_ubatch: int = 512, threads: int | None = None,
                  cache_dir: str | os.PathLike | None = None, all_logits: bool = False, checkpoints: int = 4,
-                 kv_unified: bool = False):
+                 kv_unified: bool = False, in_place: bool | None = None):
         self.model = model
         self.cfg = model_info(model)
         spec.validate(self.cfg.n_layers)
@@ -291,7 +290,9 @@ class LlamaCppShard:
         cache_dir = Path(cache_dir or Path.home() / ".cache" / "ggufswarm" / "shards")
         # The whole model with its head runs from the original file and takes token ids directly.
         self.takes_tokens = spec.embed and spec.head
-        self.path = shard_path(model, spec.start, spec.end, spec.head, cache_dir)
+        # the shard's header and the model's own files (read in place, patch 0004), or one derived copy
+        self.paths = shard_paths(model, spec.start, spec.end, spec.head, cache_dir, in_place)
+        self.path = self.paths[0]
         self.embedding = TokenEmbedding(model) if spec.embed and not spec.head else None
         self._lock = threading.RLock()  # reentrant: SeqKV.__del__ may run inside a step
         self._free_seqs = list(range(n_seq_max))  # a heap: the lowest free id first (keeps ids consecutive)
@@ -303,12 +304,23 @@ class LlamaCppShard:
 
         mparams = L.llama_model_default_params()
         mparams.use_mmap = True
-        self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if len(self.paths) == 1:
+            self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        else:
+            names = (ctypes.c_char_p * len(self.paths))(*[str(p).encode() for p in self.paths])
+            self._model = L.llama_model_load_from_splits(names, len(self.paths), mparams)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {self.path} (see its error above)")
-        n_embd = L.llama_model_n_embd(self._model)
-        if n_embd != self.cfg.n_embd:
-            raise LlamaCppError(f"{self.path}: n_embd {n_embd}, expected {self.cfg.n_embd}")
+        rules = rules_for(model.architecture)
+        # hidden states in and out: n_embd values per token, or hc_mult residual streams of n_embd (DeepSeek-V4)
+        n_embd = self.cfg.n_embd
+        streams = rules.streams(model.metadata) if rules.streams else 1
+        if L.llama_model_n_embd(self._model) * streams != n_embd:
+            raise LlamaCppError(f"{self.path}: n_embd {L.llama_model_n_embd(self._model)} x {streams}, "
+                                f"expected {n_embd}")
+        self.streams = streams
+        # the graph reads each token's id with its hidden states (hash-routed blocks): forward(token_ids=...)
+        self.needs_token_ids = rules.token_ids and not self.takes_tokens
         cparams = L.llama_context_default_params()
         # unified KV: every session may hold its n_ctx_seq rounded up as llama.cpp rounds a stream's (256 cells)
         per_session = -(-n_ctx_seq // 256) * 256 if kv_unified else n_ctx_seq
@@ -334,7 +346,7 @@ class LlamaCppShard:
             if ctypes.sizeof(GraphTap) != _graph_tap.tap_size():
                 raise LlamaCppError("graph tap struct mismatch: rebuild the package (pip install -e .)")
             self._tap = GraphTap(get_name, tensor_get, nbytes, self._capture.ctypes.data, self._capture.nbytes,
-                                 0, 1, 0, f"l_out-{spec.end - spec.start - 1}".encode())
+                                 0, 1, 0, f"{rules.tap}-{spec.end - spec.start - 1}".encode())
             cparams.cb_eval = L.ggml_backend_sched_eval_callback(_graph_tap.callback_address())
             cparams.cb_eval_user_data = ctypes.addressof(self._tap)
         self._ctx = L.llama_init_from_model(self._model, cparams)
@@ -349,6 +361,10 @@ class LlamaCppShard:
         self._mem = L.llama_get_memory(self._ctx)
         self.n_vocab_out = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
         self._batch = L.llama_batch_init(n_batch, 0 if self.takes_tokens else n_embd, 1)
+        # a batch of hidden states that also carries token ids: our buffer (set to NULL again before llama_batch_free)
+        self._token_ids = np.zeros(n_batch, dtype=np.int32) if self.needs_token_ids else None
+        if self._token_ids is not None:
+            self._batch.token = self._token_ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         # M-RoPE / IMRoPE models (qwen35moe) take 4 positions per token; llama.cpp expands a token batch's one
         # position to [p, p, p, 0] itself (llm_graph_input_pos::set_input) but reads an embedding batch's four,
         # section-major (pos[j * n_tokens + i], src/llama-batch.cpp): our buffer replaces the batch's 1-wide one
@@ -410,20 +426,23 @@ class LlamaCppShard:
             heapq.heappush(self._free_seqs, seq_id)
 
     # -- steps ---------------------------------------------------------------------------------
-    def forward(self, kv: SeqKV, inputs, logits: str = "last") -> np.ndarray:
+    def forward(self, kv: SeqKV, inputs, logits: str = "last", token_ids=None) -> np.ndarray:
         """Run one prefill (T > 1) or decode (T = 1) step of a session.
 
         ``inputs`` (a numpy array, or anything ``numpy.asarray`` takes: a list, a CPU torch tensor): token ids
         ``[T]`` (int) when the shard has the embedding stage, else hidden states ``[T, n_embd]`` (float,
-        converted to float32). Returns numpy float32 hidden states ``[T, n_embd]`` (the last block's output), or
-        at the head float32 logits ``[1, n_vocab]`` (``logits="last"``) or ``[T, n_vocab]`` (``"all"``).
+        converted to float32; ``n_embd`` is ``cfg.n_embd``, the width between shards). Returns numpy float32
+        hidden states ``[T, n_embd]`` (the last block's output), or at the head float32 logits ``[1, n_vocab]``
+        (``logits="last"``) or ``[T, n_vocab]`` (``"all"``). ``token_ids``: int ``[T]``, the step's token ids,
+        required by a shard whose graph reads them with the hidden states (``needs_token_ids``: DeepSeek-V4's
+        hash-routed blocks), ignored otherwise.
 
         Raises ContextOverflow past ``max_length``, ValueError for wrong shapes / ids / a step over
-        ``n_batch`` tokens, KVCellsFull when the context has no free cells, LlamaCppError when
-        llama.cpp fails; on any error the session's KV cache is as before the call.
+        ``n_batch`` tokens or missing ``token_ids``, KVCellsFull when the context has no free cells, LlamaCppError
+        when llama.cpp fails; on any error the session's KV cache is as before the call.
         """
         inputs = np.asarray(inputs)
-        ids, embd = self._check_step(kv, inputs)
+        ids, embd, tok = self._check_step(kv, inputs, token_ids)
         n_tokens = int(inputs.shape[0])
         if self.spec.head and logits == "all" and n_tokens > self.max_outputs:
             raise ValueError(f"this head returns at most {self.max_outputs} rows of logits per step "
@@ -447,6 +466,8 @@ class LlamaCppShard:
             else:
                 embd = np.ascontiguousarray(embd, dtype=np.float32)
                 ctypes.memmove(batch.embd, embd.ctypes.data, embd.nbytes)
+                if tok is not None:
+                    self._token_ids[:n_tokens] = tok
             if self._tap is not None:
                 self._tap.filled = 0
                 self._tap.overflow = 0
@@ -471,9 +492,10 @@ class LlamaCppShard:
             kv.length += n_tokens
         return out
 
-    def _check_step(self, kv: SeqKV, inputs: np.ndarray):
+    def _check_step(self, kv: SeqKV, inputs: np.ndarray, token_ids=None):
         """Validate one step (``inputs`` a numpy array) as ``forward`` does; (ids int32 [T] for a shard that takes
-        token ids itself, else None; embd float32 [T, n_embd] or None)."""
+        token ids itself, else None; embd float32 [T, n_embd] or None; token ids int32 [T] to pass with ``embd``
+        (``needs_token_ids``) or None)."""
         if kv.closed or kv.shard is not self:
             raise ValueError("session is closed or belongs to another shard")
         n_tokens = int(inputs.shape[0]) if inputs.ndim else 0
@@ -489,15 +511,30 @@ class LlamaCppShard:
             ids = inputs.astype(np.int32, copy=False)
             if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.n_vocab:
                 raise TokenOutOfRange(f"token id out of range [0, {self.cfg.n_vocab})")
-            return (ids, None) if self.takes_tokens else (None, self.embedding(ids))
+            if self.takes_tokens:
+                return ids, None, None
+            embd = self.embedding(ids)
+            if self.streams > 1:  # the embedding copied into every residual stream, as llama.cpp's ggml_repeat_4d
+                embd = np.tile(embd, (1, self.streams))
+            return None, embd, ids if self.needs_token_ids else None
         if inputs.ndim != 2 or inputs.shape[1] != self.cfg.n_embd:
             raise ValueError(f"expected hidden states [n_tokens, {self.cfg.n_embd}], got {tuple(inputs.shape)}")
-        return None, inputs
+        tok = None
+        if self.needs_token_ids:
+            if token_ids is None:
+                raise ValueError(f"this {self.cfg.arch} shard routes blocks by token id: a step of hidden states "
+                                 f"must carry its token ids")
+            tok = np.asarray(token_ids).astype(np.int32, copy=False).reshape(-1)
+            if tok.shape[0] != n_tokens:
+                raise ValueError(f"{tok.shape[0]} token ids for {n_tokens} hidden states")
+            if tok.size and (int(tok.min()) < 0 or int(tok.max()) >= self.cfg.n_vocab):
+                raise TokenOutOfRange(f"token id out of range [0, {self.cfg.n_vocab})")
+        return None, inputs, tok
 
-    def forward_batch(self, steps: list[tuple[SeqKV, np.ndarray]]) -> list[np.ndarray | Exception]:
+    def forward_batch(self, steps: list[tuple]) -> list[np.ndarray | Exception]:
         """Run one step of each of several sessions; the decode steps (T = 1) together in one ``llama_decode``.
 
-        ``steps``: ``(kv, inputs)`` pairs of *different* sessions, ``inputs`` as for ``forward``. Returns one
+        ``steps``: ``(kv, inputs)`` or ``(kv, inputs, token_ids)`` of *different* sessions, as for ``forward``. Returns one
         entry per step, in order: what ``forward`` would return (hidden states ``[T, n_embd]`` float32, at the
         head the last position's logits ``[1, n_vocab]`` float32), or the exception that step raised (the
         others are unaffected; on an error a session's KV cache is as before the call).
@@ -512,19 +549,19 @@ class LlamaCppShard:
         rolled every sequence back and each of those steps is run again alone, with its own result or error.
         ValueError when two steps belong to the same session.
         """
-        if len({id(kv) for kv, _ in steps}) != len(steps):
+        if len({id(step[0]) for step in steps}) != len(steps):
             raise ValueError("forward_batch takes at most one step per session")
-        steps = [(kv, np.asarray(inputs)) for kv, inputs in steps]
-        if self.exact_states_only or self.n_pos_per_token != 1:
-            # recurrent state and multi-position (M-RoPE) batches are not checked against llama.cpp run alone
-            return [self._forward_one(kv, inputs) for kv, inputs in steps]
+        if self.exact_states_only or self.n_pos_per_token != 1 or self.needs_token_ids:
+            # recurrent state, multi-position (M-RoPE) and token-id batches are not checked against llama.cpp alone
+            return [self._forward_one(step[0], np.asarray(step[1]), *step[2:]) for step in steps]
+        steps = [(step[0], np.asarray(step[1])) for step in steps]
         results: list = [None] * len(steps)
         decode = []  # (seq_id, index, kv, ids, embd)
         for i, (kv, inputs) in enumerate(steps):
             if int(inputs.shape[0]) != 1:
                 continue
             try:
-                ids, embd = self._check_step(kv, inputs)
+                ids, embd, _ = self._check_step(kv, inputs)
             except Exception as exc:  # noqa: BLE001 - that step's error, the others go on
                 results[i] = exc
                 continue
@@ -571,9 +608,9 @@ class LlamaCppShard:
         multi-sequence ubatch takes. Only in the exact mode (``batch_group`` <= 3)."""
         return self.batch_group <= 3 and self.threads > 1 and kv.length >= SPLIT_KV_TOKENS
 
-    def _forward_one(self, kv: SeqKV, inputs: np.ndarray) -> np.ndarray | Exception:
+    def _forward_one(self, kv: SeqKV, inputs: np.ndarray, token_ids=None) -> np.ndarray | Exception:
         try:
-            return self.forward(kv, inputs)
+            return self.forward(kv, inputs, token_ids=token_ids)
         except Exception as exc:  # noqa: BLE001
             return exc
 
@@ -663,6 +700,8 @@ class LlamaCppShard:
         """Free the context, batch and model (idempotent)."""
         if getattr(self, "_ctx", None):
             self._batch.pos = ctypes.cast(self._batch_pos, ctypes.POINTER(ctypes.c_int32))
+            if self._token_ids is not None:
+                self._batch.token = ctypes.POINTER(ctypes.c_int32)()
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)

@@ -65,6 +65,17 @@ class ArchRules:
     function of ``n_embd``; ``check``: raises UnsupportedShard for ranges llama.cpp would misread,
     and may return extra metadata to write; ``embd_input``: set when the architecture's graph aborts
     on hidden-state input, which leaves only the whole model runnable.
+
+    ``patch``: the patch of ggufswarm's llama.cpp patch queue (``patches/llama.cpp``) a layer range of this
+    architecture needs (``llamacpp.patches``); its shards declare their input width as ``{arch}.embedding_length_in``,
+    which that patched llama.cpp reads (the hidden states of the previous block, not media embeddings).
+    ``streams``: the residual stream at a cut is this many ``n_embd`` vectors per token (DeepSeek-V4's
+    hyper-connections: ``hyper_connection.count``; frames carry ``streams * n_embd`` values per token);
+    ``token_ids``: the graph also reads each token's id with its hidden states (DeepSeek-V4's hash-routed blocks
+    pick their experts from a token-id table), so every shard's batch carries both;
+    ``tap``: the name llama.cpp's graph gives each block's output (``cb(cur, "l_out", il)``), captured at a cut;
+    ``no_dummy_head``: the patched graph loads a shard without token embedding and output head (no one-row
+    stand-ins written).
     """
 
     swa_pattern: int = 0
@@ -76,6 +87,11 @@ class ArchRules:
     token_scale: Callable[[int], np.float32] | None = None
     check: Callable[[GGUFModelFile, int, int], dict[str, Any]] | None = None
     embd_input: str | None = None  # why llama.cpp's graph refuses ``batch.embd`` (then: whole model only)
+    patch: str | None = None
+    streams: Callable[[dict], int] | None = None
+    token_ids: bool = False
+    tap: str = "l_out"
+    no_dummy_head: bool = False
 
 
 def _gemma3_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
@@ -152,6 +168,17 @@ def _glm_dsa_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
     return {"glm-dsa.attention.indexer.types": (types[a:b], GGUFValueType.ARRAY)}
 
 
+def _deepseek4_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/models/deepseek4.cpp: blocks il < hash_layer_count route by the token-id table (ffn_gate_tid2eid); a shard's
+    # blocks are renumbered from 0, so the count is what is left of the leading hash blocks after the cut
+    hashed = int(model.metadata.get("deepseek4.hash_layer_count", 0))
+    return {"deepseek4.hash_layer_count": (max(0, hashed - a), GGUFValueType.UINT32)}
+
+
+def _hc_streams(metadata: dict) -> int:
+    return max(1, int(metadata.get("deepseek4.hyper_connection.count", 1) or 1))
+
+
 def _sqrt_n_embd(n_embd: int) -> np.float32:
     return np.sqrt(np.float32(n_embd))  # sqrtf(n_embd), src/models/gemma3.cpp
 
@@ -165,22 +192,17 @@ ARCH_RULES: dict[str, ArchRules] = {
     "gemma3": ArchRules(swa_pattern=DEFAULT_SWA_PERIOD["gemma3"], token_scale=_sqrt_n_embd, check=_gemma3_check),
     "deepseek": ArchRules(leading_dense=True),
     "deepseek2": ArchRules(leading_dense=True, nextn=True, check=_deepseek2_check),
-    "glm4moe": ArchRules(leading_dense=True, nextn=True,
-                         embd_input="src/models/glm4-moe.cpp aborts on embedding input unless the model uses M-RoPE "
-                                    "(\"does not support multimodal\"); a layer range needs a llama.cpp change"),
+    "glm4moe": ArchRules(leading_dense=True, nextn=True, patch="0003-glm4-layer-range-input"),
     "gpt-oss": ArchRules(swa_pattern=DEFAULT_SWA_PERIOD["gpt-oss"]),
     "qwen3next": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
     # IMRoPE: a hidden-state batch carries 4 positions per token (backend.LlamaCppShard.n_pos_per_token)
     "qwen35moe": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
     "qwen35": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
     "glm-dsa": ArchRules(leading_dense=True, nextn=True, check=_glm_dsa_check),
-    "deepseek4": ArchRules(
-        nextn=True, exact_states=True,
-        embd_input="a layer range needs a llama.cpp change: src/models/deepseek4.cpp takes an n_embd-wide input and "
-                   "repeats it into the hc_mult hyper-connection streams (a continuation shard must take the "
-                   "hc_mult x n_embd residual stream), and with a hidden-state batch its hash-routed blocks "
-                   "(< hash_layer_count) route by the learned router instead of the token-id table "
-                   "(docs/models/deepseek-v4-flash.md)"),
+    # hc_mult residual streams cross a cut (frames of hc*n_embd per token), the hash-routed blocks read token ids,
+    # the last block's output is named l_last (src/models/deepseek4.cpp)
+    "deepseek4": ArchRules(nextn=True, exact_states=True, patch="0002-deepseek4-layer-range", streams=_hc_streams,
+                           token_ids=True, tap="l_last", no_dummy_head=True, check=_deepseek4_check),
 }
 
 
@@ -250,6 +272,9 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
     whole = start == 0 and end == n_model_layers(model) and head
     if rules.embd_input and not whole:
         raise UnsupportedShard(f"{arch}: only the whole model runs on the llama.cpp backend: {rules.embd_input}")
+    if rules.patch and not whole:
+        from .patches import require_patch
+        require_patch(rules.patch, f"a layer range of {arch}")
     extra = rules.check(model, start, end) if rules.check else {}
     out: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {}
     for key, value in model.metadata.items():
@@ -262,6 +287,8 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
             value = value[start:end]  # per-layer array
         out[key] = (value, vtype, item)
     out[f"{arch}.block_count"] = (end - start, GGUFValueType.UINT32, None)
+    if rules.patch and not whole:  # the patched llama.cpp: this shard takes hidden states of this width
+        out[f"{arch}.embedding_length_in"] = (hidden_width(model), GGUFValueType.UINT32, None)
     if rules.nextn:
         out[f"{arch}.nextn_predict_layers"] = (0, GGUFValueType.UINT32, None)
     if rules.leading_dense and f"{arch}.leading_dense_block_count" in model.metadata:
@@ -282,8 +309,25 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
         out[key] = (value, vtype, GGUFValueType.UINT32 if vtype == GGUFValueType.ARRAY else None)
     if not head:
         out["tokenizer.ggml.model"] = ("none", GGUFValueType.STRING, None)
-        out[f"{arch}.vocab_size"] = (1, GGUFValueType.UINT32, None)
+        # a graph that reads token ids (hash routing) checks them against the vocabulary size: keep the real one
+        out[f"{arch}.vocab_size"] = (n_vocab(model) if rules.token_ids else 1, GGUFValueType.UINT32, None)
     return out
+
+
+def n_vocab(model: GGUFModelFile) -> int:
+    """Vocabulary size of the whole model (rows of ``token_embd``, else ``vocab_size`` or the token list)."""
+    if "token_embd.weight" in model.tensors:
+        return int(model.tensors["token_embd.weight"].shape[0])
+    md = model.metadata
+    return int(md.get(f"{model.architecture}.vocab_size") or len(md.get("tokenizer.ggml.tokens", [])))
+
+
+def hidden_width(model: GGUFModelFile) -> int:
+    """Values per token of the hidden state crossing a cut between two shards: ``n_embd``, or ``streams x n_embd``
+    where the architecture widens its residual stream (DeepSeek-V4: ``hyper_connection.count`` = 4 streams)."""
+    rules = rules_for(model.architecture)
+    n_embd = int(model.metadata[f"{model.architecture}.embedding_length"])
+    return n_embd * (rules.streams(model.metadata) if rules.streams else 1)
 
 
 def _tensor_source(model: GGUFModelFile, name: str) -> np.ndarray:
@@ -292,23 +336,15 @@ def _tensor_source(model: GGUFModelFile, name: str) -> np.ndarray:
     return np.memmap(info.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.n_bytes,))
 
 
-def derive_shard(model: GGUFModelFile, start: int, end: int, head: bool, dest: str | os.PathLike) -> Path:
-    """Write the shard GGUF of blocks ``[start, end)`` (plus output norm and LM head when ``head``) to ``dest``.
-
-    Reads only the shard's tensors (and the header) from ``model``, so a sparse swarm-fetched file
-    works. Written to a temporary name and renamed, so a crash never leaves a half file behind.
-    Raises UnsupportedShard as ``shard_metadata``; OSError on a write failure.
-    """
-    arch = model.architecture
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-    metadata = shard_metadata(model, start, end, head)
-    writer = GGUFWriter(str(tmp), arch)
-    writer.kv_data[0].clear()  # GGUFWriter pre-adds general.architecture; we copy every key in order
-    for key, (value, vtype, item) in metadata.items():
-        writer.add_key_value(key, value, vtype, sub_type=item)
+def shard_tensors(model: GGUFModelFile, start: int, end: int, head: bool) -> list[tuple[str, str]]:
+    """The tensors of the shard of blocks ``[start, end)``: ``(name in the model, name in the shard)`` pairs, in the
+    model's order. Blocks are renumbered from 0 (``blk.{i}`` → ``blk.{i - start}``), MTP/nextn blocks dropped; the
+    token embedding, output norm and LM head only with ``head`` (and not the embedding where a patched graph
+    taking hidden states needs none: ``ArchRules.no_dummy_head``); other global tensors (e.g. ``rope_freqs``) on
+    every shard."""
+    rules = rules_for(model.architecture)
     n_layer = n_model_layers(model)
+    out = []
     for name, info in model.tensors.items():
         layer = info.layer
         if layer is not None:
@@ -316,19 +352,46 @@ def derive_shard(model: GGUFModelFile, start: int, end: int, head: bool, dest: s
                 continue
             new_name = f"blk.{layer - start}.{name.split('.', 2)[2]}"
         elif name in ("token_embd.weight", "output.weight", "output_norm.weight"):
-            if not head:
-                continue
+            if not head or (rules.no_dummy_head and name == "token_embd.weight" and not (start == 0 and end == n_layer)):
+                continue  # (a patched graph taking hidden states needs no token embedding)
             new_name = name
+        elif name.startswith("output_") and rules.no_dummy_head and not head:
+            continue  # the rest of the output head (DeepSeek-V4's output_hc_*)
         else:
             new_name = name  # global tensors a block may use (e.g. rope_freqs)
+        out.append((name, new_name))
+    return out
+
+
+def _stand_ins(model: GGUFModelFile, head: bool) -> list[tuple[str, np.ndarray]]:
+    """One-row token embedding and LM head (and a unit output norm) a shard without the head stage carries in place
+    of the model's (its vocabulary is one token; llama.cpp's loader requires the tensors)."""
+    arch = model.architecture
+    if head or rules_for(arch).no_dummy_head:
+        return []
+    n_embd = int(model.metadata[f"{arch}.embedding_length"])
+    return [("token_embd.weight", np.zeros((1, n_embd), np.float32)),
+            ("output.weight", np.zeros((1, n_embd), np.float32)),
+            ("output_norm.weight", np.ones(n_embd, np.float32))]
+
+
+def _write_gguf(model: GGUFModelFile, dest: Path, metadata: dict, tensors: list[tuple[str, str]],
+                arrays: list[tuple[str, np.ndarray]]) -> Path:
+    """Write a GGUF with ``metadata``, the raw bytes of ``tensors`` (``(model name, new name)``, read from ``model``)
+    and ``arrays``, to a temporary name renamed to ``dest`` (a crash never leaves a half file behind)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    writer = GGUFWriter(str(tmp), model.architecture)
+    writer.kv_data[0].clear()  # GGUFWriter pre-adds general.architecture; we copy every key in order
+    for key, (value, vtype, item) in metadata.items():
+        writer.add_key_value(key, value, vtype, sub_type=item)
+    for name, new_name in tensors:
+        info = model.tensors[name]
         block, type_size = GGML_QUANT_SIZES[info.ggml_type]
         byte_shape = (*info.shape[:-1], info.shape[-1] // block * type_size)  # the writer takes raw bytes' shape
         writer.add_tensor(new_name, _tensor_source(model, name), raw_shape=byte_shape, raw_dtype=info.ggml_type)
-    if not head:
-        n_embd = int(model.metadata[f"{arch}.embedding_length"])
-        writer.add_tensor("token_embd.weight", np.zeros((1, n_embd), np.float32))
-        writer.add_tensor("output.weight", np.zeros((1, n_embd), np.float32))
-        writer.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    for name, array in arrays:
+        writer.add_tensor(name, array)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -338,6 +401,41 @@ def derive_shard(model: GGUFModelFile, start: int, end: int, head: bool, dest: s
     finally:
         tmp.unlink(missing_ok=True)
     return dest
+
+
+def derive_shard(model: GGUFModelFile, start: int, end: int, head: bool, dest: str | os.PathLike) -> Path:
+    """Write the shard GGUF of blocks ``[start, end)`` (plus output norm and LM head when ``head``) to ``dest``: a
+    copy of the shard's tensors (``shard_tensors``) with the shard's metadata (``shard_metadata``).
+
+    Reads only the shard's tensors (and the header) from ``model``, so a sparse swarm-fetched file
+    works. Written to a temporary name and renamed, so a crash never leaves a half file behind.
+    Raises UnsupportedShard as ``shard_metadata``; OSError on a write failure.
+    """
+    metadata = shard_metadata(model, start, end, head)
+    return _write_gguf(model, Path(dest), metadata, shard_tensors(model, start, end, head), _stand_ins(model, head))
+
+
+def derive_shard_header(model: GGUFModelFile, start: int, end: int, head: bool, dest: str | os.PathLike) -> Path:
+    """Write the *header* of the shard of blocks ``[start, end)`` to ``dest``: the shard's metadata and stand-in
+    tensors only (kilobytes to a few MB: the tokenizer), the weights staying in the model file(s) the node fetched.
+
+    llama.cpp with patch 0004 (``split.sources.*``) loads it as the first file of a split set whose other files are
+    the model's own (``llama_model_load_from_splits([dest, *model.paths])``): it takes the tensors named in
+    ``split.sources.tensors`` from them in place, blocks renumbered down by ``split.sources.block_offset``, and
+    skips the rest. One copy of the layers on disk: the bytes the node fetched, which it also seeds.
+    Raises UnsupportedShard as ``shard_metadata``; OSError on a write failure.
+    """
+    tensors = shard_tensors(model, start, end, head)
+    stand_ins = _stand_ins(model, head)
+    metadata = shard_metadata(model, start, end, head)
+    metadata.update({
+        "split.no": (0, GGUFValueType.UINT16, None),
+        "split.count": (1 + len(model.paths), GGUFValueType.UINT16, None),
+        "split.tensors.count": (len(tensors) + len(stand_ins), GGUFValueType.INT32, None),
+        "split.sources.tensors": ([name for name, _ in tensors], GGUFValueType.ARRAY, GGUFValueType.STRING),
+        "split.sources.block_offset": (start, GGUFValueType.UINT32, None),
+    })
+    return _write_gguf(model, Path(dest), metadata, [], stand_ins)
 
 
 class TokenEmbedding:
@@ -379,23 +477,44 @@ class TokenEmbedding:
 
 def shard_file_name(model: GGUFModelFile, start: int, end: int, head: bool) -> str:
     """A name that identifies the derived file: model fingerprint, range, head stage, format version."""
-    return f"{model.fingerprint[:16]}-{start}-{end}{'-head' if head else ''}-v1.gguf"
+    return f"{model.fingerprint[:16]}-{start}-{end}{'-head' if head else ''}-v2.gguf"
 
 
-def shard_path(model: GGUFModelFile, start: int, end: int, head: bool, cache_dir: str | os.PathLike) -> Path:
-    """The derived shard GGUF for ``[start, end)`` under ``cache_dir``, written on first use.
+def shard_paths(model: GGUFModelFile, start: int, end: int, head: bool, cache_dir: str | os.PathLike,
+                in_place: bool | None = None) -> list[Path]:
+    """The files llama.cpp loads for the shard ``[start, end)``, derived under ``cache_dir`` on first use.
 
-    The whole model with its head (``start == 0``, ``end == n_layers``) is the original file itself.
+    The whole model with its head (``start == 0``, ``end == n_layers``, no MTP blocks, one file) is the original file
+    itself. Otherwise, ``in_place`` (default: when the loaded libllama carries patch 0004): the shard's header
+    (``derive_shard_header``) followed by the model's own files, which llama.cpp reads the shard's tensors from in
+    place; else one derived shard GGUF holding a copy of them (``derive_shard``).
     """
     if start == 0 and end == n_model_layers(model) and head and n_model_layers(model) == int(
             model.metadata[f"{model.architecture}.block_count"]) and len(model.paths) == 1:
         rules_for(model.architecture)
-        return model.path
-    path = Path(cache_dir) / shard_file_name(model, start, end, head)
+        return [model.path]
+    if in_place is None:
+        from .patches import applied
+        in_place = applied("0004-split-sources")
+    name = shard_file_name(model, start, end, head)
+    if in_place:
+        path = Path(cache_dir) / name.replace(".gguf", "-header.gguf")
+        if not path.exists():
+            derive_shard_header(model, start, end, head, path)
+        return [path, *[Path(p) for p in model.paths]]
+    path = Path(cache_dir) / name
     if not path.exists():
         derive_shard(model, start, end, head, path)
-    return path
+    return [path]
 
 
-__all__ = ["ARCH_RULES", "ArchRules", "TokenEmbedding", "UnsupportedShard", "derive_shard", "n_model_layers",
+def shard_path(model: GGUFModelFile, start: int, end: int, head: bool, cache_dir: str | os.PathLike) -> Path:
+    """The one derived shard GGUF (a copy of the shard's tensors) for ``[start, end)`` under ``cache_dir``, written on
+    first use; the original file for the whole model (``shard_paths`` with ``in_place=False``)."""
+    return shard_paths(model, start, end, head, cache_dir, in_place=False)[0]
+
+
+__all__ = ["ARCH_RULES", "ArchRules", "TokenEmbedding", "UnsupportedShard", "derive_shard", "derive_shard_header",
+           "hidden_width", "shard_paths", "shard_tensors",
+           "n_model_layers", "n_vocab",
            "rules_for", "shard_metadata", "shard_path"]
