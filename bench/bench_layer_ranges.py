@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -81,7 +82,8 @@ def route_decode(path: Path, ids: list[int], n_decode: int, work: Path) -> tuple
 
 def start_and_disk(path: Path, work: Path) -> list[tuple[str, float, int]]:
     """(mode, seconds writing the shard's files, seconds llama.cpp then takes to load them and make a context, bytes
-    written besides the model) for the middle third, as a fresh node would start."""
+    written besides the model, RSS growth after one 16-token step (bytes; KV cache included), the range's tensor
+    bytes) for the middle third, as a fresh node would start."""
     model = GGUFModelFile(path)
     specs = even_split(derive.n_model_layers(model), 3)
     mid = specs[1]
@@ -91,14 +93,20 @@ def start_and_disk(path: Path, work: Path) -> list[tuple[str, float, int]]:
         t0 = time.perf_counter()
         paths = derive.shard_paths(model, mid.start, mid.end, mid.head, cache, in_place=in_place)
         dt_files = time.perf_counter() - t0
+        rss0 = psutil.Process().memory_info().rss
         t1 = time.perf_counter()
         node = LlamaCppShard(model, ShardSpec(mid.start, mid.end), n_ctx_seq=512, n_seq_max=1, threads=1,
                              cache_dir=cache, in_place=in_place)
         dt_load = time.perf_counter() - t1
         assert [str(p) for p in node.paths] == [str(p) for p in paths]
+        kv = node.new_session(512)
+        node.forward(kv, np.zeros((16, node.cfg.n_embd), np.float32))  # touches every weight of the range once
+        rss = psutil.Process().memory_info().rss - rss0
         node.close()
         written = sum(f.stat().st_blocks * 512 for f in cache.iterdir())
-        out.append((label, dt_files, dt_load, written))
+        tensor_bytes = sum(GGUFModelFile(path).tensors[src].n_bytes
+                           for src, _ in derive.shard_tensors(model, mid.start, mid.end, mid.head))
+        out.append((label, dt_files, dt_load, written, rss, tensor_bytes))
     return out
 
 
@@ -128,10 +136,12 @@ def main() -> None:
             print(f"{arch:<10} {n_embd:>6} {ref:>15.1f} {tps:>11.1f} {tps / ref:>6.2f}  "
                   + " / ".join(f"{b:,.0f}" for b in per_hop))
         print("\n## node start and disk: the middle third of a real model")
-        print(f"{'model':<32} {'mode':<30} {'shard files s':>13} {'load s':>7} {'bytes written':>14}")
+        print(f"{'model':<32} {'mode':<30} {'shard files s':>13} {'load s':>7} {'bytes written':>14} "
+              f"{'RSS growth':>12} {'tensor bytes':>13}")
         for path in (default_model_path(), smollm2_path()) if args.part != "route" else ():
-            for label, dt_files, dt_load, written in start_and_disk(path, work):
-                print(f"{path.name:<32} {label:<30} {dt_files:>13.3f} {dt_load:>7.3f} {written:>14,}")
+            for label, dt_files, dt_load, written, rss, tensor_bytes in start_and_disk(path, work):
+                print(f"{path.name:<32} {label:<30} {dt_files:>13.3f} {dt_load:>7.3f} {written:>14,} {rss:>12,} "
+                      f"{tensor_bytes:>13,}")
 
 
 if __name__ == "__main__":

@@ -115,6 +115,36 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def add_test_vocab(w: GGUFWriter) -> None:
+    """The tests' SentencePiece-style ``llama`` vocabulary of ``N_VOCAB`` tokens (bos 1, eos 2, unk 0) into ``w``."""
+    tokens, scores, types = _vocab()
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+
+def weight_writers(w: GGUFWriter, rng: np.random.Generator):
+    """``(f32, norm, matrix)``: writers of random F32 tensors into ``w``. ``f32(name, *shape, scale, offset)``: entries
+    ~ N(offset, scale^2); ``norm(name, dim)``: ~ N(1, 0.01); ``matrix(name, *shape, scale)``: a weight of numpy shape
+    ``(..., n_out, n_in)``, entries ~ N(0, scale^2 / n_in)."""
+    def f32(name: str, *shape: int, scale: float = 0.05, offset: float = 0.0) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * scale + offset).astype(np.float32))
+
+    def norm(name: str, dim: int) -> None:
+        f32(name, dim, scale=0.1, offset=1.0)
+
+    def matrix(name: str, *shape: int, scale: float = 1.0) -> None:
+        f32(name, *shape, scale=scale * shape[-1] ** -0.5)
+
+    return f32, norm, matrix
+
+
 def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int = 0, **overrides: Any) -> Path:
     """Write a random-weight MoE ``arch`` GGUF (one of ``MOE_ARCHS``) to ``path`` and return ``path``.
 
@@ -215,26 +245,8 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("attention.sliding_window", c.sliding_window)
         kv_u32("attention.sliding_window_pattern", c.n_swa_pattern)
 
-    tokens, scores, types = _vocab()
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-
-    def f32(name: str, *shape: int, scale: float = 0.05, offset: float = 0.0) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale + offset).astype(np.float32))
-
-    def norm(name: str, dim: int) -> None:
-        f32(name, dim, scale=0.1, offset=1.0)
-
-    def matrix(name: str, *shape: int, scale: float = 1.0) -> None:
-        """A weight of numpy shape ``(..., n_out, n_in)``, entries ~ N(0, scale^2 / n_in)."""
-        f32(name, *shape, scale=scale * shape[-1] ** -0.5)
+    add_test_vocab(w)
+    f32, norm, matrix = weight_writers(w, rng)
 
     e, d = c.n_embd, cfg.get("n_expert", 0)
     f32("token_embd.weight", N_VOCAB, e, scale=0.5)
@@ -422,25 +434,8 @@ def write_tiny_deepseek4_model(path: Path, *, seed: int = 0, **overrides: Any) -
     u32("hyper_connection.sinkhorn_iterations", c.sinkhorn_iters)
     f32k("hyper_connection.epsilon", c.hc_eps)
     u32("hash_layer_count", c.hash_layers)
-    tokens, scores, types = _vocab()
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-
-    def f32(name: str, *shape: int, scale: float = 0.05, offset: float = 0.0) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale + offset).astype(np.float32))
-
-    def norm(name: str, dim: int) -> None:
-        f32(name, dim, scale=0.1, offset=1.0)
-
-    def matrix(name: str, *shape: int, scale: float = 1.0) -> None:
-        f32(name, *shape, scale=scale * shape[-1] ** -0.5)
+    add_test_vocab(w)
+    f32, norm, matrix = weight_writers(w, rng)
 
     e, hd, hc = c.n_embd, c.head_dim, c.hc_mult
     mix = (2 + hc) * hc

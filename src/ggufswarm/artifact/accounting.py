@@ -21,7 +21,9 @@ Per block (``LayerAccount``), the quantities and their sources in llama.cpp:
   the raw K rows, one compressed K row per ``r`` tokens and as many indexer rows (``dsv4_comp_size``):
   ``row + ceil(row / r) + ceil(indexer / r)`` bytes per token, plus a fixed compressor state per session
   (``llama_dsv4_comp_state``; the overlap factor is inferred from the block having an indexer, an
-  approximation). Recurrent layers and layers with no KV heads cost 0.
+  approximation). Recurrent layers and layers with no KV heads cost 0, and so do the last
+  ``attention.shared_kv_layers`` blocks (Gemma 4 E2B/E4B: they attend with an earlier block's cache, the
+  ``reuse`` map of ``create_memory`` in ``src/llama-model.cpp``).
 * Sliding-window layers count the **full** per-token KV: ggufswarm's llama.cpp backend creates its
   context with ``swa_full = true`` (so truncation for route repair is exact), and the torch backend
   keeps every position too. Nothing is saved by the window.
@@ -243,11 +245,12 @@ class HeaderAccounts:
         ratios = self._get("attention.compress_ratios")
         compressed_model = isinstance(ratios, list)  # llama-kv-cache-dsv4.cpp: every cache K-only
         kv_lora = self._get("attention.kv_lora_rank")
+        shared_kv = int(self._get("attention.shared_kv_layers", 0) or 0)  # the last blocks of the trunk
         if kv_lora:  # MLA: K only, the latent plus the rope part (llama-kv-cache.cpp: has_v = !is_mla)
             k_elems = int(kv_lora) + int(self._get("rope.dimension_count", 0) or 0)
             v_elems, kind = 0, "mla"
-        elif n_kv == 0:
-            return LayerAccount(il, "none", weight, 0, 0)
+        elif n_kv == 0 or self.n_layers - shared_kv <= il < self.n_layers:
+            return LayerAccount(il, "none", weight, 0, 0)  # no heads, or a shared-KV block (reuses another's cache)
         else:
             n_head = self._per_layer("attention.head_count", il, 0) or 1
             swa = self._is_swa(il)
@@ -278,7 +281,10 @@ class HeaderAccounts:
     def range_problem(self, start: int, end: int) -> str | None:
         """Why blocks ``[start, end)`` cannot be one shard (None: they can), from the blocks' kinds alone: a shard
         starts at a block with ``cut_before``, and in a model mixing recurrent and other blocks it holds at least
-        one of each (llama.cpp's hybrid memory aborts on a graph with only one kind)."""
+        one of each (llama.cpp's hybrid memory aborts on a graph with only one kind); in a model with sliding-window
+        layers it holds one of them (is_swa_any); in a model with ``attention.shared_kv_layers`` (Gemma 4) it has two
+        blocks or more, and it is the whole model where that count or ``embedding_length_per_layer_input`` is
+        non-zero (E2B/E4B)."""
         if start < self.n_layers and not self.layers[start].cut_before:
             return f"block {start} reuses an earlier block's result (a shard cannot start there)"
         recurrent = self._recurrent_prefix
@@ -291,6 +297,16 @@ class HeaderAccounts:
         if swa[self.n_blocks] and n > start and swa[n] == swa[start]:
             return f"blocks {start}:{end} hold no sliding-window layer (llama.cpp's memory for a model with " \
                    f"sliding-window attention asserts one in every shard: is_swa_any)"
+        shared_kv = self._get("attention.shared_kv_layers")
+        if shared_kv is not None and not (start == 0 and end >= self.n_layers):
+            # the KV-sharing layout of Gemma 4 (src/models/gemma4.cpp, src/llama-model.cpp create_memory)
+            if int(shared_kv) or int(self._get("embedding_length_per_layer_input", 0) or 0):
+                return "per-layer token embeddings or shared-KV layers (E2B/E4B-style): only the whole model runs " \
+                       "(every block's per-layer input comes from the token ids; shared-KV blocks find their cache " \
+                       "by the layer count)"
+            if end - start < 2:
+                return f"blocks {start}:{end} are one block in a model with KV-layer sharing metadata (llama.cpp " \
+                       f"asserts at least two KV layers per file: n_layer_kv_from_start >= 2)"
         return None
 
     # -- shards ----------------------------------------------------------------------------------

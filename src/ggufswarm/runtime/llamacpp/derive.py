@@ -19,8 +19,23 @@ architecture, taken from llama.cpp's ``src/models/<arch>.cpp`` (``load_arch_hpar
 * ``glm-dsa``'s indexer types (which blocks have their own DSA lightning indexer) are written for the
   shard's range (llama.cpp defaults them from the shard's own block 0 otherwise), and a range must start
   at a full-indexer block (a shared one reuses the previous block's top-k, which cannot cross a cut);
+* global tensors no block of the range loads are left out (llama.cpp refuses a file with an unused tensor): Gemma 4's
+  ``rope_freqs``, which only its full-attention blocks use (``src/models/gemma4.cpp``);
 * heuristics llama.cpp applies to the layer count are resolved from the whole model and written
-  out, or the range is refused when llama.cpp cannot be told (Gemma 3 27B's attention scale).
+  out, or the range is refused when llama.cpp cannot be told (Gemma 3 27B's attention scale);
+* rules a graph computes from the block index (no-RoPE every 4th block, MoE every n-th) are checked to give the
+  range's blocks what they get in the whole model, or the range is refused (``_same_flags``);
+* a shard past block 0 gets ``embedding_scale`` 0 (``build_inp_embd`` scales ``batch.embd`` too,
+  ``src/llama-graph.cpp``) and zeros for the learned positions the graph adds to its input (``ArchRules.embd_add``);
+  a range must start at a block with attention heads where ``head_count`` is per block (llama.cpp reads the head
+  sizes only when a file's block 0 has heads);
+* an architecture whose graph misreads hidden-state input (scales or normalizes it as token embeddings, takes it
+  for media, or needs more than one vector per token across a cut) runs only as the whole model, the reason naming
+  the llama.cpp change that would lift it (``ArchRules.embd_input``, ``WHOLE_ONLY``).
+
+``tests/zoo.py`` runs llama.cpp's architecture zoo (``tests/test-llama-archs``) through these rules: every
+architecture with an entry is bitwise equal to llama.cpp's whole model as shard chains, or refused with its reason
+(``docs/architectures.md``).
 
 A shard without the head stage carries a one-token vocabulary (tokenizer model ``none``, a zero
 one-row embedding and output): it receives hidden states through ``llama_batch.embd`` and never
@@ -55,7 +70,8 @@ class ArchRules:
     """What llama.cpp derives from the absolute layer index or the layer count, for one architecture.
 
     ``swa_pattern``: llama.cpp's default sliding-window period when the GGUF has none (0: no SWA);
-    ``swa_dense_first``: the pattern's first layer is the full-attention one;
+    ``swa_dense_first``: the pattern's first layer is the full-attention one; ``swa_array``: llama.cpp reads the
+    sliding-window layers only from the per-layer ``attention.sliding_window_pattern`` array (no default period);
     ``leading_dense``: the model has ``leading_dense_block_count``; ``nextn``: it may carry MTP blocks;
     ``recurrent_interval``: hybrid recurrent model whose recurrent blocks llama.cpp derives from
     ``full_attention_interval`` (this is its default) when ``attention.recurrent_layers`` is absent (0: none);
@@ -64,7 +80,14 @@ class ArchRules:
     ``token_scale``: factor llama.cpp applies to token embeddings only (not to ``batch.embd``), as a
     function of ``n_embd``; ``check``: raises UnsupportedShard for ranges llama.cpp would misread,
     and may return extra metadata to write; ``embd_input``: set when the architecture's graph aborts
-    on hidden-state input, which leaves only the whole model runnable.
+    on hidden-state input, which leaves only the whole model runnable (also where it misreads them: rescales or
+    normalizes ``batch.embd`` as it does token embeddings, takes it for media, or needs more than one vector per
+    token across a cut; the reason names the llama.cpp change that would lift it).
+    ``swa_optional``: llama.cpp makes the model sliding-window only when ``attention.sliding_window`` > 0 and its graph
+    treats full-attention blocks alike either way; a range holding no sliding-window block is written with
+    ``sliding_window`` 0 (a plain KV cache) instead of being refused.
+    ``recurrent``: ``model`` → per-block recurrent flags, where llama.cpp derives them from other per-layer
+    hyperparameters (``head_count_kv`` 0: ``src/models/jamba.cpp`` and others) rather than ``full_attention_interval``.
 
     ``patch``: the patch of ggufswarm's llama.cpp patch queue (``patches/llama.cpp``) a layer range of this
     architecture needs (``llamacpp.patches``); its shards declare their input width as ``{arch}.embedding_length_in``,
@@ -76,10 +99,17 @@ class ArchRules:
     ``tap``: the name llama.cpp's graph gives each block's output (``cb(cur, "l_out", il)``), captured at a cut;
     ``no_dummy_head``: the patched graph loads a shard without token embedding and output head (no one-row
     stand-ins written).
+    ``embd_add``: global tensors the graph adds to its input whether tokens or ``batch.embd`` (learned absolute
+    positions, ``position_embd``: ``inpL = ggml_add(inpL, ggml_get_rows(pos_embd, inp_pos))``, src/models/gpt2.cpp);
+    a shard starting past block 0 carries zeros of their shape instead, its hidden states already hold them
+    (``x + 0`` is ``x`` bit for bit).
+    ``unused``: ``(model, a, b)`` → names of the model's global tensors llama.cpp does not load for blocks ``[a, b)``
+    (it refuses a file with a tensor it did not use: "wrong number of tensors"), left out of that shard's file.
     """
 
     swa_pattern: int = 0
     swa_dense_first: bool = False
+    swa_array: bool = False
     leading_dense: bool = False
     nextn: bool = False
     recurrent_interval: int = 0
@@ -92,6 +122,10 @@ class ArchRules:
     token_ids: bool = False
     tap: str = "l_out"
     no_dummy_head: bool = False
+    embd_add: tuple[str, ...] = ()  # global tensors the graph adds to its input (zeros on a shard past block 0)
+    unused: Callable[[GGUFModelFile, int, int], frozenset[str]] | None = None  # global tensors a range leaves out
+    swa_optional: bool = False  # a range without sliding-window blocks runs as a plain (non-SWA) model
+    recurrent: Callable[[GGUFModelFile], list[bool]] | None = None  # per-block recurrent flags (hybrid models)
 
 
 def _gemma3_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
@@ -129,12 +163,35 @@ def _hybrid_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
     # state-copy input unconditionally; a graph without an attention block (or without a recurrent one) never
     # allocates them and llama.cpp aborts on the first decode (GGML_ASSERT(buffer) in set_input_k_idxs)
     flags = recurrent_layers(model)[a:b]
-    if all(flags) or not any(flags):
-        kind = "full-attention" if all(flags) else "recurrent"
+    attention = _attention_layers(model)[a:b]
+    if all(flags) or not any(flags) or not any(attention):
+        kind = "recurrent" if not any(flags) else "full-attention"
         raise UnsupportedShard(f"{model.architecture}: layer range {a}:{b} has no {kind} block; llama.cpp's hybrid "
                                f"memory aborts on a graph without both kinds (llm_graph_input_mem_hybrid::set_input), "
-                               f"so a shard must hold at least one recurrent and one full-attention block")
+                               f"so a shard must hold at least one recurrent and one full-attention block (a llama.cpp "
+                               f"change would lift this: set_input skipping the attention inputs and the state-copy "
+                               f"input when the graph did not allocate them)")
     return {}
+
+
+def _attention_layers(model: GGUFModelFile) -> list[bool]:
+    """Per-block flags of a hybrid model: the block attends (has a KV cache): ``head_count_kv`` > 0 where llama.cpp's
+    loader derives the recurrent blocks from ``head_count_kv`` (``ArchRules.recurrent``), else every block that is
+    not recurrent."""
+    arch = model.architecture
+    if arch in ("nemotron_h", "nemotron_h_moe"):  # src/models/nemotron-h.cpp: not recurrent, no feed-forward
+        n = int(model.metadata[f"{arch}.block_count"])
+        ff = _per_layer(model.metadata, f"{arch}.feed_forward_length", n)
+        return [not r and f == 0 for r, f in zip(recurrent_layers(model), ff)]
+    if rules_for(arch).recurrent is not None:
+        return [k > 0 for k in _n_head_kv(model)]
+    return [not r for r in recurrent_layers(model)]
+
+
+def _per_layer(md: dict, key: str, n: int, default: int = 0) -> list[int]:
+    """A hyperparameter llama.cpp reads with ``get_key_or_arr`` (one value, or one per block) as ``n`` values."""
+    value = md.get(key, default)
+    return [int(v) for v in value[:n]] if isinstance(value, list) else [int(value)] * n
 
 
 # src/models/glm-dsa.cpp GLM_5_2_DEFAULT_INDEXER_TYPES: 1, 1, then 1, 0, 0, 0 repeated (1: the block has its own
@@ -180,7 +237,264 @@ def _hc_streams(metadata: dict) -> int:
 
 
 def _sqrt_n_embd(n_embd: int) -> np.float32:
-    return np.sqrt(np.float32(n_embd))  # sqrtf(n_embd), src/models/gemma3.cpp
+    return np.sqrt(np.float32(n_embd))  # sqrtf(n_embd), src/models/gemma3.cpp (and gemma4.cpp)
+
+
+def _gemma4_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/models/gemma4.cpp; the layer-count switch in load_arch_hparams only names the model type (no number
+    # depends on it) and f_attention_scale is fixed at 1.0, so a dense range needs nothing written
+    md = model.metadata
+    if (a, b) == (0, n_model_layers(model)):
+        return {}  # the whole model: llama.cpp's own graph from token ids
+    if int(md.get("gemma4.embedding_length_per_layer_input", 0) or 0):
+        raise UnsupportedShard(
+            f"gemma4 with per-layer token embeddings (E2B/E4B: embedding_length_per_layer_input > 0): llama.cpp "
+            f"computes every block's per-layer input at the start of the graph from the token ids and the first "
+            f"block's input (build_inp_per_layer / project_per_layer_inputs); a shard given hidden states would use "
+            f"the padding token's row and its own input instead, so only the whole model runs (layer range {a}:{b})")
+    if int(md.get("gemma4.attention.shared_kv_layers", 0) or 0):
+        raise UnsupportedShard(
+            f"gemma4 with shared-KV layers (attention.shared_kv_layers > 0): its last blocks attend with the KV cache "
+            f"of earlier blocks, which llama.cpp finds by counting from the shard's own layer count "
+            f"(n_layer_kv_from_start), so only the whole model runs (layer range {a}:{b})")
+    if b - a < 2:
+        raise UnsupportedShard(
+            f"gemma4: layer range {a}:{b} has one block; llama.cpp's KV cache for gemma4 asserts at least two KV "
+            f"layers (src/llama-model.cpp create_memory: GGML_ASSERT(hparams.n_layer_kv_from_start >= 2)), which "
+            f"would abort the node; a shard needs two blocks or more")
+    return {}
+
+
+def _gemma4_unused(model: GGUFModelFile, a: int, b: int) -> frozenset[str]:
+    # src/models/gemma4.cpp load_arch_tensors: rope_freqs (the "proportional" RoPE's per-pair divisors) is created
+    # for the full-attention blocks only; a range of sliding-window blocks alone never loads it
+    swa = _swa_layers(model, ARCH_RULES["gemma4"])
+    return frozenset({"rope_freqs.weight"}) if swa is not None and all(swa[a:b]) else frozenset()
+
+
+# -- rules grown from llama.cpp's architecture zoo (tests/zoo.py: test-llama-archs models as layer ranges) -------------
+
+def _all_recurrent(model: GGUFModelFile) -> list[bool]:
+    """Every trunk block recurrent (Mamba, Mamba-2; Falcon-H1, whose every block runs an SSM beside its attention)."""
+    n = int(model.metadata[f"{model.architecture}.block_count"])
+    return [il < n_model_layers(model) for il in range(n)]
+
+
+def _kv0_recurrent(model: GGUFModelFile) -> list[bool]:
+    """A block is recurrent where its ``head_count_kv`` is 0 (``src/models/jamba.cpp``, ``granite-hybrid.cpp``,
+    ``plamo2.cpp``, ``lfm2.cpp``, ``lfm2moe.cpp``, ``kimi-linear.cpp``, ``bailingmoe3.cpp``: ``is_recr_impl[i] =
+    n_head_kv(i) == 0``); MTP blocks are not."""
+    n = int(model.metadata[f"{model.architecture}.block_count"])
+    kv = _n_head_kv(model)
+    return [il < n_model_layers(model) and kv[il] == 0 for il in range(n)]
+
+
+def _n_head_kv(model: GGUFModelFile) -> list[int]:
+    """KV heads of every block (``attention.head_count_kv``, one value or one per block; ``head_count`` without it)."""
+    md, arch = model.metadata, model.architecture
+    n = int(md[f"{arch}.block_count"])
+    key = f"{arch}.attention.head_count_kv"
+    return _per_layer(md, key if key in md else f"{arch}.attention.head_count", n)
+
+
+def _nemotron_h_recurrent(model: GGUFModelFile) -> list[bool]:
+    """``src/models/nemotron-h.cpp``: a Mamba-2 block has neither KV heads nor a feed-forward (``n_head_kv(i) == 0 &&
+    n_ff(i) == 0``); the others are attention blocks (KV heads) or MLP-only blocks."""
+    md, arch = model.metadata, model.architecture
+    n = int(md[f"{arch}.block_count"])
+    kv = _n_head_kv(model)
+    ff = _per_layer(md, f"{arch}.feed_forward_length", n)
+    return [il < n_model_layers(model) and kv[il] == 0 and ff[il] == 0 for il in range(n)]
+
+
+def _same_flags(model: GGUFModelFile, a: int, b: int, what: str, flag: Callable[[int, int], bool], source: str) -> None:
+    """UnsupportedShard unless ``flag(il, n_layer)``, a per-block rule llama.cpp computes from the block index ``il`` and
+    the file's block count, gives blocks ``[a, b)`` of a shard file (``il`` from 0, ``n_layer = b - a``) what it gives
+    them in the whole model."""
+    n = n_model_layers(model)
+    whole = [flag(il, n) for il in range(a, b)]
+    local = [flag(il, b - a) for il in range(b - a)]
+    if whole != local:
+        raise UnsupportedShard(f"{model.architecture}: {what} counts from a file's block 0 ({source}), so a shard file of "
+                               f"blocks {a}:{b} would get it wrong; choose a range that keeps it (a "
+                               f"llama.cpp change reading it from a per-layer array would lift this)")
+
+
+def _smollm3_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    _same_flags(model, a, b, "the no-RoPE block of every 4", lambda il, n: (il + 1) % 4 != 0,
+                "src/models/smollm3.cpp: n_no_rope_layer_step = 4, use_rope = (il + 1) % 4 != 0")
+    return {}
+
+
+def _smallthinker_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    if int(model.metadata.get("smallthinker.attention.sliding_window", 0) or 0) > 0:
+        _same_flags(model, a, b, "the no-RoPE block of every 4", lambda il, n: n == 4 or il % 4 != 0,
+                    "src/models/smallthinker.cpp: use_rope = n_no_rope_layer_step == n_layer || il % "
+                    "n_no_rope_layer_step != 0, a step of 4 with SWA")
+    return {}
+
+
+def _llama4_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    md = model.metadata
+    step = int(md.get("llama4.interleave_moe_layer_step", 0) or 0)
+    _same_flags(model, a, b, "the MoE block of every interleave_moe_layer_step", lambda il, n: step > 0 and (il + 1) % step == 0,
+                "src/models/llama4.cpp: is_moe_layer = (i + 1) % n_moe_layer_step == 0")
+    chunked = not ("llama4.attention.sliding_window" in md and int(md["llama4.attention.sliding_window"]) == 0)
+    _same_flags(model, a, b, "the no-RoPE block", lambda il, n: (il + 1) % (4 if chunked else n) != 0,
+                "src/models/llama4.cpp: use_rope = (il + 1) % n_no_rope_layer_step != 0, a step of 4 with chunked "
+                "attention, else the layer count")
+    return {}
+
+
+def _afmoe_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    _same_flags(model, a, b, "the no-RoPE block of every 4", lambda il, n: (il + 1) % 4 != 0,
+                "src/models/afmoe.cpp: use_rope = (il + 1) % n_no_rope_layer_step != 0, a step of 4 "
+                "(src/llama-hparams.h default)")
+    return {}
+
+
+def _ernie45_moe_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/models/ernie4-5.cpp loads expert tensors for il >= leading_dense_block_count, and ernie4-5-moe.cpp runs them
+    # where also (il + 1) % interleave_moe_layer_step == 0: write the step that gives the range's blocks their kinds
+    md = model.metadata
+    lead = int(md.get("ernie4_5-moe.leading_dense_block_count", 0) or 0)
+    step = int(md["ernie4_5-moe.interleave_moe_layer_step"])
+    moe = [il >= lead and (il + 1) % step == 0 for il in range(a, b)]
+    lead2 = max(0, lead - a)
+    for s in range(1, b - a + 2):
+        if all(m == (il >= lead2 and (il + 1) % s == 0) for il, m in enumerate(moe)):
+            return {"ernie4_5-moe.interleave_moe_layer_step": (s, GGUFValueType.UINT32)}
+    raise UnsupportedShard(f"ernie4_5-moe: no interleave_moe_layer_step gives blocks {a}:{b} their MoE pattern "
+                           f"(src/models/ernie4-5-moe.cpp: is_moe_layer = il >= lead && (il + 1) % step == 0)")
+
+
+def _whole_layers_check(arch: str, n_whole: int, what: str) -> Callable[[GGUFModelFile, int, int], dict[str, Any]]:
+    """A check refusing ranges of a model of ``n_whole`` blocks, where llama.cpp keys ``what`` on that block count."""
+    def check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+        n = n_model_layers(model)
+        if n == n_whole and b - a != n:
+            raise UnsupportedShard(f"{arch} with {n} blocks: llama.cpp {what}, so a shard of {b - a} blocks would "
+                                   f"compute a different model")
+        return {}
+    return check
+
+
+def _command_r_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    n = n_model_layers(model)
+    if n >= 64 and b - a < 64:  # src/models/command-r.cpp: if (n_layer >= 64) attn_q_norm, attn_k_norm
+        raise UnsupportedShard(f"command-r with {n} blocks (Command R+): llama.cpp loads the per-head Q/K norms only "
+                               f"for a file of 64 blocks or more (src/models/command-r.cpp), so a shard of {b - a} "
+                               f"blocks would drop them")
+    return {}
+
+
+def _nanbeige_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    loops = int(model.metadata.get("nanbeige.num_loops", 1) or 1)
+    if loops > 1 and (a, b) != (0, n_model_layers(model)):
+        raise UnsupportedShard(f"nanbeige with num_loops {loops}: llama.cpp runs the file's blocks {loops} times over "
+                               f"(src/models/nanbeige.cpp), a loop no layer range can cut")
+    return {}
+
+
+def _minicpm_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/models/minicpm.cpp: residual_scale defaults to 1.4 / sqrt(n_layer) when the file has none
+    if "minicpm.residual_scale" in model.metadata:
+        return {}
+    scale = np.float32(1.4) / np.sqrt(np.float32(n_model_layers(model)))
+    return {"minicpm.residual_scale": (float(scale), GGUFValueType.FLOAT32)}
+
+
+def _deepstack_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/llama-hparams.cpp n_embd_inp: n_embd * (1 + n_deepstack_layers) input values per token, the vision
+    # deepstack features added to the first blocks (src/models/qwen3vl.cpp, granite.cpp); a token's own row is zero
+    # past n_embd (build_inp_embd pads it), so for text the additions are + 0: a text shard drops them and takes
+    # n_embd-wide hidden states
+    arch = model.architecture
+    md = model.metadata
+    if int(md.get(f"{arch}.n_deepstack_layers", 0) or 0):
+        return {f"{arch}.n_deepstack_layers": (0, GGUFValueType.UINT32)}
+    if any(int(v) >= 0 for v in md.get(f"{arch}.deepstack_mapping", []) or []):
+        return {f"{arch}.deepstack_mapping": ([], GGUFValueType.ARRAY)}  # (an empty array: the key left out)
+    return {}
+
+
+def _first_block_heads(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/models/kimi-linear.cpp, bailingmoe3.cpp: the recurrent (KDA) blocks take their head count from
+    # hparams.n_head(), the file's block 0
+    heads = model.metadata.get(f"{model.architecture}.attention.head_count")
+    if isinstance(heads, list) and int(heads[a]) != int(heads[0]):
+        raise UnsupportedShard(f"{model.architecture}: its recurrent blocks take their head count from a file's block 0 "
+                               f"(hparams.n_head(), src/models/{model.architecture}.cpp): block {a} has {heads[a]} heads, "
+                               f"block 0 {heads[0]}, so a range must start at a block with {heads[0]}")
+    return _hybrid_check(model, a, b)
+
+
+def _minimax_m3_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    lead = int(model.metadata.get("minimax-m3.leading_dense_block_count", 0) or 0)
+    if b <= lead:  # src/models/minimax-m3.cpp: is_sparse = msa_enabled && il >= n_layer_dense_lead
+        raise UnsupportedShard(f"minimax-m3: layer range {a}:{b} holds only leading dense-attention blocks (0:{lead}); "
+                               f"the graph creates its sparse-attention (MSA) inputs whenever flash attention is on, "
+                               f"and llama.cpp aborts setting them when no block used them (llm_graph_input_msa::"
+                               f"set_input, GGML_ASSERT(buffer)); a range needs a block from {lead} on (or a llama.cpp "
+                               f"change creating the MSA inputs only for a graph with a sparse block)")
+    return {}
+
+
+def _dots3note_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    types = model.metadata.get("dots3note.attention.indexer.types")
+    if isinstance(types, list) and not any(int(t) for t in types[a:b]):
+        raise UnsupportedShard(f"dots3note: layer range {a}:{b} holds no block with a lightning indexer (its "
+                               f"full-attention blocks: attention.indexer.types); the graph's DSA inputs are then never "
+                               f"allocated and llama.cpp aborts setting them (GGML_ASSERT(buffer)); a range needs one "
+                               f"(or a llama.cpp change skipping the indexer inputs of a graph without one)")
+    return {}
+
+
+def _kimi_k3_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    if int(model.metadata.get("kimi-k3.attn_res.block_size", 0) or 0) > 0:
+        raise UnsupportedShard("kimi-k3 with attention residuals (attn_res.block_size > 0): every block mixes a bank of "
+                               "earlier blocks' inputs (res_push / res_mix, src/models/kimi-k3.cpp), more than one "
+                               "hidden state per token crosses a cut; only the whole model runs (a llama.cpp change "
+                               "taking the bank through batch.embd, as 0002 does DeepSeek-V4's streams, would lift it)")
+    return _hybrid_check(model, a, b)
+
+
+def _checks(*checks: Callable[[GGUFModelFile, int, int], dict[str, Any]]) -> Callable[[GGUFModelFile, int, int], dict[str, Any]]:
+    """One check running ``checks`` in turn (the extra metadata of all of them)."""
+    def check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        for c in checks:
+            extra.update(c(model, a, b))
+        return extra
+    return check
+
+
+# why a layer range of these cannot run (whole model only), from src/models/<arch>.cpp
+_HYPER_CONNECTIONS = ("hyper-connections: hyper_connection.count residual streams cross a cut, and the graph takes "
+                      "batch.embd as a token embedding to expand (src/models/{}.cpp); needs a llama.cpp change taking "
+                      "the streams through batch.embd, as patch 0002 does for deepseek4")
+WHOLE_ONLY: dict[str, str] = {
+    "bloom": ("normalizes batch.embd with token_embd_norm as it does token embeddings (src/models/bloom.cpp), so a "
+              "shard would normalize hidden states; needs a llama.cpp change skipping the input norm when "
+              "embedding_length_in (patch 0001) is set"),
+    "minicpm3": ("scales batch.embd by a fixed 12 as it scales token embeddings, and its residual scale is "
+                 "1.4 / sqrt(n_layer) of the file's block count (src/models/minicpm3.cpp); needs a llama.cpp change "
+                 "scaling token input only and reading residual_scale, as minicpm.cpp does"),
+    "talkie": ("every block adds a learned multiple of the normalized input embedding (embd_skip, "
+               "src/models/talkie.cpp), so two vectors per token cross a cut; needs a llama.cpp change taking the skip "
+               "embedding as a second input"),
+    "hrm_text": ("its blocks are cache slots of low/high stacks run in nested cycles (src/models/hrm-text.cpp asserts "
+                 "block_count == layers_per_stack * h_cycles * (l_cycles + 1)); no block range is a part of the "
+                 "computation"),
+    "muse-glimmer": ("normalizes batch.embd (embd_norm: an RMS norm of the input, src/models/muse-glimmer.cpp) as it "
+                     "does token embeddings, so a shard would normalize hidden states again; needs a llama.cpp change "
+                     "normalizing token input only"),
+    "minimax-01": ("its lightning-attention decay is scaled by 1 - il / (n_layer - 1) of the file's own block index "
+                   "and count (src/models/minimax-01.cpp); needs a llama.cpp change reading the slope scale per layer"),
+    "hy_v4": _HYPER_CONNECTIONS.format("hy-v4"),
+    "glm5-next": _HYPER_CONNECTIONS.format("glm5-next"),
+    "qwen4exp": _HYPER_CONNECTIONS.format("qwen4exp") + "; its per-layer n-gram embeddings also read token ids",
+}
 
 
 ARCH_RULES: dict[str, ArchRules] = {
@@ -190,9 +504,20 @@ ARCH_RULES: dict[str, ArchRules] = {
     "qwen2moe": ArchRules(),
     "qwen3moe": ArchRules(),
     "gemma3": ArchRules(swa_pattern=DEFAULT_SWA_PERIOD["gemma3"], token_scale=_sqrt_n_embd, check=_gemma3_check),
+    # Gemma 1/2 and AFMoE scale token input by sqrt(n_embd) in the graph, and did the same to batch.embd until
+    # patch 0003 (src/models/gemma.cpp, gemma2.cpp: pattern of 2, afmoe.cpp: pattern of 4 and a no-RoPE step of 4)
+    "gemma": ArchRules(token_scale=_sqrt_n_embd, patch="0003-hidden-state-input"),
+    "gemma2": ArchRules(swa_pattern=2, token_scale=_sqrt_n_embd, patch="0003-hidden-state-input"),
+    "afmoe": ArchRules(swa_pattern=4, leading_dense=True, token_scale=_sqrt_n_embd, patch="0003-hidden-state-input",
+                       check=_afmoe_check),
+    # CogVLM: batch.embd ran through the vision-expert weights (image tokens) until patch 0003
+    "cogvlm": ArchRules(patch="0003-hidden-state-input"),
+    # Gemma 4 31B / 26B-A4B (src/models/gemma4.cpp): the per-layer sliding-window array, sqrt(n_embd) on token input,
+    # rope_freqs on full-attention blocks only; E2B/E4B (per-layer embeddings, shared KV) run as the whole model
+    "gemma4": ArchRules(swa_array=True, token_scale=_sqrt_n_embd, check=_gemma4_check, unused=_gemma4_unused),
     "deepseek": ArchRules(leading_dense=True),
     "deepseek2": ArchRules(leading_dense=True, nextn=True, check=_deepseek2_check),
-    "glm4moe": ArchRules(leading_dense=True, nextn=True, patch="0003-glm4-layer-range-input"),
+    "glm4moe": ArchRules(leading_dense=True, nextn=True, patch="0003-hidden-state-input"),
     "gpt-oss": ArchRules(swa_pattern=DEFAULT_SWA_PERIOD["gpt-oss"]),
     "qwen3next": ArchRules(nextn=True, recurrent_interval=4, check=_hybrid_check),
     # IMRoPE: a hidden-state batch carries 4 positions per token (backend.LlamaCppShard.n_pos_per_token)
@@ -203,6 +528,62 @@ ARCH_RULES: dict[str, ArchRules] = {
     # the last block's output is named l_last (src/models/deepseek4.cpp)
     "deepseek4": ArchRules(nextn=True, exact_states=True, patch="0002-deepseek4-layer-range", streams=_hc_streams,
                            token_ids=True, tap="l_last", no_dummy_head=True, check=_deepseek4_check),
+    # grown from llama.cpp's architecture zoo (tests/zoo.py, docs/architectures.md): each bitwise equal to llama.cpp's
+    # whole model as shard chains; the rules from src/models/<arch>.cpp (load_arch_hparams, the graph)
+    **{arch: ArchRules() for arch in (
+        "arcee", "arctic", "baichuan", "chatglm", "codeshell", "dbrx", "deci", "ernie4_5", "exaone", "falcon",
+        "gptneox", "grovemoe", "hunyuan-dense", "hunyuan-moe", "hunyuan_vl", "hy_v3", "internlm2", "jais", "jais2",
+        "maincoder", "minimax-m2", "mistral3", "nemotron", "olmo", "olmoe", "openelm", "orion", "paddleocr",
+        "pangu-embedded", "phi2", "phi3", "phimoe", "plamo", "qwen", "qwen2vl", "refact", "seed_oss", "stablelm",
+        "starcoder2", "xverse", "grok", "granitemoe")},
+    # learned absolute positions added to the input (zeros past block 0: the hidden states hold them)
+    **{arch: ArchRules(embd_add=("position_embd.weight",)) for arch in ("gpt2", "starcoder", "mpt")},
+    # leading_dense_block_count read by the loader (src/models/<arch>.cpp)
+    **{arch: ArchRules(leading_dense=True) for arch in (
+        "bailingmoe", "bailingmoe2", "deepseek32", "dots1", "mistral4")},
+    "minimax-m3": ArchRules(leading_dense=True, check=_minimax_m3_check),
+    "ernie4_5-moe": ArchRules(leading_dense=True, check=_ernie45_moe_check),
+    # GLM-4 aborts on embedding input of a text-only (non-M-RoPE) file unless patch 0003 (src/models/glm4.cpp), as glm4moe
+    "glm4": ArchRules(patch="0003-hidden-state-input"),
+    "command-r": ArchRules(check=_command_r_check),
+    "exaone4": ArchRules(check=_whole_layers_check("exaone4", 64, "makes the 64-block model (32B) sliding-window "
+                                                   "(src/models/exaone4.cpp: if (n_layer == 64))")),
+    "nanbeige": ArchRules(check=_nanbeige_check),
+    "smollm3": ArchRules(check=_smollm3_check),
+    "minicpm": ArchRules(check=_minicpm_check),
+    "granite": ArchRules(check=_deepstack_check),
+    "qwen3vl": ArchRules(check=_deepstack_check),
+    "qwen3vlmoe": ArchRules(check=_deepstack_check),
+    # sliding-window models: the default period of load_swa_pattern (or the per-layer array llama.cpp requires)
+    "cohere2": ArchRules(swa_pattern=4),
+    "cohere2moe": ArchRules(swa_pattern=4, swa_dense_first=True, leading_dense=True),
+    "exaone-moe": ArchRules(swa_pattern=4, leading_dense=True),
+    "granite_swa": ArchRules(swa_array=True, check=_deepstack_check),
+    "maple": ArchRules(swa_array=True),
+    "mimo2": ArchRules(swa_array=True),
+    "spark2_5": ArchRules(swa_array=True),
+    "dots3note": ArchRules(swa_array=True, leading_dense=True, check=_dots3note_check),
+    "smallthinker": ArchRules(swa_pattern=4, swa_dense_first=True, check=_smallthinker_check),
+    "llama4": ArchRules(swa_pattern=4, check=_llama4_check),
+    # sliding-window only when attention.sliding_window > 0, full-attention blocks computed alike either way
+    "mellum": ArchRules(swa_pattern=4, swa_optional=True),
+    "olmo2": ArchRules(swa_pattern=4, swa_optional=True),
+    "plamo3": ArchRules(swa_pattern=8, swa_optional=True),
+    "laguna": ArchRules(swa_pattern=4, swa_dense_first=True, swa_optional=True, leading_dense=True),
+    # recurrent: every block (a fixed state per session; truncation only to exact state checkpoints)
+    **{arch: ArchRules(recurrent=_all_recurrent) for arch in ("mamba", "mamba2", "falcon-h1")},
+    # hybrid: recurrent blocks where head_count_kv is 0, and every shard needs one block of each kind
+    **{arch: ArchRules(recurrent=_kv0_recurrent, check=_hybrid_check) for arch in ("jamba", "granitehybrid", "lfm2")},
+    "plamo2": ArchRules(recurrent=_kv0_recurrent, check=_hybrid_check, tap="ffn_residual"),  # src/models/plamo2.cpp
+    "lfm2moe": ArchRules(recurrent=_kv0_recurrent, check=_hybrid_check, leading_dense=True),
+    **{arch: ArchRules(recurrent=_kv0_recurrent, check=_first_block_heads, leading_dense=True) for arch in (
+        "kimi-linear", "bailingmoe3")},
+    "kimi-k3": ArchRules(recurrent=_kv0_recurrent, check=_kimi_k3_check, leading_dense=True),
+    # (src/models/nemotron-h.cpp names a block's output nemotron_h_block_out)
+    **{arch: ArchRules(recurrent=_nemotron_h_recurrent, check=_hybrid_check, tap="nemotron_h_block_out") for arch in (
+        "nemotron_h", "nemotron_h_moe")},
+    # only the whole model (WHOLE_ONLY says why)
+    **{arch: ArchRules(embd_input=why) for arch, why in WHOLE_ONLY.items()},
 }
 
 
@@ -228,13 +609,16 @@ def _swa_layers(model: GGUFModelFile, rules: ArchRules) -> list[bool] | None:
     """Per-layer sliding-window flags of the whole model, as llama.cpp computes them (None: no SWA)."""
     arch = model.architecture
     md = model.metadata
-    if not rules.swa_pattern or not md.get(f"{arch}.attention.sliding_window"):
+    if not (rules.swa_pattern or rules.swa_array) or not md.get(f"{arch}.attention.sliding_window"):
         return None
     n = int(md[f"{arch}.block_count"])
     key = f"{arch}.attention.sliding_window_pattern"
     value = md.get(key)
     if isinstance(value, list):
         return [bool(v) for v in value]
+    if rules.swa_array:
+        raise UnsupportedShard(f"{arch}: llama.cpp needs {key} as a per-layer array, and this file has "
+                               f"{'none' if value is None else 'a scalar'}")
     period = int(value) if value is not None else rules.swa_pattern
     if rules.swa_dense_first:
         return [period == 0 or il % period != 0 for il in range(n)]
@@ -242,11 +626,15 @@ def _swa_layers(model: GGUFModelFile, rules: ArchRules) -> list[bool] | None:
 
 
 def recurrent_layers(model: GGUFModelFile) -> list[bool] | None:
-    """Per-block recurrent flags of the whole model as llama.cpp computes them (None: not a hybrid recurrent
-    architecture). ``attention.recurrent_layers`` when the file has it, else from ``full_attention_interval``
-    (``src/models/qwen3next.cpp``: recurrent unless ``(i + 1) % interval == 0``; MTP blocks are not recurrent)."""
+    """Per-block recurrent flags of the whole model as llama.cpp computes them (None: no recurrent blocks).
+    ``ArchRules.recurrent`` where llama.cpp derives them from other hyperparameters (``head_count_kv`` 0:
+    ``src/models/jamba.cpp``; every block: ``mamba.cpp``); else ``attention.recurrent_layers`` when the file has it,
+    else from ``full_attention_interval`` (``src/models/qwen3next.cpp``: recurrent unless ``(i + 1) % interval == 0``;
+    MTP blocks are not recurrent)."""
     arch = model.architecture
     rules = rules_for(arch)
+    if rules.recurrent is not None:
+        return rules.recurrent(model)
     if not rules.recurrent_interval:
         return None
     md = model.metadata
@@ -276,6 +664,12 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
         from .patches import require_patch
         require_patch(rules.patch, f"a layer range of {arch}")
     extra = rules.check(model, start, end) if rules.check else {}
+    heads = model.metadata.get(f"{arch}.attention.head_count")
+    if isinstance(heads, list) and int(heads[start]) == 0 and int(heads[0]) > 0:
+        raise UnsupportedShard(f"{arch}: block {start} has no attention heads, and llama.cpp reads the head sizes "
+                               f"(attention.key_length, value_length, rope.dimension_count) only when a file's block 0 "
+                               f"has some (src/llama-model.cpp load_hparams: if (hparams.n_head() > 0)); a layer range "
+                               f"must start at a block with attention heads")
     out: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {}
     for key, value in model.metadata.items():
         vtype, item = model.metadata_types[key]
@@ -283,23 +677,34 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
             continue
         if not head and key.startswith("tokenizer."):
             continue
-        if key.startswith(f"{arch}.") and isinstance(value, list) and len(value) == n_blocks:
+        if (key.startswith(f"{arch}.") and isinstance(value, list) and len(value) == n_blocks
+                and not key.endswith(".rope.dimension_sections")):  # (4 M-RoPE sections, whatever the block count)
             value = value[start:end]  # per-layer array
         out[key] = (value, vtype, item)
     out[f"{arch}.block_count"] = (end - start, GGUFValueType.UINT32, None)
     if rules.patch and not whole:  # the patched llama.cpp: this shard takes hidden states of this width
         out[f"{arch}.embedding_length_in"] = (hidden_width(model), GGUFValueType.UINT32, None)
-    if rules.nextn:
+    if rules.nextn or f"{arch}.nextn_predict_layers" in model.metadata:  # (MTP blocks are never in a shard)
         out[f"{arch}.nextn_predict_layers"] = (0, GGUFValueType.UINT32, None)
+    if start > 0:
+        # src/llama-graph.cpp build_inp_embd scales batch.embd too by hparams.f_embedding_scale (a model without
+        # deepstack layers): the hidden states of block start-1 must not be scaled again. 0 turns the scale off, also
+        # where the loader has a default for an absent key (grok 78.38, minicpm 12: src/models/grok.cpp, minicpm.cpp)
+        out[f"{arch}.embedding_scale"] = (0.0, GGUFValueType.FLOAT32, None)
     if rules.leading_dense and f"{arch}.leading_dense_block_count" in model.metadata:
         lead = int(model.metadata[f"{arch}.leading_dense_block_count"])
         out[f"{arch}.leading_dense_block_count"] = (max(0, lead - start), GGUFValueType.UINT32, None)
     swa = _swa_layers(model, rules)
     if swa is not None and any(swa) and not any(swa[start:end]):
-        raise UnsupportedShard(f"{arch}: layer range {start}:{end} holds no sliding-window layer, and llama.cpp's "
-                               f"memory for a model with sliding-window attention asserts one (src/llama-model.cpp "
-                               f"create_memory: is_swa_any); widen the range (sliding-window layers: "
-                               f"{', '.join(str(i) for i, w in enumerate(swa) if w)})")
+        if not rules.swa_optional:
+            raise UnsupportedShard(f"{arch}: layer range {start}:{end} holds no sliding-window layer, and llama.cpp's "
+                                   f"memory for a model with sliding-window attention asserts one (src/llama-model.cpp "
+                                   f"create_memory: is_swa_any); widen the range (sliding-window layers: "
+                                   f"{', '.join(str(i) for i, w in enumerate(swa) if w)}), or a llama.cpp change: "
+                                   f"create_memory building a plain KV cache when no block is sliding-window")
+        # llama.cpp then builds a plain model (a plain KV cache): the range's full-attention blocks compute as in the
+        # whole model
+        out[f"{arch}.attention.sliding_window"] = (0, GGUFValueType.UINT32, None)
     if swa is not None:
         out[f"{arch}.attention.sliding_window_pattern"] = (swa[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
     recr = recurrent_layers(model)
@@ -341,9 +746,10 @@ def shard_tensors(model: GGUFModelFile, start: int, end: int, head: bool) -> lis
     model's order. Blocks are renumbered from 0 (``blk.{i}`` → ``blk.{i - start}``), MTP/nextn blocks dropped; the
     token embedding, output norm and LM head only with ``head`` (and not the embedding where a patched graph
     taking hidden states needs none: ``ArchRules.no_dummy_head``); other global tensors (e.g. ``rope_freqs``) on
-    every shard."""
+    every shard, except those the range does not load (``ArchRules.unused``)."""
     rules = rules_for(model.architecture)
     n_layer = n_model_layers(model)
+    unused = rules.unused(model, start, end) if rules.unused else frozenset()
     out = []
     for name, info in model.tensors.items():
         layer = info.layer
@@ -351,28 +757,40 @@ def shard_tensors(model: GGUFModelFile, start: int, end: int, head: bool) -> lis
             if not start <= layer < end or layer >= n_layer:
                 continue
             new_name = f"blk.{layer - start}.{name.split('.', 2)[2]}"
-        elif name in ("token_embd.weight", "output.weight", "output_norm.weight"):
+        elif name in rules.embd_add and start > 0:
+            continue  # a zero stand-in (_stand_ins): the hidden states coming in already hold it
+        elif name in ("token_embd.weight", "output.weight", "output.bias", "output_norm.weight"):
             if not head or (rules.no_dummy_head and name == "token_embd.weight" and not (start == 0 and end == n_layer)):
                 continue  # (a patched graph taking hidden states needs no token embedding)
             new_name = name
         elif name.startswith("output_") and rules.no_dummy_head and not head:
             continue  # the rest of the output head (DeepSeek-V4's output_hc_*)
+        elif name in unused:
+            continue  # a global tensor no block of this range loads (Gemma 4's rope_freqs: full-attention blocks only)
         else:
             new_name = name  # global tensors a block may use (e.g. rope_freqs)
         out.append((name, new_name))
     return out
 
 
-def _stand_ins(model: GGUFModelFile, head: bool) -> list[tuple[str, np.ndarray]]:
-    """One-row token embedding and LM head (and a unit output norm) a shard without the head stage carries in place
-    of the model's (its vocabulary is one token; llama.cpp's loader requires the tensors)."""
+def _stand_ins(model: GGUFModelFile, head: bool, start: int = 0) -> list[tuple[str, np.ndarray]]:
+    """Tensors a shard carries in place of the model's: a shard without the head stage, a one-row token embedding and
+    LM head (and bias) and a unit output norm, those of them the model has (its vocabulary is one token; llama.cpp's
+    loader requires the tensors, and refuses a file with a tensor it does not use); a shard starting past block 0,
+    zeros of the model's shape for the tensors the graph adds to its input (``ArchRules.embd_add``, f16)."""
     arch = model.architecture
-    if head or rules_for(arch).no_dummy_head:
-        return []
+    rules = rules_for(arch)
+    out = [(name, np.zeros(model.tensors[name].shape, np.float16))
+           for name in rules.embd_add if start > 0 and name in model.tensors]
+    if head or rules.no_dummy_head:
+        return out
     n_embd = int(model.metadata[f"{arch}.embedding_length"])
-    return [("token_embd.weight", np.zeros((1, n_embd), np.float32)),
-            ("output.weight", np.zeros((1, n_embd), np.float32)),
-            ("output_norm.weight", np.ones(n_embd, np.float32))]
+    stand = {"token_embd.weight": np.zeros((1, n_embd), np.float32),
+             "output.weight": np.zeros((1, n_embd), np.float32),
+             "output.bias": np.zeros(1, np.float32),
+             "output_norm.weight": np.ones(n_embd, np.float32)}
+    return [(name, array) for name, array in stand.items()
+            if name == "token_embd.weight" or name in model.tensors] + out
 
 
 def _write_gguf(model: GGUFModelFile, dest: Path, metadata: dict, tensors: list[tuple[str, str]],
@@ -384,6 +802,8 @@ def _write_gguf(model: GGUFModelFile, dest: Path, metadata: dict, tensors: list[
     writer = GGUFWriter(str(tmp), model.architecture)
     writer.kv_data[0].clear()  # GGUFWriter pre-adds general.architecture; we copy every key in order
     for key, (value, vtype, item) in metadata.items():
+        if vtype == GGUFValueType.ARRAY and len(value) == 0:
+            continue  # gguf-py cannot write an empty array; llama.cpp reads an absent optional array as empty
         writer.add_key_value(key, value, vtype, sub_type=item)
     for name, new_name in tensors:
         info = model.tensors[name]
@@ -412,7 +832,7 @@ def derive_shard(model: GGUFModelFile, start: int, end: int, head: bool, dest: s
     Raises UnsupportedShard as ``shard_metadata``; OSError on a write failure.
     """
     metadata = shard_metadata(model, start, end, head)
-    return _write_gguf(model, Path(dest), metadata, shard_tensors(model, start, end, head), _stand_ins(model, head))
+    return _write_gguf(model, Path(dest), metadata, shard_tensors(model, start, end, head), _stand_ins(model, head, start))
 
 
 def derive_shard_header(model: GGUFModelFile, start: int, end: int, head: bool, dest: str | os.PathLike) -> Path:
@@ -426,7 +846,7 @@ def derive_shard_header(model: GGUFModelFile, start: int, end: int, head: bool, 
     Raises UnsupportedShard as ``shard_metadata``; OSError on a write failure.
     """
     tensors = shard_tensors(model, start, end, head)
-    stand_ins = _stand_ins(model, head)
+    stand_ins = _stand_ins(model, head, start)
     metadata = shard_metadata(model, start, end, head)
     metadata.update({
         "split.no": (0, GGUFValueType.UINT16, None),

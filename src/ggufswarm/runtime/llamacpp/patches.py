@@ -16,13 +16,13 @@ from pathlib import Path
 PATCH_MARKERS: dict[str, bytes] = {
     "0001-embedding-length-in": b"%s.embedding_length_in",
     "0002-deepseek4-layer-range": b"DeepSeek-V4 embedding_length_in must be",
-    "0003-glm4-layer-range-input": b"a layer range sets embedding_length_in",
+    "0003-hidden-state-input": b"a layer range sets embedding_length_in",
     "0004-split-sources": b"split.sources.block_offset",
 }
 # a patch needs the ones it builds on
 REQUIRES: dict[str, tuple[str, ...]] = {
     "0002-deepseek4-layer-range": ("0001-embedding-length-in",),
-    "0003-glm4-layer-range-input": ("0001-embedding-length-in",),
+    "0003-hidden-state-input": ("0001-embedding-length-in",),
 }
 
 
