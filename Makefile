@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?=
 # llama.cpp as llama-cpp-python bundles it, with ggufswarm's patch queue (patches/llama.cpp: layer ranges of
-# DeepSeek-V4 and GLM-4.x), built from source for this machine's instruction set except AMX (ggml's AMX kernels
+# DeepSeek-V4, GLM-4.x and other architectures, and loading a node's layers in place), built from source for this machine's instruction set except AMX (ggml's AMX kernels
 # crash on this kind of machine). scripts/build_llama_cpp_python.sh keeps the wheel per CPU flag set and patch
 # queue, outside the checkout, so a fresh clone (CI) installs it in seconds after the first build (~7 min).
 LLAMA_CPP_VERSION := 0.3.36

@@ -1,5 +1,5 @@
-"""Benchmark (issue 23): models that need ggufswarm's llama.cpp patch queue, as layer ranges across nodes, and what
-reading a node's layers in place (patch 0004) saves. Not a test; one run, one table per part.
+"""Benchmark: models that need ggufswarm's llama.cpp patch queue, as layer ranges across nodes, and what reading a
+node's layers in place (patch 0004) saves. Not a test; one run, one table per part.
 
 Part 1 — tiny ``deepseek4`` (DeepSeek-V4-Flash layout: 6 blocks, ratios 0/0/4/128/4/128, 4 hyper-connection
 streams, 3 hash-routed blocks) and tiny ``glm4moe`` through a 3-node route (f32 frames, 1 thread per node) against
@@ -114,30 +114,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefill", type=int, default=64, help="prompt tokens (default 64)")
     ap.add_argument("--decode", type=int, default=48, help="decoded tokens timed (default 48)")
-    ap.add_argument("--part", choices=("route", "disk", "both"), default="both", help="which part to run")
+    ap.add_argument("--part", choices=("route", "disk", "both"), default="both",
+                    help="route: part 1 (tiny deepseek4/glm4moe, 3-node route vs llama.cpp); disk: part 2 (node start "
+                         "and disk, the real models); both (default)")
     args = ap.parse_args()
     print(f"# bench_layer_ranges {datetime.datetime.now().isoformat(timespec='seconds')}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        models = {
+        models = {} if args.part == "disk" else {
             "deepseek4": write_tiny_deepseek4_model(work / "deepseek4.gguf", compress_ratios=[0, 0, 4, 128, 4, 128],
                                                     hash_layers=3),
             "glm4moe": write_tiny_moe_model(work / "glm4moe.gguf", "glm4moe"),
         }
         ids = [1] + np.random.default_rng(0).integers(3, 384, args.prefill - 1).tolist()
-        if args.part == "disk":
-            models = {}
-        print("\n## 3-node route vs llama.cpp whole model (1 thread each, f32 frames)")
-        print(f"{'arch':<10} {'n_embd':>6} {'llama.cpp tok/s':>15} {'route tok/s':>11} {'ratio':>6}  payload B/decode token per hop")
+        if models:
+            print("\n## 3-node route vs llama.cpp whole model (1 thread each, f32 frames)")
+            print(f"{'arch':<10} {'n_embd':>6} {'llama.cpp tok/s':>15} {'route tok/s':>11} {'ratio':>6}  "
+                  f"payload B/decode token per hop")
         for arch, path in models.items():
             ref = llama_cpp_decode(path, ids, args.decode)
             tps, per_hop = route_decode(path, ids, args.decode, work / arch)
             n_embd = int(GGUFModelFile(path).metadata[f"{arch}.embedding_length"])
             print(f"{arch:<10} {n_embd:>6} {ref:>15.1f} {tps:>11.1f} {tps / ref:>6.2f}  "
                   + " / ".join(f"{b:,.0f}" for b in per_hop))
-        print("\n## node start and disk: the middle third of a real model")
-        print(f"{'model':<32} {'mode':<30} {'shard files s':>13} {'load s':>7} {'bytes written':>14} "
-              f"{'RSS growth':>12} {'tensor bytes':>13}")
+        if args.part != "route":
+            print("\n## node start and disk: the middle third of a real model")
+            print(f"{'model':<32} {'mode':<30} {'shard files s':>13} {'load s':>7} {'bytes written':>14} "
+                  f"{'RSS growth':>12} {'tensor bytes':>13}")
         for path in (default_model_path(), smollm2_path()) if args.part != "route" else ():
             for label, dt_files, dt_load, written, rss, tensor_bytes in start_and_disk(path, work):
                 print(f"{path.name:<32} {label:<30} {dt_files:>13.3f} {dt_load:>7.3f} {written:>14,} {rss:>12,} "

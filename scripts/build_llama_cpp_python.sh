@@ -21,11 +21,26 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PATCHES="$ROOT/patches/llama.cpp"
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CPU_KEY="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)"
-PATCH_KEY="$(cat "$PATCHES"/*.patch 2>/dev/null | sha256sum | cut -c1-12)"
+# the key covers what the patches change (each file from its "---" line on), not the text of their headers
+PATCH_KEY="$(for p in "$PATCHES"/*.patch; do sed -n '/^---$/,$p' "$p"; done | sha256sum | cut -c1-12)"
 DIR="${GGUFSWARM_WHEELS:-$HOME/.cache/ggufswarm/wheels}/$CPU_KEY-$PATCH_KEY"
 
 say() { printf '[llama-cpp-python] %s\n' "$*" >&2; }
 die() { printf '[llama-cpp-python] ERROR: %s\n' "$*" >&2; exit 1; }
+
+usage() {
+    cat >&2 <<EOF
+usage: $0 PIP      build (or find in the cache) the patched llama-cpp-python wheel; PIP is the pip of the venv
+                   that will install it (make setup passes .venv/bin/pip); prints the wheel's path
+       $0 tools    build llama.cpp's test-llama-archs from the kept build tree; prints its path
+The wheel cache is ~/.cache/ggufswarm/wheels/<cpu>-<patches>/ (\$GGUFSWARM_WHEELS instead of
+~/.cache/ggufswarm/wheels). make setup is the usual way in.
+EOF
+}
+case "${1:-}" in
+    -h|--help) usage; exit 0 ;;
+    "") usage; exit 2 ;;
+esac
 
 if [ "${1:-}" = tools ]; then   # llama.cpp's test-llama-archs (the architecture zoo's writer), from the kept tree
     [ -f "$DIR/build/CMakeCache.txt" ] || die "no build tree in $DIR/build: run make setup first"
@@ -38,7 +53,8 @@ if [ "${1:-}" = tools ]; then   # llama.cpp's test-llama-archs (the architecture
     exit 0
 fi
 
-PIP="${1:?usage: $0 PIP | tools}"
+PIP="$1"
+[ -x "$PIP" ] || command -v "$PIP" >/dev/null 2>&1 || { usage; die "$PIP is not a pip executable"; }
 wheel="$(ls "$DIR"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -n1 || true)"
 if [ -n "$wheel" ]; then
     say "cached wheel: $wheel"

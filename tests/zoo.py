@@ -317,7 +317,7 @@ def probe(path: str | os.PathLike, work_dir: str | os.PathLike, threads: int = 1
             verdict.kind = "bitwise"
             verdict.detail = "; ".join([f"{n} blocks cut at {p} refused: {d}" for n, p, _, d in refused] + notes)
         elif refused:
-            verdict.kind, verdict.detail = "refused", "; ".join([refused[0][3]] + notes)
+            verdict.kind, verdict.detail = "refused", "; ".join(list(dict.fromkeys(d for *_, d in refused)) + notes)
         else:
             verdict.kind, verdict.detail = "refused", f"{verdict.n_layers} block: nothing to cut"
         return verdict

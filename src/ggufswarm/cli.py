@@ -57,10 +57,10 @@ def _size(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
 
 
-def _token_arg(p: argparse.ArgumentParser) -> None:
+def _token_arg(p: argparse.ArgumentParser, unset: str = "none = an open swarm") -> None:
     p.add_argument("--token", default=None, metavar="SECRET",
                    help="swarm token: nodes, tracker and cache answer only requests carrying it (401 otherwise); "
-                        "default $GGUFSWARM_TOKEN, none = an open swarm")
+                        f"default $GGUFSWARM_TOKEN, {unset}")
 
 
 def _draft_max(text: str) -> int:
@@ -379,8 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--wire-dtype", choices=["f32", "f16", "bf16"], default="f32",
                     help="hidden-state frame dtype for the wire bytes (default f32, the route's default)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON (bytes as integers)")
-    for p in (n, w, d, t, u, st, c, pl):
+    for p in (n, w, t, u, st, c, pl):
         _token_arg(p)
+    _token_arg(d, "else a fresh token the demo makes (a private swarm)")
     return parser
 
 

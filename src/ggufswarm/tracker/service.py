@@ -44,7 +44,8 @@ def status_text(tracker: str, token: str | None = None) -> str:
                 covered.update(range(s, e))
             stages = " ".join(x for x, on in (("+embed", node["embed"]), ("+head", node["head"])) if on)
             lines.append(f"  {coverage_bar(n, (s, e))}  {s:>3}:{e:<3} {node['state']:<8} "
-                         f"kv free {node['free_kv_tokens']:>7}  {node['decode_ms']:6.1f} ms  {node['url']} {stages}".rstrip())
+                         f"kv free {node['free_kv_tokens']:>7}  decode {node['decode_ms']:6.1f} ms  "
+                         f"{node['url']} {stages}".rstrip())
         missing = gaps(covered, n)
         if missing:
             lines.append("  not servable: layers " + ", ".join(f"{a}:{b}" for a, b in missing) + " have no ready node")
