@@ -17,6 +17,7 @@ from route_fixtures import greedy_prompts, llama_cpp_greedy_tokens
 from tinygemma4 import write_tiny_gemma4_model
 from tinymodels import write_tiny_model
 from tinymoe import write_tiny_deepseek4_model, write_tiny_moe_model
+from zoo import whole_model_run
 
 from ggufswarm.artifact.default_model import smollm2_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
@@ -32,21 +33,7 @@ N_DECODE = 20
 
 def llama_cpp_run(path, ids: list[int], n_decode: int, n_ctx: int = 2048):
     """llama.cpp's full model: all prefill logits, then ``n_decode`` greedy steps (tokens, their logits)."""
-    import llama_cpp
-    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=512, logits_all=True, n_threads=THREADS,
-                          flash_attn=True, verbose=False)
-    try:
-        llm.eval(ids)
-        prefill = np.array(llm.scores[:len(ids)])
-        tokens, decode = [], []
-        for _ in range(n_decode):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            tokens.append(tok)
-            llm.eval([tok])
-            decode.append(np.array(llm.scores[llm.n_tokens - 1]))
-        return prefill, tokens, decode
-    finally:
-        llm.close()
+    return whole_model_run(path, ids, n_decode, THREADS, n_ctx)
 
 
 def chain(path, points: list[int], tmp_path, n_ctx: int = 2048, sessions: int = 1) -> list[LlamaCppShard]:

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 from gguf import GGUFWriter
 
-from tinymodels import N_VOCAB
-from tinymoe import add_test_vocab, weight_writers
+from tinymodels import N_VOCAB, add_test_vocab
+from tinymoe import weight_writers
 
 GEMMA4_DEFAULTS: dict[str, Any] = dict(
     n_embd=128, n_head=8, n_ff=256, swa_layers=(True, True, False, True, True, False, True, False),

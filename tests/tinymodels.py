@@ -32,6 +32,20 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
+def add_test_vocab(w: GGUFWriter) -> None:
+    """The tests' SentencePiece-style ``llama`` vocabulary of ``N_VOCAB`` tokens (bos 1, eos 2, unk 0) into ``w``."""
+    tokens, scores, types = _vocab()
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+
 def _random_q4_k(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     """Random but valid Q4_K blocks (144 bytes per 256 values): small finite f16 scales, random nibbles."""
     n_blocks = rows * cols // 256
@@ -83,16 +97,7 @@ def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 
     w.add_file_type(1 if not quant else 7)
     if arch == "gemma3" and sliding_window:
         w.add_sliding_window(sliding_window)
-    tokens, scores, types = _vocab()
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
+    add_test_vocab(w)
 
     def f32(name: str, *shape: int, scale: float = 0.05, offset: float = 0.0) -> None:
         w.add_tensor(name, (rng.standard_normal(shape) * scale + offset).astype(np.float32))

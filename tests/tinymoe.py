@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from tinymodels import N_VOCAB, _vocab
+from tinymodels import N_VOCAB, add_test_vocab
 
 MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe",
                                "qwen35", "glm-dsa")
@@ -113,20 +113,6 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen35moe": dict(_COMMON, n_ff_shexp=96, full_attention_interval=3, ssm_conv_kernel=4, ssm_state_size=32,
                       ssm_group_count=2, ssm_time_step_rank=4, rope_dim=16, rope_sections=(3, 3, 2, 0)),
 }
-
-
-def add_test_vocab(w: GGUFWriter) -> None:
-    """The tests' SentencePiece-style ``llama`` vocabulary of ``N_VOCAB`` tokens (bos 1, eos 2, unk 0) into ``w``."""
-    tokens, scores, types = _vocab()
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
 
 
 def weight_writers(w: GGUFWriter, rng: np.random.Generator):

@@ -126,11 +126,12 @@ def decoder_check(path: Path, arch: str, metadata: dict) -> str | None:
     return None
 
 
-def _reference(path: Path, ids: list[int], n_decode: int, threads: int):
-    """llama.cpp's whole model on token ids: all prefill logits ``[T, n_vocab]``, then ``n_decode`` greedy steps
-    (their tokens and logits ``[n_vocab]``)."""
+def whole_model_run(path: Path, ids: list[int], n_decode: int, threads: int, n_ctx: int = N_CTX):
+    """llama.cpp's whole model on token ids (llama-cpp-python, flash attention, every sliding-window cell kept as the
+    backend keeps them): all prefill logits ``[T, n_vocab]`` float32, then ``n_decode`` greedy steps (their tokens
+    and logits ``[n_vocab]``). The reference of the bitwise tests (test_llamacpp_backend.py too)."""
     import llama_cpp
-    llm = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=512, logits_all=True, n_threads=threads,
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=512, logits_all=True, n_threads=threads,
                           n_threads_batch=threads, flash_attn=True, swa_full=True, verbose=False)
     try:
         llm.eval(ids)
@@ -282,7 +283,7 @@ def probe(path: str | os.PathLike, work_dir: str | os.PathLike, threads: int = 1
             def reference(f=f, cache=cache, label=f"{n} blocks", copy=k > 0):
                 if not cache:
                     _phase(f"{path.name} ({label}): {STRETCHED_REFERENCE if copy else 'reference'}")
-                    cache.append(_reference(f.path, ids, n_decode, threads))
+                    cache.append(whole_model_run(f.path, ids, n_decode, threads))
                     _phase(f"{path.name} ({label}): shards")
                 return cache[0]
 

@@ -320,10 +320,13 @@ def _same_flags(model: GGUFModelFile, a: int, b: int, what: str, flag: Callable[
                                f"llama.cpp change reading it from a per-layer array would lift this)")
 
 
-def _smollm3_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
-    _same_flags(model, a, b, "the no-RoPE block of every 4", lambda il, n: (il + 1) % 4 != 0,
-                "src/models/smollm3.cpp: n_no_rope_layer_step = 4, use_rope = (il + 1) % 4 != 0")
-    return {}
+def _no_rope_every_4(source: str) -> Callable[[GGUFModelFile, int, int], dict[str, Any]]:
+    """A check keeping the rule ``use_rope = (il + 1) % 4 != 0`` (every 4th block without RoPE, counted from the
+    file's block 0; ``source``: where llama.cpp says so) right in a shard."""
+    def check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+        _same_flags(model, a, b, "the no-RoPE block of every 4", lambda il, n: (il + 1) % 4 != 0, source)
+        return {}
+    return check
 
 
 def _smallthinker_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
@@ -343,13 +346,6 @@ def _llama4_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
     _same_flags(model, a, b, "the no-RoPE block", lambda il, n: (il + 1) % (4 if chunked else n) != 0,
                 "src/models/llama4.cpp: use_rope = (il + 1) % n_no_rope_layer_step != 0, a step of 4 with chunked "
                 "attention, else the layer count")
-    return {}
-
-
-def _afmoe_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
-    _same_flags(model, a, b, "the no-RoPE block of every 4", lambda il, n: (il + 1) % 4 != 0,
-                "src/models/afmoe.cpp: use_rope = (il + 1) % n_no_rope_layer_step != 0, a step of 4 "
-                "(src/llama-hparams.h default)")
     return {}
 
 
@@ -509,7 +505,8 @@ ARCH_RULES: dict[str, ArchRules] = {
     "gemma": ArchRules(token_scale=_sqrt_n_embd, patch="0003-hidden-state-input"),
     "gemma2": ArchRules(swa_pattern=2, token_scale=_sqrt_n_embd, patch="0003-hidden-state-input"),
     "afmoe": ArchRules(swa_pattern=4, leading_dense=True, token_scale=_sqrt_n_embd, patch="0003-hidden-state-input",
-                       check=_afmoe_check),
+                       check=_no_rope_every_4("src/models/afmoe.cpp: use_rope = (il + 1) % n_no_rope_layer_step "
+                                              "!= 0, a step of 4 (src/llama-hparams.h default)")),
     # CogVLM: batch.embd ran through the vision-expert weights (image tokens) until patch 0003
     "cogvlm": ArchRules(patch="0003-hidden-state-input"),
     # Gemma 4 31B / 26B-A4B (src/models/gemma4.cpp): the per-layer sliding-window array, sqrt(n_embd) on token input,
@@ -549,7 +546,8 @@ ARCH_RULES: dict[str, ArchRules] = {
     "exaone4": ArchRules(check=_whole_layers_check("exaone4", 64, "makes the 64-block model (32B) sliding-window "
                                                    "(src/models/exaone4.cpp: if (n_layer == 64))")),
     "nanbeige": ArchRules(check=_nanbeige_check),
-    "smollm3": ArchRules(check=_smollm3_check),
+    "smollm3": ArchRules(check=_no_rope_every_4("src/models/smollm3.cpp: n_no_rope_layer_step = 4, "
+                                                "use_rope = (il + 1) % 4 != 0")),
     "minicpm": ArchRules(check=_minicpm_check),
     "granite": ArchRules(check=_deepstack_check),
     "qwen3vl": ArchRules(check=_deepstack_check),
@@ -928,13 +926,7 @@ def shard_paths(model: GGUFModelFile, start: int, end: int, head: bool, cache_di
     return [path]
 
 
-def shard_path(model: GGUFModelFile, start: int, end: int, head: bool, cache_dir: str | os.PathLike) -> Path:
-    """The one derived shard GGUF (a copy of the shard's tensors) for ``[start, end)`` under ``cache_dir``, written on
-    first use; the original file for the whole model (``shard_paths`` with ``in_place=False``)."""
-    return shard_paths(model, start, end, head, cache_dir, in_place=False)[0]
-
-
 __all__ = ["ARCH_RULES", "ArchRules", "TokenEmbedding", "UnsupportedShard", "derive_shard", "derive_shard_header",
            "hidden_width", "shard_paths", "shard_tensors",
            "n_model_layers", "n_vocab",
-           "rules_for", "shard_metadata", "shard_path"]
+           "rules_for", "shard_metadata"]
