@@ -1,22 +1,77 @@
-"""Backend choice: the one place that knows both shard backends (llama.cpp, torch) and builds either.
+"""Backend choice and contract: the ``ShardBackend`` protocol every shard backend implements, and the one place
+that knows both backends (llama.cpp, torch) and builds either.
 
-A backend executes one shard (``runtime.spec.ShardSpec``) with the same interface:
-``new_session(max_length) -> kv`` (``kv.length``, ``kv.epoch``, ``kv.truncate(n)``),
-``forward(kv, inputs, logits) -> hidden [T, n_embd] | logits [1 or T, n_vocab]``,
-``kv_bytes_per_token()``, ``cfg`` (``n_layers``, ``n_embd``, ``n_vocab``, ``max_length``, ``arch``),
-``spec``, ``model`` and ``backend`` (its name). The node server, ``generate`` and ``perplexity``
-use only that interface.
+The node server, its batcher and snapshot store, ``generate`` and ``perplexity`` use only ``ShardBackend``: what a
+backend can do is declared by its attributes (``supports_batch``, ``exact_states_only``, ...), never probed.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from typing import Any, Protocol, runtime_checkable
 
 from ..artifact.gguf_file import GGUFModelFile
 from .spec import ShardSpec
 
 BACKENDS = ("llama.cpp", "torch")
 DEFAULT_BACKEND = "llama.cpp"
+
+
+@runtime_checkable
+class ShardBackend(Protocol):
+    """What a shard backend is: it runs blocks ``[spec.start, spec.end)`` of one GGUF model (plus the token
+    embedding when ``spec.embed`` and the output head when ``spec.head``) against per-session KV caches.
+
+    Declared capabilities (every backend sets every one; None = no limit of its own):
+
+    * ``backend``: its name (``"llama.cpp"`` / ``"torch"``), for display and telemetry only.
+    * ``n_ctx_seq``: most tokens one session holds (KV cells per session), or None.
+    * ``n_batch``: most tokens of one ``forward`` call, or None.
+    * ``n_ubatch``: tokens computed per graph evaluation (batching chunk), or None.
+    * ``n_seq_max``: sessions held at once (llama.cpp sequence ids), or None.
+    * ``max_outputs``: most positions whose logits one head step returns (speculative verify), or None.
+    * ``step_lock``: the lock each step of this backend holds (a caller that takes it without blocking may run the
+      step inline on its event loop), or None (steps run on a worker thread).
+    * ``supports_batch``: ``forward_batch(steps)`` decodes several sessions' steps in one call.
+    * ``exact_states_only``: a session truncates only to positions where an exact state was kept (recurrent
+      blocks, DeepSeek-V4 compressed caches).
+    * ``needs_token_ids``: ``forward`` needs the frame's token ids beside hidden states (DeepSeek-V4 hash routing).
+    * ``step_grouping_matters``: numerics depend on how tokens were grouped into steps (llama.cpp), so a restored
+      or replayed history must end at the step boundaries it was computed with.
+    """
+
+    backend: str
+    cfg: Any
+    spec: ShardSpec
+    model: GGUFModelFile
+    n_ctx_seq: int | None
+    n_batch: int | None
+    n_ubatch: int | None
+    n_seq_max: int | None
+    max_outputs: int | None
+    supports_batch: bool
+    exact_states_only: bool
+    needs_token_ids: bool
+    step_grouping_matters: bool
+
+    @property
+    def step_lock(self) -> threading.RLock | None: ...
+
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token costs on this shard (all its layers, keys and values)."""
+
+    def new_session(self, max_length: int):
+        """A session's KV cache (``kv.length`` tokens held, ``kv.epoch``, ``kv.truncate(n)``, ``kv.close()``).
+        Raises ContextOverflow / KVCellsFull when it cannot be held."""
+
+    def forward(self, kv, inputs, logits: str = "last", **kw):
+        """Run ``inputs`` (token ids ``[n_tokens]`` int32 on an embed shard, else hidden states
+        ``[n_tokens, n_embd]`` float32) through this shard's blocks appending to ``kv``: hidden states
+        ``[n_tokens, n_embd]`` float32, or on a head shard logits ``[1 or n_tokens, n_vocab]`` float32."""
+
+    def close(self) -> None:
+        """Free the backend's memory (model, contexts); the object is unusable after."""
 
 
 def check_backend(name: str) -> str:
@@ -69,4 +124,4 @@ def load_shard(model: GGUFModelFile, spec: ShardSpec, backend: str = DEFAULT_BAC
                          kv_unified=kv_unified)
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "check_backend", "load_shard", "model_config"]
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "ShardBackend", "check_backend", "load_shard", "model_config"]

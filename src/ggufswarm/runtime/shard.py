@@ -88,8 +88,18 @@ class ShardExecutor:
             return None
         return VEC_DOT_ACTIVATION.get(self.model.tensors[name].ggml_type.name)
 
+    # ShardBackend capabilities (runtime/backends.py): no limits of its own, one step at a time on a worker thread
     backend = "torch"
+    n_ctx_seq = n_batch = n_ubatch = n_seq_max = max_outputs = None
+    step_lock = None
+    supports_batch = False
+    exact_states_only = False
+    needs_token_ids = False
+    step_grouping_matters = False
     sampler_class = Sampler  # the head draws with the PyTorch sampler (llama.cpp's chain, re-implemented)
+
+    def close(self) -> None:
+        """Nothing to free by hand: the weights go with the object (ShardBackend.close)."""
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token costs on this shard (all its layers, keys and values, in ``dtype``; for MLA the

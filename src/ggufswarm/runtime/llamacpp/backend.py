@@ -264,7 +264,9 @@ class LlamaCppShard:
     the context), ValueError (bad parameters).
     """
 
-    backend = "llama.cpp"
+    backend = "llama.cpp"  # ShardBackend capabilities (runtime/backends.py); the limits are set per instance
+    supports_batch = True
+    step_grouping_matters = True
     sampler_class = LlamaCppSampler  # the head draws with llama.cpp's sampler chain
     # forward_batch: most sessions whose decode steps share one graph evaluation (a ubatch). Up to 3 keeps every
     # session's result bitwise equal to its step run alone: llama.cpp's CPU matmul switches from gemv to gemm at
