@@ -32,7 +32,8 @@ from ggufswarm.gateway.app import GatewayConfig, make_app
 from ggufswarm.protocol.http import ServerThread  # noqa: E402
 from ggufswarm.node.launch import start_nodes, stop_nodes  # noqa: E402
 from ggufswarm.runtime.shard import ShardSpec, even_split  # noqa: E402
-from ggufswarm.swarm.publish import publish, tracker_call  # noqa: E402
+from ggufswarm.client.tracker import TrackerClient
+from ggufswarm.swarm.publish import publish  # noqa: E402
 from ggufswarm.swarm.torrent import Swarm, save_path_for  # noqa: E402
 from ggufswarm.tracker.app import TrackerConfig  # noqa: E402
 from ggufswarm.tracker.app import make_app as make_tracker_app  # noqa: E402
@@ -80,7 +81,7 @@ def main() -> int:
         nodes = start_nodes(specs, "gemma", threads=args.threads, timeout=600,
                             extra=["--tracker", tracker_url, "--cache", cache_url, "--snapshot-every", "16"],
                             per_node=lambda i: ["--data-dir", str(work / f"node{i}")])
-        wait_for(lambda: len(tracker_call(f"{tracker_url}/nodes?model=gemma")["nodes"]) == len(nodes), 30)
+        wait_for(lambda: len(TrackerClient(tracker_url).nodes("gemma")) == len(nodes), 30)
         gateway = ServerThread(make_app(GatewayConfig([], model="gemma", tracker=tracker_url, hop_timeout_s=10,
                                                       data_dir=str(work / "gateway"))))
         base = gateway.start()

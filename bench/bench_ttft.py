@@ -72,7 +72,8 @@ def main() -> int:
     from ggufswarm.protocol.http import ServerThread
     from ggufswarm.node.launch import start_nodes, stop_nodes
     from ggufswarm.runtime.shard import even_split
-    from ggufswarm.swarm.publish import publish, tracker_call
+    from ggufswarm.client.tracker import TrackerClient
+from ggufswarm.swarm.publish import publish
     from ggufswarm.swarm.torrent import Swarm, save_path_for
     from ggufswarm.tracker.app import TrackerConfig
     from ggufswarm.tracker.app import make_app as make_tracker_app
@@ -92,7 +93,7 @@ def main() -> int:
         nodes = start_nodes(even_split(18, 3), "gemma", threads=args.threads, timeout=600, extra=extra,
                             per_node=lambda i: ["--data-dir", str(work / f"node{i}")])
         deadline = time.monotonic() + 30
-        while len(tracker_call(f"{tracker_url}/nodes?model=gemma")["nodes"]) < len(nodes):
+        while len(TrackerClient(tracker_url).nodes("gemma")) < len(nodes):
             assert time.monotonic() < deadline, "nodes did not advertise"
             time.sleep(0.2)
         gateway = ServerThread(make_app(GatewayConfig([], model="gemma", tracker=tracker_url,

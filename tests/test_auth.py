@@ -76,12 +76,13 @@ def test_the_token_is_never_in_a_torrent(apps, tmp_path):
     import libtorrent as lt
 
     from ggufswarm.protocol.auth import announce_key
-    from ggufswarm.swarm.publish import publish, tracker_call
+    from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.swarm.publish import publish
 
     _, tracker = apps[1]
     model = write_tiny_model(tmp_path / "published.gguf", "llama", n_layers=2)
     published = publish(model, tracker, "tiny", token=TOKEN)
-    served = tracker_call(f"{tracker}/manifests/tiny", token=TOKEN)
+    served = TrackerClient(tracker, TOKEN).manifest("tiny")
     for blob in (published.torrent, bytes.fromhex(served["torrent_hex"]), json.dumps(served).encode()):
         assert TOKEN.encode() not in blob
     announce = lt.bdecode(published.torrent)[b"announce"].decode()
@@ -94,7 +95,8 @@ def test_the_token_is_not_in_the_tracker_database(tmp_path):
     """A tracker keeping its registry in a file: after a publish, an announce and a node's heartbeat, the token is
     in none of the database's files (the database, its WAL), in clear or as the hex of its bytes."""
     from ggufswarm.protocol.auth import announce_key
-    from ggufswarm.swarm.publish import publish, tracker_call
+    from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.swarm.publish import publish
 
     db = tmp_path / "tracker.db"
     server = ServerThread(make_tracker_app(TrackerConfig(db=str(db), token=TOKEN)))
@@ -106,8 +108,8 @@ def test_the_token_is_not_in_the_tracker_database(tmp_path):
         assert status_of(announce, "GET", {}) == 200
         ad = {"node_id": "n1", "url": "http://127.0.0.1:9", "model": "tiny", "layers": [0, 2], "embed": True,
               "head": True, "state": "ready", "free_kv_tokens": 64, "decode_ms": 1.0}
-        tracker_call(f"{tracker}/nodes/heartbeat", "POST", ad, token=TOKEN)
-        assert [a["url"] for a in tracker_call(f"{tracker}/nodes?model=tiny", token=TOKEN)["nodes"]] == [ad["url"]]
+        TrackerClient(tracker, TOKEN).call("nodes/heartbeat", "POST", ad)
+        assert [a["url"] for a in TrackerClient(tracker, TOKEN).nodes("tiny")] == [ad["url"]]
         files = sorted(tmp_path.glob("tracker.db*"))
         stored = b"".join(f.read_bytes() for f in files)
         assert db in files and stored
@@ -121,7 +123,7 @@ def test_the_library_never_reads_the_environment(apps, monkeypatch):
     none (401 from a private swarm) even with the variable set, and one given the token gets through."""
     from ggufswarm.client.remote import RemoteRoute, RouteError
     from ggufswarm.protocol.auth import TOKEN_ENV
-    from ggufswarm.swarm.publish import TrackerError, tracker_call
+    from ggufswarm.client.tracker import TrackerClient, TrackerError
 
     (_, node), (_, tracker) = apps[0], apps[1]
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
@@ -129,7 +131,7 @@ def test_the_library_never_reads_the_environment(apps, monkeypatch):
         RemoteRoute([node], hop_timeout_s=10.0)
     assert refused.value.status == 401 and refused.value.hop == node
     with pytest.raises(TrackerError) as denied:
-        tracker_call(f"{tracker}/models")
+        TrackerClient(tracker).models()
     assert denied.value.status == 401
     assert NodeConfig(layers="0:2").token is None and TrackerConfig().token is None
     assert CacheConfig(dir="x").token is None
@@ -140,7 +142,7 @@ def test_the_library_never_reads_the_environment(apps, monkeypatch):
         assert isinstance(session.step([1, 2, 3]), int)
     finally:
         session.close()
-    assert "models" in tracker_call(f"{tracker}/models", token=TOKEN)
+    assert isinstance(TrackerClient(tracker, TOKEN).models(), list)
 
 
 def test_cli_token_from_flag_or_environment(ggufswarm_cli, tmp_path):

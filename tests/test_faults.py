@@ -33,7 +33,8 @@ from ggufswarm.gateway.app import GatewayConfig, make_app
 from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import even_split
-from ggufswarm.swarm.publish import publish, tracker_call
+from ggufswarm.client.tracker import TrackerClient
+from ggufswarm.swarm.publish import publish
 from ggufswarm.swarm.torrent import Swarm, save_path_for
 from ggufswarm.tracker.app import TrackerConfig
 from ggufswarm.tracker.app import make_app as make_tracker_app
@@ -88,7 +89,7 @@ def swarm(whole_swarm):
 
 def listed(tracker: str) -> set[str]:
     """URLs of the nodes the tracker lists for the model."""
-    return {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]}
+    return {a["url"] for a in TrackerClient(tracker).nodes("gemma")}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def whole_swarm(gemma_path, tmp_path_factory):
                             per_node=lambda i: ["--data-dir", str(work / f"node{i}")])
         gateway = None
         try:
-            wait_for(lambda: len(tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]) == len(nodes), 30)
+            wait_for(lambda: len(TrackerClient(tracker).nodes("gemma")) == len(nodes), 30)
             gateway = ServerThread(make_app(GatewayConfig([], model="gemma", tracker=tracker, hop_timeout_s=10,
                                                           data_dir=str(work / "gateway"))))
             yield {"tracker": tracker, "cache": cache, "gateway": gateway.start(), "nodes": nodes, "launch": launch,

@@ -15,7 +15,8 @@ from ggufswarm.gateway.app import GatewayConfig, make_app
 from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import ShardSpec
-from ggufswarm.swarm.publish import publish, tracker_call
+from ggufswarm.client.tracker import TrackerClient
+from ggufswarm.swarm.publish import publish
 from ggufswarm.swarm.torrent import Swarm, save_path_for
 from ggufswarm.tracker.app import TrackerConfig
 from ggufswarm.tracker.app import make_app as make_tracker_app
@@ -74,7 +75,7 @@ def test_dead_node_expires_and_new_routes_avoid_it(gemma_path, tmp_path):
                                 extra=["--tracker", tracker, "--hop-timeout", "10"],
                                 per_node=lambda i: ["--data-dir", str(tmp_path / f"node{i}")])
             deadline = time.monotonic() + 30
-            while len(tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]) < 3:
+            while len(TrackerClient(tracker).nodes("gemma")) < 3:
                 assert time.monotonic() < deadline, "nodes did not advertise"
                 time.sleep(0.2)
             # the second range was fetched, not copied: on disk, the bytes the manifest gives its layers and head (the
@@ -100,7 +101,7 @@ def test_dead_node_expires_and_new_routes_avoid_it(gemma_path, tmp_path):
             victim = next(n for n in nodes[1:] if n.url in used)
             victim.kill()  # no deregistration: the tracker must notice by TTL (3 s; the deadline only bounds it)
             deadline = time.monotonic() + 30
-            while victim.url in {a["url"] for a in tracker_call(f"{tracker}/nodes?model=gemma")["nodes"]}:
+            while victim.url in {a["url"] for a in TrackerClient(tracker).nodes("gemma")}:
                 assert time.monotonic() < deadline, "the dead node never expired"
                 time.sleep(0.2)
             for _ in range(3):
@@ -204,7 +205,7 @@ def test_a_gateway_without_model_serves_every_model_of_the_swarm(tmp_path, tiny_
                         body = json.loads(r.read())
                     assert body["model"] == name and [h["node"] for h in body["telemetry"]["route"]] == [node.url]
                     # the route was built from the tracker's advertisement: the same hop as the node's /health says
-                    [ad] = tracker_call(f"{tracker}/nodes?model={name}")["nodes"]
+                    [ad] = TrackerClient(tracker).nodes(name)
                     assert Hop.from_advertisement(ad) == RemoteRoute([node.url]).hops[0]
                     # the same prompt straight through that model's node, tokenized with that model's vocabulary
                     tok = Tokenizer(str(path), GGUFModelFile(path).metadata)

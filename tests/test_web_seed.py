@@ -21,7 +21,7 @@ from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.artifact.manifest import Manifest
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import ShardSpec
-from ggufswarm.swarm.publish import tracker_call
+from ggufswarm.client.tracker import TrackerClient
 from ggufswarm.tracker.app import TrackerConfig
 from ggufswarm.tracker.app import make_app as make_tracker_app
 
@@ -131,7 +131,7 @@ def test_node_fetches_its_layers_from_a_web_seed_only(tmp_path, ggufswarm_cli):
                                   "--piece-size", str(64 * 1024), "--no-seed"],
                                  capture_output=True, text=True, timeout=60)
             assert pub.returncode == 0, pub.stderr
-            manifest = tracker_call(f"{tracker}/manifests/tiny-ws")["manifest"]
+            manifest = TrackerClient(tracker).manifest("tiny-ws")["manifest"]
             assert manifest["web_seeds"] == [f"{web.url}/{model.name}"] and manifest["piece_size"] == 64 * 1024
             assert web.bytes_sent() == 0  # publishing hashed the local file: nothing came over HTTP yet
 
@@ -145,7 +145,7 @@ def test_node_fetches_its_layers_from_a_web_seed_only(tmp_path, ggufswarm_cli):
             assert m, text
             downloaded = int(m[1])
             deadline = time.monotonic() + 20  # the node advertises what it fetched once it serves
-            while not (ads := tracker_call(f"{tracker}/nodes?model=tiny-ws")["nodes"]):
+            while not (ads := TrackerClient(tracker).nodes("tiny-ws")):
                 assert time.monotonic() < deadline, "the node never advertised"
                 time.sleep(0.1)
             assert [(tuple(a["layers"]), a["url"]) for a in ads] == [((2, 4), node.url)]

@@ -546,7 +546,8 @@ def cmd_plan(args) -> int:
     import json
 
     from .artifact.accounting import MAX_CONTEXT
-    from .artifact.planning import load_accounts, place, plan_json, plan_text
+    from .artifact.planning import place, plan_json, plan_text
+    from .client.published import load_accounts
     if args.node_memory is None and args.nodes is not None:
         raise ValueError("--nodes places the model on nodes of --node-memory: give both")
     acc, source = load_accounts(args.model, args.tracker, args.token)

@@ -9,8 +9,6 @@ leave headroom in ``node_memory`` for them.
 
 from __future__ import annotations
 
-import json
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -111,17 +109,17 @@ def place(acc: HeaderAccounts, node_memory: int, context: int, n_nodes: int | No
     cuts = greedy(node_memory)
     if cuts is None and all(cost(i, i + 1) <= node_memory for i in range(n)):
         problem = next((p for p in (acc.range_problem(i, i + 1) for i in range(n)) if p), "")
-        raise PlanError(f"no placement on nodes of {_human(node_memory)} with {sessions} session(s) of {context} "
+        raise PlanError(f"no placement on nodes of {human_bytes(node_memory)} with {sessions} session(s) of {context} "
                         f"tokens: the shards that fit break the model's cut rules ({problem}); use bigger nodes or "
                         f"a shorter --context")
     if cuts is None:
         worst = max(range(n), key=lambda i: cost(i, i + 1))
         raise PlanError(f"block {worst} alone (with its stage and {sessions} session(s) of {context} tokens) needs "
-                        f"{_human(cost(worst, worst + 1))}, more than a node's {_human(node_memory)}; use bigger "
+                        f"{human_bytes(cost(worst, worst + 1))}, more than a node's {human_bytes(node_memory)}; use bigger "
                         f"nodes or a shorter --context")
     if n_nodes is not None:
         if len(cuts) > n_nodes:
-            raise PlanError(f"{n_nodes} node(s) of {_human(node_memory)} cannot hold the model with {sessions} "
+            raise PlanError(f"{n_nodes} node(s) of {human_bytes(node_memory)} cannot hold the model with {sessions} "
                             f"session(s) of {context} tokens: it needs at least {len(cuts)}")
         lo, hi = max(cost(i, i + 1) for i in range(n)), node_memory
         while lo < hi:  # the least bound under which greedy needs at most n_nodes nodes
@@ -151,72 +149,31 @@ def place(acc: HeaderAccounts, node_memory: int, context: int, n_nodes: int | No
 
 # -- loading a header ------------------------------------------------------------------------------------
 
-def load_accounts(model: str, tracker: str | None = None, token: str | None = None) -> tuple[HeaderAccounts, str]:
-    """The accounting of ``model`` and a one-line description of where its header came from.
+def local_accounts(model: str | None) -> tuple[HeaderAccounts, str]:
+    """The accounting of a local GGUF ``model`` and a one-line description of it.
 
-    ``model``: a local GGUF (any file of a split set: every file's header is read, the tensor data need not
-    be there: a header-only copy is enough; None: the embedded default model; ``smollm2``: the model the
-    set-up installs), or, with ``tracker``, a published name: its manifest gives the
-    tensor table and a node serving it the metadata (``GET /v1/model/header/0``). Never reads tensor data.
-    Raises GGUFError (missing file, not a GGUF, truncated header), PlanError (a name without a tracker, or
-    nothing the tracker knows gives the header).
+    ``model``: a path (any file of a split set: every file's header is read, the tensor data need not be there:
+    a header-only copy is enough), None for the embedded default model, or an alias (``smollm2``: the model the
+    set-up installs). Never reads tensor data. Raises GGUFError (missing file, not a GGUF, truncated header);
+    a published model's accounts come from its tracker (``client.published.load_accounts``).
     """
     from .default_model import MODEL_ALIASES, resolve_model
 
-    if tracker is None or not model or model in MODEL_ALIASES:  # the embedded model when None, smollm2, ...
+    if not model or model in MODEL_ALIASES:  # the embedded model when None, smollm2, ...
         model = str(resolve_model(model))
     path = Path(model)
-    if path.exists() or tracker is None:
-        if not path.exists():
-            raise GGUFError(f"{path}: no such file (a published model name needs --tracker URL)")
-        file = GGUFModelFile(path, header_only=True)
-        described = sum(t.n_bytes for t in file.tensors.values())
-        on_disk = sum(p.stat().st_size for p in file.paths)
-        note = "" if on_disk >= described + file.header_bytes else f", {_human(on_disk)} on disk (header only)"
-        return HeaderAccounts.from_model(file), (f"{path} ({len(file.paths)} file(s), {len(file.tensors)} tensors, "
-                                                  f"{_human(described)} of tensors described{note})")
-    return _from_tracker(model, tracker, token)
+    if not path.exists():
+        raise GGUFError(f"{path}: no such file (a published model name needs --tracker URL)")
+    file = GGUFModelFile(path, header_only=True)
+    described = sum(t.n_bytes for t in file.tensors.values())
+    on_disk = sum(p.stat().st_size for p in file.paths)
+    note = "" if on_disk >= described + file.header_bytes else f", {human_bytes(on_disk)} on disk (header only)"
+    return HeaderAccounts.from_model(file), (f"{path} ({len(file.paths)} file(s), {len(file.tensors)} tensors, "
+                                              f"{human_bytes(described)} of tensors described{note})")
 
 
-def _from_tracker(name: str, tracker: str, token: str | None) -> tuple[HeaderAccounts, str]:
-    import urllib.error
-    import urllib.request
-    from urllib.parse import quote, urlencode
-
-    from ..protocol.auth import auth_headers
-    from ..swarm.publish import tracker_call
-    from .manifest import Manifest
-
-    base = tracker.rstrip("/")
-    found = tracker_call(f"{base}/manifests/{quote(name, safe='')}", token=token)
-    manifest = Manifest.from_json(json.dumps(found["manifest"]))
-    nodes = tracker_call(f"{base}/nodes?{urlencode({'model': name})}", token=token).get("nodes", [])
-    errors = []
-    for node in nodes:
-        url = str(node.get("url", "")).rstrip("/")
-        try:
-            req = urllib.request.Request(f"{url}/v1/model/header/0", headers=auth_headers(token))
-            with urllib.request.urlopen(req, timeout=30) as r:
-                data = r.read(manifest.files[0]["header_bytes"] + 1)
-        except (urllib.error.URLError, OSError) as exc:
-            errors.append(f"{url}: {getattr(exc, 'reason', exc)}")
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            head = Path(tmp) / "header.gguf"
-            head.write_bytes(data)
-            metadata = GGUFModelFile(head, header_only=True).metadata
-        acc = HeaderAccounts(metadata, ((t.name, t.n_bytes) for t in manifest.tensors))
-        described = sum(t.n_bytes for t in manifest.tensors)
-        return acc, (f"{name} on {base} (manifest: {len(manifest.files)} file(s), {len(manifest.tensors)} tensors, "
-                     f"{_human(described)} described; metadata from {url})")
-    why = "; ".join(errors) if errors else "no node serves it now"
-    raise PlanError(f"{name}: the tracker's manifest has the tensor table but not the metadata, and no node gave "
-                    f"the header ({why}); plan from a local copy of the GGUF header instead")
-
-
-# -- output ----------------------------------------------------------------------------------------------
-
-def _human(n: int | float) -> str:
+def human_bytes(n: int | float) -> str:
+    """``n`` bytes in binary units for people: ``512 B``, ``1.50 GiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -250,21 +207,21 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
              f"{'block':>5}  {'kind':<10} {'weight bytes':>16} {'':>11}  {'KV B/token':>10}  {'state B/session':>15}"]
     for b in acc.layers:
         mark = "" if b.index < acc.n_layers else "  (MTP, not placed)"
-        lines.append(f"{b.index:>5}  {b.kind:<10} {b.weight_bytes:>16,} {_human(b.weight_bytes):>11}  "
+        lines.append(f"{b.index:>5}  {b.kind:<10} {b.weight_bytes:>16,} {human_bytes(b.weight_bytes):>11}  "
                      f"{b.kv_bytes_per_token:>10,}  {b.state_bytes_per_session:>15,}{mark}")
     block_total = sum(b.weight_bytes for b in acc.layers)
-    lines += [f"{'all':>5}  {'':<10} {block_total:>16,} {_human(block_total):>11}", ""]
+    lines += [f"{'all':>5}  {'':<10} {block_total:>16,} {human_bytes(block_total):>11}", ""]
     for name, n in sorted(acc.global_bytes.items()):
-        lines.append(f"  {name:<28} {n:>16,} {_human(n):>11}")
+        lines.append(f"  {name:<28} {n:>16,} {human_bytes(n):>11}")
     route_kv = sum(b.kv_bytes_per_token for b in acc.layers[:acc.n_layers])
     width = f"n_embd {acc.n_embd}" + (f" x {acc.boundary_width // acc.n_embd} (hyper-connections)"
                                       if acc.boundary_width != acc.n_embd else "")
     route_state = sum(b.state_bytes_per_session for b in acc.layers[:acc.n_layers])
     trained = acc.metadata.get(f"{acc.arch}.context_length")
     longest = min(int(trained), MAX_CONTEXT) if trained else MAX_CONTEXT  # the longest session a route serves
-    lines += [f"  {'tensor table total':<28} {acc.total_bytes:>16,} {_human(acc.total_bytes):>11}", "",
+    lines += [f"  {'tensor table total':<28} {acc.total_bytes:>16,} {human_bytes(acc.total_bytes):>11}", "",
               f"KV cache per token (all route blocks, f16): {route_kv:,} B; at {longest:,} tokens "
-              f"{_human(route_kv * longest)}",
+              f"{human_bytes(route_kv * longest)}",
               f"recurrent state per session (f32): {route_state:,} B",
               f"boundary per decode token: {width} x 4 = {acc.boundary_bytes_per_token('f32'):,} B f32 "
               f"({acc.boundary_bytes_per_token('f16'):,} B f16); a frame adds {FRAME_HEADER_BYTES} + "
@@ -272,7 +229,7 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
     if placement is None:
         return "\n".join(lines)
     p = placement
-    lines += ["", f"placement: nodes of {_human(p.node_memory)}, {p.sessions} session(s) of {p.context:,} tokens "
+    lines += ["", f"placement: nodes of {human_bytes(p.node_memory)}, {p.sessions} session(s) of {p.context:,} tokens "
                   f"each (weights + KV + state; compute buffers not counted)",
               f"{'node':>4}  {'layers':<9} {'stages':<11} {'weights':>11} {'KV+state':>11} {'used':>11} "
               f"{'max context':>12}"]
@@ -282,7 +239,7 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
         sessions_bytes = node.used_bytes - s.weight_bytes
         ctx = f"{longest:,}" if node.max_context is None or node.max_context >= longest else f"{node.max_context:,}"
         lines.append(f"{i:>4}  {s.layers[0]}:{s.layers[1]:<{8 - len(str(s.layers[0]))}} {stages:<11} "
-                     f"{_human(s.weight_bytes):>11} {_human(sessions_bytes):>11} {_human(node.used_bytes):>11} "
+                     f"{human_bytes(s.weight_bytes):>11} {human_bytes(sessions_bytes):>11} {human_bytes(node.used_bytes):>11} "
                      f"{ctx:>12}")
     ctx = "unbounded by memory" if p.session_context is None else f"{p.session_context:,} tokens"
     trained = f" (trained context {p.trained_context:,})" if p.trained_context else ""
@@ -294,4 +251,4 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
     return "\n".join(lines)
 
 
-__all__ = ["NodePlan", "PlanError", "Placement", "load_accounts", "place", "plan_json", "plan_text"]
+__all__ = ["NodePlan", "PlanError", "Placement", "human_bytes", "local_accounts", "place", "plan_json", "plan_text"]

@@ -5,47 +5,15 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..artifact.gguf_file import split_paths
 from ..artifact.manifest import Manifest
-from ..protocol.auth import announce_key, auth_headers
+from ..client.tracker import TrackerClient
+from ..protocol.auth import announce_key
 from .torrent import DEFAULT_PIECE_SIZE, Swarm, info_hash, make_torrent, save_path_for
-
-
-class TrackerError(RuntimeError):
-    """The tracker refused a request or could not be reached (the message says which). ``status``: its HTTP
-    status, or None when it could not be reached."""
-
-    def __init__(self, message: str, status: int | None = None, reason: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.reason = reason or message  # the tracker's own words, without its URL (for API clients)
-
-
-def tracker_call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0, *,
-                 token: str | None = None) -> dict:
-    """JSON request to the tracker, with the swarm ``token`` (None: none sent); TrackerError with the tracker's
-    reason on a 4xx/5xx or no connection."""
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **auth_headers(token)})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        try:
-            reason = json.loads(e.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            reason = e.reason
-        raise TrackerError(f"tracker {url}: {e.code} {reason}", e.code, str(reason)) from None
-    except (urllib.error.URLError, OSError) as e:
-        raise TrackerError(f"cannot reach tracker {url}: {getattr(e, 'reason', e)}", None,
-                           "the tracker cannot be reached") from None
 
 
 @dataclass
@@ -72,8 +40,7 @@ def publish(model_path: Path, tracker: str, name: str | None = None, data_dir: P
         announce += "?" + urllib.parse.urlencode({"swarm_key": announce_key(token)})
     torrent = make_torrent(paths, piece_size, trackers=[announce], web_seeds=list(web_seeds))
     manifest.info_hash, manifest.piece_size, manifest.web_seeds = info_hash(torrent), piece_size, list(web_seeds)
-    tracker_call(f"{tracker.rstrip('/')}/manifests/{manifest.name}", "PUT",
-                 {"manifest": json.loads(manifest.to_json()), "torrent_hex": torrent.hex()}, token=token)
+    TrackerClient(tracker, token).put_manifest(manifest.name, json.loads(manifest.to_json()), torrent)
     if data_dir is not None:
         data_dir.mkdir(parents=True, exist_ok=True)
         (data_dir / f"{manifest.name}.manifest.json").write_text(manifest.to_json())

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..artifact.manifest import Manifest
 from ..runtime.spec import ShardSpec
 from ..tracker.routing import Advertisement
-from .publish import tracker_call
+from ..client.tracker import TrackerClient
 from .torrent import FetchStats, Swarm
 
 
@@ -79,13 +79,13 @@ def fetch_shard(tracker: str, name: str, layers: str, embed: bool, head: bool, d
 
     Raises TrackerError (unknown model, tracker down), ValueError (bad range), SwarmError (fetch failed).
     """
-    base = tracker.rstrip("/")
-    found = tracker_call(f"{base}/manifests/{name}", token=token)
+    client = TrackerClient(tracker, token)
+    found = client.manifest(name)
     manifest = Manifest.from_json(json.dumps(found["manifest"]))
     torrent = bytes.fromhex(found["torrent_hex"])
     if layers == "auto":
         ads = [Advertisement(a["node_id"], a["url"], a["model"], tuple(a["layers"]), a["embed"], a["head"], a["state"])
-               for a in tracker_call(f"{base}/nodes?model={name}", token=token)["nodes"]]
+               for a in client.nodes(name)]
         spec = choose_layers(manifest, ads, budget_bytes)
     else:
         spec = ShardSpec.parse(layers, manifest.n_layers, embed, head)
@@ -105,7 +105,7 @@ def fetch_header(tracker: str, name: str, data_dir: Path, progress: bool = False
 
     Returns the sparse file's path and the swarm (seeding what it holds; close it when done).
     """
-    found = tracker_call(f"{tracker.rstrip('/')}/manifests/{name}", token=token)
+    found = TrackerClient(tracker, token).manifest(name)
     manifest = Manifest.from_json(json.dumps(found["manifest"]))
     torrent = bytes.fromhex(found["torrent_hex"])
     data_dir.mkdir(parents=True, exist_ok=True)

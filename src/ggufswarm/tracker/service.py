@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..swarm.publish import tracker_call
+from ..client.tracker import TrackerClient
 from .app import TrackerConfig, coverage_bar, make_app
 from .routing import Advertisement, NoRoute, gaps, plan_route
 
@@ -31,7 +31,7 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
 def status_text(tracker: str, token: str | None = None) -> str:
     """Per model: each node's range as a coverage bar over the layers, state, free KV, decode ms (``token``: the
     swarm token)."""
-    snapshot = tracker_call(f"{tracker.rstrip('/')}/status.json", token=token)
+    snapshot = TrackerClient(tracker, token).status()
     lines = []
     for name, m in snapshot["models"].items():
         n = m["n_layers"]
