@@ -1,0 +1,98 @@
+"""The source tree's shape: package imports form no cycle, the bottom layers make no network calls, no module
+grows past the size the codebase keeps (issue 24)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "ggufswarm"
+# Packages that describe and compute (files, models, shards, the wire format): never a network call.
+NO_NETWORK = ("artifact", "model", "runtime", "protocol")
+NETWORK_CLIENTS = ("urllib.request", "http.client", "websocket", "requests", "aiohttp.client")
+MAX_MODULE_LINES = 520
+
+
+def _modules():
+    for path in sorted(SRC.rglob("*.py")):
+        yield path, path.relative_to(SRC).with_suffix("").parts
+
+
+def _imports(path: Path, parts: tuple[str, ...]):
+    """Absolute dotted names (within ggufswarm: ``ggufswarm.x.y``) that the module at ``path`` imports, anywhere
+    in it (a function-local import is a dependency too)."""
+    package = ("ggufswarm", *parts[:-1]) if parts[-1] != "__init__" else ("ggufswarm", *parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[:len(package) - (node.level - 1)]) if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            yield module
+            yield from (f"{module}.{a.name}" for a in node.names)  # `from . import x` names a module
+
+
+def _package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path, parts in _modules():
+        own = parts[0] if len(parts) > 1 else "(top)"
+        for name in _imports(path, parts):
+            bits = name.split(".")
+            if bits[0] == "ggufswarm" and len(bits) > 1 and (SRC / bits[1]).is_dir() and bits[1] != own:
+                graph.setdefault(own, set()).add(bits[1])
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (package -> packages it imports) as ``[a, b, ..., a]``, or None (depth-first)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(pkg: str, trail: list[str]) -> list[str] | None:
+        state[pkg] = 1
+        for dep in sorted(graph.get(pkg, ())):
+            if state.get(dep) == 1:
+                path = trail + [pkg]
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep, trail + [pkg])):
+                return found
+        state[pkg] = 2
+        return None
+
+    for pkg in sorted(graph):
+        if pkg not in state and (found := visit(pkg, [])):
+            return found
+    return None
+
+
+def test_packages_import_each_other_without_a_cycle():
+    graph = _package_graph()
+    assert {"gateway", "node", "client", "runtime"} <= set(graph)  # the graph is read at all
+    assert find_cycle(graph) is None, "package import cycle: " + " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) is None
+
+
+def test_the_bottom_layers_make_no_network_calls():
+    offenders = []
+    for path, parts in _modules():
+        if parts[0] in NO_NETWORK:
+            for name in _imports(path, parts):
+                if any(name == c or name.startswith(c + ".") for c in NETWORK_CLIENTS) or name in (
+                        "aiohttp.ClientSession", "aiohttp.request"):
+                    offenders.append(f"{path.relative_to(SRC)} imports {name}")
+    assert not offenders, offenders
+
+
+def test_no_module_is_over_the_size_limit():
+    long = {str(path.relative_to(SRC)): n for path, _ in _modules()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_every_module_says_what_it_is_for():
+    silent = [str(path.relative_to(SRC)) for path, _ in _modules()
+              if path.stat().st_size and not ast.get_docstring(ast.parse(path.read_text()))]
+    assert not silent, f"modules without a docstring: {silent}"
