@@ -73,7 +73,7 @@ def main() -> int:
     from ggufswarm.node.launch import start_nodes, stop_nodes
     from ggufswarm.runtime.shard import even_split
     from ggufswarm.client.tracker import TrackerClient
-from ggufswarm.swarm.publish import publish
+    from ggufswarm.swarm.publish import publish
     from ggufswarm.swarm.torrent import Swarm, save_path_for
     from ggufswarm.tracker.app import TrackerConfig
     from ggufswarm.tracker.app import make_app as make_tracker_app
