@@ -29,10 +29,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tinymoe import write_tiny_moe_model  # noqa: E402 - the tests' tiny-model writer
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile  # noqa: E402
-from ggufswarm.client.remote import RemoteRoute  # noqa: E402
+from ggufswarm.client.route import RemoteRoute  # noqa: E402
 from ggufswarm.node.launch import start_nodes, stop_nodes  # noqa: E402
 from ggufswarm.runtime.sampling import SamplingParams  # noqa: E402
-from ggufswarm.runtime.llamacpp.derive import n_model_layers  # noqa: E402
+from ggufswarm.runtime.llamacpp.range_checks import n_model_layers
 from ggufswarm.runtime.spec import even_split  # noqa: E402
 
 MIB = 1024 * 1024

@@ -23,8 +23,10 @@ from ggufswarm.artifact.default_model import smollm2_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.local import LocalModel
 from ggufswarm.runtime.sampling import SamplingParams
-from ggufswarm.runtime.llamacpp.backend import LlamaCppError, LlamaCppShard, model_info
-from ggufswarm.runtime.llamacpp.derive import UnsupportedShard, recurrent_layers, rules_for
+from ggufswarm.runtime.llamacpp.backend import LlamaCppShard, model_info
+from ggufswarm.runtime.llamacpp.errors import LlamaCppError
+from ggufswarm.runtime.llamacpp.archs import recurrent_layers, rules_for
+from ggufswarm.runtime.llamacpp.errors import UnsupportedShard
 from ggufswarm.runtime.shard import ShardSpec, split_at
 
 THREADS = 2
@@ -139,7 +141,7 @@ def test_qwen3next_truncates_only_to_exact_state_checkpoints(tiny_dir, tmp_path)
     a serialized sequence is that plus the attention KV and 12 bytes of cell metadata per token, plus a header."""
     from ggufswarm.artifact.accounting import shard_account
     from ggufswarm.protocol.http import as_protocol_error
-    from ggufswarm.runtime.llamacpp.backend import StateNotAtPosition
+    from ggufswarm.runtime.llamacpp.errors import StateNotAtPosition
     path = write_tiny_moe_model(tiny_dir / "bitwise-qwen3next.gguf", "qwen3next", n_layers=9)
     file = GGUFModelFile(path)
     shards = chain(path, [4, 6], tmp_path, n_ctx=256)
@@ -180,7 +182,7 @@ def test_glm_dsa_shards_bitwise(tiny_dir, tmp_path):
     past the indexer's top-12 so the sparse selection matters. The shard files carry their own indexer types
     (defaulted from the shard's block 0, [2,6) would expect indexer weights on blocks 3 and 4); a range
     starting at a shared-indexer block is refused (its top-k would have to cross the cut)."""
-    from ggufswarm.runtime.llamacpp.derive import glm_dsa_indexer_types
+    from ggufswarm.runtime.llamacpp.range_checks import glm_dsa_indexer_types
     path = write_tiny_moe_model(tiny_dir / "bitwise-glm-dsa.gguf", "glm-dsa", n_layers=8)
     file = GGUFModelFile(path)
     assert glm_dsa_indexer_types(file) == [1, 1, 1, 0, 0, 0, 1, 0]
@@ -232,7 +234,7 @@ def test_deepseek4_hash_blocks_route_by_the_token_ids(deepseek4_path, tmp_path):
 def test_deepseek4_truncates_only_to_exact_state_checkpoints(deepseek4_path, tmp_path):
     """Its cache refuses partial removal, so a session (here of a middle shard) rolls back only to an exact state
     checkpoint, and continues bitwise from there."""
-    from ggufswarm.runtime.llamacpp.backend import StateNotAtPosition
+    from ggufswarm.runtime.llamacpp.errors import StateNotAtPosition
     shards = chain(deepseek4_path, [2, 4], tmp_path, n_ctx=256)
     assert all(s.exact_states_only for s in shards)
     kvs = [s.new_session(256) for s in shards]

@@ -106,8 +106,8 @@ def decoder_check(path: Path, arch: str, metadata: dict) -> str | None:
     if 0 < pooling < 0x7FFFFFFF:  # LLAMA_POOLING_TYPE_MEAN, CLS, LAST, RANK (unspecified is -1: 0xFFFFFFFF)
         return f"{arch}.pooling_type = {pooling} (an embedding or reranking model)"
     import llama_cpp as L
-    from ggufswarm.runtime.llamacpp.backend import _ensure_backend
-    _ensure_backend()
+    from ggufswarm.runtime.llamacpp.ffi import ensure_backend
+    ensure_backend()
     params = L.llama_model_default_params()
     params.vocab_only = True  # hparams and vocabulary only: the flags depend on the architecture
     model = L.llama_model_load_from_file(str(path).encode(), params)
@@ -185,7 +185,9 @@ def stretch(model, dest: Path, mix: bool = True) -> Path:
     (``b0 b1 b1 b1 ...``), where a leading block's attention does not fit a later block. A model llama.cpp runs like
     any other; the reference is llama.cpp's whole-model run of the copy."""
     from gguf import GGUFValueType
-    from ggufswarm.runtime.llamacpp.derive import ARCH_RULES, _write_gguf, n_model_layers
+    from ggufswarm.runtime.llamacpp.archs import ARCH_RULES
+    from ggufswarm.runtime.llamacpp.derive import _write_gguf
+    from ggufswarm.runtime.llamacpp.range_checks import n_model_layers
     arch = model.architecture
     n = int(model.metadata[f"{arch}.block_count"])
     if n != n_model_layers(model):
@@ -219,7 +221,8 @@ def _run_cut(file, points, ids, reference, work_dir, threads) -> tuple[str, str]
     """One chain of shards cut at ``points`` against ``reference`` (prefill logits, tokens, decode logits):
     ``("bitwise", "")``, ``("refused", reason)`` or ``("wrong", where and by how much)``."""
     from ggufswarm.runtime.llamacpp.backend import LlamaCppShard
-    from ggufswarm.runtime.llamacpp.derive import UnsupportedShard, n_model_layers
+    from ggufswarm.runtime.llamacpp.errors import UnsupportedShard
+    from ggufswarm.runtime.llamacpp.range_checks import n_model_layers
     from ggufswarm.runtime.spec import split_at
     shards = []
     try:
@@ -255,7 +258,9 @@ def probe(path: str | os.PathLike, work_dir: str | os.PathLike, threads: int = 1
     else ``refused`` with the first reason. ``try_defaults``: an architecture outside ``ARCH_RULES`` is tried with
     the default ``ArchRules()`` (in this process only) instead of being refused: how the table is grown."""
     from ggufswarm.artifact.gguf_file import GGUFModelFile
-    from ggufswarm.runtime.llamacpp.derive import ARCH_RULES, ArchRules, n_model_layers, n_vocab
+    from ggufswarm.runtime.llamacpp.archs import ARCH_RULES, ArchRules
+    from ggufswarm.runtime.llamacpp.derive import n_vocab
+    from ggufswarm.runtime.llamacpp.range_checks import n_model_layers
 
     path = Path(path)
     t0 = time.monotonic()

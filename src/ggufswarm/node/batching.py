@@ -33,8 +33,9 @@ class _Job:
 
 
 class StepBatcher:
-    """Schedules one shard's steps (see the module docstring). ``store``: the node's SessionStore over an executor
-    with ``forward_batch``, ``step_lock`` and ``n_ubatch`` (llama.cpp); ``pool``: the worker threads that run jobs.
+    """Schedules one shard's steps (see the module docstring). ``store``: the node's SessionStore over a shard
+    backend that ``supports_batch`` and declares its ``step_lock`` and ``n_ubatch`` (llama.cpp); ``pool``: the worker
+    threads that run jobs.
 
     ``submit`` is called on the event loop; counters (``batches``, ``batched_steps``, ``largest_batch``,
     ``prefill_pieces``) are for /health.
@@ -44,7 +45,7 @@ class StepBatcher:
         self.store = store
         self.pool = pool
         self.lock = store.executor.step_lock
-        self.chunk = int(getattr(store.executor, "n_ubatch", 512) or 512)
+        self.chunk = store.executor.n_ubatch
         self.decodes: deque[_Job] = deque()
         self.prefills: deque[_Job] = deque()
         self.running = False
@@ -64,7 +65,7 @@ class StepBatcher:
         n_tokens = int(args[4].shape[0])
         idle = not self.running and not self.decodes and not self.prefills
         if idle and alone and n_tokens == 1 and self.lock.acquire(blocking=False):
-            # as before batching: a few ms on the loop beat the ~0.5 ms hand-off to a worker and back; with other
+            # as before batching: one short step on the loop beats the hand-off to a worker and back; with other
             # sessions active the step goes to a worker so the loop can gather the steps arriving meanwhile
             try:
                 return self.store.apply(*args)

@@ -1,8 +1,8 @@
 """A node's link to the snapshot cache: background KV snapshots of its sessions, and restores from it.
 
 Snapshots are taken after a sampled prefill and each time a session reaches a multiple of ``every``
-tokens. Taking one costs the step nothing: the step handler only records views of the KV buffers (positions ``< n`` are never
-written again unless the session is truncated, which bumps ``SessionKV.epoch``); serialization and
+tokens. Taking one costs the step nothing: the step handler only records views of the KV buffers (positions
+``< n`` are never written again unless the session is truncated, which bumps ``SessionKV.epoch``); serialization and
 upload run on a separate thread and task, and a snapshot whose session was truncated meanwhile is
 dropped. One snapshot per session is in flight at a time; a due one meanwhile is skipped, except that a
 shard which truncates only to exact states (recurrent blocks, ``deepseek4``) still copies the state into the
@@ -20,18 +20,21 @@ import aiohttp
 
 from ..cache.snapshot import KV_DTYPES, STATE_DTYPE, Shard, SnapshotError, decode_snapshot, encode_snapshot
 from ..protocol.snapshots import BLOCK_TOKENS, SHA_HEADER
+from ..runtime.backends import ShardBackend
 from ..runtime.sessions import Session
+
 
 class SnapshotLink:
     """Snapshots to and restores from the cache server at ``url`` for one shard.
 
-    ``every``: tokens between snapshots of a session after its prefill (0 = after prefill only).
+    ``every``: tokens between snapshots of a session after its prefill (0 = after prefill only); ``executor``: the
+    node's shard backend (a ``state_snapshots`` one has its sequence state copied under the session's lock).
     ``counters``: a dict of ints the node exports (written, bytes, dropped, failed, restored).
     """
 
-    def __init__(self, url: str, shard: Shard, every: int, client_factory, executor=None, node_id: str = ""):
+    def __init__(self, url: str, shard: Shard, every: int, client_factory, executor: ShardBackend, node_id: str = ""):
         self.url = url.rstrip("/")
-        self.executor = executor  # a llama.cpp shard: its sequence state is copied under the session's lock
+        self.executor = executor
         self.shard = shard
         self.node_id = node_id  # recorded in every snapshot this node takes
         self.every = every
@@ -56,7 +59,7 @@ class SnapshotLink:
         if not due:
             return
         if session.id in self._inflight:  # the last one still uploads: this position is not snapshotted here
-            if getattr(self.executor, "exact_states_only", False):
+            if self.executor.exact_states_only:
                 # but a shard that truncates only to exact states keeps it as a checkpoint all the same: another
                 # node's snapshot of this position may be what a route repair restores
                 session.snapshot_at = n
@@ -89,8 +92,8 @@ class SnapshotLink:
             print(f"ggufswarm node: state checkpoint failed ({exc}); still serving", file=sys.stderr, flush=True)
 
     async def _write_state(self, session: Session) -> None:
-        """llama.cpp: copy the sequence state once the step handler releases the session (the next step
-        of the session waits for the copy, ~1 ms per MB), then encode and upload as ``_write``."""
+        """A ``state_snapshots`` shard: copy the sequence state once the step handler releases the session (the
+        next step of the session waits for the copy), then encode and upload as ``_write``."""
         try:
             async with session.lock:
                 n = session.length
@@ -129,7 +132,7 @@ class SnapshotLink:
             self.counters["written"] += 1
             self.counters["bytes"] += len(blob)
             self._warned = False
-        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, SnapshotError) as exc:
+        except (TimeoutError, aiohttp.ClientError, RuntimeError, SnapshotError) as exc:
             self.counters["failed"] += 1
             if not self._warned:
                 print(f"ggufswarm node: snapshot to {self.url} failed ({exc}); still serving", file=sys.stderr,
@@ -192,12 +195,12 @@ class SnapshotLink:
                 if not length:
                     return None, 0, "no step of the cached computation ends inside the shared prefix" + (
                         "" if boundaries is None else " with this session's steps")
-                if getattr(self.executor, "exact_states_only", False) and length != snap.n_tokens:
+                if self.executor.exact_states_only and length != snap.n_tokens:
                     # a recurrent state is the state at exactly n_tokens: it cannot be cut back to a shorter prefix
                     return None, 0, (f"the cached recurrent state holds {snap.n_tokens} tokens, of which only {length} "
                                      f"are usable here; a recurrent state restores only at its exact position")
             return snap, length, "restored"
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
             return None, 0, f"cache failed: {type(exc).__name__}: {exc}"
 
     def close(self) -> None:
@@ -217,9 +220,9 @@ def grouped_length(snapshot_bounds: list[int], shared: int, wanted: list[int] | 
     return best
 
 
-def shard_of(executor) -> Shard:
+def shard_of(executor: ShardBackend) -> Shard:
     """The Shard (model fingerprint, layers, KV dtype or llama.cpp state) a node's executor computes."""
-    if executor.backend == "llama.cpp":
+    if executor.state_snapshots:
         return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, STATE_DTYPE)
     dtype = next(name for name in KV_DTYPES if f"torch.{name}" == str(executor.dtype))
     return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, dtype)

@@ -39,6 +39,12 @@ class ShardBackend(Protocol):
     * ``needs_token_ids``: ``forward`` needs the frame's token ids beside hidden states (DeepSeek-V4 hash routing).
     * ``step_grouping_matters``: numerics depend on how tokens were grouped into steps (llama.cpp), so a restored
       or replayed history must end at the step boundaries it was computed with.
+    * ``state_snapshots``: a session's KV is snapshotted as one opaque sequence state (``state_bytes(kv)`` /
+      ``load_state(kv, data, n_tokens)``, llama.cpp) instead of per-layer key/value tensors (``kv.layers`` /
+      ``kv.load``, torch).
+
+    A session's KV cache (``new_session``) has ``length``, ``max_length``, ``epoch``, ``closed``, ``truncate(n)``
+    and ``close()``.
     """
 
     backend: str
@@ -54,6 +60,7 @@ class ShardBackend(Protocol):
     exact_states_only: bool
     needs_token_ids: bool
     step_grouping_matters: bool
+    state_snapshots: bool
 
     @property
     def step_lock(self) -> threading.RLock | None: ...

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sampling import SamplerBase, SamplingParams, token_logprobs
 from .kv import ContextOverflow, KVPosition, TokenOutOfRange, check_max_length
+from .sampling import SamplerBase, SamplingParams, token_logprobs
 
 
 class SessionError(Exception):
@@ -104,6 +104,17 @@ class Session:
         """Tokens held in the KV cache (= position of the next token)."""
         return self.kv.length
 
+    def mark_restored(self, tokens: list[int], boundaries: list[int]) -> None:
+        """Record that the KV cache was just filled with ``tokens`` (their KV/state loaded from a snapshot) whose
+        computation's steps ended at ``boundaries`` (ascending positions; those past ``len(tokens)`` are dropped):
+        history, step boundaries (a prefix ending inside a step is a cut), and the snapshot position."""
+        n = len(tokens)
+        self.history[:] = tokens
+        self.boundaries[:] = [b for b in boundaries if b <= n]
+        self.grouping_cut = bool(n) and n not in self.boundaries  # torch: any prefix restores
+        self.history_complete = True
+        self.snapshot_at = n
+
 
 def cut_boundaries(session: Session, length: int) -> None:
     """Keep the session's step boundaries up to ``length`` tokens; a ``length`` inside a step is a cut."""
@@ -114,9 +125,7 @@ def cut_boundaries(session: Session, length: int) -> None:
 
 def _free(session: Session) -> None:
     """Release a dropped session's KV now (a llama.cpp sequence id and its cells; torch frees on GC)."""
-    close = getattr(session.kv, "close", None)
-    if close is not None:
-        close()
+    session.kv.close()
 
 
 class SessionStore:
@@ -311,7 +320,7 @@ class SessionStore:
     def _ids(self, token_ids: np.ndarray | None) -> dict:
         """``{"token_ids": ...}`` for an executor whose graph reads token ids with hidden states (``needs_token_ids``:
         the llama.cpp backend's DeepSeek-V4 shards), else ``{}``."""
-        return {"token_ids": token_ids} if getattr(self.executor, "needs_token_ids", False) else {}
+        return {"token_ids": token_ids} if self.executor.needs_token_ids else {}
 
     def _begin(self, session: Session, start: int) -> tuple:
         """Before a step's forward pass: drop a rewound step's rejected drafts (``start`` below the tokens held, see
@@ -380,7 +389,7 @@ class SessionStore:
                     ms += (time.perf_counter() - t0) * 1e3
             except BaseException:
                 # a session closed between two pieces has given its cells (and sequence id) back: nothing to undo
-                if session.kv.length != kept[0] and not getattr(session.kv, "closed", False):
+                if session.kv.length != kept[0] and not session.kv.closed:
                     self._undo(session, kept)
                 raise
             out = outs[-1] if self.executor.spec.head else np.concatenate(outs)

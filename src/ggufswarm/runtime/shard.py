@@ -96,6 +96,7 @@ class ShardExecutor:
     exact_states_only = False
     needs_token_ids = False
     step_grouping_matters = False
+    state_snapshots = False
     sampler_class = Sampler  # the head draws with the PyTorch sampler (llama.cpp's chain, re-implemented)
 
     def close(self) -> None:

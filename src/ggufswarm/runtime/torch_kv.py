@@ -54,7 +54,7 @@ class LayerKV:
 class SessionKV(KVPosition):
     """One session's KV cache on one shard: a LayerKV per layer of the shard, and the position.
 
-    ``length`` is the number of tokens held (= position of the next token).
+    ``length`` is the number of tokens held (= position of the next token); ``closed`` once ``close`` was called.
     """
 
     def __init__(self, n_layers: int, n_head_kv: int, head_dim: int, max_length: int, dtype: torch.dtype,
@@ -63,6 +63,7 @@ class SessionKV(KVPosition):
         self.layers = [LayerKV(n_head_kv, head_dim, max_length, dtype, v_dim) for _ in range(n_layers)]
         self.length = 0
         self.epoch = 0  # bumped by every truncate/load: positions below ``length`` may have been rewritten
+        self.closed = False
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` tokens (drop positions ``>= length``); ValueError past the end."""
@@ -97,3 +98,8 @@ class SessionKV(KVPosition):
     def nbytes(self) -> int:
         """Bytes allocated for all layers of this session."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def close(self) -> None:
+        """Mark the session closed (idempotent); its buffers are freed when it is garbage-collected (snapshots in
+        flight may still hold views of them)."""
+        self.closed = True

@@ -2,8 +2,8 @@
  * Graph tap: a compiled ggml scheduler eval callback (ggml_backend_sched_eval_callback, ggml-backend.h)
  * that copies one named graph tensor -- a shard's last block output, e.g. "l_out-5" -- into a caller
  * buffer and then stops the graph, so llama.cpp never computes the output norm and LM head of a
- * non-head shard. ggml calls it twice per graph node (ask, then observe); a Python callback would
- * cost ~0.5 ms per step, this one a few microseconds.
+ * non-head shard. ggml calls it twice per graph node (ask, then observe), so it is compiled: a Python
+ * callback would add a ctypes round trip per node to every step.
  *
  * The ggml functions it needs are passed in through the tap struct (resolved by the Python side
  * from the ggml library llama-cpp-python loaded), so this module links against nothing.

@@ -6,32 +6,16 @@ KV, as llama-server's default): a session's attention never sees another's cells
 sessions compute exactly what each would alone, and the node's KV budget is
 ``n_seq_max * n_ctx_seq`` tokens. Hidden states enter through ``llama_batch.embd`` (float32
 ``[n_tokens, n_embd]``); a non-head shard's output is its last block's ``l_out-{n-1}`` tensor,
-copied out by a compiled eval callback (``_graph_tap.c``) that then stops the graph before the
+copied out by a compiled eval callback (``ffi.graph_tap``) that then stops the graph before the
 output norm and LM head. The head shard returns llama.cpp's logits. Truncation is
-``llama_memory_seq_rm``; snapshots are ``llama_state_seq_get_data`` / ``llama_state_seq_set_data``.
-
-Recurrent shards (hybrid models such as ``qwen3next``: a layer range holding gated delta-net blocks) keep
-a fixed-size state per session that llama.cpp cannot roll back partway (``llama_memory_seq_rm`` returns
-false for any cut but "all"); so does ``deepseek4``'s compressed cache (``llama_kv_cache_dsv4::seq_rm``).
-Such a shard (``exact_states_only``) truncates only to 0, to the current length, or to an exact
-position it holds a *state checkpoint* of: the session's full sequence state (attention KV + recurrent
-state) copied whenever it is serialized (``state_bytes``: at the node's snapshot positions, after the
-sampled prefill and every ``--snapshot-every`` tokens, ``node/snapshots.py``) or loaded (``load_state``:
-a restore from the cache). The last ``checkpoints`` of them are kept per session (host memory the
-node's KV advertisement does not count). Any other truncation raises ``StateNotAtPosition`` (protocol
-code ``state_not_at_position``, 409) naming the positions it can return to; route repair and prefix
-reuse then fall back to recomputing from 0. Every node of a route snapshots at the same positions, and a
-repaired route restores only a cache snapshot's position, so the survivors normally hold it.
+``llama_memory_seq_rm``; snapshots are ``llama_state_seq_get_data`` / ``llama_state_seq_set_data``;
+shards that cannot truncate partway keep exact-state checkpoints (``seq.py``).
 
 The same context, batch splitting (``n_ubatch``) and thread count as llama.cpp's own full-model
 run give bitwise-equal results: the tests compare 3-shard chains with ``llama_cpp.Llama``.
-
-``kv_unified=True`` (the node's throughput mode, ``--batch-group`` above 3) puts every session's cells in one
-KV stream instead (llama.cpp's unified KV): llama.cpp can then run the decode steps of *any* set of sessions as
-one ubatch (with per-session streams it only takes consecutive sequence ids together, ``split_equal``), so a
-node that is handed the steps of 8 of its 16 sessions reads its weights once, not once per run of consecutive
-ids. Each session still attends only to its own cells (llama.cpp masks the others), but results are no longer
-bitwise those of the session alone, and each step's attention walks the cells of all sessions.
+Several sessions' decode steps share one ``llama_decode`` through ``forward_batch`` (``batch.py``);
+``kv_unified=True`` (the node's throughput mode) puts every session's cells in one KV stream so that any
+sessions can share a ubatch, no longer bitwise (docs/protocol.md, "How a node schedules steps").
 """
 
 from __future__ import annotations
@@ -39,100 +23,30 @@ from __future__ import annotations
 import ctypes
 import heapq
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 import llama_cpp as L
+import numpy as np
 
 from ...artifact.accounting import shard_account
 from ...artifact.gguf_file import GGUFModelFile
-from ..kv import ContextOverflow, KVPosition, TokenOutOfRange, check_max_length
+from ..kv import ContextOverflow, TokenOutOfRange, check_max_length
 from ..spec import ShardSpec
-from . import _graph_tap
+from . import batch
+from .archs import recurrent_layers, rules_for
+from .derive import TokenEmbedding, hidden_width, n_vocab, shard_paths
+from .errors import KVCellsFull, LlamaCppError, UnsupportedShard
+from .range_checks import n_model_layers
+from .ffi import ensure_backend, graph_tap, install_tap
 from .sampling import LlamaCppSampler
-from .derive import (TokenEmbedding, UnsupportedShard, hidden_width, n_model_layers, n_vocab, recurrent_layers,
-                     rules_for, shard_paths)
+from .seq import SeqKV
 
-_BACKEND_READY = False
-_BACKEND_LOCK = threading.Lock()
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
 STATE_FORMAT = "llama.cpp-seq-state-v1"
 MAX_VERIFY_TOKENS = 16  # most tokens of a speculative verify step (all rows' logits) a head takes
-SPLIT_KV_TOKENS = 256  # from this many tokens held a decode step attends to 512+ cells (see LlamaCppShard._solo)
-
-
-class GraphTap(ctypes.Structure):
-    """ctypes mirror of ``struct gs_tap`` in ``_graph_tap.c`` (same field order)."""
-
-    _fields_ = [
-        ("get_name", ctypes.c_void_p),
-        ("tensor_get", ctypes.c_void_p),
-        ("nbytes", ctypes.c_void_p),
-        ("dst", ctypes.c_void_p),
-        ("capacity", ctypes.c_size_t),
-        ("filled", ctypes.c_size_t),
-        ("stop", ctypes.c_int32),
-        ("overflow", ctypes.c_int32),
-        ("target", ctypes.c_char * 64),
-    ]
-
-
-_LOG_ERROR, _LOG_CONT = 4, 5  # enum ggml_log_level (ggml.h); llama-cpp-python's own filter predates this order
-_log_state = {"error": False}
-
-
-@L.llama_log_callback
-def _log_errors_only(level: int, text: bytes, user_data) -> None:
-    """llama.cpp's log, errors only (and their continuation lines), to stderr."""
-    if level != _LOG_CONT:
-        _log_state["error"] = level == _LOG_ERROR
-    if _log_state["error"]:
-        sys.stderr.write(text.decode("utf-8", errors="replace"))
-
-
-def _ensure_backend() -> None:
-    """Initialise llama.cpp once per process and keep its log to errors only."""
-    global _BACKEND_READY
-    with _BACKEND_LOCK:
-        if not _BACKEND_READY:
-            L.llama_log_set(_log_errors_only, ctypes.c_void_p(0))
-            L.llama_backend_init()
-            _BACKEND_READY = True
-
-
-def _ggml_functions() -> tuple[int, int, int]:
-    """Addresses of ggml_get_name, ggml_backend_tensor_get and ggml_nbytes in the ggml llama-cpp-python loaded."""
-    lib_dir = Path(L.llama_cpp.__file__).parent / "lib"
-    candidates = sorted(lib_dir.glob("libggml-base.*")) + sorted(lib_dir.glob("ggml-base.*"))
-    if not candidates:
-        raise RuntimeError(f"cannot find ggml's base library next to llama-cpp-python ({lib_dir})")
-    lib = ctypes.CDLL(str(candidates[0]))
-    return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                 for name in ("ggml_get_name", "ggml_backend_tensor_get", "ggml_nbytes"))
-
-
-class LlamaCppError(RuntimeError):
-    """llama.cpp refused a call (model load, context creation, decode); the message says which and why."""
-
-
-class KVCellsFull(LlamaCppError):
-    """No room for a session: all sequence slots taken (``code`` kv_budget_full), a ``max_length`` over
-    the cells of one session (kv_budget_too_small), or no free KV cells for a step."""
-
-    def __init__(self, message: str, code: str = "kv_budget_full"):
-        super().__init__(message)
-        self.code = code
-
-
-class StateNotAtPosition(LlamaCppError):
-    """A shard that truncates only to exact states (recurrent blocks, ``deepseek4``) was asked for a position it
-    holds no state checkpoint of (``code`` state_not_at_position); the session is unchanged."""
-
-    code = "state_not_at_position"
+KV_STREAM_ROUNDING = 256  # llama.cpp rounds a KV stream's cells up to a multiple of this
 
 
 @dataclass(frozen=True)
@@ -170,83 +84,11 @@ def kv_bytes_per_token(model: GGUFModelFile, spec: ShardSpec) -> int:
     return shard_account(model, spec.start, spec.end).kv_bytes_per_token
 
 
-class SeqKV(KVPosition):
-    """One session's KV cache on a llama.cpp shard: a sequence id of the shard's context.
-
-    ``length``: tokens held (= position of the next token); ``epoch`` is bumped by every
-    truncate/restore. Same contract as ``runtime.kv.SessionKV``.
-    """
-
-    def __init__(self, shard: "LlamaCppShard", seq_id: int, max_length: int):
-        self.shard = shard
-        self.seq_id = seq_id
-        self.max_length = check_max_length(max_length)
-        self.length = 0
-        self.epoch = 0
-        self.closed = False
-        # exact-state shards: position -> the sequence state (llama_state_seq_get_data bytes) at exactly that
-        # position, oldest first, at most shard.checkpoints of them
-        self.checkpoints: dict[int, bytes] = {}
-
-    def truncate(self, length: int) -> None:
-        """Roll back to ``length`` tokens (``llama_memory_seq_rm``); ValueError past the end.
-
-        On an exact-state shard (``shard.exact_states_only``) only to 0, ``length`` itself, or a position in
-        ``checkpoints`` (the state there is loaded); StateNotAtPosition otherwise (the session is unchanged).
-        LlamaCppError when llama.cpp refuses a checkpoint (the session is then empty)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate to {length}: session holds {self.length} tokens")
-        if self.shard.exact_states_only and 0 < length < self.length:
-            state = self.checkpoints.get(length)
-            if state is None:
-                raise StateNotAtPosition(
-                    f"this shard's state cannot be rolled back to {length} tokens (llama.cpp keeps one recurrent or "
-                    f"compressed state per session); exact state checkpoints held: {sorted(self.checkpoints) or 'none'}")
-            try:
-                self.shard._set_state(self, state, length)
-            except LlamaCppError:  # llama.cpp refused its own state: the sequence is empty now
-                self.length, self.checkpoints = 0, {}
-                self.epoch += 1
-                raise
-        else:
-            self.shard._seq_rm(self.seq_id, length)
-        self.length = length
-        self.epoch += 1
-        for pos in [p for p in self.checkpoints if p > length]:
-            del self.checkpoints[pos]
-
-    def checkpoint(self, state: bytes) -> None:
-        """Keep ``state`` (this session's sequence state at ``length`` tokens) as a truncation target (exact-state
-        shards only; the oldest is dropped past ``shard.checkpoints``)."""
-        if self.shard.exact_states_only and self.length and self.shard.checkpoints:
-            self.checkpoints.pop(self.length, None)
-            self.checkpoints[self.length] = state
-            while len(self.checkpoints) > self.shard.checkpoints:
-                del self.checkpoints[next(iter(self.checkpoints))]
-
-    def nbytes(self) -> int:
-        """KV bytes this session's tokens occupy in the context."""
-        return self.length * self.shard.kv_bytes_per_token()
-
-    def close(self) -> None:
-        """Free the sequence's KV cells and its id (idempotent)."""
-        if not self.closed:
-            self.closed = True
-            self.checkpoints = {}
-            self.shard._release(self.seq_id)
-
-    def __del__(self):  # a session dropped without close() (e.g. expired) still frees its cells
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
 class LlamaCppShard:
     """Runs blocks ``[spec.start, spec.end)`` (plus embedding and/or head stage) through llama.cpp.
 
     ``n_ctx_seq``: KV cells of each session (its longest ``max_length``, tokens; llama.cpp rounds
-    it up to a multiple of 256); ``n_seq_max``: most sessions at once;
+    it up to a multiple of ``KV_STREAM_ROUNDING``); ``n_seq_max``: most sessions at once;
     ``n_batch``: most tokens in one step (bigger steps are refused); ``n_ubatch``: llama.cpp's
     physical batch (512 as in llama.cpp's defaults: keep equal to the reference run for bitwise
     results); ``threads``: llama.cpp decode and batch threads; ``cache_dir``: where derived shard
@@ -254,11 +96,11 @@ class LlamaCppShard:
     (perplexity) — otherwise its compute buffer is sized for one output row; ``checkpoints``: exact-position
     state checkpoints kept per session on a shard llama.cpp cannot truncate partway (``exact_states_only``:
     the range holds recurrent blocks, or the architecture's cache refuses partial removal, ``deepseek4``;
-    see the module docstring), each ``state_bytes_per_session`` plus the attention KV of its tokens;
-    ``kv_unified``: all sessions' cells in one KV stream (any sessions batch together, not bitwise; the module
-    docstring), a session still holding at most ``n_ctx_seq`` of them; ``in_place``: load the layers from the model's
-    own files (a shard header and the model files, llama.cpp patch 0004; default when the loaded libllama has it)
-    or from a derived copy (``derive.shard_paths``).
+    ``seq.py``), each ``state_bytes_per_session`` plus the attention KV of its tokens;
+    ``kv_unified``: all sessions' cells in one KV stream (any sessions batch together, not bitwise; docs/protocol.md,
+    "Throughput mode"), a session still holding at most ``n_ctx_seq`` of them; ``in_place``: load the layers from
+    the model's own files (a shard header and the model files, llama.cpp patch 0004; default when the loaded
+    libllama has it) or from a derived copy (``derive.shard_paths``).
 
     Raises UnsupportedShard (architecture/range), LlamaCppError (llama.cpp refused the file or
     the context), ValueError (bad parameters).
@@ -267,12 +109,11 @@ class LlamaCppShard:
     backend = "llama.cpp"  # ShardBackend capabilities (runtime/backends.py); the limits are set per instance
     supports_batch = True
     step_grouping_matters = True
+    state_snapshots = True
     sampler_class = LlamaCppSampler  # the head draws with llama.cpp's sampler chain
-    # forward_batch: most sessions whose decode steps share one graph evaluation (a ubatch). Up to 3 keeps every
-    # session's result bitwise equal to its step run alone: llama.cpp's CPU matmul switches from gemv to gemm at
-    # 4 rows (ggml-cpu/repack.cpp), which rounds differently (and with more than one thread a session of 256+
-    # tokens then gets a ubatch of its own: _solo). More is faster, and no longer bitwise.
-    batch_group: int = 3
+    # forward_batch: most sessions whose decode steps share one ubatch; up to EXACT_BATCH_GROUP stays bitwise
+    # (docs/protocol.md, "Exactness"), more is the throughput mode
+    batch_group: int = batch.EXACT_BATCH_GROUP
 
     def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
                  n_batch: int = 2048, n_ubatch: int = 512, threads: int | None = None,
@@ -288,7 +129,7 @@ class LlamaCppShard:
         self.spec = spec
         self.n_batch = n_batch
         self.threads = threads or max(1, os.cpu_count() or 1)
-        _ensure_backend()
+        ensure_backend()
         cache_dir = Path(cache_dir or Path.home() / ".cache" / "ggufswarm" / "shards")
         # The whole model with its head runs from the original file and takes token ids directly.
         self.takes_tokens = spec.embed and spec.head
@@ -301,7 +142,8 @@ class LlamaCppShard:
         self._kv_bytes = kv_bytes_per_token(model, spec)
         recr = recurrent_layers(model)
         # llama.cpp cannot roll this shard's sessions back partway: recurrent blocks, or a cache that refuses it
-        self.exact_states_only = bool(recr and any(recr[spec.start:spec.end])) or rules_for(model.architecture).exact_states
+        self.exact_states_only = (bool(recr and any(recr[spec.start:spec.end]))
+                                  or rules_for(model.architecture).exact_states)
         self.checkpoints = max(0, int(checkpoints))
 
         mparams = L.llama_model_default_params()
@@ -324,8 +166,8 @@ class LlamaCppShard:
         # the graph reads each token's id with its hidden states (hash-routed blocks): forward(token_ids=...)
         self.needs_token_ids = rules.token_ids and not self.takes_tokens
         cparams = L.llama_context_default_params()
-        # unified KV: every session may hold its n_ctx_seq rounded up as llama.cpp rounds a stream's (256 cells)
-        per_session = -(-n_ctx_seq // 256) * 256 if kv_unified else n_ctx_seq
+        # unified KV: every session may hold its n_ctx_seq rounded up as llama.cpp rounds a stream's
+        per_session = -(-n_ctx_seq // KV_STREAM_ROUNDING) * KV_STREAM_ROUNDING if kv_unified else n_ctx_seq
         cparams.n_ctx = per_session * n_seq_max
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(n_ubatch, n_batch)
@@ -344,13 +186,8 @@ class LlamaCppShard:
         self._tap = None
         if not spec.head:
             self._capture = np.empty((n_batch, n_embd), dtype=np.float32)
-            get_name, tensor_get, nbytes = _ggml_functions()
-            if ctypes.sizeof(GraphTap) != _graph_tap.tap_size():
-                raise LlamaCppError("graph tap struct mismatch: rebuild the package (pip install -e .)")
-            self._tap = GraphTap(get_name, tensor_get, nbytes, self._capture.ctypes.data, self._capture.nbytes,
-                                 0, 1, 0, f"{rules.tap}-{spec.end - spec.start - 1}".encode())
-            cparams.cb_eval = L.ggml_backend_sched_eval_callback(_graph_tap.callback_address())
-            cparams.cb_eval_user_data = ctypes.addressof(self._tap)
+            self._tap = graph_tap(self._capture, f"{rules.tap}-{spec.end - spec.start - 1}")
+            install_tap(cparams, self._tap)
         self._ctx = L.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             L.llama_model_free(self._model)
@@ -367,6 +204,9 @@ class LlamaCppShard:
         self._token_ids = np.zeros(n_batch, dtype=np.int32) if self.needs_token_ids else None
         if self._token_ids is not None:
             self._batch.token = self._token_ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        # where decode_steps writes each row's token id / hidden state (0: the batch has no such buffer)
+        self._token_at = ctypes.cast(self._batch.token, ctypes.c_void_p).value or 0
+        self._embd_at = ctypes.cast(self._batch.embd, ctypes.c_void_p).value or 0
         # M-RoPE / IMRoPE models (qwen35moe) take 4 positions per token; llama.cpp expands a token batch's one
         # position to [p, p, p, 0] itself (llm_graph_input_pos::set_input) but reads an embedding batch's four,
         # section-major (pos[j * n_tokens + i], src/llama-batch.cpp): our buffer replaces the batch's 1-wide one
@@ -415,13 +255,16 @@ class LlamaCppShard:
             seq = heapq.heappop(self._free_seqs)
         return SeqKV(self, seq, max_length)
 
-    def _seq_rm(self, seq_id: int, start: int) -> None:
+    def seq_remove(self, seq_id: int, start: int) -> None:
+        """Drop sequence ``seq_id``'s cells from position ``start`` on (``llama_memory_seq_rm``); LlamaCppError when
+        llama.cpp cannot cut it there (``SeqKV.truncate`` calls this)."""
         with self._lock:
             if not L.llama_memory_seq_rm(self._mem, seq_id, start, -1):
                 raise LlamaCppError(f"llama.cpp cannot truncate sequence {seq_id} to {start} tokens")
 
-    def _release(self, seq_id: int) -> None:
-        if not getattr(self, "_ctx", None):
+    def release_seq(self, seq_id: int) -> None:
+        """Free all of sequence ``seq_id``'s cells and give its id back (``SeqKV.close``; nothing after ``close``)."""
+        if not getattr(self, "_ctx", None):  # the shard was closed (or never finished loading)
             return
         with self._lock:
             L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
@@ -444,60 +287,22 @@ class LlamaCppShard:
         when llama.cpp fails; on any error the session's KV cache is as before the call.
         """
         inputs = np.asarray(inputs)
-        ids, embd, tok = self._check_step(kv, inputs, token_ids)
-        n_tokens = int(inputs.shape[0])
-        if self.spec.head and logits == "all" and n_tokens > self.max_outputs:
+        prepared = self.prepare_step(kv, inputs, token_ids)
+        if self.spec.head and logits == "all" and int(inputs.shape[0]) > self.max_outputs:
             raise ValueError(f"this head returns at most {self.max_outputs} rows of logits per step "
                              f"(load it with all_logits=True for perplexity)")
-        all_out = not self.spec.head or logits == "all"
-        with self._lock:
-            batch = self._batch
-            batch.n_tokens = n_tokens
-            positions = np.arange(kv.length, kv.length + n_tokens, dtype=np.int32)
-            if self.n_pos_per_token == 4:  # text positions as llama.cpp writes them for tokens: [p, p, p, 0]
-                self._pos[:3 * n_tokens] = np.tile(positions, 3)
-                self._pos[3 * n_tokens:4 * n_tokens] = 0
-            else:
-                self._pos[:n_tokens] = positions
-            for i in range(n_tokens):
-                batch.seq_id[i][0] = kv.seq_id
-            self._out[:n_tokens] = 1 if all_out else 0
-            self._out[n_tokens - 1] = 1
-            if embd is None:
-                ctypes.memmove(batch.token, ids.ctypes.data, n_tokens * 4)
-            else:
-                embd = np.ascontiguousarray(embd, dtype=np.float32)
-                ctypes.memmove(batch.embd, embd.ctypes.data, embd.nbytes)
-                if tok is not None:
-                    self._token_ids[:n_tokens] = tok
-            if self._tap is not None:
-                self._tap.filled = 0
-                self._tap.overflow = 0
-            rc = L.llama_decode(self._ctx, batch)
-            if rc == 1:
-                raise KVCellsFull(f"no free KV cells for {n_tokens} tokens ({self.n_ctx_seq} cells per session)")
-            if rc != 0:
-                raise LlamaCppError(f"llama_decode failed with code {rc}")
-            if self._tap is not None:
-                got = self._tap.filled // (4 * self.cfg.n_embd)
-                if self._tap.overflow or got != n_tokens:
-                    L.llama_memory_seq_rm(self._mem, kv.seq_id, kv.length, -1)
-                    raise LlamaCppError(f"captured {got} hidden-state rows for {n_tokens} tokens "
-                                        f"(tensor {self._tap.target.decode()})")
-                out = self._capture[:n_tokens].copy()
-            elif logits == "all":
-                ptr = L.llama_get_logits(self._ctx)
-                out = np.ctypeslib.as_array(ptr, shape=(n_tokens, self.n_vocab_out)).copy()
-            else:
-                ptr = L.llama_get_logits_ith(self._ctx, -1)
-                out = np.ctypeslib.as_array(ptr, shape=(1, self.n_vocab_out)).copy()
-            kv.length += n_tokens
-        return out
+        return self.decode_steps([(kv, *prepared)], logits)
 
-    def _check_step(self, kv: SeqKV, inputs: np.ndarray, token_ids=None):
-        """Validate one step (``inputs`` a numpy array) as ``forward`` does; (ids int32 [T] for a shard that takes
-        token ids itself, else None; embd float32 [T, n_embd] or None; token ids int32 [T] to pass with ``embd``
-        (``needs_token_ids``) or None)."""
+    def forward_batch(self, steps: list[tuple]) -> list[np.ndarray | Exception]:
+        """One step of each of several sessions, the decode steps in one ``llama_decode``: ``batch.forward_batch``
+        (``(kv, inputs[, token_ids])`` per step; one result or exception per step, in order)."""
+        return batch.forward_batch(self, steps)
+
+    def prepare_step(self, kv: SeqKV, inputs: np.ndarray, token_ids=None) -> tuple:
+        """Validate one step (``inputs`` a numpy array) as ``forward`` does and return what ``decode_steps`` takes
+        after ``kv``: ``(ids, embd, tok)``: ids int32 ``[T]`` for a shard that takes token ids itself, else None;
+        embd float32 ``[T, n_embd]`` or None; token ids int32 ``[T]`` to pass with ``embd`` (``needs_token_ids``)
+        or None. Raises what ``forward`` raises for a bad step; changes nothing."""
         if kv.closed or kv.shard is not self:
             raise ValueError("session is closed or belongs to another shard")
         n_tokens = int(inputs.shape[0]) if inputs.ndim else 0
@@ -533,130 +338,71 @@ class LlamaCppShard:
                 raise TokenOutOfRange(f"token id out of range [0, {self.cfg.n_vocab})")
         return None, inputs, tok
 
-    def forward_batch(self, steps: list[tuple]) -> list[np.ndarray | Exception]:
-        """Run one step of each of several sessions; the decode steps (T = 1) together in one ``llama_decode``.
+    def decode_steps(self, steps: list[tuple], logits: str = "last") -> np.ndarray:
+        """One ``llama_decode`` of prepared steps ``(kv, ids, embd, tok)`` (``prepare_step``'s parts after the
+        session; different sessions, in batch order; their ``n_tokens`` rows together at most ``n_batch``).
 
-        ``steps``: ``(kv, inputs)`` or ``(kv, inputs, token_ids)`` of *different* sessions, as for ``forward``. Returns one
-        entry per step, in order: what ``forward`` would return (hidden states ``[T, n_embd]`` float32, at the
-        head the last position's logits ``[1, n_vocab]`` float32), or the exception that step raised (the
-        others are unaffected; on an error a session's KV cache is as before the call).
-
-        The single-token steps go into one ``llama_batch``, one sequence id each, sorted by sequence id:
-        with non-unified KV llama.cpp splits such a batch into ubatches of *consecutive* sequence ids
-        (``split_equal``, sequential), so sessions whose ids are consecutive share one graph evaluation, at most
-        ``batch_group`` of them (``_grouped``; up to 3, and a long session alone with several threads (``_solo``),
-        each result is bitwise what ``forward`` gives for that step alone).
-        Steps of more than one token run one after another through ``forward`` (their ubatch split is then
-        the one they get alone). When llama.cpp fails the shared decode (no free cells, an abort), it has
-        rolled every sequence back and each of those steps is run again alone, with its own result or error.
-        ValueError when two steps belong to the same session.
+        Returns the hidden states of all ``n_tokens`` rows ``[n_tokens, n_embd]`` float32 (a non-head shard), or at
+        the head the logits of the last row ``[1, n_vocab]`` (``logits="last"``) or of every row, in batch order
+        (``"all"``, ``[n_tokens, n_vocab]``) float32. Each session's ``length`` grows by its rows. Raises
+        KVCellsFull when llama.cpp finds no free cells and LlamaCppError when it fails; every session's KV cache is
+        then as before the call.
         """
-        if len({id(step[0]) for step in steps}) != len(steps):
-            raise ValueError("forward_batch takes at most one step per session")
-        if self.exact_states_only or self.n_pos_per_token != 1 or self.needs_token_ids:
-            # recurrent state, multi-position (M-RoPE) and token-id batches are not checked against llama.cpp alone
-            return [self._forward_one(step[0], np.asarray(step[1]), *step[2:]) for step in steps]
-        steps = [(step[0], np.asarray(step[1])) for step in steps]
-        results: list = [None] * len(steps)
-        decode = []  # (seq_id, index, kv, ids, embd)
-        for i, (kv, inputs) in enumerate(steps):
-            if int(inputs.shape[0]) != 1:
-                continue
-            try:
-                ids, embd, _ = self._check_step(kv, inputs)
-            except Exception as exc:  # noqa: BLE001 - that step's error, the others go on
-                results[i] = exc
-                continue
-            decode.append((kv.seq_id, i, kv, ids, embd))
-        if len(decode) == 1:  # nothing to share a decode with
-            _, i, kv, _, _ = decode[0]
-            results[i] = self._forward_one(kv, steps[i][1])
-        elif decode:
-            decode = self._grouped(decode)
-            try:
-                outs = self._decode_together(decode)
-            except LlamaCppError:  # llama.cpp rolled the whole batch back: each step alone
-                outs = [self._forward_one(kv, steps[i][1]) for _, i, kv, _, _ in decode]
-            for (_, i, _, _, _), out in zip(decode, outs):
-                results[i] = out
-        for i, (kv, inputs) in enumerate(steps):
-            if int(inputs.shape[0]) != 1:
-                results[i] = self._forward_one(kv, inputs)
-        return results
-
-    def _grouped(self, decode: list) -> list:
-        """``decode`` ordered so that llama.cpp's sequential ``split_equal`` makes each ubatch one group of at most
-        ``batch_group`` consecutive sequence ids: sorted by id, cut into groups, the groups in descending order
-        (a ubatch takes the first unused token's sequence and then ids +1, +2, ... found later in the batch; the
-        next id after a group's last is absent or in a group placed before it, already used)."""
-        decode = sorted(decode, key=lambda d: d[0])
-        if self.kv_unified:  # one stream: llama.cpp takes any sequences into a ubatch
-            return decode
-        groups, run = [], []
-        for d in decode:
-            if run and (d[0] != run[-1][0] + 1 or len(run) >= self.batch_group or self._solo(run[-1][2])
-                        or self._solo(d[2])):
-                groups.append(run)
-                run = []
-            run.append(d)
-        groups.append(run)
-        return [d for g in reversed(groups) for d in g]
-
-    def _solo(self, kv: SeqKV) -> bool:
-        """Whether this session's decode step must have a ubatch of its own to stay bitwise its step alone: with
-        more than one thread, llama.cpp's CPU flash attention splits the KV cells among the threads only for a
-        ubatch of one sequence holding 512+ cells (``use_split_kv_path``, ggml-cpu/ops.cpp; llama.cpp pads the
-        cells it attends to to 256, so from 256 tokens on), which rounds differently from the unsplit path a
-        multi-sequence ubatch takes. Only in the exact mode (``batch_group`` <= 3)."""
-        return self.batch_group <= 3 and self.threads > 1 and kv.length >= SPLIT_KV_TOKENS
-
-    def _forward_one(self, kv: SeqKV, inputs: np.ndarray, token_ids=None) -> np.ndarray | Exception:
-        try:
-            return self.forward(kv, inputs, token_ids=token_ids)
-        except Exception as exc:  # noqa: BLE001
-            return exc
-
-    def _decode_together(self, decode: list) -> list[np.ndarray]:
-        """One ``llama_decode`` of single-token steps ``(seq_id, index, kv, ids, embd)`` sorted by sequence id;
-        their outputs in that order. LlamaCppError (every sequence rolled back) when llama.cpp fails it."""
-        n = len(decode)
+        counts = [(ids if ids is not None else embd).shape[0] for _, ids, embd, _ in steps]
+        n_tokens = sum(counts)
+        all_out = not self.spec.head or logits == "all"
         with self._lock:
             batch = self._batch
-            batch.n_tokens = n
-            for j, (seq, _, kv, ids, embd) in enumerate(decode):
-                self._pos[j] = kv.length
-                batch.seq_id[j][0] = seq
-                if ids is not None:
-                    batch.token[j] = int(ids[0])
+            batch.n_tokens = n_tokens
+            at = 0
+            for (kv, ids, embd, tok), n in zip(steps, counts):
+                positions = np.arange(kv.length, kv.length + n, dtype=np.int32)
+                if self.n_pos_per_token == 4:  # text positions as llama.cpp writes them for tokens: [p, p, p, 0]
+                    for section in range(3):  # section-major: pos[section * n_tokens + row]
+                        self._pos[section * n_tokens + at:section * n_tokens + at + n] = positions
+                    self._pos[3 * n_tokens + at:3 * n_tokens + at + n] = 0
                 else:
-                    row = np.ascontiguousarray(embd, dtype=np.float32)
-                    ctypes.memmove(ctypes.addressof(batch.embd.contents) + j * row.nbytes, row.ctypes.data, row.nbytes)
-            self._out[:n] = 1
+                    self._pos[at:at + n] = positions
+                for i in range(at, at + n):
+                    batch.seq_id[i][0] = kv.seq_id
+                if ids is not None:
+                    ids = np.ascontiguousarray(ids)
+                    ctypes.memmove(self._token_at + at * ids.itemsize, ids.ctypes.data, ids.nbytes)
+                else:
+                    embd = np.ascontiguousarray(embd, dtype=np.float32)
+                    ctypes.memmove(self._embd_at + at * embd[0].nbytes, embd.ctypes.data, embd.nbytes)
+                    if tok is not None:
+                        self._token_ids[at:at + n] = tok
+                at += n
+            self._out[:n_tokens] = 1 if all_out else 0
+            self._out[n_tokens - 1] = 1
             if self._tap is not None:
-                self._tap.filled = 0
-                self._tap.overflow = 0
+                self._tap.reset()
             rc = L.llama_decode(self._ctx, batch)
+            if rc == 1:
+                raise KVCellsFull(f"no free KV cells for {n_tokens} tokens ({self.n_ctx_seq} cells per session)")
             if rc != 0:
-                raise LlamaCppError(f"llama_decode of {n} sessions' steps failed with code {rc}")
+                raise LlamaCppError(f"llama_decode of {n_tokens} tokens ({len(steps)} sessions) failed with code {rc}")
             if self._tap is not None:
-                got = self._tap.filled // (4 * self.cfg.n_embd)
-                if self._tap.overflow or got != n:
-                    for seq, _, kv, _, _ in decode:
-                        L.llama_memory_seq_rm(self._mem, seq, kv.length, -1)
-                    raise LlamaCppError(f"captured {got} hidden-state rows for {n} tokens "
+                got = self._tap.rows(self.cfg.n_embd)
+                if self._tap.overflow or got != n_tokens:
+                    for kv, *_ in steps:
+                        L.llama_memory_seq_rm(self._mem, kv.seq_id, kv.length, -1)
+                    raise LlamaCppError(f"captured {got} hidden-state rows for {n_tokens} tokens "
                                         f"(tensor {self._tap.target.decode()})")
-                rows = self._capture[:n].copy()
-                outs = [rows[j:j + 1] for j in range(n)]
+                out = self._capture[:n_tokens].copy()
+            elif logits == "all":  # the output rows, contiguous in batch order (llama.h, llama_get_logits)
+                out = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n_tokens, self.n_vocab_out)).copy()
             else:
-                outs = [np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j), shape=(1, self.n_vocab_out)).copy()
-                        for j in range(n)]
-            for _, _, kv, _, _ in decode:
-                kv.length += 1
-        return outs
+                out = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, -1), shape=(1, self.n_vocab_out)).copy()
+            for (kv, *_), n in zip(steps, counts):
+                kv.length += n
+        return out
 
     # -- snapshots -----------------------------------------------------------------------------
     def state_bytes(self, kv: SeqKV) -> bytes:
-        """The session's KV cells as llama.cpp serializes them (``llama_state_seq_get_data``)."""
+        """The session's KV cells as llama.cpp serializes them (``llama_state_seq_get_data``); kept as the
+        session's checkpoint at its length on an exact-state shard. LlamaCppError when llama.cpp writes short."""
         with self._lock:
             size = L.llama_state_seq_get_size(self._ctx, kv.seq_id)
             buf = (ctypes.c_uint8 * size)()
@@ -667,16 +413,16 @@ class LlamaCppShard:
         kv.checkpoint(data)
         return data
 
-    def _set_state(self, kv: SeqKV, data: bytes, n_tokens: int) -> None:
-        """Load a sequence state holding exactly ``n_tokens`` tokens into ``kv``'s sequence (LlamaCppError, the
-        sequence then empty, when llama.cpp rejects it); does not touch ``kv.length``."""
+    def set_seq_state(self, seq_id: int, data: bytes, n_tokens: int) -> None:
+        """Load a sequence state holding exactly ``n_tokens`` tokens into sequence ``seq_id`` (LlamaCppError, the
+        sequence then empty, when llama.cpp rejects it); the session's ``length`` is the caller's to set."""
         src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         with self._lock:
-            L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
-            got = L.llama_state_seq_set_data(self._ctx, src, len(data), kv.seq_id)
-            held = L.llama_memory_seq_pos_max(self._mem, kv.seq_id) + 1
+            L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+            got = L.llama_state_seq_set_data(self._ctx, src, len(data), seq_id)
+            held = L.llama_memory_seq_pos_max(self._mem, seq_id) + 1
             if got == 0 or held != n_tokens:
-                L.llama_memory_seq_rm(self._mem, kv.seq_id, -1, -1)
+                L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
                 raise LlamaCppError(f"llama.cpp rejected the state ({len(data)} bytes; holds {held} tokens, "
                                     f"expected {n_tokens})")
 
@@ -691,7 +437,7 @@ class LlamaCppShard:
         kv.epoch += 1
         kv.checkpoints = {}
         try:
-            self._set_state(kv, data, n_tokens)
+            self.set_seq_state(kv.seq_id, data, n_tokens)
         except LlamaCppError:
             kv.length = 0
             raise
@@ -716,6 +462,5 @@ class LlamaCppShard:
             pass
 
 
-__all__ = ["kv_bytes_per_token", "KVCellsFull", "LlamaCppError", "LlamaCppShard", "STATE_FORMAT", "SeqKV", "ShardModelInfo",
-           "StateNotAtPosition",
-           "UnsupportedShard", "model_info"]
+__all__ = ["KV_STREAM_ROUNDING", "LlamaCppShard", "MAX_SEQUENCES", "MAX_VERIFY_TOKENS", "STATE_FORMAT",
+           "ShardModelInfo", "kv_bytes_per_token", "model_info"]

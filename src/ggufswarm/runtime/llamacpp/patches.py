@@ -47,7 +47,7 @@ def applied(name: str) -> bool:
 def require_patch(name: str, what: str) -> None:
     """Raise UnsupportedShard (one line: what needs which patch, and how to get it) unless ``applied(name)``."""
     if not applied(name):
-        from .derive import UnsupportedShard
+        from .errors import UnsupportedShard
 
         raise UnsupportedShard(
             f"{what} needs llama.cpp patch {name} (patches/llama.cpp in ggufswarm), which the llama-cpp-python at "
