@@ -1,13 +1,12 @@
 """Hop links: one WebSocket from a node to each next hop, carrying the step frames of every session.
 
-``POST /v1/step`` costs a whole HTTP request per frame (~1.7 ms a hop on loopback, measured with
-bench/bench_llamacpp.py: request objects, header parsing and middleware on both sides). A link sends the
-same frame bytes as one binary WebSocket message (``GET /v1/link`` on the next hop) and gets one binary
-message back (~0.15 ms round trip), so a decode token pays that once per hop instead.
+``POST /v1/step`` costs a whole HTTP request per frame (request objects, header parsing and middleware on both
+sides). A link sends the same frame bytes as one binary WebSocket message (``GET /v1/link`` on the next hop) and
+gets one binary message back, so a decode token pays far less per hop (both measured in bench/bench_llamacpp.py).
 
-Reply message (docs/protocol.md): the 24 bytes at offset 8 of the frame it answers (session id and step
-number: the key that matches a reply to its frame, since the replies to different sessions may come in
-any order), a little-endian uint16 HTTP status, then the JSON body ``POST /v1/step`` would answer.
+Reply messages are protocol/link.py's (docs/protocol.md, "Links"): the answered frame's key (session id and step
+number: the replies to different sessions may come in any order), the HTTP status, then the JSON body
+``POST /v1/step`` would answer.
 
 A next hop without ``/v1/link`` (an older node, a test double) is remembered and reached by
 ``POST /v1/step`` instead.
@@ -18,30 +17,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 
 from ..protocol import ProtocolError
 from ..protocol.errors import ERROR_STATUS
+from ..protocol.link import decode_reply, frame_key
 
 log = logging.getLogger(__name__)
 
-KEY = slice(8, 32)      # session id (16 bytes) + step (uint64) in the frame header
-KEY_SIZE = 24
-REPLY_HEAD = KEY_SIZE + 2  # key + uint16 status
-NO_KEY = bytes(KEY_SIZE)   # the key of a reply to a message too short to carry one
-
-
-def frame_key(frame: bytes) -> bytes:
-    """The 24-byte key of a frame (session id + step), or NO_KEY when it is shorter than a header."""
-    key = frame[KEY]
-    return key if len(key) == KEY_SIZE else NO_KEY
-
-
-def encode_reply(frame: bytes, status: int, body: bytes) -> bytes:
-    """The link message answering ``frame``: key, uint16 ``status``, ``body`` (JSON bytes)."""
-    return frame_key(frame) + status.to_bytes(2, "little") + body
+HTTP_ONLY_STATUSES = (404, 405)  # a link handshake answered so: the next hop has no /v1/link
+MAX_HOP_MESSAGE_CHARS = 2000  # a next hop's error message is passed on cut to this
 
 
 def _error(code: str, message: str, hop: str) -> ProtocolError:
@@ -57,17 +44,18 @@ class _Link:
         self.pending: dict[bytes, asyncio.Future] = {}
         self.reader: asyncio.Task | None = None
 
-    async def read(self, on_close: Callable[["_Link"], None]) -> None:
+    async def read(self, on_close: Callable[[_Link], None]) -> None:
         reason = "closed"
         try:
             async for msg in self.ws:
-                if msg.type != aiohttp.WSMsgType.BINARY or len(msg.data) < REPLY_HEAD:
+                reply = decode_reply(msg.data) if msg.type == aiohttp.WSMsgType.BINARY else None
+                if reply is None:
                     log.warning("link to %s: unexpected %s message; ignored", self.url, msg.type.name)
                     continue
-                fut = self.pending.get(bytes(msg.data[:KEY_SIZE]))
+                key, status, body = reply
+                fut = self.pending.get(key)
                 if fut is not None and not fut.done():
-                    fut.set_result((int.from_bytes(msg.data[KEY_SIZE:REPLY_HEAD], "little"),
-                                    bytes(msg.data[REPLY_HEAD:])))
+                    fut.set_result((status, body))
             if self.ws.exception() is not None:
                 reason = f"failed: {type(self.ws.exception()).__name__}: {self.ws.exception()}"
         except Exception as exc:  # noqa: BLE001 - any failure ends the link; its waiters learn why
@@ -108,11 +96,11 @@ class HopLinks:
             ws = await asyncio.wait_for(self._client().ws_connect(url + "/v1/link", max_msg_size=0, autoping=True),
                                         timeout_s)
         except aiohttp.WSServerHandshakeError as exc:
-            if exc.status in (404, 405):  # a next hop without links: plain POST /v1/step from now on
+            if exc.status in HTTP_ONLY_STATUSES:  # a next hop without links: plain POST /v1/step from now on
                 self._http_only.add(url)
                 return None
             raise _error("hop_failed", f"next hop {url} refused a link: {exc.status} {exc.message}", url) from None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _error("hop_timeout", f"next hop {url} did not open a link within {timeout_s:g} s", url) from None
         except aiohttp.ClientError as exc:
             raise _error("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}", url) from None
@@ -153,7 +141,7 @@ class HopLinks:
         loop = asyncio.get_running_loop()
         try:
             return await asyncio.wait_for(fut, max(deadline - loop.time(), 0.001))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _error("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s", url) from None
         finally:
             if link.pending.get(key) is fut:
@@ -164,7 +152,7 @@ class HopLinks:
             async with self._client().post(url + "/v1/step", data=frame, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                            headers={"Content-Type": "application/octet-stream"}) as resp:
                 return resp.status, await resp.read()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _error("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s", url) from None
         except aiohttp.ClientError as exc:
             raise _error("hop_failed", f"next hop {url} failed: {type(exc).__name__}: {exc}", url) from None
@@ -186,14 +174,15 @@ def reply_error(body: bytes, status: int, url: str) -> ProtocolError:
     """The ProtocolError for a next hop's error reply (``status`` >= 400, JSON ``{"error": ...}``)."""
     try:
         err = json.loads(body)["error"]
-        code, message, hop = str(err["code"]), str(err["message"])[:2000], err.get("hop")
+        code, message, hop = str(err["code"]), str(err["message"])[:MAX_HOP_MESSAGE_CHARS], err.get("hop")
         if code not in ERROR_STATUS or (hop is not None and not isinstance(hop, str)):
             raise ValueError("not a protocol error")
     except (ValueError, KeyError, TypeError, AttributeError):
         # not a node's protocol error: its body is never passed on (the next hop may not be a node at all)
-        code, message, hop = "hop_failed", f"answered {status} with {len(body)} bytes that are not a protocol error", None
+        code, hop = "hop_failed", None
+        message = f"answered {status} with {len(body)} bytes that are not a protocol error"
     # the failed node: the one a deeper hop named, else the next hop itself
     return ProtocolError(code, f"next hop {url}: {message}", status, hop or url)
 
 
-__all__ = ["HopLinks", "encode_reply", "frame_key", "reply_error"]
+__all__ = ["HopLinks", "reply_error"]

@@ -16,7 +16,7 @@ import logging
 import re
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -55,7 +55,7 @@ async def probe_json(http: aiohttp.ClientSession, url: str, headers: dict | None
             except ValueError as exc:
                 return None, f"bad answer: {exc}"
             return (body, None) if isinstance(body, dict) else (None, "bad answer: not a JSON object")
-    except asyncio.TimeoutError:  # (aiohttp's timeouts are asyncio.TimeoutError too)
+    except TimeoutError:  # (aiohttp's timeouts are asyncio.TimeoutError too)
         return None, "timeout"
     except aiohttp.ClientConnectorError as exc:
         if getattr(exc.os_error, "errno", None) == errno.ECONNREFUSED:
@@ -127,10 +127,17 @@ async def read_json(request: web.Request, code: str = "bad_request") -> dict:
 
 
 def as_protocol_error(exc: BaseException) -> ProtocolError:
-    """The ProtocolError to answer ``exc`` with: itself; for a typed error of the runtime, cache or tracker
-    whose class carries a ``code`` of ERROR_STATUS (SessionError, ContextOverflow, TokenOutOfRange, the snapshot
-    store's errors, ...), that code and its message; a body that could not be read (body_error); anything else
-    is ``internal`` (500, a bug; the message names the exception)."""
+    """The ProtocolError to answer ``exc`` with, wherever it was raised (an HTTP handler through
+    json_errors_middleware, a node's link reply): the one mapping of exceptions to error codes.
+
+    * a ProtocolError: itself;
+    * a typed error of the runtime, cache or tracker whose class carries a ``code`` of ERROR_STATUS (SessionError,
+      ContextOverflow, TokenOutOfRange, the snapshot store's errors, ...): that code and its message;
+    * a body that could not be read: body_error's;
+    * any other ValueError (not a UnicodeError): ``bad_request`` (400): the request's values were refused (a
+      sampling parameter out of range, a grammar that does not parse, a truncate past the end...);
+    * anything else: ``internal`` (500, a bug; the message names the exception).
+    """
     if isinstance(exc, ProtocolError):
         return exc
     code = getattr(exc, "code", None)
@@ -138,6 +145,8 @@ def as_protocol_error(exc: BaseException) -> ProtocolError:
         return ProtocolError(code, str(exc))
     if (err := body_error(exc)) is not None:
         return err
+    if isinstance(exc, ValueError) and code is None and not isinstance(exc, UnicodeError):
+        return ProtocolError("bad_request", str(exc))
     return ProtocolError("internal", f"{type(exc).__name__}: {exc}")
 
 

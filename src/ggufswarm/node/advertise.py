@@ -1,0 +1,128 @@
+"""A node and its tracker: the shard advertisement (free KV, decode time, the shard's accounting in bytes), the
+heartbeat loop that sends it, deregistering at shutdown, and the check that a next hop is a node the tracker lists.
+
+Every call goes through ``client.tracker.TrackerClient`` (``NodeState.tracker``) on the node's own aiohttp session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from ..client.tracker import TrackerError
+from ..protocol import ProtocolError
+from .state import F32_BYTES, NodeState
+
+READVERTISE_S = 0.2  # after a change of free KV, at most this long (s) before the tracker hears of it; batches a burst
+PEERS_TTL_S = 5.0  # how long (s) the tracker's list of this model's nodes is trusted for the next_hop check
+HEARTBEATS_PER_TTL = 3  # beats within the tracker's TTL of an advertisement
+LISTEN_POLL_S = 0.05  # the heartbeat loop's wait for the server to listen (s)
+ACCOUNTING_KEYS = ("weight_bytes", "state_bytes_per_session", "boundary_bytes_per_token", "n_embd")
+HOP_KEYS = ("n_embd", "n_layers", "max_length", "max_step_tokens", "model_fingerprint", "model_name",
+            "max_verify_tokens")
+
+
+def shard_accounting(state: NodeState) -> dict:
+    """``extra.accounting`` of the advertisement: this shard's numbers, from its GGUF header
+    (``artifact.accounting``) and its session store; the tracker plans with these alone.
+
+    ``kv_bytes_per_token`` (the executor's: f16 llama.cpp cache, or the torch backend's dtype; 0 for
+    recurrent layers), ``state_bytes_per_session``, ``weight_bytes``, ``boundary_bytes_per_token`` (f32
+    frames), ``n_embd``; ``free_bytes``: KV/state bytes of the node's budget not reserved by open sessions
+    (``(budget - reserved tokens) * kv_bytes_per_token + free slots * state_bytes_per_session``);
+    ``free_sessions``: session slots left (None: not limited); ``max_length``: the longest session it opens.
+    """
+    static = state.accounting
+    if static is None:
+        from ..artifact.accounting import shard_account
+        try:
+            acc = shard_account(state.executor.model, state.spec.start, state.spec.end, state.spec.embed,
+                                state.spec.head).to_json()
+        except (AttributeError, KeyError, ValueError):  # an executor without a GGUF header (a test double)
+            acc = {"weight_bytes": 0, "state_bytes_per_session": 0, "n_embd": state.cfg.n_embd,
+                   "boundary_bytes_per_token": 0 if state.spec.head else F32_BYTES * state.cfg.n_embd}
+        static = state.accounting = {k: acc[k] for k in ACCOUNTING_KEYS}
+    store = state.store
+    per_token = store.kv_bytes_per_token()
+    slots = state.executor.n_seq_max
+    free_sessions = None if slots is None else max(slots - len(store.sessions), 0)
+    free_state = (free_sessions if free_sessions is not None else 1) * static["state_bytes_per_session"]
+    return {**static, "kv_bytes_per_token": per_token,
+            "free_bytes": max(store.budget_tokens - store.reserved_tokens, 0) * per_token + free_state,
+            "free_sessions": free_sessions,
+            "max_length": state.max_session_tokens}
+
+
+def advertisement(state: NodeState) -> dict:
+    """This node's shard advertisement for the tracker (free KV in tokens, mean decode compute in ms, and
+    the shard's accounting in bytes: ``shard_accounting``)."""
+    h = state.health()
+    return {"node_id": state.node_id, "url": state.url, "model": state.config.swarm_name or state.config.model,
+            "layers": [state.spec.start, state.spec.end], "embed": state.spec.embed, "head": state.spec.head,
+            "state": "ready", "free_kv_tokens": state.store.budget_tokens - state.store.reserved_tokens,
+            "decode_ms": round(state.decode_ms(), 3),
+            # what a client needs to use this node in a route (client.route.Hop), so it need not ask /health
+            "extra": {"hop": {k: h[k] for k in HOP_KEYS} | {"cache": bool(h["cache"])},
+                      "accounting": shard_accounting(state)}}
+
+
+async def heartbeats(state: NodeState) -> None:
+    """Advertise to the tracker once listening, then every ``heartbeat_s`` seconds (at most a third of
+    the tracker's TTL, which it returns), and within ``READVERTISE_S`` of sessions opening, closing or expiring
+    (``NodeState.readvertise``): the tracker plans from the free KV advertised. Tracker errors are reported once,
+    never fatal."""
+    interval, warned = state.config.heartbeat_s, False
+    state.capacity_changed = changed = asyncio.Event()
+    while not state.url:  # advertise as soon as we listen
+        await asyncio.sleep(LISTEN_POLL_S)
+    while True:
+        try:
+            body = await state.tracker.aheartbeat(state.client, advertisement(state))
+            ok, reason = True, ""
+            if isinstance(body, dict) and body.get("ttl_s"):
+                interval = min(state.config.heartbeat_s, float(body["ttl_s"]) / HEARTBEATS_PER_TTL)
+        except (TrackerError, TypeError, ValueError) as exc:
+            ok, reason = False, str(exc) or type(exc).__name__
+        if not ok and not warned:
+            print(f"ggufswarm node: tracker heartbeat failed ({reason}); still serving", file=sys.stderr, flush=True)
+        warned = not ok
+        try:
+            await asyncio.wait_for(changed.wait(), interval)
+            await asyncio.sleep(READVERTISE_S)  # the rest of a burst of opens / closes goes in the same beat
+        except TimeoutError:
+            pass
+        changed.clear()
+
+
+async def deregister(state: NodeState) -> None:
+    """Remove this node from the tracker (at shutdown); a tracker that does not answer is ignored."""
+    try:
+        await state.tracker.aderegister(state.client, state.node_id)
+    except TrackerError:
+        pass
+
+
+async def check_registered(state: NodeState, url: str | None) -> None:
+    """With a tracker, a next_hop must be a node the tracker lists for this node's model (the list is cached
+    for ``PEERS_TTL_S`` and fetched again on a miss). ProtocolError next_hop_unknown (403) or tracker_unavailable
+    (503)."""
+    if url is None or state.tracker is None:
+        return
+    now = time.monotonic()
+    if url in state.peers and now - state.peers_at < PEERS_TTL_S:
+        return
+    model = state.config.swarm_name or state.config.model or ""
+    try:
+        listed = await state.tracker.anodes(state.client, model)
+        state.peers = {str(n["url"]).rstrip("/") for n in listed}
+        state.peers_at = now
+    except (TrackerError, KeyError, TypeError) as exc:
+        raise ProtocolError("tracker_unavailable", f"cannot check next_hop {url} with the tracker: "
+                                                   f"{type(exc).__name__}") from None
+    if url not in state.peers:
+        raise ProtocolError("next_hop_unknown", f"next_hop {url} is not a node the tracker lists for model "
+                                                f"{model!r}; refused")
+
+
+__all__ = ["READVERTISE_S", "advertisement", "check_registered", "deregister", "heartbeats", "shard_accounting"]

@@ -1,0 +1,252 @@
+"""A node's aiohttp app and process: ``load_executor`` loads the shard, ``make_app(config)`` serves it (routes,
+middleware, background tasks), ``run_node`` is the ``ggufswarm node`` command; the model, health and metrics
+endpoints.
+
+Endpoints (docs/protocol.md): ``POST /v1/sessions`` (open), ``POST /v1/step`` (a frame: prefill or decode),
+``GET /v1/link`` (frames on a WebSocket), ``POST /v1/sessions/{id}/truncate``, ``.../renew``, ``.../restore`` (fill
+from the snapshot cache), ``DELETE /v1/sessions/{id}``, ``GET /health``, ``GET /metrics``, ``GET /v1/model``,
+``GET /v1/model/header/{i}``. Sessions: node/sessions_api.py; steps: node/steps.py; the tracker: node/advertise.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..artifact.accounting import shard_account
+from ..artifact.default_model import resolve_model
+from ..artifact.gguf_file import GGUFModelFile
+from ..client.tracker import TrackerClient
+from ..protocol import ProtocolError
+from ..protocol.auth import auth_headers, token_middleware
+from ..protocol.http import json_errors_middleware, run_server
+from ..runtime.backends import load_shard, model_config
+from ..runtime.spec import ShardSpec
+from . import sessions_api, steps
+from .advertise import deregister, heartbeats
+from .state import BYTES_PER_MIB, EXACT_BATCH_GROUP, NODE, NodeConfig, NodeState, json_response
+
+DEFAULT_SWARM_MODEL = "gemma-3-270m-q4_k_m"  # the published name a tracker node fetches without --model
+MAX_RESTORE_BODY = 2 * BYTES_PER_MIB  # a JSON restore of up to 128K token ids
+BODY_HEADROOM = 1024  # bytes over the largest body aiohttp is told to take
+PARENT_POLL_S = 0.5  # --exit-with-parent: how often (s) the parent is looked for
+SHUTDOWN_DRAIN_S = 5.0  # at shutdown, how long (s) snapshot uploads under way may still take
+REAPER_MIN_PERIOD_S, REAPER_MAX_PERIOD_S = 0.05, 1.0  # leases may be a few seconds
+
+
+def load_executor(config: NodeConfig):
+    """Load the shard named by ``config`` on its backend (reads only its tensors): a ``ShardBackend``.
+
+    ``max_sessions`` sessions of ``ctx_size`` KV cells each (capped by the model's context and by
+    ``kv_budget_tokens`` / ``kv_budget_mb``; a backend that sizes its sessions up front, llama.cpp, allocates that;
+    its derived shard GGUF is written under ``data_dir/shards``). Raises GGUFError / ValueError (an unsupported
+    architecture included).
+    """
+    file = GGUFModelFile(resolve_model(config.model))
+    model_cfg = model_config(file, config.backend)
+    spec = ShardSpec.parse(config.layers, model_cfg.n_layers, config.embed, config.head)
+    for flag, value in (("--max-sessions", config.max_sessions), ("--ctx-size", config.ctx_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if config.state_checkpoints < 0:
+        raise ValueError(f"--state-checkpoints must be at least 0, got {config.state_checkpoints}")
+    per_session = min(config.ctx_size, model_cfg.max_length, max(config.kv_budget_tokens // config.max_sessions, 1))
+    if config.kv_budget_mb is not None:  # the sessions' cells of a backend that allocates them up front
+        per_token = max(shard_account(file, spec.start, spec.end).kv_bytes_per_token, 1)
+        per_session = max(1, min(per_session, int(config.kv_budget_mb * BYTES_PER_MIB) // per_token
+                                 // config.max_sessions))
+    return load_shard(file, spec, config.backend, config=model_cfg, dtype=config.dtype, threads=config.threads,
+                      max_length=per_session, max_sessions=config.max_sessions,
+                      cache_dir=Path(config.data_dir) / "shards", state_checkpoints=config.state_checkpoints,
+                      kv_unified=config.batch_group > EXACT_BATCH_GROUP)  # throughput mode: any sessions batch
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """``GET /v1/model``: what model this node serves — ``{name, fingerprint, arch, n_layers, files: [{name, bytes,
+    header_bytes}]}`` — so a client without the GGUF (a gateway started with only ``--route``) can fetch its
+    headers (``GET /v1/model/header/{i}``) for the vocabulary and chat template."""
+    state: NodeState = request.app[NODE]
+    model = state.executor.model
+    files = [{"name": p.name, "bytes": p.stat().st_size, "header_bytes": n} for p, n in zip(model.paths,
+                                                                                           model.header_sizes)]
+    return json_response({"name": state.model_name, "fingerprint": model.fingerprint, "arch": state.cfg.arch,
+                          "n_layers": state.cfg.n_layers, "files": files})
+
+
+async def model_header(request: web.Request) -> web.Response:
+    """``GET /v1/model/header/{i}``: the GGUF header (metadata + tensor table) of the model's file ``i``
+    (application/octet-stream, ``header_bytes`` of ``GET /v1/model``); 404 for no such file."""
+    state: NodeState = request.app[NODE]
+    model = state.executor.model
+    try:
+        i = int(request.match_info["i"])
+        path, size = model.paths[i], model.header_sizes[i]
+        if i < 0:
+            raise IndexError
+    except (ValueError, IndexError):
+        raise ProtocolError("not_found", f"no model file {request.match_info['i']!r}: the model has "
+                                         f"{len(model.paths)} file(s), 0..{len(model.paths) - 1}") from None
+    with open(path, "rb") as f:
+        data = f.read(size)
+    return web.Response(body=data, content_type="application/octet-stream")
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health`` → 200 JSON (see NodeState.health)."""
+    return json_response(request.app[NODE].health())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics`` → Prometheus text format from this app's own registry."""
+    data = generate_latest(request.app[NODE].registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _reaper(state: NodeState) -> None:
+    """Drop sessions idle past their lease or the TTL, every ``period`` s. A wake-up later than that by more than
+    half a period means the loop was stalled: that time is credited to every session (SessionStore.credit_stall)."""
+    period = max(REAPER_MIN_PERIOD_S, min(state.store.ttl_s / 4, REAPER_MAX_PERIOD_S))
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(period)
+        now = time.monotonic()
+        late, last = now - last - period, now
+        if late > period / 2:
+            state.store.credit_stall(late)
+        if state.store.expire():
+            state.readvertise()
+
+
+async def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def make_app(config: NodeConfig, executor=None) -> web.Application:
+    """The node's aiohttp app; loads the shard unless ``executor`` (a ``ShardBackend``) is given. Raises as
+    load_executor."""
+    state = NodeState(config, executor or load_executor(config))
+    # bodies: one frame of max_step_tokens f32 rows, or a JSON restore
+    app = web.Application(client_max_size=max(state.max_body, MAX_RESTORE_BODY) + BODY_HEADROOM,
+                          middlewares=[token_middleware(config.token),
+                                       json_errors_middleware(lambda _req, err: state.count_error(err))])
+    app[NODE] = state
+    app.router.add_post("/v1/sessions", sessions_api.open_session)
+    app.router.add_delete("/v1/sessions/{sid}", sessions_api.close_session)
+    app.router.add_post("/v1/sessions/{sid}/truncate", sessions_api.truncate_session)
+    app.router.add_post("/v1/sessions/{sid}/restore", sessions_api.restore_session)
+    app.router.add_post("/v1/sessions/{sid}/renew", sessions_api.renew_session)
+    app.router.add_post("/v1/step", steps.step)
+    app.router.add_get("/v1/link", steps.link)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/model", model_info)
+    app.router.add_get("/v1/model/header/{i}", model_header)
+    app.router.add_get("/metrics", metrics)
+
+    async def lifecycle(app):
+        state.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             headers=auth_headers(config.token))
+        tasks = [asyncio.create_task(_reaper(state))]
+        if config.exit_with_parent:
+            tasks.append(asyncio.create_task(_watch_parent(os.getppid())))
+        if state.tracker is not None:
+            tasks.append(asyncio.create_task(heartbeats(state)))
+        yield
+        for t in tasks:
+            t.cancel()
+        if state.snapshots is not None:
+            await state.snapshots.drain(SHUTDOWN_DRAIN_S)
+            state.snapshots.close()
+        if state.tracker is not None:
+            await deregister(state)
+        await state.links.close()
+        await state.client.close()
+        state.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def close_links_in(app):  # else the server waits for previous hops to hang up (shutdown_timeout)
+        for ws in list(state.links_in):
+            await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"node shutting down")
+
+    app.on_shutdown.append(close_links_in)
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def _check_port(host: str, port: int) -> None:
+    """OSError now when ``host:port`` cannot be listened on (not after a shard's download)."""
+    with socket.socket() as probe:
+        # as the server will bind (asyncio's reuse_address on Unix): a port held only by TIME-WAIT connections
+        # of a node killed a moment ago is free to listen on again
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _warn_unroutable(state: NodeState) -> None:
+    """Say on stderr when no route can start or end at this shard (a missing --embed / --head)."""
+    spec = state.spec
+    if spec.end == state.cfg.n_layers and not spec.head:
+        print(f"ggufswarm node: WARNING: layers {spec.start}:{spec.end} end at the model's last layer without --head: "
+              f"no route can end here (add --head)", file=sys.stderr, flush=True)
+    if spec.start == 0 and not spec.embed:
+        print(f"ggufswarm node: WARNING: layers {spec.start}:{spec.end} start at layer 0 without --embed: no route "
+              f"can start here (add --embed)", file=sys.stderr, flush=True)
+
+
+def run_node(config: NodeConfig) -> int:
+    """``ggufswarm node``: load the shard, serve it, print one ready line to stdout; exit 0 on SIGINT/SIGTERM.
+
+    With ``config.tracker``, first fetches the shard's bytes from the swarm (``layers`` may be
+    ``"auto"``), seeds them while serving, and advertises to the tracker until shut down.
+    Raises OSError when the port cannot be listened on, TrackerError when the tracker refuses.
+    """
+    fetched = None
+    if config.port:
+        _check_port(config.host, config.port)
+    if config.tracker:
+        from ..swarm.shard_fetch import fetch_shard
+        name = config.model or DEFAULT_SWARM_MODEL
+        TrackerClient(config.tracker, config.token).wait_for_model(
+            name, parent=os.getppid() if config.exit_with_parent else None)
+        fetched = fetch_shard(config.tracker, name, config.layers, config.embed, config.head, Path(config.data_dir),
+                              budget_bytes=int(config.memory_budget_mb * BYTES_PER_MIB),
+                              timeout=config.fetch_timeout_s, stall_s=config.fetch_stall_s, token=config.token)
+        got = (f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s"
+               if fetched.stats.bytes_downloaded else "already on disk, checked")
+        print(f"ggufswarm node: fetched layers {fetched.spec.start}:{fetched.spec.end} of {name}: {got}",
+              file=sys.stderr, flush=True)
+        config = replace(config, layers=f"{fetched.spec.start}:{fetched.spec.end}", embed=fetched.spec.embed,
+                         head=fetched.spec.head, model=str(fetched.path), swarm_name=name)
+    app = make_app(config)
+    state: NodeState = app[NODE]
+    spec = state.spec
+    _warn_unroutable(state)
+
+    def ready(url: str) -> None:
+        state.url = url
+        stages = "".join([" +embed" if spec.embed else "", " +head" if spec.head else ""])
+        print(f"ggufswarm node ready: {url} layers {spec.start}:{spec.end}{stages} "
+              f"kv_budget {state.store.budget_tokens} tokens", flush=True)
+
+    try:
+        run_server(app, config.host, config.port, ready)
+    finally:
+        if fetched is not None:
+            fetched.swarm.close()
+    return 0
+
+
+__all__ = ["load_executor", "make_app", "run_node"]

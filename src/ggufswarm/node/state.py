@@ -1,0 +1,252 @@
+"""What a node's handlers share: its settings (``NodeConfig``), its shard, session store, links and metrics
+(``NodeState``), and the helpers every handler answers with (a JSON body, a counted error reply)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..artifact.default_model import model_name
+from ..client.tracker import TrackerClient
+from ..protocol import PROTOCOL_VERSION, ProtocolError
+from ..protocol.frame import HEADER_SIZE
+from ..protocol.http import JSON, as_protocol_error
+from ..runtime.backends import DEFAULT_BACKEND, ShardBackend
+from ..runtime.sessions import SessionStore
+from .link import HopLinks
+
+NODE = web.AppKey("node", object)  # the app's NodeState
+# --batch-group up to this: llama.cpp sessions batched together stay bitwise their runs alone
+# (LlamaCppShard.batch_group); above it the node's throughput mode: one unified KV stream, so that any of its
+# sessions share a ubatch
+EXACT_BATCH_GROUP = 3
+STEP_KINDS = ("prefill", "decode")  # the ``kind`` label of the step metrics
+BYTES_PER_MIB = 2 ** 20
+# frame body bytes per token beyond its f32 hidden state row: the token-id trailer (int32)
+TOKEN_ID_BYTES = 4
+F32_BYTES = 4
+STEP_SECONDS_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
+
+
+@dataclass
+class NodeConfig:
+    """Settings of one node. ``layers``: ``"START:END"`` (half-open). Units: seconds, tokens, MiB."""
+
+    layers: str
+    embed: bool = False
+    head: bool = False
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    dtype: str = "float32"            # torch backend's compute dtype
+    backend: str = DEFAULT_BACKEND    # "llama.cpp" or "torch" (runtime.backends)
+    threads: int | None = None        # llama.cpp decode/batch threads (None: all cores)
+    ctx_size: int = 8192              # llama.cpp: KV cells per session = the longest session (tokens)
+    max_sessions: int = 4             # llama.cpp: sessions at once (sequence ids of the context)
+    batch_group: int = EXACT_BATCH_GROUP  # llama.cpp: most sessions per shared ubatch (<= EXACT_BATCH_GROUP:
+                                          # bitwise as alone; more: one unified KV stream, not bitwise)
+    kv_budget_tokens: int = 262144
+    kv_budget_mb: float | None = None
+    session_ttl_s: float = 300.0
+    hop_timeout_s: float = 30.0
+    max_step_tokens: int = 4096
+    workers: int = 4
+    exit_with_parent: bool = False
+    tracker: str | None = None       # with a tracker: ``model`` is a published name, fetched from the swarm
+    data_dir: str = "ggufswarm-data"  # where swarm-fetched shards are stored (sparse files)
+    heartbeat_s: float = 5.0
+    swarm_name: str | None = None     # the published name advertised to the tracker (set after a fetch)
+    memory_budget_mb: float = 8192.0  # with layers "auto": most MiB of block weights (encoded) to take on
+    fetch_timeout_s: float = 1800.0   # with a tracker: the shard fetch fails after this long in all
+    fetch_stall_s: float = 60.0       # with a tracker: warn and retry when the fetch gets no piece this long
+    token: str | None = None          # swarm token: required on every endpoint, sent to tracker, hops, cache
+    cache: str | None = None          # snapshot cache server URL (``ggufswarm cache``)
+    snapshot_every: int = 32          # with a cache: snapshot each session every N tokens after its prefill
+    state_checkpoints: int = 4        # llama.cpp exact-state shards: session states kept to truncate to
+
+
+class NodeState:
+    """Everything a node's handlers share: the shard (a ``runtime.backends.ShardBackend``), its session store,
+    metrics, the tracker client and the links to next hops.
+
+    Raises ValueError for a ``batch_group`` below 1 on a shard that batches."""
+
+    def __init__(self, config: NodeConfig, executor: ShardBackend):
+        self.config = config
+        self.executor = executor
+        self.node_id = uuid.uuid4().hex
+        self.url = ""
+        self.spec = executor.spec
+        self.cfg = executor.cfg
+        budget = config.kv_budget_tokens
+        if executor.n_ctx_seq is not None and executor.n_seq_max is not None:
+            budget = min(budget, executor.n_ctx_seq * executor.n_seq_max)  # cells allocated up front: the budget
+        self.store = SessionStore(executor, budget, config.session_ttl_s)
+        if config.kv_budget_mb is not None:
+            per_token = max(self.store.kv_bytes_per_token(), 1)
+            self.store.budget_tokens = min(budget, int(config.kv_budget_mb * BYTES_PER_MIB) // per_token)
+        # The longest session one open may reserve, so that no single request (a huge max_tokens) takes the whole
+        # KV budget: one sequence's cells where the backend has them (llama.cpp: --ctx-size, at most 1/--max-sessions
+        # of the budget, see app.load_executor), else the same rule over the token budget.
+        cap = executor.n_ctx_seq
+        if cap is None:
+            cap = min(config.ctx_size, max(self.store.budget_tokens // config.max_sessions, 1))
+        self.store.max_session_tokens = self.max_session_tokens = min(self.cfg.max_length, cap)
+        self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="shard")
+        # a shard whose steps serialize on one lock (llama.cpp: one context) runs idle decode steps inline (steps.py)
+        self.inline_lock = executor.step_lock
+        # steps of different sessions arriving while the shard is busy run together (node/batching.py)
+        self.batcher = None
+        if executor.supports_batch and self.inline_lock is not None:
+            from .batching import StepBatcher
+            if config.batch_group < 1:
+                raise ValueError(f"--batch-group must be at least 1, got {config.batch_group}")
+            executor.batch_group = config.batch_group
+            self.batcher = StepBatcher(self.store, self.pool)
+        self.active_sessions = 0  # sessions with a step in flight here (their stepping > 0)
+        # link messages read but not yet started: the steps of several sessions that arrived while the shard computed
+        # (one loop iteration reads them all, their tasks then start one after another; see steps.apply)
+        self.frames_waiting = 0
+        self.capacity_changed: asyncio.Event | None = None  # set by readvertise(); the heartbeat loop's
+        self.client: aiohttp.ClientSession | None = None
+        self.tracker = TrackerClient(config.tracker, config.token) if config.tracker else None
+        self.links = HopLinks(lambda: self.client)  # to next hops (node/link.py)
+        self.links_in: set[web.WebSocketResponse] = set()  # from previous hops
+        self.link_tasks: set[asyncio.Task] = set()  # frames from links being applied
+        # head: a client's reply link per session (GET /v1/link?replies=<session id>): each step's reply goes
+        # there too, straight from the head, before it goes back along the route
+        self.reply_links: dict[uuid.UUID, web.WebSocketResponse] = {}
+        self.peers: set[str] = set()  # node URLs the tracker listed for this model (next_hop check), and when
+        self.peers_at = 0.0
+        self.accounting: dict | None = None  # the static part of the advertised accounting (advertise.py)
+        self.snapshots = None
+        if config.cache:
+            from .snapshots import SnapshotLink, shard_of
+            self.snapshots = SnapshotLink(config.cache, shard_of(executor), config.snapshot_every, lambda: self.client,
+                                          executor, self.node_id)
+        # most tokens in one step: --max-step-tokens, at most what the backend takes in one call (llama.cpp: n_batch)
+        self.max_step_tokens = min(config.max_step_tokens, executor.n_batch or config.max_step_tokens)
+        self.max_body = HEADER_SIZE + self.max_step_tokens * (self.cfg.n_embd * F32_BYTES + TOKEN_ID_BYTES)
+        self._register_metrics()
+
+    def _register_metrics(self) -> None:
+        """The node's Prometheus registry (``GET /metrics``): gauges read from the store, step counters."""
+        reg = self.registry = CollectorRegistry()
+        store = self.store
+        Gauge("ggufswarm_node_sessions_open", "Route sessions open on this node", registry=reg).set_function(
+            lambda: len(store.sessions))
+        Gauge("ggufswarm_node_kv_tokens_held", "Tokens held in KV caches (all sessions)", registry=reg).set_function(
+            lambda: store.held_tokens)
+        Gauge("ggufswarm_node_kv_tokens_reserved", "Tokens reserved by open sessions (sum of max_length)",
+              registry=reg).set_function(lambda: store.reserved_tokens)
+        Gauge("ggufswarm_node_kv_budget_tokens", "KV budget of this node in tokens", registry=reg).set_function(
+            lambda: store.budget_tokens)
+        self.steps = Counter("ggufswarm_node_steps", "Steps applied", ["kind"], registry=reg)
+        self.step_seconds = Histogram("ggufswarm_node_step_seconds", "Step compute time (this shard only)", ["kind"],
+                                      registry=reg, buckets=STEP_SECONDS_BUCKETS)
+        self.bytes_in = Counter("ggufswarm_node_payload_bytes_in", "Frame bytes received (header + payload)",
+                                ["kind"], registry=reg)
+        self.bytes_out = Counter("ggufswarm_node_payload_bytes_out", "Frame bytes pushed to the next hop",
+                                 ["kind"], registry=reg)
+        self.replays = Counter("ggufswarm_node_step_replays", "Retried steps answered without re-applying",
+                               registry=reg)
+        self.errors = Counter("ggufswarm_node_errors", "Requests answered with an error", ["code"], registry=reg)
+        for kind in STEP_KINDS:  # export the series before the first step
+            for metric in (self.steps, self.step_seconds, self.bytes_in, self.bytes_out):
+                metric.labels(kind)
+
+    @property
+    def max_verify_tokens(self) -> int | None:
+        """The head's most tokens in a speculative verify step (FLAG_VERIFY: every row's logits); None elsewhere."""
+        if not self.spec.head:
+            return None
+        return min(self.executor.max_outputs or self.max_step_tokens, self.max_step_tokens)
+
+    def readvertise(self) -> None:
+        """Sessions opened, closed or expired: have the heartbeat loop send the new free KV to the tracker now, not
+        at its next beat (a swarm just freed by a burst of requests was refused as full for up to a beat)."""
+        if self.capacity_changed is not None:
+            self.capacity_changed.set()
+
+    def totals(self) -> dict:
+        """Plain counters for /health (read from the Prometheus registry, so a test need not parse its text)."""
+        def value(name: str, kind: str | None = None) -> int:
+            return int(self.registry.get_sample_value(name, {"kind": kind} if kind else {}) or 0)
+
+        out = {"replays": value("ggufswarm_node_step_replays_total"),
+               "errors": int(sum(m.value for f in self.registry.collect() if f.name == "ggufswarm_node_errors"
+                                 for m in f.samples if m.name.endswith("_total")))}
+        for kind in ("decode", "prefill"):
+            out[kind + "_steps"] = value("ggufswarm_node_steps_total", kind)
+            out["bytes_in_" + kind] = value("ggufswarm_node_payload_bytes_in_total", kind)
+            out["bytes_out_" + kind] = value("ggufswarm_node_payload_bytes_out_total", kind)
+        out["steps"] = out["decode_steps"] + out["prefill_steps"]
+        return out
+
+    def decode_ms(self) -> float:
+        """Mean compute time of a decode step on this shard (ms), 0.0 before the first."""
+        n = self.registry.get_sample_value("ggufswarm_node_step_seconds_count", {"kind": "decode"}) or 0.0
+        total = self.registry.get_sample_value("ggufswarm_node_step_seconds_sum", {"kind": "decode"}) or 0.0
+        return 1e3 * total / n if n else 0.0
+
+    @property
+    def model_name(self) -> str:
+        """The model's name: the published name with a tracker, else the alias it was started with (smollm2) or the
+        GGUF file name without its extension (artifact.default_model.model_name)."""
+        return self.config.swarm_name or model_name(self.config.model, self.executor.model.path)
+
+    def health(self) -> dict:
+        """The ``/health`` body: shard, model shape, limits and counters."""
+        s = self.store
+        return {
+            "status": "ok", "protocol": PROTOCOL_VERSION, "node_id": self.node_id,
+            "model": self.executor.model.path.name,
+            "model_name": self.model_name, "model_fingerprint": self.executor.model.fingerprint,
+            "arch": self.cfg.arch, "n_layers": self.cfg.n_layers, "n_embd": self.cfg.n_embd,
+            "n_vocab": self.cfg.n_vocab, "backend": self.executor.backend,
+            "max_length": self.max_session_tokens,
+            "layers": [self.spec.start, self.spec.end], "embed": self.spec.embed, "head": self.spec.head,
+            "max_step_tokens": self.max_step_tokens, "hop_timeout_s": self.config.hop_timeout_s,
+            "max_verify_tokens": self.max_verify_tokens,
+            "session_ttl_s": s.ttl_s, "sessions": len(s.sessions), "kv_budget_tokens": s.budget_tokens,
+            "kv_tokens_reserved": s.reserved_tokens, "kv_tokens_held": s.held_tokens,
+            "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals(),
+            "cache": self.config.cache, "snapshots": self.snapshots.counters if self.snapshots else None,
+            "links": {"in": len(self.links_in), "replies": len(self.reply_links), **self.links.counts()},
+            "batching": None if self.batcher is None else {"batch_group": self.config.batch_group,
+                                                           **self.batcher.counters()},
+        }
+
+    def error_reply(self, exc: BaseException) -> tuple[int, bytes]:
+        """(HTTP status, JSON error body) answering ``exc`` on a link (protocol.http.as_protocol_error, the mapping
+        the HTTP middleware uses too), counted in the node's error metric."""
+        err = as_protocol_error(exc)
+        self.count_error(err)
+        return err.status, err.body()
+
+    def count_error(self, err: ProtocolError) -> None:
+        """Count one error answer (the ``ggufswarm_node_errors`` metric, by code)."""
+        self.errors.labels(err.code).inc()
+
+
+def json_response(obj, status: int = 200) -> web.Response:
+    """``obj`` as a JSON answer with HTTP ``status``."""
+    return web.Response(body=json.dumps(obj).encode(), status=status, content_type=JSON)
+
+
+def parse_session_id(text) -> uuid.UUID:
+    """``text`` as a session UUID; ProtocolError bad_request otherwise."""
+    try:
+        return uuid.UUID(str(text))
+    except ValueError:
+        raise ProtocolError("bad_request", f"session_id must be a UUID, got {text!r}") from None
+
+
+__all__ = ["EXACT_BATCH_GROUP", "NODE", "NodeConfig", "NodeState", "json_response", "parse_session_id"]

@@ -1,0 +1,308 @@
+"""A node's step pipeline: ``POST /v1/step`` and ``GET /v1/link`` take step frames; each is replayed (a retry) or
+applied to its session's KV cache, then answered by the head or pushed to the session's next hop and relayed back.
+
+A non-head node pushes its output frame straight to the session's next hop and answers with the head's reply, its
+own hop timings prepended (docs/protocol.md, "Steps" and "Links").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from ..protocol import Frame, ProtocolError, decode_frame, encode_hidden
+from ..protocol.frame import FLAG_NO_SAMPLE, FLAG_REWIND, FLAG_VERIFY, WIRE_DTYPES, step_timeout_s
+from ..protocol.http import JSON
+from ..protocol.link import encode_reply
+from ..runtime.sessions import Session, StepRecord
+from .link import reply_error
+from .state import NODE, NodeState, parse_session_id
+
+# bytes a frame or link message may exceed max_body by before it is refused unread (aiohttp's own framing slack)
+BODY_SLACK = 1024
+FORWARDED_FLAGS = FLAG_NO_SAMPLE | FLAG_VERIFY | FLAG_REWIND  # frame flags a node passes on to its next hop
+OK = 200
+
+
+def frame_too_large(state: NodeState) -> ProtocolError:
+    """ProtocolError too_many_tokens for a frame body over the node's ``max_body``."""
+    return ProtocolError("too_many_tokens", f"frame body over {state.max_body} bytes: more than "
+                                            f"max_step_tokens {state.max_step_tokens} tokens")
+
+
+async def step(request: web.Request) -> web.Response:
+    """``POST /v1/step``: one frame (application/octet-stream) → 200 JSON ``{token, logprobs, hops}``."""
+    state: NodeState = request.app[NODE]
+    t0 = time.perf_counter()
+    if (request.content_length or 0) > state.max_body + BODY_SLACK:
+        raise frame_too_large(state)
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise frame_too_large(state) from None
+    status, reply = await apply_frame(state, body, t0)
+    return web.Response(body=reply, status=status, content_type=JSON)
+
+
+async def link(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/link``: a WebSocket on which a previous hop sends step frames (binary messages, each the
+    body of a ``POST /v1/step``); each is answered by one binary message (protocol/link.py: frame key, status,
+    JSON reply). Frames are applied concurrently, each session's in order; a bad frame gets its error
+    reply and the link stays open.
+
+    ``GET /v1/link?replies=<session id>`` (head only, an open session): the client's **reply link**. The head
+    sends each successful step reply of that session on it as well (same message), as soon as it has it,
+    before the reply travels back along the route: the client has the token one message after the head
+    sampled it instead of one per hop. A later reply link for the session replaces the earlier one."""
+    state: NodeState = request.app[NODE]
+    ws = web.WebSocketResponse(max_msg_size=state.max_body + BODY_SLACK, autoping=True)
+    if not ws.can_prepare(request).ok:
+        raise ProtocolError("bad_request", "GET /v1/link opens a WebSocket: send Connection: Upgrade and Upgrade: "
+                                           "websocket (docs/protocol.md, \"Links\")")
+    if "replies" in request.query:
+        if not state.spec.head:
+            raise ProtocolError("bad_request", "only the head sends replies: a reply link goes to the node with "
+                                               "--head")
+        sid = state.store.get(parse_session_id(request.query["replies"])).id
+        return await _reply_link(state, ws, request, sid)
+    await ws.prepare(request)
+    state.links_in.add(ws)
+    tasks = state.link_tasks  # strong references: the loop keeps only weak ones to running tasks
+
+    async def answer(body: bytes, t0: float) -> None:
+        state.frames_waiting -= 1  # (a task cancelled before it starts only happens at shutdown)
+        status, reply = await apply_frame(state, body, t0)
+        if not ws.closed:
+            try:
+                await ws.send_bytes(encode_reply(body, status, reply))
+            except (ConnectionError, RuntimeError):
+                pass  # the previous hop went away: it retries or repairs the route
+
+    try:
+        async for msg in ws:
+            t0 = time.perf_counter()
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                state.frames_waiting += 1
+                task = asyncio.create_task(answer(msg.data, t0))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            elif msg.type == aiohttp.WSMsgType.TEXT:
+                status, reply = state.error_reply(ProtocolError("bad_frame", "a link takes binary frames"))
+                await ws.send_bytes(encode_reply(b"", status, reply))
+    finally:
+        state.links_in.discard(ws)
+    return ws
+
+
+async def _reply_link(state: NodeState, ws: web.WebSocketResponse, request: web.Request,
+                      sid: uuid.UUID) -> web.WebSocketResponse:
+    """Hold ``ws`` as session ``sid``'s reply link until the client closes it (messages from the client are
+    ignored), or the session is closed."""
+    await ws.prepare(request)
+    old = state.reply_links.get(sid)
+    state.reply_links[sid] = ws
+    if old is not None:
+        await old.close()
+    state.links_in.add(ws)
+    try:
+        async for _msg in ws:
+            pass
+    finally:
+        state.links_in.discard(ws)
+        if state.reply_links.get(sid) is ws:
+            del state.reply_links[sid]
+    return ws
+
+
+async def _send_direct(state: NodeState, frame: Frame, body: bytes, reply: bytes) -> None:
+    """The head's reply to ``body`` (a step of ``frame``'s session) on the session's reply link, if it has one;
+    a link that fails is dropped (the reply still goes back along the route)."""
+    ws = state.reply_links.get(frame.session_id)
+    if ws is None or ws.closed:
+        return
+    try:
+        await ws.send_bytes(encode_reply(body, OK, reply))
+    except (ConnectionError, RuntimeError):
+        state.reply_links.pop(frame.session_id, None)
+
+
+async def apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, bytes]:
+    """Apply one step frame (the body of ``POST /v1/step`` or a link message) received at ``t0``
+    (perf_counter s): (HTTP status, JSON reply bytes) — ``{token, logprobs, hops}``, or an error body
+    (NodeState.error_reply: the status the HTTP middleware would answer the same error with)."""
+    try:
+        if len(body) > state.max_body + BODY_SLACK:  # a chunked body (no Content-Length) or a link message
+            raise frame_too_large(state)
+        frame = decode_frame(body, state.cfg.n_embd, state.max_step_tokens)
+        kind = "decode" if frame.n_tokens == 1 or frame.verify else "prefill"  # a verify step decodes several
+        state.bytes_in.labels(kind).inc(len(body))
+        if (frame.dtype == "ids") != state.spec.embed:
+            want = "token ids (dtype ids)" if state.spec.embed else f"hidden states ({', '.join(WIRE_DTYPES)})"
+            raise ProtocolError("bad_dtype", f"layers {state.spec.start}:{state.spec.end} take {want}; "
+                                             f"got a {frame.dtype} frame")
+        if frame.verify and state.spec.head and frame.n_tokens > state.max_verify_tokens:
+            raise ProtocolError("too_many_tokens", f"a verify step (frame flag 4) holds at most "
+                                                   f"{state.max_verify_tokens} tokens on this head, "
+                                                   f"got {frame.n_tokens}")
+        session = state.store.get(frame.session_id)
+        session.stepping += 1  # in a step until its reply is back: never expired meanwhile (next hops may be slow)
+        state.active_sessions += session.stepping == 1
+        try:
+            return await _apply_session_frame(state, session, frame, body, kind, t0)
+        finally:
+            session.stepping -= 1
+            state.active_sessions -= session.stepping == 0
+            session.last_used = time.monotonic()
+    except Exception as exc:  # noqa: BLE001 - a step's every failure is answered (on a link too) with its error
+        return state.error_reply(exc)
+
+
+async def _apply_session_frame(state: NodeState, session: Session, frame: Frame, body: bytes, kind: str,
+                               t0: float) -> tuple[int, bytes]:
+    """Apply one step of ``session``, in parts: replay or apply the step (_replay, _apply) under the session's
+    lock; the head answers (_head_reply) and records its reply (_record) under the lock too; another node
+    pushes its output to the next hop (_push) under the lock, then releases it and waits for that hop's reply
+    (_relayed) and records it. The session's next step can run here while this one is still downstream: steps
+    reach the next hop in order (one link, in push order), and it applies each under its own lock. With the
+    head's reply link the client sends the next step as soon as the head has sampled, and no node holds it up
+    waiting for the reply of the one before. Raises what the step raises."""
+    async with session.lock:
+        digest = zlib.crc32(body)
+        record = _replay(state, session, frame, digest)
+        if record is None:  # the next step
+            record = _apply(state, session, frame, digest)
+            if isinstance(record, asyncio.Future):
+                record = await record
+            state.steps.labels(kind).inc()
+            state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
+            if state.snapshots is not None:
+                state.snapshots.after_step(session, kind == "prefill" and frame.sample)
+        elif record.reply is not None:  # a retry of a step answered: the same answer
+            if state.spec.head:
+                await _send_direct(state, frame, body, record.reply)
+            return OK, record.reply
+        elif record.relay is not None and not record.relay.done():  # a retry while the step is downstream
+            pending = record.relay
+            record = None
+        # else a retry of a step whose relay failed: its recorded output is relayed again
+        if record is not None:
+            hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
+            if state.spec.head:
+                reply = _record(record, _head_reply(record, hop), hop, t0)
+                await _send_direct(state, frame, body, reply)
+                return OK, reply
+            sent = await _push(state, session, frame, record, kind)
+            pending = record.relay = asyncio.ensure_future(_relayed(sent, record, hop, t0))
+            pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # its waiters may have gone
+            if not sent.ordered:  # plain POSTs may overtake each other: keep the session until the reply
+                return OK, await asyncio.shield(pending)
+    return OK, await asyncio.shield(pending)
+
+
+def _replay(state: NodeState, session: Session, frame: Frame, digest: int) -> StepRecord | None:
+    """The StepRecord of the session's last step when ``frame`` retries it (same step number, same content,
+    CRC-32 ``digest`` of the frame): answer it again, never apply it twice. None when ``frame`` is the
+    session's next step. StepConflict otherwise: position_mismatch, step_conflict, stale_step or step_gap."""
+    record = state.store.replay(session, frame.step, digest, frame.start, frame.n_tokens, frame.rewind)
+    if record is not None:
+        state.replays.inc()
+    return record
+
+
+def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> StepRecord | asyncio.Future:
+    """Apply the session's next step: its StepRecord when it ran here, or an asyncio.Future of it when it went
+    to the worker pool (await it). Raises (or the future does) what SessionStore.apply raises. On a shard that
+    batches (``supports_batch``) the step goes through the batcher (node/batching.py: run together with other
+    sessions' steps, a prefill in pieces), except a speculative verify step (all rows' logits at the head), which
+    runs alone; elsewhere every step runs alone."""
+    args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample)
+    if frame.verify:
+        args += (True,)
+    elif state.batcher is not None:  # batched with other sessions' steps, prefills in pieces
+        # alone: no other session's step is in flight here, nor read and about to start: a step run inline on the
+        # loop would otherwise hold up the steps its batch could have taken along
+        return state.batcher.submit(args, alone=state.active_sessions <= 1 and not state.frames_waiting,
+                                    more=state.frames_waiting > 0)
+    lock = state.inline_lock if frame.n_tokens == 1 else None
+    if lock is not None and lock.acquire(blocking=False):
+        # A decode step when the shard is idle runs right here on the event loop: it is short, and the hand-off
+        # to a worker thread and back would cost a sizeable part of it (measured in bench/bench_llamacpp.py).
+        # With the shard busy (a prefill, a snapshot) it queues in the pool, so the loop never waits for another
+        # step.
+        try:
+            return state.store.apply(*args)
+        finally:
+            lock.release()
+    return asyncio.get_running_loop().run_in_executor(state.pool, state.store.apply, *args)
+
+
+def _head_reply(record: StepRecord, hop: dict) -> dict:
+    """The head's reply to a step: ``{token, hops: [hop]}``, with ``logprobs`` / ``token_logprob`` when the
+    session asked for them."""
+    reply = {"token": record.token, "hops": [hop]}
+    if record.tokens is not None:  # a verify step: the token sampled after each of its positions
+        reply["tokens"] = record.tokens
+    if record.logprobs is not None:
+        reply["logprobs"] = record.logprobs
+    if record.token_logprob is not None:
+        reply["token_logprob"] = record.token_logprob
+    return reply
+
+
+@dataclass
+class _Sent:
+    """A step pushed to the next hop ``url`` at ``t_push`` (perf_counter s); ``reply``: the future of its
+    (status, body); ``ordered``: it went over a link, so later steps of the session reach the hop after it."""
+
+    url: str
+    t_push: float
+    reply: asyncio.Future
+    ordered: bool
+
+
+async def _push(state: NodeState, session: Session, frame: Frame, record: StepRecord, kind: str) -> _Sent:
+    """Send the step's output (in the session's wire dtype, with the route's token ids) to the session's next
+    hop over its link, waiting at most ``step_timeout_s`` of the session's ``hop_timeout_s`` (seconds) for the
+    reply. ProtocolError naming the hop when it cannot be sent (hop_failed, hop_timeout)."""
+    ids = frame.data if frame.dtype == "ids" else frame.token_ids
+    out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,
+                        ids, frame.flags & FORWARDED_FLAGS)
+    state.bytes_out.labels(kind).inc(len(out))
+    url = session.next_hop
+    t_push = time.perf_counter()
+    reply, ordered = await state.links.send(url, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
+    return _Sent(url, t_push, reply, ordered)
+
+
+async def _relayed(sent: _Sent, record: StepRecord, hop: dict, t0: float) -> bytes:
+    """The reply to a pushed step: the next hop's parsed reply with ``hop`` (this node's timings, ``push_ms``
+    added) first in its ``hops``, recorded (_record). ProtocolError naming the hop on any failure: the hop's
+    own error passed on, hop_failed or hop_timeout."""
+    status, body = await sent.reply
+    if status != OK:
+        raise reply_error(body, status, sent.url)
+    try:
+        reply = json.loads(body)
+    except ValueError:
+        raise ProtocolError("hop_failed", f"next hop {sent.url} answered a step with non-JSON", hop=sent.url) from None
+    hop["push_ms"] = round((time.perf_counter() - sent.t_push) * 1e3, 3)
+    reply["hops"].insert(0, hop)
+    return _record(record, reply, hop, t0)
+
+
+def _record(record: StepRecord, reply: dict, hop: dict, t0: float) -> bytes:
+    """Finish the step: ``hop`` gets ``handle_ms`` (since ``t0``, perf_counter s) and the reply's JSON bytes
+    are kept on the step's record (a retry of the step is answered with exactly these). The reply bytes."""
+    hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+    record.reply = json.dumps(reply).encode()
+    return record.reply
+
+
+__all__ = ["apply_frame", "frame_too_large", "link", "step"]
