@@ -1,25 +1,22 @@
-"""Generation loop over a route session, and the in-process route (chained shards in one process)."""
+"""The generation loop over a route session (async at its core, blocking wrapper), and the in-process route.
+
+``agenerate`` runs a generation as a coroutine on the caller's event loop (an AsyncSession: AsyncRouteSession);
+``generate`` runs the same loop for a blocking RouteSession (LocalSession, RemoteSession) in the calling thread,
+with no event loop. LocalSession chains shards in this process.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
 
 import numpy as np
 
 from ..runtime.sampling import SamplingParams
+from .contract import AsyncSession, Drafter, RouteSession
 from .tokenizer import TextStream, Tokenizer
-
-
-class RouteSession(Protocol):
-    """A session on a route: feeds token ids in, gets the head's sampled token id out."""
-
-    def step(self, token_ids: list[int]) -> int:
-        """Prefill (several ids) or decode (one id) through the whole route; returns the next token id."""
-
-    def close(self) -> None:
-        """Release the session's KV cache on every shard."""
 
 
 class LocalSession:
@@ -31,6 +28,9 @@ class LocalSession:
         self.sampler = shards[-1].sampler_class(sampling)  # the head backend's sampler
         self.sampler.bind(shards[-1])
         self.history: list[int] = []
+        self.last_logprobs = None  # RouteSession members an in-process session does not report
+        self.last_token_logprob: float | None = None
+        self.last_tokens: list[int] | None = None
 
     def logits(self, token_ids: list[int], all_positions: bool = False):
         """Run ids ``[T]`` through every shard; float32 logits ``[1 or T, n_vocab]`` (numpy from a llama.cpp head, a
@@ -48,7 +48,7 @@ class LocalSession:
     @property
     def max_verify_tokens(self) -> int:
         """Most tokens of one ``verify`` step (a llama.cpp head returns at most that many rows of logits)."""
-        return getattr(self.shards[-1], "max_outputs", None) or 16
+        return self.shards[-1].max_outputs or 16
 
     def verify(self, token_ids: list[int]) -> list[int]:
         """Feed ``token_ids`` as one step and sample after every position (speculative decoding): the token a
@@ -69,7 +69,7 @@ class LocalSession:
     def step(self, token_ids: list[int]) -> int:
         """See RouteSession.step. A prompt longer than a shard takes in one call (llama.cpp: ``n_batch``) goes
         in chunks of that size, as a route sends it."""
-        limit = max(1, min(getattr(s, "n_batch", None) or len(token_ids) for s in self.shards))
+        limit = max(1, min(s.n_batch or len(token_ids) for s in self.shards))
         for i in range(0, len(token_ids), limit):
             chunk = token_ids[i:i + limit]
             self.history.extend(chunk)
@@ -85,8 +85,7 @@ class LocalSession:
     def close(self) -> None:
         """Drop the KV caches (a llama.cpp shard frees the session's sequence)."""
         for kv in self.kvs:
-            if hasattr(kv, "close"):
-                kv.close()
+            kv.close()
         self.kvs = []
 
 
@@ -124,32 +123,98 @@ class GenerationStats:
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
 
 
-def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
-             stop: list[str] | None = None, stats: GenerationStats | None = None, drafter=None,
-             special: bool = False) -> Iterator[str]:
-    """Yield text deltas of the completion of ``prompt_ids`` (stops at EOG tokens, stop strings, max_tokens).
-    Control tokens and media markers are no text unless ``special`` (``Tokenizer.token_bytes``).
+class _Blocking:
+    """A blocking RouteSession seen as an AsyncSession whose coroutines never suspend (``generate`` drives them
+    without an event loop)."""
 
-    ``drafter`` (``client.speculative.NgramDrafter`` or ``ModelDrafter``; the session then needs ``verify``, ``drop`` and
-    ``max_verify_tokens``): speculative decoding. Each decode step sends the drafted tokens after the last
-    sampled one as one verify step and keeps what the head confirms (``speculative.speculate``): the same tokens
-    as without it, fewer trips through the route; ``stats`` counts drafted and accepted tokens.
+    def __init__(self, session: RouteSession):
+        self.session = session
+
+    @property
+    def max_length(self) -> int:
+        return self.session.max_length
+
+    @property
+    def max_verify_tokens(self) -> int:
+        return self.session.max_verify_tokens
+
+    async def step(self, token_ids: list[int]) -> int:
+        return self.session.step(token_ids)
+
+    async def verify(self, token_ids: list[int]) -> list[int]:
+        return self.session.verify(token_ids)
+
+    def drop(self, n: int) -> None:
+        self.session.drop(n)
+
+
+def _drive(awaitable):
+    """Run an awaitable that never suspends to its result, in this thread (StopAsyncIteration at a generator's
+    end passes through). RuntimeError when it does suspend (it awaited something outside its session)."""
+    try:
+        awaitable.send(None)
+    except StopIteration as done:
+        return done.value
+    awaitable.close()
+    raise RuntimeError("a blocking generation awaited an event loop")
+
+
+def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+             stop: list[str] | None = None, stats: GenerationStats | None = None, drafter: Drafter | None = None,
+             special: bool = False) -> Iterator[str]:
+    """``agenerate`` for a blocking ``session`` (LocalSession, RemoteSession), in the calling thread: the same
+    text deltas, arguments and errors. The drafter runs in this thread too."""
+    deltas = _deltas(_Blocking(session), tokenizer, prompt_ids, max_tokens, stop, stats, drafter, special, False)
+    try:
+        while True:
+            try:
+                delta = _drive(deltas.__anext__())
+            except StopAsyncIteration:
+                return
+            yield delta
+    finally:
+        _drive(deltas.aclose())
+
+
+def agenerate(session: AsyncSession, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+              stop: list[str] | None = None, stats: GenerationStats | None = None, drafter: Drafter | None = None,
+              special: bool = False) -> AsyncIterator[str]:
+    """An async iterator of the text deltas of the completion of ``prompt_ids`` on ``session``, on the running
+    loop (stops at EOG tokens, stop strings, max_tokens). Control tokens and media markers are no text unless
+    ``special`` (``Tokenizer.token_bytes``).
+
+    ``drafter`` (``client.speculative.NgramDrafter`` or ``ModelDrafter``): speculative decoding. Each decode step
+    sends the drafted tokens after the last sampled one as one verify step and keeps what the head confirms
+    (``speculative.speculate``): the same tokens as without it, fewer trips through the route; ``stats`` counts
+    drafted and accepted tokens. A ``blocking`` drafter (a model) drafts in a worker thread.
 
     ``stats`` (if given) is filled in as generation proceeds; ``stats.tokens`` gets every generated id, the one
     that ended the generation (an end-of-generation token, or the one completing a stop string) included, and
     ``stats.completion_tokens`` counts them all (as OpenAI's ``usage.completion_tokens``).
+
+    Raises what the session's ``step``/``verify`` raise. The session stays open: close it (``await
+    session.close()`` in a ``finally``, or ``async with``) also when the task iterating is cancelled.
     """
+    return _deltas(session, tokenizer, prompt_ids, max_tokens, stop, stats, drafter, special, True)
+
+
+async def _deltas(session: AsyncSession, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+                  stop: list[str] | None, stats: GenerationStats | None, drafter: Drafter | None, special: bool,
+                  on_loop: bool) -> AsyncIterator[str]:
+    """The generation loop of ``agenerate``; ``on_loop``: a blocking drafter goes to a worker thread (False:
+    nothing here may suspend, see ``generate``)."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     if drafter is not None:
         from .speculative import speculate
-        stats.speculative = getattr(drafter, "method", "ngram")
+        stats.speculative = drafter.method
         history = list(prompt_ids)  # what the drafter looks up: the prompt and every token emitted
         pending: list[int] = []     # tokens a verify step confirmed, not yet emitted
-        room = min(getattr(session, "max_verify_tokens", 1), getattr(session, "max_length", 1 << 31)) - 1
+        room = min(session.max_verify_tokens, session.max_length) - 1
+        offload = on_loop and drafter.blocking
     stream = TextStream(tokenizer, stop, special)
     t0 = time.perf_counter()
-    token = session.step(prompt_ids) if max_tokens > 0 else None
+    token = await session.step(prompt_ids) if max_tokens > 0 else None
     t_first = time.perf_counter()
     if token is not None:  # max_tokens 0: nothing ran, no timings to report
         stats.ttft_ms = (t_first - t0) * 1e3
@@ -167,7 +232,7 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
         if len(stats.tokens) >= max_tokens:
             break
         if drafter is None:
-            token = session.step([token])
+            token = await session.step([token])
             continue
         history.append(token)
         if pending:
@@ -176,12 +241,17 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
         # drafts: no more than the tokens still wanted need (a verify step yields one more than it drafts), than
         # the head verifies in one step, or than the session holds
         held = len(prompt_ids) + len(stats.tokens) - 1  # tokens the session holds: all but the last sampled
-        cap = min(max_tokens - len(stats.tokens) - 1, room, getattr(session, "max_length", 1 << 31) - held - 1)
-        drafts = drafter.draft(history, cap) if cap > 0 else []
+        cap = min(max_tokens - len(stats.tokens) - 1, room, session.max_length - held - 1)
+        if cap <= 0:
+            drafts = []
+        elif offload:
+            drafts = await asyncio.to_thread(drafter.draft, history, cap)
+        else:
+            drafts = drafter.draft(history, cap)
         if not drafts:
-            token = session.step([token])
+            token = await session.step([token])
             continue
-        out = speculate(session, token, drafts)
+        out = await speculate(session, token, drafts)
         stats.verify_steps += 1
         stats.drafted += len(drafts)
         stats.accepted += len(out) - 1

@@ -48,6 +48,7 @@ class NgramDrafter:
     """
 
     method = "ngram"
+    blocking = False  # a dict lookup per call: drafted on the event loop
 
     def __init__(self, k: int = DEFAULT_DRAFT_MAX, max_ngram: int = 3, min_ngram: int = 1):
         self.k = check_draft_max(k)
@@ -103,7 +104,7 @@ class DraftModel:
         self.model = LocalModel.load(path, threads=threads, max_length=max_length, max_sessions=sessions)
         self.max_length = min(max_length, self.model.config.max_length)
 
-    def drafter(self, k: int, length: int) -> "ModelDrafter | None":
+    def drafter(self, k: int, length: int) -> ModelDrafter | None:
         """A drafter for one generation of at most ``length`` tokens, or None when none fits now (no free session,
         or longer than this model's sessions)."""
         if length + MAX_DRAFT + 1 > self.max_length:
@@ -121,6 +122,7 @@ class ModelDrafter:
     common prefix is kept, the rest fed), then it decodes up to ``k`` tokens one at a time. ``close`` frees it."""
 
     method = "draft"
+    blocking = True  # runs the draft model: drafted in a worker thread off the event loop
 
     def __init__(self, session, k: int):
         self.session, self.k = session, check_draft_max(k)
@@ -151,12 +153,12 @@ class ModelDrafter:
         self.session.close()
 
 
-def speculate(session, token: int, drafts: list[int]) -> list[int]:
-    """Verify ``drafts`` after ``token`` (the last sampled token, not yet fed) in one step of ``session`` (a
-    RemoteSession or LocalSession: ``verify`` and ``drop``): the accepted drafts and the head's next token,
+async def speculate(session, token: int, drafts: list[int]) -> list[int]:
+    """Verify ``drafts`` after ``token`` (the last sampled token, not yet fed) in one step of ``session`` (an
+    AsyncSession, client/contract.py: ``verify`` and ``drop``): the accepted drafts and the head's next token,
     ``1..len(drafts) + 1`` ids, each one the token a one-token step would have sampled there. The rejected
     drafts are dropped from the session (``drop``)."""
-    samples = session.verify([token] + drafts)
+    samples = await session.verify([token] + drafts)
     n = 0
     while n < len(drafts) and drafts[n] == samples[n]:
         n += 1

@@ -1,0 +1,510 @@
+"""The route session on a loop: open a session on every node, step frames through the first, repair, renew, close.
+
+``AsyncRouteSession`` is the one implementation; client/blocking.py runs it for blocking callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+
+import aiohttp
+
+from ..protocol import encode_tokens, step_timeout_s
+from ..protocol.link import frame_key
+from ..protocol.snapshots import BLOCK_TOKENS
+from ..runtime.sampling import SamplingParams
+from . import repair
+from .route import Hop, RemoteRoute
+from .telemetry import RouteTelemetry
+from .transport import REPAIRABLE, RouteError, StepLink, call, check_reply, new_http_session, request, timed_out
+
+CLOSE_TIMEOUT_S = 5.0  # most seconds a node may take to release a session at close
+REPLY_LINK_TIMEOUT_S = 5.0  # most seconds the head may take to open a reply link
+LATE_WAIT_S = 1.0  # how long reading the telemetry waits for the route's replies to directly answered steps
+RENEW_TIMEOUT_S = 10.0  # most seconds one lease renewal by the keeper may take
+FIRST_PAUSE_S, MAX_PAUSE_S = 0.02, 0.5  # an open waiting for a session slot (kv_budget_full) retries with backoff
+
+_closing: set[asyncio.Task] = set()  # releases still running after their session's task was cancelled
+
+
+def _result(task: asyncio.Task):
+    """A finished task's result; None when it was cancelled or failed."""
+    return None if task.cancelled() or task.exception() is not None else task.result()
+
+
+class AsyncRouteSession:
+    """A session on a route of HTTP nodes, on the caller's event loop. ``step`` sends one frame to the first node
+    over a WebSocket (StepLink); the nodes push it along the route and the head's sampled token comes back, on
+    the session's reply link to the head once it is open (one message from the head, not one per hop back).
+
+    Steps are numbered from 1; a step whose connection drops is sent once more with the same number
+    (the node answers a retry from its record, never applying it twice).
+
+    Route repair (with ``replan``): when a step fails because a node died, timed out, answered 5xx or
+    lost the session, the failed node's layer span is re-planned without it, the new nodes open the
+    session and restore the longest cached prefix snapshot of the history (``/restore``), every other
+    node is truncated to the common position, the tokens since then are replayed, and the step is
+    sent again: the caller sees the same tokens as without the failure (greedy sampling). When no node
+    serves exactly the failed span, the whole route is re-planned instead (a node serving more layers,
+    such as a whole-model one, takes over; nodes it leaves out are released); the hop boundaries then
+    move, so with f16/bf16 frames the text after the failure can differ from an uninterrupted run (f32
+    frames: llama.cpp shards chain bit for bit, so it does not). Each repair is recorded in
+    ``repairs`` (``replaced_layers``: the layers re-planned). Without ``replan`` the RouteError is raised.
+
+    Prefix reuse (``reuse_prefix``): the first step restores the longest cached prefix of the prompt on
+    every node and computes only the rest.
+
+    Open it with ``await RemoteRoute.aopen(...)``; ``async with`` closes it. Cancelling a coroutine awaiting
+    ``step`` or ``verify`` leaves the session unusable: close it (``close`` finishes releasing it on its nodes
+    even when the task closing it is cancelled too).
+    """
+
+    MAX_REPAIRS_PER_STEP = 3
+    OPEN_WAIT_S = 60.0  # how long an open waits for a node's free session slot (kv_budget_full) before failing
+
+    def __init__(self, route: RemoteRoute, max_length: int, sampling: SamplingParams, wire_dtype: str = "f32",
+                 top_logprobs: int = 0, replan=None, reuse_prefix: bool = True, lease_s: float | None = None,
+                 logprobs: bool = False, *, http: aiohttp.ClientSession | None = None):
+        """A session not yet open on its nodes: use ``open``."""
+        self.route = route
+        self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
+        self.max_length = max_length
+        self.sampling = sampling.validate()
+        self.wire_dtype = wire_dtype
+        self.top_logprobs = top_logprobs
+        self.logprobs = logprobs
+        self.replan = replan
+        self.reuse_prefix = reuse_prefix
+        self.lease_s = lease_s
+        self.http = http or new_http_session()
+        self._own_http = http is None
+        self.position = 0      # tokens every node of the route holds
+        self.tokens: list[int] = []  # the whole history fed so far (position <= len(tokens) during a repair)
+        # Positions where a step ended. llama.cpp's numerics depend on how tokens are grouped into steps, so a
+        # repair rolls back to one of these and replays the same steps: the output stays bit for bit the same.
+        self.boundaries: set[int] = {0}
+        self.step_no = 0
+        self.opened: list[str] = []  # URLs of the nodes the session is open on
+        self.measured = RouteTelemetry()  # as measured so far (``telemetry`` first waits for late replies)
+        self.last_logprobs = None
+        self.last_token_logprob: float | None = None  # the last sample's logprob (sessions opened with logprobs)
+        self.last_tokens: list[int] | None = None  # a verify step's samples, one per position
+        self._excluded: set[str] = set()  # nodes that failed this session (repairs avoid them)
+        self._rewinding = False  # the nodes hold rejected drafts past ``position``: the next frame rewinds (drop)
+        self._renewed = time.monotonic()
+        # while one step takes longer than a third of the lease (a long prefill on a loaded node), a keeper task
+        # renews the lease on every node: the nodes after the busy one see nothing of the session meanwhile
+        self._step_since: float | None = None  # time.monotonic() when the step in flight started
+        self._keeper: asyncio.Task | None = None
+        self._closed = False
+        self._link: StepLink | None = None  # to the first node
+        self._replies: StepLink | None = None  # the reply link to the head, opened after the first step
+        self._replies_opening: asyncio.Task | None = None  # opened off the step path
+        self._no_replies: set[str] = set()  # heads that gave no reply link
+        # steps in flight or answered on the reply link whose reply along the route (per-hop telemetry) is still
+        # to be read: frame key -> (perf_counter s sent, n_tokens, hop urls, verify step, start position)
+        self._unacked: dict[bytes, tuple[float, int, list[str], bool, int]] = {}
+        self._waiter: asyncio.Future | None = None  # the reply of the step in flight
+        self._broken: RouteError | None = None  # a late error seen between steps: the next step raises it
+        self._drained: asyncio.Future | None = None  # set when the last late reply is in (``telemetry``)
+
+    @classmethod
+    async def open(cls, route: RemoteRoute, max_length: int, sampling: SamplingParams, *args,
+                   http: aiohttp.ClientSession | None = None, **kwargs) -> AsyncRouteSession:
+        """A session opened on every node of ``route`` (arguments as ``RemoteRoute.aopen``); RouteError (with
+        the node's status) when one refuses, after closing it where it opened."""
+        session = cls(route, max_length, sampling, *args, http=http, **kwargs)
+        try:
+            await session._open_all(route.hops)
+        except BaseException:
+            await session.close()
+            raise
+        return session
+
+    async def __aenter__(self) -> AsyncRouteSession:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- node calls --------------------------------------------------------------------------------
+    async def call(self, url: str, method: str, path: str, body: dict | None, what: str) -> dict:
+        """A JSON call to node ``url`` of this session (RouteError naming it on failure)."""
+        return await call(self.http, url, method, path, body, what, token=self.route.token,
+                          timeout=self.route.timeout_s)
+
+    async def _best_effort(self, url: str, method: str, path: str, timeout_s: float) -> None:
+        """One request to node ``url``; a refusal or a dead node is ignored."""
+        try:
+            await request(self.http, url, method, path, token=self.route.token, timeout=timeout_s)
+        except RouteError:
+            pass
+
+    async def _open_all(self, hops: list[Hop]) -> None:
+        """Open the session on every node at once: one round trip for the whole route, not one per node (TTFT).
+        When a node's session slots are all taken (kv_budget_full), what was opened is closed and the session
+        opens head first instead, waiting for slots (``open_on``). Raises the first refusal in route order."""
+        if len(hops) == 1:
+            await self.open_on(hops, 0)
+            return
+        results = await asyncio.gather(*(self.open_on(hops, i, wait=False) for i in range(len(hops))),
+                                       return_exceptions=True)
+        errors = [e for e in results if e is not None]
+        if not errors:
+            return
+        for e in errors:
+            if not isinstance(e, RouteError) or e.code != "kv_budget_full":
+                raise e
+        await self._close_opened()
+        for i in reversed(range(len(hops))):
+            await self.open_on(hops, i)
+
+    async def open_on(self, hops: list[Hop], i: int, wait: bool = True) -> None:
+        """Open the session on node ``hops[i]`` (its next hop ``hops[i + 1]``). ``wait``: while the node's session
+        slots are all taken (kv_budget_full), retry for up to OPEN_WAIT_S. RouteError when it refuses."""
+        hop = hops[i]
+        body = {"session_id": str(self.id), "max_length": self.max_length, "wire_dtype": self.wire_dtype,
+                "next_hop": hops[i + 1].url if i + 1 < len(hops) else None,
+                "hop_timeout_s": self.route.hop_timeout_s * max(len(hops) - 1 - i, 1)}
+        if hop.head:
+            body["sampling"] = self.sampling.to_dict()
+            body["top_logprobs"] = self.top_logprobs
+            if self.logprobs:
+                body["logprobs"] = True
+        if self.lease_s is not None:
+            body["lease_s"] = self.lease_s
+        if self.route.model is not None:
+            body["model"] = self.route.model
+        # A node whose session slots are all taken answers 429 kv_budget_full: wait for one (as llama-server
+        # queues requests beyond --parallel). A session that waits opens head first (_open_all), so the ones
+        # holding this node's slots already hold the later nodes too and will finish: waiting cannot deadlock.
+        deadline, pause = time.monotonic() + self.OPEN_WAIT_S, FIRST_PAUSE_S
+        while True:
+            try:
+                await self.call(hop.url, "POST", "/v1/sessions", body, "open session")
+                break
+            except RouteError as exc:
+                if not wait or exc.code != "kv_budget_full" or time.monotonic() + pause > deadline:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, MAX_PAUSE_S)
+                if self.lease_s is not None and time.monotonic() - self._renewed > self.lease_s / 3:
+                    await self.renew()  # the nodes opened already hold the session for us meanwhile
+        self.opened.append(hop.url)
+
+    async def close_on(self, url: str) -> None:
+        """Release the session on node ``url`` (best effort: errors are ignored)."""
+        await self._best_effort(url, "DELETE", f"/v1/sessions/{self.id}", min(self.route.hop_timeout_s,
+                                                                               CLOSE_TIMEOUT_S))
+
+    async def _close_opened(self) -> None:
+        opened, self.opened = self.opened, []
+        await asyncio.gather(*(self.close_on(url) for url in opened))
+
+    # -- steps -------------------------------------------------------------------------------------
+    async def step(self, token_ids: list[int], sample: bool = True) -> int | None:
+        """Feed ``token_ids`` (prefill: many, decode: one) through the route; the head's sampled next token id
+        (None when not ``sample``).
+
+        Prompts longer than the route's smallest max_step_tokens go in chunks (only the last is sampled).
+        Raises RouteError naming the failing node (status/code from the node) when it cannot be repaired,
+        ValueError for no ids.
+        """
+        if not token_ids:
+            raise ValueError("a step needs at least one token id")
+        if self.reuse_prefix and not self.tokens and len(token_ids) > BLOCK_TOKENS \
+                and any(h.cache is not False for h in self.route.hops):  # no cache on any node: nothing to restore
+            restored = await repair.restore_prefix(self, token_ids[:-1])  # at least one token is computed: sampled
+            self.tokens.extend(token_ids[:restored])
+            token_ids = token_ids[restored:]
+        token = None
+        i = 0
+        if self.lease_s is not None and self._keeper is None:
+            self._keeper = asyncio.get_running_loop().create_task(self._keep_lease(), name=f"lease-{self.id.hex[:8]}")
+        self._step_since = time.monotonic()
+        try:
+            while i < len(token_ids):
+                chunk = token_ids[i:i + self.route.max_step_tokens]
+                i += len(chunk)
+                token = await self._step(chunk, sample and i >= len(token_ids))
+        finally:
+            self._step_since = None
+        return token
+
+    async def _keep_lease(self) -> None:
+        """The keeper task: every ``lease_s / 3`` s, when a step has been in flight that long, renew the session on
+        every node it is open on (a refusal or a dead node is left to the step to find)."""
+        period = self.lease_s / 3
+        while True:
+            await asyncio.sleep(period)
+            since = self._step_since
+            if since is None or time.monotonic() - since < period:
+                continue
+            await asyncio.gather(*(self._best_effort(url, "POST", f"/v1/sessions/{self.id}/renew",
+                                                     min(period, RENEW_TIMEOUT_S)) for url in list(self.opened)))
+
+    @property
+    def max_verify_tokens(self) -> int:
+        """Most tokens of one ``verify`` step on this route: the head's limit (0: the head cannot verify)."""
+        return min(self.route.hops[-1].max_verify_tokens or 0, self.route.max_step_tokens)
+
+    async def verify(self, token_ids: list[int]) -> list[int]:
+        """Speculative decoding: feed ``token_ids`` (the last sampled token, then drafted ones) as one step whose
+        head samples after every position; the token a one-token step would have sampled after each
+        (``[len(token_ids)]``). The session then holds them all: ``drop`` the rejected drafts. ValueError for more
+        than ``max_verify_tokens`` ids; RouteError as ``step`` (``bad_route`` when the head answers no samples)."""
+        if not token_ids or len(token_ids) > self.max_verify_tokens:
+            raise ValueError(f"a verify step takes 1..{self.max_verify_tokens} token ids on this route "
+                             f"(the head's max_verify_tokens), got {len(token_ids)}")
+        await self._step(token_ids, True, verify=True)
+        samples = self.last_tokens
+        if not isinstance(samples, list) or len(samples) != len(token_ids):
+            raise RouteError(f"head {self.route.hops[-1].url} answered a verify step of {len(token_ids)} tokens "
+                             f"with {samples!r}: it does not do speculative decoding", 502, "bad_route",
+                             self.route.hops[-1].url)
+        return samples
+
+    def drop(self, n: int) -> None:
+        """Forget the last ``n`` tokens fed (a verify step's rejected drafts). No request: the next step's frame
+        starts at the shorter position with FLAG_REWIND, and every node drops them before applying it."""
+        if not 0 <= n <= self.position:
+            raise ValueError(f"cannot drop {n} of {self.position} tokens")
+        if n == 0:
+            return
+        old = self.position
+        self.position -= n
+        del self.tokens[self.position:]
+        self.boundaries.discard(old)
+        self.boundaries.add(self.position)
+        self._rewinding = True
+
+    async def _step(self, ids: list[int], sample: bool, verify: bool = False) -> int | None:
+        """One chunk, repairing the route (at most MAX_REPAIRS_PER_STEP times) when a node fails."""
+        repairs, pending, replaying = 0, None, None
+        while True:
+            try:
+                if pending is not None:
+                    replaying = await self.repair(pending)
+                    pending = None
+                while self.position < len(self.tokens):  # replay after a repair, step by original step
+                    end = min(b for b in self.boundaries | {len(self.tokens)} if b > self.position)
+                    chunk = self.tokens[self.position:min(end, self.position + self.route.max_step_tokens)]
+                    await self._send(chunk, False)
+                    if replaying is not None:  # what the repair actually replayed, counted as it goes
+                        replaying["tokens_replayed"] += len(chunk)
+                replaying = None
+                token = await self._send(ids, sample, verify)
+                self.tokens.extend(ids)
+                return token
+            except RouteError as exc:
+                if replaying is not None:  # the replay failed halfway: that repair says how far it got
+                    replaying["error"] = f"replay failed: {exc}"[:repair.MESSAGE_CHARS]
+                    replaying = None
+                if self.replan is None or exc.code not in REPAIRABLE or repairs >= self.MAX_REPAIRS_PER_STEP:
+                    raise
+                repairs += 1
+                pending = exc
+
+    async def repair(self, exc: RouteError) -> dict:
+        """Replace the node named by ``exc`` (see the class docstring): ``repair.repair_route``. Its telemetry
+        entry; RouteError when no replacement exists."""
+        return await repair.repair_route(self, self._excluded, exc)
+
+    async def _send(self, ids: list[int], sample: bool, verify: bool = False) -> int | None:
+        """One frame of ``ids`` at ``position``: sent (once more on a fresh connection when the link fails), its
+        reply checked, the session advanced; the head's token."""
+        first, head = self.route.hops[0], self.route.hops[-1]
+        self.step_no += 1
+        frame = encode_tokens(self.id, self.step_no, self.position, ids, sample, verify, self._rewinding)
+        link = self._link
+        if link is None or link.url != first.url:
+            if link is not None:
+                await link.close()
+            link = self._link = StepLink(self.http, first.url, self.route.timeout_s, self.route.token,
+                                         late=self._late)
+        elif self._replies is None and head is not first and not link.http_only and head.url not in self._no_replies:
+            self._reply_link(head.url)
+        timeout = step_timeout_s(self.route.timeout_s - 1.0, len(ids)) + 1.0  # long prefill chunks wait longer
+        key = frame_key(frame)
+        t0 = time.perf_counter()
+        urls = [h.url for h in self.route.hops]
+        start = self.position
+        self._unacked[key] = (t0, len(ids), urls, verify, start)
+        try:
+            try:
+                status, body, direct = await self._exchange(link, frame, key, timeout)
+            except RouteError as exc:
+                if exc.code != "hop_failed" or exc.late:
+                    raise
+                # a fresh connection; same step number: never applied twice
+                status, body, direct = await self._exchange(link, frame, key, timeout)
+        except BaseException:
+            self._unacked.pop(key, None)
+            raise
+        rtt = (time.perf_counter() - t0) * 1e3
+        if not direct:
+            self._unacked.pop(key, None)
+        reply = check_reply(first.url, status, body, f"step {self.step_no}")
+        self._rewinding = False
+        self.position += len(ids)
+        self.boundaries.add(self.position)
+        if direct:  # the head's own reply: the route's, with every hop's numbers, is read later (_late)
+            self.measured.direct_replies += 1
+        else:
+            self.measured.record(reply, rtt, len(ids), urls, verify, start)
+        self.last_tokens = reply.get("tokens")
+        self.last_logprobs = reply.get("logprobs")
+        self.last_token_logprob = reply.get("token_logprob")
+        return reply["token"]
+
+    async def _exchange(self, link: StepLink, frame: bytes, key: bytes, timeout: float) -> tuple[int, bytes, bool]:
+        """Send ``frame`` on ``link`` and wait for the first of its reply there and the head's on the reply link:
+        (status, body, whether the reply came on the reply link). RouteError ``hop_timeout`` (the link is closed)
+        or ``hop_failed``, or the late error of an earlier step (the route is broken)."""
+        if self._broken is not None:
+            broken, self._broken = self._broken, None
+            raise broken
+        waiter = asyncio.get_running_loop().create_future()
+        replies = self._replies if self._replies is not None and self._replies.connected else None
+        if replies is not None:
+            replies.expect(key, waiter)
+        self._waiter = waiter
+        try:
+            await link.send(frame, waiter, timeout)
+            async with asyncio.timeout(timeout):
+                return await waiter
+        except TimeoutError:
+            await link.close()
+            raise timed_out(link.url, timeout) from None
+        finally:
+            self._waiter = None
+            if replies is not None:
+                replies.forget(key)
+
+    def _reply_link(self, head: str) -> None:
+        """After the first step (it opened the session everywhere): the head's replies come straight to us, one
+        message after it sampled, not back through every hop (docs/protocol.md). Opened in the background and
+        used once open: a head that does not answer never holds a step up."""
+        if self._replies_opening is None:
+            async def opening() -> StepLink | None:
+                link = StepLink(self.http, head, min(self.route.timeout_s, REPLY_LINK_TIMEOUT_S), self.route.token,
+                                replies=self.id)
+                try:
+                    await link.connect()
+                except RouteError:
+                    return None
+                return link if link.connected else None
+
+            self._replies_opening = asyncio.get_running_loop().create_task(opening())
+        elif self._replies_opening.done():
+            self._replies = _result(self._replies_opening)
+            self._replies_opening = None
+            if self._replies is None:
+                self._no_replies.add(head)
+
+    def _late(self, key: bytes, status: int, body: bytes) -> None:
+        """The route's reply to a step the head already answered on the reply link: its telemetry. An error
+        there (a node failed after passing the step on) means the route is broken: the step in flight fails
+        with it at once (and is repaired), not after its own timeout; between steps, the next step does."""
+        entry = self._unacked.pop(key, None)
+        if entry is None:
+            return
+        if status != 200:
+            try:
+                check_reply(self.route.hops[0].url, status, body, "an earlier step")
+            except RouteError as exc:
+                exc.late = True
+                if self._waiter is not None and not self._waiter.done():
+                    self._waiter.set_exception(exc)
+                else:
+                    self._broken = exc
+            return
+        try:
+            reply = json.loads(body)
+        except ValueError:
+            return
+        t0, n_tokens, urls, verify, start = entry
+        self.measured.record(reply, (time.perf_counter() - t0) * 1e3, n_tokens, urls, verify, start)
+        if not self._unacked and self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def drop_links(self) -> None:
+        """Close the reply link (one still opening is closed once open) and the step link unless it goes to the
+        route's first node still, and forget the replies they were to bring (a repair changed the route)."""
+        replies, self._replies = self._replies, None
+        if replies is not None:
+            await replies.close()
+        opening, self._replies_opening = self._replies_opening, None
+        if opening is not None:
+            opening.cancel()
+            link = _result(opening) if opening.done() else None
+            if link is not None:
+                await link.close()
+        if self._link is not None and self._link.url != self.route.hops[0].url:
+            await self._link.close()
+            self._link = None
+        self._unacked.clear()
+        self._broken = None
+
+    # -- session ----------------------------------------------------------------------------------
+    @property
+    def repairs(self) -> list[dict]:
+        """Each repair of the route so far (``telemetry().repairs`` without waiting for late replies)."""
+        return self.measured.repairs
+
+    async def telemetry(self) -> RouteTelemetry:
+        """What the session measured (RouteTelemetry). Replies that came back along the route after the head's
+        own reached the client are waited for first (up to 1 s), so that every step's per-hop numbers are in."""
+        if self._unacked and self._link is not None and self._link.connected:
+            self._drained = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(self._drained, LATE_WAIT_S)
+            except TimeoutError:
+                pass
+            finally:
+                self._drained = None
+        self._unacked.clear()
+        self._broken = None  # read for its telemetry: a late error is dropped, as the next step would repair
+        return self.measured
+
+    async def renew(self) -> None:
+        """Restart the idle clock (lease) of the session on every node it is open on; RouteError on a refusal."""
+        for url in list(self.opened):
+            await self.call(url, "POST", f"/v1/sessions/{self.id}/renew", None, "renew")
+        self._renewed = time.monotonic()
+
+    async def truncate(self, length: int) -> None:
+        """Roll every node back to ``length`` tokens; RouteError when a node refuses."""
+        for hop in self.route.hops:
+            await self.call(hop.url, "POST", f"/v1/sessions/{self.id}/truncate", {"length": length}, "truncate")
+        self.position = length
+        self._rewinding = False
+        del self.tokens[length:]
+        self.boundaries = {b for b in self.boundaries if b <= length} | {length}
+
+    async def close(self) -> None:
+        """Release the session on every node it was opened on (best effort: errors are ignored), after reading
+        the per-hop replies still on their way (as ``telemetry``). Idempotent; when the awaiting task is
+        cancelled the release still finishes in the background."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._keeper is not None:
+            self._keeper.cancel()
+        task = asyncio.get_running_loop().create_task(self._release())
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+        await asyncio.shield(task)
+
+    async def _release(self) -> None:
+        await self.telemetry()  # the route's replies to directly answered steps: their per-hop numbers
+        await self.drop_links()
+        if self._link is not None:
+            await self._link.close()
+        await self._close_opened()
+        if self._own_http:
+            await self.http.close()

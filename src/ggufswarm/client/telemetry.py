@@ -1,0 +1,85 @@
+"""What a route session measures: per-hop timings of every step, prefix restores, repairs, direct replies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+P95 = 0.95
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 3) if values else 0.0
+
+
+@dataclass
+class StepTiming:
+    """Per-hop numbers of one step (ms, bytes), in route order; ``urls`` names the hops."""
+
+    n_tokens: int
+    compute_ms: list[float]
+    network_ms: list[float]
+    bytes_in: list[int]
+    kv_tokens: list[int]
+    urls: list[str] = field(default_factory=list)
+    verify: bool = False  # a speculative verify step (a decode step of several tokens)
+    start: int = -1  # position of the step's first token
+
+
+@dataclass
+class RouteTelemetry:
+    """What a session measured: one StepTiming per step, and each repair of its route."""
+
+    steps: list[StepTiming] = field(default_factory=list)
+    repairs: list[dict] = field(default_factory=list)
+    prefix_tokens_restored: int = 0
+    direct_replies: int = 0  # steps whose reply came straight from the head (its reply link)
+
+    def record(self, reply: dict, rtt: float, n_tokens: int, urls: list[str], verify: bool = False,
+               start: int = -1) -> None:
+        """One StepTiming from a reply that came back along the route (``hops``: each node's numbers, ms) and
+        its round trip ``rtt`` (ms): a hop's network time is what its caller waited beyond its handling."""
+        hops = reply["hops"]
+        network = []
+        outer = rtt
+        for hop in hops:
+            network.append(max(outer - hop["handle_ms"], 0.0))
+            outer = hop.get("push_ms", 0.0)
+        self.steps.append(StepTiming(n_tokens, [h["compute_ms"] for h in hops], network,
+                                     [h["bytes_in"] for h in hops], [h["kv_tokens"] for h in hops], urls,
+                                     verify, start))
+
+    def summary(self, route) -> dict:
+        """Per-hop compute/network ms (mean, p95) over decode steps of ``route`` (a RemoteRoute: its hops),
+        payload bytes per decode token, KV held."""
+        decode = [s for s in self.steps if s.n_tokens == 1 or s.verify]
+        prefill = [s for s in self.steps if s.n_tokens > 1 and not s.verify]
+
+        def per_hop(steps: list[StepTiming], url: str, field_name: str) -> list[float]:
+            return [getattr(s, field_name)[s.urls.index(url)] for s in steps if url in s.urls]
+
+        hops = []
+        for hop in route.hops:
+            comp = per_hop(decode, hop.url, "compute_ms")
+            net = per_hop(decode, hop.url, "network_ms")
+            sent = [s.bytes_in[s.urls.index(hop.url)] / s.n_tokens for s in decode if hop.url in s.urls]
+            kv = per_hop(self.steps, hop.url, "kv_tokens")
+            hops.append({
+                "node": hop.url, "layers": [hop.start, hop.end],
+                "compute_ms": {"mean": _mean(comp), "p95": round(_pct(comp, P95), 3)},
+                "network_ms": {"mean": _mean(net), "p95": round(_pct(net, P95), 3)},
+                "prefill_compute_ms": round(sum(per_hop(prefill, hop.url, "compute_ms")), 3),
+                "payload_bytes_per_decode_token": round(sum(sent) / len(sent), 1) if sent else 0.0,
+                "kv_tokens": kv[-1] if kv else 0,
+            })
+        return {"hops": hops,
+                "payload_bytes_per_decode_token": round(sum(h["payload_bytes_per_decode_token"] for h in hops), 1),
+                "kv_tokens_held": {h["node"]: h["kv_tokens"] for h in hops},
+                "prefix_tokens_restored": self.prefix_tokens_restored, "repairs": list(self.repairs),
+                "direct_replies": self.direct_replies}
