@@ -101,9 +101,9 @@ def _interrupt(signum, frame):
 
 def wait_servable(tracker_url: str, name: str, timeout: float, token: str | None = None) -> None:
     """Wait until the tracker can route ``name`` end to end (nodes advertise right after they listen)."""
-    from ..swarm.publish import tracker_call
+    from ..client.tracker import TrackerClient
     deadline = time.monotonic() + timeout
-    while name not in tracker_call(f"{tracker_url}/models", token=token)["models"]:
+    while name not in TrackerClient(tracker_url, token).models():
         if time.monotonic() > deadline:
             raise RuntimeError(f"the tracker cannot route {name} after {timeout:g} s")
         time.sleep(0.1)

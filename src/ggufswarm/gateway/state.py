@@ -1,0 +1,140 @@
+"""What the gateway's handlers share: the served model (vocabulary, name, fingerprint, draft model), its route
+planner, the pool for blocking work, and, on a gateway serving every model of a swarm, one of these per model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+
+from ..artifact.default_model import model_name, resolve_model
+from ..artifact.gguf_file import GGUFModelFile
+from ..client.route import fetch_model_headers
+from ..client.speculative import METHODS, DraftModel, check_draft_max
+from ..client.tokenizer import Tokenizer
+from ..client.tracker import TrackerClient, TrackerError
+from ..client.transport import new_http_session
+from .config import GatewayConfig
+from .errors import RequestError
+from .planner import RoutePlanner, Suspects
+
+HEADER_FETCH_TIMEOUT_S = 30.0  # most seconds a route's first node may take to send the model's headers
+
+
+class Gateway:
+    """One served model: its vocabulary (``tokenizer``, loaded by ``load``), ``model_name``, ``fingerprint`` and
+    ``planner``; ``pool`` runs blocking work (tokenizing, loading); ``http`` is the session its routes talk over
+(``start``). ValueError for contradictory speculative
+    settings."""
+
+    def __init__(self, config: GatewayConfig, parent: Gateway | None = None):
+        if config.speculative not in METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(METHODS)}, got {config.speculative!r}")
+        check_draft_max(config.draft_max)
+        if (config.speculative == "draft") != bool(config.draft_model):
+            raise ValueError("speculative draft needs a draft model (--draft-model PATH), and a draft model needs "
+                             "--speculative draft")
+        if config.speculative == "draft" and config.tracker and not config.model:
+            raise ValueError("speculative draft needs the served model named (--model): a draft model drafts for one "
+                             "vocabulary")
+        self.config = config
+        self.draft: DraftModel | None = None  # loaded with the vocabulary (load)
+        self.tokenizer: Tokenizer | None = None
+        self.model_name = config.model_name
+        self.fingerprint: str | None = None  # the model's GGUF header fingerprint (load)
+        self.swarm = None  # with a tracker: the swarm that fetched the header (it seeds it)
+        self._root = parent or self
+        if parent is None:
+            self._http: aiohttp.ClientSession | None = None  # started on the app's loop (start)
+            self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="gateway")
+            self.suspects = Suspects(TrackerClient(config.tracker, config.token) if config.tracker else None)
+            self.created = int(time.time())
+        else:  # one model of a gateway serving every model: the pool and what failed lately are shared
+            self.pool, self.suspects, self.created = parent.pool, parent.suspects, parent.created
+        self.planner = RoutePlanner(config, self.suspects, self.model_name, None)
+        self._models: dict[str, Gateway] = {}
+        self._models_lock = threading.Lock()
+
+    async def start(self) -> None:
+        """On the app's event loop, at startup: the aiohttp session every route session talks over, and the
+        vocabulary (``load``, in the pool)."""
+        await asyncio.get_running_loop().run_in_executor(self.pool, self.load)
+        self._http = new_http_session()
+
+    async def stop(self) -> None:
+        """At shutdown: close the aiohttp session, stop the pool."""
+        if self._http is not None:
+            await self._http.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """The aiohttp session route sessions and the tracker are asked through (one connection pool)."""
+        return self._root._http
+
+    @property
+    def every_model(self) -> bool:
+        """Whether this gateway serves every model of its tracker's swarm (``--tracker`` without ``--model``):
+        each request's ``model`` picks one, loaded on first use (``for_model``)."""
+        return bool(self.config.tracker) and self.config.model is None and self.config.model_name is None
+
+    def suspect(self, url: str) -> None:
+        """Avoid node ``url`` in new routes for a while (see planner.Suspects)."""
+        self.suspects.add(url)
+
+    def for_model(self, name) -> Gateway:
+        """The gateway of model ``name`` (blocking: fetches its header from the swarm the first time). Only on
+        a gateway serving every model. RequestError 400 without a name, 404 ``model_not_found`` for a model
+        the swarm has not published; TrackerError when the tracker cannot be reached."""
+        if not isinstance(name, str) or not name:
+            raise RequestError("model is required: this gateway serves every model of its swarm (GET /v1/models "
+                               "lists them)", param="model")
+        with self._models_lock:
+            found = self._models.get(name)
+        if found is not None:
+            return found
+        child = Gateway(replace(self.config, model=name), parent=self)
+        try:
+            child.load()
+        except TrackerError as exc:
+            if exc.status == 404:
+                raise RequestError(f"model {name!r} is not published in this swarm (GET /v1/models lists the "
+                                   f"models it can serve)", 404, "model_not_found", "model") from None
+            raise
+        with self._models_lock:
+            return self._models.setdefault(name, child)
+
+    def load(self) -> None:
+        """Read the GGUF header and vocabulary (blocking): from ``--model``; with a tracker, fetched from the
+        swarm (header only); with ``--route`` and no ``--model``, fetched from the route's first node (its
+        headers: the model is whatever the route serves). ``fingerprint`` is then the model's identity, which
+        every node of every route must share. Raises GGUFError / OSError / TrackerError / RouteError."""
+        if self.every_model:
+            return  # each model is loaded on first use (for_model)
+        if self.config.tracker:
+            from ..swarm.shard_fetch import fetch_header
+            self.model_name = self.config.model or self.config.model_name
+            path, self.swarm = fetch_header(self.config.tracker, self.model_name, Path(self.config.data_dir),
+                                            token=self.config.token)
+        elif self.config.model is None and self.config.route:
+            path, info = fetch_model_headers(self.config.route[0], Path(self.config.data_dir),
+                                             min(self.config.hop_timeout_s, HEADER_FETCH_TIMEOUT_S),
+                                             token=self.config.token)
+            self.model_name = self.model_name or info["name"]
+        else:
+            path = resolve_model(self.config.model)
+        file = GGUFModelFile(path)
+        self.tokenizer = Tokenizer(str(file.path), file.metadata)
+        if self.config.chat_template:  # --chat-template-file: used instead of the GGUF's
+            self.tokenizer.chat_template = self.config.chat_template
+        self.fingerprint = file.fingerprint
+        self.model_name = self.model_name or model_name(self.config.model, file.path)
+        self.planner.model_name, self.planner.fingerprint = self.model_name, self.fingerprint
+        if self.config.speculative == "draft" and self.draft is None:  # ValueError: another vocabulary
+            self.draft = DraftModel(self.config.draft_model, file.metadata, sessions=self.config.draft_sessions,
+                                    threads=self.config.draft_threads)
