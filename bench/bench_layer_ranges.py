@@ -33,9 +33,10 @@ from tinymoe import write_tiny_deepseek4_model, write_tiny_moe_model  # noqa: E4
 
 from ggufswarm.artifact.default_model import default_model_path, smollm2_path  # noqa: E402
 from ggufswarm.artifact.gguf_file import GGUFModelFile  # noqa: E402
-from ggufswarm.client.remote import RemoteRoute  # noqa: E402
+from ggufswarm.client.route import RemoteRoute  # noqa: E402
 from ggufswarm.node.launch import start_nodes, stop_nodes  # noqa: E402
 from ggufswarm.runtime.llamacpp import derive  # noqa: E402
+from ggufswarm.runtime.llamacpp.range_checks import n_model_layers  # noqa: E402
 from ggufswarm.runtime.llamacpp.backend import LlamaCppShard  # noqa: E402
 from ggufswarm.runtime.sampling import SamplingParams  # noqa: E402
 from ggufswarm.runtime.shard import ShardSpec  # noqa: E402
@@ -61,7 +62,7 @@ def llama_cpp_decode(path: Path, ids: list[int], n_decode: int) -> float:
 def route_decode(path: Path, ids: list[int], n_decode: int, work: Path) -> tuple[float, list[float]]:
     """A 3-node route (even split, 1 thread each, f32 frames): decode tok/s and payload bytes per decode token per
     hop (what each node received)."""
-    n = derive.n_model_layers(GGUFModelFile(path))
+    n = n_model_layers(GGUFModelFile(path))
     nodes = start_nodes(even_split(n, 3), str(path), threads=1, timeout=300,
                         extra=["--ctx-size", "512", "--max-sessions", "1"],
                         per_node=lambda i: ["--data-dir", str(work / f"node{i}")])
@@ -85,7 +86,7 @@ def start_and_disk(path: Path, work: Path) -> list[tuple[str, float, int]]:
     written besides the model, RSS growth after one 16-token step (bytes; KV cache included), the range's tensor
     bytes) for the middle third, as a fresh node would start."""
     model = GGUFModelFile(path)
-    specs = even_split(derive.n_model_layers(model), 3)
+    specs = even_split(n_model_layers(model), 3)
     mid = specs[1]
     out = []
     for label, in_place in (("derived copy (before)", False), ("in place, patch 0004 (after)", True)):

@@ -50,7 +50,7 @@ import torch
 from ggufswarm.artifact.default_model import default_model_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.local import LocalModel
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.node.launch import start_nodes, stop_nodes

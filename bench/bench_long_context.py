@@ -34,7 +34,7 @@ from bench_llamacpp import GREEDY, TEXT
 
 from ggufswarm.artifact.default_model import default_model_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import even_split

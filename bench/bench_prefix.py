@@ -28,7 +28,7 @@ from ggufswarm.cache.app import CacheConfig  # noqa: E402
 from ggufswarm.cache.app import make_app as make_cache_app  # noqa: E402
 from ggufswarm.client.tokenizer import Tokenizer  # noqa: E402
 from ggufswarm.artifact.gguf_file import GGUFModelFile  # noqa: E402
-from ggufswarm.gateway.app import GatewayConfig, make_app
+from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.protocol.http import ServerThread  # noqa: E402
 from ggufswarm.node.launch import start_nodes, stop_nodes  # noqa: E402
 from ggufswarm.runtime.shard import ShardSpec, even_split  # noqa: E402

@@ -21,7 +21,7 @@ import torch
 
 from ggufswarm.artifact.default_model import default_model_path
 from ggufswarm.client.local import LocalModel
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import even_split

@@ -25,7 +25,7 @@ from bench_wan import delayed
 from ggufswarm.artifact.default_model import default_model_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.generate import GenerationStats, generate
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.client.speculative import NgramDrafter
 from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.node.launch import start_nodes, stop_nodes

@@ -21,7 +21,7 @@ def main():
 
     from ggufswarm.artifact.default_model import resolve_model
     from ggufswarm.artifact.manifest import Manifest
-    from ggufswarm.client.remote import RemoteRoute
+    from ggufswarm.client.route import RemoteRoute
     from ggufswarm.runtime.sampling import SamplingParams
     from ggufswarm.node.launch import start_nodes, stop_nodes
     from ggufswarm.runtime.shard import ShardSpec

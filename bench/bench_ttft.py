@@ -68,7 +68,7 @@ def main() -> int:
     from ggufswarm.artifact.default_model import default_model_path
     from ggufswarm.cache.app import CacheConfig
     from ggufswarm.cache.app import make_app as make_cache_app
-    from ggufswarm.gateway.app import GatewayConfig, make_app
+    from ggufswarm.gateway import GatewayConfig, make_app
     from ggufswarm.protocol.http import ServerThread
     from ggufswarm.node.launch import start_nodes, stop_nodes
     from ggufswarm.runtime.shard import even_split

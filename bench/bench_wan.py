@@ -23,7 +23,7 @@ from bench_llamacpp import GREEDY, TOOLS_BIN, llama_bench, prompt_ids, rpc_bench
 
 from ggufswarm.artifact.default_model import default_model_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.netdelay import DelayProxy
 from ggufswarm.node.launch import start_nodes, stop_nodes

@@ -145,8 +145,8 @@ def tiny_split_route(model: str, data_dir):
     ``whole`` (the model on one node, the reference); a dict of their URLs (and ``model``) while open."""
     from apphost import AppThread
 
-    from ggufswarm.node.server import NodeConfig
-    from ggufswarm.node.server import make_app as make_node_app
+    from ggufswarm.node.state import NodeConfig
+    from ggufswarm.node.app import make_app as make_node_app
 
     def node(layers: str, name: str, **stages):
         return AppThread(lambda: make_node_app(NodeConfig(layers=layers, model=model, data_dir=str(data_dir / name),

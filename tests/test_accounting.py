@@ -133,7 +133,9 @@ def test_node_advertises_its_accounting_and_the_tracker_routes_with_it(tmp_path)
     from apphost import AppThread
 
     from ggufswarm.artifact.manifest import Manifest
-    from ggufswarm.node.server import NodeConfig, NodeState, advertisement, load_executor
+    from ggufswarm.node.advertise import advertisement
+    from ggufswarm.node.app import load_executor
+    from ggufswarm.node.state import NodeConfig, NodeState
     from ggufswarm.swarm.torrent import make_torrent
     from ggufswarm.tracker.app import TrackerConfig, make_app
 

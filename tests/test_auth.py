@@ -16,8 +16,8 @@ from tinymodels import write_tiny_model
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
 from ggufswarm.protocol.http import ServerThread
-from ggufswarm.node.server import NodeConfig
-from ggufswarm.node.server import make_app as make_node_app
+from ggufswarm.node.state import NodeConfig
+from ggufswarm.node.app import make_app as make_node_app
 from ggufswarm.protocol.auth import TOKEN_HEADER
 from ggufswarm.tracker.app import TrackerConfig
 from ggufswarm.tracker.app import make_app as make_tracker_app
@@ -121,7 +121,8 @@ def test_the_token_is_not_in_the_tracker_database(tmp_path):
 def test_the_library_never_reads_the_environment(apps, monkeypatch):
     """Only the command line reads ``$GGUFSWARM_TOKEN``: an in-process client or config given no token sends
     none (401 from a private swarm) even with the variable set, and one given the token gets through."""
-    from ggufswarm.client.remote import RemoteRoute, RouteError
+    from ggufswarm.client.route import RemoteRoute
+    from ggufswarm.client.transport import RouteError
     from ggufswarm.protocol.auth import TOKEN_ENV
     from ggufswarm.client.tracker import TrackerClient, TrackerError
 

@@ -23,7 +23,7 @@ import torch
 import llama_cpp as L
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.kv import ContextOverflow, TokenOutOfRange
 from ggufswarm.runtime.llamacpp.backend import LlamaCppShard

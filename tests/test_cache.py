@@ -6,11 +6,9 @@ import json
 import time
 import urllib.error
 import urllib.request
-import uuid
 
 import pytest
 import torch
-
 from apphost import AppThread
 from route_fixtures import http, open_greedy
 from tinymodels import write_tiny_model
@@ -18,13 +16,20 @@ from tinymodels import write_tiny_model
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
-from ggufswarm.cache.snapshot import (BLOCK_TOKENS, STATE_DTYPE, Shard, SnapshotError, decode_snapshot,
-                                      encode_snapshot, snapshot_key)
-from ggufswarm.client.remote import RemoteSession
+from ggufswarm.cache.snapshot import (
+    BLOCK_TOKENS,
+    STATE_DTYPE,
+    Shard,
+    SnapshotError,
+    decode_snapshot,
+    encode_snapshot,
+    snapshot_key,
+)
 from ggufswarm.cache.store import SnapshotCorrupt, SnapshotExists, SnapshotMissing, SnapshotStore
-from ggufswarm.node.server import NodeConfig
-from ggufswarm.node.server import make_app as make_node_app
+from ggufswarm.client.repair import common_prefix
+from ggufswarm.node.app import make_app as make_node_app
 from ggufswarm.node.snapshots import grouped_length
+from ggufswarm.node.state import NodeConfig
 from ggufswarm.protocol import encode_tokens
 
 SHARD = Shard("ab" * 32, 0, 2, "float32")
@@ -66,7 +71,7 @@ def test_restorable_length_follows_the_steps():
     assert grouped_length(bounds, 47, [40, 41, 42, 43, 44, 45, 46, 47]) == 47
     assert grouped_length(bounds, 47, [40, 41, 43, 47]) == 41  # the session's third step ended elsewhere
     assert grouped_length(bounds, 47, [20, 47]) == 0
-    common = RemoteSession._common_prefix
+    common = common_prefix
     assert common({"a": (45, [40, 44, 45]), "b": (44, [40, 44])}) == (44, [40, 44])
     assert common({"a": (45, [40, 44, 45]), "b": (45, [40, 43, 45])}) == (40, [40])
     assert common({"a": (45, [40, 44, 45]), "t": (42, None)}) == (40, [40])

@@ -23,7 +23,7 @@ from ggufswarm.artifact.accounting import shard_account
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import ShardSpec
 

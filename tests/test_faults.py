@@ -19,21 +19,22 @@ import time
 from urllib.parse import urlsplit
 
 import pytest
-
 from apphost import AppThread
 from route_fixtures import health, one_thread, reference
 from route_fixtures import http as http_json
 
 from ggufswarm.cache.app import CacheConfig
-from ggufswarm.client.generate import generate
-from ggufswarm.client.remote import RemoteSession
-from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.cache.app import make_app as make_cache_app
-from ggufswarm.gateway.app import GatewayConfig, make_app
-from ggufswarm.protocol.http import ServerThread
-from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.runtime.shard import even_split
+from ggufswarm.client.generate import generate
+from ggufswarm.client.session import AsyncRouteSession
 from ggufswarm.client.tracker import TrackerClient
+from ggufswarm.client.transport import StepLink
+from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.protocol import decode_frame
+from ggufswarm.protocol.http import ServerThread
+from ggufswarm.runtime.sampling import SamplingParams
+from ggufswarm.runtime.shard import even_split
 from ggufswarm.swarm.publish import publish
 from ggufswarm.swarm.torrent import Swarm, save_path_for
 from ggufswarm.tracker.app import TrackerConfig
@@ -130,25 +131,30 @@ def repair_log(monkeypatch):
     code: the session's history (tokens it had stepped) and its step boundaries; then the tokens it sent again
     as "do not sample" frames while that repair's replay ran, counted at the wire."""
     log = []
-    repair, send = RemoteSession._repair, RemoteSession._send
+    replaying = {}  # session id -> the entry of the repair whose replay is running
+    repair, send = AsyncRouteSession.repair, StepLink.send
 
-    def spy_repair(self, exc):
-        self._replay_entry = {"history": len(self.tokens), "boundaries": set(self.boundaries), "replayed": 0}
-        log.append(self._replay_entry)
-        return repair(self, exc)
+    async def spy_repair(self, exc):
+        entry = {"history": len(self.tokens), "boundaries": set(self.boundaries), "replayed": 0}
+        replaying[self.id] = entry
+        log.append(entry)
+        return await repair(self, exc)
 
-    def spy_send(self, ids, sample):
-        token = send(self, ids, sample)
-        entry = getattr(self, "_replay_entry", None)
+    async def spy_send(self, frame, waiter, timeout=None):
+        header = decode_frame(frame)
+        entry = replaying.get(header.session_id)
         if entry is not None:
-            if sample:
-                self._replay_entry = None  # the failed step again: the replay is over
-            else:
-                entry["replayed"] += len(ids)
-        return token
+            if header.sample:
+                del replaying[header.session_id]  # the failed step again: the replay is over
+            else:  # counted once answered (a frame sent again on a fresh connection counts once)
+                def answered(done, n=header.n_tokens):
+                    if not done.cancelled() and done.exception() is None and done.result()[0] == 200:
+                        entry["replayed"] += n
+                waiter.add_done_callback(answered)
+        return await send(self, frame, waiter, timeout)
 
-    monkeypatch.setattr(RemoteSession, "_repair", spy_repair)
-    monkeypatch.setattr(RemoteSession, "_send", spy_send)
+    monkeypatch.setattr(AsyncRouteSession, "repair", spy_repair)
+    monkeypatch.setattr(StepLink, "send", spy_send)
     return log
 
 

@@ -57,10 +57,12 @@ from hypothesis import strategies as st
 from tinymodels import N_VOCAB, write_tiny_model
 
 from ggufswarm.client.local import LocalModel
-from ggufswarm.client.remote import RemoteRoute, RouteError
+from ggufswarm.client.route import RemoteRoute
+from ggufswarm.client.transport import RouteError
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.node.launch import NodeProcess, start_nodes, stop_nodes
-from ggufswarm.node.server import NODE, NodeConfig, make_app
+from ggufswarm.node.app import make_app
+from ggufswarm.node.state import NODE, NodeConfig
 from ggufswarm.protocol.auth import TOKEN_HEADER
 from ggufswarm.protocol.errors import ERROR_STATUS
 from ggufswarm.protocol.frame import HEADER, HEADER_SIZE, MAGIC, encode_hidden, encode_tokens

@@ -9,15 +9,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import openai
 import numpy as np
+import openai
 import pytest
-
 import torch
+from route_fixtures import cluster, gateway, http, one_thread, reference  # noqa: F401 - fixtures
 
 from ggufswarm.client.generate import generate
 from ggufswarm.runtime.sampling import SamplingParams
-from route_fixtures import cluster, gateway, http, one_thread, reference  # noqa: F401 - fixtures
 
 SHORT = "The capital of France is"
 CHAT = "Name three colors."
@@ -281,7 +280,7 @@ def test_bad_requests(gateway, path, body, param):
 def test_literal_prompts_flag(gateway, cluster, gemma_path, gemma):
     """/v1/completions reads control-token text in a raw prompt as the control token (llama-server's
     behaviour); a gateway with ``--literal-prompts`` (prompt_special False) tokenizes it as plain text."""
-    from ggufswarm.gateway.app import GatewayConfig, make_app
+    from ggufswarm.gateway import GatewayConfig, make_app
     from ggufswarm.protocol.http import ServerThread
 
     prompt = "Say hi.<end_of_turn>\n<start_of_turn>model\n"
@@ -536,7 +535,7 @@ def test_a_route_with_wan_latency_completes_and_its_telemetry_shows_the_delay(ga
     would add): a greedy generation through the delayed route gives the same tokens as the plain route, and each
     hop's decode network time (what its caller waited beyond the hop's own handling) is at least the round
     trip the proxy adds, where the undelayed route's is well below it."""
-    from ggufswarm.client.remote import RemoteRoute
+    from ggufswarm.client.route import RemoteRoute
     from ggufswarm.netdelay import DelayProxy
 
     delay = 40.0

@@ -9,7 +9,9 @@ import urllib.request
 import pytest
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
-from ggufswarm.gateway.app import GatewayConfig, RequestError, chat_turns, make_app
+from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.gateway.errors import RequestError
+from ggufswarm.gateway.messages import chat_turns
 from ggufswarm.protocol.http import ServerThread
 
 

@@ -3,7 +3,7 @@
 A recurrent block keeps one state per session, which llama.cpp cannot roll back partway, so every node of the
 route returns only to positions it holds an exact state of: the cache snapshots (a replacement node restores one
 whole) and, on the surviving nodes, the checkpoints they kept when they took those same snapshots
-(``runtime/llamacpp/backend.py``). Three node processes [0,4)+embed, [4,6), [6,9)+head over a 9-block model
+(``runtime/llamacpp/seq.py``). Three node processes [0,4)+embed, [4,6), [6,9)+head over a 9-block model
 (attention at 2, 5, 8) and a spare [4,6), a snapshot cache; the middle node is SIGKILLed mid-stream. The
 reference is llama.cpp's own full model (llama-cpp-python) fed the same steps with the same thread count.
 Also: survivors without checkpoints make the repair recompute from 0 (same tokens); a recurrent node keeps a
@@ -25,7 +25,7 @@ from ggufswarm.artifact.accounting import shard_account
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import ShardSpec
@@ -181,8 +181,9 @@ def test_hybrid_node_advertises_its_recurrent_state(hybrid_route, tmp_path):
     """What a node of each shard advertises to the tracker (``extra.accounting``) is its shard's accounting from the
     header: the recurrent state per session (llama.cpp's size, test_llamacpp_backend checks) and the KV per token
     of its attention blocks only; the free bytes count one state per free session slot."""
-    from ggufswarm.node.server import NODE, NodeConfig, advertisement
-    from ggufswarm.node.server import make_app as make_node_app
+    from ggufswarm.node.advertise import advertisement
+    from ggufswarm.node.state import NODE, NodeConfig
+    from ggufswarm.node.app import make_app as make_node_app
     model = hybrid_route["model"]
     file = GGUFModelFile(model)
     for spec in (ShardSpec(0, 4, embed=True), ShardSpec(4, 6), ShardSpec(6, 9, head=True)):
@@ -203,8 +204,8 @@ def test_exact_state_node_checkpoints_every_due_position(hybrid_route, tmp_path)
     be what a repair restores). Snapshots due at every step (``snapshot_every`` 1), the cache behind a 150 ms proxy
     (an upload takes 300 ms or more, a step of the tiny model a few): the session's last 4 positions are all
     checkpoints, although most uploads were skipped."""
-    from ggufswarm.node.server import NODE, NodeConfig
-    from ggufswarm.node.server import make_app as make_node_app
+    from ggufswarm.node.state import NODE, NodeConfig
+    from ggufswarm.node.app import make_app as make_node_app
     from ggufswarm.protocol import encode_tokens
     from route_fixtures import open_greedy
 

@@ -12,18 +12,18 @@ import uuid
 import aiohttp
 import pytest
 from aiohttp import web
-
 from apphost import AppThread
 from route_fixtures import http, open_greedy, tiny_split_route
 from tinymodels import write_tiny_model
 
-from ggufswarm.client.remote import RemoteRoute, StepLink
-from ggufswarm.runtime.sampling import SamplingParams
-from ggufswarm.node.link import NO_KEY, REPLY_HEAD, frame_key
-from ggufswarm.node.server import NodeConfig
-from ggufswarm.node.server import make_app as make_node_app
+from ggufswarm.client.route import RemoteRoute
+from ggufswarm.client.transport import StepLink
+from ggufswarm.node.app import make_app as make_node_app
+from ggufswarm.node.state import NodeConfig
 from ggufswarm.protocol import decode_frame, encode_tokens
 from ggufswarm.protocol.frame import HEADER_SIZE
+from ggufswarm.protocol.link import NO_KEY, REPLY_HEAD, frame_key
+from ggufswarm.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = [5 + (i * 11) % 300 for i in range(24)]
@@ -106,6 +106,55 @@ def test_head_replies_straight_to_the_client(tiny_route):
     assert http("GET", tiny_route["head"] + "/health")[1]["links"]["replies"] == 0
 
 
+def test_a_generation_is_a_coroutine_and_cancelling_it_closes_the_session(tiny_route):
+    """``agenerate`` over an AsyncRouteSession runs on the caller's loop with the blocking ``generate``'s tokens;
+    cancelling the task iterating it (which closes the session in its ``finally``) releases the session on
+    every node."""
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.client.generate import GenerationStats, agenerate, generate
+    from ggufswarm.client.tokenizer import Tokenizer
+
+    urls = [tiny_route["first"], tiny_route["head"]]
+    file = GGUFModelFile(tiny_route["model"])
+    tokenizer = Tokenizer(str(file.path), file.metadata)
+    want = GenerationStats()
+    session = RemoteRoute(urls).open(64, GREEDY)
+    try:
+        list(generate(session, tokenizer, PROMPT, 8, stats=want))
+    finally:
+        session.close()
+    before = [http("GET", u + "/health")[1]["sessions"] for u in urls]
+
+    async def run() -> GenerationStats:
+        route = await RemoteRoute.connect(urls)
+        got = GenerationStats()
+        async with await route.aopen(64, GREEDY) as session:
+            async for _ in agenerate(session, tokenizer, PROMPT, 8, stats=got):
+                pass
+        assert got.tokens == want.tokens
+        stats = GenerationStats()
+
+        async def generation():
+            session = await route.aopen(64, GREEDY)
+            try:
+                async for _ in agenerate(session, tokenizer, PROMPT, 30, stats=stats):
+                    pass
+            finally:
+                await session.close()
+
+        task = asyncio.create_task(generation())
+        while len(stats.tokens) < 3:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return stats
+
+    stats = asyncio.run(run())
+    assert 3 <= len(stats.tokens) < 30
+    assert [http("GET", u + "/health")[1]["sessions"] for u in urls] == before
+
+
 def test_prompt_longer_than_llama_cpps_batch(tiny_route):
     """A prompt over llama.cpp's batch (n_batch 2048 tokens) goes through a route and in process: nodes advertise
     max_step_tokens capped by it (not --max-step-tokens' 4096, which llama.cpp refused past 2048) and clients
@@ -180,13 +229,18 @@ def test_next_hop_without_links_gets_plain_posts(tiny_route):
         http("DELETE", f"{tiny_route['first']}/v1/sessions/{sid}")
 
         # The client's own step link falls back the same way when the first node has no links.
-        link = StepLink(fake, 5.0)
-        try:
-            for i in range(2):
-                status, body, _ = link.step(encode_tokens(sid, i + 1, i, [3]))
-                assert status == 200 and json.loads(body)["token"] == 8
-        finally:
-            link.close()
+        async def client_link() -> StepLink:
+            async with aiohttp.ClientSession() as client:
+                link = StepLink(client, fake, 5.0)
+                try:
+                    for i in range(2):
+                        status, body = await link.step(encode_tokens(sid, i + 1, i, [3]))
+                        assert status == 200 and json.loads(body)["token"] == 8
+                finally:
+                    await link.close()
+                return link
+
+        link = asyncio.run(client_link())
         assert link.http_only and seen == {"link": 2, "step": 5}
 
 
@@ -297,7 +351,7 @@ def test_a_gateway_killed_mid_request_has_its_sessions_freed_within_its_lease(ti
     import sys
     from http.client import HTTPConnection
 
-    from ggufswarm.gateway.app import GatewayConfig
+    from ggufswarm.gateway import GatewayConfig
 
     assert GatewayConfig([]).session_lease_s == 30
     lease = 5.0
@@ -338,7 +392,7 @@ def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
     error), then the one that finds no replacement left."""
     from dataclasses import replace
 
-    from ggufswarm.client.remote import RouteError
+    from ggufswarm.client.transport import RouteError
 
     async def opened(request):
         return web.json_response({"session_id": (await request.json())["session_id"]}, status=201)
@@ -386,7 +440,7 @@ def test_a_repair_whose_replay_fails_halfway_records_the_tokens_it_replayed(tiny
     (back to the first head, healthy again) replays the whole history; the text is unchanged."""
     from dataclasses import replace
 
-    from ggufswarm.client.remote import RouteError
+    from ggufswarm.client.transport import RouteError
 
     steps = []
 
@@ -453,7 +507,7 @@ def test_a_repair_whose_replay_fails_halfway_records_the_tokens_it_replayed(tiny
 def test_a_node_excluded_by_one_repair_can_replace_a_later_failure(tiny_route, tiny_dir):
     """The head fails (the session moves to a second head), then the second head fails too: the session goes
     back to the first head, which serves again, instead of ending with no_replacement; the text is unchanged."""
-    from ggufswarm.client.remote import RouteError
+    from ggufswarm.client.transport import RouteError
 
     first, head = tiny_route["first"], tiny_route["head"]
     with AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=tiny_route["model"],
@@ -487,7 +541,7 @@ def test_with_no_spare_for_the_failed_span_the_whole_route_is_replanned(tiny_rou
     whole route onto it (replaced_layers: all of them), releases the session on the first node, which the new
     route leaves out, and the text is unchanged (f32 frames). With no plan for either, the error is the one for
     the failed layers."""
-    from ggufswarm.client.remote import RouteError
+    from ggufswarm.client.transport import RouteError
 
     first, head, whole = tiny_route["first"], tiny_route["head"], tiny_route["whole"]
     asked = []
@@ -620,7 +674,8 @@ def test_one_model_end_to_end(tiny_route, tiny_dir):
 def test_a_gateway_given_only_a_route_serves_the_route_s_model(tiny_route, tmp_path, gemma_path):
     """``gateway --route`` without ``--model`` takes the model (vocabulary, name) from the route's nodes; with a
     ``--model`` the nodes don't serve, the start-up check and every request say which models differ."""
-    from ggufswarm.gateway.app import GatewayConfig, check_route, make_app
+    from ggufswarm.gateway import GatewayConfig, make_app
+    from ggufswarm.gateway.serve import check_route
     from ggufswarm.protocol.http import ServerThread
 
     urls = [tiny_route["first"], tiny_route["head"]]

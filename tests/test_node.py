@@ -13,12 +13,13 @@ import uuid
 import pytest
 import torch
 
-from ggufswarm.client.remote import RemoteRoute, RouteError
+from ggufswarm.client.route import RemoteRoute
+from ggufswarm.client.transport import RouteError, StepLink
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.protocol import encode_hidden, encode_tokens
+from ggufswarm.protocol import decode_frame, encode_hidden, encode_tokens
 from ggufswarm.runtime.shard import ShardSpec
 from route_fixtures import (HOP_TIMEOUT, cluster, greedy_prompts, health, http, llama_cpp_greedy_tokens,  # noqa: F401
                             reference)
@@ -101,7 +102,7 @@ def test_route_greedy_equals_llama_cpp(cluster, gemma, gemma_path, reference_tex
             assert min(agree) >= 1, agree
 
 
-def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma):
+def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma, monkeypatch):
     """A prompt over max_step_tokens goes in chunks; only the last chunk samples. Seeded draws through the
     route (f32 frames) equal the in-process model fed the same chunks: llama.cpp's numerics depend on the
     step size, so the reference must chunk the same way."""
@@ -113,15 +114,16 @@ def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma)
         route = RemoteRoute(urls(cluster), HOP_TIMEOUT)
         route.hops[1] = dataclasses.replace(route.hops[1], max_step_tokens=chunk)
         session = route.open(64, sampling, wire_dtype="f32")
-        replies = []  # per step sent: (tokens in it, the token the head answered)
-        send = session._send
+        replies = []  # per step sent: (tokens in it, the token the head answered), read at the wire
 
-        def spy(step_ids, sample, send=send, replies=replies):
-            token = send(step_ids, sample)
-            replies.append((len(step_ids), token))
-            return token
+        def spy(link, frame, waiter, timeout=None, send=StepLink.send, replies=replies, sid=session.id):
+            header = decode_frame(frame)
+            if header.session_id == sid:
+                waiter.add_done_callback(lambda done, n=header.n_tokens: replies.append(
+                    (n, json.loads(done.result()[1])["token"])))
+            return send(link, frame, waiter, timeout)
 
-        session._send = spy
+        monkeypatch.setattr(StepLink, "send", spy)
         tokens = [session.step(ids)]
         # the prompt went as ceil(len / chunk) steps; every one but the last answered token null (no draw)
         n_chunks = -(-len(ids) // chunk)
@@ -662,11 +664,11 @@ def _torch_head_checks(route, gemma):
 def test_a_later_node_s_error_names_that_node_first():
     """A step error a later node caused (its ``hop`` in the error body) reads "step N: node B (via node A): ...";
     an error of the node answered reads "step N on node A: ..."; a malformed ``hop`` falls back to the node."""
-    from ggufswarm.client.remote import RouteError, _check
+    from ggufswarm.client.transport import RouteError, check_reply
 
     def message(err: dict) -> tuple[str, str]:
         with pytest.raises(RouteError) as caught:
-            _check("http://a", 502, json.dumps({"error": err}).encode(), "step 3")
+            check_reply("http://a", 502, json.dumps({"error": err}).encode(), "step 3")
         return str(caught.value), caught.value.hop
 
     assert message({"message": "next hop http://b failed: link failed", "code": "hop_failed", "hop": "http://b"}) \

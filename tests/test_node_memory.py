@@ -13,7 +13,7 @@ import numpy as np
 from tinymodels import write_tiny_model
 
 from ggufswarm.cache.snapshot import STATE_DTYPE, Shard, decode_snapshot, encode_snapshot
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.spec import ShardSpec

@@ -14,10 +14,10 @@ from apphost import AppThread
 from route_fixtures import http, open_greedy, tiny_split_route
 from tinymodels import write_tiny_model
 
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.runtime.sampling import SamplingParams
-from ggufswarm.node.server import NodeConfig
-from ggufswarm.node.server import make_app as make_node_app
+from ggufswarm.node.state import NodeConfig
+from ggufswarm.node.app import make_app as make_node_app
 from ggufswarm.protocol import decode_frame, encode_tokens
 from ggufswarm.protocol.frame import HEADER_SIZE, ITEMSIZE
 
@@ -401,7 +401,7 @@ def test_snapshot_of_a_session_truncated_meanwhile_is_dropped(model, tmp_path):
     import threading
 
     from ggufswarm.cache.app import CacheConfig, make_app as make_cache_app
-    from ggufswarm.node.server import NODE
+    from ggufswarm.node.state import NODE
 
     with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path / "c"), max_bytes=10 ** 8))) as cache:
         app = make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=model, cache=cache,

@@ -12,10 +12,10 @@ from tinymodels import write_tiny_model
 
 from ggufswarm.runtime.sampling import Sampler, SamplingParams
 from ggufswarm.client.tokenizer import Tokenizer
-from ggufswarm.gateway.app import GatewayConfig, make_app
+from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.protocol.http import ServerThread
-from ggufswarm.node.server import NodeConfig
-from ggufswarm.node.server import make_app as make_node_app
+from ggufswarm.node.state import NodeConfig
+from ggufswarm.node.app import make_app as make_node_app
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
 

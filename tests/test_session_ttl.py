@@ -16,7 +16,7 @@ import pytest
 from route_fixtures import http
 from tinymodels import write_tiny_model
 
-from ggufswarm.node.server import NodeConfig, make_app
+from ggufswarm.node import NodeConfig, make_app
 from ggufswarm.protocol.frame import encode_tokens
 from ggufswarm.protocol.http import ServerThread
 

@@ -12,11 +12,11 @@ import subprocess
 import urllib.request
 
 import pytest
-
 from route_fixtures import HOP_TIMEOUT, cluster, http  # noqa: F401  (cluster: a module fixture)
 
+from ggufswarm.client import loop
 from ggufswarm.client.generate import GenerationStats, generate
-from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.client.route import RemoteRoute
 from ggufswarm.client.speculative import NgramDrafter, speculate
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.node.launch import start_nodes, stop_nodes
@@ -133,7 +133,7 @@ def test_speculative_draft_model_smollm2(smollm2_draft_gateway):
 
 
 def test_draft_model_needs_the_same_vocabulary(gemma_path):
-    from ggufswarm.gateway.app import Gateway
+    from ggufswarm.gateway.state import Gateway
     gw = Gateway(GatewayConfig(["http://127.0.0.1:1"], model=str(gemma_path), speculative="draft",
                                draft_model="smollm2"))
     with pytest.raises(ValueError, match="vocabulary"):
@@ -217,7 +217,7 @@ def test_verify_step_limits(cluster, gemma):  # noqa: F811
         t = session.step(gemma.tokenizer.encode(PROSE))
         with pytest.raises(ValueError, match="verify step takes 1..16"):
             session.verify([t] * 17)
-        out = speculate(session, t, [t, t])
+        out = loop.run(speculate(session.session, t, [t, t]))  # the blocking session's async one, on its loop
         assert 1 <= len(out) <= 3 and session.position == len(gemma.tokenizer.encode(PROSE)) + len(out)
     finally:
         session.close()

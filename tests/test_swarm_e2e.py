@@ -11,7 +11,7 @@ import pytest
 
 from apphost import AppThread
 
-from ggufswarm.gateway.app import GatewayConfig, make_app
+from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import ShardSpec
@@ -171,7 +171,7 @@ def test_a_gateway_without_model_serves_every_model_of_the_swarm(tmp_path, tiny_
     from tinymodels import write_tiny_model
 
     from ggufswarm.artifact.gguf_file import GGUFModelFile
-    from ggufswarm.client.remote import Hop, RemoteRoute
+    from ggufswarm.client.route import Hop, RemoteRoute
     from ggufswarm.runtime.sampling import SamplingParams
     from ggufswarm.client.tokenizer import Tokenizer
 

@@ -14,13 +14,19 @@ from pathlib import Path
 import pytest
 
 from ggufswarm.client.generate import generate
-from ggufswarm.runtime.sampling import Sampler, SamplingParams
-from ggufswarm.client.tools import (ToolCallStream, ToolError, parse_tool_calls, template_tool_format,
-                                    tool_call_grammar, tool_request)
+from ggufswarm.client.tools import (
+    ToolCallStream,
+    ToolError,
+    parse_tool_calls,
+    template_tool_format,
+    tool_call_grammar,
+    tool_request,
+)
 from ggufswarm.gateway import GatewayConfig, make_app
-from ggufswarm.protocol.http import ServerThread
-from ggufswarm.gateway.app import chat_turns
+from ggufswarm.gateway.messages import chat_turns
 from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.protocol.http import ServerThread
+from ggufswarm.runtime.sampling import Sampler, SamplingParams
 from ggufswarm.runtime.shard import even_split
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen2.5-tools.jinja").read_text(encoding="utf-8")

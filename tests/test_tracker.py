@@ -270,8 +270,8 @@ def test_free_kv_reaches_the_tracker_when_sessions_close(tmp_path, tiny_artifact
     refused as full, 503 no_route, until the next beat)."""
     import uuid
 
-    from ggufswarm.node.server import NODE, NodeConfig
-    from ggufswarm.node.server import make_app as make_node_app
+    from ggufswarm.node.state import NODE, NodeConfig
+    from ggufswarm.node.app import make_app as make_node_app
 
     path, manifest = tiny_artifact
     with AppThread(lambda: make_app(TrackerConfig(db=str(tmp_path / "t.sqlite")))) as tracker:
