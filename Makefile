@@ -10,7 +10,7 @@ PROMPT ?=
 LLAMA_CPP_VERSION := 0.3.36
 PATCHES := $(wildcard patches/llama.cpp/*.patch)
 
-.PHONY: setup demo test test-deps bench bench-llamacpp faults clean llamacpp-tools zoo
+.PHONY: setup demo test lint test-deps bench bench-llamacpp faults clean llamacpp-tools zoo
 
 $(BIN)/ggufswarm: pyproject.toml setup.py $(PATCHES)
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,12 @@ endif
 test: setup test-deps
 	@echo "test order: pytest-randomly seed $(SEED) (repeat it with make test SEED=$(SEED))"
 	$(BIN)/python -m pytest -q -p randomly --randomly-seed=$(SEED) --durations=20
+
+# The linter and formatter (ruff; rules in pyproject.toml), as CI runs them before the tests.
+LINTED := src tests bench scripts
+lint: setup
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
 # Fault suite alone, with its table: 20 trials SIGKILLing a random node of a live 3-node route.
 faults: setup

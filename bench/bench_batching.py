@@ -5,7 +5,8 @@ decode step of a running session while another session's 4K-token prompt is pref
 Model: the embedded default (Gemma 3 270M Q4_K_M). Route: three ``ggufswarm node`` processes (blocks 0-5 / 6-11 /
 12-17, 1 thread each, ``--max-sessions`` = the most sessions measured), once per ``--batch-group`` value (3: every
 session's result bitwise its result alone, the default; larger: the throughput mode, one unified KV stream per
-node so that any sessions share a graph evaluation, not bitwise). Each session has its own prompt (``--prompt`` tokens of the GPL excerpt, each from another offset),
+node so that any sessions share a graph evaluation, not bitwise). Each session has its own prompt (``--prompt`` tokens
+of the GPL excerpt, each from another offset),
 prefilled before the clock starts; then all decode ``--decode`` tokens at once, each in its own client thread;
 aggregate = all decoded tokens / wall time from the common start to the last token.
 
@@ -37,7 +38,6 @@ import time
 import urllib.request
 
 import numpy as np
-
 from bench_llamacpp import GREEDY, TEXT, TOOLS_BIN, free_port
 
 from ggufswarm.artifact.default_model import default_model_path
@@ -53,7 +53,7 @@ THREADS_PER_NODE = 3 * [1]
 def prompts(ids: list[int], n: int, length: int) -> list[list[int]]:
     """``n`` prompts of ``length`` tokens, each from another offset of ``ids``."""
     step = max(1, (len(ids) - length) // max(n, 1))
-    return [(ids * 2)[i * step % len(ids):][:length] for i in range(n)]
+    return [(ids * 2)[i * step % len(ids) :][:length] for i in range(n)]
 
 
 def route_aggregate(urls: list[str], prompt_ids: list[list[int]], n_decode: int) -> dict:
@@ -73,7 +73,7 @@ def route_aggregate(urls: list[str], prompt_ids: list[list[int]], n_decode: int)
             for _ in range(n_decode):
                 tok = session.step([tok])
             spans.append((t0, time.perf_counter()))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
             try:
                 ready.abort()
@@ -104,8 +104,9 @@ def server_aggregate(base: str, prompt_ids: list[list[int]], n_decode: int) -> d
     spans, errors = [], []
 
     def one(ids: list[int]) -> None:
-        body = json.dumps({"prompt": ids, "n_predict": n_decode, "temperature": 0, "ignore_eos": True,
-                           "cache_prompt": False}).encode()
+        body = json.dumps(
+            {"prompt": ids, "n_predict": n_decode, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+        ).encode()
         req = urllib.request.Request(base + "/completion", data=body, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=1800) as r:
@@ -113,7 +114,7 @@ def server_aggregate(base: str, prompt_ids: list[list[int]], n_decode: int) -> d
             end = time.perf_counter()
             t = out["timings"]
             spans.append((end - t["predicted_ms"] / 1e3, end, int(t["predicted_n"])))
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=one, args=(ids,)) for ids in prompt_ids]
@@ -124,8 +125,10 @@ def server_aggregate(base: str, prompt_ids: list[list[int]], n_decode: int) -> d
     if errors:
         raise errors[0]
     wall = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
-    return {"tok_s": sum(n for _, _, n in spans) / wall,
-            "per_session": float(np.mean([n / (e - s) for s, e, n in spans]))}
+    return {
+        "tok_s": sum(n for _, _, n in spans) / wall,
+        "per_session": float(np.mean([n / (e - s) for s, e, n in spans])),
+    }
 
 
 def start_llama_server(path: str, n_ctx_seq: int, threads: int, parallel: int = 16):
@@ -133,10 +136,32 @@ def start_llama_server(path: str, n_ctx_seq: int, threads: int, parallel: int = 
     if not exe.exists():
         return None, None
     port = free_port()
-    proc = subprocess.Popen([str(exe), "-m", path, "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
-                             "-c", str(n_ctx_seq * parallel), "-t", str(threads), "-tb", str(threads),
-                             "-b", "2048", "-ub", "512", "--no-webui"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "-m",
+            path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-np",
+            str(parallel),
+            "-c",
+            str(n_ctx_seq * parallel),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "--no-webui",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -156,9 +181,12 @@ def start_llama_server(path: str, n_ctx_seq: int, threads: int, parallel: int = 
 def prefill_interference(path: str, ids: list[int], long_n: int, n_base: int, group: int) -> dict:
     """Session A's decode steps alone and while B prefills ``long_n`` tokens on the same route (seconds, counts)."""
     ctx = max(4096, -(-(long_n + 600) // 256) * 256)
-    nodes = start_nodes(even_split(18, 3), path, threads=1,
-                        extra=["--ctx-size", str(ctx), "--max-sessions", "2", "--batch-group", str(group),
-                               "--hop-timeout", "600"])
+    nodes = start_nodes(
+        even_split(18, 3),
+        path,
+        threads=1,
+        extra=["--ctx-size", str(ctx), "--max-sessions", "2", "--batch-group", str(group), "--hop-timeout", "600"],
+    )
     try:
         urls = [n.url for n in nodes]
         a = RemoteRoute(urls, 600.0).open(ctx, GREEDY)
@@ -175,7 +203,7 @@ def prefill_interference(path: str, ids: list[int], long_n: int, n_base: int, gr
         worker.start()
         while len(stamps) < n_base + 1:
             time.sleep(0.01)
-        base = np.diff(stamps[1:n_base + 1])
+        base = np.diff(stamps[1 : n_base + 1])
         b = RemoteRoute(urls, 600.0).open(long_n + 8, GREEDY)
         t0 = time.perf_counter()
         b.step((ids * (long_n // len(ids) + 1))[:long_n])
@@ -189,8 +217,13 @@ def prefill_interference(path: str, ids: list[int], long_n: int, n_base: int, gr
         stop_nodes(nodes)
     during = [t for t in stamps if t0 <= t <= t1]
     gaps = np.diff([t0] + during + [next((t for t in stamps if t > t1), t1)])
-    return {"alone_ms": 1e3 * float(np.median(base)), "during_median_ms": 1e3 * float(np.median(gaps)),
-            "during_max_ms": 1e3 * float(gaps.max()), "tokens_during": len(during), "prefill_s": t1 - t0}
+    return {
+        "alone_ms": 1e3 * float(np.median(base)),
+        "during_median_ms": 1e3 * float(np.median(gaps)),
+        "during_max_ms": 1e3 * float(gaps.max()),
+        "tokens_during": len(during),
+        "prefill_s": t1 - t0,
+    }
 
 
 def main() -> int:
@@ -210,14 +243,29 @@ def main() -> int:
     f = GGUFModelFile(path)
     ids = Tokenizer(path, f.metadata).encode(TEXT)
     ctx = -(-(args.prompt + args.decode + 8) // 256) * 256
-    print(f"# Batching: {os.path.basename(path)}, 3-node route (1 thread per node), prompt {args.prompt}, decode "
-          f"{args.decode} tokens per session; load {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"# Batching: {os.path.basename(path)}, 3-node route (1 thread per node), prompt {args.prompt}, decode "
+        f"{args.decode} tokens per session; load {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
 
     rows: dict[str, dict[int, dict]] = {}
     for group in groups:
-        nodes = start_nodes(even_split(18, 3), path, threads=1,
-                            extra=["--max-sessions", str(max(counts)), "--ctx-size", str(ctx),
-                                   "--batch-group", str(group), "--hop-timeout", "600"])
+        nodes = start_nodes(
+            even_split(18, 3),
+            path,
+            threads=1,
+            extra=[
+                "--max-sessions",
+                str(max(counts)),
+                "--ctx-size",
+                str(ctx),
+                "--batch-group",
+                str(group),
+                "--hop-timeout",
+                "600",
+            ],
+        )
         try:
             urls = [n.url for n in nodes]
             route_aggregate(urls, prompts(ids, 1, args.prompt), 4)  # warm up
@@ -225,10 +273,13 @@ def main() -> int:
                 before = batching_counters(urls)
                 r = route_aggregate(urls, prompts(ids, n, args.prompt), args.decode)
                 after = batching_counters(urls)
-                r["mean_batch"] = max((a.get("batched_steps", 0) - b.get("batched_steps", 0))
-                                      / (a.get("batches", 0) - b.get("batches", 0))
-                                      if a.get("batches", 0) > b.get("batches", 0) else 1.0
-                                      for a, b in zip(after, before))
+                r["mean_batch"] = max(
+                    (a.get("batched_steps", 0) - b.get("batched_steps", 0))
+                    / (a.get("batches", 0) - b.get("batches", 0))
+                    if a.get("batches", 0) > b.get("batches", 0)
+                    else 1.0
+                    for a, b in zip(after, before)
+                )
                 rows.setdefault(f"route, --batch-group {group}", {})[n] = r
                 print(f"  route group {group}, {n} sessions: {r['tok_s']:.1f} tok/s aggregate", flush=True)
         finally:
@@ -251,8 +302,10 @@ def main() -> int:
     print("\n| | " + " | ".join(f"{n} sessions" for n in counts) + " | aggregate x single |")
     print("|---|" + "---|" * (len(counts) + 1))
     for name, by_n in rows.items():
-        cells = [f"{by_n[n]['tok_s']:.1f}" + (f" (batch {by_n[n]['mean_batch']:.1f})" if "mean_batch" in by_n[n]
-                                                else "") for n in counts]
+        cells = [
+            f"{by_n[n]['tok_s']:.1f}" + (f" (batch {by_n[n]['mean_batch']:.1f})" if "mean_batch" in by_n[n] else "")
+            for n in counts
+        ]
         scale = by_n[max(counts)]["tok_s"] / by_n[min(counts)]["tok_s"]
         print(f"| {name} | " + " | ".join(cells) + f" | {scale:.2f} |")
     print()
@@ -265,10 +318,12 @@ def main() -> int:
             print(line)
 
     p = prefill_interference(path, ids, args.long, 16, groups[0])
-    print(f"\n| decode of a running session | median step ms | largest step ms | its tokens |\n|---|---|---|---|\n"
-          f"| alone | {p['alone_ms']:.1f} | | |\n"
-          f"| while a {args.long}-token prompt is prefilled ({p['prefill_s']:.1f} s) | {p['during_median_ms']:.1f} "
-          f"| {p['during_max_ms']:.1f} | {p['tokens_during']} |")
+    print(
+        f"\n| decode of a running session | median step ms | largest step ms | its tokens |\n|---|---|---|---|\n"
+        f"| alone | {p['alone_ms']:.1f} | | |\n"
+        f"| while a {args.long}-token prompt is prefilled ({p['prefill_s']:.1f} s) | {p['during_median_ms']:.1f} "
+        f"| {p['during_max_ms']:.1f} | {p['tokens_during']} |"
+    )
     return 0
 
 

@@ -62,15 +62,26 @@ class Stack:
         for i, layers in enumerate(LAYERS):
             port = free_port()
             flags = (["--embed"] if i == 0 else []) + (["--head"] if i == len(LAYERS) - 1 else [])
-            self.procs.append(subprocess.Popen(cli + ["node", "--layers", layers, *flags, "--port", str(port),
-                                                      "--threads", "1"], env=env, stdout=subprocess.DEVNULL,
-                                               stderr=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    cli + ["node", "--layers", layers, *flags, "--port", str(port), "--threads", "1"],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
             wait_healthy(url)
         port = free_port()
-        self.procs.append(subprocess.Popen(cli + ["gateway", "--route", ",".join(urls), "--port", str(port)],
-                                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.procs.append(
+            subprocess.Popen(
+                cli + ["gateway", "--route", ",".join(urls), "--port", str(port)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         self.url = f"http://127.0.0.1:{port}"
         wait_healthy(self.url)
 
@@ -79,9 +90,12 @@ class Stack:
         parts = urlsplit(self.url)
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
         t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": max_tokens,
-                                                             "temperature": 0, "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         times = []
         for raw in conn.getresponse():
             line = raw.decode().strip()
@@ -103,11 +117,13 @@ class Stack:
 
 
 def worktree(ref: str, dest: Path) -> Path:
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(dest), ref], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(dest), ref], check=True, capture_output=True
+    )
     # the graph tap (a C extension) of that tree, built in place as `pip install -e` does here
-    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=dest, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=dest, check=True, capture_output=True
+    )
     return dest
 
 
@@ -131,8 +147,10 @@ def main() -> int:
                 ttft[s.name].append(s.stream(SHORT_PROMPT, 2)[0])
                 _, times = s.stream(DECODE_PROMPT, args.tokens)
                 tps[s.name].append((len(times) - 1) / (times[-1] - times[0]))
-        print(f"3-node llama.cpp route (Gemma 3 270M, {', '.join(LAYERS)}), through the gateway, loopback, "
-              f"medians of {args.rounds}")
+        print(
+            f"3-node llama.cpp route (Gemma 3 270M, {', '.join(LAYERS)}), through the gateway, loopback, "
+            f"medians of {args.rounds}"
+        )
         print(f"{'tree':<32} {'TTFT ms (short prompt)':>24} {'decode tok/s':>14}")
         for s in stacks:
             print(f"{s.name:<32} {statistics.median(ttft[s.name]):>24.1f} {statistics.median(tps[s.name]):>14.1f}")

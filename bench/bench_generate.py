@@ -36,8 +36,9 @@ def bench_llama_cpp(path, ids, n_decode, threads):
     import llama_cpp
 
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(str(path), n_ctx=len(ids) + n_decode + 8, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=len(ids) + n_decode + 8, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     llm.eval(ids)
@@ -65,13 +66,13 @@ def main():
     torch.set_num_threads(args.threads)
 
     from ggufswarm.artifact.default_model import resolve_model
-    from ggufswarm.client.tokenizer import Tokenizer
     from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.client.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
     tok = Tokenizer(str(path), GGUFModelFile(path).metadata)
     text = open(__file__.replace("bench/bench_generate.py", "tests/data/gpl-3.0-excerpt.txt")).read()
-    ids = tok.encode(text)[:args.prompt_tokens]
+    ids = tok.encode(text)[: args.prompt_tokens]
 
     rows = [
         ("llama.cpp (llama-cpp-python)", bench_llama_cpp(path, ids, args.decode_tokens, args.threads)),
@@ -79,7 +80,9 @@ def main():
         ("ggufswarm torch f32, 3 shards", bench_ours(path, ids, args.decode_tokens, [6, 12], "float32")),
         ("ggufswarm torch bf16, 1 shard", bench_ours(path, ids, args.decode_tokens, None, "bfloat16")),
     ]
-    print(f"model: {path.name}, threads: {args.threads}, prompt: {len(ids)} tokens, decode: {args.decode_tokens} tokens")
+    print(
+        f"model: {path.name}, threads: {args.threads}, prompt: {len(ids)} tokens, decode: {args.decode_tokens} tokens"
+    )
     print(f"{'engine':32s} {'load s':>8s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
     for name, (load_s, pre, dec) in rows:
         print(f"{name:32s} {load_s:8.2f} {pre:14.1f} {dec:13.1f}")

@@ -29,23 +29,24 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from tinymoe import write_tiny_deepseek4_model, write_tiny_moe_model  # noqa: E402 - the tests' tiny-model writers
+from tinymoe import write_tiny_deepseek4_model, write_tiny_moe_model
 
-from ggufswarm.artifact.default_model import default_model_path, smollm2_path  # noqa: E402
-from ggufswarm.artifact.gguf_file import GGUFModelFile  # noqa: E402
-from ggufswarm.client.route import RemoteRoute  # noqa: E402
-from ggufswarm.node.launch import start_nodes, stop_nodes  # noqa: E402
-from ggufswarm.runtime.llamacpp import derive  # noqa: E402
-from ggufswarm.runtime.llamacpp.range_checks import n_model_layers  # noqa: E402
-from ggufswarm.runtime.llamacpp.backend import LlamaCppShard  # noqa: E402
-from ggufswarm.runtime.sampling import SamplingParams  # noqa: E402
-from ggufswarm.runtime.shard import ShardSpec  # noqa: E402
-from ggufswarm.runtime.spec import even_split  # noqa: E402
+from ggufswarm.artifact.default_model import default_model_path, smollm2_path
+from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.client.route import RemoteRoute
+from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.runtime.llamacpp import derive
+from ggufswarm.runtime.llamacpp.backend import LlamaCppShard
+from ggufswarm.runtime.llamacpp.range_checks import n_model_layers
+from ggufswarm.runtime.sampling import SamplingParams
+from ggufswarm.runtime.shard import ShardSpec
+from ggufswarm.runtime.spec import even_split
 
 
 def llama_cpp_decode(path: Path, ids: list[int], n_decode: int) -> float:
     """llama.cpp whole model in-process, 1 thread, greedy: decode tok/s after the prompt."""
     import llama_cpp as L
+
     llm = L.Llama(str(path), n_ctx=512, n_batch=512, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
     try:
         llm.eval(ids)
@@ -63,12 +64,18 @@ def route_decode(path: Path, ids: list[int], n_decode: int, work: Path) -> tuple
     """A 3-node route (even split, 1 thread each, f32 frames): decode tok/s and payload bytes per decode token per
     hop (what each node received)."""
     n = n_model_layers(GGUFModelFile(path))
-    nodes = start_nodes(even_split(n, 3), str(path), threads=1, timeout=300,
-                        extra=["--ctx-size", "512", "--max-sessions", "1"],
-                        per_node=lambda i: ["--data-dir", str(work / f"node{i}")])
+    nodes = start_nodes(
+        even_split(n, 3),
+        str(path),
+        threads=1,
+        timeout=300,
+        extra=["--ctx-size", "512", "--max-sessions", "1"],
+        per_node=lambda i: ["--data-dir", str(work / f"node{i}")],
+    )
     try:
-        session = RemoteRoute([nd.url for nd in nodes], 30.0).open(len(ids) + n_decode + 8,
-                                                                   SamplingParams(temperature=0))
+        session = RemoteRoute([nd.url for nd in nodes], 30.0).open(
+            len(ids) + n_decode + 8, SamplingParams(temperature=0)
+        )
         token = session.step(ids)
         t0 = time.perf_counter()
         for _ in range(n_decode):
@@ -96,8 +103,15 @@ def start_and_disk(path: Path, work: Path) -> list[tuple[str, float, int]]:
         dt_files = time.perf_counter() - t0
         rss0 = psutil.Process().memory_info().rss
         t1 = time.perf_counter()
-        node = LlamaCppShard(model, ShardSpec(mid.start, mid.end), n_ctx_seq=512, n_seq_max=1, threads=1,
-                             cache_dir=cache, in_place=in_place)
+        node = LlamaCppShard(
+            model,
+            ShardSpec(mid.start, mid.end),
+            n_ctx_seq=512,
+            n_seq_max=1,
+            threads=1,
+            cache_dir=cache,
+            in_place=in_place,
+        )
         dt_load = time.perf_counter() - t1
         assert [str(p) for p in node.paths] == [str(p) for p in paths]
         kv = node.new_session(512)
@@ -105,47 +119,68 @@ def start_and_disk(path: Path, work: Path) -> list[tuple[str, float, int]]:
         rss = psutil.Process().memory_info().rss - rss0
         node.close()
         written = sum(f.stat().st_blocks * 512 for f in cache.iterdir())
-        tensor_bytes = sum(GGUFModelFile(path).tensors[src].n_bytes
-                           for src, _ in derive.shard_tensors(model, mid.start, mid.end, mid.head))
+        tensor_bytes = sum(
+            GGUFModelFile(path).tensors[src].n_bytes
+            for src, _ in derive.shard_tensors(model, mid.start, mid.end, mid.head)
+        )
         out.append((label, dt_files, dt_load, written, rss, tensor_bytes))
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--prefill", type=int, default=64, help="prompt tokens (default 64)")
     ap.add_argument("--decode", type=int, default=48, help="decoded tokens timed (default 48)")
-    ap.add_argument("--part", choices=("route", "disk", "both"), default="both",
-                    help="route: part 1 (tiny deepseek4/glm4moe, 3-node route vs llama.cpp); disk: part 2 (node start "
-                         "and disk, the real models); both (default)")
+    ap.add_argument(
+        "--part",
+        choices=("route", "disk", "both"),
+        default="both",
+        help="route: part 1 (tiny deepseek4/glm4moe, 3-node route vs llama.cpp); disk: part 2 (node start "
+        "and disk, the real models); both (default)",
+    )
     args = ap.parse_args()
     print(f"# bench_layer_ranges {datetime.datetime.now().isoformat(timespec='seconds')}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        models = {} if args.part == "disk" else {
-            "deepseek4": write_tiny_deepseek4_model(work / "deepseek4.gguf", compress_ratios=[0, 0, 4, 128, 4, 128],
-                                                    hash_layers=3),
-            "glm4moe": write_tiny_moe_model(work / "glm4moe.gguf", "glm4moe"),
-        }
+        models = (
+            {}
+            if args.part == "disk"
+            else {
+                "deepseek4": write_tiny_deepseek4_model(
+                    work / "deepseek4.gguf", compress_ratios=[0, 0, 4, 128, 4, 128], hash_layers=3
+                ),
+                "glm4moe": write_tiny_moe_model(work / "glm4moe.gguf", "glm4moe"),
+            }
+        )
         ids = [1] + np.random.default_rng(0).integers(3, 384, args.prefill - 1).tolist()
         if models:
             print("\n## 3-node route vs llama.cpp whole model (1 thread each, f32 frames)")
-            print(f"{'arch':<10} {'n_embd':>6} {'llama.cpp tok/s':>15} {'route tok/s':>11} {'ratio':>6}  "
-                  f"payload B/decode token per hop")
+            print(
+                f"{'arch':<10} {'n_embd':>6} {'llama.cpp tok/s':>15} {'route tok/s':>11} {'ratio':>6}  "
+                f"payload B/decode token per hop"
+            )
         for arch, path in models.items():
             ref = llama_cpp_decode(path, ids, args.decode)
             tps, per_hop = route_decode(path, ids, args.decode, work / arch)
             n_embd = int(GGUFModelFile(path).metadata[f"{arch}.embedding_length"])
-            print(f"{arch:<10} {n_embd:>6} {ref:>15.1f} {tps:>11.1f} {tps / ref:>6.2f}  "
-                  + " / ".join(f"{b:,.0f}" for b in per_hop))
+            print(
+                f"{arch:<10} {n_embd:>6} {ref:>15.1f} {tps:>11.1f} {tps / ref:>6.2f}  "
+                + " / ".join(f"{b:,.0f}" for b in per_hop)
+            )
         if args.part != "route":
             print("\n## node start and disk: the middle third of a real model")
-            print(f"{'model':<32} {'mode':<30} {'shard files s':>13} {'load s':>7} {'bytes written':>14} "
-                  f"{'RSS growth':>12} {'tensor bytes':>13}")
+            print(
+                f"{'model':<32} {'mode':<30} {'shard files s':>13} {'load s':>7} {'bytes written':>14} "
+                f"{'RSS growth':>12} {'tensor bytes':>13}"
+            )
         for path in (default_model_path(), smollm2_path()) if args.part != "route" else ():
             for label, dt_files, dt_load, written, rss, tensor_bytes in start_and_disk(path, work):
-                print(f"{path.name:<32} {label:<30} {dt_files:>13.3f} {dt_load:>7.3f} {written:>14,} {rss:>12,} "
-                      f"{tensor_bytes:>13,}")
+                print(
+                    f"{path.name:<32} {label:<30} {dt_files:>13.3f} {dt_load:>7.3f} {written:>14,} {rss:>12,} "
+                    f"{tensor_bytes:>13,}"
+                )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ Rows (prefill: one prompt of --prefill tokens; decode: --decode greedy tokens af
    its RSS after the run next to the file bytes of what it serves.
 
 Columns: prefill and decode tok/s, their ratios to row 1, and RSS MiB / shard MiB per node. Each engine is
-warmed up by an untimed generation of the same prompt (4 tokens) before it is timed; each row's raw numbers are printed as it ends.
+warmed up by an untimed generation of the same prompt (4 tokens) before it is timed; each row's raw numbers are
+printed as it ends.
 
 Targets (the issue): in-process decode >= 0.95x llama.cpp; 3-node route decode >= 0.85x llama.cpp
 single-process at 1 thread and >= 1.0x llama.cpp RPC with 3 servers; prefill >= 0.9x llama.cpp.
@@ -51,9 +52,9 @@ from ggufswarm.artifact.default_model import default_model_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.local import LocalModel
 from ggufswarm.client.route import RemoteRoute
-from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import ShardSpec, even_split
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +65,7 @@ MIB = 1024 * 1024
 N_LAYERS = 18  # Gemma 3 270M
 RPC_SPLIT = "6/6/7"  # 19 units (18 blocks + output) -> blocks 0-5, 6-11, 12-17 + output: the 3-node route's cut
 NODE_CTX, NODE_SESSIONS = 8192, 4  # ggufswarm node defaults (--ctx-size, --max-sessions)
+
 
 def say(msg: str) -> None:
     print(msg, flush=True)
@@ -120,11 +122,19 @@ class LlamaSession:
         import numpy as np
 
         self._lib, self._np = llama_cpp, np
-        self.llm = llama_cpp.Llama(path, n_ctx=max(2048, n_ctx), n_batch=2048, n_ubatch=512, n_threads=threads,
-                                   n_threads_batch=threads, flash_attn=True, verbose=False)
+        self.llm = llama_cpp.Llama(
+            path,
+            n_ctx=max(2048, n_ctx),
+            n_batch=2048,
+            n_ubatch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            flash_attn=True,
+            verbose=False,
+        )
         self.n_vocab = self.llm.n_vocab()
 
-    def reset(self) -> "LlamaSession":
+    def reset(self) -> LlamaSession:
         self.llm.reset()  # n_tokens = 0: the next eval drops the KV cells
         return self
 
@@ -144,10 +154,13 @@ def bench_interleaved(path: str, ids: list[int], n_decode: int, threads: int, ro
     import statistics
 
     ref = LlamaSession(path, len(ids) + n_decode + 16, threads)
-    engines = {"llama.cpp": None,
-               "backend, 1 shard": LocalModel.load(path, backend="llama.cpp", threads=threads, max_length=2048),
-               "backend, 3 shards": LocalModel.load(path, split=[6, 12], backend="llama.cpp", threads=threads,
-                                                    max_length=2048)}
+    engines = {
+        "llama.cpp": None,
+        "backend, 1 shard": LocalModel.load(path, backend="llama.cpp", threads=threads, max_length=2048),
+        "backend, 3 shards": LocalModel.load(
+            path, split=[6, 12], backend="llama.cpp", threads=threads, max_length=2048
+        ),
+    }
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for r in range(rounds + 1):  # round 0 warms every engine up with the timed shapes
         for name, model in engines.items():
@@ -158,8 +171,10 @@ def bench_interleaved(path: str, ids: list[int], n_decode: int, threads: int, ro
             if r:
                 times[name].append(result)
     ref.close()
-    return {name: {"prefill": statistics.median(t[0] for t in ts), "decode": statistics.median(t[1] for t in ts)}
-            for name, ts in times.items()}
+    return {
+        name: {"prefill": statistics.median(t[0] for t in ts), "decode": statistics.median(t[1] for t in ts)}
+        for name, ts in times.items()
+    }
 
 
 def bench_llama_cpp_python(path: str, ids: list[int], n_decode: int, threads: int) -> dict:
@@ -171,10 +186,10 @@ def bench_llama_cpp_python(path: str, ids: list[int], n_decode: int, threads: in
     return {"prefill": prefill, "decode": decode}
 
 
-def bench_local(path: str, ids: list[int], n_decode: int, threads: int, backend: str,
-                split: list[int] | None) -> dict:
-    model = LocalModel.load(path, split=split, backend=backend, threads=threads,
-                            max_length=max(2048, len(ids) + n_decode + 16))
+def bench_local(path: str, ids: list[int], n_decode: int, threads: int, backend: str, split: list[int] | None) -> dict:
+    model = LocalModel.load(
+        path, split=split, backend=backend, threads=threads, max_length=max(2048, len(ids) + n_decode + 16)
+    )
     try:
         warm = model.session(len(ids) + 16, GREEDY)
         run_session(warm, ids, 4)
@@ -191,8 +206,7 @@ def bench_local(path: str, ids: list[int], n_decode: int, threads: int, backend:
     return {"prefill": prefill, "decode": decode}
 
 
-def bench_route(f: GGUFModelFile, n_nodes: int, ids: list[int], n_decode: int, threads: int,
-                backend: str) -> dict:
+def bench_route(f: GGUFModelFile, n_nodes: int, ids: list[int], n_decode: int, threads: int, backend: str) -> dict:
     specs = even_split(N_LAYERS, n_nodes)
     extra = [] if backend == "llama.cpp" else ["--backend", backend]
     need = len(ids) + n_decode + 8
@@ -225,9 +239,12 @@ def bench_route(f: GGUFModelFile, n_nodes: int, ids: list[int], n_decode: int, t
     mem = [(r, shard_bytes(f, s)) for r, s in zip(rss, specs)]
     # mean decode step: wall time at the client vs the nodes' own compute time (the rest is HTTP, framing, waits)
     compute = [h["compute_ms"]["mean"] for h in hops]
-    return {"prefill": prefill, "decode": decode, "mem": mem,
-            "steps": f"decode step {1e3 / decode:.1f} ms wall, node compute "
-                     f"{' + '.join(f'{c:.1f}' for c in compute)} ms"}
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "mem": mem,
+        "steps": f"decode step {1e3 / decode:.1f} ms wall, node compute {' + '.join(f'{c:.1f}' for c in compute)} ms",
+    }
 
 
 # -- llama.cpp tools -------------------------------------------------------------------------------------
@@ -281,9 +298,15 @@ def rpc_servers(threads: int, env: dict, n: int = 3):
     try:
         for _ in range(n):
             port = free_port()
-            servers.append(subprocess.Popen([str(TOOLS_BIN / "rpc-server"), "-t", str(threads), "-H", "127.0.0.1",
-                                             "-p", str(port)], stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env))
+            servers.append(
+                subprocess.Popen(
+                    [str(TOOLS_BIN / "rpc-server"), "-t", str(threads), "-H", "127.0.0.1", "-p", str(port)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                )
+            )
             ports.append(port)
         deadline = time.monotonic() + 30
         for port, proc in zip(ports, servers):
@@ -334,8 +357,22 @@ def bench_rpc(f: GGUFModelFile, n_prefill: int, n_decode: int, threads: int, env
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            out, err = llama_bench(str(f.path), ["-p", str(n_prefill), "-n", str(n_decode), "-d", f"0,{n_prefill}",
-                                                 *rpc_bench_args(threads, addrs), "-v"], env, reps, n_prefill)
+            out, err = llama_bench(
+                str(f.path),
+                [
+                    "-p",
+                    str(n_prefill),
+                    "-n",
+                    str(n_decode),
+                    "-d",
+                    f"0,{n_prefill}",
+                    *rpc_bench_args(threads, addrs),
+                    "-v",
+                ],
+                env,
+                reps,
+                n_prefill,
+            )
         finally:
             done.set()
             sampler.join()
@@ -345,8 +382,9 @@ def bench_rpc(f: GGUFModelFile, n_prefill: int, n_decode: int, threads: int, env
         return out
 
 
-def bench_route_interleaved(f: GGUFModelFile, ids: list[int], n_decode: int, threads: int, rounds: int,
-                            env: dict | None) -> dict[str, dict]:
+def bench_route_interleaved(
+    f: GGUFModelFile, ids: list[int], n_decode: int, threads: int, rounds: int, env: dict | None
+) -> dict[str, dict]:
     """The 3-node route, llama.cpp in-process and (with ``env``: the tools are built) llama.cpp RPC over 3
     rpc-servers, all started once and timed in turn for ``rounds`` rounds after an untimed warm-up round.
 
@@ -375,25 +413,37 @@ def bench_route_interleaved(f: GGUFModelFile, ids: list[int], n_decode: int, thr
                 session.close()
             rpc = None
             if addrs is not None:
-                out = llama_bench(path, ["-p", str(len(ids)), "-n", str(n_decode), "-d", f"0,{len(ids)}",
-                                         *rpc_bench_args(threads, addrs)], env, 1, len(ids))[0]
+                out = llama_bench(
+                    path,
+                    ["-p", str(len(ids)), "-n", str(n_decode), "-d", f"0,{len(ids)}", *rpc_bench_args(threads, addrs)],
+                    env,
+                    1,
+                    len(ids),
+                )[0]
                 rpc = (out["prefill"], out["decode"])
             if r:
                 times["llama.cpp"].append(ref)
                 times["route"].append(got)
                 if rpc:
                     times["rpc"].append(rpc)
-            say(f"  round {r}{' (warm-up)' if not r else ''}: llama.cpp {ref[0]:.1f} / {ref[1]:.1f}, route "
-                f"{got[0]:.1f} / {got[1]:.1f}" + (f", RPC {rpc[0]:.1f} / {rpc[1]:.1f}" if rpc else "")
-                + " tok/s (prefill / decode)")
+            say(
+                f"  round {r}{' (warm-up)' if not r else ''}: llama.cpp {ref[0]:.1f} / {ref[1]:.1f}, route "
+                f"{got[0]:.1f} / {got[1]:.1f}"
+                + (f", RPC {rpc[0]:.1f} / {rpc[1]:.1f}" if rpc else "")
+                + " tok/s (prefill / decode)"
+            )
     llm.close()
-    out = {name: {"prefill": statistics.median(t[0] for t in ts), "decode": statistics.median(t[1] for t in ts)}
-           for name, ts in times.items() if ts}
+    out = {
+        name: {"prefill": statistics.median(t[0] for t in ts), "decode": statistics.median(t[1] for t in ts)}
+        for name, ts in times.items()
+        if ts
+    }
     for other in ("llama.cpp", "rpc"):
         if times[other]:
             out["route"][f"ratio_{other}"] = {
                 key: statistics.median(a[k] / b[k] for a, b in zip(times["route"], times[other]))
-                for k, key in enumerate(("prefill", "decode"))}
+                for k, key in enumerate(("prefill", "decode"))
+            }
     return out
 
 
@@ -404,17 +454,24 @@ def fmt(x, spec=".1f") -> str:
 
 def route_table(f: GGUFModelFile, ids: list[int], n_decode: int, T: int, rounds: int, have_tools: bool) -> dict:
     """Print the interleaved route / llama.cpp / RPC table (bench_route_interleaved); its numbers."""
-    say(f"3-node route vs llama.cpp and llama.cpp RPC, interleaved ({rounds} rounds; nodes, rpc-servers and "
-        f"llama.cpp stay loaded; each round runs all of them in turn):")
+    say(
+        f"3-node route vs llama.cpp and llama.cpp RPC, interleaved ({rounds} rounds; nodes, rpc-servers and "
+        f"llama.cpp stay loaded; each round runs all of them in turn):"
+    )
     rinter = bench_route_interleaved(f, ids, n_decode, T, rounds, dict(os.environ) if have_tools else None)
     say("| engine | prefill tok/s | decode tok/s | route prefill ratio | route decode ratio |")
     say("|---|---:|---:|---:|---:|")
-    names = {"llama.cpp": "llama.cpp in-process", "rpc": "llama.cpp RPC (llama-bench + 3 rpc-server)",
-             "route": "route, 3 llama.cpp nodes"}
+    names = {
+        "llama.cpp": "llama.cpp in-process",
+        "rpc": "llama.cpp RPC (llama-bench + 3 rpc-server)",
+        "route": "route, 3 llama.cpp nodes",
+    }
     for name, r in rinter.items():
         ratio_of = rinter["route"].get(f"ratio_{name}")
-        say(f"| {names[name]} | {r['prefill']:.1f} | {r['decode']:.1f} | "
-            + (f"{ratio_of['prefill']:.2f} | {ratio_of['decode']:.2f} |" if ratio_of else "| |"))
+        say(
+            f"| {names[name]} | {r['prefill']:.1f} | {r['decode']:.1f} | "
+            + (f"{ratio_of['prefill']:.2f} | {ratio_of['decode']:.2f} |" if ratio_of else "| |")
+        )
     say("Route ratios: median over the rounds of (route / engine) in the same round.")
     return rinter
 
@@ -437,13 +494,23 @@ def report_targets(inter: dict | None, rinter: dict, T: int) -> None:
         r = rinter["route"].get(f"ratio_{other}")
         return r[key] if r else None
 
-    check("in-process decode (llama.cpp backend, 1 shard) vs llama.cpp, interleaved", ratio(local1, ref_inter,
-                                                                                         "decode"), 0.95)
-    check("3-node route decode vs llama.cpp single process, interleaved" + ("" if T == 1 else
-          f" (target is for 1 thread; ran {T})"), route_ratio("llama.cpp", "decode"), 0.85)
+    check(
+        "in-process decode (llama.cpp backend, 1 shard) vs llama.cpp, interleaved",
+        ratio(local1, ref_inter, "decode"),
+        0.95,
+    )
+    check(
+        "3-node route decode vs llama.cpp single process, interleaved"
+        + ("" if T == 1 else f" (target is for 1 thread; ran {T})"),
+        route_ratio("llama.cpp", "decode"),
+        0.85,
+    )
     check("3-node route decode vs llama.cpp RPC (3 servers), interleaved", route_ratio("rpc", "decode"), 1.0)
-    check("in-process prefill (llama.cpp backend, 1 shard) vs llama.cpp, interleaved", ratio(local1, ref_inter,
-                                                                                          "prefill"), 0.9)
+    check(
+        "in-process prefill (llama.cpp backend, 1 shard) vs llama.cpp, interleaved",
+        ratio(local1, ref_inter, "prefill"),
+        0.9,
+    )
     check("3-node route prefill vs llama.cpp, interleaved", route_ratio("llama.cpp", "prefill"), 0.9)
 
 
@@ -454,8 +521,11 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=64, help="greedy tokens decoded after the prompt (default 64)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved in-process comparison (default 3)")
     ap.add_argument("--quick", action="store_true", help="smoke run: --prefill 64 --decode 8, llama-bench -r 1")
-    ap.add_argument("--route-only", action="store_true",
-                    help="only the interleaved comparison of the 3-node route, llama.cpp and llama.cpp RPC")
+    ap.add_argument(
+        "--route-only",
+        action="store_true",
+        help="only the interleaved comparison of the 3-node route, llama.cpp and llama.cpp RPC",
+    )
     args = ap.parse_args()
     if args.quick:
         args.prefill, args.decode, args.rounds = 64, 8, 1
@@ -469,10 +539,14 @@ def main() -> int:
     reps = 1 if args.quick else 5
 
     say(f"# ggufswarm vs llama.cpp — {Path(path).name}")
-    say(f"CPU: {cpu_model()}, {os.cpu_count()} logical cores; {T} thread(s) per process; "
-        f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
-    say(f"prefill: {len(ids)}-token prompt; decode: {args.decode} greedy tokens; load average "
-        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    say(
+        f"CPU: {cpu_model()}, {os.cpu_count()} logical cores; {T} thread(s) per process; "
+        f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}"
+    )
+    say(
+        f"prefill: {len(ids)}-token prompt; decode: {args.decode} greedy tokens; load average "
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     say("")
 
     have_tools = all((TOOLS_BIN / b).is_file() for b in ("llama-bench", "rpc-server"))
@@ -496,53 +570,84 @@ def main() -> int:
         if r.get("mem"):
             mem = ", RSS/shard MiB " + " ".join(f"{a / MIB:.0f}/{b / MIB:.0f}" for a, b in r["mem"])
         steps = f", {r['steps']}" if r.get("steps") else ""
-        say(f"[{name}] prefill {r['prefill']:.1f} tok/s, decode {r['decode']:.1f} tok/s{mem}{steps} "
-            f"({time.perf_counter() - t0:.0f} s)")
+        say(
+            f"[{name}] prefill {r['prefill']:.1f} tok/s, decode {r['decode']:.1f} tok/s{mem}{steps} "
+            f"({time.perf_counter() - t0:.0f} s)"
+        )
         if r.get("steps"):
             notes.append(f"{name}: {r['steps']} (per hop, mean over the decode steps).")
         rows.append((name, procs, r))
         return r
 
-    ref = row("llama.cpp in-process (llama-cpp-python)", "1",
-              lambda: bench_llama_cpp_python(path, ids, args.decode, T))
+    ref = row("llama.cpp in-process (llama-cpp-python)", "1", lambda: bench_llama_cpp_python(path, ids, args.decode, T))
 
     rpc = None
     if not have_tools:
-        say(f"[llama-bench / llama.cpp RPC] skipped: no llama-bench / rpc-server under {TOOLS_BIN} "
-            f"(make llamacpp-tools)")
+        say(
+            f"[llama-bench / llama.cpp RPC] skipped: no llama-bench / rpc-server under {TOOLS_BIN} "
+            f"(make llamacpp-tools)"
+        )
         notes.append(f"llama-bench and llama.cpp RPC rows skipped: binaries not found under {TOOLS_BIN}")
     else:
         env = dict(os.environ)
-        row("llama-bench (whole model)", "1",
-            lambda: llama_bench(path, ["-t", str(T), "-p", str(len(ids)), "-n", str(args.decode), "-fa", "1",
-                                      "-d", f"0,{len(ids)}"], env, reps, len(ids))[0])
-        rpc = row("llama.cpp RPC: llama-bench + 3 rpc-server", "4 (client + 3 servers)",
-                  lambda: bench_rpc(f, len(ids), args.decode, T, env, reps))
+        row(
+            "llama-bench (whole model)",
+            "1",
+            lambda: llama_bench(
+                path,
+                ["-t", str(T), "-p", str(len(ids)), "-n", str(args.decode), "-fa", "1", "-d", f"0,{len(ids)}"],
+                env,
+                reps,
+                len(ids),
+            )[0],
+        )
+        rpc = row(
+            "llama.cpp RPC: llama-bench + 3 rpc-server",
+            "4 (client + 3 servers)",
+            lambda: bench_rpc(f, len(ids), args.decode, T, env, reps),
+        )
         if rpc:
-            notes.append(f"llama.cpp RPC: llama-bench -t {T} --rpc (3 x rpc-server -t 1 on 127.0.0.1) -ngl 99 "
-                         f"-ts {RPC_SPLIT} -fa 1. Placement llama.cpp reported: {rpc['layout']}. The output layer "
-                         f"is the tied token_embd (Q8_0); the token embedding lookup stays in the llama-bench "
-                         f"process (CPU_Mapped); rpc-servers hold weights in plain CPU buffers (no CPU_REPACK). "
-                         f"RSS is each server's peak during the run; shard MiB excludes token_embd (client side).")
-        notes.append("llama-bench: prefill is its pp test (random tokens, its own warm-up, average of "
-                     f"{reps} run(s)); decode is its tg test after a context of the prompt's length (-d), like every other row.")
+            notes.append(
+                f"llama.cpp RPC: llama-bench -t {T} --rpc (3 x rpc-server -t 1 on 127.0.0.1) -ngl 99 "
+                f"-ts {RPC_SPLIT} -fa 1. Placement llama.cpp reported: {rpc['layout']}. The output layer "
+                f"is the tied token_embd (Q8_0); the token embedding lookup stays in the llama-bench "
+                f"process (CPU_Mapped); rpc-servers hold weights in plain CPU buffers (no CPU_REPACK). "
+                f"RSS is each server's peak during the run; shard MiB excludes token_embd (client side)."
+            )
+        notes.append(
+            "llama-bench: prefill is its pp test (random tokens, its own warm-up, average of "
+            f"{reps} run(s)); decode is its tg test after a context of the prompt's length (-d), like every other row."
+        )
 
-    row("generate in-process, llama.cpp backend, 1 shard", "1",
-        lambda: bench_local(path, ids, args.decode, T, "llama.cpp", None))
-    row("generate in-process, llama.cpp backend, 3 shards (6,12)", "1",
-        lambda: bench_local(path, ids, args.decode, T, "llama.cpp", [6, 12]))
-    row("generate in-process, torch backend f32, 1 shard", "1",
-        lambda: bench_local(path, ids, args.decode, T, "torch", None))
+    row(
+        "generate in-process, llama.cpp backend, 1 shard",
+        "1",
+        lambda: bench_local(path, ids, args.decode, T, "llama.cpp", None),
+    )
+    row(
+        "generate in-process, llama.cpp backend, 3 shards (6,12)",
+        "1",
+        lambda: bench_local(path, ids, args.decode, T, "llama.cpp", [6, 12]),
+    )
+    row(
+        "generate in-process, torch backend f32, 1 shard",
+        "1",
+        lambda: bench_local(path, ids, args.decode, T, "torch", None),
+    )
     route = {}
     for n in (1, 2, 3):
-        route[n] = row(f"route, {n} llama.cpp node{'s' if n > 1 else ''}", f"{n + 1} ({n} node{'s' if n > 1 else ''} "
-                       f"+ client)", lambda n=n: bench_route(f, n, ids, args.decode, T, "llama.cpp"))
-    row("route, 3 torch nodes (f32)", "4 (3 nodes + client)",
-        lambda: bench_route(f, 3, ids, args.decode, T, "torch"))
+        route[n] = row(
+            f"route, {n} llama.cpp node{'s' if n > 1 else ''}",
+            f"{n + 1} ({n} node{'s' if n > 1 else ''} + client)",
+            lambda n=n: bench_route(f, n, ids, args.decode, T, "llama.cpp"),
+        )
+    row("route, 3 torch nodes (f32)", "4 (3 nodes + client)", lambda: bench_route(f, 3, ids, args.decode, T, "torch"))
 
     say("")
-    say("| engine | processes | prefill tok/s | decode tok/s | decode ratio | prefill ratio | "
-        "RSS MiB per node / shard MiB |")
+    say(
+        "| engine | processes | prefill tok/s | decode tok/s | decode ratio | prefill ratio | "
+        "RSS MiB per node / shard MiB |"
+    )
     say("|---|---|---:|---:|---:|---:|---|")
     for name, procs, r in rows:
         if r is None:
@@ -551,28 +656,36 @@ def main() -> int:
         dr = r["decode"] / ref["decode"] if ref else None
         pr = r["prefill"] / ref["prefill"] if ref else None
         mem = ", ".join(f"{a / MIB:.0f} / {b / MIB:.0f}" for a, b in r.get("mem", [])) or "–"
-        say(f"| {name} | {procs} | {fmt(r['prefill'])} | {fmt(r['decode'])} | {fmt(dr, '.2f')} | "
-            f"{fmt(pr, '.2f')} | {mem} |")
+        say(
+            f"| {name} | {procs} | {fmt(r['prefill'])} | {fmt(r['decode'])} | {fmt(dr, '.2f')} | "
+            f"{fmt(pr, '.2f')} | {mem} |"
+        )
     say("")
-    say(f"Ratios: to row 1 (llama.cpp in-process, {T} thread(s)). Shard MiB = GGUF bytes of the node's blk.N.* "
+    say(
+        f"Ratios: to row 1 (llama.cpp in-process, {T} thread(s)). Shard MiB = GGUF bytes of the node's blk.N.* "
         "tensors (GGUFModelFile.layer_tensor_bytes), + token_embd.weight on the first node, + the head's output "
         "(output.weight, or tied token_embd.weight again: Gemma) and output_norm.weight on the last. RSS: psutil "
         "rss of each node process after the run (includes Python, llama.cpp (torch on torch nodes only), mapped "
         "GGUF pages that were "
         f"touched, and the KV cache: llama.cpp nodes allocate --max-sessions {NODE_SESSIONS} x --ctx-size "
-        f"{NODE_CTX} cells up front; a llama.cpp first node reads only the token_embd rows it uses).")
+        f"{NODE_CTX} cells up front; a llama.cpp first node reads only the token_embd rows it uses)."
+    )
     for note in notes:
         say(f"- {note}")
 
     say("")
-    say(f"In-process, interleaved ({args.rounds} rounds in one process, median tok/s; the fairest comparison "
-        f"on a shared machine):")
+    say(
+        f"In-process, interleaved ({args.rounds} rounds in one process, median tok/s; the fairest comparison "
+        f"on a shared machine):"
+    )
     inter = bench_interleaved(path, ids, args.decode, T, args.rounds)
     say("| engine | prefill tok/s | decode tok/s | prefill ratio | decode ratio |")
     say("|---|---:|---:|---:|---:|")
     for name, r in inter.items():
-        say(f"| {name} | {r['prefill']:.1f} | {r['decode']:.1f} | {r['prefill'] / inter['llama.cpp']['prefill']:.2f}"
-            f" | {r['decode'] / inter['llama.cpp']['decode']:.2f} |")
+        say(
+            f"| {name} | {r['prefill']:.1f} | {r['decode']:.1f} | {r['prefill'] / inter['llama.cpp']['prefill']:.2f}"
+            f" | {r['decode'] / inter['llama.cpp']['decode']:.2f} |"
+        )
     say("")
     rinter = route_table(f, ids, args.decode, T, args.rounds, have_tools)
     say("")

@@ -29,7 +29,6 @@ import urllib.request
 import llama_cpp
 import numpy as np
 import psutil
-
 from bench_llamacpp import GREEDY, TEXT
 
 from ggufswarm.artifact.default_model import default_model_path
@@ -65,7 +64,7 @@ def route_run(route: RemoteRoute, ids: list[int], points: list[int], n_decode: i
         for point in points:
             while held < point:
                 n = min(CHUNK, point - held)
-                token = session.step(ids[held:held + n])
+                token = session.step(ids[held : held + n])
                 held += n
             times = []
             for _ in range(n_decode):
@@ -82,15 +81,16 @@ def route_run(route: RemoteRoute, ids: list[int], points: list[int], n_decode: i
 
 def llama_run(path: str, context: int, ids: list[int], points: list[int], n_decode: int) -> dict[int, float]:
     """The same on llama.cpp in-process (llama-cpp-python, greedy)."""
-    llm = llama_cpp.Llama(path, n_ctx=context, n_batch=CHUNK, n_ubatch=512, n_threads=1, n_threads_batch=1,
-                          flash_attn=True, verbose=False)
+    llm = llama_cpp.Llama(
+        path, n_ctx=context, n_batch=CHUNK, n_ubatch=512, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False
+    )
     steps: dict[int, float] = {}
     try:
         held = 0
         for point in points:
             while held < point:
                 n = min(CHUNK, point - held)
-                llm.eval(ids[held:held + n])
+                llm.eval(ids[held : held + n])
                 held += n
             times = []
             for _ in range(n_decode):
@@ -117,11 +117,18 @@ def main() -> int:
     context = args.context or int(f.metadata[f"{f.architecture}.context_length"])
     ids = text_ids(Tokenizer(path, f.metadata), context)
     points = checkpoints(context)
-    print(f"# Long context: {os.path.basename(path)}, {context} tokens, 1 thread per process; load "
-          f"{os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"# Long context: {os.path.basename(path)}, {context} tokens, 1 thread per process; load "
+        f"{os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
 
-    nodes = start_nodes(even_split(18, 3), path, threads=1,
-                        extra=["--ctx-size", str(context), "--max-sessions", "1", "--hop-timeout", "600"])
+    nodes = start_nodes(
+        even_split(18, 3),
+        path,
+        threads=1,
+        extra=["--ctx-size", str(context), "--max-sessions", "1", "--hop-timeout", "600"],
+    )
     try:
         route = RemoteRoute([n.url for n in nodes], 600.0)
         health = [json.load(urllib.request.urlopen(n.url + "/health", timeout=30)) for n in nodes]
@@ -136,13 +143,17 @@ def main() -> int:
     llama_steps = llama_run(path, context, ids, points, args.decode)
 
     print(f"\nroute fill: {fill_s:.0f} s\n")
-    print("| tokens held | route decode step ms | ratio to ~100 | llama.cpp decode step ms | ratio to ~100 "
-          "| route / llama.cpp step |")
+    print(
+        "| tokens held | route decode step ms | ratio to ~100 | llama.cpp decode step ms | ratio to ~100 "
+        "| route / llama.cpp step |"
+    )
     print("|---|---|---|---|---|---|")
     first = points[0]
     for p in points:
-        print(f"| {p} | {route_steps[p]:.2f} | {route_steps[p] / route_steps[first]:.2f} | {llama_steps[p]:.2f} | "
-              f"{llama_steps[p] / llama_steps[first]:.2f} | {route_steps[p] / llama_steps[p]:.2f} |")
+        print(
+            f"| {p} | {route_steps[p]:.2f} | {route_steps[p] / route_steps[first]:.2f} | {llama_steps[p]:.2f} | "
+            f"{llama_steps[p] / llama_steps[first]:.2f} | {route_steps[p] / llama_steps[p]:.2f} |"
+        )
     print("\n| node | kv_bytes_per_token (advertised) | KV cells | advertised KV MiB | RSS MiB after the fill |")
     print("|---|---|---|---|---|")
     for n, b, c, r in zip(nodes, kv_per_token, cells, rss):

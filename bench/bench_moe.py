@@ -26,14 +26,14 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from tinymoe import write_tiny_moe_model  # noqa: E402 - the tests' tiny-model writer
+from tinymoe import write_tiny_moe_model
 
-from ggufswarm.artifact.gguf_file import GGUFModelFile  # noqa: E402
-from ggufswarm.client.route import RemoteRoute  # noqa: E402
-from ggufswarm.node.launch import start_nodes, stop_nodes  # noqa: E402
-from ggufswarm.runtime.sampling import SamplingParams  # noqa: E402
+from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.client.route import RemoteRoute
+from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.llamacpp.range_checks import n_model_layers
-from ggufswarm.runtime.spec import even_split  # noqa: E402
+from ggufswarm.runtime.sampling import SamplingParams
+from ggufswarm.runtime.spec import even_split
 
 MIB = 1024 * 1024
 TORCH_ARCHS = ("qwen3moe", "deepseek2")
@@ -54,8 +54,15 @@ def llama_cpp(path: Path, ids: list[int], n_decode: int) -> tuple[float, float]:
     import llama_cpp as L
     import numpy as np
 
-    llm = L.Llama(str(path), n_ctx=len(ids) + n_decode + 16, n_batch=512, n_threads=1, n_threads_batch=1,
-                  flash_attn=True, verbose=False)
+    llm = L.Llama(
+        str(path),
+        n_ctx=len(ids) + n_decode + 16,
+        n_batch=512,
+        n_threads=1,
+        n_threads_batch=1,
+        flash_attn=True,
+        verbose=False,
+    )
 
     def step(tokens):
         llm.eval(tokens)
@@ -108,8 +115,10 @@ def main() -> int:
     ap.add_argument("--arch", nargs="+", default=["qwen3moe", "deepseek2", "qwen3next"])
     args = ap.parse_args()
     ids = [1 + (i * 37) % 200 for i in range(args.prefill)]
-    print(f"# tiny MoE through a 3-node route, 1 thread per process ({datetime.date.today()}, "
-          f"prefill {args.prefill}, decode {args.decode})\n")
+    print(
+        f"# tiny MoE through a 3-node route, 1 thread per process ({datetime.date.today()}, "
+        f"prefill {args.prefill}, decode {args.decode})\n"
+    )
     print("| model | engine | prefill tok/s | decode tok/s | decode vs llama.cpp | node RSS / shard MiB |")
     print("|---|---|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,8 +130,11 @@ def main() -> int:
             for backend in ("llama.cpp", "torch") if arch in TORCH_ARCHS else ("llama.cpp",):
                 out = route(path, backend, ids, args.decode)
                 mem = ", ".join(f"{r / MIB:.0f} / {b / MIB:.1f}" for r, b in out["mem"])
-                print(f"| {arch} | route, 3 {backend} nodes | {out['prefill']:.0f} | {out['decode']:.1f} | "
-                      f"{out['decode'] / ref[1]:.2f} | {mem} |", flush=True)
+                print(
+                    f"| {arch} | route, 3 {backend} nodes | {out['prefill']:.0f} | {out['decode']:.1f} | "
+                    f"{out['decode'] / ref[1]:.2f} | {mem} |",
+                    flush=True,
+                )
     return 0
 
 

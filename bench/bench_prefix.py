@@ -23,21 +23,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
-from ggufswarm.artifact.default_model import default_model_path  # noqa: E402
-from ggufswarm.cache.app import CacheConfig  # noqa: E402
-from ggufswarm.cache.app import make_app as make_cache_app  # noqa: E402
-from ggufswarm.client.tokenizer import Tokenizer  # noqa: E402
-from ggufswarm.artifact.gguf_file import GGUFModelFile  # noqa: E402
-from ggufswarm.gateway import GatewayConfig, make_app
-from ggufswarm.protocol.http import ServerThread  # noqa: E402
-from ggufswarm.node.launch import start_nodes, stop_nodes  # noqa: E402
-from ggufswarm.runtime.shard import ShardSpec, even_split  # noqa: E402
+from test_faults import stream, wait_for
+
+from ggufswarm.artifact.default_model import default_model_path
+from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.cache.app import CacheConfig
+from ggufswarm.cache.app import make_app as make_cache_app
+from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.client.tracker import TrackerClient
-from ggufswarm.swarm.publish import publish  # noqa: E402
-from ggufswarm.swarm.torrent import Swarm, save_path_for  # noqa: E402
-from ggufswarm.tracker.app import TrackerConfig  # noqa: E402
-from ggufswarm.tracker.app import make_app as make_tracker_app  # noqa: E402
-from test_faults import stream, wait_for  # noqa: E402
+from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.protocol.http import ServerThread
+from ggufswarm.runtime.shard import ShardSpec, even_split
+from ggufswarm.swarm.publish import publish
+from ggufswarm.swarm.torrent import Swarm, save_path_for
+from ggufswarm.tracker.app import TrackerConfig
+from ggufswarm.tracker.app import make_app as make_tracker_app
 
 TEXT = (Path(__file__).parent.parent / "tests" / "data" / "gpl-3.0-excerpt.txt").read_text(encoding="utf-8")
 
@@ -45,6 +46,7 @@ TEXT = (Path(__file__).parent.parent / "tests" / "data" / "gpl-3.0-excerpt.txt")
 def llama_cpp_ttft(path: Path, prompts: list[str], threads: int) -> list[float]:
     """ms to the first token for each prompt in turn, in one llama.cpp context (prefix KV reused)."""
     import llama_cpp
+
     llm = llama_cpp.Llama(str(path), n_ctx=2048, n_threads=threads, verbose=False)
     out = []
     for p in prompts:
@@ -63,10 +65,13 @@ def main() -> int:
     file = GGUFModelFile(path)
     tok = Tokenizer(str(path), file.metadata)
     ids = tok.encode(TEXT)
-    shared = tok.decode(ids[1:1 + args.prefix])
-    other = tok.decode(ids[1 + args.prefix:1 + 2 * args.prefix])
-    prompts = [shared + " In short, the first point is", shared + " Summarizing the second section:",
-               other + " In short, the first point is"]
+    shared = tok.decode(ids[1 : 1 + args.prefix])
+    other = tok.decode(ids[1 + args.prefix : 1 + 2 * args.prefix])
+    prompts = [
+        shared + " In short, the first point is",
+        shared + " Summarizing the second section:",
+        other + " In short, the first point is",
+    ]
     ref = llama_cpp_ttft(path, prompts, args.threads)  # before the cluster starts: the machine is idle
     work = Path(tempfile.mkdtemp(prefix="ggufswarm-bench-prefix-"))
     nodes, gateway, seeder = [], None, None
@@ -78,12 +83,20 @@ def main() -> int:
         seeder = Swarm()
         seeder.seed(published.torrent, save_path_for([path]))
         specs = even_split(18, 3) + [ShardSpec(12, 18, head=True)]
-        nodes = start_nodes(specs, "gemma", threads=args.threads, timeout=600,
-                            extra=["--tracker", tracker_url, "--cache", cache_url, "--snapshot-every", "16"],
-                            per_node=lambda i: ["--data-dir", str(work / f"node{i}")])
+        nodes = start_nodes(
+            specs,
+            "gemma",
+            threads=args.threads,
+            timeout=600,
+            extra=["--tracker", tracker_url, "--cache", cache_url, "--snapshot-every", "16"],
+            per_node=lambda i: ["--data-dir", str(work / f"node{i}")],
+        )
         wait_for(lambda: len(TrackerClient(tracker_url).nodes("gemma")) == len(nodes), 30)
-        gateway = ServerThread(make_app(GatewayConfig([], model="gemma", tracker=tracker_url, hop_timeout_s=10,
-                                                      data_dir=str(work / "gateway"))))
+        gateway = ServerThread(
+            make_app(
+                GatewayConfig([], model="gemma", tracker=tracker_url, hop_timeout_s=10, data_dir=str(work / "gateway"))
+            )
+        )
         base = gateway.start()
         stream(base, "Warm-up.", lambda i: None)
         ours = []
@@ -96,8 +109,10 @@ def main() -> int:
         print("|---|---|---|---|")
         for name, t, r in zip(("1: cold", "2: shares the prefix", "3: unrelated, cold"), ours, ref):
             print(f"| {name} | {t['prompt_tokens']} | {t['ttft_ms']:.0f} ({t['prefix_tokens_restored']}) | {r:.0f} |")
-        print(f"ggufswarm second/first TTFT: {ours[1]['ttft_ms'] / ours[0]['ttft_ms']:.2f}x; "
-              f"llama.cpp: {ref[1] / ref[0]:.2f}x")
+        print(
+            f"ggufswarm second/first TTFT: {ours[1]['ttft_ms'] / ours[0]['ttft_ms']:.2f}x; "
+            f"llama.cpp: {ref[1] / ref[0]:.2f}x"
+        )
 
         # one repair: kill the head that serves a request mid-generation
         plain, _ = stream(base, prompts[2], lambda i: None)
@@ -106,15 +121,18 @@ def main() -> int:
         def kill(i):
             if i == 8:
                 from route_fixtures import health
+
                 head = next(n for n in nodes if n.spec.head and health(n.url)["sessions"] > 0)
                 victim["node"] = head
                 head.kill()
 
         text, t = stream(base, prompts[2], kill)
         r = t["repairs"][0]
-        print(f"\nRoute repair (SIGKILL of the head {victim['node'].url} after 8 tokens): restored "
-              f"{r['restored_tokens']} tokens, replayed {r['tokens_replayed']} (a full replay: "
-              f"{r['restored_tokens'] + r['tokens_replayed']}), {r['ms']:.0f} ms; text identical: {text == plain}")
+        print(
+            f"\nRoute repair (SIGKILL of the head {victim['node'].url} after 8 tokens): restored "
+            f"{r['restored_tokens']} tokens, replayed {r['tokens_replayed']} (a full replay: "
+            f"{r['restored_tokens'] + r['tokens_replayed']}), {r['ms']:.0f} ms; text identical: {text == plain}"
+        )
     finally:
         if gateway is not None:
             gateway.stop()

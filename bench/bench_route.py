@@ -22,8 +22,8 @@ import torch
 from ggufswarm.artifact.default_model import default_model_path
 from ggufswarm.client.local import LocalModel
 from ggufswarm.client.route import RemoteRoute
-from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import even_split
 
 GREEDY = SamplingParams(temperature=0)
@@ -64,7 +64,7 @@ def bench_route(n_nodes: int, path: str, ids: list[int], n_decode: int, threads:
             ids_long = (ids * 8)[:2000]
             session.step(ids_long[:100])
             _, _, near = run_session_from(session, 20)
-            session.step(ids_long[100 + 20:2000])  # continue the prefill up to position ~2000
+            session.step(ids_long[100 + 20 : 2000])  # continue the prefill up to position ~2000
             _, _, far = run_session_from(session, 20)
             session.close()
             out["step_100_ms"] = 1e3 * sum(near) / len(near)
@@ -89,6 +89,7 @@ def run_session_from(session, n_decode: int):
 
 def aggregate(route: RemoteRoute, conc: int, ids: list[int], n_decode: int) -> float:
     """Aggregate decode tok/s of ``conc`` concurrent sessions (each: short prefill, then n_decode tokens)."""
+
     def one(_):
         s = route.open(len(ids) + n_decode + 8, GREEDY)
         try:
@@ -116,9 +117,12 @@ def bench_local(path: str, ids: list[int], n_decode: int) -> dict:
 
 def bench_llama_cpp(path: str, ids: list[int], n_decode: int, threads: int) -> dict:
     import llama_cpp
-    llm = llama_cpp.Llama(path, n_ctx=len(ids) + n_decode + 8, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+
+    llm = llama_cpp.Llama(
+        path, n_ctx=len(ids) + n_decode + 8, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
     import numpy as np
+
     n_vocab = llm.n_vocab()
 
     def last_argmax() -> int:
@@ -149,8 +153,11 @@ def main() -> int:
     ids = prompt_ids(model.tokenizer, args.prefill)
     del model
     rows = []
-    print(f"Gemma 3 270M Q4_K_M, {len(ids)}-token prompt, {args.decode} decoded tokens, {args.threads} thread(s) "
-          f"per process, {os.cpu_count()} cores, f16 frames", file=sys.stderr)
+    print(
+        f"Gemma 3 270M Q4_K_M, {len(ids)}-token prompt, {args.decode} decoded tokens, {args.threads} thread(s) "
+        f"per process, {os.cpu_count()} cores, f16 frames",
+        file=sys.stderr,
+    )
     rows.append(("llama.cpp (1 process)", bench_llama_cpp(path, ids, args.decode, args.threads)))
     rows.append(("ggufswarm generate (1 process)", bench_local(path, ids, args.decode)))
     results = {}
@@ -162,8 +169,10 @@ def main() -> int:
         print(f"| {name} | {r['prefill']:.1f} | {r['decode']:.1f} |")
     r = results[3]
     ratio = r["step_2000_ms"] / r["step_100_ms"]
-    print(f"\n3-node route, mean decode step: {r['step_100_ms']:.1f} ms at position ~100, "
-          f"{r['step_2000_ms']:.1f} ms at position ~2000 (x{ratio:.2f}; limit x1.5)")
+    print(
+        f"\n3-node route, mean decode step: {r['step_100_ms']:.1f} ms at position ~100, "
+        f"{r['step_2000_ms']:.1f} ms at position ~2000 (x{ratio:.2f}; limit x1.5)"
+    )
     print("\n| concurrent sessions (3-node route) | aggregate decode tok/s |\n|---:|---:|")
     for c in (1, 4, 8):
         print(f"| {c} | {r[f'agg_{c}']:.1f} |")

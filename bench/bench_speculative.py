@@ -33,11 +33,15 @@ from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import even_split
 
 PROMPTS = {
-    "code": ("import json\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
-             "        self.data = {}\n\n    def load(self):\n        with open(self.path) as f:\n"
-             "            self.data = json.load(f)\n\n    def save(self):\n"),
-    "repetitive": ("Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday, Wednesday, "
-                   "Thursday, Friday, Saturday, Sunday. Monday,"),
+    "code": (
+        "import json\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
+        "        self.data = {}\n\n    def load(self):\n        with open(self.path) as f:\n"
+        "            self.data = json.load(f)\n\n    def save(self):\n"
+    ),
+    "repetitive": (
+        "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday, Wednesday, "
+        "Thursday, Friday, Saturday, Sunday. Monday,"
+    ),
 }
 
 
@@ -65,9 +69,13 @@ def main() -> int:
     delays = [float(d) for d in args.delays.split(",")]
     path = str(default_model_path())
     tok = Tokenizer(path, GGUFModelFile(path).metadata)
-    print(f"# 3-node route, plain vs speculative ngram (draft-max {args.draft_max}) — {os.path.basename(path)}, "
-          f"{args.threads} thread(s) per node, {args.decode} greedy tokens, cpus {os.cpu_count()}")
-    print("| text | one-way ms/hop | plain tok/s | bound tok/s | spec tok/s | speed-up | acceptance | tok/trip | same |")
+    print(
+        f"# 3-node route, plain vs speculative ngram (draft-max {args.draft_max}) — {os.path.basename(path)}, "
+        f"{args.threads} thread(s) per node, {args.decode} greedy tokens, cpus {os.cpu_count()}"
+    )
+    print(
+        "| text | one-way ms/hop | plain tok/s | bound tok/s | spec tok/s | speed-up | acceptance | tok/trip | same |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     nodes = start_nodes(even_split(18, 3), path, threads=args.threads)
     compute: dict[str, float] = {}
@@ -84,12 +92,15 @@ def main() -> int:
                     compute.setdefault(name, plain.compute_ms)
                     bound = 1000.0 / (compute[name] + 4 * delay)
                     trips = spec.verify_steps + (len(spec.tokens) - 1 - spec.verify_steps - spec.accepted)
-                    acc = f"{spec.accepted}/{spec.drafted}" + (f" ({spec.accepted / spec.drafted:.0%})"
-                                                              if spec.drafted else "")
-                    print(f"| {name} | {delay:g} | {plain.decode_tok_s:.1f} | {bound:.1f} | {spec.decode_tok_s:.1f} | "
-                          f"{spec.decode_tok_s / max(plain.decode_tok_s, 1e-9):.2f}x | {acc} | "
-                          f"{(len(spec.tokens) - 1) / max(trips, 1):.2f} | {spec.tokens == plain.tokens} |",
-                          flush=True)
+                    acc = f"{spec.accepted}/{spec.drafted}" + (
+                        f" ({spec.accepted / spec.drafted:.0%})" if spec.drafted else ""
+                    )
+                    print(
+                        f"| {name} | {delay:g} | {plain.decode_tok_s:.1f} | {bound:.1f} | {spec.decode_tok_s:.1f} | "
+                        f"{spec.decode_tok_s / max(plain.decode_tok_s, 1e-9):.2f}x | {acc} | "
+                        f"{(len(spec.tokens) - 1) / max(trips, 1):.2f} | {spec.tokens == plain.tokens} |",
+                        flush=True,
+                    )
     finally:
         stop_nodes(nodes)
     return 0

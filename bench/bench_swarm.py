@@ -22,12 +22,12 @@ def main():
     from ggufswarm.artifact.default_model import resolve_model
     from ggufswarm.artifact.manifest import Manifest
     from ggufswarm.client.route import RemoteRoute
-    from ggufswarm.runtime.sampling import SamplingParams
     from ggufswarm.node.launch import start_nodes, stop_nodes
+    from ggufswarm.protocol.http import ServerThread
+    from ggufswarm.runtime.sampling import SamplingParams
     from ggufswarm.runtime.shard import ShardSpec
     from ggufswarm.swarm.publish import publish
     from ggufswarm.swarm.torrent import Swarm
-    from ggufswarm.protocol.http import ServerThread
     from ggufswarm.tracker.app import TrackerConfig, make_app
 
     path = resolve_model(args.model)
@@ -53,16 +53,32 @@ def main():
             for n_seeders in (1, 3):
                 leech = Swarm()
                 t0 = time.perf_counter()
-                stats = leech.fetch(published.torrent, work / f"leech{n_seeders}", ranges,
-                                    peers=[("127.0.0.1", s.port) for s in seeders[:n_seeders]], progress=False)
-                rows.append((f"fetch {args.layers} from {n_seeders} seeder(s)", time.perf_counter() - t0,
-                             stats.bytes_downloaded, shard_bytes))
+                stats = leech.fetch(
+                    published.torrent,
+                    work / f"leech{n_seeders}",
+                    ranges,
+                    peers=[("127.0.0.1", s.port) for s in seeders[:n_seeders]],
+                    progress=False,
+                )
+                rows.append(
+                    (
+                        f"fetch {args.layers} from {n_seeders} seeder(s)",
+                        time.perf_counter() - t0,
+                        stats.bytes_downloaded,
+                        shard_bytes,
+                    )
+                )
                 leech.close()
             for s in seeders[1:]:
                 s.close()
             t0 = time.perf_counter()
-            nodes = start_nodes([ShardSpec(0, manifest.n_layers, True, True)], "bench", threads=2, timeout=900,
-                                extra=["--tracker", tracker, "--data-dir", str(work / "node")])
+            nodes = start_nodes(
+                [ShardSpec(0, manifest.n_layers, True, True)],
+                "bench",
+                threads=2,
+                timeout=900,
+                extra=["--tracker", tracker, "--data-dir", str(work / "node")],
+            )
             try:
                 route = RemoteRoute([nodes[0].url])
                 session = route.open(64, SamplingParams(temperature=0))

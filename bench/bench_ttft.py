@@ -27,8 +27,12 @@ def client_ttft(base: str, prompt: str) -> tuple[float, dict]:
     parts = urlsplit(base)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0,
-                                                         "stream": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     first, telemetry = None, {}
     for raw in resp:
@@ -48,6 +52,7 @@ def client_ttft(base: str, prompt: str) -> tuple[float, dict]:
 def llama_cpp_ttft(path: Path, prompt: str, threads: int, n: int) -> float:
     """Median ms to the first streamed token of ``prompt`` in llama.cpp (a fresh KV each time)."""
     import llama_cpp
+
     llm = llama_cpp.Llama(str(path), n_ctx=2048, n_threads=threads, verbose=False)
     out = []
     for _ in range(n + 2):
@@ -68,11 +73,11 @@ def main() -> int:
     from ggufswarm.artifact.default_model import default_model_path
     from ggufswarm.cache.app import CacheConfig
     from ggufswarm.cache.app import make_app as make_cache_app
-    from ggufswarm.gateway import GatewayConfig, make_app
-    from ggufswarm.protocol.http import ServerThread
-    from ggufswarm.node.launch import start_nodes, stop_nodes
-    from ggufswarm.runtime.shard import even_split
     from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.gateway import GatewayConfig, make_app
+    from ggufswarm.node.launch import start_nodes, stop_nodes
+    from ggufswarm.protocol.http import ServerThread
+    from ggufswarm.runtime.shard import even_split
     from ggufswarm.swarm.publish import publish
     from ggufswarm.swarm.torrent import Swarm, save_path_for
     from ggufswarm.tracker.app import TrackerConfig
@@ -86,27 +91,36 @@ def main() -> int:
     cache = ServerThread(make_cache_app(CacheConfig(dir=str(work / "cache"))))
     try:
         tracker_url = tracker.start()
-        extra = ["--tracker", tracker_url] + (["--cache", cache.start()] if args.cache else [])  # noqa: E501
+        extra = ["--tracker", tracker_url] + (["--cache", cache.start()] if args.cache else [])
         published = publish(path, tracker_url, "gemma", work / "publisher")
         seeder = Swarm()
         seeder.seed(published.torrent, save_path_for([path]))
-        nodes = start_nodes(even_split(18, 3), "gemma", threads=args.threads, timeout=600, extra=extra,
-                            per_node=lambda i: ["--data-dir", str(work / f"node{i}")])
+        nodes = start_nodes(
+            even_split(18, 3),
+            "gemma",
+            threads=args.threads,
+            timeout=600,
+            extra=extra,
+            per_node=lambda i: ["--data-dir", str(work / f"node{i}")],
+        )
         deadline = time.monotonic() + 30
         while len(TrackerClient(tracker_url).nodes("gemma")) < len(nodes):
             assert time.monotonic() < deadline, "nodes did not advertise"
             time.sleep(0.2)
-        gateway = ServerThread(make_app(GatewayConfig([], model="gemma", tracker=tracker_url,
-                                                      data_dir=str(work / "gateway"))))
+        gateway = ServerThread(
+            make_app(GatewayConfig([], model="gemma", tracker=tracker_url, data_dir=str(work / "gateway")))
+        )
         base = gateway.start()
         for _ in range(2):
             client_ttft(base, PROMPT)
         runs = [client_ttft(base, PROMPT) for _ in range(args.requests)]
         ours = statistics.median(r[0] for r in runs)
         step = statistics.median(r[1]["ttft_ms"] for r in runs)
-        print(f"\nTTFT of a short prompt ({runs[0][1]['prompt_tokens']} tokens), 3-node tracker route "
-              f"({'with' if args.cache else 'without'} a snapshot cache), threads {args.threads}, "
-              f"median of {args.requests}")
+        print(
+            f"\nTTFT of a short prompt ({runs[0][1]['prompt_tokens']} tokens), 3-node tracker route "
+            f"({'with' if args.cache else 'without'} a snapshot cache), threads {args.threads}, "
+            f"median of {args.requests}"
+        )
         print("| engine | TTFT ms | of which: the prompt's step (gateway telemetry ttft_ms) |")
         print("|---|---:|---:|")
         print(f"| ggufswarm gateway → 3 nodes | {ours:.1f} | {step:.1f} |")

@@ -61,8 +61,7 @@ def rpc_decode(path: str, n_prefill: int, n_decode: int, delay_ms: float, env: d
     with rpc_servers(1, env) as (_, addrs):
         targets = [(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addrs]
         with delayed(targets, delay_ms) as hosts:
-            out, _ = llama_bench(path, ["-p", str(n_prefill), "-n", str(n_decode), *rpc_bench_args(1, hosts)],
-                                 env, 1)
+            out, _ = llama_bench(path, ["-p", str(n_prefill), "-n", str(n_decode), *rpc_bench_args(1, hosts)], env, 1)
     return out["prefill"], out["decode"]
 
 
@@ -77,8 +76,10 @@ def main() -> int:
     f = GGUFModelFile(path)
     ids = prompt_ids(Tokenizer(path, f.metadata), args.prefill)
     have_rpc = all((TOOLS_BIN / b).is_file() for b in ("llama-bench", "rpc-server"))
-    print(f"# 3-node route vs llama.cpp RPC with a one-way delay per hop — {os.path.basename(path)}, 1 thread per "
-          f"process, {len(ids)}-token prompt, {args.decode} decode tokens; load {os.getloadavg()[0]:.2f}")
+    print(
+        f"# 3-node route vs llama.cpp RPC with a one-way delay per hop — {os.path.basename(path)}, 1 thread per "
+        f"process, {len(ids)}-token prompt, {args.decode} decode tokens; load {os.getloadavg()[0]:.2f}"
+    )
     rows = []
     nodes = start_nodes(even_split(18, 3), path, threads=1)
     try:
@@ -87,18 +88,28 @@ def main() -> int:
             route = route_decode(nodes, ids, args.decode, d)
             rpc = rpc_decode(path, len(ids), args.decode, d, dict(os.environ)) if have_rpc else None
             rows.append((d, route, rpc))
-            print(f"  delay {d:g} ms: route {route[1]:.2f} tok/s"
-                  + (f", RPC {rpc[1]:.2f} tok/s" if rpc else "") + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"  delay {d:g} ms: route {route[1]:.2f} tok/s"
+                + (f", RPC {rpc[1]:.2f} tok/s" if rpc else "")
+                + f" ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
     finally:
         stop_nodes(nodes)
     print()
-    print("| one-way delay per hop | route decode tok/s | bound 1000/(4·delay) | llama.cpp RPC decode tok/s "
-          "| route / RPC | route prefill tok/s | RPC prefill tok/s |")
+    print(
+        "| one-way delay per hop | route decode tok/s | bound 1000/(4·delay) | llama.cpp RPC decode tok/s "
+        "| route / RPC | route prefill tok/s | RPC prefill tok/s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for d, route, rpc in rows:
         bound = f"{1000 / (4 * d):.1f}" if d else "-"
-        print(f"| {d:g} ms | {route[1]:.2f} | {bound} | {rpc[1]:.2f} | {route[1] / rpc[1]:.1f}× | {route[0]:.1f} "
-              f"| {rpc[0]:.1f} |" if rpc else f"| {d:g} ms | {route[1]:.2f} | {bound} | - | - | {route[0]:.1f} | - |")
+        print(
+            f"| {d:g} ms | {route[1]:.2f} | {bound} | {rpc[1]:.2f} | {route[1] / rpc[1]:.1f}× | {route[0]:.1f} "
+            f"| {rpc[0]:.1f} |"
+            if rpc
+            else f"| {d:g} ms | {route[1]:.2f} | {bound} | - | - | {route[0]:.1f} | - |"
+        )
     if not have_rpc:
         print(f"\n(llama.cpp RPC rows left out: no llama-bench / rpc-server under {TOOLS_BIN}; make llamacpp-tools)")
     return 0

@@ -49,7 +49,7 @@ def run(model, ids: list[int], n_tokens: int, wire: str, peaks: list[float]) -> 
             token = int(torch.argmax(x[-1]))
             out.append(token)
             feed = [token]
-    except Exception as exc:  # noqa: BLE001 - a dtype that breaks the model: report how far it got
+    except Exception as exc:
         print(f"    {wire}: stopped after {len(out)} tokens: {type(exc).__name__}: {exc}")
     finally:
         for kv in kvs:
@@ -81,8 +81,10 @@ def main() -> int:
             same[w] = n
         rows.append((name, len(ids), same))
     print(f"\nGemma 3 270M, split 6:12 (3 shards), llama.cpp backend, greedy {args.tokens} tokens per prompt")
-    print(f"max |h| at the boundaries (f32 runs, prompts and generated tokens): layer 6: {peaks[0]:,.0f}, "
-          f"layer 12: {peaks[1]:,.0f}; f16's largest finite value: 65,504")
+    print(
+        f"max |h| at the boundaries (f32 runs, prompts and generated tokens): layer 6: {peaks[0]:,.0f}, "
+        f"layer 12: {peaks[1]:,.0f}; f16's largest finite value: 65,504"
+    )
     print("| prompt | tokens | " + " | ".join(f"{w}: equal to f32" for w in wires) + " |")
     print("|---|---:|" + "---:|" * len(wires))
     for name, n, same in rows:

@@ -13,17 +13,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from ggufswarm.client.generate import GenerationStats, generate
 from ggufswarm.client.local import LocalModel
 from ggufswarm.client.speculative import NgramDrafter
 from ggufswarm.runtime.sampling import SamplingParams
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-           "Москва — столица", "東京は日本の", "I love pizza 🍕 because",
-           "Translate to French: The cat sits on the mat.\nFrench:", "1, 2, 3, 5, 8, 13,", "<html>\n<head>\n<title>",
-           "Once upon a time, in a small village,", "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday,"]
+PROMPTS = [
+    "The capital of France is",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Москва — столица",
+    "東京は日本の",
+    "I love pizza 🍕 because",
+    "Translate to French: The cat sits on the mat.\nFrench:",
+    "1, 2, 3, 5, 8, 13,",
+    "<html>\n<head>\n<title>",
+    "Once upon a time, in a small village,",
+    "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday,",
+]
 
 
 def run(model, ids, n, k):

@@ -8,7 +8,7 @@ from ggufswarm.protocol.http import ServerThread
 
 
 @contextlib.contextmanager
-def AppThread(app_factory):  # noqa: N802 - reads like a class at call sites
+def AppThread(app_factory):
     server = ServerThread(app_factory())
     try:
         yield server.start()

@@ -18,6 +18,7 @@ DATA = Path(__file__).parent / "data"
 def gemma_path() -> Path:
     """The embedded default model (assembled once, SHA-256 checked)."""
     from ggufswarm.artifact.default_model import default_model_path
+
     return default_model_path()
 
 
@@ -28,6 +29,7 @@ def gemma(gemma_path):
     One thread, as the test nodes: llama.cpp's split-KV attention (a cache of 512+ cells) divides the
     cells among the threads, so the thread count is part of its numerics."""
     from ggufswarm.client.local import LocalModel
+
     return LocalModel.load(gemma_path, max_length=4096, threads=1)
 
 
@@ -35,6 +37,7 @@ def gemma(gemma_path):
 def gemma_torch(gemma_path):
     """Gemma 3 270M as one in-process float32 shard on the torch (reference) backend."""
     from ggufswarm.client.local import LocalModel
+
     return LocalModel.load(gemma_path, backend="torch")
 
 
@@ -42,8 +45,18 @@ def llama_cpp_model(path, n_ctx: int = 2048, logits_all: bool = True):
     """llama.cpp (llama-cpp-python) on ``path``: 2 threads, f32 KV cache so the reference is not
     rounded to f16 before the comparison."""
     import llama_cpp
-    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, logits_all=logits_all,
-                           n_threads=2, type_k=0, type_v=0, verbose=False)  # n_batch 512: 512 rows of logits at once
+
+    return llama_cpp.Llama(
+        str(path),
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_ubatch=512,
+        logits_all=logits_all,
+        n_threads=2,
+        type_k=0,
+        type_v=0,
+        verbose=False,
+    )  # n_batch 512: 512 rows of logits at once
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +68,7 @@ def gemma_f32_path(gemma_path, tmp_path_factory) -> Path:
     rounding. ~1 GB, written to a temporary directory, deleted after the run.
     """
     import llama_cpp
+
     out = tmp_path_factory.mktemp("f32") / "gemma-f32.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = 0  # LLAMA_FTYPE_ALL_F32

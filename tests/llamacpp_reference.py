@@ -15,13 +15,15 @@ import hashlib
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-CACHE_DIR = Path(os.environ.get("GGUFSWARM_REFERENCE_CACHE",
-                               Path.home() / ".cache" / "ggufswarm" / "llamacpp-references"))
+CACHE_DIR = Path(
+    os.environ.get("GGUFSWARM_REFERENCE_CACHE", Path.home() / ".cache" / "ggufswarm" / "llamacpp-references")
+)
 
 
 class ForeignReference(Exception):
@@ -51,10 +53,13 @@ def machine_key() -> dict:
         elif name.strip() == "model name" and not model:
             model = value.strip()
     libs = sorted(p for p in (Path(llama_cpp.__file__).parent / "lib").glob("*.so*") if not p.is_symlink())
-    return {"cpu_model": model, "cpu_flags": flags,
-            "llama_system_info": llama_cpp.llama_print_system_info().decode().strip(),
-            "build_sha256": {p.name: _sha256(p) for p in libs},
-            "llama_cpp_python": llama_cpp.__version__}
+    return {
+        "cpu_model": model,
+        "cpu_flags": flags,
+        "llama_system_info": llama_cpp.llama_print_system_info().decode().strip(),
+        "build_sha256": {p.name: _sha256(p) for p in libs},
+        "llama_cpp_python": llama_cpp.__version__,
+    }
 
 
 def load(path: Path, key: dict | None = None) -> Any:
@@ -64,8 +69,10 @@ def load(path: Path, key: dict | None = None) -> Any:
     made = doc.get("machine", {})
     if made != key:
         diff = sorted(k for k in set(made) | set(key) if made.get(k) != key.get(k))
-        raise ForeignReference(f"{path} was made on another machine or llama.cpp build (differs in {', '.join(diff)}: "
-                               f"made on {made.get('cpu_model')!r}, this is {key['cpu_model']!r})")
+        raise ForeignReference(
+            f"{path} was made on another machine or llama.cpp build (differs in {', '.join(diff)}: "
+            f"made on {made.get('cpu_model')!r}, this is {key['cpu_model']!r})"
+        )
     return doc["value"]
 
 
@@ -79,7 +86,7 @@ def cached(name: str, inputs: dict, compute: Callable[[], Any], cache_dir: Path 
         try:
             return load(path, key)
         except ForeignReference as exc:
-            warnings.warn(f"{exc}; computing it here")
+            warnings.warn(f"{exc}; computing it here", stacklevel=2)
     value = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -98,8 +105,13 @@ def llama_perplexity(model: Path, text_file: Path, n_ctx: int, threads: int = 2,
     second half of each chunk scored with a log-softmax in double precision. Returns ``{"ppl", "running", "n_tokens",
     "n_chunks"}`` (``running``: the running perplexity after each chunk, as the tool prints it).
     """
-    inputs = {"model_sha256": _sha256(model), "text_sha256": _sha256(text_file), "n_ctx": n_ctx, "threads": threads,
-              "n_batch": n_batch}
+    inputs = {
+        "model_sha256": _sha256(model),
+        "text_sha256": _sha256(text_file),
+        "n_ctx": n_ctx,
+        "threads": threads,
+        "n_batch": n_batch,
+    }
     return cached("llama-perplexity", inputs, lambda: _llama_perplexity(model, text_file, n_ctx, threads, n_batch))
 
 
@@ -152,10 +164,11 @@ def _llama_perplexity(model_path: Path, text_file: Path, n_ctx: int, threads: in
             assert rc == 0, f"llama_decode failed ({rc})"
             for seq in range(n_seq_batch):
                 ptr = L.llama_get_logits_ith(ctx, seq * n_ctx + first)
-                rows = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
-                                             shape=((n_ctx - first) * n_vocab,)).reshape(n_ctx - first, n_vocab)
-                rows = rows[:n_ctx - 1 - first].astype(np.float64)
-                target = np.asarray(tokens[(i + seq) * n_ctx + first + 1:(i + seq + 1) * n_ctx])
+                rows = np.ctypeslib.as_array(
+                    ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=((n_ctx - first) * n_vocab,)
+                ).reshape(n_ctx - first, n_vocab)
+                rows = rows[: n_ctx - 1 - first].astype(np.float64)
+                target = np.asarray(tokens[(i + seq) * n_ctx + first + 1 : (i + seq + 1) * n_ctx])
                 peak = rows.max(axis=1)
                 lse = np.log(np.exp(rows - peak[:, None]).sum(axis=1)) + peak
                 nll += float((lse - rows[np.arange(len(target)), target]).sum())

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from ggufswarm.client.generate import GenerationStats, generate
-from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.gateway import GatewayConfig, make_app
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.protocol.http import ServerThread
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import ShardSpec, even_split
 
 HOP_TIMEOUT = 10.0  # seconds per hop, for the gateway's sessions and the nodes' default
@@ -37,8 +37,9 @@ def cluster(gemma_path):
 @pytest.fixture(scope="session")
 def gateway(cluster, gemma_path):
     """Base URL (``http://127.0.0.1:PORT``) of an in-process gateway over ``cluster``."""
-    server = ServerThread(make_app(GatewayConfig([n.url for n in cluster], model=str(gemma_path),
-                                                 hop_timeout_s=HOP_TIMEOUT)))
+    server = ServerThread(
+        make_app(GatewayConfig([n.url for n in cluster], model=str(gemma_path), hop_timeout_s=HOP_TIMEOUT))
+    )
     url = server.start()
     yield url
     server.stop()
@@ -78,7 +79,7 @@ def reference(model, prompt: str, max_tokens: int, chat: bool = False) -> tuple[
 
 GREEDY_PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Москва — столица",
     "東京は日本の",
     "I love pizza 🍕 because",
@@ -99,8 +100,18 @@ def llama_cpp_greedy_tokens(path, prompts_ids: list[list[int]], n: int, threads:
     tokens per prompt. Threads matter: llama.cpp's split-KV attention divides the cache by thread count."""
     import llama_cpp
     import numpy as np
-    llm = llama_cpp.Llama(str(path), n_ctx=2048, n_batch=2048, n_ubatch=512, logits_all=False, n_threads=threads,
-                          n_threads_batch=threads, flash_attn=True, verbose=False)
+
+    llm = llama_cpp.Llama(
+        str(path),
+        n_ctx=2048,
+        n_batch=2048,
+        n_ubatch=512,
+        logits_all=False,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,
+        verbose=False,
+    )
     out = []
     try:
         for ids in prompts_ids:
@@ -145,22 +156,29 @@ def tiny_split_route(model: str, data_dir):
     ``whole`` (the model on one node, the reference); a dict of their URLs (and ``model``) while open."""
     from apphost import AppThread
 
-    from ggufswarm.node.state import NodeConfig
     from ggufswarm.node.app import make_app as make_node_app
+    from ggufswarm.node.state import NodeConfig
 
     def node(layers: str, name: str, **stages):
-        return AppThread(lambda: make_node_app(NodeConfig(layers=layers, model=model, data_dir=str(data_dir / name),
-                                                          **stages)))
+        return AppThread(
+            lambda: make_node_app(NodeConfig(layers=layers, model=model, data_dir=str(data_dir / name), **stages))
+        )
 
-    with node("0:1", "first", embed=True) as first, node("1:2", "head", head=True) as head, \
-            node("0:2", "whole", embed=True, head=True) as whole:
+    with (
+        node("0:1", "first", embed=True) as first,
+        node("1:2", "head", head=True) as head,
+        node("0:2", "whole", embed=True, head=True) as whole,
+    ):
         yield {"first": first, "head": head, "whole": whole, "model": model}
 
 
 def open_greedy(url: str, max_length: int = 128) -> uuid.UUID:
     """Open a greedy session (top 5 logprobs) straight on node ``url``; its id."""
     sid = uuid.uuid4()
-    status, body = http("POST", url + "/v1/sessions", {"session_id": str(sid), "max_length": max_length,
-                                                       "sampling": {"temperature": 0}, "top_logprobs": 5})
+    status, body = http(
+        "POST",
+        url + "/v1/sessions",
+        {"session_id": str(sid), "max_length": max_length, "sampling": {"temperature": 0}, "top_logprobs": 5},
+    )
     assert status == 201, body
     return sid

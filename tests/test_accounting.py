@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tinymodels import write_tiny_model
 from tinymoe import write_tiny_moe_model
 
@@ -26,8 +25,11 @@ CELL_META_BYTES = 12  # pos + n_seq_id + seq_id (int32 each) per cell in a seque
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen3moe", "deepseek2", "glm4moe", "gpt-oss"])
 def test_kv_bytes_per_token_is_what_llama_cpp_stores(tmp_path, arch):
-    path = (write_tiny_model(tmp_path / f"{arch}.gguf", arch) if arch in ("llama", "qwen3", "gemma3")
-            else write_tiny_moe_model(tmp_path / f"{arch}.gguf", arch))
+    path = (
+        write_tiny_model(tmp_path / f"{arch}.gguf", arch)
+        if arch in ("llama", "qwen3", "gemma3")
+        else write_tiny_moe_model(tmp_path / f"{arch}.gguf", arch)
+    )
     model = GGUFModelFile(path)
     acc = HeaderAccounts.from_model(model)
     spec = ShardSpec(0, acc.n_layers, True, True)
@@ -52,6 +54,7 @@ def test_kv_bytes_per_token_is_what_llama_cpp_stores(tmp_path, arch):
 
 # -- header-only rules on synthetic metadata (no file, no llama.cpp) ----------------------------------------
 
+
 def accounts(arch: str, n: int, tensors_per_block=("attn_q.weight", "attn_k.weight"), extra_tensors=(), **kv):
     md = {"general.architecture": arch, f"{arch}.block_count": n, f"{arch}.embedding_length": kv.pop("n_embd", 1024)}
     md |= {f"{arch}.{k.replace('__', '.')}": v for k, v in kv.items()}
@@ -63,11 +66,19 @@ def test_glm_dsa_class_mla_plus_indexer_only_where_the_block_has_one():
     """GLM-5-class (``glm-dsa``): MLA latent (512 + 64) plus the DSA indexer's key (128) per token, f16; a
     block without ``indexer`` tensors (a shared-indexer layer) caches no indexer key."""
     tensors = ("attn_q_a.weight", "attn_kv_a_mqa.weight", "indexer.attn_k.weight", "indexer.proj.weight")
-    acc = accounts("glm-dsa", 4, tensors, attention__kv_lora_rank=512, rope__dimension_count=64,
-                   attention__head_count=64, attention__indexer__key_length=128)
+    acc = accounts(
+        "glm-dsa",
+        4,
+        tensors,
+        attention__kv_lora_rank=512,
+        rope__dimension_count=64,
+        attention__head_count=64,
+        attention__indexer__key_length=128,
+    )
     assert [b.kv_bytes_per_token for b in acc.layers] == [(512 + 64 + 128) * 2] * 4
-    shared = HeaderAccounts(acc.metadata, [(f"blk.{i}.{t}", 1) for i in range(4) for t in tensors
-                                           if i % 2 == 0 or "indexer" not in t])
+    shared = HeaderAccounts(
+        acc.metadata, [(f"blk.{i}.{t}", 1) for i in range(4) for t in tensors if i % 2 == 0 or "indexer" not in t]
+    )
     assert [b.kv_bytes_per_token for b in shared.layers] == [(512 + 64 + 128) * 2, (512 + 64) * 2] * 2
 
 
@@ -75,10 +86,21 @@ def test_compressed_attention_and_hyper_connections():
     """DeepSeek-V4-class metadata: K-only caches, a block with ratio r keeps raw + 1/r compressed rows (and 1/r
     indexer rows with an indexer) per token plus a compressor state per session; the boundary is n_embd ×
     hyper_connection.count."""
-    acc = accounts("deepseek4", 3, ("attn_q_a.weight", "attn_kv.weight"), extra_tensors=[("blk.1.indexer.attn_k.weight", 1)],
-                   n_embd=4096, attention__head_count=64, attention__head_count_kv=1,
-                   attention__key_length=512, attention__value_length=512, attention__indexer__key_length=128,
-                   attention__sliding_window=128, attention__compress_ratios=[0, 4, 128], hyper_connection__count=4)
+    acc = accounts(
+        "deepseek4",
+        3,
+        ("attn_q_a.weight", "attn_kv.weight"),
+        extra_tensors=[("blk.1.indexer.attn_k.weight", 1)],
+        n_embd=4096,
+        attention__head_count=64,
+        attention__head_count_kv=1,
+        attention__key_length=512,
+        attention__value_length=512,
+        attention__indexer__key_length=128,
+        attention__sliding_window=128,
+        attention__compress_ratios=[0, 4, 128],
+        hyper_connection__count=4,
+    )
     row = 512 * 2  # K only, f16
     raw, csa, hca = acc.layers  # only block 1 (ratio 4) has an indexer, as in llama-kv-cache-dsv4.cpp's filter_csa
     assert raw.kind == "attention" and raw.kv_bytes_per_token == row and raw.state_bytes_per_session == 0
@@ -86,15 +108,28 @@ def test_compressed_attention_and_hyper_connections():
     assert csa.state_bytes_per_session == 2 * 8 * 1024 * 4 + 2 * 8 * 256 * 4  # overlapping kv+score, f32
     assert hca.kv_bytes_per_token == row + row // 128 and hca.state_bytes_per_session == 2 * 128 * 512 * 4
     assert acc.boundary_width == 4 * 4096 and acc.boundary_bytes_per_token("f32") == 4 * 4096 * 4
-    assert acc.shard(0, 2).boundary_bytes_per_token == 4 * 4096 * 4 and acc.shard(0, 3, head=True).boundary_bytes_per_token == 0
+    assert (
+        acc.shard(0, 2).boundary_bytes_per_token == 4 * 4096 * 4
+        and acc.shard(0, 3, head=True).boundary_bytes_per_token == 0
+    )
 
 
 def test_jamba_style_zero_kv_heads_and_rwkv():
     """Per-layer ``head_count_kv`` 0 with ``ssm.*`` metadata marks recurrent blocks (Jamba); ``wkv.head_size``
     (RWKV) gives ``token_shift_count * n_embd + n_embd * head_size`` f32 values of state per block."""
-    acc = accounts("jamba", 4, ("attn_norm.weight",), attention__head_count=8, attention__head_count_kv=[0, 0, 0, 2],
-                   attention__key_length=128, attention__value_length=128, ssm__conv_kernel=4, ssm__inner_size=2048,
-                   ssm__state_size=16, ssm__group_count=0)
+    acc = accounts(
+        "jamba",
+        4,
+        ("attn_norm.weight",),
+        attention__head_count=8,
+        attention__head_count_kv=[0, 0, 0, 2],
+        attention__key_length=128,
+        attention__value_length=128,
+        ssm__conv_kernel=4,
+        ssm__inner_size=2048,
+        ssm__state_size=16,
+        ssm__group_count=0,
+    )
     assert [b.kind for b in acc.layers] == ["recurrent"] * 3 + ["attention"]
     assert acc.layers[0].state_bytes_per_session == (3 * 2048 + 16 * 2048) * 4
     assert acc.layers[3].kv_bytes_per_token == 2 * 256 * 2
@@ -106,9 +141,18 @@ def test_jamba_style_zero_kv_heads_and_rwkv():
 def test_sliding_window_layers_count_full_kv_with_their_own_head_lengths():
     """Sliding-window blocks cost full per-token KV (the backend runs with swa_full); ``key_length_swa`` /
     ``value_length_swa`` apply on them (pattern 2: blocks 0, 2 sliding)."""
-    acc = accounts("gemma4", 4, attention__head_count=8, attention__head_count_kv=2, attention__key_length=512,
-                   attention__value_length=512, attention__key_length_swa=256, attention__value_length_swa=256,
-                   attention__sliding_window=512, attention__sliding_window_pattern=2)
+    acc = accounts(
+        "gemma4",
+        4,
+        attention__head_count=8,
+        attention__head_count_kv=2,
+        attention__key_length=512,
+        attention__value_length=512,
+        attention__key_length_swa=256,
+        attention__value_length_swa=256,
+        attention__sliding_window=512,
+        attention__sliding_window_pattern=2,
+    )
     assert [b.kv_bytes_per_token for b in acc.layers] == [2 * 512 * 2, 2 * 1024 * 2] * 2
 
 
@@ -143,15 +187,27 @@ def test_node_advertises_its_accounting_and_the_tracker_routes_with_it(tmp_path)
     acc = HeaderAccounts.from_model(GGUFModelFile(path))
 
     def call(url, body=None, method="GET"):
-        req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
 
     states = []
     for layers, embed, head in (("0:4", True, False), ("4:6", False, True)):
-        config = NodeConfig(layers=layers, embed=embed, head=head, model=str(path), ctx_size=512, max_sessions=2,
-                            data_dir=str(tmp_path / "data"), threads=1)
+        config = NodeConfig(
+            layers=layers,
+            embed=embed,
+            head=head,
+            model=str(path),
+            ctx_size=512,
+            max_sessions=2,
+            data_dir=str(tmp_path / "data"),
+            threads=1,
+        )
         states.append(NodeState(config, load_executor(config)))
     try:
         first, last = (advertisement(s) for s in states)
@@ -162,8 +218,14 @@ def test_node_advertises_its_accounting_and_the_tracker_routes_with_it(tmp_path)
         assert a["boundary_bytes_per_token"] == 128 * 4 and last["extra"]["accounting"]["boundary_bytes_per_token"] == 0
         assert a["free_bytes"] == states[0].store.budget_tokens * a["kv_bytes_per_token"]
         with AppThread(lambda: make_app(TrackerConfig(db=":memory:", token=None))) as tracker:
-            call(f"{tracker}/manifests/ds2", {"manifest": json.loads(Manifest.from_gguf(path, name="ds2").to_json()),
-                                              "torrent_hex": make_torrent([path]).hex()}, "PUT")
+            call(
+                f"{tracker}/manifests/ds2",
+                {
+                    "manifest": json.loads(Manifest.from_gguf(path, name="ds2").to_json()),
+                    "torrent_hex": make_torrent([path]).hex(),
+                },
+                "PUT",
+            )
             for ad, url in zip((first, last), ("http://a", "http://b")):
                 call(f"{tracker}/nodes/heartbeat", ad | {"url": url, "model": "ds2"}, "POST")
             route = call(f"{tracker}/route?model=ds2&max_length=100")

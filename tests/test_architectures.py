@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import llama_cpp_model
 from tinymodels import write_tiny_model
 
@@ -16,9 +15,14 @@ from ggufswarm.runtime.shard import ShardExecutor, ShardSpec
 
 CASES = [
     # arch, quantized tensors (Q8_0 + Q4_K), gemma3 sliding window
-    ("llama", False, 0), ("qwen2", False, 0), ("qwen3", False, 0),
-    ("llama", True, 0), ("qwen2", True, 0), ("qwen3", True, 0),
-    ("gemma3", False, 16), ("gemma3", True, 16),
+    ("llama", False, 0),
+    ("qwen2", False, 0),
+    ("qwen3", False, 0),
+    ("llama", True, 0),
+    ("qwen2", True, 0),
+    ("qwen3", True, 0),
+    ("gemma3", False, 16),
+    ("gemma3", True, 16),
 ]
 
 
@@ -39,7 +43,7 @@ def test_logits_match_llama_cpp(tiny_dir, arch, quant, window):
     ids = _ids(48)  # longer than the gemma3 window of 16: local layers must mask
     llm = llama_cpp_model(path, n_ctx=128)
     llm.eval(ids)
-    ref = np.array(llm.scores[:len(ids)])
+    ref = np.array(llm.scores[: len(ids)])
     # "llama.cpp" numerics: activations rounded as ggml's CPU kernels do for quantized weights
     shard = ShardExecutor(file, ShardSpec(0, cfg.n_layers, True, True), numerics="llama.cpp")
     ours = shard.forward(shard.new_session(128), torch.tensor(ids), logits="all").numpy()
@@ -57,7 +61,7 @@ def test_exact_numerics_close_to_llama_cpp(tiny_dir):
     llm = llama_cpp_model(path, n_ctx=128)
     ids = _ids(32)
     llm.eval(ids)
-    ref = np.array(llm.scores[:len(ids)])
+    ref = np.array(llm.scores[: len(ids)])
     session = LocalModel.load(path, backend="torch").session(64)
     ours = session.logits(ids, all_positions=True).numpy()
     assert np.abs(ours - ref).max() < 0.02 * np.abs(ref).max()
@@ -69,10 +73,13 @@ def test_unsupported_architecture_is_named(tiny_dir):
     idx = data.index(b"general.architecture")
     # the value follows the key: u32 type, u64 length, bytes; "llama" → "mamba" keeps the length
     pos = data.index(b"llama", idx)
-    data[pos:pos + 5] = b"mamba"
+    data[pos : pos + 5] = b"mamba"
     bad = tiny_dir / "mamba.gguf"
     bad.write_bytes(bytes(data))
-    with pytest.raises(UnsupportedArchitecture, match="unsupported architecture 'mamba'.*deepseek2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe\\)"):
+    with pytest.raises(
+        UnsupportedArchitecture,
+        match="unsupported architecture 'mamba'.*deepseek2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe\\)",
+    ):
         load_config(GGUFModelFile(bad))
 
 
@@ -97,12 +104,14 @@ def _torch_and_llama_cpp(path, ids: list[int], split: int = 0) -> tuple[np.ndarr
     llm = llama_cpp_model(path, n_ctx=128)
     try:
         llm.eval(ids)
-        ref = np.array(llm.scores[:len(ids)])
+        ref = np.array(llm.scores[: len(ids)])
     finally:
         llm.close()
     file = GGUFModelFile(path)
     n = load_config(file).n_layers
-    specs = [ShardSpec(0, split, embed=True), ShardSpec(split, n, head=True)] if split else [ShardSpec(0, n, True, True)]
+    specs = (
+        [ShardSpec(0, split, embed=True), ShardSpec(split, n, head=True)] if split else [ShardSpec(0, n, True, True)]
+    )
     x = torch.tensor(ids)
     for spec in specs:
         shard = ShardExecutor(file, spec, numerics="llama.cpp")
@@ -126,14 +135,16 @@ ROPE_CASES = [
 def test_unimplemented_rope_scaling_is_refused_on_torch(tiny_dir):
     """A RoPE scaling type the torch backend does not implement (YaRN) is refused by name, not ignored (ignoring
     it would give logits that silently differ from llama.cpp's)."""
-    path = write_tiny_model(tiny_dir / "yarn.gguf", "llama", n_layers=2, rope_linear_factor=4.0,
-                            rope_scaling_style="yarn")
+    path = write_tiny_model(
+        tiny_dir / "yarn.gguf", "llama", n_layers=2, rope_linear_factor=4.0, rope_scaling_style="yarn"
+    )
     with pytest.raises(UnsupportedArchitecture, match="'yarn'.*--backend llama.cpp"):
         load_config(GGUFModelFile(path))
 
 
-@pytest.mark.parametrize("arch,shared,option", ROPE_CASES,
-                         ids=[f"{a}-{'-'.join(map(str, o.values()))}" for a, _, o in ROPE_CASES])
+@pytest.mark.parametrize(
+    "arch,shared,option", ROPE_CASES, ids=[f"{a}-{'-'.join(map(str, o.values()))}" for a, _, o in ROPE_CASES]
+)
 def test_rope_scaling_and_freq_factors_match_llama_cpp(tiny_dir, arch, shared, option):
     """Linear RoPE scaling (``rope.scaling.type = linear``, ``rope.scaling.factor``) and ``rope_freqs.weight``:
     the torch backend's logits are llama.cpp's on the same F32 file (the tolerance of test_logits_match_llama_cpp),

@@ -10,15 +10,14 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from tinymodels import write_tiny_model
 
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
-from ggufswarm.protocol.http import ServerThread
-from ggufswarm.node.state import NodeConfig
 from ggufswarm.node.app import make_app as make_node_app
+from ggufswarm.node.state import NodeConfig
 from ggufswarm.protocol.auth import TOKEN_HEADER
+from ggufswarm.protocol.http import ServerThread
 from ggufswarm.tracker.app import TrackerConfig
 from ggufswarm.tracker.app import make_app as make_tracker_app
 
@@ -36,8 +35,12 @@ def status_of(url: str, method: str, headers: dict) -> int:
 
 
 def concrete(path: str) -> str:
-    return path.replace("{sid}", "00000000-0000-0000-0000-000000000000").replace("{name}", "x") \
-               .replace("{node_id}", "x").replace("{key}", "0" * 64)
+    return (
+        path.replace("{sid}", "00000000-0000-0000-0000-000000000000")
+        .replace("{name}", "x")
+        .replace("{node_id}", "x")
+        .replace("{key}", "0" * 64)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def apps(tiny_dir, tmp_path_factory):
     model = write_tiny_model(tiny_dir / "auth.gguf", "llama", n_layers=2)
     node = make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model), token=TOKEN))
     tracker = make_tracker_app(TrackerConfig(db=":memory:", token=TOKEN))
-    cache = make_cache_app(CacheConfig(dir=str(tmp_path_factory.mktemp("cache")), max_bytes=2 ** 20, token=TOKEN))
+    cache = make_cache_app(CacheConfig(dir=str(tmp_path_factory.mktemp("cache")), max_bytes=2**20, token=TOKEN))
     servers = [ServerThread(node), ServerThread(tracker), ServerThread(cache)]
     urls = [s.start() for s in servers]
     yield list(zip((node, tracker, cache), urls))
@@ -75,8 +78,8 @@ def test_the_token_is_never_in_a_torrent(apps, tmp_path):
     token is not in the .torrent, the manifest the tracker serves, or the tracker's database."""
     import libtorrent as lt
 
-    from ggufswarm.protocol.auth import announce_key
     from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.protocol.auth import announce_key
     from ggufswarm.swarm.publish import publish
 
     _, tracker = apps[1]
@@ -94,8 +97,8 @@ def test_the_token_is_never_in_a_torrent(apps, tmp_path):
 def test_the_token_is_not_in_the_tracker_database(tmp_path):
     """A tracker keeping its registry in a file: after a publish, an announce and a node's heartbeat, the token is
     in none of the database's files (the database, its WAL), in clear or as the hex of its bytes."""
-    from ggufswarm.protocol.auth import announce_key
     from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.protocol.auth import announce_key
     from ggufswarm.swarm.publish import publish
 
     db = tmp_path / "tracker.db"
@@ -106,8 +109,17 @@ def test_the_token_is_not_in_the_tracker_database(tmp_path):
         publish(model, tracker, "tiny", token=TOKEN)
         announce = f"{tracker}/announce?swarm_key={announce_key(TOKEN)}&info_hash={'%00' * 20}&peer_id=x&port=1"
         assert status_of(announce, "GET", {}) == 200
-        ad = {"node_id": "n1", "url": "http://127.0.0.1:9", "model": "tiny", "layers": [0, 2], "embed": True,
-              "head": True, "state": "ready", "free_kv_tokens": 64, "decode_ms": 1.0}
+        ad = {
+            "node_id": "n1",
+            "url": "http://127.0.0.1:9",
+            "model": "tiny",
+            "layers": [0, 2],
+            "embed": True,
+            "head": True,
+            "state": "ready",
+            "free_kv_tokens": 64,
+            "decode_ms": 1.0,
+        }
         TrackerClient(tracker, TOKEN).call("nodes/heartbeat", "POST", ad)
         assert [a["url"] for a in TrackerClient(tracker, TOKEN).nodes("tiny")] == [ad["url"]]
         files = sorted(tmp_path.glob("tracker.db*"))
@@ -122,9 +134,9 @@ def test_the_library_never_reads_the_environment(apps, monkeypatch):
     """Only the command line reads ``$GGUFSWARM_TOKEN``: an in-process client or config given no token sends
     none (401 from a private swarm) even with the variable set, and one given the token gets through."""
     from ggufswarm.client.route import RemoteRoute
+    from ggufswarm.client.tracker import TrackerClient, TrackerError
     from ggufswarm.client.transport import RouteError
     from ggufswarm.protocol.auth import TOKEN_ENV
-    from ggufswarm.client.tracker import TrackerClient, TrackerError
 
     (_, node), (_, tracker) = apps[0], apps[1]
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
@@ -160,8 +172,13 @@ def test_cli_token_from_flag_or_environment(ggufswarm_cli, tmp_path):
         env["PYTHONUNBUFFERED"] = "1"
         if env_token:
             env[TOKEN_ENV] = env_token
-        proc = subprocess.Popen([*ggufswarm_cli, "tracker", "--port", "0", "--db", ":memory:", *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            [*ggufswarm_cli, "tracker", "--port", "0", "--db", ":memory:", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         line = proc.stdout.readline()
         assert line.startswith("ggufswarm tracker ready: http://"), line + proc.stderr.read()
         return proc, line.split()[3]
@@ -170,11 +187,14 @@ def test_cli_token_from_flag_or_environment(ggufswarm_cli, tmp_path):
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         if env_token:
             env[TOKEN_ENV] = env_token
-        return subprocess.run([*ggufswarm_cli, "status", "--tracker", url, *args], capture_output=True, text=True,
-                              env=env, timeout=60)
+        return subprocess.run(
+            [*ggufswarm_cli, "status", "--tracker", url, *args], capture_output=True, text=True, env=env, timeout=60
+        )
 
-    for args, env_token, good, bad in ((["--token", "from-flag"], "from-env", "from-flag", "from-env"),
-                                       ([], "from-env", "from-env", "from-flag")):
+    for args, env_token, good, bad in (
+        (["--token", "from-flag"], "from-env", "from-flag", "from-env"),
+        ([], "from-env", "from-env", "from-flag"),
+    ):
         proc, url = serve(*args, env_token=env_token)
         try:
             assert status_of(url + "/models", "GET", {}) == 401

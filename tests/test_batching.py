@@ -16,11 +16,11 @@ import threading
 import time
 from uuid import uuid4
 
+import llama_cpp as L
 import numpy as np
 import pytest
 import torch
-
-import llama_cpp as L
+from route_fixtures import GREEDY_PROMPTS, health
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.route import RemoteRoute
@@ -30,8 +30,6 @@ from ggufswarm.runtime.llamacpp.backend import LlamaCppShard
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.sessions import SessionStore
 from ggufswarm.runtime.shard import ShardSpec, even_split
-
-from route_fixtures import GREEDY_PROMPTS, health
 
 GREEDY = SamplingParams(temperature=0)
 SPECS = [ShardSpec(0, 6, embed=True), ShardSpec(6, 12), ShardSpec(12, 18, head=True)]
@@ -92,8 +90,13 @@ def test_unified_kv_batches_any_sessions_each_attending_only_to_its_own(gemma_fi
     cache = tmp_path_factory.mktemp("shards")
     n, chosen = 6, [0, 2, 3, 5]
     alone = _chain(gemma_file, tmp_path_factory, n)
-    unified = [[LlamaCppShard(gemma_file, s, n_ctx_seq=1024, n_seq_max=n, threads=1, cache_dir=cache,
-                              kv_unified=True) for s in SPECS] for _ in range(2)]
+    unified = [
+        [
+            LlamaCppShard(gemma_file, s, n_ctx_seq=1024, n_seq_max=n, threads=1, cache_dir=cache, kv_unified=True)
+            for s in SPECS
+        ]
+        for _ in range(2)
+    ]
     for sh in unified[0] + unified[1]:
         sh.batch_group = 32
     prompts = _prompts(n, seed=3)
@@ -130,8 +133,9 @@ def test_unified_kv_batches_any_sessions_each_attending_only_to_its_own(gemma_fi
     again = shard.new_session(1024)
     assert shard.forward(again, np.ones((5, 640), dtype=np.float32)).shape == (5, 640)
     # every session can fill its share, rounded as llama.cpp rounds a stream (300 -> 512 cells)
-    odd = LlamaCppShard(gemma_file, ShardSpec(6, 7), n_ctx_seq=300, n_seq_max=3, threads=1, cache_dir=cache,
-                        kv_unified=True)
+    odd = LlamaCppShard(
+        gemma_file, ShardSpec(6, 7), n_ctx_seq=300, n_seq_max=3, threads=1, cache_dir=cache, kv_unified=True
+    )
     full = [odd.new_session(512) for _ in range(3)]
     for kv in full:
         odd.forward(kv, np.ones((512, 640), dtype=np.float32))
@@ -144,19 +148,38 @@ def test_unified_kv_batches_any_sessions_each_attending_only_to_its_own(gemma_fi
 def test_forward_batch_errors_stay_with_their_session(gemma_file, tmp_path_factory, monkeypatch):
     """A closed session, an id out of range and a full session get their own errors; the others' steps apply.
     A shared llama_decode that fails is retried step by step."""
-    (head,) = [LlamaCppShard(gemma_file, ShardSpec(0, 18, embed=True, head=True), n_ctx_seq=256, n_seq_max=6,
-                             threads=1, cache_dir=tmp_path_factory.mktemp("whole"))]
+    (head,) = [
+        LlamaCppShard(
+            gemma_file,
+            ShardSpec(0, 18, embed=True, head=True),
+            n_ctx_seq=256,
+            n_seq_max=6,
+            threads=1,
+            cache_dir=tmp_path_factory.mktemp("whole"),
+        )
+    ]
     kvs = [head.new_session(256 if i != 3 else 6) for i in range(6)]
-    for i, kv in enumerate(kvs):
+    for kv in kvs:
         head.forward(kv, torch.arange(100, 106))
     kvs[1].close()
-    ref = LlamaCppShard(gemma_file, ShardSpec(0, 18, embed=True, head=True), n_ctx_seq=256, n_seq_max=1, threads=1,
-                        cache_dir=tmp_path_factory.mktemp("ref"))
+    ref = LlamaCppShard(
+        gemma_file,
+        ShardSpec(0, 18, embed=True, head=True),
+        n_ctx_seq=256,
+        n_seq_max=1,
+        threads=1,
+        cache_dir=tmp_path_factory.mktemp("ref"),
+    )
     rkv = ref.new_session(256)
     ref.forward(rkv, torch.arange(100, 106))
     want = ref.forward(rkv, torch.tensor([7]))
-    steps = [(kvs[0], torch.tensor([7])), (kvs[1], torch.tensor([7])), (kvs[2], torch.tensor([10 ** 7])),
-             (kvs[3], torch.tensor([7])), (kvs[4], torch.tensor([7]))]
+    steps = [
+        (kvs[0], torch.tensor([7])),
+        (kvs[1], torch.tensor([7])),
+        (kvs[2], torch.tensor([10**7])),
+        (kvs[3], torch.tensor([7])),
+        (kvs[4], torch.tensor([7])),
+    ]
     out = head.forward_batch(steps)
     assert isinstance(out[1], ValueError) and isinstance(out[2], TokenOutOfRange)
     assert isinstance(out[3], ContextOverflow)
@@ -173,8 +196,7 @@ def test_forward_batch_errors_stay_with_their_session(gemma_file, tmp_path_facto
 
     want = ref.forward(rkv, torch.tensor([8]))
     monkeypatch.setattr(L, "llama_decode", flaky)
-    out = head.forward_batch([(kvs[0], torch.tensor([8])), (kvs[4], torch.tensor([8])),
-                              (kvs[5], torch.tensor([8, 9]))])
+    out = head.forward_batch([(kvs[0], torch.tensor([8])), (kvs[4], torch.tensor([8])), (kvs[5], torch.tensor([8, 9]))])
     assert calls == [2, 1, 1, 1]  # the shared decode, then each step alone, then the 2-token step
     assert np.array_equal(out[0], want) and np.array_equal(out[1], want) and out[2].shape == (1, head.n_vocab_out)
     assert [kvs[0].length, kvs[4].length, kvs[5].length] == [8, 8, 8]
@@ -185,8 +207,14 @@ def test_forward_batch_errors_stay_with_their_session(gemma_file, tmp_path_facto
 def test_apply_chunked_is_bitwise_apply(gemma_file, tmp_path_factory):
     """A 1300-token prefill run in 512-token pieces (yielding between them) gives the KV and output of the step
     run whole, bitwise: the pieces are llama.cpp's own ubatches."""
-    shard = LlamaCppShard(gemma_file, ShardSpec(0, 6, embed=True), n_ctx_seq=2048, n_seq_max=2, threads=1,
-                          cache_dir=tmp_path_factory.mktemp("chunk"))
+    shard = LlamaCppShard(
+        gemma_file,
+        ShardSpec(0, 6, embed=True),
+        n_ctx_seq=2048,
+        n_seq_max=2,
+        threads=1,
+        cache_dir=tmp_path_factory.mktemp("chunk"),
+    )
     store = SessionStore(shard, 4096)
     a, b = store.open(uuid4(), 2048), store.open(uuid4(), 2048)
     ids = _prompts(1, seed=3)[0].repeat(4)[:1300]
@@ -223,15 +251,19 @@ def _generate(route: RemoteRoute, ids: list[int], n: int, out: list, start: thre
 
 @pytest.fixture(scope="module")
 def batching_cluster(gemma_path):
-    nodes = start_nodes(even_split(18, 3), str(gemma_path), threads=1,
-                        extra=["--max-sessions", "16", "--ctx-size", "1024", "--hop-timeout", "60"])
+    nodes = start_nodes(
+        even_split(18, 3),
+        str(gemma_path),
+        threads=1,
+        extra=["--max-sessions", "16", "--ctx-size", "1024", "--hop-timeout", "60"],
+    )
     yield nodes
     stop_nodes(nodes)
 
 
 def _sixteen_prompts(gemma) -> list[list[int]]:
     prompts = [gemma.prompt_ids(p) for p in GREEDY_PROMPTS]
-    prompts += [gemma.prompt_ids(p + " and") for p in GREEDY_PROMPTS[:16 - len(prompts)]]
+    prompts += [gemma.prompt_ids(p + " and") for p in GREEDY_PROMPTS[: 16 - len(prompts)]]
     assert len(prompts) == 16
     return prompts
 
@@ -247,8 +279,10 @@ def _alone_then_together(urls: list[str], prompts: list[list[int]], n: int):
     before = [health(u)["batching"] for u in urls]
     results = [[] for _ in prompts]
     barrier = threading.Barrier(len(prompts))
-    threads = [threading.Thread(target=_generate, args=(RemoteRoute(urls, 60.0), ids, n, results[i], barrier))
-               for i, ids in enumerate(prompts)]
+    threads = [
+        threading.Thread(target=_generate, args=(RemoteRoute(urls, 60.0), ids, n, results[i], barrier))
+        for i, ids in enumerate(prompts)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -278,9 +312,12 @@ def test_throughput_mode_16_sessions(gemma_path, gemma):
     """A 3-node route with --batch-group 32 (one unified KV stream per node): 16 concurrent greedy sessions all
     finish, the head runs their decode steps in batches of more than 3 sessions, and each session's tokens are the
     ones it gets alone (most sessions exactly; the others leave them only for one of the alone run's top 3)."""
-    nodes = start_nodes(even_split(18, 3), str(gemma_path), threads=1,
-                        extra=["--max-sessions", "16", "--ctx-size", "1024", "--hop-timeout", "60",
-                               "--batch-group", "32"])
+    nodes = start_nodes(
+        even_split(18, 3),
+        str(gemma_path),
+        threads=1,
+        extra=["--max-sessions", "16", "--ctx-size", "1024", "--hop-timeout", "60", "--batch-group", "32"],
+    )
     prompts, n = _sixteen_prompts(gemma), 10
     try:
         alone, results, before, after = _alone_then_together([x.url for x in nodes], prompts, n)
@@ -301,15 +338,21 @@ def test_throughput_mode_16_sessions(gemma_path, gemma):
             same += 1
             continue
         top = {int(t): float(lp) for t, lp in ref_lps[d]}
-        assert toks[d] in top, f"session {i} left its alone run at token {d} for an unlikely token: {toks[d]} vs " \
-                               f"{ref[d]}, alone's top 3 {top}"
+        assert toks[d] in top, (
+            f"session {i} left its alone run at token {d} for an unlikely token: {toks[d]} vs "
+            f"{ref[d]}, alone's top 3 {top}"
+        )
     assert same >= len(prompts) // 2, f"only {same} of 16 sessions decoded exactly their tokens alone"
 
 
 @pytest.fixture(scope="module")
 def long_cluster(gemma_path):
-    nodes = start_nodes(even_split(18, 3), str(gemma_path), threads=1,
-                        extra=["--max-sessions", "2", "--ctx-size", "8192", "--hop-timeout", "120"])
+    nodes = start_nodes(
+        even_split(18, 3),
+        str(gemma_path),
+        threads=1,
+        extra=["--max-sessions", "2", "--ctx-size", "8192", "--hop-timeout", "120"],
+    )
     yield nodes
     stop_nodes(nodes)
 
@@ -350,8 +393,11 @@ def test_decode_flows_during_4k_prefill(long_cluster, gemma, reference_text):
     per_step = [max(s.compute_ms[k] for s in steps) / 1e3 for k in range(3)]  # each node's longest step (s)
     during = [t for t in stamps if t0 <= t <= t1]
     gaps = np.diff([t0] + during + [next((t for t in stamps if t > t1), t1)])
-    print(f"4K prefill {t1 - t0:.2f} s; nodes' longest prefill step {[round(x, 2) for x in per_step]} s; A's tokens during "
-          f"it {len(during)}, largest gap {gaps.max() * 1e3:.0f} ms, median {np.median(gaps) * 1e3:.0f} ms")
+    print(
+        f"4K prefill {t1 - t0:.2f} s; nodes' longest prefill step {[round(x, 2) for x in per_step]} s; "
+        f"A's tokens during it {len(during)}, largest gap {gaps.max() * 1e3:.0f} ms, "
+        f"median {np.median(gaps) * 1e3:.0f} ms"
+    )
     assert len(during) >= 4
     assert gaps.max() < 0.8 * max(per_step), (gaps.max(), per_step)
 
@@ -359,9 +405,16 @@ def test_decode_flows_during_4k_prefill(long_cluster, gemma, reference_text):
 def test_apply_batch_records_each_session(gemma_file, tmp_path_factory):
     """SessionStore.apply_batch: each session's step recorded with its own sample, a bad token-id trailer failing
     only its own step (history and KV as before), the samples those of apply one session at a time."""
+
     def store_of(name):
-        shard = LlamaCppShard(gemma_file, ShardSpec(0, 18, embed=True, head=True), n_ctx_seq=256, n_seq_max=4,
-                              threads=1, cache_dir=tmp_path_factory.mktemp(name))
+        shard = LlamaCppShard(
+            gemma_file,
+            ShardSpec(0, 18, embed=True, head=True),
+            n_ctx_seq=256,
+            n_seq_max=4,
+            threads=1,
+            cache_dir=tmp_path_factory.mktemp(name),
+        )
         return SessionStore(shard, 1024)
 
     one, many = store_of("one"), store_of("many")
@@ -375,7 +428,7 @@ def test_apply_batch_records_each_session(gemma_file, tmp_path_factory):
         assert many.apply(b, 1, 0, 0, p, None).token == toks[-1]
     items = []
     for i, (b, t) in enumerate(zip(sb, toks)):
-        trailer = torch.tensor([10 ** 7]) if i == 2 else None
+        trailer = torch.tensor([10**7]) if i == 2 else None
         items.append((b, 2, 0, b.length, torch.tensor([t]), trailer, True))
     out = many.apply_batch(items)
     assert isinstance(out[2], TokenOutOfRange) and sb[2].length == len(prompts[2]) and sb[2].last.step == 1
@@ -391,8 +444,17 @@ def test_forward_batch_bitwise_with_two_threads(gemma_file, tmp_path_factory):
     """With 2 threads, sessions of 256+ tokens (llama.cpp splits their attention across threads only alone) get a
     ubatch of their own, the short ones share one: every row still equals forward's, bitwise."""
     lens = [300, 20, 400, 30, 40]
-    shards = [LlamaCppShard(gemma_file, SPECS[0], n_ctx_seq=1024, n_seq_max=len(lens), threads=2,
-                            cache_dir=tmp_path_factory.mktemp(f"two{i}")) for i in range(2)]
+    shards = [
+        LlamaCppShard(
+            gemma_file,
+            SPECS[0],
+            n_ctx_seq=1024,
+            n_seq_max=len(lens),
+            threads=2,
+            cache_dir=tmp_path_factory.mktemp(f"two{i}"),
+        )
+        for i in range(2)
+    ]
     rng = np.random.default_rng(1)
     kvs = [[sh.new_session(1024) for _ in lens] for sh in shards]
     for i, n in enumerate(lens):
@@ -415,9 +477,9 @@ def test_node_batch_error_stays_with_its_session(batching_cluster):
     tokens, the same tokens as the same frames applied one at a time afterwards on fresh sessions."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ggufswarm.protocol.frame import encode_hidden
-
     from route_fixtures import http, open_greedy
+
+    from ggufswarm.protocol.frame import encode_hidden
 
     head = batching_cluster[2].url
     rng = np.random.default_rng(7)
@@ -428,14 +490,15 @@ def test_node_batch_error_stays_with_its_session(batching_cluster):
         for sid, c in zip(sids, ctx):
             status, body = http("POST", head + "/v1/step", encode_hidden(sid, 1, 0, c, "f32"))
             assert status == 200, body
-        return [encode_hidden(sid, 2, 8, r, "f32", torch.tensor([10 ** 7 if i == 1 else 5]))
-                for i, (sid, r) in enumerate(zip(sids, row))]
+        return [
+            encode_hidden(sid, 2, 8, r, "f32", torch.tensor([10**7 if i == 1 else 5]))
+            for i, (sid, r) in enumerate(zip(sids, row))
+        ]
 
     sids = [open_greedy(head, 64) for _ in range(4)]
     batch_frames = frames(sids)
     busy = open_greedy(head, 1024)
-    long_frame = encode_hidden(busy, 1, 0, torch.tensor(rng.standard_normal((1024, 640)), dtype=torch.float32),
-                               "f32")
+    long_frame = encode_hidden(busy, 1, 0, torch.tensor(rng.standard_normal((1024, 640)), dtype=torch.float32), "f32")
     before = health(head)["batching"]
     with ThreadPoolExecutor(5) as pool:
         prefill = pool.submit(http, "POST", head + "/v1/step", long_frame, 300)

@@ -80,7 +80,7 @@ def test_restorable_length_follows_the_steps():
 
 
 def test_store_prefix_lookup_supersede_lru_and_corruption(tmp_path):
-    store = SnapshotStore(tmp_path / "c", max_bytes=10 ** 6)
+    store = SnapshotStore(tmp_path / "c", max_bytes=10**6)
     a = list(range(100, 140))  # 40 tokens: 2 whole blocks
     info = store.put(blob_for(a)[0])
     assert info["blocks"] == 40 // BLOCK_TOKENS and info["n_tokens"] == 40
@@ -126,12 +126,12 @@ def test_store_prefix_lookup_supersede_lru_and_corruption(tmp_path):
         store.put(b"not a snapshot")
     # the index survives a restart
     store.close()
-    again = SnapshotStore(tmp_path / "c", max_bytes=10 ** 6)
+    again = SnapshotStore(tmp_path / "c", max_bytes=10**6)
     assert again.lookup(SHARD, a) == (longer["key"], 32)
 
 
 def test_cache_server_http(tmp_path):
-    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10 ** 6))) as url:
+    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10**6))) as url:
         blob = blob_for(list(range(48)))[0]
         req = urllib.request.Request(url + "/v1/snapshots", data=blob, method="POST")
         with urllib.request.urlopen(req, timeout=10) as r:
@@ -139,15 +139,21 @@ def test_cache_server_http(tmp_path):
             assert r.status == 201 and info["blocks"] == 3
         with urllib.request.urlopen(f"{url}/v1/snapshots/{info['key']}", timeout=10) as r:
             assert r.read() == blob
-        status, found = http("POST", url + "/v1/lookup", {"model": SHARD.model, "layers": [0, 2],
-                                                          "dtype": "float32", "tokens": list(range(40))})
+        status, found = http(
+            "POST",
+            url + "/v1/lookup",
+            {"model": SHARD.model, "layers": [0, 2], "dtype": "float32", "tokens": list(range(40))},
+        )
         assert status == 200 and found == {"key": info["key"], "length": 32}
         assert http("GET", f"{url}/v1/snapshots/{'0' * 64}")[0] == 404
         assert http("GET", f"{url}/v1/snapshots/nothex")[1]["error"]["code"] == "bad_request"
         assert http("POST", url + "/v1/snapshots", b"junk")[1]["error"]["code"] == "bad_snapshot"
-        for body in ({}, {"model": "x", "layers": [0, 2], "dtype": "float32", "tokens": []},
-                     {"model": SHARD.model, "layers": [2, 0], "dtype": "float32", "tokens": []},
-                     {"model": SHARD.model, "layers": [0, 2], "dtype": "float32", "tokens": [-1]}):
+        for body in (
+            {},
+            {"model": "x", "layers": [0, 2], "dtype": "float32", "tokens": []},
+            {"model": SHARD.model, "layers": [2, 0], "dtype": "float32", "tokens": []},
+            {"model": SHARD.model, "layers": [0, 2], "dtype": "float32", "tokens": [-1]},
+        ):
             assert http("POST", url + "/v1/lookup", body)[0] == 400
         h = http("GET", url + "/health")[1]
         assert h["snapshots"] == 1 and h["hits"] == 1
@@ -161,9 +167,22 @@ def test_node_snapshots_and_restores(tiny_dir, tmp_path):
     """torch backend: a node with --cache snapshots after prefill and every N tokens; a new session restores
     the longest cached prefix and continues exactly as one that computed it."""
     model = write_tiny_model(tiny_dir / "cache-llama.gguf", "llama", n_layers=2)
-    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10 ** 8))) as cache, \
-            AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
-                                                       cache=cache, snapshot_every=8, backend="torch"))) as node:
+    with (
+        AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10**8))) as cache,
+        AppThread(
+            lambda: make_node_app(
+                NodeConfig(
+                    layers="0:2",
+                    embed=True,
+                    head=True,
+                    model=str(model),
+                    cache=cache,
+                    snapshot_every=8,
+                    backend="torch",
+                )
+            )
+        ) as node,
+    ):
         prompt = [5 + (i * 7) % 300 for i in range(40)]
         a = open_greedy(node)
         status, first = step(node, a, 1, 0, prompt)
@@ -199,10 +218,12 @@ def test_node_snapshots_and_restores(tiny_dir, tmp_path):
         for (ta, la), (tb, lb) in zip(got["logprobs"], want["logprobs"]):
             assert ta == tb and abs(la - lb) < 1e-4
         # restoring into a session that holds tokens is refused; bad ids are refused; the node keeps serving
-        assert http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens})[1]["error"]["code"] == \
-            "session_not_empty"
+        assert (
+            http("POST", f"{node}/v1/sessions/{b}/restore", {"tokens": tokens})[1]["error"]["code"]
+            == "session_not_empty"
+        )
         d = open_greedy(node)
-        assert http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": [10 ** 6] * 20})[0] == 400
+        assert http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": [10**6] * 20})[0] == 400
         assert http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": "x"})[0] == 400
         # a miss restores nothing
         status, miss = http("POST", f"{node}/v1/sessions/{d}/restore", {"tokens": [3] * 40})
@@ -215,10 +236,22 @@ def test_llama_cpp_node_restores_any_session_at_step_boundaries(tiny_dir, tmp_pa
     those steps, so a session continuing from it answers bit for bit as the one that took it. A prefix that
     ends inside a step restores nothing; a repair (``boundaries``) restores only as far as the steps agree."""
     model = write_tiny_model(tiny_dir / "cache-llama.gguf", "llama", n_layers=2)
-    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10 ** 8))) as cache, \
-            AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
-                                                       cache=cache, snapshot_every=8, data_dir=str(tmp_path))))\
-            as node:
+    with (
+        AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path), max_bytes=10**8))) as cache,
+        AppThread(
+            lambda: make_node_app(
+                NodeConfig(
+                    layers="0:2",
+                    embed=True,
+                    head=True,
+                    model=str(model),
+                    cache=cache,
+                    snapshot_every=8,
+                    data_dir=str(tmp_path),
+                )
+            )
+        ) as node,
+    ):
         assert http("GET", node + "/health")[1]["backend"] == "llama.cpp"
         prompt = [5 + (i * 7) % 300 for i in range(40)]
         a = open_greedy(node)
@@ -240,18 +273,25 @@ def test_llama_cpp_node_restores_any_session_at_step_boundaries(tiny_dir, tmp_pa
         status, again = step(node, b, 1, 45, [tokens[45]])
         assert again["token"] == replies[6]["token"] and again["logprobs"] == replies[6]["logprobs"]
         http("DELETE", f"{node}/v1/sessions/{b}")
-        found = http("POST", cache + "/v1/lookup", {"model": GGUFModelFile(model).fingerprint, "layers": [0, 2],
-                                                    "dtype": STATE_DTYPE, "tokens": tokens[:48]})[1]
+        found = http(
+            "POST",
+            cache + "/v1/lookup",
+            {"model": GGUFModelFile(model).fingerprint, "layers": [0, 2], "dtype": STATE_DTYPE, "tokens": tokens[:48]},
+        )[1]
         with urllib.request.urlopen(f"{cache}/v1/snapshots/{found['key']}", timeout=10) as resp:
             stored = decode_snapshot(resp.read())
         shard, real_state = stored.shard, stored.state
         assert stored.node == http("GET", node + "/health")[1]["node_id"] and stored.boundaries == list(range(40, 49))
         # nobody can replace a snapshot others restore: an upload of other bytes under the same key is refused
-        poisoned = encode_snapshot(shard, tokens[:48], [], [], bytes(len(real_state)), boundaries=list(range(40, 49)),
-                                   node="intruder")
+        poisoned = encode_snapshot(
+            shard, tokens[:48], [], [], bytes(len(real_state)), boundaries=list(range(40, 49)), node="intruder"
+        )
         status, refused = http("POST", cache + "/v1/snapshots", poisoned)
-        assert status == 409 and refused["error"]["code"] == "snapshot_exists" and "intruder" in \
-            refused["error"]["message"]
+        assert (
+            status == 409
+            and refused["error"]["code"] == "snapshot_exists"
+            and "intruder" in refused["error"]["message"]
+        )
         e = open_greedy(node)
         assert http("POST", f"{node}/v1/sessions/{e}/restore", {"tokens": tokens[:45]})[1]["length"] == 45
         assert step(node, e, 1, 45, [tokens[45]])[1]["logprobs"] == replies[6]["logprobs"]
@@ -273,8 +313,11 @@ def test_llama_cpp_node_restores_any_session_at_step_boundaries(tiny_dir, tmp_pa
 
 def test_restore_without_a_reachable_cache_recomputes(tiny_dir):
     model = write_tiny_model(tiny_dir / "cache-llama.gguf", "llama", n_layers=2)
-    with AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
-                                                    cache="http://127.0.0.1:9"))) as node:
+    with AppThread(
+        lambda: make_node_app(
+            NodeConfig(layers="0:2", embed=True, head=True, model=str(model), cache="http://127.0.0.1:9")
+        )
+    ) as node:
         sid = open_greedy(node)
         status, body = http("POST", f"{node}/v1/sessions/{sid}/restore", {"tokens": list(range(40))})
         assert status == 200 and body["length"] == 0 and "cache failed" in body["reason"]
@@ -282,7 +325,7 @@ def test_restore_without_a_reachable_cache_recomputes(tiny_dir):
 
 
 def test_store_refuses_poisoned_snapshots_and_handles_its_directory(tmp_path):
-    store = SnapshotStore(tmp_path / "c", max_bytes=10 ** 6)
+    store = SnapshotStore(tmp_path / "c", max_bytes=10**6)
     tokens = list(range(32))
     keys = [torch.zeros(32, 1, 8), torch.full((32, 1, 8), float("nan"))]
     with pytest.raises(SnapshotError, match="NaN"):
@@ -311,13 +354,15 @@ def test_cache_server_limits(tmp_path):
         assert status == 413 and body["error"]["code"] == "snapshot_too_large"
         status, body = http("POST", url + "/v1/snapshots", blob_for(list(range(32)))[0])
         assert status == 413 and body["error"]["code"] == "snapshot_too_large"  # bigger than the whole cache
-        req = urllib.request.Request(url + "/v1/lookup", data=b"[" * 100000, method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url + "/v1/lookup", data=b"[" * 100000, method="POST", headers={"Content-Type": "application/json"}
+        )
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=10)
         assert err.value.code == 413  # over max_upload_bytes before it is even parsed
-        req = urllib.request.Request(url + "/v1/lookup", data=b"{}", method="POST",
-                                     headers={"Content-Type": "application/json; charset=bogus"})
+        req = urllib.request.Request(
+            url + "/v1/lookup", data=b"{}", method="POST", headers={"Content-Type": "application/json; charset=bogus"}
+        )
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=10)
         assert err.value.code == 400 and json.loads(err.value.read())["error"]["code"] == "bad_request"

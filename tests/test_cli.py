@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from tinymodels import write_tiny_model
 
 
@@ -28,6 +27,7 @@ def test_generate_streams_completion_and_telemetry(ggufswarm_cli, gemma):
     ids = gemma.tokenizer.encode("The capital of France is")
     from ggufswarm.client.generate import generate
     from ggufswarm.runtime.sampling import SamplingParams
+
     expected = "".join(generate(gemma.session(64, SamplingParams(temperature=0)), gemma.tokenizer, ids, 12))
     assert out.stdout == expected + "\n"
     assert "TTFT" in out.stderr and "tok/s" in out.stderr and "prompt tokens: 6" in out.stderr
@@ -35,7 +35,9 @@ def test_generate_streams_completion_and_telemetry(ggufswarm_cli, gemma):
 
 def test_generate_split_equals_single(ggufswarm_cli):
     a = run(ggufswarm_cli, "generate", "Hello, my name is", "--max-tokens", "8", "--temperature", "0")
-    b = run(ggufswarm_cli, "generate", "Hello, my name is", "--max-tokens", "8", "--temperature", "0", "--split", "6,12")
+    b = run(
+        ggufswarm_cli, "generate", "Hello, my name is", "--max-tokens", "8", "--temperature", "0", "--split", "6,12"
+    )
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert a.stdout == b.stdout
 
@@ -71,11 +73,12 @@ def test_truncated_gguf(ggufswarm_cli, tiny_dir, tmp_path):
 def test_unsupported_architecture(ggufswarm_cli, tiny_dir, tmp_path):
     data = bytearray(write_tiny_model(tiny_dir / "cli-arch.gguf", "llama").read_bytes())
     pos = data.index(b"llama", data.index(b"general.architecture"))
-    data[pos:pos + 5] = b"rwkv7"
+    data[pos : pos + 5] = b"rwkv7"
     bad = tmp_path / "rwkv.gguf"
     bad.write_bytes(bytes(data))
-    assert_one_line_error(run(ggufswarm_cli, "generate", "hi", "--model", str(bad)),
-                          "unsupported architecture 'rwkv7'", "gemma3")
+    assert_one_line_error(
+        run(ggufswarm_cli, "generate", "hi", "--model", str(bad)), "unsupported architecture 'rwkv7'", "gemma3"
+    )
 
 
 def test_prompt_over_the_cap(ggufswarm_cli, tiny_dir):
@@ -97,8 +100,11 @@ def test_help_teaches(ggufswarm_cli):
 
 def test_bad_numbers_are_one_line_errors(ggufswarm_cli, tiny_dir):
     path = write_tiny_model(tiny_dir / "cli-nums.gguf", "llama")
-    for args in (["generate", "hi", "--threads", "-3"], ["generate", "hi", "--max-tokens", "-1"],
-                 ["perplexity", "x.txt", "--chunks", "0"]):
+    for args in (
+        ["generate", "hi", "--threads", "-3"],
+        ["generate", "hi", "--max-tokens", "-1"],
+        ["perplexity", "x.txt", "--chunks", "0"],
+    ):
         out = run(ggufswarm_cli, *args, "--model", str(path))
         assert out.returncode != 0 and "Traceback" not in out.stderr and "must be at least" in out.stderr
     # an option the chosen backend would ignore is refused, not silently dropped
@@ -124,9 +130,15 @@ def test_cache_command_serves_and_stops(ggufswarm_cli, tmp_path):
     import signal
     import urllib.error
     import urllib.request
+
     env = dict(os.environ, GGUFSWARM_TOKEN="t0k", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([*ggufswarm_cli, "cache", "--dir", str(tmp_path / "c"), "--port", "0",
-                             "--max-bytes", "64M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [*ggufswarm_cli, "cache", "--dir", str(tmp_path / "c"), "--port", "0", "--max-bytes", "64M"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("ggufswarm cache ready: http://"), line + proc.stderr.read()
@@ -136,7 +148,7 @@ def test_cache_command_serves_and_stops(ggufswarm_cli, tmp_path):
         assert denied.value.code == 401
         req = urllib.request.Request(url + "/health", headers={"X-Ggufswarm-Token": "t0k"})
         health = json.loads(urllib.request.urlopen(req, timeout=10).read())
-        assert health["max_bytes"] == 64 * 2 ** 20 and health["snapshots"] == 0
+        assert health["max_bytes"] == 64 * 2**20 and health["snapshots"] == 0
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
@@ -147,6 +159,7 @@ def test_cache_command_serves_and_stops(ggufswarm_cli, tmp_path):
 def test_model_alias_smollm2(ggufswarm_cli):
     """``--model smollm2`` names the chat model the set-up installs (a file of that name would win)."""
     from ggufswarm.artifact.default_model import default_model_path, model_name, resolve_model, smollm2_path
+
     assert resolve_model("smollm2") == smollm2_path() and resolve_model("x.gguf").name == "x.gguf"
     # publish and demo name a model alike: the alias, else the file name
     assert model_name("smollm2", smollm2_path()) == "smollm2"
@@ -176,13 +189,29 @@ def test_start_order_names_and_early_errors(ggufswarm_cli, tiny_dir, tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = run(ggufswarm_cli, "node", "--layers", "0:4", "--embed", "--head", "--model", str(path),
-                  "--port", str(port), "--tracker", "http://127.0.0.1:9", timeout=60)
+        out = run(
+            ggufswarm_cli,
+            "node",
+            "--layers",
+            "0:4",
+            "--embed",
+            "--head",
+            "--model",
+            str(path),
+            "--port",
+            str(port),
+            "--tracker",
+            "http://127.0.0.1:9",
+            timeout=60,
+        )
         assert_one_line_error(out, f"cannot listen on 127.0.0.1:{port}")  # before waiting for the tracker
 
-        gateway = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "gateway", "--tracker",
-                                    f"http://127.0.0.1:{port}", "--port", "0"], stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "ggufswarm.cli", "gateway", "--tracker", f"http://127.0.0.1:{port}", "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             line = gateway.stderr.readline()
             assert "ggufswarm gateway: waiting for the tracker" in line and gateway.poll() is None, line
@@ -202,9 +231,27 @@ def test_start_order_names_and_early_errors(ggufswarm_cli, tiny_dir, tmp_path):
         client.close()
     with pytest.raises(OSError), socket.socket() as plain:
         plain.bind(("127.0.0.1", port))  # what the node's port check did before
-    node = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "node", "--layers", "0:4", "--embed", "--head",
-                             "--model", str(path), "--port", str(port), "--tracker", "http://127.0.0.1:9"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ggufswarm.cli",
+            "node",
+            "--layers",
+            "0:4",
+            "--embed",
+            "--head",
+            "--model",
+            str(path),
+            "--port",
+            str(port),
+            "--tracker",
+            "http://127.0.0.1:9",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = node.stderr.readline()
         assert "waiting for the tracker" in line, line
@@ -212,8 +259,23 @@ def test_start_order_names_and_early_errors(ggufswarm_cli, tiny_dir, tmp_path):
         node.kill()
         node.communicate(timeout=30)
 
-    node = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "node", "--layers", "2:4", "--model", str(path),
-                             "--data-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ggufswarm.cli",
+            "node",
+            "--layers",
+            "2:4",
+            "--model",
+            str(path),
+            "--data-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = node.stderr.readline()
         assert "WARNING: layers 2:4 end at the model's last layer without --head" in line, line
@@ -222,8 +284,17 @@ def test_start_order_names_and_early_errors(ggufswarm_cli, tiny_dir, tmp_path):
         node.communicate(timeout=30)
 
     with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as tracker:
-        out = run(ggufswarm_cli, "publish", "smollm2", "--tracker", tracker, "--no-seed", "--data-dir",
-                  str(tmp_path / "pub"), timeout=120)
+        out = run(
+            ggufswarm_cli,
+            "publish",
+            "smollm2",
+            "--tracker",
+            tracker,
+            "--no-seed",
+            "--data-dir",
+            str(tmp_path / "pub"),
+            timeout=120,
+        )
         assert out.returncode == 0 and out.stdout.startswith("published smollm2:"), out.stderr
         with urllib.request.urlopen(f"{tracker}/manifests/smollm2", timeout=10) as r:
             assert json.loads(r.read())["manifest"]["name"] == "smollm2"

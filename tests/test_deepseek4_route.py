@@ -13,7 +13,6 @@ hybrid recurrent models (test_hybrid_repair.py, whose helpers this reuses). Need
 from __future__ import annotations
 
 import numpy as np
-
 from apphost import AppThread
 from route_fixtures import health
 from test_hybrid_repair import GREEDY, N_DECODE, decode_killing, llama_cpp_steps
@@ -35,14 +34,30 @@ def test_deepseek4_route_gives_llama_cpp_tokens_and_survives_a_sigkill(tmp_path)
     (14 tokens into the answer) the spare restores the cache's snapshot, the survivors return to their state
     checkpoints, and the answer is still llama.cpp's, token for token. Each hop advertises and moves 4 x n_embd
     values per token."""
-    model = write_tiny_deepseek4_model(tmp_path / "deepseek4.gguf", compress_ratios=[0, 0, 4, 128, 4, 128],
-                                       hash_layers=3)
+    model = write_tiny_deepseek4_model(
+        tmp_path / "deepseek4.gguf", compress_ratios=[0, 0, 4, 128, 4, 128], hash_layers=3
+    )
     specs = [ShardSpec(0, 2, embed=True), ShardSpec(2, 4), ShardSpec(4, 6, head=True), ShardSpec(2, 4)]
-    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path / "cache"), max_bytes=2 ** 28))) as cache:
-        nodes = start_nodes(specs, str(model), threads=1, timeout=300,
-                            extra=["--cache", cache, "--snapshot-every", str(EVERY), "--hop-timeout", "10",
-                                   "--ctx-size", "256", "--max-sessions", "2"],
-                            per_node=lambda i: ["--data-dir", str(tmp_path / f"node{i}")])
+    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(tmp_path / "cache"), max_bytes=2**28))) as cache:
+        nodes = start_nodes(
+            specs,
+            str(model),
+            threads=1,
+            timeout=300,
+            extra=[
+                "--cache",
+                cache,
+                "--snapshot-every",
+                str(EVERY),
+                "--hop-timeout",
+                "10",
+                "--ctx-size",
+                "256",
+                "--max-sessions",
+                "2",
+            ],
+            per_node=lambda i: ["--data-dir", str(tmp_path / f"node{i}")],
+        )
         try:
             first, middle, head, spare = nodes
             n_embd = 128  # DEEPSEEK4_DEFAULTS
@@ -53,7 +68,8 @@ def test_deepseek4_route_gives_llama_cpp_tokens_and_survives_a_sigkill(tmp_path)
             prompt = [1] + rng.integers(3, 384, 19).tolist()
             want = llama_cpp_steps(model, [prompt], N_DECODE)
             session = RemoteRoute([first.url, middle.url, head.url], 10.0).open(
-                128, GREEDY, replan=lambda exclude, span: RemoteRoute([spare.url], 10.0, part=True))
+                128, GREEDY, replan=lambda exclude, span: RemoteRoute([spare.url], 10.0, part=True)
+            )
             tokens = decode_killing(session, prompt, (first, middle, head), middle, (first, middle, head))
             repairs = session.telemetry.repairs
             session.close()

@@ -14,17 +14,20 @@ from apphost import AppThread
 from ggufswarm.protocol import ProtocolError
 from ggufswarm.protocol.http import as_protocol_error, json_errors_middleware
 from ggufswarm.runtime.kv import ContextOverflow
-from ggufswarm.runtime.sessions import UnknownSession
+from ggufswarm.runtime.session_state import UnknownSession
 
 
-@pytest.mark.parametrize("exc, status, code", [
-    (ProtocolError("bad_dtype", "x"), 400, "bad_dtype"),
-    (UnknownSession("gone"), 404, "unknown_session"),
-    (ContextOverflow("too long"), 400, "context_overflow"),
-    (ValueError("top_p must be in (0, 1]"), 400, "bad_request"),
-    (UnicodeEncodeError("ascii", "é", 0, 1, "no"), 500, "internal"),
-    (KeyError("bug"), 500, "internal"),
-])
+@pytest.mark.parametrize(
+    "exc, status, code",
+    [
+        (ProtocolError("bad_dtype", "x"), 400, "bad_dtype"),
+        (UnknownSession("gone"), 404, "unknown_session"),
+        (ContextOverflow("too long"), 400, "context_overflow"),
+        (ValueError("top_p must be in (0, 1]"), 400, "bad_request"),
+        (UnicodeEncodeError("ascii", "é", 0, 1, "no"), 500, "internal"),
+        (KeyError("bug"), 500, "internal"),
+    ],
+)
 def test_one_mapping_of_exceptions_to_errors(exc, status, code):
     err = as_protocol_error(exc)
     assert (err.status, err.code) == (status, code)

@@ -41,8 +41,10 @@ from ggufswarm.tracker.app import TrackerConfig
 from ggufswarm.tracker.app import make_app as make_tracker_app
 
 TRIALS = int(os.environ.get("GGUFSWARM_FAULT_TRIALS", "20"))
-PROMPT = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lantern and a "
-          "notebook in which he wrote down the ships he saw. One stormy night in October,")
+PROMPT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lantern and a "
+    "notebook in which he wrote down the ships he saw. One stormy night in October,"
+)
 MAX_TOKENS = 24
 TTL_S = 3.0
 
@@ -62,8 +64,9 @@ def stream(base: str, prompt: str, on_delta, **sampling) -> tuple[str, dict]:
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         event = json.loads(line[6:])
-        assert "error" not in event, (f"{event['error']['code']}: {event['error']['message']} "
-                                      f"telemetry={json.dumps(event.get('telemetry'))}")
+        assert "error" not in event, (
+            f"{event['error']['code']}: {event['error']['message']} telemetry={json.dumps(event.get('telemetry'))}"
+        )
         delta = event["choices"][0]["text"]
         if delta:
             text.append(delta)
@@ -98,26 +101,49 @@ def whole_swarm(gemma_path, tmp_path_factory):
     """Tracker, seeder, cache, six nodes (two per span) and a gateway routing through the tracker."""
     work = tmp_path_factory.mktemp("faults")
     specs = even_split(18, 3) * 2
-    with AppThread(lambda: make_tracker_app(TrackerConfig(db=":memory:", ttl_s=TTL_S))) as tracker, \
-            AppThread(lambda: make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2 ** 30))) as cache:
+    with (
+        AppThread(lambda: make_tracker_app(TrackerConfig(db=":memory:", ttl_s=TTL_S))) as tracker,
+        AppThread(lambda: make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2**30))) as cache,
+    ):
         published = publish(gemma_path, tracker, "gemma", work / "publisher")
         seeder = Swarm()
         seeder.seed(published.torrent, save_path_for([gemma_path]))
         extra = ["--tracker", tracker, "--cache", cache, "--snapshot-every", "16", "--hop-timeout", "10"]
 
         def launch(i):
-            return start_nodes([specs[i]], "gemma", threads=1, timeout=600, extra=extra,
-                               per_node=lambda _: ["--data-dir", str(work / f"node{i}")])[0]
+            return start_nodes(
+                [specs[i]],
+                "gemma",
+                threads=1,
+                timeout=600,
+                extra=extra,
+                per_node=lambda _: ["--data-dir", str(work / f"node{i}")],
+            )[0]
 
-        nodes = start_nodes(specs, "gemma", threads=1, timeout=600, extra=extra,
-                            per_node=lambda i: ["--data-dir", str(work / f"node{i}")])
+        nodes = start_nodes(
+            specs,
+            "gemma",
+            threads=1,
+            timeout=600,
+            extra=extra,
+            per_node=lambda i: ["--data-dir", str(work / f"node{i}")],
+        )
         gateway = None
         try:
             wait_for(lambda: len(TrackerClient(tracker).nodes("gemma")) == len(nodes), 30)
-            gateway = ServerThread(make_app(GatewayConfig([], model="gemma", tracker=tracker, hop_timeout_s=10,
-                                                          data_dir=str(work / "gateway"))))
-            yield {"tracker": tracker, "cache": cache, "gateway": gateway.start(), "nodes": nodes, "launch": launch,
-                   "gateway_app": gateway.app}
+            gateway = ServerThread(
+                make_app(
+                    GatewayConfig([], model="gemma", tracker=tracker, hop_timeout_s=10, data_dir=str(work / "gateway"))
+                )
+            )
+            yield {
+                "tracker": tracker,
+                "cache": cache,
+                "gateway": gateway.start(),
+                "nodes": nodes,
+                "launch": launch,
+                "gateway_app": gateway.app,
+            }
         finally:
             if gateway is not None:
                 gateway.stop()
@@ -147,9 +173,11 @@ def repair_log(monkeypatch):
             if header.sample:
                 del replaying[header.session_id]  # the failed step again: the replay is over
             else:  # counted once answered (a frame sent again on a fresh connection counts once)
+
                 def answered(done, n=header.n_tokens):
                     if not done.cancelled() and done.exception() is None and done.result()[0] == 200:
                         entry["replayed"] += n
+
                 waiter.add_done_callback(answered)
         return await send(self, frame, waiter, timeout)
 
@@ -188,8 +216,10 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
 
         def on_delta(i):
             if i == kill_at:  # one route session is open: the nodes holding it form the route
-                route = sorted((n for n in nodes if n.proc.poll() is None and health(n.url)["sessions"] > 0),
-                               key=lambda n: n.spec.start)
+                route = sorted(
+                    (n for n in nodes if n.proc.poll() is None and health(n.url)["sessions"] > 0),
+                    key=lambda n: n.spec.start,
+                )
                 assert len(route) == 3
                 victim["node"] = rng.choice(route)
                 victim["node"].kill()
@@ -199,10 +229,20 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
         text, telemetry = stream(base, PROMPT, on_delta)
         killed = victim["node"]
         repairs = telemetry["repairs"]
-        rows.append((trial + 1, kill_at, f"{killed.spec.start}:{killed.spec.end}", len(repairs),
-                     repairs[0]["cause"] if repairs else "-", repairs[0]["restored_tokens"] if repairs else 0,
-                     repairs[0]["tokens_replayed"] if repairs else 0, repairs[0]["ms"] if repairs else 0.0,
-                     text == ref_text, round(time.monotonic() - t0, 1)))
+        rows.append(
+            (
+                trial + 1,
+                kill_at,
+                f"{killed.spec.start}:{killed.spec.end}",
+                len(repairs),
+                repairs[0]["cause"] if repairs else "-",
+                repairs[0]["restored_tokens"] if repairs else 0,
+                repairs[0]["tokens_replayed"] if repairs else 0,
+                repairs[0]["ms"] if repairs else 0.0,
+                text == ref_text,
+                round(time.monotonic() - t0, 1),
+            )
+        )
         assert text == ref_text, f"trial {trial + 1} ({rows[-1]}, {repairs}): {text!r} != {ref_text!r}"
         assert [r["hop"] for r in repairs] == [killed.url], repairs
         assert len(repair_log) == 1
@@ -224,8 +264,9 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
 
     def kill_head(i):
         if i == 5:
-            head["node"] = next(n for n in nodes if n.spec.head and n.proc.poll() is None
-                                and health(n.url)["sessions"] > 0)
+            head["node"] = next(
+                n for n in nodes if n.spec.head and n.proc.poll() is None and health(n.url)["sessions"] > 0
+            )
             head["node"].kill()
 
     repair_log.clear()
@@ -234,10 +275,12 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
     assert [r["hop"] for r in telemetry["repairs"]] == [head["node"].url] and got == want
     said = [ln for ln in capfd.readouterr().err.splitlines() if "repaired a route" in ln]
     spare = telemetry["repairs"][0]["replacement"][0]
-    assert said == [f"ggufswarm gateway: repaired a route: node {head['node'].url} (layers 12:18) failed "
-                    f"({telemetry['repairs'][0]['cause']}); continued on {spare} "
-                    f"({telemetry['repairs'][0]['restored_tokens']} tokens restored, "
-                    f"{telemetry['repairs'][0]['tokens_replayed']} replayed)"], said
+    assert said == [
+        f"ggufswarm gateway: repaired a route: node {head['node'].url} (layers 12:18) failed "
+        f"({telemetry['repairs'][0]['cause']}); continued on {spare} "
+        f"({telemetry['repairs'][0]['restored_tokens']} tokens restored, "
+        f"{telemetry['repairs'][0]['tokens_replayed']} replayed)"
+    ], said
     assert len(repair_log) == 1
     check_repair(telemetry["repairs"][0], repair_log[0], prompt_tokens)
     i = nodes.index(head["node"])
@@ -261,8 +304,11 @@ def test_llama_cpp_prefix_reuse_continues_a_conversation(swarm, gemma):
 
     def written():
         # taken and handed to the cache: stored, or kept there already (the first blob for a key stays)
-        return sum(health(n.url)["snapshots"]["written"] + health(n.url)["snapshots"]["kept"]
-                   for n in nodes if n.proc.poll() is None)
+        return sum(
+            health(n.url)["snapshots"]["written"] + health(n.url)["snapshots"]["kept"]
+            for n in nodes
+            if n.proc.poll() is None
+        )
 
     first_ids = gemma.prompt_ids(PROMPT)
     before = written()
@@ -278,33 +324,38 @@ def test_llama_cpp_prefix_reuse_continues_a_conversation(swarm, gemma):
     # the first request's snapshots: after its prompt step, and at each multiple of 16 it fed while decoding. Its
     # steps ended at the prompt's end and at every token after, so the longest one is restorable as far as the
     # follow-up's prompt (minus its last token, which is computed) shares it
-    history = first_ids + reference(gemma, PROMPT, MAX_TOKENS)[1][:MAX_TOKENS - 1]
+    history = first_ids + reference(gemma, PROMPT, MAX_TOKENS)[1][: MAX_TOKENS - 1]
     assert len(history) == fed
     longest = max([len(first_ids)] + [m for m in range(16, fed + 1, 16)])
     shared = next((i for i, (a, b) in enumerate(zip(ids[:-1], history)) if a != b), min(len(ids) - 1, fed))
-    assert ids[:len(first_ids)] == first_ids and shared >= len(first_ids)
+    assert ids[: len(first_ids)] == first_ids and shared >= len(first_ids)
     assert restored == min(longest, shared), (restored, longest, shared, len(first_ids), fed)
     with one_thread():
         local = gemma.session(len(ids) + MAX_TOKENS + 8, SamplingParams(temperature=0))
-        local.logits(ids[:len(first_ids)])
-        for token in ids[len(first_ids):restored]:
+        local.logits(ids[: len(first_ids)])
+        for token in ids[len(first_ids) : restored]:
             local.logits([token])
         local.history[:] = ids[:restored]
         want = "".join(generate(local, gemma.tokenizer, ids[restored:], MAX_TOKENS))
     assert text == want
-    print(f"\nprefix reuse (llama.cpp): TTFT {first['ttft_ms']:.0f} ms → {second['ttft_ms']:.0f} ms "
-          f"({restored} of {second['prompt_tokens']} prompt tokens restored)")
+    print(
+        f"\nprefix reuse (llama.cpp): TTFT {first['ttft_ms']:.0f} ms → {second['ttft_ms']:.0f} ms "
+        f"({restored} of {second['prompt_tokens']} prompt tokens restored)"
+    )
 
 
 @pytest.fixture(scope="module")
 def torch_route(gemma_path, tmp_path_factory):
     """Three torch-backend nodes with a snapshot cache, and a gateway over them (no tracker)."""
     work = tmp_path_factory.mktemp("torch-route")
-    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2 ** 30))) as cache:
-        nodes = start_nodes(even_split(18, 3), str(gemma_path), threads=1,
-                            extra=["--backend", "torch", "--cache", cache, "--hop-timeout", "30"])
-        gateway = ServerThread(make_app(GatewayConfig([n.url for n in nodes], model=str(gemma_path),
-                                                      hop_timeout_s=30)))
+    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2**30))) as cache:
+        nodes = start_nodes(
+            even_split(18, 3),
+            str(gemma_path),
+            threads=1,
+            extra=["--backend", "torch", "--cache", cache, "--hop-timeout", "30"],
+        )
+        gateway = ServerThread(make_app(GatewayConfig([n.url for n in nodes], model=str(gemma_path), hop_timeout_s=30)))
         try:
             yield {"gateway": gateway.start(), "nodes": nodes}
         finally:
@@ -346,8 +397,10 @@ def test_prefix_reuse_restores_a_shared_600_token_prefix(torch_route, gemma_torc
         local.history[:] = second_ids[:restored]
         want = "".join(generate(local, gemma_torch.tokenizer, second_ids[restored:], MAX_TOKENS))
     assert second_text == want
-    print(f"\nprefix reuse (torch): TTFT {first['ttft_ms']:.0f} ms → {second['ttft_ms']:.0f} ms "
-          f"({second['prefix_tokens_restored']} of {second['prompt_tokens']} prompt tokens restored)")
+    print(
+        f"\nprefix reuse (torch): TTFT {first['ttft_ms']:.0f} ms → {second['ttft_ms']:.0f} ms "
+        f"({second['prefix_tokens_restored']} of {second['prompt_tokens']} prompt tokens restored)"
+    )
 
 
 def test_next_hop_must_be_a_registered_node(swarm):
@@ -410,8 +463,12 @@ def test_max_tokens_past_every_node_s_kv_is_served_up_to_the_route_s_length(swar
     parts = urlsplit(swarm["gateway"])
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
     try:
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 10**6, "temperature": 0,
-                                                             "stream": True}), {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": PROMPT, "max_tokens": 10**6, "temperature": 0, "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.status == 200, resp.read()
         deltas = 0
@@ -450,5 +507,7 @@ def test_no_replacement_is_a_clear_error(swarm):
     wait_for(lambda: http_json("GET", swarm["gateway"] + "/health")[0] == 503, 3 * TTL_S)  # the tracker drops it
     status, body = http_json("GET", swarm["gateway"] + "/health")
     assert body["status"] == "degraded" and body["tracker"] == {"ok": True}, body
-    assert body["reason"] == "the swarm cannot serve gemma end to end now: layers 6:12 are not served by any ready " \
-                             "node" and tracker not in json.dumps(body), body
+    assert (
+        body["reason"] == "the swarm cannot serve gemma end to end now: layers 6:12 are not served by any ready node"
+        and tracker not in json.dumps(body)
+    ), body

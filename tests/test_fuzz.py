@@ -53,58 +53,87 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
 from tinymodels import N_VOCAB, write_tiny_model
 
 from ggufswarm.client.local import LocalModel
 from ggufswarm.client.route import RemoteRoute
 from ggufswarm.client.transport import RouteError
-from ggufswarm.runtime.sampling import SamplingParams
-from ggufswarm.node.launch import NodeProcess, start_nodes, stop_nodes
 from ggufswarm.node.app import make_app
+from ggufswarm.node.launch import NodeProcess, start_nodes, stop_nodes
 from ggufswarm.node.state import NODE, NodeConfig
 from ggufswarm.protocol.auth import TOKEN_HEADER
 from ggufswarm.protocol.errors import ERROR_STATUS
 from ggufswarm.protocol.frame import HEADER, HEADER_SIZE, MAGIC, encode_hidden, encode_tokens
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import ShardSpec
 
 N_LAYERS, N_EMBD, CONTEXT = 2, 64, 1024
-BUDGET = 768          # --kv-budget (tokens): below CONTEXT, so both 503 kv_budget_too_small and 400 context_overflow happen
-TTL_S = 1.5           # --session-ttl
-MAX_STEP = 512        # --max-step-tokens
-MAX_VERIFY = 16       # the heads' max_verify_tokens (llama.cpp: MAX_VERIFY_TOKENS rows of logits)
+BUDGET = 768  # --kv-budget (tokens): below CONTEXT, so both 503 kv_budget_too_small and 400 context_overflow happen
+TTL_S = 1.5  # --session-ttl
+MAX_STEP = 512  # --max-step-tokens
+MAX_VERIFY = 16  # the heads' max_verify_tokens (llama.cpp: MAX_VERIFY_TOKENS rows of logits)
 MAX_BODY = HEADER_SIZE + MAX_STEP * (N_EMBD * 4 + 4)  # the node's largest frame; it accepts 1024 bytes more
 TOKEN = "fuzz-swarm-token"
 MIN_REQUESTS = 10_000
 RSS_BOUND_MB = 200
-N_GEN = 24            # tokens per well-formed generation
+N_GEN = 24  # tokens per well-formed generation
 
 # (examples) per hypothesis run; each example sends at least one request
 FRAME_EXAMPLES, JSON_EXAMPLES, ODD_EXAMPLES = 6000, 4000, 400
 ALLOWED = {**ERROR_STATUS, "unauthorized": 401}
-SETTINGS = dict(deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck),
-                phases=(Phase.explicit, Phase.generate, Phase.shrink), print_blob=True)
+SETTINGS = dict(
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+    phases=(Phase.explicit, Phase.generate, Phase.shrink),
+    print_blob=True,
+)
 
 U32_EDGES = [0, 1, 2, 2**31 - 1, 2**31, 2**32 - 1]
 U64_EDGES = [0, 1, 2, 2**31 - 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
-BAD_IDS = [-1, -2**31, N_VOCAB, N_VOCAB + 1, 2**31 - 1]
+BAD_IDS = [-1, -(2**31), N_VOCAB, N_VOCAB + 1, 2**31 - 1]
 
 
 # -- the live nodes, the reference ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def model_path(tiny_dir):
-    return write_tiny_model(tiny_dir / "fuzz-llama.gguf", "llama", n_layers=N_LAYERS, n_embd=N_EMBD, n_head=2,
-                            n_head_kv=1, head_dim=32, n_ff=128, context_length=CONTEXT, seed=11)
+    return write_tiny_model(
+        tiny_dir / "fuzz-llama.gguf",
+        "llama",
+        n_layers=N_LAYERS,
+        n_embd=N_EMBD,
+        n_head=2,
+        n_head_kv=1,
+        head_dim=32,
+        n_ff=128,
+        context_length=CONTEXT,
+        seed=11,
+    )
 
 
 @pytest.fixture(scope="module")
 def nodes(model_path):
     """[full 0:2 +embed +head, head 1:2 +head], one torch thread each, token required."""
-    procs = start_nodes([ShardSpec(0, N_LAYERS, embed=True, head=True), ShardSpec(N_LAYERS - 1, N_LAYERS, head=True)],
-                        str(model_path), threads=1,
-                        extra=["--kv-budget", str(BUDGET), "--session-ttl", str(TTL_S), "--max-step-tokens",
-                               str(MAX_STEP), "--hop-timeout", "5", "--token", TOKEN])
+    procs = start_nodes(
+        [ShardSpec(0, N_LAYERS, embed=True, head=True), ShardSpec(N_LAYERS - 1, N_LAYERS, head=True)],
+        str(model_path),
+        threads=1,
+        extra=[
+            "--kv-budget",
+            str(BUDGET),
+            "--session-ttl",
+            str(TTL_S),
+            "--max-step-tokens",
+            str(MAX_STEP),
+            "--hop-timeout",
+            "5",
+            "--token",
+            TOKEN,
+        ],
+    )
     try:
         yield procs
     finally:
@@ -119,8 +148,9 @@ def local(model_path):
 @pytest.fixture(scope="module")
 def routes(model_path, local):
     """(method, canonical path) of every route of a node, read from the app's router."""
-    app = make_app(NodeConfig(layers=f"0:{N_LAYERS}", embed=True, head=True, model=str(model_path), token=TOKEN),
-                   local.shards[0])
+    app = make_app(
+        NodeConfig(layers=f"0:{N_LAYERS}", embed=True, head=True, model=str(model_path), token=TOKEN), local.shards[0]
+    )
     app[NODE].pool.shutdown(wait=False)
     found = sorted({(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"})
     assert len(found) >= 6, found
@@ -133,8 +163,7 @@ def references(local: LocalModel) -> list[tuple[list[int], list[int]]]:
     torch.set_num_threads(1)
     try:
         out = []
-        for text in ("the cat is on the mat", "a of and to in is it that was for on are with as I his they be",
-                     "x"):
+        for text in ("the cat is on the mat", "a of and to in is it that was for on are with as I his they be", "x"):
             ids = local.prompt_ids(text)
             session = local.session(len(ids) + N_GEN, SamplingParams(temperature=0))
             tokens = [session.step(ids)]
@@ -148,6 +177,7 @@ def references(local: LocalModel) -> list[tuple[list[int], list[int]]]:
 
 # -- HTTP ---------------------------------------------------------------------------------------
 
+
 class Client:
     """One keep-alive HTTP/1.1 connection to a node, reopened when the node closes it; counts requests."""
 
@@ -159,8 +189,15 @@ class Client:
         self.conn: http.client.HTTPConnection | None = None
         self.previous = None  # the last exchange on the open connection, for the report of a dropped one
 
-    def send(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-             token: str | None = TOKEN, chunked: bool = False) -> tuple[int, str, bytes]:
+    def send(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict | None = None,
+        token: str | None = TOKEN,
+        chunked: bool = False,
+    ) -> tuple[int, str, bytes]:
         """(status, content type, body bytes). A connection the node drops without saying so (no
         ``Connection: close``) is a failure: it is raised, never retried."""
         headers = dict(headers or {})
@@ -170,8 +207,13 @@ class Client:
             self.conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
         try:
             if chunked:
-                self.conn.request(method, path, body=iter([body[:7], body[7:]]) if body else iter([]),
-                                  headers=headers, encode_chunked=True)
+                self.conn.request(
+                    method,
+                    path,
+                    body=iter([body[:7], body[7:]]) if body else iter([]),
+                    headers=headers,
+                    encode_chunked=True,
+                )
             else:
                 self.conn.request(method, path, body=body, headers=headers)
             resp = self.conn.getresponse()
@@ -179,8 +221,10 @@ class Client:
         except (OSError, http.client.HTTPException) as exc:
             self.conn.close()
             self.conn = None
-            raise AssertionError(f"{method} {path[:80]} {(body or b'')[:80]!r}: {exc!r}; the connection's previous "
-                                 f"exchange: {self.previous}") from exc
+            raise AssertionError(
+                f"{method} {path[:80]} {(body or b'')[:80]!r}: {exc!r}; the connection's previous "
+                f"exchange: {self.previous}"
+            ) from exc
         self.previous = (method, path[:80], (body or b"")[:80], dict(headers), resp.status, resp.getheaders())
         if resp.will_close:
             self.conn.close()
@@ -219,17 +263,18 @@ def check_answer(status: int, ctype: str, data: bytes, what: str) -> dict | None
 
 # -- state of the fuzzer ------------------------------------------------------------------------
 
+
 @dataclass
 class Own:
     """A session the fuzzer opened itself, and what the node must hold for it."""
 
     max_length: int
-    last: int = 0                    # last step applied (0: none)
-    pos: int = 0                     # tokens held
-    last_start: int = 0              # where the last step applied started (a rewind may go back into it)
-    last_body: bytes | None = None   # frame of the last step (None after a truncate: retries then conflict)
+    last: int = 0  # last step applied (0: none)
+    pos: int = 0  # tokens held
+    last_start: int = 0  # where the last step applied started (a rewind may go back into it)
+    last_body: bytes | None = None  # frame of the last step (None after a truncate: retries then conflict)
     last_reply: bytes | None = None
-    touched: float = 0.0             # when the last request on it that succeeded was sent (time.monotonic)
+    touched: float = 0.0  # when the last request on it that succeeded was sent (time.monotonic)
 
     def expired(self) -> bool:
         """Idle past the TTL for sure: the node last touched it no earlier than ``touched``."""
@@ -244,7 +289,7 @@ class Target:
     node: NodeProcess
     client: Client
     embed: bool
-    own: dict = field(default_factory=dict)   # uuid -> Own
+    own: dict = field(default_factory=dict)  # uuid -> Own
 
     def alive(self) -> None:
         assert self.node.proc.poll() is None, f"node {self.name} exited with {self.node.proc.returncode}"
@@ -257,7 +302,7 @@ class Fuzzer:
     interprets them against the current state (e.g. "the next step of an own session").
     """
 
-    def __init__(self, targets: list[Target], good: "GoodSessions"):
+    def __init__(self, targets: list[Target], good: GoodSessions):
         self.targets = targets
         self.good = good
         self.codes: dict[tuple[int, str], int] = {}
@@ -265,11 +310,19 @@ class Fuzzer:
         self.rss_peak = {t.name: 0 for t in targets}
         self.next_health = 0
         self.health_requests = 0  # not fuzz: the periodic /health checks
-        self.sweep_requests = 0   # not hypothesis: the systematic edge sweep
-        self.sent_at = 0.0        # when answer() sent its latest request (time.monotonic)
+        self.sweep_requests = 0  # not hypothesis: the systematic edge sweep
+        self.sent_at = 0.0  # when answer() sent its latest request (time.monotonic)
 
-    def send(self, target: Target, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-             token: str | None = TOKEN, chunked: bool = False) -> tuple[int, str, bytes]:
+    def send(
+        self,
+        target: Target,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict | None = None,
+        token: str | None = TOKEN,
+        chunked: bool = False,
+    ) -> tuple[int, str, bytes]:
         status, ctype, data = target.client.send(method, path, body, headers, token, chunked)
         target.alive()
         if Client.sent >= self.next_health:
@@ -277,8 +330,16 @@ class Fuzzer:
             self.check_health()
         return status, ctype, data
 
-    def answer(self, target: Target, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-               token: str | None = TOKEN, chunked: bool = False) -> tuple[int, dict | None, bytes]:
+    def answer(
+        self,
+        target: Target,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict | None = None,
+        token: str | None = TOKEN,
+        chunked: bool = False,
+    ) -> tuple[int, dict | None, bytes]:
         """Send, assert a documented answer, tally its code; (status, error or None, body)."""
         self.sent_at = time.monotonic()
         status, ctype, data = self.send(target, method, path, body, headers, token, chunked)
@@ -313,8 +374,9 @@ class Fuzzer:
         body = {"session_id": str(sid), "max_length": plan["max_length"], "top_logprobs": plan["top_logprobs"]}
         if plan["sampling"] is not None:
             body["sampling"] = {**plan["sampling"], "seed": plan["seed"]}
-        status, err, _ = self.answer(target, "POST", "/v1/sessions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        status, err, _ = self.answer(
+            target, "POST", "/v1/sessions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         if status == 201:
             target.own[sid] = Own(body["max_length"], touched=self.sent_at)
             return sid
@@ -340,34 +402,50 @@ class Fuzzer:
             if sid is not None:
                 return sid, target.own[sid]
         sid = {"nil": uuid.UUID(int=0), "max": uuid.UUID(int=2**128 - 1)}.get(plan["kind"]) or uuid.UUID(
-            int=plan.get("random", uuid.uuid4().int))
+            int=plan.get("random", uuid.uuid4().int)
+        )
         return self.not_good(sid), None
 
 
 # -- frames -------------------------------------------------------------------------------------
 
+
 def edge_or_any(values, lo, hi):
     return st.one_of(st.sampled_from(values), st.integers(lo, hi))
 
 
-SAMPLINGS = [None, {"temperature": 0}, {"temperature": 0.7, "top_k": 40},
-             {"temperature": 1.5, "top_k": 0, "repeat_penalty": 1.3},
-             {"temperature": 0, "repeat_penalty": 1.3, "repeat_last_n": 4},
-             {"temperature": 0.9, "top_k": N_VOCAB + 5, "top_p": 0.5, "min_p": 0.1, "repeat_penalty": 0.7}]
+SAMPLINGS = [
+    None,
+    {"temperature": 0},
+    {"temperature": 0.7, "top_k": 40},
+    {"temperature": 1.5, "top_k": 0, "repeat_penalty": 1.3},
+    {"temperature": 0, "repeat_penalty": 1.3, "repeat_last_n": 4},
+    {"temperature": 0.9, "top_k": N_VOCAB + 5, "top_p": 0.5, "min_p": 0.1, "repeat_penalty": 0.7},
+]
 TOKENS = st.sampled_from([TOKEN] * 40 + [None, "wrong"])
 # strategies are built once: hypothesis validates every new strategy object, which costs more than drawing
 S = {
-    "bit": st.integers(0, 1), "u8": st.integers(0, 255), "u20": st.integers(0, 2**20), "u32": st.integers(0, 2**32 - 1),
-    "u63": st.integers(0, 2**63 - 1), "u128": st.integers(0, 2**128 - 1), "0..9": st.integers(0, 9),
-    "few": st.integers(0, 64), "plus": st.integers(1, 4096),
+    "bit": st.integers(0, 1),
+    "u8": st.integers(0, 255),
+    "u20": st.integers(0, 2**20),
+    "u32": st.integers(0, 2**32 - 1),
+    "u63": st.integers(0, 2**63 - 1),
+    "u128": st.integers(0, 2**128 - 1),
+    "0..9": st.integers(0, 9),
+    "few": st.integers(0, 64),
+    "plus": st.integers(1, 4096),
     "sid kind": st.sampled_from(["own"] * 6 + ["random", "nil", "max"]),
     "action": st.sampled_from(["reuse"] * 6 + ["open", "close"]),
-    "max_length": st.sampled_from([1, 2, 3, 8, 40, 64]), "sampling": st.sampled_from(SAMPLINGS),
-    "top_logprobs": st.sampled_from([0, 1, 20]), "bad id": st.sampled_from(BAD_IDS),
+    "max_length": st.sampled_from([1, 2, 3, 8, 40, 64]),
+    "sampling": st.sampled_from(SAMPLINGS),
+    "top_logprobs": st.sampled_from([0, 1, 20]),
+    "bad id": st.sampled_from(BAD_IDS),
     "frame kind": st.sampled_from(["header"] * 12 + ["garbage", "empty", "short", "huge"]),
-    "frame ctype": st.sampled_from(["application/octet-stream"] * 8 + [None, "application/json",
-                                                                       "text/plain; charset=bogus"]),
-    "garbage": st.binary(max_size=300), "short": st.binary(max_size=HEADER_SIZE - 5),
+    "frame ctype": st.sampled_from(
+        ["application/octet-stream"] * 8 + [None, "application/json", "text/plain; charset=bogus"]
+    ),
+    "garbage": st.binary(max_size=300),
+    "short": st.binary(max_size=HEADER_SIZE - 5),
     "wire": st.sampled_from([2, 3, 4]),
     "magic": st.sampled_from([MAGIC] * 20 + [b"GSWf", b"\0\0\0\0", b"FWSG"]),
     "version": st.sampled_from([1] * 20 + [0, 2, 255]),
@@ -375,19 +453,25 @@ S = {
     "flags": st.one_of(st.sampled_from([0] * 6 + [1, 2, 3, 4, 255]), st.integers(0, 255)),
     "scale_exp": st.one_of(st.sampled_from([0] * 6 + [-128, -1, 1, 4, 16, 127]), st.integers(-128, 127)),
     # relative to an own session's state (used when the frame names one), and absolute (otherwise)
-    "own step": st.sampled_from([("rel", 1)] * 12 + [("rel", 0), ("rel", -1), ("rel", 2)]
-                                + [("abs", v) for v in U64_EDGES]),
+    "own step": st.sampled_from(
+        [("rel", 1)] * 12 + [("rel", 0), ("rel", -1), ("rel", 2)] + [("abs", v) for v in U64_EDGES]
+    ),
     "step": edge_or_any(U64_EDGES, 0, 2**64 - 1),
     "own start": st.sampled_from([("rel", 0)] * 12 + [("rel", 1), ("rel", -1)] + [("abs", v) for v in U32_EDGES]),
     "start": edge_or_any(U32_EDGES, 0, 2**32 - 1),
-    "own n": st.sampled_from([("abs", 1)] * 8 + [("abs", 2), ("abs", 3), ("room", 0), ("room", 1)]
-                             + [("room_or_1", 0)] * 4 + [("abs", v) for v in U32_EDGES + [MAX_STEP, MAX_STEP + 1]]),
+    "own n": st.sampled_from(
+        [("abs", 1)] * 8
+        + [("abs", 2), ("abs", 3), ("room", 0), ("room", 1)]
+        + [("room_or_1", 0)] * 4
+        + [("abs", v) for v in U32_EDGES + [MAX_STEP, MAX_STEP + 1]]
+    ),
     "n": edge_or_any([1, 2, 8] + U32_EDGES + [MAX_STEP, MAX_STEP + 1], 0, 2**32 - 1),
     "n_embd": st.sampled_from(["width"] * 10 + [0, 1, N_EMBD - 1, N_EMBD + 1, 2**32 - 1]),
     "reserved": st.sampled_from([0] * 8 + [1, 2**32 - 1]),
     "size": st.sampled_from(["exact"] * 10 + ["minus1", "minus", "plus1", "plus", "none"]),
     "values": st.sampled_from(["normal"] * 6 + ["zeros", "big", "nan", "inf", "-inf", "max", "tiny"]),
-    "scale": st.sampled_from([1e-3, 1.0, 30.0]), "big": st.sampled_from([6e4, 7e4, 1e30, 3.4e38]),
+    "scale": st.sampled_from([1e-3, 1.0, 30.0]),
+    "big": st.sampled_from([6e4, 7e4, 1e30, 3.4e38]),
     "huge": st.sampled_from([MAX_BODY + 1025, 2 * MAX_BODY, 4 * MAX_BODY]),
 }
 
@@ -399,9 +483,17 @@ def session_plan(draw) -> dict:
         return {"kind": kind, "random": draw(S["u128"])}
     if kind != "own":
         return {"kind": kind}
-    return {"kind": kind, "pick": draw(S["u8"]), "action": draw(S["action"]),
-            "open": {"max_length": draw(S["max_length"]), "sampling": draw(S["sampling"]), "seed": draw(S["u63"]),
-                     "top_logprobs": draw(S["top_logprobs"])}}
+    return {
+        "kind": kind,
+        "pick": draw(S["u8"]),
+        "action": draw(S["action"]),
+        "open": {
+            "max_length": draw(S["max_length"]),
+            "sampling": draw(S["sampling"]),
+            "seed": draw(S["u63"]),
+            "top_logprobs": draw(S["top_logprobs"]),
+        },
+    }
 
 
 def bad_id(draw, rate: int):
@@ -414,8 +506,12 @@ def bad_id(draw, rate: int):
 @st.composite
 def frame_plans(draw) -> dict:
     """Everything one frame request needs, as plain data (interpreted by ``build_frame``)."""
-    p = {"target": draw(S["bit"]), "kind": draw(S["frame kind"]), "ctype": draw(S["frame ctype"]),
-         "token": draw(TOKENS)}
+    p = {
+        "target": draw(S["bit"]),
+        "kind": draw(S["frame kind"]),
+        "ctype": draw(S["frame ctype"]),
+        "token": draw(TOKENS),
+    }
     if p["kind"] == "garbage":
         p["garbage"] = draw(S["garbage"])
     elif p["kind"] == "short":
@@ -424,8 +520,22 @@ def frame_plans(draw) -> dict:
         return p
     p["wire"] = draw(S["wire"]) if p["target"] == 1 else 1
     p["session"] = session_plan(draw)
-    for key in ("magic", "version", "code", "flags", "scale_exp", "own step", "step", "own start", "start", "own n",
-                "n", "n_embd", "reserved", "size"):
+    for key in (
+        "magic",
+        "version",
+        "code",
+        "flags",
+        "scale_exp",
+        "own step",
+        "step",
+        "own start",
+        "start",
+        "own n",
+        "n",
+        "n_embd",
+        "reserved",
+        "size",
+    ):
         p[key] = draw(S[key])
     if p["size"] == "minus":
         p["cut"] = draw(S["u20"])
@@ -466,8 +576,11 @@ def make_floats(p: dict, rng: np.random.Generator, n: int, code: int) -> tuple[b
     kind = p["values"]
     if n == 0:
         return b"", True
-    x = (rng.standard_normal(n) * p.get("scale", 1.0)).astype(np.float32) \
-        if kind in ("normal", "nan", "inf", "-inf") else np.zeros(n, np.float32)
+    x = (
+        (rng.standard_normal(n) * p.get("scale", 1.0)).astype(np.float32)
+        if kind in ("normal", "nan", "inf", "-inf")
+        else np.zeros(n, np.float32)
+    )
     if kind == "big":
         x[:] = p["big"]
     elif kind == "max":
@@ -511,8 +624,9 @@ def build_frame(p: dict, fz: Fuzzer, target: Target) -> tuple[bytes, dict]:
     width = N_EMBD if hidden else 0
     n_embd = width if p["n_embd"] == "width" else p["n_embd"]
     flags, scale_exp = p["flags"], p["scale_exp"]
-    header = HEADER.pack(p["magic"], p["version"], code, flags, scale_exp, sid.bytes, step, start, n_tokens, n_embd,
-                         p["reserved"])
+    header = HEADER.pack(
+        p["magic"], p["version"], code, flags, scale_exp, sid.bytes, step, start, n_tokens, n_embd, p["reserved"]
+    )
     itemsize = {1: 4, 2: 2, 3: 2, 4: 4}.get(code, 4)
     has_trailer = hidden and bool(flags & 1)
     exact = n_tokens * ((n_embd * itemsize if hidden else 4) + (4 if has_trailer else 0))
@@ -537,7 +651,7 @@ def build_frame(p: dict, fz: Fuzzer, target: Target) -> tuple[bytes, dict]:
     if size == "minus1":
         payload = payload[:-1]
     elif size == "minus":
-        payload = payload[:p["cut"] % max(len(payload), 1)]
+        payload = payload[: p["cut"] % max(len(payload), 1)]
     elif size == "plus1":
         payload += b"\0"
     elif size == "plus":
@@ -547,12 +661,31 @@ def build_frame(p: dict, fz: Fuzzer, target: Target) -> tuple[bytes, dict]:
     body = header + payload
     if p["kind"] == "huge":
         body = header + rng.bytes(p["huge"])
-    well_formed = (p["kind"] == "header" and p["magic"] == MAGIC and p["version"] == 1 and code == want
-                   and 1 <= n_tokens <= MAX_STEP and n_embd == width and size == "exact" and finite and in_vocab
-                   and (code != 2 or -8 <= scale_exp <= 8) and p["reserved"] == 0)
-    return body, {"sid": sid, "own": own, "well_formed": well_formed, "step": step, "start": start,
-                  "n_tokens": n_tokens, "sample": not flags & 2, "huge": p["kind"] == "huge",
-                  "verify": bool(flags & 4) and not flags & 2, "rewind": bool(flags & 8)}
+    well_formed = (
+        p["kind"] == "header"
+        and p["magic"] == MAGIC
+        and p["version"] == 1
+        and code == want
+        and 1 <= n_tokens <= MAX_STEP
+        and n_embd == width
+        and size == "exact"
+        and finite
+        and in_vocab
+        and (code != 2 or -8 <= scale_exp <= 8)
+        and p["reserved"] == 0
+    )
+    return body, {
+        "sid": sid,
+        "own": own,
+        "well_formed": well_formed,
+        "step": step,
+        "start": start,
+        "n_tokens": n_tokens,
+        "sample": not flags & 2,
+        "huge": p["kind"] == "huge",
+        "verify": bool(flags & 4) and not flags & 2,
+        "rewind": bool(flags & 8),
+    }
 
 
 def expected_step(own: Own, facts: dict, body: bytes) -> str | None:
@@ -613,25 +746,71 @@ def fuzz_frame(p: dict, fz: Fuzzer) -> None:
 
 # -- JSON endpoints -----------------------------------------------------------------------------
 
-EDGE_INTS = [0, 1, -1, 2, 20, 21, 64, BUDGET - 1, BUDGET, BUDGET + 1, CONTEXT, CONTEXT + 1, 131073, 2**31 - 1,
-             2**31, 2**32, 2**63, 2**64, -2**63, 10**30, 10**400, -10**400]
+EDGE_INTS = [
+    0,
+    1,
+    -1,
+    2,
+    20,
+    21,
+    64,
+    BUDGET - 1,
+    BUDGET,
+    BUDGET + 1,
+    CONTEXT,
+    CONTEXT + 1,
+    131073,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**63,
+    2**64,
+    -(2**63),
+    10**30,
+    10**400,
+    -(10**400),
+]
 EDGE_FLOATS = [0.0, -0.0, 0.5, 1.0, 1.5, 1e-9, 5e-324, 1e-320, 1e308, float("inf"), float("-inf"), float("nan")]
-EDGE_VALUES = EDGE_INTS + EDGE_FLOATS + [None, True, False, "", "8", "f16", "http://127.0.0.1:1", [], {}, [8],
-                                         {"a": 1}]
-NUMBERS = st.one_of(st.sampled_from(EDGE_INTS), st.sampled_from(EDGE_FLOATS), st.integers(),
-                    st.floats(allow_nan=True, allow_infinity=True))
-SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_size=12),
-                    st.sampled_from(["f16", "bf16", "f32", "int8", "", "http://127.0.0.1:1", "ftp://x",
-                                     str(uuid.UUID(int=0))]))
-JUNK = st.recursive(SCALARS, lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c,
-                                                                                          max_size=4)), max_leaves=10)
-SAMPLING_KEYS = ["temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed",
-                 "presence_penalty", "frequency_penalty", "penalize_from", "logit_bias", "grammar"]
-SAMPLING = st.one_of(st.dictionaries(st.sampled_from(SAMPLING_KEYS + ["bogus"]), st.one_of(NUMBERS, JUNK),
-                                     max_size=7), JUNK)
+EDGE_VALUES = EDGE_INTS + EDGE_FLOATS + [None, True, False, "", "8", "f16", "http://127.0.0.1:1", [], {}, [8], {"a": 1}]
+NUMBERS = st.one_of(
+    st.sampled_from(EDGE_INTS),
+    st.sampled_from(EDGE_FLOATS),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    NUMBERS,
+    st.text(max_size=12),
+    st.sampled_from(["f16", "bf16", "f32", "int8", "", "http://127.0.0.1:1", "ftp://x", str(uuid.UUID(int=0))]),
+)
+JUNK = st.recursive(
+    SCALARS,
+    lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c, max_size=4)),
+    max_leaves=10,
+)
+SAMPLING_KEYS = [
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "penalize_from",
+    "logit_bias",
+    "grammar",
+]
+SAMPLING = st.one_of(
+    st.dictionaries(st.sampled_from(SAMPLING_KEYS + ["bogus"]), st.one_of(NUMBERS, JUNK), max_size=7), JUNK
+)
 FIELDS = {
-    "session_id": st.one_of(st.uuids().map(str), JUNK, st.sampled_from(["", "not-a-uuid", "0" * 32,
-                                                                         "{" + str(uuid.UUID(int=5)) + "}"])),
+    "session_id": st.one_of(
+        st.uuids().map(str), JUNK, st.sampled_from(["", "not-a-uuid", "0" * 32, "{" + str(uuid.UUID(int=5)) + "}"])
+    ),
     "max_length": st.one_of(NUMBERS, JUNK),
     "next_hop": st.one_of(st.sampled_from([None, "", "http://127.0.0.1:1", "https://x", "ftp://x"]), JUNK),
     "hop_timeout_s": st.one_of(NUMBERS, JUNK),
@@ -646,20 +825,40 @@ FIELDS = {
 
 
 J = {
-    "body kind": st.sampled_from(["object"] * 6 + ["one bad"] * 6 + ["sampling"] * 2 + [
-        "reuse sid", "junk", "not json", "empty", "none", "deep", "latin1", "huge"]),
-    "bool": st.booleans(), "0..9": st.integers(0, 9), "1..64": st.integers(1, 64), "0..2": st.integers(0, 2),
-    "u8": st.integers(0, 255), "extra": st.dictionaries(st.text(max_size=8), JUNK, max_size=3),
-    "field": st.sampled_from(sorted(FIELDS)), "sampling key": st.sampled_from(SAMPLING_KEYS),
-    "odd value": st.one_of(NUMBERS, JUNK), "junk": JUNK,
-    "not json": st.one_of(st.binary(max_size=64), st.sampled_from([b"{", b"{'a': 1}", b"\xff\xfe{}", b"NaN", b"[1,]",
-                                                                  b'{"a":1}{', b"\x00"])),
+    "body kind": st.sampled_from(
+        ["object"] * 6
+        + ["one bad"] * 6
+        + ["sampling"] * 2
+        + ["reuse sid", "junk", "not json", "empty", "none", "deep", "latin1", "huge"]
+    ),
+    "bool": st.booleans(),
+    "0..9": st.integers(0, 9),
+    "1..64": st.integers(1, 64),
+    "0..2": st.integers(0, 2),
+    "u8": st.integers(0, 255),
+    "extra": st.dictionaries(st.text(max_size=8), JUNK, max_size=3),
+    "field": st.sampled_from(sorted(FIELDS)),
+    "sampling key": st.sampled_from(SAMPLING_KEYS),
+    "odd value": st.one_of(NUMBERS, JUNK),
+    "junk": JUNK,
+    "not json": st.one_of(
+        st.binary(max_size=64),
+        st.sampled_from([b"{", b"{'a': 1}", b"\xff\xfe{}", b"NaN", b"[1,]", b'{"a":1}{', b"\x00"]),
+    ),
     "depth": st.sampled_from([100, 1000, 10_000, 60_000]),
     "path sid": st.sampled_from(["own"] * 4 + ["random"] * 2 + ["hex", "braces", "text", "empty", "long"]),
-    "sid text": st.text(max_size=40), "long": st.sampled_from([100, 2000, 7000]),
-    "ctype": st.sampled_from(["application/json"] * 8 + [None, "application/octet-stream", "text/plain; charset=bogus",
-                                                          "application/json; charset=utf-16",
-                                                          "application/json; charset=latin-1"]),
+    "sid text": st.text(max_size=40),
+    "long": st.sampled_from([100, 2000, 7000]),
+    "ctype": st.sampled_from(
+        ["application/json"] * 8
+        + [
+            None,
+            "application/octet-stream",
+            "text/plain; charset=bogus",
+            "application/json; charset=utf-16",
+            "application/json; charset=latin-1",
+        ]
+    ),
 }
 
 
@@ -765,8 +964,12 @@ def fuzz_json(p: dict, fz: Fuzzer) -> None:
     headers = {"Content-Type": p["ctype"]} if p["ctype"] and body is not None else {}
     # a session id the router cannot match ("", braces, "/", dot segments) gets a JSON not_found (check_answer)
     status, err, reply = fz.answer(target, method, path, body, headers, p["token"])
-    if kind == "reuse sid" and "session_id" in obj and (method, template) == ("POST", "/v1/sessions") \
-            and p["token"] == TOKEN:
+    if (
+        kind == "reuse sid"
+        and "session_id" in obj
+        and (method, template) == ("POST", "/v1/sessions")
+        and p["token"] == TOKEN
+    ):
         reused = uuid.UUID(obj["session_id"])
         if status == 201:  # it had expired (idle past the TTL): the id is free again
             assert reused not in target.own or target.own[reused].expired(), (reused, target.own.get(reused))
@@ -777,8 +980,9 @@ def fuzz_json(p: dict, fz: Fuzzer) -> None:
         # the fuzz opened a session: one well-formed step must work with whatever settings it was opened
         # with; then close it, or (rarely) let it expire
         sid = fz.not_good(uuid.UUID(json.loads(reply)["session_id"]))
-        step_status, step_err, _ = fz.answer(target, "POST", "/v1/step", first_step(target, sid),
-                                             {"Content-Type": "application/octet-stream"})
+        step_status, step_err, _ = fz.answer(
+            target, "POST", "/v1/step", first_step(target, sid), {"Content-Type": "application/octet-stream"}
+        )
         assert step_status == 200, (obj, step_status, step_err)
         stepped = fz.sent_at
         if not p["leave_open"]:
@@ -786,8 +990,11 @@ def fuzz_json(p: dict, fz: Fuzzer) -> None:
             # unknown_session: it expired, which it may only once idle past the TTL (or the lease it was opened with)
             lease = obj.get("lease_s") if isinstance(obj, dict) else None
             idle_limit = min(TTL_S, lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) else TTL_S
-            assert status == 200 or (err["code"] == "unknown_session" and time.monotonic() - stepped > idle_limit), \
-                (err, obj, time.monotonic() - stepped)
+            assert status == 200 or (err["code"] == "unknown_session" and time.monotonic() - stepped > idle_limit), (
+                err,
+                obj,
+                time.monotonic() - stepped,
+            )
     if own_sid is not None and "{sid}" in template and own_sid in target.own:  # the request named the session
         own = target.own[own_sid]
         if err and err["code"] == "unknown_session":  # expired, which it may only once idle past the TTL
@@ -823,12 +1030,18 @@ def edge_sweep(fz: Fuzzer, routes) -> int:
                 sid = None
                 if "{sid}" in template:  # a session holding one token, for truncate and the like
                     sid = uuid.uuid4()
-                    fz.answer(target, "POST", "/v1/sessions", json.dumps({"session_id": str(sid), "max_length": 8})
-                              .encode(), {"Content-Type": "application/json"})
+                    fz.answer(
+                        target,
+                        "POST",
+                        "/v1/sessions",
+                        json.dumps({"session_id": str(sid), "max_length": 8}).encode(),
+                        {"Content-Type": "application/json"},
+                    )
                     fz.answer(target, "POST", "/v1/step", first_step(target, sid))
                 path = template.replace("{sid}", str(sid))
-                status, err, reply = fz.answer(target, method, path, json.dumps(obj).encode(),
-                                               {"Content-Type": "application/json"})
+                status, err, reply = fz.answer(
+                    target, method, path, json.dumps(obj).encode(), {"Content-Type": "application/json"}
+                )
                 if status == 201 and opens:
                     opened = uuid.UUID(json.loads(reply)["session_id"])
                     step_status, step_err, _ = fz.answer(target, "POST", "/v1/step", first_step(target, opened))
@@ -841,14 +1054,32 @@ def edge_sweep(fz: Fuzzer, routes) -> int:
 
 # -- HTTP oddities ------------------------------------------------------------------------------
 
+
 def odd_plans(routes) -> st.SearchStrategy:
     templates = sorted({t for _, t in routes})
-    return st.fixed_dictionaries({
-        "target": st.integers(0, 1), "kind": st.sampled_from(["method", "path", "chunked", "gzip", "bad gzip"]),
-        "template": st.sampled_from(templates), "method": st.integers(0, 100),
-        "path": st.sampled_from(["/", "/v1", "/v1/stepx", "/v2/step", "/v1/sessions/a/b/c", "/health/",
-                                 "/v1/sessions//truncate", "/%2e%2e/health"]),
-        "max_length": st.integers(-2, 70), "length": st.integers(-2, 3), "frame": st.binary(max_size=80)})
+    return st.fixed_dictionaries(
+        {
+            "target": st.integers(0, 1),
+            "kind": st.sampled_from(["method", "path", "chunked", "gzip", "bad gzip"]),
+            "template": st.sampled_from(templates),
+            "method": st.integers(0, 100),
+            "path": st.sampled_from(
+                [
+                    "/",
+                    "/v1",
+                    "/v1/stepx",
+                    "/v2/step",
+                    "/v1/sessions/a/b/c",
+                    "/health/",
+                    "/v1/sessions//truncate",
+                    "/%2e%2e/health",
+                ]
+            ),
+            "max_length": st.integers(-2, 70),
+            "length": st.integers(-2, 3),
+            "frame": st.binary(max_size=80),
+        }
+    )
 
 
 def fuzz_odd(p: dict, fz: Fuzzer, routes) -> None:
@@ -879,11 +1110,17 @@ def fuzz_odd(p: dict, fz: Fuzzer, routes) -> None:
     if p["kind"] == "chunked":
         fz.answer(target, method, path, raw, {"Content-Type": "application/json"}, chunked=True)
     elif p["kind"] == "gzip":
-        fz.answer(target, method, path, gzip.compress(raw), {"Content-Type": "application/json",
-                                                             "Content-Encoding": "gzip"})
+        fz.answer(
+            target, method, path, gzip.compress(raw), {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        )
     else:
-        status, ctype, body = fz.send(target, method, path, b"\x1f\x8b\x08garbage",
-                                      {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        status, ctype, body = fz.send(
+            target,
+            method,
+            path,
+            b"\x1f\x8b\x08garbage",
+            {"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        )
         # Known: a handler that answers without reading the body (renew, delete) gets its answer out with
         # keep-alive, then aiohttp fails to inflate the unread body and drops the connection without saying so. Not
         # reused, so that this case alone is excused: any other dropped connection fails the test.
@@ -896,6 +1133,7 @@ def fuzz_odd(p: dict, fz: Fuzzer, routes) -> None:
 
 
 # -- the well-formed session ---------------------------------------------------------------------
+
 
 class GoodSessions(threading.Thread):
     """Greedy generations over the ``full`` node through RemoteRoute, compared with the reference.
@@ -911,7 +1149,7 @@ class GoodSessions(threading.Thread):
         self.url, self.refs = url, refs
         self.stop = threading.Event()
         self.ids: set[uuid.UUID] = set()
-        self.runs: list[tuple[float, float]] = []   # (start, end) of each correct run
+        self.runs: list[tuple[float, float]] = []  # (start, end) of each correct run
         self.wrong: list[tuple[list[int], list[int]]] = []
         self.errors: list[str] = []
         self.busy = 0  # opens answered 429 kv_budget_full (fuzz sessions held the budget): retried
@@ -955,11 +1193,12 @@ class GoodSessions(threading.Thread):
                 self.runs.append((t0, time.monotonic()))
                 i += 1
                 self.stop.wait(0.05)  # leave the two cores mostly to the fuzz
-        except Exception as exc:  # noqa: BLE001 - reported by the test
+        except Exception as exc:
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
 
 # -- the test -----------------------------------------------------------------------------------
+
 
 def test_fuzz_live_nodes(nodes, local, routes):
     full, head = nodes
@@ -1033,12 +1272,19 @@ def test_fuzz_live_nodes(nodes, local, routes):
                 break
             assert time.monotonic() < deadline, (t.name, h)
             time.sleep(0.1)
-    summary = {"requests": sent, "generated": generated, "sweep": fz.sweep_requests, "seconds": round(elapsed, 1),
-               "good_runs": len(good.runs),
-               "phase_seconds": {n: round(b - a, 1) for n, (a, b) in phases.items()},
-               "good_open_retries": good.busy, "good_client_stalls": good.stalled,
-               "rss_mb": {n: [round(rss0[n] / 2**20, 1), round(fz.rss_peak[n] / 2**20, 1), round(rss1[n] / 2**20, 1)]
-                          for n in rss0},
-               "health_max": fz.health_max,
-               "answers": {f"{s} {c}": n for (s, c), n in sorted(fz.codes.items())}}
+    summary = {
+        "requests": sent,
+        "generated": generated,
+        "sweep": fz.sweep_requests,
+        "seconds": round(elapsed, 1),
+        "good_runs": len(good.runs),
+        "phase_seconds": {n: round(b - a, 1) for n, (a, b) in phases.items()},
+        "good_open_retries": good.busy,
+        "good_client_stalls": good.stalled,
+        "rss_mb": {
+            n: [round(rss0[n] / 2**20, 1), round(fz.rss_peak[n] / 2**20, 1), round(rss1[n] / 2**20, 1)] for n in rss0
+        },
+        "health_max": fz.health_max,
+        "answers": {f"{s} {c}": n for (s, c), n in sorted(fz.codes.items())},
+    }
     print("fuzz summary:", json.dumps(summary))

@@ -31,16 +31,26 @@ def tiny_route(tmp_path_factory):
     path and the nodes."""
     work = tmp_path_factory.mktemp("many")
     model = str(write_tiny_model(work / "many-llama.gguf", "llama", n_layers=2))
-    nodes = start_nodes([ShardSpec(0, 1, embed=True), ShardSpec(1, 2, head=True)], model, threads=1,
-                        extra=["--max-sessions", str(N_STREAMS), "--ctx-size", "64"],
-                        per_node=lambda i: ["--data-dir", str(work / f"node{i}")])
+    nodes = start_nodes(
+        [ShardSpec(0, 1, embed=True), ShardSpec(1, 2, head=True)],
+        model,
+        threads=1,
+        extra=["--max-sessions", str(N_STREAMS), "--ctx-size", "64"],
+        per_node=lambda i: ["--data-dir", str(work / f"node{i}")],
+    )
     yield model, nodes
     stop_nodes(nodes)
 
 
 def body(prompt: str) -> dict:
-    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    return {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 async def stream(http: aiohttp.ClientSession, url: str, prompt: str) -> tuple[str, dict]:
@@ -57,7 +67,7 @@ async def stream(http: aiohttp.ClientSession, url: str, prompt: str) -> tuple[st
             if line == b"data: [DONE]":
                 done = True
                 break
-            chunk = json.loads(line[len(b"data: "):])
+            chunk = json.loads(line[len(b"data: ") :])
             assert "error" not in chunk, chunk
             if chunk.get("usage"):
                 usage = chunk["usage"]
@@ -78,8 +88,9 @@ def threads_now() -> int:
 async def run_all(url: str) -> tuple[dict, list, int]:
     """Each prompt alone first (the references), then N_STREAMS streams at once, the thread count sampled
     meanwhile: (references, results, most threads seen)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
-                                     connector=aiohttp.TCPConnector(limit=0)) as http:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=120), connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
         alone = {p: await stream(http, url, p) for p in PROMPTS}
         peak = threads_now()
 

@@ -23,8 +23,9 @@ def gateway(gemma_path):
 
 
 def post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -45,8 +46,10 @@ def test_a_failed_request_leaves_one_line_on_stderr(gateway, capsys):
     assert post(f"{gateway}/v1/completions", {"model": "nope", "prompt": "hi"})[0] == 404
     assert "ggufswarm gateway" not in capsys.readouterr().err
     for stream in (False, True):  # the route fails before a stream starts: an error answer either way
-        status, body = post(f"{gateway}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                                "max_tokens": 1, "stream": stream})
+        status, body = post(
+            f"{gateway}/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": stream},
+        )
         assert status == 502 and body["error"]["code"] == "hop_failed", body
         lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("ggufswarm gateway")]
         assert lines == [f"ggufswarm gateway: request failed (502 hop_failed): {body['error']['message']}"]
@@ -67,10 +70,12 @@ def test_unreachable_node_is_a_5xx_naming_it(gateway):
 
 
 def test_api_keys(gemma_path):
-    server = ServerThread(make_app(GatewayConfig(route=["http://127.0.0.1:9"], model=str(gemma_path),
-                                                 api_keys=("k1", "k2"))))
+    server = ServerThread(
+        make_app(GatewayConfig(route=["http://127.0.0.1:9"], model=str(gemma_path), api_keys=("k1", "k2")))
+    )
     url = server.start()
     try:
+
         def get(headers, path="/v1/models"):
             req = urllib.request.Request(url + path, headers=headers)
             try:
@@ -89,6 +94,7 @@ def test_api_keys(gemma_path):
         status, body = get({}, "/health")
         assert status == 503 and body["status"] == "degraded", body
         import openai
+
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k1")
         assert [m.id for m in client.models.list()] == [gemma_path.stem]
         with pytest.raises(openai.AuthenticationError):
@@ -108,10 +114,11 @@ def test_unknown_paths_and_methods_are_json_errors(gateway):
 
 def test_unreadable_bodies_are_4xx(gateway):
     for data, headers, status, code in (
-            (b"[" * 100000, {"Content-Type": "application/json"}, 400, "bad_request"),
-            (b"{}", {"Content-Type": "application/json; charset=bogus"}, 400, "bad_request"),
-            (b"not gzip", {"Content-Type": "application/json", "Content-Encoding": "gzip"}, 400, "bad_request"),
-            (b"x" * (17 * 2 ** 20), {"Content-Type": "application/json"}, 413, "body_too_large")):
+        (b"[" * 100000, {"Content-Type": "application/json"}, 400, "bad_request"),
+        (b"{}", {"Content-Type": "application/json; charset=bogus"}, 400, "bad_request"),
+        (b"not gzip", {"Content-Type": "application/json", "Content-Encoding": "gzip"}, 400, "bad_request"),
+        (b"x" * (17 * 2**20), {"Content-Type": "application/json"}, 413, "body_too_large"),
+    ):
         req = urllib.request.Request(f"{gateway}/v1/completions", data=data, method="POST", headers=headers)
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=30)
@@ -120,8 +127,9 @@ def test_unreadable_bodies_are_4xx(gateway):
 
 def test_lone_surrogates_and_empty_prompts_without_bos_are_400(gateway):
     raw = b'{"prompt": "hi \\ud800 there", "max_tokens": 2}'  # valid JSON; no text holds a lone surrogate
-    req = urllib.request.Request(f"{gateway}/v1/completions", data=raw, method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{gateway}/v1/completions", data=raw, method="POST", headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=30)
     body = json.loads(err.value.read())
@@ -132,6 +140,7 @@ def test_lone_surrogates_and_empty_prompts_without_bos_are_400(gateway):
 
 def test_empty_prompt_on_a_model_without_bos():
     from ggufswarm.artifact.default_model import smollm2_path
+
     assert GGUFModelFile(smollm2_path()).metadata.get("tokenizer.ggml.add_bos_token") is not True
     server = ServerThread(make_app(GatewayConfig(route=["http://127.0.0.1:9"], model=str(smollm2_path()))))
     url = server.start()
@@ -159,16 +168,21 @@ def test_roles_developer_and_missing_content():
     with pytest.raises(RequestError, match=r"messages\[1\] \(user\) has no content"):
         chat_turns([msgs[0], {"role": "user"}], None)
     call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
-    assert chat_turns([{"role": "assistant", "content": None, "tool_calls": [call]}], None) == \
-        [{"role": "assistant", "content": "",
-          "tool_calls": [{**call, "function": {"name": "f", "arguments": {"a": 1}}}]}]
+    assert chat_turns([{"role": "assistant", "content": None, "tool_calls": [call]}], None) == [
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "f", "arguments": {"a": 1}}}]}
+    ]
     with pytest.raises(RequestError, match=r"messages\[0\]\.tool_calls\[0\]"):
         chat_turns([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}], None)
 
 
 def test_developer_message_reaches_the_route(gateway):
-    status, body = post(f"{gateway}/v1/chat/completions", {"messages": [
-        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "max_tokens": 2})
+    status, body = post(
+        f"{gateway}/v1/chat/completions",
+        {
+            "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+        },
+    )
     assert 500 <= status < 600 and "127.0.0.1:9" in body["error"]["message"]  # valid: it went on to the (dead) node
     status, body = post(f"{gateway}/v1/chat/completions", {"messages": [{"role": "user"}]})
     assert status == 400 and "no content" in body["error"]["message"]
@@ -179,9 +193,26 @@ def test_open_gateway_beyond_loopback_warns_and_waits_for_its_route(gemma_path):
     whose node does not answer (yet) it says so and waits (start order does not matter) instead of failing."""
     import subprocess
     import sys
-    proc = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "gateway", "--route", "http://127.0.0.1:9",
-                             "--model", str(gemma_path), "--host", "0.0.0.0", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ggufswarm.cli",
+            "gateway",
+            "--route",
+            "http://127.0.0.1:9",
+            "--model",
+            str(gemma_path),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first, second = proc.stderr.readline(), proc.stderr.readline()
         assert "without --api-key" in first, first
@@ -189,7 +220,6 @@ def test_open_gateway_beyond_loopback_warns_and_waits_for_its_route(gemma_path):
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
-
 
 
 def test_a_huge_prompt_does_not_stall_the_gateway(gateway):
@@ -228,46 +258,76 @@ COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.mark.parametrize("path,extra,param", [
-    (COMP, {"n": 2}, "n"),
-    (COMP, {"best_of": 2}, "best_of"),
-    (COMP, {"suffix": " world"}, "suffix"),  # Gemma 3 270M has no fill-in-the-middle tokens
-    (COMP, {"echo": True, "logprobs": 2}, "echo"),
-    (COMP, {"logprobs": 6}, "logprobs"),  # OpenAI: 0..5
-    (COMP, {"logprobs": True}, "logprobs"),
-    (COMP, {"top_logprobs": 2}, "top_logprobs"),  # a chat parameter
-    (CHAT, {"top_logprobs": 3}, "top_logprobs"),  # needs logprobs: true
-    (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    (CHAT, {"logprobs": 1}, "logprobs"),
-    (CHAT, {"echo": True}, "echo"),  # a completions parameter
-    (CHAT, {"logit_bias": {"262144": 5}}, "logit_bias"),  # past the vocabulary
-    (CHAT, {"logit_bias": {"12": 101}}, "logit_bias"),
-    (CHAT, {"logit_bias": {"x": 1}}, "logit_bias"),
-    (CHAT, {"logit_bias": [[12, 1]]}, "logit_bias"),
-    (CHAT, {"presence_penalty": 2.5}, "presence_penalty"),
-    (CHAT, {"frequency_penalty": -3}, "frequency_penalty"),
-    (CHAT, {"repeat_last_n": -2}, "repeat_last_n"),
-    (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
-    (CHAT, {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
-    (CHAT, {"stream": True, "stream_options": {"chunk_size": 4}}, "stream_options"),
-    (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
-        "type": "integer", "minimum": 3}}}}, "response_format"),  # the grammar would not enforce minimum
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
-        "oneOf": [{"type": "string"}, {"type": "integer"}]}}}}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
-        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}}}}, "response_format"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
-    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
-    (CHAT, {"mirostat": 2}, "mirostat"),
-    (CHAT, {"typical_p": 0.5}, "typical_p"),
-    (CHAT, {"ignore_eos": 1}, "ignore_eos"),
-    (CHAT, {"skip_special_tokens": "no"}, "skip_special_tokens"),
-    (CHAT, {"min_keep": 2}, "min_keep"),
-    (CHAT, {"audio": {"voice": "x"}}, "audio"),
-    (CHAT, {"temprature": 0}, "temprature"),  # a typo is not silently ignored
-])
+@pytest.mark.parametrize(
+    "path,extra,param",
+    [
+        (COMP, {"n": 2}, "n"),
+        (COMP, {"best_of": 2}, "best_of"),
+        (COMP, {"suffix": " world"}, "suffix"),  # Gemma 3 270M has no fill-in-the-middle tokens
+        (COMP, {"echo": True, "logprobs": 2}, "echo"),
+        (COMP, {"logprobs": 6}, "logprobs"),  # OpenAI: 0..5
+        (COMP, {"logprobs": True}, "logprobs"),
+        (COMP, {"top_logprobs": 2}, "top_logprobs"),  # a chat parameter
+        (CHAT, {"top_logprobs": 3}, "top_logprobs"),  # needs logprobs: true
+        (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (CHAT, {"logprobs": 1}, "logprobs"),
+        (CHAT, {"echo": True}, "echo"),  # a completions parameter
+        (CHAT, {"logit_bias": {"262144": 5}}, "logit_bias"),  # past the vocabulary
+        (CHAT, {"logit_bias": {"12": 101}}, "logit_bias"),
+        (CHAT, {"logit_bias": {"x": 1}}, "logit_bias"),
+        (CHAT, {"logit_bias": [[12, 1]]}, "logit_bias"),
+        (CHAT, {"presence_penalty": 2.5}, "presence_penalty"),
+        (CHAT, {"frequency_penalty": -3}, "frequency_penalty"),
+        (CHAT, {"repeat_last_n": -2}, "repeat_last_n"),
+        (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+        (CHAT, {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+        (CHAT, {"stream": True, "stream_options": {"chunk_size": 4}}, "stream_options"),
+        (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
+        (
+            CHAT,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 3}},
+                }
+            },
+            "response_format",
+        ),  # the grammar would not enforce minimum
+        (
+            CHAT,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {"oneOf": [{"type": "string"}, {"type": "integer"}]}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            CHAT,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "n",
+                        "schema": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]},
+                    },
+                }
+            },
+            "response_format",
+        ),
+        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (CHAT, {"tool_choice": "auto"}, "tool_choice"),
+        (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+        (CHAT, {"mirostat": 2}, "mirostat"),
+        (CHAT, {"typical_p": 0.5}, "typical_p"),
+        (CHAT, {"ignore_eos": 1}, "ignore_eos"),
+        (CHAT, {"skip_special_tokens": "no"}, "skip_special_tokens"),
+        (CHAT, {"min_keep": 2}, "min_keep"),
+        (CHAT, {"audio": {"voice": "x"}}, "audio"),
+        (CHAT, {"temprature": 0}, "temprature"),  # a typo is not silently ignored
+    ],
+)
 def test_unimplemented_or_bad_parameters_are_400_naming_them(gateway, path, extra, param):
     base = {"messages": MSGS} if path == CHAT else {"prompt": "Hi"}
     status, body = post(gateway + path, {**base, "max_tokens": 2, **extra})
@@ -282,20 +342,60 @@ def test_tools_on_a_template_without_tool_support_say_so(gateway):
     assert "chat template has no tool support" in body["error"]["message"]  # Gemma 3's template renders no tools
 
 
-@pytest.mark.parametrize("path,extra", [
-    (COMP, {"best_of": 1, "echo": True, "suffix": None, "n": 1}),
-    (COMP, {"suffix": "", "logprobs": 5}),
-    (COMP, {"logprobs": 0, "logit_bias": {"0": -100, "262143": 100}}),
-    (CHAT, {"logprobs": True, "top_logprobs": 20, "presence_penalty": -2, "frequency_penalty": 2}),
-    (CHAT, {"stream": True, "stream_options": {"include_usage": False}, "repeat_penalty": 1.1,
-            "repeat_last_n": -1, "top_k": 5, "min_p": 0.1}),
-    (CHAT, {"response_format": {"type": "json_object"}}),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
-        "type": "object", "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"$ref": "#/$defs/b"}},
-        "required": ["a"], "additionalProperties": False, "$defs": {"b": {"enum": [1, 2]}}}}}}),
-    (CHAT, {"response_format": {"type": "text"}, "tool_choice": "none", "user": "u1", "store": False,
-            "metadata": {"k": "v"}, "mirostat": 0, "mirostat_tau": 5.0, "typical_p": 1, "cache_prompt": True}),
-])
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        (COMP, {"best_of": 1, "echo": True, "suffix": None, "n": 1}),
+        (COMP, {"suffix": "", "logprobs": 5}),
+        (COMP, {"logprobs": 0, "logit_bias": {"0": -100, "262143": 100}}),
+        (CHAT, {"logprobs": True, "top_logprobs": 20, "presence_penalty": -2, "frequency_penalty": 2}),
+        (
+            CHAT,
+            {
+                "stream": True,
+                "stream_options": {"include_usage": False},
+                "repeat_penalty": 1.1,
+                "repeat_last_n": -1,
+                "top_k": 5,
+                "min_p": 0.1,
+            },
+        ),
+        (CHAT, {"response_format": {"type": "json_object"}}),
+        (
+            CHAT,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "n",
+                        "strict": True,
+                        "schema": {
+                            "type": "object",
+                            "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"$ref": "#/$defs/b"}},
+                            "required": ["a"],
+                            "additionalProperties": False,
+                            "$defs": {"b": {"enum": [1, 2]}},
+                        },
+                    },
+                }
+            },
+        ),
+        (
+            CHAT,
+            {
+                "response_format": {"type": "text"},
+                "tool_choice": "none",
+                "user": "u1",
+                "store": False,
+                "metadata": {"k": "v"},
+                "mirostat": 0,
+                "mirostat_tau": 5.0,
+                "typical_p": 1,
+                "cache_prompt": True,
+            },
+        ),
+    ],
+)
 def test_implemented_and_neutral_parameters_pass_validation(gateway, path, extra):
     """Accepted bodies go on to the route (here a dead node: a 5xx naming it, not a 400)."""
     base = {"messages": MSGS} if path == CHAT else {"prompt": "Hi"}

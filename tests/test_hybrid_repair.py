@@ -16,7 +16,6 @@ import contextlib
 
 import numpy as np
 import pytest
-
 from apphost import AppThread
 from route_fixtures import health, http
 from tinymoe import write_tiny_moe_model
@@ -39,8 +38,10 @@ def llama_cpp_steps(path, groups: list[list[int]], n_decode: int) -> list[int]:
     """llama.cpp's full model fed ``groups`` one decode call each, then ``n_decode`` greedy tokens (one thread,
     as the nodes run): the token sampled after the last group first."""
     import llama_cpp
-    llm = llama_cpp.Llama(str(path), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1, n_threads_batch=1,
-                          flash_attn=True, verbose=False)
+
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False
+    )
     try:
         for ids in groups:
             llm.eval(ids)
@@ -59,11 +60,26 @@ def hybrid_route(tmp_path_factory):
     work = tmp_path_factory.mktemp("hybrid")
     model = write_tiny_moe_model(work / "qwen3next.gguf", "qwen3next", n_layers=9)
     specs = [ShardSpec(0, 4, embed=True), ShardSpec(4, 6), ShardSpec(6, 9, head=True), ShardSpec(4, 6)]
-    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2 ** 28))) as cache:
-        nodes = start_nodes(specs, str(model), threads=1, timeout=300,
-                            extra=["--cache", cache, "--snapshot-every", str(EVERY), "--hop-timeout", "10",
-                                   "--ctx-size", "256", "--max-sessions", "2"],
-                            per_node=lambda i: ["--data-dir", str(work / f"node{i}")])
+    with AppThread(lambda: make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2**28))) as cache:
+        nodes = start_nodes(
+            specs,
+            str(model),
+            threads=1,
+            timeout=300,
+            extra=[
+                "--cache",
+                cache,
+                "--snapshot-every",
+                str(EVERY),
+                "--hop-timeout",
+                "10",
+                "--ctx-size",
+                "256",
+                "--max-sessions",
+                "2",
+            ],
+            per_node=lambda i: ["--data-dir", str(work / f"node{i}")],
+        )
         try:
             yield {"model": model, "nodes": nodes, "cache": cache}
         finally:
@@ -77,6 +93,7 @@ def snapshots_taken(node) -> int:
 
 def wait_for(predicate, timeout: float = 30.0) -> None:
     import time
+
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
@@ -132,7 +149,7 @@ def test_hybrid_route_repair_after_sigkill_and_prefix_reuse(hybrid_route):
     # prefix reuse: the first conversation (20 + 23 tokens fed) and 7 more. Every node of the repaired route took a
     # snapshot at 40 (the spare too: its restore counts as its snapshot at 32); the cache keeps, per prefix, the
     # newest snapshot covering its blocks, so the follow-up finds the one at 40 and restores it whole
-    history = prompt + tokens[:N_DECODE - 1]
+    history = prompt + tokens[: N_DECODE - 1]
     wait_for(lambda: all(snapshots_taken(n) >= 4 for n in (first, head)) and snapshots_taken(spare) >= 1)
     follow = history + rng.integers(3, 384, 7).tolist()
     second = RemoteRoute([first.url, spare.url, head.url], 10.0).open(128, GREEDY)
@@ -155,18 +172,35 @@ def test_hybrid_repair_without_checkpoints_recomputes_from_the_start(hybrid_rout
     model, cache = hybrid_route["model"], hybrid_route["cache"]
     specs = [ShardSpec(0, 4, embed=True), ShardSpec(4, 6), ShardSpec(6, 9, head=True), ShardSpec(4, 6)]
     none = {0, 2}  # the first node and the head keep no checkpoints
-    nodes = start_nodes(specs, str(model), threads=1, timeout=300,
-                        extra=["--cache", cache, "--snapshot-every", str(EVERY), "--hop-timeout", "10",
-                               "--ctx-size", "256", "--max-sessions", "2"],
-                        per_node=lambda i: ["--data-dir", str(tmp_path / f"n{i}")]
-                        + (["--state-checkpoints", "0"] if i in none else []))
+    nodes = start_nodes(
+        specs,
+        str(model),
+        threads=1,
+        timeout=300,
+        extra=[
+            "--cache",
+            cache,
+            "--snapshot-every",
+            str(EVERY),
+            "--hop-timeout",
+            "10",
+            "--ctx-size",
+            "256",
+            "--max-sessions",
+            "2",
+        ],
+        per_node=lambda i: (
+            ["--data-dir", str(tmp_path / f"n{i}")] + (["--state-checkpoints", "0"] if i in none else [])
+        ),
+    )
     try:
         first, middle, head, spare = nodes
         rng = np.random.default_rng(12)
         prompt = [1] + rng.integers(3, 384, 19).tolist()
         want = llama_cpp_steps(model, [prompt], N_DECODE)
         session = RemoteRoute([first.url, middle.url, head.url], 10.0).open(
-            128, GREEDY, replan=lambda exclude, span: RemoteRoute([spare.url], 10.0, part=True))
+            128, GREEDY, replan=lambda exclude, span: RemoteRoute([spare.url], 10.0, part=True)
+        )
         tokens = decode_killing(session, prompt, (first, middle, head), middle, (middle,))
         repairs = session.telemetry.repairs
         session.close()
@@ -182,13 +216,23 @@ def test_hybrid_node_advertises_its_recurrent_state(hybrid_route, tmp_path):
     header: the recurrent state per session (llama.cpp's size, test_llamacpp_backend checks) and the KV per token
     of its attention blocks only; the free bytes count one state per free session slot."""
     from ggufswarm.node.advertise import advertisement
-    from ggufswarm.node.state import NODE, NodeConfig
     from ggufswarm.node.app import make_app as make_node_app
+    from ggufswarm.node.state import NODE, NodeConfig
+
     model = hybrid_route["model"]
     file = GGUFModelFile(model)
     for spec in (ShardSpec(0, 4, embed=True), ShardSpec(4, 6), ShardSpec(6, 9, head=True)):
-        app = make_node_app(NodeConfig(layers=f"{spec.start}:{spec.end}", embed=spec.embed, head=spec.head,
-                                       model=str(model), data_dir=str(tmp_path), max_sessions=2, ctx_size=256))
+        app = make_node_app(
+            NodeConfig(
+                layers=f"{spec.start}:{spec.end}",
+                embed=spec.embed,
+                head=spec.head,
+                model=str(model),
+                data_dir=str(tmp_path),
+                max_sessions=2,
+                ctx_size=256,
+            )
+        )
         state = app[NODE]
         acc = advertisement(state)["extra"]["accounting"]
         want = shard_account(file, spec.start, spec.end, spec.embed, spec.head)
@@ -204,21 +248,32 @@ def test_exact_state_node_checkpoints_every_due_position(hybrid_route, tmp_path)
     be what a repair restores). Snapshots due at every step (``snapshot_every`` 1), the cache behind a 150 ms proxy
     (an upload takes 300 ms or more, a step of the tiny model a few): the session's last 4 positions are all
     checkpoints, although most uploads were skipped."""
-    from ggufswarm.node.state import NODE, NodeConfig
-    from ggufswarm.node.app import make_app as make_node_app
-    from ggufswarm.protocol import encode_tokens
     from route_fixtures import open_greedy
 
     from ggufswarm.netdelay import DelayProxy
+    from ggufswarm.node.app import make_app as make_node_app
+    from ggufswarm.node.state import NODE, NodeConfig
+    from ggufswarm.protocol import encode_tokens
+
     cache_port = int(hybrid_route["cache"].rsplit(":", 1)[1])
     slow = DelayProxy(("127.0.0.1", cache_port), 150.0)
     slow.start()
     held = {}
 
     def factory():
-        held["app"] = make_node_app(NodeConfig(layers="0:9", embed=True, head=True, model=str(hybrid_route["model"]),
-                                               cache=slow.url, snapshot_every=1, data_dir=str(tmp_path),
-                                               max_sessions=2, ctx_size=256))
+        held["app"] = make_node_app(
+            NodeConfig(
+                layers="0:9",
+                embed=True,
+                head=True,
+                model=str(hybrid_route["model"]),
+                cache=slow.url,
+                snapshot_every=1,
+                data_dir=str(tmp_path),
+                max_sessions=2,
+                ctx_size=256,
+            )
+        )
         return held["app"]
 
     with _stopping(slow), AppThread(factory) as node:
@@ -228,8 +283,9 @@ def test_exact_state_node_checkpoints_every_due_position(hybrid_route, tmp_path)
         assert status == 200, reply
         tokens = prompt + [reply["token"]]
         for i in range(12):
-            status, reply = http("POST", node + "/v1/step", encode_tokens(sid, 2 + i, len(tokens) - 1,
-                                                                          [tokens[-1]], True))
+            status, reply = http(
+                "POST", node + "/v1/step", encode_tokens(sid, 2 + i, len(tokens) - 1, [tokens[-1]], True)
+            )
             assert status == 200, reply
             tokens.append(reply["token"])
         state = held["app"][NODE]

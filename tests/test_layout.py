@@ -4,6 +4,7 @@ grows past the size the codebase keeps (issue 24)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ggufswarm"
@@ -26,7 +27,7 @@ def _imports(path: Path, parts: tuple[str, ...]):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = list(package[:len(package) - (node.level - 1)]) if node.level else []
+            base = list(package[: len(package) - (node.level - 1)]) if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
             yield module
             yield from (f"{module}.{a.name}" for a in node.names)  # `from . import x` names a module
@@ -52,7 +53,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         for dep in sorted(graph.get(pkg, ())):
             if state.get(dep) == 1:
                 path = trail + [pkg]
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (found := visit(dep, trail + [pkg])):
                 return found
         state[pkg] = 2
@@ -81,18 +82,41 @@ def test_the_bottom_layers_make_no_network_calls():
         if parts[0] in NO_NETWORK:
             for name in _imports(path, parts):
                 if any(name == c or name.startswith(c + ".") for c in NETWORK_CLIENTS) or name in (
-                        "aiohttp.ClientSession", "aiohttp.request"):
+                    "aiohttp.ClientSession",
+                    "aiohttp.request",
+                ):
                     offenders.append(f"{path.relative_to(SRC)} imports {name}")
     assert not offenders, offenders
 
 
 def test_no_module_is_over_the_size_limit():
-    long = {str(path.relative_to(SRC)): n for path, _ in _modules()
-            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        str(path.relative_to(SRC)): n
+        for path, _ in _modules()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
 
 
 def test_every_module_says_what_it_is_for():
-    silent = [str(path.relative_to(SRC)) for path, _ in _modules()
-              if path.stat().st_size and not ast.get_docstring(ast.parse(path.read_text()))]
+    silent = [
+        str(path.relative_to(SRC))
+        for path, _ in _modules()
+        if path.stat().st_size and not ast.get_docstring(ast.parse(path.read_text()))
+    ]
     assert not silent, f"modules without a docstring: {silent}"
+
+
+def test_every_noqa_gives_its_reason():
+    """A ``# noqa: CODE`` silences the linter (ruff, pyproject.toml) for a line: it says why, after the codes."""
+    root = SRC.parents[1]
+    bare = []
+    for path in sorted(
+        [*root.glob("src/**/*.py"), *root.glob("tests/*.py"), *root.glob("bench/*.py"), *root.glob("scripts/*.py")]
+    ):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if (m := re.search(r"# noqa\b(:\s*[A-Z]+[0-9]+(?:\s*,\s*[A-Z]+[0-9]+)*)?(.*)$", line)) and not re.search(
+                r"[a-z]", m.group(2)
+            ):
+                bare.append(f"{path.relative_to(root)}:{n}")
+    assert not bare, f"# noqa without a reason: {bare}"

@@ -182,13 +182,17 @@ def test_reply_link_only_from_a_head_for_an_open_session(tiny_route):
 
     sid = open_greedy(tiny_route["head"])
     try:
-        for url, replies, status in ((tiny_route["first"], sid, 400), (tiny_route["head"], uuid.uuid4(), 404),
-                                     (tiny_route["head"], "nope", 400)):
+        for url, replies, status in (
+            (tiny_route["first"], sid, 400),
+            (tiny_route["head"], uuid.uuid4(), 404),
+            (tiny_route["head"], "nope", 400),
+        ):
             with pytest.raises(websocket.WebSocketBadStatusException) as err:
                 websocket.create_connection(url.replace("http", "ws") + f"/v1/link?replies={replies}", timeout=10)
             assert err.value.status_code == status, (url, replies)
-        ws = websocket.create_connection(tiny_route["head"].replace("http", "ws") + f"/v1/link?replies={sid}",
-                                         timeout=10)
+        ws = websocket.create_connection(
+            tiny_route["head"].replace("http", "ws") + f"/v1/link?replies={sid}", timeout=10
+        )
         ws.close()
     finally:
         http("DELETE", f"{tiny_route['head']}/v1/sessions/{sid}")
@@ -202,8 +206,12 @@ def test_next_hop_without_links_gets_plain_posts(tiny_route):
     async def step(request):
         seen["step"] += 1
         frame = decode_frame(await request.read())
-        return web.json_response({"token": 7 + frame.n_tokens,
-                                  "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}]})
+        return web.json_response(
+            {
+                "token": 7 + frame.n_tokens,
+                "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}],
+            }
+        )
 
     @web.middleware
     async def count(request, handler):
@@ -217,12 +225,16 @@ def test_next_hop_without_links_gets_plain_posts(tiny_route):
 
     with AppThread(fake_head) as fake:
         sid = uuid.uuid4()
-        status, _ = http("POST", tiny_route["first"] + "/v1/sessions",
-                         {"session_id": str(sid), "max_length": 64, "next_hop": fake})
+        status, _ = http(
+            "POST", tiny_route["first"] + "/v1/sessions", {"session_id": str(sid), "max_length": 64, "next_hop": fake}
+        )
         assert status == 201
         for i, ids in enumerate((PROMPT, [3], [4])):
-            status, reply = http("POST", tiny_route["first"] + "/v1/step",
-                                 encode_tokens(sid, i + 1, 0 if i == 0 else len(PROMPT) + i - 1, ids))
+            status, reply = http(
+                "POST",
+                tiny_route["first"] + "/v1/step",
+                encode_tokens(sid, i + 1, 0 if i == 0 else len(PROMPT) + i - 1, ids),
+            )
             assert status == 200 and reply["token"] == 7 + len(ids) and len(reply["hops"]) == 2
         assert seen == {"link": 1, "step": 3}
         assert http("GET", tiny_route["first"] + "/health")[1]["links"]["http_only"] == http_only + 1
@@ -291,8 +303,15 @@ def test_next_hop_must_be_a_bare_node_url_and_its_body_is_never_echoed(tiny_rout
     """A next_hop with a path, query, user info or no port is refused at open; a next hop that is not a node
     (here a listener answering private text) gets hop_failed without any of its body in the error."""
     first = tiny_route["first"]
-    for bad in ("http://127.0.0.1:9/admin", "http://user:pw@127.0.0.1:9", "http://127.0.0.1:9/?x=1",
-                "http://127.0.0.1", "ftp://127.0.0.1:9", "http://127.0.0.1:99999", "http://127.0.0.1:9#f"):
+    for bad in (
+        "http://127.0.0.1:9/admin",
+        "http://user:pw@127.0.0.1:9",
+        "http://127.0.0.1:9/?x=1",
+        "http://127.0.0.1",
+        "ftp://127.0.0.1:9",
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:9#f",
+    ):
         status, body = http("POST", first + "/v1/sessions", {"max_length": 64, "next_hop": bad})
         assert status == 400 and body["error"]["code"] == "bad_request", (bad, body)
 
@@ -306,8 +325,9 @@ def test_next_hop_must_be_a_bare_node_url_and_its_body_is_never_echoed(tiny_rout
 
     with AppThread(listener) as url:
         sid = uuid.uuid4()
-        assert http("POST", first + "/v1/sessions", {"session_id": str(sid), "max_length": 64,
-                                                    "next_hop": url})[0] == 201
+        assert (
+            http("POST", first + "/v1/sessions", {"session_id": str(sid), "max_length": 64, "next_hop": url})[0] == 201
+        )
         status, body = http("POST", first + "/v1/step", encode_tokens(sid, 1, 0, PROMPT))
         assert status == 502 and body["error"]["code"] == "hop_failed" and "secret" not in json.dumps(body)
     assert http("GET", first + "/health")[0] == 200
@@ -328,8 +348,9 @@ def test_a_client_that_dies_frees_its_sessions_within_its_lease(tiny_route):
     t0 = time.monotonic()
     # the kept one renews for 1.5 s (past its 1 s lease), then steps, until the abandoned one is gone: polled (the
     # deadline only bounds a lease that never runs out), and not before both phases ran
-    while time.monotonic() - t0 < 1.5 or \
-            [http("GET", u + "/health")[1]["sessions"] - b for u, b in zip(urls, before)] != [1, 1]:
+    while time.monotonic() - t0 < 1.5 or [
+        http("GET", u + "/health")[1]["sessions"] - b for u, b in zip(urls, before)
+    ] != [1, 1]:
         assert time.monotonic() - t0 < 30, "the abandoned session outlived its lease"
         kept.renew() if time.monotonic() - t0 < 1.5 else None
         token = kept.step([token]) if time.monotonic() - t0 >= 1.5 else token
@@ -358,18 +379,38 @@ def test_a_gateway_killed_mid_request_has_its_sessions_freed_within_its_lease(ti
     urls = [tiny_route["first"], tiny_route["head"]]
     assert all(http("GET", u + "/health")[1]["session_ttl_s"] >= 300 for u in urls)
     before = [http("GET", u + "/health")[1]["sessions"] for u in urls]  # other tests' sessions, if any
-    proc = subprocess.Popen([sys.executable, "-m", "ggufswarm.cli", "gateway", "--route", ",".join(urls), "--port", "0",
-                             "--data-dir", str(tmp_path), "--session-lease", str(lease)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ggufswarm.cli",
+            "gateway",
+            "--route",
+            ",".join(urls),
+            "--port",
+            "0",
+            "--data-dir",
+            str(tmp_path),
+            "--session-lease",
+            str(lease),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("ggufswarm gateway ready: "), line
         base = line.split()[3].rsplit("/v1", 1)[0]
         host, port = base.split("//", 1)[1].rsplit(":", 1)
         conn = HTTPConnection(host, int(port), timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "a b c d", "max_tokens": 10 ** 6,
-                                                             "temperature": 0, "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "a b c d", "max_tokens": 10**6, "temperature": 0, "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.status == 200
         assert resp.readline().startswith(b"data: ")
@@ -458,8 +499,9 @@ def test_a_repair_whose_replay_fails_halfway_records_the_tokens_it_replayed(tiny
         steps.append(frame.n_tokens)
         if len(steps) > 1:
             return web.json_response({"error": {"code": "internal", "message": "disk on fire"}}, status=500)
-        return web.json_response({"token": None,
-                                  "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}]})
+        return web.json_response(
+            {"token": None, "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}]}
+        )
 
     async def closed(request):
         return web.json_response({"closed": True})
@@ -510,8 +552,11 @@ def test_a_node_excluded_by_one_repair_can_replace_a_later_failure(tiny_route, t
     from ggufswarm.client.transport import RouteError
 
     first, head = tiny_route["first"], tiny_route["head"]
-    with AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=tiny_route["model"],
-                                                    data_dir=str(tiny_dir / "n3")))) as head2:
+    with AppThread(
+        lambda: make_node_app(
+            NodeConfig(layers="1:2", head=True, model=tiny_route["model"], data_dir=str(tiny_dir / "n3"))
+        )
+    ) as head2:
         asked = []
 
         def replan(exclude, span):
@@ -581,8 +626,14 @@ def test_a_repair_onto_a_node_of_other_numerics_continues_coherently(tiny_route,
     (checked by teacher forcing on a fresh session of that route): a coherent continuation, which from that point
     may differ from an uninterrupted run."""
     first, head, model = tiny_route["first"], tiny_route["head"], tiny_route["model"]
-    with AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=model, backend="torch",
-                                                    data_dir=str(tiny_dir / "link-torch-head")))) as other:
+    with AppThread(
+        lambda: make_node_app(
+            NodeConfig(
+                layers="1:2", head=True, model=model, backend="torch", data_dir=str(tiny_dir / "link-torch-head")
+            )
+        )
+    ) as other:
+
         def replan(exclude, span):
             assert span == (1, 2) and head in exclude
             return RemoteRoute([other], 30.0, part=True)
@@ -613,11 +664,13 @@ def test_hop_timeouts_grow_with_the_frame(tiny_route):
     """A node waits ``hop_timeout_s`` for its next hop's answer to a decode step, and proportionally longer for a
     prefill chunk (x4 for 2048 tokens): a next hop that takes 2 s times out a 1-token step with a 1 s hop
     timeout, and answers a 2048-token one in time."""
+
     async def slow_step(request):
         frame = decode_frame(await request.read())
         await asyncio.sleep(2.0)
-        return web.json_response({"token": frame.n_tokens,
-                                  "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}]})
+        return web.json_response(
+            {"token": frame.n_tokens, "hops": [{"compute_ms": 0.0, "bytes_in": 0, "kv_tokens": 0, "handle_ms": 0.0}]}
+        )
 
     def slow_head():
         app = web.Application(client_max_size=64 << 20)
@@ -627,13 +680,21 @@ def test_hop_timeouts_grow_with_the_frame(tiny_route):
     with AppThread(slow_head) as slow:
         first = tiny_route["first"]
         sid = uuid.uuid4()
-        assert http("POST", first + "/v1/sessions", {"session_id": str(sid), "max_length": 4096, "next_hop": slow,
-                                                    "hop_timeout_s": 1.0})[0] == 201
+        assert (
+            http(
+                "POST",
+                first + "/v1/sessions",
+                {"session_id": str(sid), "max_length": 4096, "next_hop": slow, "hop_timeout_s": 1.0},
+            )[0]
+            == 201
+        )
         try:
             status, body = http("POST", first + "/v1/step", encode_tokens(sid, 1, 0, [5]))
             assert status == 504 and body["error"]["code"] == "hop_timeout" and "1 s" in body["error"]["message"]
             http("POST", f"{first}/v1/sessions/{sid}/truncate", {"length": 0})
-            status, body = http("POST", first + "/v1/step", encode_tokens(sid, 2, 0, [5 + i % 300 for i in range(2048)]))
+            status, body = http(
+                "POST", first + "/v1/step", encode_tokens(sid, 2, 0, [5 + i % 300 for i in range(2048)])
+            )
             assert status == 200 and body["token"] == 2048, body
         finally:
             http("DELETE", f"{first}/v1/sessions/{sid}")
@@ -654,13 +715,14 @@ def test_one_model_end_to_end(tiny_route, tiny_dir):
     [file] = info["files"]
     assert file["bytes"] == model.path.stat().st_size and file["header_bytes"] == model.header_sizes[0]
     with urllib.request.urlopen(first + "/v1/model/header/0", timeout=10) as r:
-        assert r.read() == model.path.read_bytes()[:file["header_bytes"]]
+        assert r.read() == model.path.read_bytes()[: file["header_bytes"]]
     assert http("GET", first + "/v1/model/header/1")[0] == 404
 
     other = write_tiny_model(tiny_dir / "other-llama.gguf", "llama", n_layers=2, context_length=2048)
     assert GGUFModelFile(other).fingerprint != model.fingerprint
-    with AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=str(other),
-                                                    data_dir=str(tiny_dir / "n4")))) as stranger:
+    with AppThread(
+        lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=str(other), data_dir=str(tiny_dir / "n4")))
+    ) as stranger:
         with pytest.raises(ValueError, match=r"serves other-llama .* not link-llama"):
             RemoteRoute([first, stranger])
         status, body = http("POST", stranger + "/v1/sessions", {"max_length": 8, "model": model.fingerprint})
@@ -687,8 +749,18 @@ def test_a_gateway_given_only_a_route_serves_the_route_s_model(tiny_route, tmp_p
     with pytest.raises(ValueError, match="bad route: route must start at layer 0 .* and end at layer 2 with the head"):
         check_route(GatewayConfig(route=urls[:1]))  # coverage: layer 1 and the head missing
     # the token: a route of nodes that require one is refused at start, naming the fix, and checked with it
-    with AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=tiny_route["model"],
-                                                    token="route-t0ken", data_dir=str(tmp_path / "tok")))) as locked:
+    with AppThread(
+        lambda: make_node_app(
+            NodeConfig(
+                layers="0:2",
+                embed=True,
+                head=True,
+                model=tiny_route["model"],
+                token="route-t0ken",
+                data_dir=str(tmp_path / "tok"),
+            )
+        )
+    ) as locked:
         for token in (None, "wrong"):
             with pytest.raises(ValueError, match=r"bad route: .*give the nodes' --token"):
                 check_route(GatewayConfig(route=[locked], token=token), every_s=0.01)
@@ -698,8 +770,11 @@ def test_a_gateway_given_only_a_route_serves_the_route_s_model(tiny_route, tmp_p
     base = server.start()
     try:
         assert [m["id"] for m in http("GET", base + "/v1/models")[1]["data"]] == ["link-llama"]
-        status, body = http("POST", base + "/v1/completions", {"model": "link-llama", "prompt": "a b c d",
-                                                              "max_tokens": 4, "temperature": 0})
+        status, body = http(
+            "POST",
+            base + "/v1/completions",
+            {"model": "link-llama", "prompt": "a b c d", "max_tokens": 4, "temperature": 0},
+        )
         assert status == 200 and body["usage"]["prompt_tokens"] > 0, body
         assert list((tmp_path / "models").iterdir())  # the headers fetched from the first node
     finally:
@@ -719,8 +794,13 @@ def test_a_session_opens_every_node_at_once_and_waits_head_first_for_a_full_node
     import threading
 
     first = tiny_route["first"]
-    with AppThread(lambda: make_node_app(NodeConfig(layers="1:2", head=True, model=tiny_route["model"],
-                                                    max_sessions=1, data_dir=str(tiny_dir / "n5")))) as head:
+    with AppThread(
+        lambda: make_node_app(
+            NodeConfig(
+                layers="1:2", head=True, model=tiny_route["model"], max_sessions=1, data_dir=str(tiny_dir / "n5")
+            )
+        )
+    ) as head:
         want = greedy([tiny_route["whole"]], n=3)
         before = http("GET", first + "/health")[1]["sessions"]
         holder = RemoteRoute([first, head]).open(64, GREEDY)  # takes the head's only slot
@@ -731,8 +811,10 @@ def test_a_session_opens_every_node_at_once_and_waits_head_first_for_a_full_node
         waiter.start()
         # once the head has refused it (kv_budget_full), the waiting session holds nothing on the first node
         deadline = time.monotonic() + 30
-        while http("GET", head + "/health")[1]["errors"] == refused \
-                or http("GET", first + "/health")[1]["sessions"] != before + 1:
+        while (
+            http("GET", head + "/health")[1]["errors"] == refused
+            or http("GET", first + "/health")[1]["sessions"] != before + 1
+        ):
             assert time.monotonic() < deadline, "the waiting session was never refused, or kept the first node"
             time.sleep(0.05)
         assert waiter.is_alive() and http("GET", first + "/health")[1]["sessions"] == before + 1
@@ -751,8 +833,12 @@ def test_an_unread_body_ends_the_connection_in_words(tiny_route):
     parts = urlsplit(tiny_route["first"])
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
     try:
-        conn.request("POST", f"/v1/sessions/{uuid.uuid4()}/renew", body=b"\x00garbage" * 8,
-                     headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            f"/v1/sessions/{uuid.uuid4()}/renew",
+            body=b"\x00garbage" * 8,
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         body = json.loads(resp.read())
         assert resp.status == 404 and body["error"]["code"] == "unknown_session"
@@ -763,8 +849,9 @@ def test_an_unread_body_ends_the_connection_in_words(tiny_route):
     conn = http.client.HTTPConnection(whole.hostname, whole.port, timeout=10)
     try:
         for _ in range(2):  # a body that is read: the same connection serves the next request
-            conn.request("POST", "/v1/sessions", body=json.dumps({"max_length": 8}),
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                "POST", "/v1/sessions", body=json.dumps({"max_length": 8}), headers={"Content-Type": "application/json"}
+            )
             resp = conn.getresponse()
             sid = json.loads(resp.read())["session_id"]
             assert resp.status == 201 and resp.getheader("Connection", "").lower() != "close"

@@ -22,11 +22,10 @@ from zoo import whole_model_run
 from ggufswarm.artifact.default_model import smollm2_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.local import LocalModel
-from ggufswarm.runtime.sampling import SamplingParams
-from ggufswarm.runtime.llamacpp.backend import LlamaCppShard, model_info
-from ggufswarm.runtime.llamacpp.errors import LlamaCppError
 from ggufswarm.runtime.llamacpp.archs import recurrent_layers, rules_for
-from ggufswarm.runtime.llamacpp.errors import UnsupportedShard
+from ggufswarm.runtime.llamacpp.backend import LlamaCppShard, model_info
+from ggufswarm.runtime.llamacpp.errors import LlamaCppError, UnsupportedShard
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import ShardSpec, split_at
 
 THREADS = 2
@@ -41,8 +40,12 @@ def llama_cpp_run(path, ids: list[int], n_decode: int, n_ctx: int = 2048):
 def chain(path, points: list[int], tmp_path, n_ctx: int = 2048, sessions: int = 1) -> list[LlamaCppShard]:
     file = GGUFModelFile(path)
     specs = split_at(model_info(file).n_layers, points)
-    return [LlamaCppShard(file, s, n_ctx_seq=n_ctx, n_seq_max=sessions, threads=THREADS, all_logits=True,
-                          cache_dir=tmp_path) for s in specs]
+    return [
+        LlamaCppShard(
+            file, s, n_ctx_seq=n_ctx, n_seq_max=sessions, threads=THREADS, all_logits=True, cache_dir=tmp_path
+        )
+        for s in specs
+    ]
 
 
 def run_chain(shards, kvs, ids: list[int], logits: str = "all") -> np.ndarray:
@@ -70,6 +73,7 @@ def assert_chain_equals_llama_cpp(path, points, ids, tmp_path, n_ctx=2048, refer
 @pytest.fixture(scope="module")
 def long_ids(gemma_path, reference_text):
     from ggufswarm.client.tokenizer import Tokenizer
+
     file = GGUFModelFile(gemma_path)
     ids = Tokenizer(str(gemma_path), file.metadata).encode(reference_text[:4000])
     assert len(ids) > 700
@@ -99,10 +103,12 @@ def test_smollm2_shards_bitwise(points, tmp_path):
     assert_chain_equals_llama_cpp(path, points, ids, tmp_path)
 
 
-TINY = [("llama", lambda p: write_tiny_model(p, "llama", n_layers=6)),
-        ("qwen3", lambda p: write_tiny_model(p, "qwen3", n_layers=6, quant=True)),
-        ("gemma3", lambda p: write_tiny_model(p, "gemma3", n_layers=6, sliding_window=16)),
-        *[(a, lambda p, a=a: write_tiny_moe_model(p, a)) for a in ("qwen3moe", "deepseek", "deepseek2", "gpt-oss")]]
+TINY = [
+    ("llama", lambda p: write_tiny_model(p, "llama", n_layers=6)),
+    ("qwen3", lambda p: write_tiny_model(p, "qwen3", n_layers=6, quant=True)),
+    ("gemma3", lambda p: write_tiny_model(p, "gemma3", n_layers=6, sliding_window=16)),
+    *[(a, lambda p, a=a: write_tiny_moe_model(p, a)) for a in ("qwen3moe", "deepseek", "deepseek2", "gpt-oss")],
+]
 
 
 @pytest.mark.parametrize("arch,write", TINY, ids=[a for a, _ in TINY])
@@ -118,7 +124,8 @@ def test_tiny_architectures_bitwise(arch, write, tiny_dir, tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe", "qwen35"])
 def test_hybrid_recurrent_shards_bitwise(arch, tiny_dir, tmp_path):
     """Qwen3-Next, Qwen3.5-MoE (Ornith) and the dense Qwen3.5 (gated delta-net recurrent blocks + gated full
-    attention; MoE with a gated shared expert, or a SwiGLU FFN), 9 blocks with full_attention_interval 3 (attention at 2, 5, 8): the 3-shard chain
+    attention; MoE with a gated shared expert, or a SwiGLU FFN), 9 blocks with full_attention_interval 3 (attention at
+    2, 5, 8): the 3-shard chain
     [0,4)+[4,6)+[6,9) equals llama.cpp's whole model bitwise over a prefill and 20 decode steps. The middle shard's
     attention block is its block 1, which llama.cpp would take for a recurrent one if the shard file did not carry
     ``attention.recurrent_layers``; qwen35moe's IMRoPE needs its four positions per token in hidden-state batches.
@@ -142,6 +149,7 @@ def test_qwen3next_truncates_only_to_exact_state_checkpoints(tiny_dir, tmp_path)
     from ggufswarm.artifact.accounting import shard_account
     from ggufswarm.protocol.http import as_protocol_error
     from ggufswarm.runtime.llamacpp.errors import StateNotAtPosition
+
     path = write_tiny_moe_model(tiny_dir / "bitwise-qwen3next.gguf", "qwen3next", n_layers=9)
     file = GGUFModelFile(path)
     shards = chain(path, [4, 6], tmp_path, n_ctx=256)
@@ -183,6 +191,7 @@ def test_glm_dsa_shards_bitwise(tiny_dir, tmp_path):
     (defaulted from the shard's block 0, [2,6) would expect indexer weights on blocks 3 and 4); a range
     starting at a shared-indexer block is refused (its top-k would have to cross the cut)."""
     from ggufswarm.runtime.llamacpp.range_checks import glm_dsa_indexer_types
+
     path = write_tiny_moe_model(tiny_dir / "bitwise-glm-dsa.gguf", "glm-dsa", n_layers=8)
     file = GGUFModelFile(path)
     assert glm_dsa_indexer_types(file) == [1, 1, 1, 0, 0, 0, 1, 0]
@@ -197,8 +206,9 @@ def deepseek4_path(tiny_dir):
     """The tiny DeepSeek-V4 in 6 blocks: compress ratios 0/0/4/128/4/128 (as DeepSeek-V4-Flash: two raw blocks,
     then the compressed attention with its lightning indexer and the heavily compressed one alternating),
     hyper-connections of 4 streams, 3 hash-routed blocks."""
-    return write_tiny_deepseek4_model(tiny_dir / "bitwise-deepseek4.gguf", compress_ratios=[0, 0, 4, 128, 4, 128],
-                                      hash_layers=3)
+    return write_tiny_deepseek4_model(
+        tiny_dir / "bitwise-deepseek4.gguf", compress_ratios=[0, 0, 4, 128, 4, 128], hash_layers=3
+    )
 
 
 @pytest.mark.parametrize("points", [list(p) for p in itertools.combinations(range(1, 6), 2)])
@@ -235,6 +245,7 @@ def test_deepseek4_truncates_only_to_exact_state_checkpoints(deepseek4_path, tmp
     """Its cache refuses partial removal, so a session (here of a middle shard) rolls back only to an exact state
     checkpoint, and continues bitwise from there."""
     from ggufswarm.runtime.llamacpp.errors import StateNotAtPosition
+
     shards = chain(deepseek4_path, [2, 4], tmp_path, n_ctx=256)
     assert all(s.exact_states_only for s in shards)
     kvs = [s.new_session(256) for s in shards]
@@ -256,14 +267,22 @@ def test_layer_range_without_the_patch_is_refused_in_one_line(deepseek4_path, tm
     """A llama-cpp-python without ggufswarm's patch queue (a user's own): a DeepSeek-V4 layer range is refused before
     llama.cpp loads it, naming the patch and how to get it; the whole model still runs."""
     from ggufswarm.runtime.llamacpp import patches
-    monkeypatch.setattr(patches, "PATCH_MARKERS", {**patches.PATCH_MARKERS,
-                                                   "0002-deepseek4-layer-range": b"not in any library"})
+
+    monkeypatch.setattr(
+        patches, "PATCH_MARKERS", {**patches.PATCH_MARKERS, "0002-deepseek4-layer-range": b"not in any library"}
+    )
     with pytest.raises(UnsupportedShard, match="needs llama.cpp patch 0002-deepseek4-layer-range.*make setup") as err:
-        LlamaCppShard(GGUFModelFile(deepseek4_path), ShardSpec(0, 2, embed=True), n_ctx_seq=256, n_seq_max=1,
-                      cache_dir=tmp_path)
+        LlamaCppShard(
+            GGUFModelFile(deepseek4_path), ShardSpec(0, 2, embed=True), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path
+        )
     assert "\n" not in str(err.value)
-    whole = LlamaCppShard(GGUFModelFile(deepseek4_path), ShardSpec(0, 6, embed=True, head=True), n_ctx_seq=256,
-                          n_seq_max=1, cache_dir=tmp_path)
+    whole = LlamaCppShard(
+        GGUFModelFile(deepseek4_path),
+        ShardSpec(0, 6, embed=True, head=True),
+        n_ctx_seq=256,
+        n_seq_max=1,
+        cache_dir=tmp_path,
+    )
     whole.close()
 
 
@@ -271,6 +290,7 @@ def accepts_range(file, acc, a: int, b: int) -> bool:
     """Whether the backend derives a shard of blocks ``[a, b)`` (the head on the last one), asserting that the header
     accounting ``plan`` places with (``acc``: HeaderAccounts) agrees (``range_problem``)."""
     from ggufswarm.runtime.llamacpp.derive import shard_metadata
+
     try:
         shard_metadata(file, a, b, head=b == acc.n_layers)
         backend = True
@@ -286,6 +306,7 @@ def test_plan_cut_rules_are_the_backends(arch, tiny_dir):
     places with) accept exactly the layer ranges the llama.cpp backend derives shards for, on every range of the
     tiny hybrid and DSA models (and of a model without such rules)."""
     from ggufswarm.artifact.accounting import HeaderAccounts
+
     path = write_tiny_moe_model(tiny_dir / f"cuts-{arch}.gguf", arch, n_layers=9 if arch == "qwen3next" else 8)
     file = GGUFModelFile(path)
     acc = HeaderAccounts.from_model(file)
@@ -298,6 +319,7 @@ def test_gemma3_ranges_need_a_sliding_window_layer(gemma_path, tmp_path):
     Gemma 3 range of only global layers (5, 11, 17) is refused with the reason, by the backend before llama.cpp
     could abort the node, and by the header accounting ``plan`` places with, which agree on every range."""
     from ggufswarm.artifact.accounting import HeaderAccounts
+
     file = GGUFModelFile(gemma_path)
     with pytest.raises(UnsupportedShard, match="17:18 holds no sliding-window layer.*is_swa_any"):
         LlamaCppShard(file, ShardSpec(17, 18, head=True), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
@@ -352,6 +374,7 @@ def test_gemma4_cut_rules(gemma4_path, tmp_path):
     each kind's own heads (sliding-window: 4 KV heads of 32, full: 1 of 64; K and V, f16)."""
     from ggufswarm.artifact.accounting import HeaderAccounts, shard_account
     from ggufswarm.runtime.llamacpp.derive import shard_tensors
+
     file = GGUFModelFile(gemma4_path)
     with pytest.raises(UnsupportedShard, match=r"5:6 has one block.*n_layer_kv_from_start >= 2"):
         LlamaCppShard(file, ShardSpec(5, 6), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
@@ -365,17 +388,19 @@ def test_gemma4_cut_rules(gemma4_path, tmp_path):
                 has_freqs = "rope_freqs.weight" in [n for n, _ in shard_tensors(file, a, b, head=b == 8)]
                 assert has_freqs == any(i in (2, 5, 7) for i in range(a, b)), (a, b)
     assert refused == [(i, i + 1) for i in range(8)]
-    assert [l.kv_bytes_per_token for l in acc.layers] == [512, 512, 256, 512, 512, 256, 512, 256]
+    assert [layer.kv_bytes_per_token for layer in acc.layers] == [512, 512, 256, 512, 512, 256, 512, 256]
     assert shard_account(file, 2, 5).kv_bytes_per_token == 1280
 
 
-@pytest.mark.parametrize("variant", [{"n_embd_per_layer": 16}, {"shared_kv_layers": 2}],
-                         ids=["per-layer-embeddings", "shared-kv"])
+@pytest.mark.parametrize(
+    "variant", [{"n_embd_per_layer": 16}, {"shared_kv_layers": 2}], ids=["per-layer-embeddings", "shared-kv"]
+)
 def test_gemma4_e2b_layout_runs_only_whole(variant, tiny_dir, tmp_path):
     """Gemma 4 E2B/E4B's layout (per-layer token embeddings computed from the token ids at the graph's start, or
     blocks attending with an earlier block's KV cache): a layer range is refused with the reason, by the backend and
     by the header accounting; the whole model loads and runs."""
     from ggufswarm.artifact.accounting import HeaderAccounts
+
     path = write_tiny_gemma4_model(tiny_dir / f"gemma4-{next(iter(variant))}.gguf", **variant)
     file = GGUFModelFile(path)
     reason = "per-layer token embeddings" if "n_embd_per_layer" in variant else "shared-KV layers"
@@ -384,9 +409,10 @@ def test_gemma4_e2b_layout_runs_only_whole(variant, tiny_dir, tmp_path):
     acc = HeaderAccounts.from_model(file)
     assert acc.range_problem(0, 4) and acc.range_problem(4, 8) and acc.range_problem(0, 8) is None
     if "shared_kv_layers" in variant:  # blocks 6 and 7 hold no cache of their own
-        assert [l.kv_bytes_per_token for l in acc.layers[5:]] == [256, 0, 0]
-    whole = LlamaCppShard(file, ShardSpec(0, 8, embed=True, head=True), n_ctx_seq=256, n_seq_max=1,
-                          threads=THREADS, cache_dir=tmp_path)
+        assert [layer.kv_bytes_per_token for layer in acc.layers[5:]] == [256, 0, 0]
+    whole = LlamaCppShard(
+        file, ShardSpec(0, 8, embed=True, head=True), n_ctx_seq=256, n_seq_max=1, threads=THREADS, cache_dir=tmp_path
+    )
     out = whole.forward(whole.new_session(256), np.asarray(GEMMA4_IDS[:40]), logits="last")
     assert out.shape == (1, 384) and np.isfinite(out).all()
     whole.close()
@@ -507,12 +533,14 @@ def test_head_samples_with_llama_cpp_sampler_chain(gemma_path):
     import llama_cpp
 
     from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler, draw_seed
+
     llm = llama_cpp.Llama(str(gemma_path), n_ctx=256, n_threads=1, flash_attn=True, verbose=False)
     try:
         ids = llm.tokenize(b"Once upon a time")
         llm.eval(ids)
-        logits = torch.from_numpy(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
-                                                        shape=(llm.n_vocab(),)).copy())
+        logits = torch.from_numpy(
+            np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        )
         drawn = set()
         for seed in range(8):
             ours = LlamaCppSampler(SamplingParams(temperature=1.3, top_k=50, top_p=0.9, min_p=0.02, seed=seed))
@@ -532,6 +560,7 @@ def test_sampler_penalties_follow_llama_cpp():
     """With a repeat penalty, greedy and sampled draws go through llama.cpp's penalties sampler: positive
     logits of recent tokens are divided, negative ones multiplied (the CTRL rule llama.cpp uses)."""
     from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
+
     logits = torch.zeros(100)
     logits[7], logits[9] = 5.0, 4.0
     greedy = LlamaCppSampler(SamplingParams(temperature=0, repeat_penalty=2.0, repeat_last_n=4))
@@ -542,18 +571,29 @@ def test_sampler_penalties_follow_llama_cpp():
     assert {hot.sample(logits, [7] * n) for n in range(1, 20)} == {9}
 
 
-@pytest.mark.parametrize("settings", [
-    {"logit_bias": ((3, 100.0), (11, -100.0), (40, 2.5))},
-    {"presence_penalty": 1.5, "frequency_penalty": 0.5, "penalize_from": 6},
-    {"presence_penalty": -2.0, "frequency_penalty": 2.0, "penalize_from": 0, "repeat_penalty": 1.3,
-     "repeat_last_n": 5, "logit_bias": {"4": -3.0}},
-], ids=["logit_bias", "presence_frequency", "all"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"logit_bias": ((3, 100.0), (11, -100.0), (40, 2.5))},
+        {"presence_penalty": 1.5, "frequency_penalty": 0.5, "penalize_from": 6},
+        {
+            "presence_penalty": -2.0,
+            "frequency_penalty": 2.0,
+            "penalize_from": 0,
+            "repeat_penalty": 1.3,
+            "repeat_last_n": 5,
+            "logit_bias": {"4": -3.0},
+        },
+    ],
+    ids=["logit_bias", "presence_frequency", "all"],
+)
 def test_torch_bias_and_penalties_equal_llama_cpp_samplers(settings):
     """The torch head's logit bias and penalties (Sampler.adjust) give llama.cpp's own logit-bias and penalties
     samplers' logits (LlamaCppSampler.adjust), to float32 rounding, and both heads then draw the same greedy
     token; presence/frequency penalties count only the tokens from ``penalize_from`` on."""
-    from ggufswarm.runtime.sampling import Sampler
     from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
+    from ggufswarm.runtime.sampling import Sampler
+
     gen = torch.Generator().manual_seed(5)
     history = torch.randint(0, 60, (14,), generator=gen).tolist() + [4, 4, 4, 11]
     params = SamplingParams(temperature=0, **settings)
@@ -563,10 +603,13 @@ def test_torch_bias_and_penalties_equal_llama_cpp_samplers(settings):
         ref = torch.from_numpy(LlamaCppSampler(params).adjust(logits, history))
         torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-5)
         assert not torch.equal(ref, logits)  # the settings did change the logits
-        assert Sampler(params).sample(logits, history) == LlamaCppSampler(params).sample(logits, history) \
+        assert (
+            Sampler(params).sample(logits, history)
+            == LlamaCppSampler(params).sample(logits, history)
             == int(ref.argmax())
+        )
     if "penalize_from" in settings and not settings.get("repeat_penalty"):  # tokens before it are not penalized
-        before = set(history[:settings["penalize_from"]]) - set(history[settings["penalize_from"]:])
+        before = set(history[: settings["penalize_from"]]) - set(history[settings["penalize_from"] :])
         adjusted = LlamaCppSampler(params).adjust(logits, history)
         assert before and all(adjusted[t] == logits[t] for t in before)
     with pytest.raises(ValueError, match="logit_bias"):
@@ -580,12 +623,18 @@ def test_grammar_draws_follow_the_schema_and_rebuild_from_the_history(gemma):
     ValueError, never an abort; the torch head refuses grammars."""
     import json
 
-    from ggufswarm.client.grammar import response_format_grammar
-    from ggufswarm.runtime.sampling import Sampler
-    from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
     import jsonschema
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
-              "required": ["a", "b"], "additionalProperties": False}
+
+    from ggufswarm.client.grammar import response_format_grammar
+    from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
+    from ggufswarm.runtime.sampling import Sampler
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
     grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
     head, n_vocab, prompt = gemma.shards[-1], gemma.tokenizer.n_vocab, [2, 100, 200]
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=9, penalize_from=3, grammar=grammar)
@@ -604,21 +653,24 @@ def test_grammar_draws_follow_the_schema_and_rebuild_from_the_history(gemma):
     fresh = LlamaCppSampler(params)
     fresh.bind(head)
     for k in (len(seen) - 1, 4, 1, 0, len(seen) - 2):  # forward, then rolled back, then forward again
-        assert fresh.sample(seen[k], history[:3 + k]) == (history[3 + k] if 3 + k < len(history) else token)
+        assert fresh.sample(seen[k], history[: 3 + k]) == (history[3 + k] if 3 + k < len(history) else token)
     bad = gemma.tokenizer.encode("x", add_bos=False)[0]
     with pytest.raises(ValueError, match="grammar"):
         fresh.sample(seen[0], prompt + [bad])
     assert fresh.sample(seen[1], history[:4]) == history[4]  # and it recovers
     with pytest.raises(ValueError, match="llama.cpp head"):
         Sampler(params)
-    for broken in ('root ::= (', 'root ::= root "a"', 'item ::= "a"', 'root ::= undefined'):  # parse errors, no abort
+    for broken in ("root ::= (", 'root ::= root "a"', 'item ::= "a"', "root ::= undefined"):  # parse errors, no abort
         with pytest.raises(ValueError, match="could not parse"):
             LlamaCppSampler(SamplingParams(temperature=0, grammar=broken)).bind(head)
 
 
-OPTIONS = [("llama", {"n_layers": 6, "rope_linear_factor": 4.0}), ("llama", {"n_layers": 6, "rope_freqs": True}),
-           ("gemma3", {"n_layers": 6, "sliding_window": 16, "rope_linear_factor": 8.0}),
-           ("gemma3", {"n_layers": 6, "sliding_window": 16, "final_logit_softcap": 10.0})]
+OPTIONS = [
+    ("llama", {"n_layers": 6, "rope_linear_factor": 4.0}),
+    ("llama", {"n_layers": 6, "rope_freqs": True}),
+    ("gemma3", {"n_layers": 6, "sliding_window": 16, "rope_linear_factor": 8.0}),
+    ("gemma3", {"n_layers": 6, "sliding_window": 16, "final_logit_softcap": 10.0}),
+]
 
 
 @pytest.mark.parametrize("arch,options", OPTIONS, ids=[f"{a}-{list(o)[-1]}" for a, o in OPTIONS])

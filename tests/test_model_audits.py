@@ -40,7 +40,7 @@ def test_quoted_numbers(mh, key, tmp_path):
     for recipe, nodes in (("Q4_K_M", q4_nodes), ("Q8_0", q8_nodes)):
         path = tmp_path / f"{key}-{recipe}.gguf"
         sizes = mh.write_header(model, recipe, path)
-        assert path.stat().st_size < 2 ** 20  # header only
+        assert path.stat().st_size < 2**20  # header only
         got = []
         for mem, want in zip(mh.MEMORIES, nodes):
             rc, out = mh.run_plan("--model", str(path), "--node-memory", mem, "--context", "131072", "--json")

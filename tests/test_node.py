@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-from http.client import HTTPConnection
 import json
 import re
 import signal
 import time
 import urllib.request
 import uuid
+from http.client import HTTPConnection
 
 import pytest
 import torch
+from route_fixtures import HOP_TIMEOUT, cluster, greedy_prompts, health, http, llama_cpp_greedy_tokens, reference  # noqa: F401 - fixtures
 
 from ggufswarm.client.route import RemoteRoute
 from ggufswarm.client.transport import RouteError, StepLink
-from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.gateway import GatewayConfig, make_app
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.protocol import decode_frame, encode_hidden, encode_tokens
+from ggufswarm.protocol.http import ServerThread
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import ShardSpec
-from route_fixtures import (HOP_TIMEOUT, cluster, greedy_prompts, health, http, llama_cpp_greedy_tokens,  # noqa: F401
-                            reference)
 
 PROMPT = "The capital of France is"
 N_EMBD = 640
@@ -53,9 +52,14 @@ def test_health_and_metrics(cluster):
     assert [(x["embed"], x["head"]) for x in h] == [(True, False), (False, False), (False, True)]
     assert h[0]["n_embd"] == N_EMBD and h[0]["protocol"] == 1
     text = urllib.request.urlopen(cluster[1].url + "/metrics", timeout=10).read().decode()
-    for name in ("ggufswarm_node_sessions_open", "ggufswarm_node_kv_tokens_held", "ggufswarm_node_steps_total",
-                 "ggufswarm_node_step_seconds_bucket", "ggufswarm_node_payload_bytes_in_total",
-                 "ggufswarm_node_payload_bytes_out_total"):
+    for name in (
+        "ggufswarm_node_sessions_open",
+        "ggufswarm_node_kv_tokens_held",
+        "ggufswarm_node_steps_total",
+        "ggufswarm_node_step_seconds_bucket",
+        "ggufswarm_node_payload_bytes_in_total",
+        "ggufswarm_node_payload_bytes_out_total",
+    ):
         assert name in text, name
 
 
@@ -94,8 +98,10 @@ def test_route_greedy_equals_llama_cpp(cluster, gemma, gemma_path, reference_tex
                 toks.append(session.step([toks[-1]]))
             session.close()
             agree.append(next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), 24))
-        print(f"route greedy, {wire} frames: {agree.count(24)}/10 equal to llama.cpp for 24 tokens; "
-              f"tokens agreeing per prompt: {agree}")
+        print(
+            f"route greedy, {wire} frames: {agree.count(24)}/10 equal to llama.cpp for 24 tokens; "
+            f"tokens agreeing per prompt: {agree}"
+        )
         if wire == "f32":
             assert agree == [24] * 10, agree
         else:
@@ -107,6 +113,7 @@ def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma,
     route (f32 frames) equal the in-process model fed the same chunks: llama.cpp's numerics depend on the
     step size, so the reference must chunk the same way."""
     import dataclasses
+
     sampling = SamplingParams(temperature=1.0, seed=7)
     ids = gemma.prompt_ids("A short story about a brave little robot")
     runs = []
@@ -119,8 +126,9 @@ def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma,
         def spy(link, frame, waiter, timeout=None, send=StepLink.send, replies=replies, sid=session.id):
             header = decode_frame(frame)
             if header.session_id == sid:
-                waiter.add_done_callback(lambda done, n=header.n_tokens: replies.append(
-                    (n, json.loads(done.result()[1])["token"])))
+                waiter.add_done_callback(
+                    lambda done, n=header.n_tokens: replies.append((n, json.loads(done.result()[1])["token"]))
+                )
             return send(link, frame, waiter, timeout)
 
         monkeypatch.setattr(StepLink, "send", spy)
@@ -136,7 +144,7 @@ def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma,
         local = gemma.session(64, sampling)
         cut = (len(ids) - 1) // chunk * chunk  # the last chunk holds the rest
         for i in range(0, cut, chunk):
-            local.logits(ids[i:i + chunk])
+            local.logits(ids[i : i + chunk])
         local.history.extend(ids[:cut])
         expected = [local.step(ids[cut:])]
         for _ in range(5):
@@ -166,6 +174,7 @@ def test_f16_decode_payload_per_hop_within_budget(cluster, gemma):
 
 
 # -- bad inputs: each gets a 4xx with a reason, and the node keeps serving --------------------------------
+
 
 def test_garbage_bodies(cluster, gemma):
     for node in cluster:
@@ -200,10 +209,14 @@ def test_json_fields_checked_by_kind_range_and_default(cluster, gemma):
         ({"max_length": 10, "logprobs": None}, "logprobs must be true or false, got None"),
         ({"max_length": 10, "lease_s": True}, "lease_s must be a positive finite number of seconds, got True"),
         ({"max_length": 10, "lease_s": 0}, "lease_s must be a positive finite number of seconds, got 0"),
-        ({"max_length": 10, "hop_timeout_s": float("inf")},
-         "hop_timeout_s must be a positive finite number of seconds, got inf"),
-        ({"max_length": 10, "hop_timeout_s": 10 ** 400},
-         "hop_timeout_s must be a positive finite number of seconds, got 1000000000"),
+        (
+            {"max_length": 10, "hop_timeout_s": float("inf")},
+            "hop_timeout_s must be a positive finite number of seconds, got inf",
+        ),
+        (
+            {"max_length": 10, "hop_timeout_s": 10**400},
+            "hop_timeout_s must be a positive finite number of seconds, got 1000000000",
+        ),
         ({"max_length": "x" * 5000}, "max_length must be an integer, got 'xxxx"),
     ]
     for body, message in bad:
@@ -212,8 +225,9 @@ def test_json_fields_checked_by_kind_range_and_default(cluster, gemma):
         assert reply["error"]["message"].startswith(message) and len(reply["error"]["message"]) < 200, (body, reply)
 
     def first_step(sid):
-        status, reply = post_frame(head, encode_hidden(sid, 1, 0, torch.zeros(1, N_EMBD), "f32",
-                                                       token_ids=torch.tensor([5])))
+        status, reply = post_frame(
+            head, encode_hidden(sid, 1, 0, torch.zeros(1, N_EMBD), "f32", token_ids=torch.tensor([5]))
+        )
         assert status == 200, reply
         return reply
 
@@ -226,10 +240,12 @@ def test_json_fields_checked_by_kind_range_and_default(cluster, gemma):
         assert "logprobs" not in reply and "token_logprob" not in reply
         status, renewed = http("POST", f"{head}/v1/sessions/{sid}/renew")
         assert status == 200 and renewed["lease_s"] == health(head)["session_ttl_s"]
-        for body, message in [({"length": True}, "length must be an integer, got True"),
-                              ({"length": 0, "step": True}, "step must be an integer in 0..2**63 - 1, got True"),
-                              ({"length": 0, "step": -1}, "step must be an integer in 0..2**63 - 1, got -1"),
-                              ({"length": 0, "step": 2 ** 63}, "step must be an integer in 0..2**63 - 1, got 9223")]:
+        for body, message in [
+            ({"length": True}, "length must be an integer, got True"),
+            ({"length": 0, "step": True}, "step must be an integer in 0..2**63 - 1, got True"),
+            ({"length": 0, "step": -1}, "step must be an integer in 0..2**63 - 1, got -1"),
+            ({"length": 0, "step": 2**63}, "step must be an integer in 0..2**63 - 1, got 9223"),
+        ]:
             status, reply = http("POST", f"{head}/v1/sessions/{sid}/truncate", body)
             assert status == 400 and reply["error"]["message"].startswith(message), (body, reply)
         status, reply = http("POST", f"{head}/v1/sessions/{sid}/truncate", {"length": 0, "step": None})
@@ -237,8 +253,11 @@ def test_json_fields_checked_by_kind_range_and_default(cluster, gemma):
     finally:
         http("DELETE", f"{head}/v1/sessions/{sid}")
     # given: an integer lease is a number of seconds, logprobs true
-    status, opened = http("POST", head + "/v1/sessions", {"max_length": 10, "lease_s": 2, "top_logprobs": 3,
-                                                          "logprobs": True, "hop_timeout_s": 5})
+    status, opened = http(
+        "POST",
+        head + "/v1/sessions",
+        {"max_length": 10, "lease_s": 2, "top_logprobs": 3, "logprobs": True, "hop_timeout_s": 5},
+    )
     assert status == 201, opened
     sid = uuid.UUID(opened["session_id"])
     try:
@@ -274,7 +293,7 @@ def test_wrong_shape(cluster, gemma):
         truncated = encode_hidden(session.id, 1, 0, torch.zeros(2, N_EMBD))[:-10]
         status, body = post_frame(cluster[1].url, truncated)
         assert status == 400 and body["error"]["code"] == "bad_frame"
-        status, body = post_frame(cluster[0].url, encode_tokens(session.id, 1, 0, [2, 10 ** 7]))
+        status, body = post_frame(cluster[0].url, encode_tokens(session.id, 1, 0, [2, 10**7]))
         assert status == 400 and body["error"]["code"] == "bad_token"
         assert session.step(gemma.prompt_ids(PROMPT)) == reference(gemma, PROMPT, 8)[1][0]  # nothing was applied
     finally:
@@ -348,13 +367,17 @@ def test_too_many_tokens(cluster, gemma):
 
 # -- budget, expiry, dead hops (on spare last-hop nodes) ---------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def spares(gemma_path):
     """An extra 12:18 +head node (torch backend) with a 2048-token KV budget, at most half of it per session
     (--max-sessions 2), and a 2 s session TTL."""
-    nodes = start_nodes([ShardSpec(12, 18, head=True)], str(gemma_path), threads=1,
-                        extra=["--kv-budget", "2048", "--max-sessions", "2", "--session-ttl", "2",
-                               "--backend", "torch"])
+    nodes = start_nodes(
+        [ShardSpec(12, 18, head=True)],
+        str(gemma_path),
+        threads=1,
+        extra=["--kv-budget", "2048", "--max-sessions", "2", "--session-ttl", "2", "--backend", "torch"],
+    )
     yield nodes
     stop_nodes(nodes)
 
@@ -362,8 +385,9 @@ def spares(gemma_path):
 def test_kv_budget_admission_llama_cpp(gemma_path):
     """llama.cpp: KV cells are allocated up front, --max-sessions sequences of --ctx-size cells each; the
     budget is their product, a session longer than one sequence's cells never fits."""
-    node = start_nodes([ShardSpec(12, 18, head=True)], str(gemma_path), threads=1,
-                       extra=["--ctx-size", "1024", "--max-sessions", "2"])[0]
+    node = start_nodes(
+        [ShardSpec(12, 18, head=True)], str(gemma_path), threads=1, extra=["--ctx-size", "1024", "--max-sessions", "2"]
+    )[0]
     try:
         url = node.url
         assert health(url)["kv_budget_tokens"] == 2048
@@ -388,8 +412,9 @@ def test_kv_budget_admission_and_idle_expiry(spares):
     assert status == 503 and body["error"]["code"] == "kv_budget_too_small" and "2048" in body["error"]["message"]
     assert health(url)["max_length"] == 1024  # advertised: what a gateway caps a request's reservation at
     status, body = http("POST", url + "/v1/sessions", {"max_length": 1500})
-    assert status == 503 and body["error"]["code"] == "kv_budget_too_small" and "1024 tokens" in \
-        body["error"]["message"]
+    assert (
+        status == 503 and body["error"]["code"] == "kv_budget_too_small" and "1024 tokens" in body["error"]["message"]
+    )
     status, body = http("POST", url + "/v1/sessions", {"max_length": 1000})
     assert status == 201
     other = body["session_id"]
@@ -413,8 +438,12 @@ def test_kv_budget_admission_and_idle_expiry(spares):
 
 def _stream_first_delta(gateway_url: str, prompt: str, max_tokens: int = 400):
     conn = HTTPConnection("127.0.0.1", int(gateway_url.rsplit(":", 1)[1]), timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                                        "stream": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     for raw in resp:
@@ -466,8 +495,10 @@ def _dead_node_checks(cluster, spares, gemma, gemma_path, capsys):
     other = RemoteRoute(healthy, HOP_TIMEOUT).open(32, GREEDY)
     tokens = [other.step(gemma.prompt_ids(PROMPT))]
     tokens.append(other.step([tokens[-1]]))
-    gateways = [ServerThread(make_app(GatewayConfig(healthy[:2] + [s.url], model=str(gemma_path),
-                                                    hop_timeout_s=HOP_TIMEOUT))) for s in spares]
+    gateways = [
+        ServerThread(make_app(GatewayConfig(healthy[:2] + [s.url], model=str(gemma_path), hop_timeout_s=HOP_TIMEOUT)))
+        for s in spares
+    ]
     gw_urls = [g.start() for g in gateways]
     try:
         assert http("GET", gw_urls[0] + "/health")[0] == 200
@@ -565,18 +596,25 @@ def test_gateway_ends_an_answer_at_the_route_context_with_length(gemma_path):
     finish_reason "length" (every sampled token but the last is fed back), instead of failing midway.
     A huge max_tokens reserves one session's length, never the node's whole KV budget: while such a request
     streams, it holds one of the node's two slots and another request is served beside it."""
-    node = start_nodes([ShardSpec(0, 18, embed=True, head=True)], str(gemma_path), threads=1,
-                       extra=["--ctx-size", "64", "--max-sessions", "2"])[0]
+    node = start_nodes(
+        [ShardSpec(0, 18, embed=True, head=True)],
+        str(gemma_path),
+        threads=1,
+        extra=["--ctx-size", "64", "--max-sessions", "2"],
+    )[0]
     server = ServerThread(make_app(GatewayConfig([node.url], model=str(gemma_path), hop_timeout_s=HOP_TIMEOUT)))
     hog = None
     try:
         base = server.start()
         assert health(node.url)["max_length"] == 256  # llama.cpp rounds a session's cells up to 256
         assert health(node.url)["kv_budget_tokens"] == 512
-        hog, _ = _stream_first_delta(base, "Once upon a time", max_tokens=10 ** 9)
+        hog, _ = _stream_first_delta(base, "Once upon a time", max_tokens=10**9)
         assert health(node.url)["kv_tokens_reserved"] == 256 and health(node.url)["sessions"] == 1
-        status, body = http("POST", base + "/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 1000,
-                                                               "temperature": 0})
+        status, body = http(
+            "POST",
+            base + "/v1/completions",
+            {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 1000, "temperature": 0},
+        )
         assert status == 200, body
         prompt_tokens = body["usage"]["prompt_tokens"]
         assert body["choices"][0]["finish_reason"] == "length"
@@ -593,11 +631,18 @@ def test_penalties_and_logit_bias_survive_a_head_repair(cluster, gemma, gemma_pa
     settings: a replacement head, filled by the replay, draws what an unbroken session draws (the in-process
     reference with the same settings), which differs from the unpenalized greedy text; logprob replies go on."""
     from route_fixtures import one_thread
+
     prompt, n = "A B A B A B A B A B A B", 12
     ids = gemma.prompt_ids(prompt)
     _, plain = reference(gemma, prompt, n)
-    params = SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=1.0, repeat_penalty=1.2,
-                            penalize_from=len(ids), logit_bias=((plain[1], -100.0),))
+    params = SamplingParams(
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=1.0,
+        repeat_penalty=1.2,
+        penalize_from=len(ids),
+        logit_bias=((plain[1], -100.0),),
+    )
     with one_thread():
         local = gemma.session(len(ids) + n, params)
         try:
@@ -610,8 +655,12 @@ def test_penalties_and_logit_bias_survive_a_head_repair(cluster, gemma, gemma_pa
     doomed = start_nodes([ShardSpec(12, 18, head=True)], str(gemma_path), threads=1)[0]
     try:
         session = RemoteRoute(urls(cluster)[:2] + [doomed.url], 2.0).open(
-            len(ids) + n, params, top_logprobs=2, logprobs=True,
-            replan=lambda exclude, span: RemoteRoute([cluster[2].url], 2.0, part=True))
+            len(ids) + n,
+            params,
+            top_logprobs=2,
+            logprobs=True,
+            replan=lambda exclude, span: RemoteRoute([cluster[2].url], 2.0, part=True),
+        )
         tokens = [session.step(ids)]
         while len(tokens) < 5:
             tokens.append(session.step([tokens[-1]]))
@@ -644,8 +693,7 @@ def _torch_head_checks(route, gemma):
     finally:
         plain.close()
     assert top[0] == [token, logprob] and logprob <= 0 and top[2][1] <= top[1][1] <= logprob
-    biased = route.open(16, SamplingParams(temperature=0, logit_bias=((token, -100.0),)), top_logprobs=3,
-                        logprobs=True)
+    biased = route.open(16, SamplingParams(temperature=0, logit_bias=((token, -100.0),)), top_logprobs=3, logprobs=True)
     try:
         assert biased.step(ids) == top[1][0]
         assert biased.last_logprobs == top and biased.last_token_logprob == top[1][1]
@@ -671,7 +719,9 @@ def test_a_later_node_s_error_names_that_node_first():
             check_reply("http://a", 502, json.dumps({"error": err}).encode(), "step 3")
         return str(caught.value), caught.value.hop
 
-    assert message({"message": "next hop http://b failed: link failed", "code": "hop_failed", "hop": "http://b"}) \
-        == ("step 3: node http://b (via node http://a): next hop http://b failed: link failed", "http://b")
+    assert message({"message": "next hop http://b failed: link failed", "code": "hop_failed", "hop": "http://b"}) == (
+        "step 3: node http://b (via node http://a): next hop http://b failed: link failed",
+        "http://b",
+    )
     assert message({"message": "bad frame", "code": "bad_frame"}) == ("step 3 on node http://a: bad frame", "http://a")
     assert message({"message": "odd", "code": "hop_failed", "hop": 7}) == ("step 3 on node http://a: odd", "http://a")

@@ -32,7 +32,10 @@ def test_llama_cpp_nodes_run_without_torch(tiny_dir):
     nodes = start_nodes([ShardSpec(0, 1, embed=True), ShardSpec(1, 2, head=True)], str(path), threads=1)
     try:
         route = RemoteRoute([n.url for n in nodes], 30.0)
-        for wire, sampling in (("bf16", SamplingParams(temperature=0)), ("f16", SamplingParams(temperature=0.8, seed=3))):
+        for wire, sampling in (
+            ("bf16", SamplingParams(temperature=0)),
+            ("f16", SamplingParams(temperature=0.8, seed=3)),
+        ):
             session = route.open(64, sampling, wire_dtype=wire, top_logprobs=3, logprobs=True)
             token = session.step(list(range(1, 20)))
             for _ in range(4):

@@ -23,8 +23,9 @@ def test_every_patch_has_a_header_and_a_marker():
             assert part in header, (f.name, part)
         assert f.stem in patches.PATCH_MARKERS, f.name
         # the marker is a string the patch adds
-        assert any(line.startswith("+") and patches.PATCH_MARKERS[f.stem].decode() in line
-                   for line in diff.splitlines()), f.name
+        assert any(
+            line.startswith("+") and patches.PATCH_MARKERS[f.stem].decode() in line for line in diff.splitlines()
+        ), f.name
     assert set(patches.PATCH_MARKERS) == {f.stem for f in files}
 
 

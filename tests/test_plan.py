@@ -25,7 +25,7 @@ from ggufswarm.artifact.accounting import HeaderAccounts
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.cli import main
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def nbytes(shape: tuple[int, ...], qtype: Q) -> int:
@@ -33,8 +33,9 @@ def nbytes(shape: tuple[int, ...], qtype: Q) -> int:
     return int(np.prod(shape)) // block * size
 
 
-def write_header_only(path: Path, arch: str, kv: dict, tensors: list[tuple[str, tuple[int, ...], Q]],
-                      split_max_tensors: int = 0) -> dict[str, int]:
+def write_header_only(
+    path: Path, arch: str, kv: dict, tensors: list[tuple[str, tuple[int, ...], Q]], split_max_tensors: int = 0
+) -> dict[str, int]:
     """A GGUF with metadata ``kv`` (``{arch}.`` prefixed unless the key has a dot) and the tensor table of
     ``tensors`` (name, numpy-order shape, type), without tensor data. Returns name → encoded bytes."""
     w = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
@@ -63,58 +64,119 @@ def write_header_only(path: Path, arch: str, kv: dict, tensors: list[tuple[str, 
 
 def deepseek_v3(path: Path, **writer) -> dict[str, int]:
     d, n_layers, vocab, heads = 7168, 61, 129280, 128
-    t = [("token_embd.weight", (vocab, d), Q.Q4_K), ("output_norm.weight", (d,), Q.F32),
-         ("output.weight", (vocab, d), Q.Q6_K)]
+    t = [
+        ("token_embd.weight", (vocab, d), Q.Q4_K),
+        ("output_norm.weight", (d,), Q.F32),
+        ("output.weight", (vocab, d), Q.Q6_K),
+    ]
     for i in range(n_layers):
         b = f"blk.{i}."
-        t += [(b + "attn_norm.weight", (d,), Q.F32), (b + "attn_q_a_norm.weight", (1536,), Q.F32),
-              (b + "attn_q_a.weight", (1536, d), Q.Q4_K), (b + "attn_q_b.weight", (heads * 192, 1536), Q.Q4_K),
-              (b + "attn_kv_a_mqa.weight", (512 + 64, d), Q.Q4_K), (b + "attn_kv_a_norm.weight", (512,), Q.F32),
-              (b + "attn_kv_b.weight", (heads * 256, 512), Q.Q4_K), (b + "attn_output.weight", (d, heads * 128), Q.Q4_K),
-              (b + "ffn_norm.weight", (d,), Q.F32)]
+        t += [
+            (b + "attn_norm.weight", (d,), Q.F32),
+            (b + "attn_q_a_norm.weight", (1536,), Q.F32),
+            (b + "attn_q_a.weight", (1536, d), Q.Q4_K),
+            (b + "attn_q_b.weight", (heads * 192, 1536), Q.Q4_K),
+            (b + "attn_kv_a_mqa.weight", (512 + 64, d), Q.Q4_K),
+            (b + "attn_kv_a_norm.weight", (512,), Q.F32),
+            (b + "attn_kv_b.weight", (heads * 256, 512), Q.Q4_K),
+            (b + "attn_output.weight", (d, heads * 128), Q.Q4_K),
+            (b + "ffn_norm.weight", (d,), Q.F32),
+        ]
         if i < 3:
-            t += [(b + "ffn_gate.weight", (18432, d), Q.Q4_K), (b + "ffn_up.weight", (18432, d), Q.Q4_K),
-                  (b + "ffn_down.weight", (d, 18432), Q.Q6_K)]
+            t += [
+                (b + "ffn_gate.weight", (18432, d), Q.Q4_K),
+                (b + "ffn_up.weight", (18432, d), Q.Q4_K),
+                (b + "ffn_down.weight", (d, 18432), Q.Q6_K),
+            ]
         else:
-            t += [(b + "ffn_gate_inp.weight", (256, d), Q.F32), (b + "exp_probs_b.bias", (256,), Q.F32),
-                  (b + "ffn_gate_exps.weight", (256, 2048, d), Q.Q4_K), (b + "ffn_up_exps.weight", (256, 2048, d), Q.Q4_K),
-                  (b + "ffn_down_exps.weight", (256, d, 2048), Q.Q6_K),
-                  (b + "ffn_gate_shexp.weight", (2048, d), Q.Q4_K), (b + "ffn_up_shexp.weight", (2048, d), Q.Q4_K),
-                  (b + "ffn_down_shexp.weight", (d, 2048), Q.Q6_K)]
-    kv = {"general.name": "DeepSeek-V3-class (synthetic header)", "block_count": n_layers, "context_length": 163840,
-          "embedding_length": d, "feed_forward_length": 18432, "attention.head_count": heads,
-          "attention.head_count_kv": heads, "attention.key_length": 192, "attention.value_length": 128,
-          "attention.q_lora_rank": 1536, "attention.kv_lora_rank": 512, "rope.dimension_count": 64,
-          "leading_dense_block_count": 3, "expert_count": 256, "expert_used_count": 8,
-          "expert_feed_forward_length": 2048, "expert_shared_count": 1}
+            t += [
+                (b + "ffn_gate_inp.weight", (256, d), Q.F32),
+                (b + "exp_probs_b.bias", (256,), Q.F32),
+                (b + "ffn_gate_exps.weight", (256, 2048, d), Q.Q4_K),
+                (b + "ffn_up_exps.weight", (256, 2048, d), Q.Q4_K),
+                (b + "ffn_down_exps.weight", (256, d, 2048), Q.Q6_K),
+                (b + "ffn_gate_shexp.weight", (2048, d), Q.Q4_K),
+                (b + "ffn_up_shexp.weight", (2048, d), Q.Q4_K),
+                (b + "ffn_down_shexp.weight", (d, 2048), Q.Q6_K),
+            ]
+    kv = {
+        "general.name": "DeepSeek-V3-class (synthetic header)",
+        "block_count": n_layers,
+        "context_length": 163840,
+        "embedding_length": d,
+        "feed_forward_length": 18432,
+        "attention.head_count": heads,
+        "attention.head_count_kv": heads,
+        "attention.key_length": 192,
+        "attention.value_length": 128,
+        "attention.q_lora_rank": 1536,
+        "attention.kv_lora_rank": 512,
+        "rope.dimension_count": 64,
+        "leading_dense_block_count": 3,
+        "expert_count": 256,
+        "expert_used_count": 8,
+        "expert_feed_forward_length": 2048,
+        "expert_shared_count": 1,
+    }
     return write_header_only(path, "deepseek2", kv, t, **writer)
 
 
 def glm45(path: Path) -> dict[str, int]:
     d, n_layers, vocab = 5120, 92, 151552
-    t = [("token_embd.weight", (vocab, d), Q.Q4_K), ("output_norm.weight", (d,), Q.F32),
-         ("output.weight", (vocab, d), Q.Q6_K)]
+    t = [
+        ("token_embd.weight", (vocab, d), Q.Q4_K),
+        ("output_norm.weight", (d,), Q.F32),
+        ("output.weight", (vocab, d), Q.Q6_K),
+    ]
     for i in range(n_layers + 1):  # + the MTP (nextn) block
         b = f"blk.{i}."
-        t += [(b + "attn_norm.weight", (d,), Q.F32), (b + "attn_q.weight", (96 * 128, d), Q.Q4_K),
-              (b + "attn_k.weight", (8 * 128, d), Q.Q4_K), (b + "attn_v.weight", (8 * 128, d), Q.Q4_K),
-              (b + "attn_output.weight", (d, 96 * 128), Q.Q4_K), (b + "post_attention_norm.weight", (d,), Q.F32)]
+        t += [
+            (b + "attn_norm.weight", (d,), Q.F32),
+            (b + "attn_q.weight", (96 * 128, d), Q.Q4_K),
+            (b + "attn_k.weight", (8 * 128, d), Q.Q4_K),
+            (b + "attn_v.weight", (8 * 128, d), Q.Q4_K),
+            (b + "attn_output.weight", (d, 96 * 128), Q.Q4_K),
+            (b + "post_attention_norm.weight", (d,), Q.F32),
+        ]
         if i < 3:
-            t += [(b + "ffn_gate.weight", (12288, d), Q.Q4_K), (b + "ffn_up.weight", (12288, d), Q.Q4_K),
-                  (b + "ffn_down.weight", (d, 12288), Q.Q6_K)]
+            t += [
+                (b + "ffn_gate.weight", (12288, d), Q.Q4_K),
+                (b + "ffn_up.weight", (12288, d), Q.Q4_K),
+                (b + "ffn_down.weight", (d, 12288), Q.Q6_K),
+            ]
         else:
-            t += [(b + "ffn_gate_inp.weight", (160, d), Q.F32), (b + "ffn_gate_exps.weight", (160, 1536, d), Q.Q4_K),
-                  (b + "ffn_up_exps.weight", (160, 1536, d), Q.Q4_K), (b + "ffn_down_exps.weight", (160, d, 1536), Q.Q6_K),
-                  (b + "ffn_gate_shexp.weight", (1536, d), Q.Q4_K), (b + "ffn_up_shexp.weight", (1536, d), Q.Q4_K),
-                  (b + "ffn_down_shexp.weight", (d, 1536), Q.Q6_K)]
+            t += [
+                (b + "ffn_gate_inp.weight", (160, d), Q.F32),
+                (b + "ffn_gate_exps.weight", (160, 1536, d), Q.Q4_K),
+                (b + "ffn_up_exps.weight", (160, 1536, d), Q.Q4_K),
+                (b + "ffn_down_exps.weight", (160, d, 1536), Q.Q6_K),
+                (b + "ffn_gate_shexp.weight", (1536, d), Q.Q4_K),
+                (b + "ffn_up_shexp.weight", (1536, d), Q.Q4_K),
+                (b + "ffn_down_shexp.weight", (d, 1536), Q.Q6_K),
+            ]
         if i == n_layers:
-            t += [(b + "nextn.eh_proj.weight", (d, 2 * d), Q.Q4_K), (b + "nextn.enorm.weight", (d,), Q.F32),
-                  (b + "nextn.hnorm.weight", (d,), Q.F32)]
-    kv = {"block_count": n_layers + 1, "nextn_predict_layers": 1, "context_length": 131072, "embedding_length": d,
-          "feed_forward_length": 12288, "attention.head_count": 96, "attention.head_count_kv": 8,
-          "attention.key_length": 128, "attention.value_length": 128, "rope.dimension_count": 64,
-          "leading_dense_block_count": 3, "expert_count": 160, "expert_used_count": 8,
-          "expert_feed_forward_length": 1536, "expert_shared_count": 1}
+            t += [
+                (b + "nextn.eh_proj.weight", (d, 2 * d), Q.Q4_K),
+                (b + "nextn.enorm.weight", (d,), Q.F32),
+                (b + "nextn.hnorm.weight", (d,), Q.F32),
+            ]
+    kv = {
+        "block_count": n_layers + 1,
+        "nextn_predict_layers": 1,
+        "context_length": 131072,
+        "embedding_length": d,
+        "feed_forward_length": 12288,
+        "attention.head_count": 96,
+        "attention.head_count_kv": 8,
+        "attention.key_length": 128,
+        "attention.value_length": 128,
+        "rope.dimension_count": 64,
+        "leading_dense_block_count": 3,
+        "expert_count": 160,
+        "expert_used_count": 8,
+        "expert_feed_forward_length": 1536,
+        "expert_shared_count": 1,
+    }
     return write_header_only(path, "glm4moe", kv, t)
 
 
@@ -122,50 +184,109 @@ def glm5(path: Path) -> dict[str, int]:
     """GLM-5-class (``glm-dsa``): 78 blocks + 1 MTP, n_embd 6144, MLA (kv_lora_rank 512 + rope 64), a DSA
     indexer (32 heads of 128) in every block, 256 experts of 2048, the first 3 blocks dense."""
     d, n_layers, vocab, heads = 6144, 78, 154880, 64
-    t = [("token_embd.weight", (vocab, d), Q.Q4_K), ("output_norm.weight", (d,), Q.F32),
-         ("output.weight", (vocab, d), Q.Q6_K)]
+    t = [
+        ("token_embd.weight", (vocab, d), Q.Q4_K),
+        ("output_norm.weight", (d,), Q.F32),
+        ("output.weight", (vocab, d), Q.Q6_K),
+    ]
     for i in range(n_layers + 1):
         b = f"blk.{i}."
-        t += [(b + "attn_norm.weight", (d,), Q.F32), (b + "attn_q_a.weight", (2048, d), Q.Q4_K),
-              (b + "attn_q_b.weight", (heads * 256, 2048), Q.Q4_K), (b + "attn_kv_a_mqa.weight", (512 + 64, d), Q.Q4_K),
-              (b + "attn_k_b.weight", (heads, 512, 192), Q.Q8_0), (b + "attn_v_b.weight", (heads, 256, 512), Q.Q8_0),
-              (b + "attn_output.weight", (d, heads * 256), Q.Q4_K), (b + "ffn_norm.weight", (d,), Q.F32),
-              (b + "indexer.attn_q_b.weight", (32 * 128, 2048), Q.Q8_0), (b + "indexer.attn_k.weight", (128, d), Q.Q8_0),
-              (b + "indexer.proj.weight", (32, d), Q.F32), (b + "indexer.k_norm.weight", (128,), Q.F32)]
+        t += [
+            (b + "attn_norm.weight", (d,), Q.F32),
+            (b + "attn_q_a.weight", (2048, d), Q.Q4_K),
+            (b + "attn_q_b.weight", (heads * 256, 2048), Q.Q4_K),
+            (b + "attn_kv_a_mqa.weight", (512 + 64, d), Q.Q4_K),
+            (b + "attn_k_b.weight", (heads, 512, 192), Q.Q8_0),
+            (b + "attn_v_b.weight", (heads, 256, 512), Q.Q8_0),
+            (b + "attn_output.weight", (d, heads * 256), Q.Q4_K),
+            (b + "ffn_norm.weight", (d,), Q.F32),
+            (b + "indexer.attn_q_b.weight", (32 * 128, 2048), Q.Q8_0),
+            (b + "indexer.attn_k.weight", (128, d), Q.Q8_0),
+            (b + "indexer.proj.weight", (32, d), Q.F32),
+            (b + "indexer.k_norm.weight", (128,), Q.F32),
+        ]
         if i < 3:
-            t += [(b + "ffn_gate.weight", (12288, d), Q.Q4_K), (b + "ffn_up.weight", (12288, d), Q.Q4_K),
-                  (b + "ffn_down.weight", (d, 12288), Q.Q6_K)]
+            t += [
+                (b + "ffn_gate.weight", (12288, d), Q.Q4_K),
+                (b + "ffn_up.weight", (12288, d), Q.Q4_K),
+                (b + "ffn_down.weight", (d, 12288), Q.Q6_K),
+            ]
         else:
-            t += [(b + "ffn_gate_inp.weight", (256, d), Q.F32), (b + "ffn_gate_exps.weight", (256, 2048, d), Q.Q4_K),
-                  (b + "ffn_up_exps.weight", (256, 2048, d), Q.Q4_K), (b + "ffn_down_exps.weight", (256, d, 2048), Q.Q6_K)]
-    kv = {"block_count": n_layers + 1, "nextn_predict_layers": 1, "context_length": 202752, "embedding_length": d,
-          "attention.head_count": heads, "attention.head_count_kv": 1, "attention.key_length": 576,
-          "attention.value_length": 512, "attention.key_length_mla": 256, "attention.value_length_mla": 256,
-          "attention.q_lora_rank": 2048, "attention.kv_lora_rank": 512, "rope.dimension_count": 64,
-          "attention.indexer.head_count": 32, "attention.indexer.key_length": 128, "attention.indexer.top_k": 2048,
-          "leading_dense_block_count": 3, "expert_count": 256, "expert_used_count": 8, "expert_feed_forward_length": 2048}
+            t += [
+                (b + "ffn_gate_inp.weight", (256, d), Q.F32),
+                (b + "ffn_gate_exps.weight", (256, 2048, d), Q.Q4_K),
+                (b + "ffn_up_exps.weight", (256, 2048, d), Q.Q4_K),
+                (b + "ffn_down_exps.weight", (256, d, 2048), Q.Q6_K),
+            ]
+    kv = {
+        "block_count": n_layers + 1,
+        "nextn_predict_layers": 1,
+        "context_length": 202752,
+        "embedding_length": d,
+        "attention.head_count": heads,
+        "attention.head_count_kv": 1,
+        "attention.key_length": 576,
+        "attention.value_length": 512,
+        "attention.key_length_mla": 256,
+        "attention.value_length_mla": 256,
+        "attention.q_lora_rank": 2048,
+        "attention.kv_lora_rank": 512,
+        "rope.dimension_count": 64,
+        "attention.indexer.head_count": 32,
+        "attention.indexer.key_length": 128,
+        "attention.indexer.top_k": 2048,
+        "leading_dense_block_count": 3,
+        "expert_count": 256,
+        "expert_used_count": 8,
+        "expert_feed_forward_length": 2048,
+    }
     return write_header_only(path, "glm-dsa", kv, t)
 
 
 def hybrid(path: Path) -> dict[str, int]:
     """Qwen3-Next-class: 48 blocks, gated delta net (ssm_*) except every 4th, which is full attention."""
     d, n_layers = 2048, 48
-    t = [("token_embd.weight", (151936, d), Q.Q8_0), ("output_norm.weight", (d,), Q.F32),
-         ("output.weight", (151936, d), Q.Q8_0)]
+    t = [
+        ("token_embd.weight", (151936, d), Q.Q8_0),
+        ("output_norm.weight", (d,), Q.F32),
+        ("output.weight", (151936, d), Q.Q8_0),
+    ]
     for i in range(n_layers):
         b = f"blk.{i}."
         if (i + 1) % 4:
-            t += [(b + "ssm_in.weight", (12288, d), Q.Q8_0), (b + "ssm_conv1d.weight", (8192, 4), Q.F32),
-                  (b + "ssm_out.weight", (d, 4096), Q.Q8_0), (b + "ssm_a", (32,), Q.F32)]
+            t += [
+                (b + "ssm_in.weight", (12288, d), Q.Q8_0),
+                (b + "ssm_conv1d.weight", (8192, 4), Q.F32),
+                (b + "ssm_out.weight", (d, 4096), Q.Q8_0),
+                (b + "ssm_a", (32,), Q.F32),
+            ]
         else:
-            t += [(b + "attn_q.weight", (16 * 256 * 2, d), Q.Q8_0), (b + "attn_k.weight", (2 * 256, d), Q.Q8_0),
-                  (b + "attn_v.weight", (2 * 256, d), Q.Q8_0), (b + "attn_output.weight", (d, 16 * 256), Q.Q8_0)]
-        t += [(b + "ffn_gate_exps.weight", (512, 512, d), Q.Q4_K), (b + "ffn_up_exps.weight", (512, 512, d), Q.Q4_K),
-              (b + "ffn_down_exps.weight", (512, d, 512), Q.Q4_K)]
-    kv = {"block_count": n_layers, "context_length": 262144, "embedding_length": d, "attention.head_count": 16,
-          "attention.head_count_kv": 2, "attention.key_length": 256, "attention.value_length": 256,
-          "full_attention_interval": 4, "ssm.conv_kernel": 4, "ssm.inner_size": 4096, "ssm.state_size": 128,
-          "ssm.group_count": 16, "ssm.time_step_rank": 32}
+            t += [
+                (b + "attn_q.weight", (16 * 256 * 2, d), Q.Q8_0),
+                (b + "attn_k.weight", (2 * 256, d), Q.Q8_0),
+                (b + "attn_v.weight", (2 * 256, d), Q.Q8_0),
+                (b + "attn_output.weight", (d, 16 * 256), Q.Q8_0),
+            ]
+        t += [
+            (b + "ffn_gate_exps.weight", (512, 512, d), Q.Q4_K),
+            (b + "ffn_up_exps.weight", (512, 512, d), Q.Q4_K),
+            (b + "ffn_down_exps.weight", (512, d, 512), Q.Q4_K),
+        ]
+    kv = {
+        "block_count": n_layers,
+        "context_length": 262144,
+        "embedding_length": d,
+        "attention.head_count": 16,
+        "attention.head_count_kv": 2,
+        "attention.key_length": 256,
+        "attention.value_length": 256,
+        "full_attention_interval": 4,
+        "ssm.conv_kernel": 4,
+        "ssm.inner_size": 4096,
+        "ssm.state_size": 128,
+        "ssm.group_count": 16,
+        "ssm.time_step_rank": 32,
+    }
     return write_header_only(path, "qwen3next", kv, t)
 
 
@@ -199,7 +320,7 @@ def test_deepseek_v3_class_header_plans_on_24gib_nodes(tmp_path, capsys):
     path = tmp_path / "deepseek-v3-class.gguf"
     sizes = deepseek_v3(path)
     total = sum(sizes.values())
-    assert total > 300 * 10 ** 9 and path.stat().st_size < 2 ** 20  # ~380 GB described, nothing stored
+    assert total > 300 * 10**9 and path.stat().st_size < 2**20  # ~380 GB described, nothing stored
 
     rc, out, err = run_plan(capsys, "--model", str(path), "--node-memory", "24GiB", "--context", "131072", "--json")
     assert rc == 0, err
@@ -241,8 +362,9 @@ def test_context_columns_stop_at_the_models_trained_context(capsys):
 def test_exactly_n_nodes_are_balanced_and_too_few_is_an_error(tmp_path, capsys):
     path = tmp_path / "dsv3.gguf"
     sizes = deepseek_v3(path)
-    rc, out, err = run_plan(capsys, "--model", str(path), "--node-memory", "96G", "--nodes", "6", "--context", "32768",
-                            "--json")
+    rc, out, err = run_plan(
+        capsys, "--model", str(path), "--node-memory", "96G", "--nodes", "6", "--context", "32768", "--json"
+    )
     assert rc == 0, err
     plan = json.loads(out)
     assert len(plan["placement"]["nodes"]) == 6
@@ -363,32 +485,52 @@ def test_published_name_plans_from_manifest_and_a_nodes_header(tmp_path, capsys)
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_layers=4)
     manifest = Manifest.from_gguf(path, name="tiny")
-    header = path.read_bytes()[:manifest.files[0]["header_bytes"]]
+    header = path.read_bytes()[: manifest.files[0]["header_bytes"]]
 
     def node_app():
         app = web.Application()
 
         async def head(request):
             return web.Response(body=header, content_type="application/octet-stream")
+
         app.router.add_get("/v1/model/header/0", head)
         return app
 
     with AppThread(lambda: make_app(TrackerConfig(db=":memory:", token=None))) as tracker, AppThread(node_app) as node:
         rc, _, err = run_plan(capsys, "--model", "tiny", "--tracker", tracker, "--node-memory", "1M")
         assert rc == 1 and "no model named 'tiny' is published" in err
-        req = urllib.request.Request(f"{tracker}/manifests/tiny", method="PUT", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"manifest": json.loads(manifest.to_json()),
-                                                      "torrent_hex": make_torrent([path]).hex()}).encode())
+        req = urllib.request.Request(
+            f"{tracker}/manifests/tiny",
+            method="PUT",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps(
+                {"manifest": json.loads(manifest.to_json()), "torrent_hex": make_torrent([path]).hex()}
+            ).encode(),
+        )
         urllib.request.urlopen(req, timeout=10).read()
         rc, _, err = run_plan(capsys, "--model", "tiny", "--tracker", tracker, "--node-memory", "1M")
         assert rc == 1 and "no node serves it now" in err
-        beat = {"node_id": "n1", "url": node, "model": "tiny", "layers": [0, 4], "embed": True, "head": True,
-                "state": "ready", "free_kv_tokens": 4096, "decode_ms": 1.0}
-        req = urllib.request.Request(f"{tracker}/nodes/heartbeat", method="POST", data=json.dumps(beat).encode(),
-                                     headers={"Content-Type": "application/json"})
+        beat = {
+            "node_id": "n1",
+            "url": node,
+            "model": "tiny",
+            "layers": [0, 4],
+            "embed": True,
+            "head": True,
+            "state": "ready",
+            "free_kv_tokens": 4096,
+            "decode_ms": 1.0,
+        }
+        req = urllib.request.Request(
+            f"{tracker}/nodes/heartbeat",
+            method="POST",
+            data=json.dumps(beat).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         urllib.request.urlopen(req, timeout=10).read()
-        rc, out, err = run_plan(capsys, "--model", "tiny", "--tracker", tracker, "--node-memory", "4M",
-                                "--context", "256", "--json")
+        rc, out, err = run_plan(
+            capsys, "--model", "tiny", "--tracker", tracker, "--node-memory", "4M", "--context", "256", "--json"
+        )
         assert rc == 0, err
     remote = json.loads(out)
     rc, out, err = run_plan(capsys, "--model", str(path), "--node-memory", "4M", "--context", "256", "--json")

@@ -9,10 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from ggufswarm.protocol import (DTYPE_CODES, HEADER, HEADER_SIZE, FrameError, ProtocolError, decode_frame,
-                                encode_hidden, encode_tokens, frame_size)
+from ggufswarm.protocol import (
+    DTYPE_CODES,
+    HEADER,
+    HEADER_SIZE,
+    FrameError,
+    ProtocolError,
+    decode_frame,
+    encode_hidden,
+    encode_tokens,
+    frame_size,
+)
 from ggufswarm.runtime.kv import ContextOverflow
-from ggufswarm.runtime.sessions import AdmissionRefused, SessionStore, StepConflict, UnknownSession
+from ggufswarm.runtime.session_state import AdmissionRefused, StepConflict, UnknownSession
+from ggufswarm.runtime.sessions import SessionStore
 
 SID = uuid.uuid4()
 N_EMBD = 640
@@ -42,10 +52,14 @@ def test_wire_rounding_is_torchs_round_to_nearest_even(dtype, torch_dtype):
     """Frames are cast in numpy (bf16 through ml_dtypes), torch-free on llama.cpp nodes: the wire bits equal torch's
     own cast of the same float32 values, ties and subnormals included, from a numpy array or a torch tensor."""
     g = torch.Generator().manual_seed(0)
-    x = torch.cat([torch.randn(3, N_EMBD, generator=g) * 10 ** torch.randint(-6, 5, (3, 1), generator=g),
-                   # exact ties between two bf16 / f16 neighbours, and values near the bottom of each range
-                   (1 + torch.arange(N_EMBD) * 2.0 ** -10 + 2.0 ** -24)[None],
-                   (torch.arange(N_EMBD) * 2.0 ** -30 - 2.0 ** -21)[None]]).float()
+    x = torch.cat(
+        [
+            torch.randn(3, N_EMBD, generator=g) * 10 ** torch.randint(-6, 5, (3, 1), generator=g),
+            # exact ties between two bf16 / f16 neighbours, and values near the bottom of each range
+            (1 + torch.arange(N_EMBD) * 2.0**-10 + 2.0**-24)[None],
+            (torch.arange(N_EMBD) * 2.0**-30 - 2.0**-21)[None],
+        ]
+    ).float()
     want = x.to(torch_dtype).view(torch.int16).numpy().tobytes()
     for given in (x, x.numpy()):
         body = encode_hidden(SID, 1, 0, given, dtype)
@@ -73,28 +87,42 @@ def test_f16_never_overflows_silently():
 
 
 def _raw(**kw):
-    fields = dict(magic=b"GSWF", version=1, dtype=DTYPE_CODES["f32"], flags=0, scale=0, sid=SID.bytes, step=1,
-                  start=0, n_tokens=1, n_embd=4, reserved=0)
+    fields = dict(
+        magic=b"GSWF",
+        version=1,
+        dtype=DTYPE_CODES["f32"],
+        flags=0,
+        scale=0,
+        sid=SID.bytes,
+        step=1,
+        start=0,
+        n_tokens=1,
+        n_embd=4,
+        reserved=0,
+    )
     fields.update(kw)
     return HEADER.pack(*fields.values())
 
 
-@pytest.mark.parametrize("body,code", [
-    (b"", "bad_frame"),
-    (b"garbage" * 3, "bad_frame"),
-    (b"{\"json\": true}" + b"\0" * 60, "bad_frame"),
-    (_raw(magic=b"XXXX") + b"\0" * 16, "bad_frame"),
-    (_raw(version=9) + b"\0" * 16, "unsupported_version"),
-    (_raw(dtype=99) + b"\0" * 16, "bad_dtype"),
-    (_raw(n_tokens=0), "bad_shape"),
-    (_raw(n_embd=8) + b"\0" * 32, "bad_shape"),
-    (_raw() + b"\0" * 15, "bad_frame"),
-    (_raw() + b"\0" * 17, "bad_frame"),
-    (_raw(n_tokens=10 ** 9), "too_many_tokens"),
-    (_raw(dtype=DTYPE_CODES["ids"], n_embd=4) + b"\0" * 4, "bad_shape"),
-    (_raw() + struct.pack("<4f", 1, float("nan"), 0, 0), "non_finite"),
-    (_raw(reserved=7) + b"\0" * 16, "bad_frame"),
-])
+@pytest.mark.parametrize(
+    "body,code",
+    [
+        (b"", "bad_frame"),
+        (b"garbage" * 3, "bad_frame"),
+        (b'{"json": true}' + b"\0" * 60, "bad_frame"),
+        (_raw(magic=b"XXXX") + b"\0" * 16, "bad_frame"),
+        (_raw(version=9) + b"\0" * 16, "unsupported_version"),
+        (_raw(dtype=99) + b"\0" * 16, "bad_dtype"),
+        (_raw(n_tokens=0), "bad_shape"),
+        (_raw(n_embd=8) + b"\0" * 32, "bad_shape"),
+        (_raw() + b"\0" * 15, "bad_frame"),
+        (_raw() + b"\0" * 17, "bad_frame"),
+        (_raw(n_tokens=10**9), "too_many_tokens"),
+        (_raw(dtype=DTYPE_CODES["ids"], n_embd=4) + b"\0" * 4, "bad_shape"),
+        (_raw() + struct.pack("<4f", 1, float("nan"), 0, 0), "non_finite"),
+        (_raw(reserved=7) + b"\0" * 16, "bad_frame"),
+    ],
+)
 def test_bad_frames_are_rejected_with_a_code(body, code):
     with pytest.raises(FrameError) as e:
         decode_frame(body, 4, 4096)
@@ -113,10 +141,12 @@ def test_error_body_is_machine_readable():
 
 # -- session store over a one-layer shard ----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def middle_shard(gemma_path):
     from ggufswarm.artifact.gguf_file import GGUFModelFile
     from ggufswarm.runtime.shard import ShardExecutor, ShardSpec
+
     return ShardExecutor(GGUFModelFile(gemma_path), ShardSpec(6, 7))
 
 
@@ -134,7 +164,7 @@ def test_store_admission_control(middle_shard):
     store.close(a.id)
     store.open(uuid.uuid4(), 600)
     with pytest.raises(ContextOverflow):
-        store.open(uuid.uuid4(), 10 ** 6)
+        store.open(uuid.uuid4(), 10**6)
     assert store.kv_bytes_per_token() == 1 * 1 * 256 * 2 * 4
 
 
@@ -158,16 +188,20 @@ def test_store_step_dedup(middle_shard):
     assert store.replay(s, 1, 111, 0, 3) is None
     rec = store.apply(s, 1, 111, 0, x, None)
     assert s.length == 3 and rec.output.shape == (3, N_EMBD)
-    assert store.replay(s, 1, 111, 0, 3) is rec          # identical retry: answered from the record
-    assert s.length == 3                                  # never applied twice
-    for step, digest, start, code in [(1, 222, 0, "step_conflict"), (0, 111, 0, "stale_step"),
-                                      (3, 1, 3, "step_gap"), (2, 1, 5, "position_mismatch")]:
+    assert store.replay(s, 1, 111, 0, 3) is rec  # identical retry: answered from the record
+    assert s.length == 3  # never applied twice
+    for step, digest, start, code in [
+        (1, 222, 0, "step_conflict"),
+        (0, 111, 0, "stale_step"),
+        (3, 1, 3, "step_gap"),
+        (2, 1, 5, "position_mismatch"),
+    ]:
         with pytest.raises(StepConflict) as e:
             store.replay(s, step, digest, start, 1)
         assert e.value.code == code
     with pytest.raises(ContextOverflow):
         store.apply(s, 2, 5, 3, torch.randn(98, N_EMBD), None)
-    assert s.length == 3 and s.last is rec                # a failed step changes nothing
+    assert s.length == 3 and s.last is rec  # a failed step changes nothing
     store.truncate(s.id, 1)
     assert s.length == 1 and store.replay(s, 2, 9, 1, 1) is None
 
@@ -176,6 +210,7 @@ def test_store_rewind_and_verify_flags(middle_shard):
     """FLAG_REWIND (speculative decoding): the next step may start inside the previous step only; the node drops the
     tokens from there on first, and the previous step's boundary moves there."""
     from ggufswarm.protocol.frame import FLAG_REWIND, FLAG_VERIFY, decode_frame, encode_tokens
+
     store = SessionStore(middle_shard, budget_tokens=1000)
     s = store.open(uuid.uuid4(), 100)
     store.apply(s, 1, 1, 0, torch.randn(4, N_EMBD), torch.arange(4))
@@ -197,13 +232,14 @@ def test_store_rewind_and_verify_flags(middle_shard):
 
 def test_ngram_drafter():
     from ggufswarm.client.speculative import NgramDrafter
+
     d = NgramDrafter(3)
     h = [1, 2, 3, 4, 9, 1, 2]
-    assert d.draft(h) == [3, 4, 9]        # "1 2" seen before, followed by 3 4 9
+    assert d.draft(h) == [3, 4, 9]  # "1 2" seen before, followed by 3 4 9
     h += [3]
-    assert d.draft(h) == [4, 9, 1]       # the longest match, "1 2 3", wins
+    assert d.draft(h) == [4, 9, 1]  # the longest match, "1 2 3", wins
     assert d.draft(h, cap=1) == [4]
     h += [7]
-    assert d.draft(h) == []              # "7" never seen before
+    assert d.draft(h) == []  # "7" never seen before
     with pytest.raises(ValueError):
         NgramDrafter(0)

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from llamacpp_reference import llama_perplexity
 from route_fixtures import greedy_prompts
 
@@ -31,15 +30,15 @@ def _nll(logits: np.ndarray, ids: list[int]) -> np.ndarray:
     """NLL (nats) of ids[1:] from logits[:-1], in float64, 200 rows at a time (a row is 262144 wide)."""
     out = []
     for i in range(0, len(ids) - 1, 200):
-        logp = torch.log_softmax(torch.from_numpy(logits[i:min(i + 200, len(ids) - 1)]).double(), dim=-1)
-        out.append(-logp.gather(1, torch.tensor(ids[i + 1:i + 1 + logp.shape[0]])[:, None])[:, 0].numpy())
+        logp = torch.log_softmax(torch.from_numpy(logits[i : min(i + 200, len(ids) - 1)]).double(), dim=-1)
+        out.append(-logp.gather(1, torch.tensor(ids[i + 1 : i + 1 + logp.shape[0]])[:, None])[:, 0].numpy())
     return np.concatenate(out)
 
 
 def _llama_cpp_logits(llm, ids: list[int]) -> np.ndarray:
     llm.reset()
     llm.eval(ids)
-    return np.array(llm.scores[:len(ids)])
+    return np.array(llm.scores[: len(ids)])
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +46,9 @@ def teacher_forced(gemma_torch, reference_text):
     ids = gemma_torch.tokenizer.encode(reference_text)[:1600]
     assert len(ids) >= 1500
     session = gemma_torch.session(len(ids))  # in steps of 400 tokens: the 262144-wide logits stay small
-    return ids, np.concatenate([session.logits(ids[i:i + 400], all_positions=True).numpy()
-                                for i in range(0, len(ids), 400)])
+    return ids, np.concatenate(
+        [session.logits(ids[i : i + 400], all_positions=True).numpy() for i in range(0, len(ids), 400)]
+    )
 
 
 def test_dequantization_equals_llama_cpp(gemma_path, gemma_f32_path):
@@ -62,8 +62,10 @@ def _compare(label: str, ids: list[int], ours: np.ndarray, ref: np.ndarray) -> t
     """Top-1 agreement per position and perplexity ratio (ours / reference), printed."""
     agree = ours.argmax(-1) == ref.argmax(-1)
     ppl_ours, ppl_ref = math.exp(_nll(ours, ids).mean()), math.exp(_nll(ref, ids).mean())
-    print(f"vs {label}: top-1 {agree.mean():.4f} (past 512: {agree[512:].mean():.4f}), "
-          f"ppl {ppl_ours:.4f} vs {ppl_ref:.4f}, max |Δlogit| {max(np.abs(a - b).max() for a, b in zip(ours, ref)):.4f}")
+    print(
+        f"vs {label}: top-1 {agree.mean():.4f} (past 512: {agree[512:].mean():.4f}), "
+        f"ppl {ppl_ours:.4f} vs {ppl_ref:.4f}, max |Δlogit| {max(np.abs(a - b).max() for a, b in zip(ours, ref)):.4f}"
+    )
     return agree, ppl_ours / ppl_ref
 
 
@@ -107,8 +109,12 @@ def test_greedy_tokens_match_llama_cpp(gemma_torch, gemma_f32_llama_cpp, referen
 
 
 def _cli_perplexity(ggufswarm_cli, *args: str) -> float:
-    out = subprocess.run([*ggufswarm_cli, "perplexity", str(DATA / "gpl-3.0-excerpt.txt"), "--ctx-size", "256",
-                          "--split", "9", *args], capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [*ggufswarm_cli, "perplexity", str(DATA / "gpl-3.0-excerpt.txt"), "--ctx-size", "256", "--split", "9", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("perplexity: ")

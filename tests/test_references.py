@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from llamacpp_reference import ForeignReference, cached, load, machine_key
 
 

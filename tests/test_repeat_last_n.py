@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from apphost import AppThread
 from route_fixtures import http
 from tinymodels import write_tiny_model
 
-from ggufswarm.runtime.sampling import Sampler, SamplingParams
+from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.gateway import GatewayConfig, make_app
-from ggufswarm.protocol.http import ServerThread
-from ggufswarm.node.state import NodeConfig
 from ggufswarm.node.app import make_app as make_node_app
-from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.node.state import NodeConfig
+from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
+from ggufswarm.runtime.sampling import Sampler, SamplingParams
 
 
 @pytest.mark.parametrize("sampler", [Sampler, LlamaCppSampler], ids=["torch", "llama.cpp"])
@@ -47,7 +46,8 @@ def tiny_model(tiny_dir):
 @pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
 def test_gateway_repeat_last_n_window(tiny_model, tiny_dir, backend):
     """Through /v1/completions: the prompt's first word ``X`` (" b") gets logit bias +50 and an unseen one ``Y``
-    (" z") +40, with repeat_penalty 100. ``X`` is 10 tokens from the end of the 11-token prompt (BOS, 10 words): with repeat_last_n 10
+    (" z") +40, with repeat_penalty 100. ``X`` is 10 tokens from the end of the 11-token prompt (BOS, 10 words): with
+    repeat_last_n 10
     or more (and -1, the context) the penalty reaches it and ``Y`` is generated; with 9 or less (and 0, off) it does
     not, and ``X`` is. The head's sampler (torch or llama.cpp) gets N from the request."""
     words = "b c d e f g h i j k"
@@ -58,16 +58,36 @@ def test_gateway_repeat_last_n_window(tiny_model, tiny_dir, backend):
     y = tok.encode("z", add_bos=False)
     assert len(y) == 1 and y[0] not in ids
     y = y[0]
-    node = AppThread(lambda: make_node_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(tiny_model),
-                                                      backend=backend, data_dir=str(tiny_dir / f"rln-{backend}"))))
+    node = AppThread(
+        lambda: make_node_app(
+            NodeConfig(
+                layers="0:2",
+                embed=True,
+                head=True,
+                model=str(tiny_model),
+                backend=backend,
+                data_dir=str(tiny_dir / f"rln-{backend}"),
+            )
+        )
+    )
     with node as url:
         gateway = ServerThread(make_app(GatewayConfig([url], model=str(tiny_model))))
         base = gateway.start()
         try:
+
             def first_token(n: int) -> int:
-                status, out = http("POST", base + "/v1/completions",
-                                   {"prompt": words, "max_tokens": 1, "temperature": 0, "repeat_penalty": 100.0,
-                                    "repeat_last_n": n, "logit_bias": {str(x): 50, str(y): 40}})
+                status, out = http(
+                    "POST",
+                    base + "/v1/completions",
+                    {
+                        "prompt": words,
+                        "max_tokens": 1,
+                        "temperature": 0,
+                        "repeat_penalty": 100.0,
+                        "repeat_last_n": n,
+                        "logit_bias": {str(x): 50, str(y): 40},
+                    },
+                )
                 assert status == 200, out
                 assert out["usage"]["prompt_tokens"] == len(ids)
                 text = out["choices"][0]["text"]

@@ -8,8 +8,17 @@ from ggufswarm.tracker.routing import Advertisement, NoRoute, plan_route
 
 
 def ad(node, start, end, *, ms=10.0, kv=10_000, state="ready", n=18):
-    return Advertisement(node, f"http://{node}", "m", (start, end), embed=start == 0, head=end == n,
-                         state=state, free_kv_tokens=kv, decode_ms=ms)
+    return Advertisement(
+        node,
+        f"http://{node}",
+        "m",
+        (start, end),
+        embed=start == 0,
+        head=end == n,
+        state=state,
+        free_kv_tokens=kv,
+        decode_ms=ms,
+    )
 
 
 def ids(route):
@@ -79,19 +88,34 @@ def test_span_plans_a_replacement_for_one_hop():
 
 # -- admission from advertised accounting only (issue 12, item 3) ------------------------------------------
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def acc_ad(node, start, end, *, kv, state=0, free, sessions=4, n=61, ms=10.0, max_length=None, free_kv_tokens=0):
     """An advertisement whose capacity is only in ``extra.accounting`` (bytes); ``free_kv_tokens`` is left
     wrong on purpose (0) so a test sees the planner ignore it. No architecture name anywhere."""
-    accounting = {"kv_bytes_per_token": kv, "state_bytes_per_session": state, "free_bytes": free,
-                  "free_sessions": sessions, "weight_bytes": 10 * GiB, "boundary_bytes_per_token": 7168 * 4,
-                  "n_embd": 7168}
+    accounting = {
+        "kv_bytes_per_token": kv,
+        "state_bytes_per_session": state,
+        "free_bytes": free,
+        "free_sessions": sessions,
+        "weight_bytes": 10 * GiB,
+        "boundary_bytes_per_token": 7168 * 4,
+        "n_embd": 7168,
+    }
     if max_length is not None:
         accounting["max_length"] = max_length
-    return Advertisement(node, f"http://{node}", "m", (start, end), embed=start == 0, head=end == n,
-                         free_kv_tokens=free_kv_tokens, decode_ms=ms, extra={"accounting": accounting})
+    return Advertisement(
+        node,
+        f"http://{node}",
+        "m",
+        (start, end),
+        embed=start == 0,
+        head=end == n,
+        free_kv_tokens=free_kv_tokens,
+        decode_ms=ms,
+        extra={"accounting": accounting},
+    )
 
 
 def test_mla_and_recurrent_shards_admitted_from_advertised_bytes():
@@ -101,7 +125,7 @@ def test_mla_and_recurrent_shards_admitted_from_advertised_bytes():
     from ggufswarm.tracker.routing import UNBOUNDED, free_kv_tokens, route_context, route_wire_bytes_per_token
 
     mla = acc_ad("mla", 0, 30, kv=30 * 576 * 2, free=int(4.5 * GiB))
-    recurrent = acc_ad("rec", 30, 61, kv=0, state=64 * 2 ** 20, free=256 * 2 ** 20)
+    recurrent = acc_ad("rec", 30, 61, kv=0, state=64 * 2**20, free=256 * 2**20)
     assert free_kv_tokens(mla) == (int(4.5 * GiB)) // 34_560
     assert free_kv_tokens(recurrent) == UNBOUNDED
     route = plan_route([mla, recurrent], 61, 131072)
@@ -118,9 +142,9 @@ def test_recurrent_shard_refused_when_its_state_does_not_fit():
     from ggufswarm.tracker.routing import free_kv_tokens
 
     mla = acc_ad("mla", 0, 30, kv=34_560, free=8 * GiB)
-    full = acc_ad("rec-full", 30, 61, kv=0, state=64 * 2 ** 20, free=32 * 2 ** 20, ms=1.0)
-    no_slot = acc_ad("rec-busy", 30, 61, kv=0, state=64 * 2 ** 20, free=GiB, sessions=0, ms=1.0)
-    room = acc_ad("rec-room", 30, 61, kv=0, state=64 * 2 ** 20, free=GiB, ms=50.0)
+    full = acc_ad("rec-full", 30, 61, kv=0, state=64 * 2**20, free=32 * 2**20, ms=1.0)
+    no_slot = acc_ad("rec-busy", 30, 61, kv=0, state=64 * 2**20, free=GiB, sessions=0, ms=1.0)
+    room = acc_ad("rec-room", 30, 61, kv=0, state=64 * 2**20, free=GiB, ms=50.0)
     assert free_kv_tokens(full) == 0 and free_kv_tokens(no_slot) == 0
     assert ids(plan_route([mla, full, no_slot, room], 61, 16)) == ["mla", "rec-room"]
     with pytest.raises(NoRoute, match="free KV"):

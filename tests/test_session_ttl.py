@@ -12,7 +12,6 @@ import time
 import uuid
 
 import pytest
-
 from route_fixtures import http
 from tinymodels import write_tiny_model
 
@@ -26,10 +25,30 @@ TTL_S = 0.6
 @pytest.fixture(scope="module")
 def node(tiny_dir):
     """An in-process whole-model node of a tiny llama with a session TTL of TTL_S; (url, server)."""
-    model = write_tiny_model(tiny_dir / "ttl-llama.gguf", "llama", n_layers=2, n_embd=64, n_head=2, n_head_kv=1,
-                             head_dim=32, n_ff=128, context_length=256, seed=5)
-    server = ServerThread(make_app(NodeConfig(layers="0:2", embed=True, head=True, model=str(model),
-                                              session_ttl_s=TTL_S, data_dir=str(tiny_dir / "ttl-node"))))
+    model = write_tiny_model(
+        tiny_dir / "ttl-llama.gguf",
+        "llama",
+        n_layers=2,
+        n_embd=64,
+        n_head=2,
+        n_head_kv=1,
+        head_dim=32,
+        n_ff=128,
+        context_length=256,
+        seed=5,
+    )
+    server = ServerThread(
+        make_app(
+            NodeConfig(
+                layers="0:2",
+                embed=True,
+                head=True,
+                model=str(model),
+                session_ttl_s=TTL_S,
+                data_dir=str(tiny_dir / "ttl-node"),
+            )
+        )
+    )
     url = server.start()
     yield url, server
     server.stop()
@@ -37,8 +56,9 @@ def node(tiny_dir):
 
 def _open(url: str) -> uuid.UUID:
     sid = uuid.uuid4()
-    status, body = http("POST", url + "/v1/sessions", {"session_id": str(sid), "max_length": 16,
-                                                       "sampling": {"temperature": 0}})
+    status, body = http(
+        "POST", url + "/v1/sessions", {"session_id": str(sid), "max_length": 16, "sampling": {"temperature": 0}}
+    )
     assert status == 201, body
     return sid
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
@@ -16,8 +15,9 @@ from ggufswarm.runtime.shard import ShardExecutor, ShardSpec, split_at
 
 @pytest.fixture(scope="module")
 def tiny_gemma(tiny_dir):
-    return LocalModel.load(write_tiny_model(tiny_dir / "kv-gemma3.gguf", "gemma3", n_layers=6, sliding_window=8),
-                           backend="torch")
+    return LocalModel.load(
+        write_tiny_model(tiny_dir / "kv-gemma3.gguf", "gemma3", n_layers=6, sliding_window=8), backend="torch"
+    )
 
 
 def _chained(model: LocalModel, points: list[int]) -> list[ShardExecutor]:
@@ -141,8 +141,12 @@ def test_bfloat16_option_runs(tiny_dir):
     ref = LocalModel.load(path, backend="torch")
     for shard, ref_shard in zip(model.shards, ref.shards, strict=True):
         pairs = [(shard.token_embd, ref_shard.token_embd), (shard.output, ref_shard.output)]
-        pairs += [(w, ref_shard.layers[il][k]) for il, layer in shard.layers.items() for k, w in layer.items()
-                  if isinstance(w, torch.Tensor)]
+        pairs += [
+            (w, ref_shard.layers[il][k])
+            for il, layer in shard.layers.items()
+            for k, w in layer.items()
+            if isinstance(w, torch.Tensor)
+        ]
         pairs = [(w, r) for w, r in pairs if w is not None]
         assert len(pairs) > 3 * len(shard.layers)
         for w, r in pairs:

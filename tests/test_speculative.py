@@ -24,17 +24,28 @@ from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import even_split
 
-CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
-        "    return a * b\n\n\ndef div(a, b):")
+CODE = (
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
+    "    return a * b\n\n\ndef div(a, b):"
+)
 REPETITIVE = "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday,"
 LIST = "apple banana cherry\napple banana cherry\napple banana"
 PROSE = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def spec_gateway(cluster, gemma_path):  # noqa: F811
-    server = ServerThread(make_app(GatewayConfig([n.url for n in cluster], model=str(gemma_path),
-                                                 hop_timeout_s=HOP_TIMEOUT, speculative="ngram", draft_max=2)))
+def spec_gateway(cluster, gemma_path):
+    server = ServerThread(
+        make_app(
+            GatewayConfig(
+                [n.url for n in cluster],
+                model=str(gemma_path),
+                hop_timeout_s=HOP_TIMEOUT,
+                speculative="ngram",
+                draft_max=2,
+            )
+        )
+    )
     url = server.start()
     yield url
     server.stop()
@@ -43,6 +54,7 @@ def spec_gateway(cluster, gemma_path):  # noqa: F811
 @pytest.fixture(scope="module")
 def smollm2_nodes():
     from ggufswarm.artifact.default_model import smollm2_path
+
     nodes = start_nodes(even_split(30, 3), str(smollm2_path()), threads=1, extra=["--hop-timeout", str(HOP_TIMEOUT)])
     yield nodes
     stop_nodes(nodes)
@@ -50,8 +62,12 @@ def smollm2_nodes():
 
 def _smollm2_gateway(nodes, **speculative):
     from ggufswarm.artifact.default_model import smollm2_path
-    server = ServerThread(make_app(GatewayConfig([n.url for n in nodes], model=str(smollm2_path()),
-                                                 hop_timeout_s=HOP_TIMEOUT, **speculative)))
+
+    server = ServerThread(
+        make_app(
+            GatewayConfig([n.url for n in nodes], model=str(smollm2_path()), hop_timeout_s=HOP_TIMEOUT, **speculative)
+        )
+    )
     return server, server.start()
 
 
@@ -65,8 +81,9 @@ def smollm2_gateway(smollm2_nodes):
 @pytest.fixture(scope="module")
 def smollm2_draft_gateway(smollm2_nodes):
     """--speculative draft with SmolLM2 itself as the draft model (the mechanics; a real draft model is smaller)."""
-    server, url = _smollm2_gateway(smollm2_nodes, speculative="draft", draft_max=4, draft_model="smollm2",
-                                   draft_sessions=1)
+    server, url = _smollm2_gateway(
+        smollm2_nodes, speculative="draft", draft_max=4, draft_model="smollm2", draft_sessions=1
+    )
     yield url
     server.stop()
 
@@ -74,8 +91,9 @@ def smollm2_draft_gateway(smollm2_nodes):
 def stream(url: str, path: str, body: dict) -> tuple[str, dict]:
     """POST a streamed request for the served model: (the text of every delta joined, the last chunk's telemetry)."""
     body = {**body, "model": http("GET", url + "/v1/models")[1]["data"][0]["id"], "stream": True}
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     text, telemetry = [], None
     with urllib.request.urlopen(req, timeout=300) as resp:
         for line in resp:
@@ -112,8 +130,10 @@ def test_speculative_sampling_equals_plain(spec_gateway):
 
 
 def test_speculative_chat_smollm2(smollm2_gateway):
-    for content in ["Write a Python function that returns the squares of a list of numbers.",
-                    "Repeat after me three times: the quick brown fox jumps over the lazy dog."]:
+    for content in [
+        "Write a Python function that returns the squares of a list of numbers.",
+        "Repeat after me three times: the quick brown fox jumps over the lazy dog.",
+    ]:
         body = {"model": "x", "messages": [{"role": "user", "content": content}], "max_tokens": 48, "temperature": 0}
         plain, _ = stream(smollm2_gateway, "/v1/chat/completions", {**body, "speculative.n_max": 0})
         spec, tel = stream(smollm2_gateway, "/v1/chat/completions", body)
@@ -122,8 +142,11 @@ def test_speculative_chat_smollm2(smollm2_gateway):
 
 
 def test_speculative_draft_model_smollm2(smollm2_draft_gateway):
-    body = {"messages": [{"role": "user", "content": "Name three colors and describe each in one sentence."}],
-            "max_tokens": 40, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": "Name three colors and describe each in one sentence."}],
+        "max_tokens": 40,
+        "temperature": 0,
+    }
     plain, _ = stream(smollm2_draft_gateway, "/v1/chat/completions", {**body, "speculative.n_max": 0})
     spec, tel = stream(smollm2_draft_gateway, "/v1/chat/completions", body)
     assert spec == plain
@@ -134,8 +157,10 @@ def test_speculative_draft_model_smollm2(smollm2_draft_gateway):
 
 def test_draft_model_needs_the_same_vocabulary(gemma_path):
     from ggufswarm.gateway.state import Gateway
-    gw = Gateway(GatewayConfig(["http://127.0.0.1:1"], model=str(gemma_path), speculative="draft",
-                               draft_model="smollm2"))
+
+    gw = Gateway(
+        GatewayConfig(["http://127.0.0.1:1"], model=str(gemma_path), speculative="draft", draft_model="smollm2")
+    )
     with pytest.raises(ValueError, match="vocabulary"):
         gw.load()
     for bad in ({"speculative": "draft"}, {"speculative": "ngram", "draft_model": "smollm2"}):
@@ -161,7 +186,7 @@ class Recording:
         return self.session.verify(ids)
 
 
-def test_every_node_holds_the_accepted_position(cluster, gemma):  # noqa: F811
+def test_every_node_holds_the_accepted_position(cluster, gemma):
     """After each step every node's KV length (kv_tokens of its hop in the reply) is the accepted position the
     step started at plus its tokens: rejected drafts were dropped on every node. Also the route's tokens equal
     the in-process plain greedy run's."""
@@ -193,8 +218,11 @@ def test_every_node_holds_the_accepted_position(cluster, gemma):  # noqa: F811
 def test_bad_draft_max(spec_gateway, ggufswarm_cli, gemma_path):
     model = http("GET", spec_gateway + "/v1/models")[1]["data"][0]["id"]
     for bad in (16, -1, 1.5, "2"):
-        status, body = http("POST", spec_gateway + "/v1/completions",
-                            {"model": model, "prompt": "Hi", "max_tokens": 2, "speculative.n_max": bad})
+        status, body = http(
+            "POST",
+            spec_gateway + "/v1/completions",
+            {"model": model, "prompt": "Hi", "max_tokens": 2, "speculative.n_max": bad},
+        )
         assert status == 400 and body["error"]["param"] == "speculative.n_max", body
     with pytest.raises(ValueError, match="draft_max"):
         make_app(GatewayConfig(["http://127.0.0.1:1"], model=str(gemma_path), speculative="ngram", draft_max=0))
@@ -204,11 +232,13 @@ def test_bad_draft_max(spec_gateway, ggufswarm_cli, gemma_path):
         proc = subprocess.run(ggufswarm_cli + ["generate", "x", *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and ("--draft-max" in proc.stderr or "--speculative" in proc.stderr), proc.stderr
     for command in (["generate", "x"], ["gateway", "--route", "http://127.0.0.1:1"]):  # drafts without speculation
-        proc = subprocess.run(ggufswarm_cli + [*command, "--draft-max", "4"], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ggufswarm_cli + [*command, "--draft-max", "4"], capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 1 and "--draft-max" in proc.stderr and "--speculative" in proc.stderr, proc.stderr
 
 
-def test_verify_step_limits(cluster, gemma):  # noqa: F811
+def test_verify_step_limits(cluster, gemma):
     """Too many tokens for one verify step: a ValueError before anything is sent; the session goes on."""
     route = RemoteRoute([n.url for n in cluster], HOP_TIMEOUT)
     assert route.hops[-1].max_verify_tokens == 16
@@ -229,6 +259,7 @@ def test_model_drafter_follows_the_history():
     from ggufswarm.artifact.default_model import smollm2_path
     from ggufswarm.artifact.gguf_file import GGUFModelFile
     from ggufswarm.client.speculative import DraftModel
+
     draft = DraftModel("smollm2", GGUFModelFile(smollm2_path()).metadata, max_length=256, sessions=2)
     tok = draft.model.tokenizer
     d, other = draft.drafter(3, 128), draft.drafter(3, 128)

@@ -6,7 +6,6 @@ import re
 import shutil
 
 import numpy as np
-import torch
 import pytest
 from gguf import GGUFReader
 
@@ -49,11 +48,12 @@ def test_manifest_indexes_layers(artifact, gemma_path):
     # against the GGUF's own tensor table as gguf-py (llama.cpp's reader) reads it
     reader = GGUFReader(gemma_path)
     assert manifest.files[0]["header_bytes"] == reader.data_offset
-    assert {t.name: (t.offset, t.n_bytes) for t in manifest.tensors} == \
-        {t.name: (int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
+    assert {t.name: (t.offset, t.n_bytes) for t in manifest.tensors} == {
+        t.name: (int(t.data_offset), int(t.n_bytes)) for t in reader.tensors
+    }
     want = [0] * 18
     for t in reader.tensors:
-        if (m := re.match(r"blk\.(\d+)\.", t.name)):
+        if m := re.match(r"blk\.(\d+)\.", t.name):
             want[int(m[1])] += int(t.n_bytes)
     assert manifest.layer_bytes() == want and min(want) > 0
 
@@ -81,13 +81,16 @@ def test_partial_fetch_downloads_only_the_shard(artifact, seeders, gemma_path, t
     bound = 1.05 * (shard_bytes + header + 2 * len(ranges) * piece)
     leech = Swarm()
     try:
-        stats = leech.fetch(torrent, tmp_path, ranges, peers=[("127.0.0.1", s.port) for s, _ in seeders[1:]],
-                            timeout=120, progress=True)
+        stats = leech.fetch(
+            torrent, tmp_path, ranges, peers=[("127.0.0.1", s.port) for s, _ in seeders[1:]], timeout=120, progress=True
+        )
         assert postfixes and all(re.fullmatch(r"\d+ peers?", p) for p in postfixes), postfixes
         assert any(int(p.split()[0]) >= 1 for p in postfixes), postfixes  # the seeders it was given connected
         path = tmp_path / gemma_path.name
-        print(f"downloaded {stats.bytes_downloaded} B for {shard_bytes} B of blocks + {header} B header; "
-              f"{_disk_bytes(path)} B on disk; {stats.seconds:.2f} s")
+        print(
+            f"downloaded {stats.bytes_downloaded} B for {shard_bytes} B of blocks + {header} B header; "
+            f"{_disk_bytes(path)} B on disk; {stats.seconds:.2f} s"
+        )
         assert stats.bytes_downloaded <= bound
         assert _disk_bytes(path) <= bound
         fetched, original = GGUFModelFile(path), GGUFModelFile(gemma_path)
@@ -113,9 +116,14 @@ def test_corrupt_piece_is_rejected_and_fetched_elsewhere(artifact, seeders, gemm
         f.write(b"\xff" * 8192)
     leech = Swarm()
     try:
-        leech.fetch(torrent, tmp_path / "leech", manifest.byte_ranges(13, 14),
-                    peers=[("127.0.0.1", s.port) for s, _ in [(bad, bad_dir)] + seeders], timeout=120,
-                    progress=False)
+        leech.fetch(
+            torrent,
+            tmp_path / "leech",
+            manifest.byte_ranges(13, 14),
+            peers=[("127.0.0.1", s.port) for s, _ in [(bad, bad_dir)] + seeders],
+            timeout=120,
+            progress=False,
+        )
         fetched = GGUFModelFile(tmp_path / "leech" / gemma_path.name)
         original = GGUFModelFile(gemma_path)
         for t in manifest.tensors:
@@ -131,8 +139,14 @@ def test_three_seeders_share_the_upload(artifact, seeders, tmp_path):
     before = [s.uploaded(torrent) for s, _ in seeders]
     leech = Swarm()
     try:
-        leech.fetch(torrent, tmp_path, manifest.byte_ranges(0, 18, embed=True, head=True),
-                    peers=[("127.0.0.1", s.port) for s, _ in seeders], timeout=180, progress=False)
+        leech.fetch(
+            torrent,
+            tmp_path,
+            manifest.byte_ranges(0, 18, embed=True, head=True),
+            peers=[("127.0.0.1", s.port) for s, _ in seeders],
+            timeout=180,
+            progress=False,
+        )
     finally:
         leech.close()
     gained = [s.uploaded(torrent) - b for (s, _), b in zip(seeders, before)]
@@ -149,6 +163,7 @@ def test_seeding_wrong_files_is_a_clear_error(artifact, tmp_path, gemma_path):
 
 def test_split_set_is_one_artifact(tiny_dir, tmp_path):
     from tinymodels import write_tiny_model
+
     from ggufswarm.client.local import LocalModel
 
     src = tiny_dir / "splitpub"
@@ -160,14 +175,22 @@ def test_split_set_is_one_artifact(tiny_dir, tmp_path):
     seeder, leech = Swarm(), Swarm()
     try:
         seeder.seed(torrent, src.parent)
-        leech.fetch(torrent, tmp_path, manifest.byte_ranges(0, 4, embed=True, head=True),
-                    peers=[("127.0.0.1", seeder.port)], timeout=60, progress=False)
+        leech.fetch(
+            torrent,
+            tmp_path,
+            manifest.byte_ranges(0, 4, embed=True, head=True),
+            peers=[("127.0.0.1", seeder.port)],
+            timeout=60,
+            progress=False,
+        )
     finally:
         seeder.close()
         leech.close()
     fetched = tmp_path / src.name / first.name
     ids = list(range(3, 20))
-    assert np.array_equal(LocalModel.load(fetched).session(32).logits(ids), LocalModel.load(first).session(32).logits(ids))
+    assert np.array_equal(
+        LocalModel.load(fetched).session(32).logits(ids), LocalModel.load(first).session(32).logits(ids)
+    )
 
 
 def test_a_stalled_fetch_says_so_and_completes_once_a_seeder_appears(tiny_dir, tmp_path, caplog):
@@ -188,9 +211,16 @@ def test_a_stalled_fetch_says_so_and_completes_once_a_seeder_appears(tiny_dir, t
 
     def fetch():
         try:
-            result["stats"] = leech.fetch(torrent, tmp_path, manifest.byte_ranges(0, 2, embed=True, head=True),
-                                          peers=[("127.0.0.1", seeder.port)], timeout=60, progress=False, stall_s=0.3)
-        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            result["stats"] = leech.fetch(
+                torrent,
+                tmp_path,
+                manifest.byte_ranges(0, 2, embed=True, head=True),
+                peers=[("127.0.0.1", seeder.port)],
+                timeout=60,
+                progress=False,
+                stall_s=0.3,
+            )
+        except Exception as exc:
             result["error"] = exc
 
     caplog.set_level("WARNING", logger="ggufswarm.swarm.torrent")
@@ -228,8 +258,9 @@ def test_auto_layers_pick_the_least_covered_range(artifact):
     budget = shard_bytes(manifest, 12, 18) - 1
     spec = choose_layers(manifest, ads, budget)  # the head does not fit: an aligned range that does (ties: lowest)
     assert (spec.start, spec.end) == ((0, 6) if shard_bytes(manifest, 0, 6) <= budget else (6, 12))
-    spec = choose_layers(manifest, ads + [Advertisement("c", "u", "m", (12, 18), head=True)] * 2,
-                         shard_bytes(manifest, 0, 6))
+    spec = choose_layers(
+        manifest, ads + [Advertisement("c", "u", "m", (12, 18), head=True)] * 2, shard_bytes(manifest, 0, 6)
+    )
     assert (spec.start, spec.end, spec.embed) == (0, 6, True)  # ties on coverage go to the lowest range
     spec = choose_layers(manifest, [Advertisement("a", "u", "m", (0, 9), True)], shard_bytes(manifest, 0, 18))
     assert (spec.start, spec.end, spec.head) == (9, 18, True)  # aligned with the only node: it chains after it

@@ -8,14 +8,13 @@ import time
 import urllib.request
 
 import pytest
-
 from apphost import AppThread
 
-from ggufswarm.gateway import GatewayConfig, make_app
-from ggufswarm.protocol.http import ServerThread
-from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.runtime.shard import ShardSpec
 from ggufswarm.client.tracker import TrackerClient
+from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.protocol.http import ServerThread
+from ggufswarm.runtime.shard import ShardSpec
 from ggufswarm.swarm.publish import publish
 from ggufswarm.swarm.torrent import Swarm, save_path_for
 from ggufswarm.tracker.app import TrackerConfig
@@ -25,8 +24,12 @@ PROMPT = "The capital of France is"
 
 
 def complete(base: str, prompt: str, max_tokens: int = 12) -> dict:
-    req = urllib.request.Request(f"{base}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode())
+    req = urllib.request.Request(
+        f"{base}/v1/completions",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode(),
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
@@ -34,13 +37,20 @@ def complete(base: str, prompt: str, max_tokens: int = 12) -> dict:
 def test_demo_whole_story_equals_generate(ggufswarm_cli):
     # the demo without its base-model repetition guard, greedy: generate's text (its other base-model default, no
     # media markers drawn, changes nothing here: this greedy answer holds none)
-    demo = subprocess.run([*ggufswarm_cli, "demo", PROMPT, "--raw", "--temperature", "0", "--max-tokens", "16",
-                           "--repeat-penalty", "1"],
-                          capture_output=True, text=True, timeout=600)
+    demo = subprocess.run(
+        [*ggufswarm_cli, "demo", PROMPT, "--raw", "--temperature", "0", "--max-tokens", "16", "--repeat-penalty", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "published" in demo.stderr and "from the swarm" in demo.stderr
-    gen = subprocess.run([*ggufswarm_cli, "generate", PROMPT, "--temperature", "0", "--max-tokens", "16"],
-                         capture_output=True, text=True, timeout=300)
+    gen = subprocess.run(
+        [*ggufswarm_cli, "generate", PROMPT, "--temperature", "0", "--max-tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert gen.returncode == 0, gen.stderr
     assert demo.stdout.strip() == gen.stdout.strip()
 
@@ -49,17 +59,42 @@ def test_demo_speculative_equals_generate(ggufswarm_cli):
     """``demo --speculative ngram`` (no swarm) streams the same greedy text as ``generate`` and reports its drafts;
     ``--speculative draft`` without a draft model is refused before anything starts."""
     prompt = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\ndef fib2(n):\n"
-    demo = subprocess.run([*ggufswarm_cli, "demo", prompt, "--raw", "--no-swarm", "--temperature", "0",
-                           "--max-tokens", "24", "--speculative", "ngram", "--repeat-penalty", "1"],
-                          capture_output=True, text=True, timeout=600)
+    demo = subprocess.run(
+        [
+            *ggufswarm_cli,
+            "demo",
+            prompt,
+            "--raw",
+            "--no-swarm",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "24",
+            "--speculative",
+            "ngram",
+            "--repeat-penalty",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "speculative ngram: drafted" in demo.stderr, demo.stderr[-3000:]
-    gen = subprocess.run([*ggufswarm_cli, "generate", prompt, "--temperature", "0", "--max-tokens", "24"],
-                         capture_output=True, text=True, timeout=300)
+    gen = subprocess.run(
+        [*ggufswarm_cli, "generate", prompt, "--temperature", "0", "--max-tokens", "24"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert gen.returncode == 0, gen.stderr
     assert demo.stdout.strip() == gen.stdout.strip()
-    bad = subprocess.run([*ggufswarm_cli, "demo", "hi", "--no-swarm", "--speculative", "draft"], capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [*ggufswarm_cli, "demo", "hi", "--no-swarm", "--speculative", "draft"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "--draft-model" in bad.stderr and "starting" not in bad.stderr, bad.stderr
 
 
@@ -71,9 +106,14 @@ def test_dead_node_expires_and_new_routes_avoid_it(gemma_path, tmp_path):
         specs = [ShardSpec(0, 9, embed=True), ShardSpec(9, 18, head=True), ShardSpec(9, 18, head=True)]
         nodes, gateway = [], None
         try:
-            nodes = start_nodes(specs, "gemma", threads=1, timeout=600,
-                                extra=["--tracker", tracker, "--hop-timeout", "10"],
-                                per_node=lambda i: ["--data-dir", str(tmp_path / f"node{i}")])
+            nodes = start_nodes(
+                specs,
+                "gemma",
+                threads=1,
+                timeout=600,
+                extra=["--tracker", tracker, "--hop-timeout", "10"],
+                per_node=lambda i: ["--data-dir", str(tmp_path / f"node{i}")],
+            )
             deadline = time.monotonic() + 30
             while len(TrackerClient(tracker).nodes("gemma")) < 3:
                 assert time.monotonic() < deadline, "nodes did not advertise"
@@ -86,15 +126,24 @@ def test_dead_node_expires_and_new_routes_avoid_it(gemma_path, tmp_path):
             ranges = manifest.byte_ranges(9, 18, head=True)
             needed = sum(end - begin for _, begin, end in ranges)
             assert needed >= manifest.files[0]["header_bytes"] + sum(manifest.layer_bytes()[9:18])
-            files = {f: f.stat().st_blocks * 512 for f in (tmp_path / "node1").rglob("*.gguf") if "shards" not in f.parts}
-            assert needed <= sum(files.values()) <= needed + 2 * len(ranges) * manifest.piece_size, \
-                (files, needed, len(ranges), manifest.piece_size)
+            files = {
+                f: f.stat().st_blocks * 512 for f in (tmp_path / "node1").rglob("*.gguf") if "shards" not in f.parts
+            }
+            assert needed <= sum(files.values()) <= needed + 2 * len(ranges) * manifest.piece_size, (
+                files,
+                needed,
+                len(ranges),
+                manifest.piece_size,
+            )
             everything = sum(f.stat().st_blocks * 512 for f in (tmp_path / "node1").rglob("*") if f.is_file())
             shard_headers = [f for f in (tmp_path / "node1" / "shards").iterdir() if f.name.endswith("-header.gguf")]
             assert len(shard_headers) == 1 and shard_headers[0].stat().st_size < 2 * manifest.files[0]["header_bytes"]
             assert everything <= 1.05 * needed + shard_headers[0].stat().st_size, (everything, needed)
-            gateway = ServerThread(make_app(GatewayConfig([], model="gemma", tracker=tracker,
-                                                          data_dir=str(tmp_path / "gw"), hop_timeout_s=10)))
+            gateway = ServerThread(
+                make_app(
+                    GatewayConfig([], model="gemma", tracker=tracker, data_dir=str(tmp_path / "gw"), hop_timeout_s=10)
+                )
+            )
             base = gateway.start()
             first = complete(base, PROMPT)
             used = {hop["node"] for hop in first["telemetry"]["route"]}
@@ -131,8 +180,11 @@ def test_node_started_before_its_tracker_and_model_waits_then_serves(tmp_path, t
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     tracker_url = f"http://127.0.0.1:{port}"
-    cmd = node_command(ShardSpec(0, 2, embed=True, head=True), "late", extra=["--tracker", tracker_url,
-                                                                             "--data-dir", str(tmp_path / "node")])
+    cmd = node_command(
+        ShardSpec(0, 2, embed=True, head=True),
+        "late",
+        extra=["--tracker", tracker_url, "--data-dir", str(tmp_path / "node")],
+    )
     proc = subprocess.Popen([sys.executable, *cmd[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
@@ -172,19 +224,25 @@ def test_a_gateway_without_model_serves_every_model_of_the_swarm(tmp_path, tiny_
 
     from ggufswarm.artifact.gguf_file import GGUFModelFile
     from ggufswarm.client.route import Hop, RemoteRoute
-    from ggufswarm.runtime.sampling import SamplingParams
     from ggufswarm.client.tokenizer import Tokenizer
+    from ggufswarm.runtime.sampling import SamplingParams
 
-    models = {"tiny-a": write_tiny_model(tiny_dir / "every-a.gguf", "llama", n_layers=2, seed=1),
-              "tiny-b": write_tiny_model(tiny_dir / "every-b.gguf", "llama", n_layers=2, seed=2, context_length=2048)}
+    models = {
+        "tiny-a": write_tiny_model(tiny_dir / "every-a.gguf", "llama", n_layers=2, seed=1),
+        "tiny-b": write_tiny_model(tiny_dir / "every-b.gguf", "llama", n_layers=2, seed=2, context_length=2048),
+    }
     with AppThread(lambda: make_tracker_app(TrackerConfig(db=":memory:", ttl_s=6))) as tracker:
         seeder = Swarm()
         nodes = []
         try:
             for name, path in models.items():
                 seeder.seed(publish(path, tracker, name, tmp_path / f"pub-{name}").torrent, save_path_for([path]))
-                nodes += start_nodes([ShardSpec(0, 2, embed=True, head=True)], name, extra=["--tracker", tracker],
-                                     per_node=lambda _, name=name: ["--data-dir", str(tmp_path / f"node-{name}")])
+                nodes += start_nodes(
+                    [ShardSpec(0, 2, embed=True, head=True)],
+                    name,
+                    extra=["--tracker", tracker],
+                    per_node=lambda _, name=name: ["--data-dir", str(tmp_path / f"node-{name}")],
+                )
             gateway = ServerThread(make_app(GatewayConfig([], tracker=tracker, data_dir=str(tmp_path / "gateway"))))
             base = gateway.start()
             try:
@@ -197,10 +255,12 @@ def test_a_gateway_without_model_serves_every_model_of_the_swarm(tmp_path, tiny_
                     time.sleep(0.5)
                 assert listed == sorted(models)
                 for (name, path), node in zip(models.items(), nodes):
-                    req = urllib.request.Request(f"{base}/v1/completions", method="POST",
-                                                 headers={"Content-Type": "application/json"},
-                                                 data=json.dumps({"model": name, "prompt": "a b c", "max_tokens": 5,
-                                                                  "temperature": 0}).encode())
+                    req = urllib.request.Request(
+                        f"{base}/v1/completions",
+                        method="POST",
+                        headers={"Content-Type": "application/json"},
+                        data=json.dumps({"model": name, "prompt": "a b c", "max_tokens": 5, "temperature": 0}).encode(),
+                    )
                     with urllib.request.urlopen(req, timeout=120) as r:
                         body = json.loads(r.read())
                     assert body["model"] == name and [h["node"] for h in body["telemetry"]["route"]] == [node.url]
@@ -220,19 +280,24 @@ def test_a_gateway_without_model_serves_every_model_of_the_swarm(tmp_path, tiny_
                     assert body["usage"]["prompt_tokens"] == len(prompt)
                     assert body["choices"][0]["text"] == tok.decode(want)
                 for extra, status in (({"model": "nope"}, 404), ({}, 400)):
-                    req = urllib.request.Request(f"{base}/v1/completions", method="POST",
-                                                 headers={"Content-Type": "application/json"},
-                                                 data=json.dumps({"prompt": "a", "max_tokens": 1, **extra}).encode())
+                    req = urllib.request.Request(
+                        f"{base}/v1/completions",
+                        method="POST",
+                        headers={"Content-Type": "application/json"},
+                        data=json.dumps({"prompt": "a", "max_tokens": 1, **extra}).encode(),
+                    )
                     with pytest.raises(urllib.error.HTTPError) as err:
                         urllib.request.urlopen(req, timeout=60)
                     assert err.value.code == status
                     assert json.loads(err.value.read())["error"]["param"] == "model"
                 # a prompt longer than any session of tiny-b's nodes (its context: 2048) is the request's fault:
                 # 400 context_length_exceeded, not the 503 no_route a client would retry
-                req = urllib.request.Request(f"{base}/v1/completions", method="POST",
-                                             headers={"Content-Type": "application/json"},
-                                             data=json.dumps({"model": "tiny-b", "prompt": "a b " * 1500,
-                                                              "max_tokens": 4}).encode())
+                req = urllib.request.Request(
+                    f"{base}/v1/completions",
+                    method="POST",
+                    headers={"Content-Type": "application/json"},
+                    data=json.dumps({"model": "tiny-b", "prompt": "a b " * 1500, "max_tokens": 4}).encode(),
+                )
                 with pytest.raises(urllib.error.HTTPError) as err:
                     urllib.request.urlopen(req, timeout=60)
                 error = json.loads(err.value.read())["error"]

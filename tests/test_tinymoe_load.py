@@ -5,7 +5,6 @@ from __future__ import annotations
 import llama_cpp
 import numpy as np
 import pytest
-
 from tinymoe import MOE_ARCHS, write_tiny_moe_model
 
 
@@ -19,7 +18,7 @@ def test_llama_cpp_loads_tiny_moe(tmp_path, arch):
         logits = np.array(llm.scores[: len(tokens)], dtype=np.float32)
         assert logits.shape == (len(tokens), llm.n_vocab())
         assert np.isfinite(logits).all()
-        assert logits.std(axis=-1).min() > 0           # not all equal within a row
+        assert logits.std(axis=-1).min() > 0  # not all equal within a row
         assert np.abs(logits[1:] - logits[:-1]).max() > 0  # and positions differ
     finally:
         llm.close()

@@ -16,7 +16,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-
 from conftest import llama_cpp_model
 from tinymoe import write_tiny_moe_model
 
@@ -67,11 +66,12 @@ def tiny_moe(tmp_path_factory):
                 for _ in range(N_DECODE):
                     tokens.append(int(np.argmax(llm.scores[len(tokens) - 1])))
                     llm.eval(tokens[-1:])
-                ref = np.array(llm.scores[:len(tokens)])
+                ref = np.array(llm.scores[: len(tokens)])
             finally:
                 llm.close()
             out[name] = path, tokens, ref
         return out[name]
+
     return get
 
 
@@ -99,8 +99,10 @@ def test_moe_logits_match_llama_cpp(tiny_moe, arch, split):
     ours = _torch_logits(path, tokens, len(tokens) - N_DECODE, SPLITS[split])
     scale = np.abs(ref).max()
     err = np.abs(ours - ref).max()
-    print(f"{arch} {split}: max |Δ| {err:.2e} of {scale:.2f} (relative {err / scale:.2e}), "
-          f"prompt + {N_DECODE} steps in {time.perf_counter() - t0:.2f} s")
+    print(
+        f"{arch} {split}: max |Δ| {err:.2e} of {scale:.2f} (relative {err / scale:.2e}), "
+        f"prompt + {N_DECODE} steps in {time.perf_counter() - t0:.2f} s"
+    )
     assert ours.shape == ref.shape == (len(tokens), 384)
     assert err <= TOL * scale
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
@@ -166,11 +168,12 @@ def test_mla_cache_holds_the_latent(tiny_moe):
     n_prompt = len(tokens) - N_DECODE
     full.forward(kv, torch.tensor(tokens[:n_prompt]))
     first = [full.forward(kv, torch.tensor([t])) for t in tokens[n_prompt:]]
-    assert all(tuple(layer.k[:kv.length].shape) == (len(tokens), 1, 80) and layer.v.shape[-1] == 0
-               for layer in kv.layers)
+    assert all(
+        tuple(layer.k[: kv.length].shape) == (len(tokens), 1, 80) and layer.v.shape[-1] == 0 for layer in kv.layers
+    )
     assert kv.nbytes() == cfg.n_layers * kv.layers[0].k.shape[0] * 80 * 4
     kv.truncate(n_prompt + 5)
-    again = [full.forward(kv, torch.tensor([t])) for t in tokens[n_prompt + 5:]]
+    again = [full.forward(kv, torch.tensor([t])) for t in tokens[n_prompt + 5 :]]
     assert all(torch.equal(a, b) for a, b in zip(first[5:], again))
     np.testing.assert_allclose(torch.cat(first).numpy(), ref[n_prompt:], rtol=0, atol=TOL * np.abs(ref).max())
 
@@ -179,6 +182,7 @@ def test_mla_snapshot_round_trip(tiny_moe):
     """A deepseek2 torch session's cache (latent keys, empty values) survives a KV snapshot encode/decode and a
     load into a fresh session: decoding on from it gives the same logits as the original session."""
     from ggufswarm.cache.snapshot import Shard, decode_snapshot, encode_snapshot
+
     path, tokens, _ = tiny_moe("deepseek2")
     file = GGUFModelFile(path)
     cfg = load_config(file)
@@ -186,8 +190,12 @@ def test_mla_snapshot_round_trip(tiny_moe):
     kv = shard.new_session(128)
     n = len(tokens) - 1
     shard.forward(kv, torch.tensor(tokens[:n]))
-    blob = encode_snapshot(Shard("0" * 64, 0, cfg.n_layers, "float32"), tokens[:n],
-                           [layer.k[:n] for layer in kv.layers], [layer.v[:n] for layer in kv.layers])
+    blob = encode_snapshot(
+        Shard("0" * 64, 0, cfg.n_layers, "float32"),
+        tokens[:n],
+        [layer.k[:n] for layer in kv.layers],
+        [layer.v[:n] for layer in kv.layers],
+    )
     snap = decode_snapshot(blob)
     assert tuple(snap.keys[0].shape) == (n, 1, 80) and tuple(snap.values[0].shape) == (n, 1, 0)
     restored = shard.new_session(128)
@@ -196,9 +204,9 @@ def test_mla_snapshot_round_trip(tiny_moe):
 
 
 YARN_WRONG = [
-    ("no-yarn", lambda cfg: replace(cfg, yarn=None, attn_scale=cfg.head_dim ** -0.5)),
+    ("no-yarn", lambda cfg: replace(cfg, yarn=None, attn_scale=cfg.head_dim**-0.5)),
     ("no-ramp", lambda cfg: replace(cfg, yarn=replace(cfg.yarn, ext_factor=0.0))),
-    ("plain-kq-scale", lambda cfg: replace(cfg, attn_scale=cfg.head_dim ** -0.5)),
+    ("plain-kq-scale", lambda cfg: replace(cfg, attn_scale=cfg.head_dim**-0.5)),
 ]
 
 
@@ -208,7 +216,7 @@ def test_yarn_parts_are_each_needed(tiny_moe, what, change):
     folded into the ``q·k`` scale, the torch side is far outside TOL of llama.cpp."""
     path, tokens, ref = tiny_moe("deepseek2-yarn")
     cfg = load_config(GGUFModelFile(path))
-    assert cfg.yarn is not None and cfg.attn_scale > 1.8 * cfg.head_dim ** -0.5  # mscale = 1 + 0.1 ln 40
+    assert cfg.yarn is not None and cfg.attn_scale > 1.8 * cfg.head_dim**-0.5  # mscale = 1 + 0.1 ln 40
     ours = _torch_logits(path, tokens, len(tokens) - N_DECODE, [], config=change(cfg))
     err = np.abs(ours - ref).max()
     print(f"yarn {what}: max |Δ| {err:.2e}")

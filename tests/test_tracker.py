@@ -9,7 +9,6 @@ import time
 import urllib.request
 
 import pytest
-
 from apphost import AppThread
 from tinymodels import write_tiny_model
 
@@ -31,9 +30,18 @@ def call(url, method="GET", body=None):
 
 
 def beat(url, node, layers, n=4, **kw):
-    body = {"node_id": node, "url": f"http://{node}", "model": "tiny", "layers": list(layers),
-            "embed": layers[0] == 0, "head": layers[1] == n, "state": "ready", "free_kv_tokens": 4096,
-            "decode_ms": 5.0, **kw}
+    body = {
+        "node_id": node,
+        "url": f"http://{node}",
+        "model": "tiny",
+        "layers": list(layers),
+        "embed": layers[0] == 0,
+        "head": layers[1] == n,
+        "state": "ready",
+        "free_kv_tokens": 4096,
+        "decode_ms": 5.0,
+        **kw,
+    }
     return call(f"{url}/nodes/heartbeat", "POST", body)
 
 
@@ -59,11 +67,18 @@ def tiny_artifact(tiny_dir):
 def test_routes_follow_heartbeats(tmp_path, tiny_artifact):
     path, manifest = tiny_artifact
     with AppThread(lambda: make_app(TrackerConfig(db=str(tmp_path / "t.sqlite"), ttl_s=1.5))) as url:
-        status, _ = call(f"{url}/manifests/tiny", "PUT",
-                         {"manifest": json.loads(manifest.to_json()), "torrent_hex": make_torrent([path]).hex()})
+        status, _ = call(
+            f"{url}/manifests/tiny",
+            "PUT",
+            {"manifest": json.loads(manifest.to_json()), "torrent_hex": make_torrent([path]).hex()},
+        )
         assert status == 200
         status, body = call(f"{url}/route?model=tiny&max_length=64")
-        assert status == 503 and body["error"]["code"] == "no_route" and "layers 0:4 are not served" in body["error"]["message"]
+        assert (
+            status == 503
+            and body["error"]["code"] == "no_route"
+            and "layers 0:4 are not served" in body["error"]["message"]
+        )
         beat(url, "a", (0, 2))
         status, body = call(f"{url}/route?model=tiny&max_length=64")
         assert status == 503 and "layers 2:4 are not served" in body["error"]["message"]
@@ -116,18 +131,61 @@ def test_status_page_renders_in_headless_chromium(tmp_path, tiny_artifact, token
     path, manifest = tiny_artifact
     query = f"?token={token}" if token else ""
     with AppThread(lambda: make_app(TrackerConfig(db=":memory:", token=token))) as base:
-        call(f"{base}/manifests/tiny{query}", "PUT", {"manifest": json.loads(manifest.to_json()),
-                                                      "torrent_hex": make_torrent([path]).hex()})
-        call(f"{base}/nodes/heartbeat{query}", "POST", {"node_id": "node-a", "url": "http://node-a", "model": "tiny",
-                                                        "layers": [0, 2], "embed": True, "head": False,
-                                                        "state": "ready", "free_kv_tokens": 4096, "decode_ms": 5.0})
-        call(f"{base}/nodes/heartbeat{query}", "POST", {"node_id": "node-b", "url": "http://node-b", "model": "tiny",
-                                                        "layers": [2, 4], "embed": False, "head": True,
-                                                        "state": "loading", "free_kv_tokens": 4096, "decode_ms": 5.0})
-        out = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                              f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000",
-                              "--dump-dom", f"{base}/{query}"], capture_output=True, text=True, timeout=60)
+        call(
+            f"{base}/manifests/tiny{query}",
+            "PUT",
+            {"manifest": json.loads(manifest.to_json()), "torrent_hex": make_torrent([path]).hex()},
+        )
+        call(
+            f"{base}/nodes/heartbeat{query}",
+            "POST",
+            {
+                "node_id": "node-a",
+                "url": "http://node-a",
+                "model": "tiny",
+                "layers": [0, 2],
+                "embed": True,
+                "head": False,
+                "state": "ready",
+                "free_kv_tokens": 4096,
+                "decode_ms": 5.0,
+            },
+        )
+        call(
+            f"{base}/nodes/heartbeat{query}",
+            "POST",
+            {
+                "node_id": "node-b",
+                "url": "http://node-b",
+                "model": "tiny",
+                "layers": [2, 4],
+                "embed": False,
+                "head": True,
+                "state": "loading",
+                "free_kv_tokens": 4096,
+                "decode_ms": 5.0,
+            },
+        )
+        out = subprocess.run(
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={tmp_path / 'profile'}",
+                "--virtual-time-budget=3000",
+                "--dump-dom",
+                f"{base}/{query}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         dom = out.stdout
         assert "tiny" in dom and "http://node-a" in dom and "http://node-b" in dom, out.stderr[-2000:]
         assert "loading" in dom and "2:4" in dom
@@ -136,20 +194,26 @@ def test_status_page_renders_in_headless_chromium(tmp_path, tiny_artifact, token
 def test_status_command_draws_coverage(tiny_artifact, ggufswarm_cli):
     path, manifest = tiny_artifact
     with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
-        call(f"{url}/manifests/tiny", "PUT", {"manifest": json.loads(manifest.to_json()),
-                                              "torrent_hex": make_torrent([path]).hex()})
+        call(
+            f"{url}/manifests/tiny",
+            "PUT",
+            {"manifest": json.loads(manifest.to_json()), "torrent_hex": make_torrent([path]).hex()},
+        )
         beat(url, "node-a", (0, 2))
         out = subprocess.run([*ggufswarm_cli, "status", "--tracker", url], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        assert "tiny  (4 layers, 1 node)" in out.stdout and "█" in out.stdout and "not servable: layers 2:4" in out.stdout
+        assert (
+            "tiny  (4 layers, 1 node)" in out.stdout and "█" in out.stdout and "not servable: layers 2:4" in out.stdout
+        )
         beat(url, "node-b", (2, 4), head=False)  # every layer covered, but no route can end without a head
         out = subprocess.run([*ggufswarm_cli, "status", "--tracker", url], capture_output=True, text=True, timeout=60)
         assert "not servable" in out.stdout and "needs it" in out.stdout and "servable end to end" not in out.stdout
         beat(url, "node-c", (2, 4))
         out = subprocess.run([*ggufswarm_cli, "status", "--tracker", url], capture_output=True, text=True, timeout=60)
         assert "servable end to end" in out.stdout, out.stdout
-        dead = subprocess.run([*ggufswarm_cli, "status", "--tracker", "http://127.0.0.1:9"], capture_output=True,
-                              text=True, timeout=60)
+        dead = subprocess.run(
+            [*ggufswarm_cli, "status", "--tracker", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60
+        )
         assert dead.returncode == 1 and "cannot reach tracker" in dead.stderr and "Traceback" not in dead.stderr
 
 
@@ -185,22 +249,25 @@ def test_a_reported_node_is_dropped_only_when_the_tracker_finds_it_down():
     headers = {"Content-Type": "application/json", "X-Ggufswarm-Token": "sekret"}
 
     def tcall(url, method="GET", body=None):
-        req = urllib.request.Request(url, json.dumps(body).encode() if body is not None else None, headers, method=method)
+        req = urllib.request.Request(
+            url, json.dumps(body).encode() if body is not None else None, headers, method=method
+        )
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
-    with AppThread(live_node) as live, \
-            AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret"))) as url:
+    with AppThread(live_node) as live, AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret"))) as url:
         for node, node_url in (("live", live), ("dead", dead)):
             body = {"node_id": node, "url": node_url, "model": "tiny", "layers": [0, 4], "embed": True, "head": True}
             assert tcall(f"{url}/nodes/heartbeat", "POST", body)[0] == 200
         assert tcall(f"{url}/nodes/report", "POST", {"url": live}) == (200, {"url": live, "alive": True, "removed": 0})
         assert seen == ["sekret"]
-        assert tcall(f"{url}/nodes/report", "POST", {"url": dead + "/"}) == (200, {"url": dead, "alive": False,
-                                                                                  "removed": 1})
+        assert tcall(f"{url}/nodes/report", "POST", {"url": dead + "/"}) == (
+            200,
+            {"url": dead, "alive": False, "removed": 1},
+        )
         assert [n["node_id"] for n in tcall(f"{url}/nodes")[1]["nodes"]] == ["live"]
         status, body = tcall(f"{url}/nodes/report", "POST", {"url": "http://127.0.0.1:9"})
         assert status == 404 and body["error"]["code"] == "unknown_node"
@@ -219,9 +286,12 @@ def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path, tiny_artifact):
     tracker_server = ServerThread(make_app(TrackerConfig(db=":memory:", token="sekret")))
     tracker = tracker_server.start()
     # serving every model of the swarm (no --model), a gateway starts without any node; one without the token
-    gateways = {token: ServerThread(make_gateway_app(GatewayConfig([], tracker=tracker, token=token,
-                                                                   data_dir=str(tmp_path / "gw"))))
-                for token in ("sekret", None)}
+    gateways = {
+        token: ServerThread(
+            make_gateway_app(GatewayConfig([], tracker=tracker, token=token, data_dir=str(tmp_path / "gw")))
+        )
+        for token in ("sekret", None)
+    }
     try:
         urls = {token: g.start() for token, g in gateways.items()}
         status, body = call(urls["sekret"] + "/health")  # nothing published, no node
@@ -230,10 +300,26 @@ def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path, tiny_artifact):
         path, manifest = tiny_artifact
         headers = {"Content-Type": "application/json", "X-Ggufswarm-Token": "sekret"}
         for method, where, sent in (
-                ("PUT", "/manifests/tiny", {"manifest": json.loads(manifest.to_json()),
-                                            "torrent_hex": make_torrent([path]).hex()}),
-                ("POST", "/nodes/heartbeat", {"node_id": "a", "url": "http://a", "model": "tiny", "layers": [0, 2],
-                                              "embed": True, "head": False, "state": "ready", "free_kv_tokens": 4096})):
+            (
+                "PUT",
+                "/manifests/tiny",
+                {"manifest": json.loads(manifest.to_json()), "torrent_hex": make_torrent([path]).hex()},
+            ),
+            (
+                "POST",
+                "/nodes/heartbeat",
+                {
+                    "node_id": "a",
+                    "url": "http://a",
+                    "model": "tiny",
+                    "layers": [0, 2],
+                    "embed": True,
+                    "head": False,
+                    "state": "ready",
+                    "free_kv_tokens": 4096,
+                },
+            ),
+        ):
             req = urllib.request.Request(tracker + where, json.dumps(sent).encode(), headers, method=method)
             with urllib.request.urlopen(req, timeout=10) as r:
                 assert r.status == 200
@@ -242,9 +328,23 @@ def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path, tiny_artifact):
         req = urllib.request.Request(tracker + "/models", headers=headers)
         with urllib.request.urlopen(req, timeout=10) as r:
             assert json.loads(r.read())["unservable"] == {"tiny": "layers 2:4 are not served by any ready node"}
-        req = urllib.request.Request(tracker + "/nodes/heartbeat", json.dumps(
-            {"node_id": "b", "url": "http://b", "model": "tiny", "layers": [2, 4], "embed": False, "head": True,
-             "state": "ready", "free_kv_tokens": 4096}).encode(), headers, method="POST")
+        req = urllib.request.Request(
+            tracker + "/nodes/heartbeat",
+            json.dumps(
+                {
+                    "node_id": "b",
+                    "url": "http://b",
+                    "model": "tiny",
+                    "layers": [2, 4],
+                    "embed": False,
+                    "head": True,
+                    "state": "ready",
+                    "free_kv_tokens": 4096,
+                }
+            ).encode(),
+            headers,
+            method="POST",
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status == 200
         status, body = call(urls["sekret"] + "/health")
@@ -270,15 +370,31 @@ def test_free_kv_reaches_the_tracker_when_sessions_close(tmp_path, tiny_artifact
     refused as full, 503 no_route, until the next beat)."""
     import uuid
 
-    from ggufswarm.node.state import NODE, NodeConfig
     from ggufswarm.node.app import make_app as make_node_app
+    from ggufswarm.node.state import NODE, NodeConfig
 
     path, manifest = tiny_artifact
     with AppThread(lambda: make_app(TrackerConfig(db=str(tmp_path / "t.sqlite")))) as tracker:
-        assert call(f"{tracker}/manifests/tiny", "PUT", {"manifest": json.loads(manifest.to_json()),
-                                                           "torrent_hex": make_torrent([path]).hex()})[0] == 200
-        config = NodeConfig(layers="0:4", embed=True, head=True, model=str(path), tracker=tracker, swarm_name="tiny",
-                            heartbeat_s=60.0, ctx_size=256, max_sessions=1, data_dir=str(tmp_path / "node"))
+        assert (
+            call(
+                f"{tracker}/manifests/tiny",
+                "PUT",
+                {"manifest": json.loads(manifest.to_json()), "torrent_hex": make_torrent([path]).hex()},
+            )[0]
+            == 200
+        )
+        config = NodeConfig(
+            layers="0:4",
+            embed=True,
+            head=True,
+            model=str(path),
+            tracker=tracker,
+            swarm_name="tiny",
+            heartbeat_s=60.0,
+            ctx_size=256,
+            max_sessions=1,
+            data_dir=str(tmp_path / "node"),
+        )
         app = make_node_app(config)
         with AppThread(lambda: app) as node:
             app[NODE].url = node  # what run_node sets from its listening socket: the advertised address

@@ -13,15 +13,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
-
 from apphost import AppThread
 from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.artifact.manifest import Manifest
+from ggufswarm.client.tracker import TrackerClient
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import ShardSpec
-from ggufswarm.client.tracker import TrackerClient
 from ggufswarm.tracker.app import TrackerConfig
 from ggufswarm.tracker.app import make_app as make_tracker_app
 
@@ -53,10 +52,10 @@ class RangeHandler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:  # quiet
         pass
 
-    def do_HEAD(self) -> None:  # noqa: N802 - http.server's naming
+    def do_HEAD(self) -> None:
         self._serve(body=False)
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._serve(body=True)
 
     def _serve(self, body: bool) -> None:
@@ -126,10 +125,27 @@ def test_node_fetches_its_layers_from_a_web_seed_only(tmp_path, ggufswarm_cli):
     node = None
     try:
         with AppThread(lambda: make_tracker_app(TrackerConfig(db=str(tmp_path / "t.sqlite")))) as tracker:
-            pub = subprocess.run([*ggufswarm_cli, "publish", str(model), "--tracker", tracker, "--name", "tiny-ws",
-                                  "--data-dir", str(tmp_path / "pub"), "--web-seed", f"{web.url}/{model.name}",
-                                  "--piece-size", str(64 * 1024), "--no-seed"],
-                                 capture_output=True, text=True, timeout=60)
+            pub = subprocess.run(
+                [
+                    *ggufswarm_cli,
+                    "publish",
+                    str(model),
+                    "--tracker",
+                    tracker,
+                    "--name",
+                    "tiny-ws",
+                    "--data-dir",
+                    str(tmp_path / "pub"),
+                    "--web-seed",
+                    f"{web.url}/{model.name}",
+                    "--piece-size",
+                    str(64 * 1024),
+                    "--no-seed",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert pub.returncode == 0, pub.stderr
             manifest = TrackerClient(tracker).manifest("tiny-ws")["manifest"]
             assert manifest["web_seeds"] == [f"{web.url}/{model.name}"] and manifest["piece_size"] == 64 * 1024
@@ -137,9 +153,15 @@ def test_node_fetches_its_layers_from_a_web_seed_only(tmp_path, ggufswarm_cli):
 
             log = tmp_path / "node.err"
             with open(log, "w") as err:
-                node = start_nodes([ShardSpec(2, 4)], "tiny-ws", threads=1, stderr=err, timeout=90,
-                                   extra=["--tracker", tracker, "--fetch-timeout", "30"],
-                                   per_node=lambda i: ["--data-dir", str(tmp_path / "node")])[0]
+                node = start_nodes(
+                    [ShardSpec(2, 4)],
+                    "tiny-ws",
+                    threads=1,
+                    stderr=err,
+                    timeout=90,
+                    extra=["--tracker", tracker, "--fetch-timeout", "30"],
+                    per_node=lambda i: ["--data-dir", str(tmp_path / "node")],
+                )[0]
             text = log.read_text()
             m = re.search(r"fetched layers 2:4 of tiny-ws: (\d+) bytes", text)
             assert m, text
@@ -159,8 +181,10 @@ def test_node_fetches_its_layers_from_a_web_seed_only(tmp_path, ggufswarm_cli):
         fetched_path = tmp_path / "node" / model.name
         on_disk = fetched_path.stat().st_blocks * 512
         served = web.bytes_sent()
-        print(f"{size} B file, {shard_bytes} B of blocks 2:4 + {header} B header; bound {bound:.0f}; node downloaded "
-              f"{downloaded} B, holds {on_disk} B on disk; the web seed sent {served} B in {len(web.requests)} requests")
+        print(
+            f"{size} B file, {shard_bytes} B of blocks 2:4 + {header} B header; bound {bound:.0f}; node downloaded "
+            f"{downloaded} B, holds {on_disk} B on disk; the web seed sent {served} B in {len(web.requests)} requests"
+        )
         assert bound < 0.6 * size  # a real partial fetch: the bound excludes most of the file
         assert shard_bytes + header <= downloaded <= bound
         assert on_disk <= bound

@@ -72,4 +72,5 @@ def test_zoo_bitwise_share(verdicts):
     assert c["decoder_archs"] > 0
     assert c["bitwise_share"] >= BITWISE_TARGET, (
         f"{c['bitwise_archs']}/{c['decoder_archs']} decoder architectures bitwise; refused:\n"
-        + _listed(verdicts, ("refused",)))
+        + _listed(verdicts, ("refused",))
+    )

@@ -32,16 +32,32 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFWriter
-
 from tinymodels import N_VOCAB, add_test_vocab
 from tinymoe import weight_writers
 
 GEMMA4_DEFAULTS: dict[str, Any] = dict(
-    n_embd=128, n_head=8, n_ff=256, swa_layers=(True, True, False, True, True, False, True, False),
-    head_dim_swa=32, n_head_kv_swa=4, head_dim_full=64, n_head_kv_full=1, rotary_fraction_full=0.25,
-    sliding_window=32, rope_freq_base=1_000_000.0, rope_freq_base_swa=10_000.0, rms_eps=1e-6,
-    final_logit_softcap=30.0, context_length=4096, k_eq_v=True, layer_scale=True,
-    n_embd_per_layer=0, shared_kv_layers=0, n_expert=0, n_expert_used=2, n_ff_exp=64,
+    n_embd=128,
+    n_head=8,
+    n_ff=256,
+    swa_layers=(True, True, False, True, True, False, True, False),
+    head_dim_swa=32,
+    n_head_kv_swa=4,
+    head_dim_full=64,
+    n_head_kv_full=1,
+    rotary_fraction_full=0.25,
+    sliding_window=32,
+    rope_freq_base=1_000_000.0,
+    rope_freq_base_swa=10_000.0,
+    rms_eps=1e-6,
+    final_logit_softcap=30.0,
+    context_length=4096,
+    k_eq_v=True,
+    layer_scale=True,
+    n_embd_per_layer=0,
+    shared_kv_layers=0,
+    n_expert=0,
+    n_expert_used=2,
+    n_ff_exp=64,
 )
 
 

@@ -19,8 +19,32 @@ N_VOCAB = 384
 def _vocab() -> tuple[list[str], list[float], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
-    words = ["▁the", "▁a", "▁of", "▁and", "▁to", "▁in", "▁is", "▁it", "▁that", "▁was", "▁for", "▁on", "▁are",
-             "▁with", "▁as", "▁I", "▁his", "▁they", "▁be", "▁at", "▁one", "▁have", "▁this", "▁from"]
+    words = [
+        "▁the",
+        "▁a",
+        "▁of",
+        "▁and",
+        "▁to",
+        "▁in",
+        "▁is",
+        "▁it",
+        "▁that",
+        "▁was",
+        "▁for",
+        "▁on",
+        "▁are",
+        "▁with",
+        "▁as",
+        "▁I",
+        "▁his",
+        "▁they",
+        "▁be",
+        "▁at",
+        "▁one",
+        "▁have",
+        "▁this",
+        "▁from",
+    ]
     letters = [f"▁{c}" for c in "abcdefghijklmnopqrstuvwxyz"] + list("abcdefghijklmnopqrstuvwxyz")
     pieces = list(dict.fromkeys(words + letters))  # unique: llama.cpp rejects duplicate tokens
     i = 0
@@ -57,11 +81,26 @@ def _random_q4_k(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     return raw.reshape(rows, cols // 256 * 144)
 
 
-def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 256, n_head: int = 4,
-                     n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512, quant: bool = False,
-                     seed: int = 0, sliding_window: int = 0, split_max_tensors: int = 0,
-                     context_length: int = 4096, rope_linear_factor: float = 0.0, rope_freqs: bool = False,
-                     final_logit_softcap: float = 0.0, rope_scaling_style: str = "typed") -> Path:
+def write_tiny_model(
+    path: Path,
+    arch: str,
+    *,
+    n_layers: int = 4,
+    n_embd: int = 256,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 64,
+    n_ff: int = 512,
+    quant: bool = False,
+    seed: int = 0,
+    sliding_window: int = 0,
+    split_max_tensors: int = 0,
+    context_length: int = 4096,
+    rope_linear_factor: float = 0.0,
+    rope_freqs: bool = False,
+    final_logit_softcap: float = 0.0,
+    rope_scaling_style: str = "typed",
+) -> Path:
     """Write a random-weight ``arch`` GGUF (``llama``, ``qwen2``, ``qwen3`` or ``gemma3``) to ``path``.
 
     With ``quant``, attention q/o projections are Q8_0 and FFN up/down are Q4_K; the rest is F32.
@@ -90,7 +129,9 @@ def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 
             w.add_float32(f"{arch}.rope.scale_linear", rope_linear_factor)
         else:
             if rope_scaling_style in ("typed", "yarn"):
-                w.add_rope_scaling_type(RopeScalingType.LINEAR if rope_scaling_style == "typed" else RopeScalingType.YARN)
+                w.add_rope_scaling_type(
+                    RopeScalingType.LINEAR if rope_scaling_style == "typed" else RopeScalingType.YARN
+                )
             w.add_rope_scaling_factor(rope_linear_factor)
     if final_logit_softcap:
         w.add_final_logit_softcapping(final_logit_softcap)
@@ -103,7 +144,7 @@ def write_tiny_model(path: Path, arch: str, *, n_layers: int = 4, n_embd: int = 
         w.add_tensor(name, (rng.standard_normal(shape) * scale + offset).astype(np.float32))
 
     def matrix(name: str, rows: int, cols: int, qtype: QT | None = None) -> None:
-        data = (rng.standard_normal((rows, cols)) * cols ** -0.5).astype(np.float32)
+        data = (rng.standard_normal((rows, cols)) * cols**-0.5).astype(np.float32)
         if qtype == QT.Q8_0:
             w.add_tensor(name, quantize(data, QT.Q8_0), raw_dtype=QT.Q8_0)
         elif qtype == QT.Q4_K:

@@ -40,7 +40,8 @@ Layout of the defaults (``n_layers`` = 6, so tests can cut the model into the sh
   heads): text positions enter as ``[p, p, p, 0]``.
 * ``qwen35`` (dense Qwen3.5): ``qwen35moe``'s blocks with a plain SwiGLU FFN of 256, no experts.
 * ``glm-dsa`` (GLM-5.2): ``deepseek2``'s MLA (q LoRA, split ``attn_k_b``/``attn_v_b``), 1 leading dense block,
-  sigmoid routing with ``exp_probs_b``, 1 shared expert, and DSA: a lightning indexer (4 heads of 64: llama.cpp rotates its keys by a Hadamard matrix of at least 64, top-12 keys)
+  sigmoid routing with ``exp_probs_b``, 1 shared expert, and DSA: a lightning indexer (4 heads of 64: llama.cpp
+  rotates its keys by a Hadamard matrix of at least 64, top-12 keys)
   on the "full" blocks (``indexer.*`` tensors), whose top-k the following "shared" blocks reuse. Without an
   ``indexer_types`` override no ``attention.indexer.types`` key is written and the trained context is 1M, so
   llama.cpp applies GLM-5.2's default pattern (blocks 0, 1, 2, 6, 10, ... full).
@@ -59,18 +60,36 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
-
 from tinymodels import N_VOCAB, add_test_vocab
 
-MOE_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "deepseek", "deepseek2", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe",
-                               "qwen35", "glm-dsa")
+MOE_ARCHS: tuple[str, ...] = (
+    "qwen3moe",
+    "qwen2moe",
+    "deepseek",
+    "deepseek2",
+    "glm4moe",
+    "gpt-oss",
+    "qwen3next",
+    "qwen35moe",
+    "qwen35",
+    "glm-dsa",
+)
 
 # expert_gating_func values (llama.cpp's llama_expert_gating_func_type)
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
 
 _COMMON: dict[str, Any] = dict(
-    n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256, n_ff_exp=64, n_expert=8,
-    n_expert_used=2, context_length=4096, rope_freq_base=10000.0, rms_eps=1e-6,
+    n_embd=128,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=32,
+    n_ff=256,
+    n_ff_exp=64,
+    n_expert=8,
+    n_expert_used=2,
+    context_length=4096,
+    rope_freq_base=10000.0,
+    rms_eps=1e-6,
 )
 
 MOE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -79,39 +98,91 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek": dict(_COMMON, n_head_kv=4, n_dense_lead=1, n_expert_shared=2),
     "deepseek2": dict(
         {k: v for k, v in _COMMON.items() if k not in ("n_head_kv", "head_dim")},  # MLA: own head dims
-        n_dense_lead=3, n_expert_shared=1, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16,
-        qk_nope_head_dim=32, v_head_dim=32, expert_gating_func=GATING_SIGMOID, expert_weights_norm=True,
-        expert_weights_scale=2.5, exp_probs_b=True, n_expert_groups=0, n_group_used=0,
-        yarn_factor=0.0, yarn_orig_ctx=64, yarn_log_mul=0.1,
+        n_dense_lead=3,
+        n_expert_shared=1,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        expert_gating_func=GATING_SIGMOID,
+        expert_weights_norm=True,
+        expert_weights_scale=2.5,
+        exp_probs_b=True,
+        n_expert_groups=0,
+        n_group_used=0,
+        yarn_factor=0.0,
+        yarn_orig_ctx=64,
+        yarn_log_mul=0.1,
     ),
     "glm4moe": dict(
-        _COMMON, n_dense_lead=2, n_expert_shared=1, rope_dim=16, expert_gating_func=GATING_SIGMOID,
-        expert_weights_norm=True, expert_weights_scale=1.0,
+        _COMMON,
+        n_dense_lead=2,
+        n_expert_shared=1,
+        rope_dim=16,
+        expert_gating_func=GATING_SIGMOID,
+        expert_weights_norm=True,
+        expert_weights_scale=1.0,
     ),
     "gpt-oss": dict(_COMMON, sliding_window=8, n_swa_pattern=2),
     # hybrid: gated delta-net (recurrent) blocks and gated full attention; full_attention_interval 3 puts the
     # attention blocks at 2 and 5, so the middle shard [2, 4) starts on one (recomputed from the shard's own
     # block numbers, block 0 of it would be a delta-net block)
-    "qwen3next": dict(_COMMON, n_ff_shexp=96, full_attention_interval=3, ssm_conv_kernel=4, ssm_state_size=32,
-                      ssm_group_count=2, ssm_time_step_rank=4),
+    "qwen3next": dict(
+        _COMMON,
+        n_ff_shexp=96,
+        full_attention_interval=3,
+        ssm_conv_kernel=4,
+        ssm_state_size=32,
+        ssm_group_count=2,
+        ssm_time_step_rank=4,
+    ),
     # Qwen3.5-MoE (Ornith-1.0-397B's architecture): qwen3next's blocks with separate ssm_beta / ssm_alpha
     # projections and interleaved multi-section RoPE (IMRoPE) on a partial rotary dimension
     # GLM-5.2 (DSA): deepseek2's MLA with a lightning indexer on the "full" blocks; the "shared" ones reuse the
     # top-k of the last full one. No indexer.types key and a 1M trained context: llama.cpp then applies
     # GLM-5.2's default pattern 1,1,1,0,0,0,1,0,... counted from the file's block 0
     "glm-dsa": dict(
-        {k: v for k, v in _COMMON.items() if k not in ("n_head_kv", "head_dim")}, context_length=1048576,
-        n_dense_lead=1, n_expert_shared=1, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16,
-        qk_nope_head_dim=32, v_head_dim=32, expert_gating_func=GATING_SIGMOID, expert_weights_norm=True,
-        expert_weights_scale=2.5, exp_probs_b=True, indexer_n_head=4, indexer_head_size=64, indexer_top_k=12,
+        {k: v for k, v in _COMMON.items() if k not in ("n_head_kv", "head_dim")},
+        context_length=1048576,
+        n_dense_lead=1,
+        n_expert_shared=1,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        expert_gating_func=GATING_SIGMOID,
+        expert_weights_norm=True,
+        expert_weights_scale=2.5,
+        exp_probs_b=True,
+        indexer_n_head=4,
+        indexer_head_size=64,
+        indexer_top_k=12,
         indexer_types=None,
     ),
     # the dense Qwen3.5 (Ornith's 9B / 31B sizes, if they are Qwen3.5-based): qwen35moe's blocks with a SwiGLU FFN
-    "qwen35": dict({k: v for k, v in _COMMON.items() if k not in ("n_ff_exp", "n_expert", "n_expert_used")},
-                   full_attention_interval=3, ssm_conv_kernel=4, ssm_state_size=32, ssm_group_count=2,
-                   ssm_time_step_rank=4, rope_dim=16, rope_sections=(3, 3, 2, 0)),
-    "qwen35moe": dict(_COMMON, n_ff_shexp=96, full_attention_interval=3, ssm_conv_kernel=4, ssm_state_size=32,
-                      ssm_group_count=2, ssm_time_step_rank=4, rope_dim=16, rope_sections=(3, 3, 2, 0)),
+    "qwen35": dict(
+        {k: v for k, v in _COMMON.items() if k not in ("n_ff_exp", "n_expert", "n_expert_used")},
+        full_attention_interval=3,
+        ssm_conv_kernel=4,
+        ssm_state_size=32,
+        ssm_group_count=2,
+        ssm_time_step_rank=4,
+        rope_dim=16,
+        rope_sections=(3, 3, 2, 0),
+    ),
+    "qwen35moe": dict(
+        _COMMON,
+        n_ff_shexp=96,
+        full_attention_interval=3,
+        ssm_conv_kernel=4,
+        ssm_state_size=32,
+        ssm_group_count=2,
+        ssm_time_step_rank=4,
+        rope_dim=16,
+        rope_sections=(3, 3, 2, 0),
+    ),
 }
 
 
@@ -119,6 +190,7 @@ def weight_writers(w: GGUFWriter, rng: np.random.Generator):
     """``(f32, norm, matrix)``: writers of random F32 tensors into ``w``. ``f32(name, *shape, scale, offset)``: entries
     ~ N(offset, scale^2); ``norm(name, dim)``: ~ N(1, 0.01); ``matrix(name, *shape, scale)``: a weight of numpy shape
     ``(..., n_out, n_in)``, entries ~ N(0, scale^2 / n_in)."""
+
     def f32(name: str, *shape: int, scale: float = 0.05, offset: float = 0.0) -> None:
         w.add_tensor(name, (rng.standard_normal(shape) * scale + offset).astype(np.float32))
 
@@ -201,8 +273,9 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         if c.indexer_types is not None:
             w.add_array(f"{arch}.attention.indexer.types", [int(v) for v in c.indexer_types])
     if arch == "glm-dsa":
-        indexer_full = (list(c.indexer_types) if c.indexer_types is not None else
-                        [1, 1] + [1, 0, 0, 0] * ((n_layers + 3) // 4))[:n_layers]
+        indexer_full = (
+            list(c.indexer_types) if c.indexer_types is not None else [1, 1] + [1, 0, 0, 0] * ((n_layers + 3) // 4)
+        )[:n_layers]
 
     if arch in ("deepseek2", "glm-dsa"):
         # MLA converted to MQA with one big kv head (what convert_hf_to_gguf.py writes)
@@ -215,7 +288,9 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
         kv_u32("attention.value_length_mla", c.v_head_dim)
         kv_u32("rope.dimension_count", c.qk_rope_head_dim)
         kv_u32("vocab_size", N_VOCAB)
-        if cfg.get("yarn_factor", 0) > 0:  # YaRN as DeepSeek-V2/V3 exports have it (the converter writes 0.1 * mscale_all_dim)
+        if (
+            cfg.get("yarn_factor", 0) > 0
+        ):  # YaRN as DeepSeek-V2/V3 exports have it (the converter writes 0.1 * mscale_all_dim)
             w.add_rope_scaling_type(RopeScalingType.YARN)
             w.add_rope_scaling_factor(c.yarn_factor)
             w.add_rope_scaling_orig_ctx_len(c.yarn_orig_ctx)
@@ -310,7 +385,15 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
                 f32(p + "attn_sinks.weight", c.n_head, scale=0.5)
 
         # --- FFN norm: glm4moe and gpt-oss call it post_attention_norm
-        norm(p + ("post_attention_norm.weight" if arch in ("glm4moe", "gpt-oss", "qwen3next", "qwen35moe", "qwen35") else "ffn_norm.weight"), e)
+        norm(
+            p
+            + (
+                "post_attention_norm.weight"
+                if arch in ("glm4moe", "gpt-oss", "qwen3next", "qwen35moe", "qwen35")
+                else "ffn_norm.weight"
+            ),
+            e,
+        )
 
         # --- FFN
         if not moe:
@@ -331,7 +414,7 @@ def write_tiny_moe_model(path: Path, arch: str, *, n_layers: int = 6, seed: int 
             f32(p + "ffn_up_exps.bias", d, f, scale=0.05)
             f32(p + "ffn_down_exps.bias", d, e, scale=0.02)
         if arch in ("qwen2moe", "qwen3next", "qwen35moe"):
-            f32(p + "ffn_gate_inp_shexp.weight", e, scale=e ** -0.5 * 2.0)  # the shared expert's sigmoid gate
+            f32(p + "ffn_gate_inp_shexp.weight", e, scale=e**-0.5 * 2.0)  # the shared expert's sigmoid gate
             matrix(p + "ffn_gate_shexp.weight", c.n_ff_shexp, e)
             matrix(p + "ffn_up_shexp.weight", c.n_ff_shexp, e)
             matrix(p + "ffn_down_shexp.weight", e, c.n_ff_shexp)
@@ -356,11 +439,32 @@ class _Cfg:
 
 
 DEEPSEEK4_DEFAULTS: dict[str, Any] = dict(
-    n_embd=128, n_head=4, head_dim=64, rope_dim=16, q_lora_rank=96, o_groups=2, o_lora_rank=32, hc_mult=4,
-    n_ff_exp=64, n_expert=8, n_expert_used=2, n_expert_shared=1, compress_ratios=(0, 4, 128, 4),
-    hash_layers=1, sliding_window=8, indexer_n_head=4, indexer_head_size=64, indexer_top_k=4,
-    context_length=4096, rope_freq_base=10000.0, compress_rope_freq_base=160000.0, rms_eps=1e-6,
-    swiglu_clamp=10.0, expert_weights_scale=1.5, sinkhorn_iters=3, hc_eps=1e-6,
+    n_embd=128,
+    n_head=4,
+    head_dim=64,
+    rope_dim=16,
+    q_lora_rank=96,
+    o_groups=2,
+    o_lora_rank=32,
+    hc_mult=4,
+    n_ff_exp=64,
+    n_expert=8,
+    n_expert_used=2,
+    n_expert_shared=1,
+    compress_ratios=(0, 4, 128, 4),
+    hash_layers=1,
+    sliding_window=8,
+    indexer_n_head=4,
+    indexer_head_size=64,
+    indexer_top_k=4,
+    context_length=4096,
+    rope_freq_base=10000.0,
+    compress_rope_freq_base=160000.0,
+    rms_eps=1e-6,
+    swiglu_clamp=10.0,
+    expert_weights_scale=1.5,
+    sinkhorn_iters=3,
+    hc_eps=1e-6,
 )
 
 
@@ -385,8 +489,8 @@ def write_tiny_deepseek4_model(path: Path, *, seed: int = 0, **overrides: Any) -
     n_layers = len(c.compress_ratios)
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), arch)
-    u32 = lambda key, v: w.add_uint32(f"{arch}.{key}", int(v))  # noqa: E731
-    f32k = lambda key, v: w.add_float32(f"{arch}.{key}", float(v))  # noqa: E731
+    u32 = lambda key, v: w.add_uint32(f"{arch}.{key}", int(v))
+    f32k = lambda key, v: w.add_float32(f"{arch}.{key}", float(v))
     w.add_block_count(n_layers)
     w.add_context_length(c.context_length)
     w.add_embedding_length(c.n_embd)

@@ -57,16 +57,17 @@ VERDICTS = ("bitwise", "refused", "wrong", "crash", "error", "not-a-decoder")
 # Speech models: causal transformers, but their output is audio, not a text vocabulary (llama.cpp has no flag for it)
 SPEECH = {
     "pockettts": "speech backbone: no LM head, the audio latents come from the flow net in the mmproj "
-                 "(src/models/pockettts.cpp)",
+    "(src/models/pockettts.cpp)",
     "qwen3tts": "speech talker: its head predicts 3072 audio codec tokens, not text (src/models/qwen3vl.cpp, "
-                "'Qwen3TTS model with codec_head as output')",
+    "'Qwen3TTS model with codec_head as output')",
     "wavtokenizer-dec": "audio decoder: codec tokens to a spectrogram (src/models/wavtokenizer-dec.cpp)",
 }
 
 
 @dataclass
 class Verdict:
-    """One zoo file's result: ``kind`` one of VERDICTS, ``detail`` the reason / difference / tail (empty for bitwise)."""
+    """One zoo file's result: ``kind`` one of VERDICTS, ``detail`` the reason / difference / tail (empty for
+    bitwise)."""
 
     file: str
     arch: str
@@ -106,7 +107,9 @@ def decoder_check(path: Path, arch: str, metadata: dict) -> str | None:
     if 0 < pooling < 0x7FFFFFFF:  # LLAMA_POOLING_TYPE_MEAN, CLS, LAST, RANK (unspecified is -1: 0xFFFFFFFF)
         return f"{arch}.pooling_type = {pooling} (an embedding or reranking model)"
     import llama_cpp as L
+
     from ggufswarm.runtime.llamacpp.ffi import ensure_backend
+
     ensure_backend()
     params = L.llama_model_default_params()
     params.vocab_only = True  # hparams and vocabulary only: the flags depend on the architecture
@@ -119,8 +122,10 @@ def decoder_check(path: Path, arch: str, metadata: dict) -> str | None:
         if L.llama_model_has_encoder(model):
             return "encoder-decoder or drafter (llama_model_has_encoder true): the decoder needs the encoder's output"
         if L.llama_model_is_diffusion(model):
-            return ("diffusion LM (llama_model_is_diffusion; its load_arch_hparams sets causal_attn = false): "
-                    "bidirectional denoising, no causal decoding")
+            return (
+                "diffusion LM (llama_model_is_diffusion; its load_arch_hparams sets causal_attn = false): "
+                "bidirectional denoising, no causal decoding"
+            )
     finally:
         L.llama_model_free(model)
     return None
@@ -131,11 +136,22 @@ def whole_model_run(path: Path, ids: list[int], n_decode: int, threads: int, n_c
     backend keeps them): all prefill logits ``[T, n_vocab]`` float32, then ``n_decode`` greedy steps (their tokens
     and logits ``[n_vocab]``). The reference of the bitwise tests (test_llamacpp_backend.py too)."""
     import llama_cpp
-    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=512, logits_all=True, n_threads=threads,
-                          n_threads_batch=threads, flash_attn=True, swa_full=True, verbose=False)
+
+    llm = llama_cpp.Llama(
+        str(path),
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        n_ubatch=512,
+        logits_all=True,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,
+        swa_full=True,
+        verbose=False,
+    )
     try:
         llm.eval(ids)
-        prefill = np.array(llm.scores[:len(ids)])
+        prefill = np.array(llm.scores[: len(ids)])
         tokens, decode = [], []
         for _ in range(n_decode):
             tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -168,7 +184,8 @@ STRETCHED_BLOCKS = 8  # blocks of the stretched copy (at least twice the file's)
 
 
 def _ffn_part(name: str) -> bool:
-    """Whether a block tensor suffix (``ffn_up.weight``) or a per-block metadata key belongs to the feed-forward part."""
+    """Whether a block tensor suffix (``ffn_up.weight``) or a per-block metadata key belongs to the feed-forward
+    part."""
     return name.startswith(("ffn_", "exp_probs_b")) or any(w in name for w in ("feed_forward", "expert", "swiglu"))
 
 
@@ -185,9 +202,11 @@ def stretch(model, dest: Path, mix: bool = True) -> Path:
     (``b0 b1 b1 b1 ...``), where a leading block's attention does not fit a later block. A model llama.cpp runs like
     any other; the reference is llama.cpp's whole-model run of the copy."""
     from gguf import GGUFValueType
+
     from ggufswarm.runtime.llamacpp.archs import ARCH_RULES
     from ggufswarm.runtime.llamacpp.derive import _write_gguf
     from ggufswarm.runtime.llamacpp.range_checks import n_model_layers
+
     arch = model.architecture
     n = int(model.metadata[f"{arch}.block_count"])
     if n != n_model_layers(model):
@@ -197,13 +216,19 @@ def stretch(model, dest: Path, mix: bool = True) -> Path:
     lead = min(lead, n - 1)
     total = max(STRETCHED_BLOCKS, 2 * n)
     # block j of the copy: (source of its attention part, source of its feed-forward part)
-    recipe = [(j, j) if j < lead else ((j % n) if mix else lead + (j - lead) % (n - lead),
-                                       lead + (j - lead) % (n - lead)) for j in range(total)]
+    recipe = [
+        (j, j) if j < lead else ((j % n) if mix else lead + (j - lead) % (n - lead), lead + (j - lead) % (n - lead))
+        for j in range(total)
+    ]
     metadata = {}
     for key, value in model.metadata.items():
         vtype, item = model.metadata_types[key]
-        if (key.startswith(f"{arch}.") and isinstance(value, list) and len(value) == n
-                and not key.endswith(".rope.dimension_sections")):
+        if (
+            key.startswith(f"{arch}.")
+            and isinstance(value, list)
+            and len(value) == n
+            and not key.endswith(".rope.dimension_sections")
+        ):
             value = [value[f if _ffn_part(key) else a] for a, f in recipe]
         metadata[key] = (value, vtype, item)
     metadata[f"{arch}.block_count"] = (total, GGUFValueType.UINT32, None)
@@ -224,12 +249,23 @@ def _run_cut(file, points, ids, reference, work_dir, threads) -> tuple[str, str]
     from ggufswarm.runtime.llamacpp.errors import UnsupportedShard
     from ggufswarm.runtime.llamacpp.range_checks import n_model_layers
     from ggufswarm.runtime.spec import split_at
+
     shards = []
     try:
         try:
             for spec in split_at(n_model_layers(file), points):
-                shards.append(LlamaCppShard(file, spec, n_ctx_seq=N_CTX, n_seq_max=1, n_batch=N_CTX, threads=threads,
-                                            all_logits=True, cache_dir=work_dir))
+                shards.append(
+                    LlamaCppShard(
+                        file,
+                        spec,
+                        n_ctx_seq=N_CTX,
+                        n_seq_max=1,
+                        n_batch=N_CTX,
+                        threads=threads,
+                        all_logits=True,
+                        cache_dir=work_dir,
+                    )
+                )
         except UnsupportedShard as exc:
             return "refused", str(exc)
         prefill, tokens, decode = reference()
@@ -247,9 +283,15 @@ def _run_cut(file, points, ids, reference, work_dir, threads) -> tuple[str, str]
             s.close()
 
 
-def probe(path: str | os.PathLike, work_dir: str | os.PathLike, threads: int = 1,
-          n_prompt: int = N_PROMPT, n_decode: int = N_DECODE, try_defaults: bool = False,
-          stretched: bool = True) -> Verdict:
+def probe(
+    path: str | os.PathLike,
+    work_dir: str | os.PathLike,
+    threads: int = 1,
+    n_prompt: int = N_PROMPT,
+    n_decode: int = N_DECODE,
+    try_defaults: bool = False,
+    stretched: bool = True,
+) -> Verdict:
     """Run one zoo file as shard chains against llama.cpp's whole model, in this process (module docstring).
 
     The cuts: the middle one (and a 3-shard one with 3+ blocks) of the file, and with ``stretched`` the same of a
@@ -298,13 +340,14 @@ def probe(path: str | os.PathLike, work_dir: str | os.PathLike, threads: int = 1
                 verdict.results.append("error")
                 try:
                     kind, detail = _run_cut(f, points, ids, reference, work_dir, threads)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     if k == 0 or cache:
                         raise
                     verdict.cuts.pop()
                     verdict.results.pop()
-                    notes.append(f"llama.cpp does not run the {'mixed ' * mixed[k]}stretched copy "
-                                 f"({type(exc).__name__}: {exc})")
+                    notes.append(
+                        f"llama.cpp does not run the {'mixed ' * mixed[k]}stretched copy ({type(exc).__name__}: {exc})"
+                    )
                     if mixed[k]:  # the leading dense blocks' attention does not fit the others: repeat blocks
                         files.append(GGUFModelFile(stretch(file, Path(work_dir) / f"repeated-{path.name}", mix=False)))
                         mixed.append(False)
@@ -327,7 +370,7 @@ def probe(path: str | os.PathLike, work_dir: str | os.PathLike, threads: int = 1
         else:
             verdict.kind, verdict.detail = "refused", f"{verdict.n_layers} block: nothing to cut"
         return verdict
-    except Exception as exc:  # noqa: BLE001 - the verdict says what happened
+    except Exception as exc:
         verdict.kind, verdict.detail = "error", f"{type(exc).__name__}: {exc}"
         return verdict
     finally:
@@ -343,6 +386,7 @@ def _chain(shards, kvs, ids: np.ndarray, logits: str) -> np.ndarray:
 
 
 # -- child processes ---------------------------------------------------------------------------------------------------
+
 
 def _worker(threads: int, try_defaults: bool = False) -> None:
     """``zoo.py --worker``: read jobs (one JSON object a line: ``path``, ``stretched``) on stdin, answer one JSON
@@ -371,9 +415,22 @@ class _Child:
         self.log = log_dir / f"worker-{n}.log"
         self.err = open(self.log, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", GGML_NO_BACKTRACE="1")  # ggml's abort: no gdb backtrace
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--threads",
-                                      str(threads), *(["--try-defaults"] if try_defaults else [])], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, env=env, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                "--threads",
+                str(threads),
+                *(["--try-defaults"] if try_defaults else []),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
         self.job: Path | None = None
         self.stretched = True
         self.started = 0.0
@@ -409,8 +466,15 @@ class _Child:
         self.err.close()
 
 
-def run_zoo(files: list[Path], workers: int = 2, threads: int = 1, timeout: float = TIMEOUT_S,
-            log_dir: str | os.PathLike | None = None, progress=None, try_defaults: bool = False) -> list[Verdict]:
+def run_zoo(
+    files: list[Path],
+    workers: int = 2,
+    threads: int = 1,
+    timeout: float = TIMEOUT_S,
+    log_dir: str | os.PathLike | None = None,
+    progress=None,
+    try_defaults: bool = False,
+) -> list[Verdict]:
     """Probe every file in child processes (``workers`` at once, ``threads`` llama.cpp threads each); a worker that
     dies or hangs past ``timeout`` seconds is replaced and its file gets a ``crash`` verdict. Verdicts in file order.
     ``progress``: called with each Verdict as it arrives; ``try_defaults``: as ``probe``."""
@@ -473,8 +537,17 @@ def run_zoo(files: list[Path], workers: int = 2, threads: int = 1, timeout: floa
                         queue.insert(0, (c.job, False))
                         c.job = None
                     else:
-                        done(c, Verdict(c.job.name, arch, variant, "crash", f"{what}: {tail}",
-                                        seconds=round(time.monotonic() - c.started, 2)))
+                        done(
+                            c,
+                            Verdict(
+                                c.job.name,
+                                arch,
+                                variant,
+                                "crash",
+                                f"{what}: {tail}",
+                                seconds=round(time.monotonic() - c.started, 2),
+                            ),
+                        )
                     c = children[i] = spawn()
                 else:
                     continue
@@ -495,6 +568,7 @@ def run_zoo(files: list[Path], workers: int = 2, threads: int = 1, timeout: floa
 
 # -- the zoo files -----------------------------------------------------------------------------------------------------
 
+
 def tool_key(tool: str | os.PathLike) -> str:
     """Cache key of the zoo a test-llama-archs binary writes: the SHA-256 (first 16 hex digits) of the binary and of
     the llama/ggml libraries beside it (what it links: the models it writes depend on both), and the seed."""
@@ -514,8 +588,12 @@ def find_tool(root: str | os.PathLike | None = None) -> tuple[Path | None, str]:
         return (Path(env), "") if Path(env).is_file() else (None, f"GGUFSWARM_TEST_LLAMA_ARCHS={env} is not a file")
     root = Path(root) if root else Path(__file__).resolve().parent.parent
     try:
-        proc = subprocess.run(["bash", str(root / "scripts" / "build_llama_cpp_python.sh"), "tools"],
-                              capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run(
+            ["bash", str(root / "scripts" / "build_llama_cpp_python.sh"), "tools"],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, f"scripts/build_llama_cpp_python.sh tools: {exc}"
     lines = proc.stdout.strip().splitlines()
@@ -537,8 +615,7 @@ def write_zoo(tool: str | os.PathLike, cache_root: str | os.PathLike | None = No
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        proc = subprocess.run([str(tool), "-o", str(tmp), "-s", str(SEED)], capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run([str(tool), "-o", str(tmp), "-s", str(SEED)], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0 or not list(tmp.glob("*.gguf")):
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
             raise RuntimeError(f"{tool} -o failed ({proc.returncode}): {' | '.join(tail)}")
@@ -556,6 +633,7 @@ def zoo_files(directory: str | os.PathLike) -> list[Path]:
 
 # -- reports -----------------------------------------------------------------------------------------------------------
 
+
 def counts(verdicts: list[Verdict]) -> dict:
     """Per-file and per-architecture counts. An architecture counts as bitwise when all its files (dense, moe) are;
     as a decoder when any of its files is one."""
@@ -565,9 +643,15 @@ def counts(verdicts: list[Verdict]) -> dict:
         archs.setdefault(v.arch, []).append(v)
     decoders = {a: vs for a, vs in archs.items() if any(v.kind != "not-a-decoder" for v in vs)}
     bitwise = [a for a, vs in decoders.items() if all(v.kind in ("bitwise", "not-a-decoder") for v in vs)]
-    return {"files": len(verdicts), **by_kind, "archs": len(archs), "decoder_archs": len(decoders),
-            "bitwise_archs": len(bitwise), "not_decoder_archs": len(archs) - len(decoders),
-            "bitwise_share": len(bitwise) / len(decoders) if decoders else 0.0}
+    return {
+        "files": len(verdicts),
+        **by_kind,
+        "archs": len(archs),
+        "decoder_archs": len(decoders),
+        "bitwise_archs": len(bitwise),
+        "not_decoder_archs": len(archs) - len(decoders),
+        "bitwise_share": len(bitwise) / len(decoders) if decoders else 0.0,
+    }
 
 
 def table(verdicts: list[Verdict], width: int = 150) -> str:
@@ -576,25 +660,34 @@ def table(verdicts: list[Verdict], width: int = 150) -> str:
         text = str(v)
         if len(text) > width:
             text = text[: width - 3] + "..."
-        rows.append(f"{v.file:<28} {v.n_layers:>6} {' '.join(f'{c[0]}:' + ','.join(map(str, c[1:])) for c in v.cuts):<16} "
-                    f"{v.seconds:>5.1f}  {text}")
+        rows.append(
+            f"{v.file:<28} {v.n_layers:>6} {' '.join(f'{c[0]}:' + ','.join(map(str, c[1:])) for c in v.cuts):<16} "
+            f"{v.seconds:>5.1f}  {text}"
+        )
     c = counts(verdicts)
-    rows.append(f"{c['files']} files: " + ", ".join(f"{c[k]} {k}" for k in VERDICTS)
-                + f"; {c['bitwise_archs']}/{c['decoder_archs']} decoder architectures bitwise "
-                  f"({100 * c['bitwise_share']:.1f} %), {c['not_decoder_archs']} not decoders")
+    rows.append(
+        f"{c['files']} files: "
+        + ", ".join(f"{c[k]} {k}" for k in VERDICTS)
+        + f"; {c['bitwise_archs']}/{c['decoder_archs']} decoder architectures bitwise "
+        f"({100 * c['bitwise_share']:.1f} %), {c['not_decoder_archs']} not decoders"
+    )
     return "\n".join(rows)
 
 
 def main(argv: list[str]) -> int:
     import argparse
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("paths", nargs="*", help="zoo directories or files")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", help="write the verdicts here")
-    ap.add_argument("--try-defaults", action="store_true",
-                    help="try architectures outside ARCH_RULES with the default rules (to grow the table)")
+    ap.add_argument(
+        "--try-defaults",
+        action="store_true",
+        help="try architectures outside ARCH_RULES with the default rules (to grow the table)",
+    )
     args = ap.parse_args(argv)
     if args.worker:
         _worker(args.threads, args.try_defaults)
@@ -605,8 +698,13 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             verdicts = [probe(files[0], tmp, threads=args.threads, try_defaults=args.try_defaults)]
     else:
-        verdicts = run_zoo(files, workers=args.workers, threads=args.threads, try_defaults=args.try_defaults,
-                           progress=lambda v: print(f"{v.file}: {str(v)[:200]}", file=sys.stderr, flush=True))
+        verdicts = run_zoo(
+            files,
+            workers=args.workers,
+            threads=args.threads,
+            try_defaults=args.try_defaults,
+            progress=lambda v: print(f"{v.file}: {str(v)[:200]}", file=sys.stderr, flush=True),
+        )
     print(table(verdicts))
     print(f"{time.monotonic() - t0:.1f} s", file=sys.stderr)
     if args.json:

@@ -48,7 +48,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
     finally:
         try:
             writer.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
@@ -99,7 +99,7 @@ class DelayProxy:
             try:
                 self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, *self.listen))
                 self.address = self._server.sockets[0].getsockname()[:2]
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 failed.append(exc)
                 ready.set()
                 return

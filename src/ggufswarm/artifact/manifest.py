@@ -45,18 +45,26 @@ class Manifest:
     version: int = MANIFEST_VERSION
 
     @classmethod
-    def from_gguf(cls, path: str | Path, name: str | None = None, hash_files: bool = True) -> "Manifest":
+    def from_gguf(cls, path: str | Path, name: str | None = None, hash_files: bool = True) -> Manifest:
         """Index a GGUF file or split set. ``hash_files`` computes each file's SHA-256 (reads the whole file)."""
         model = GGUFModelFile(path)
         index = {p: i for i, p in enumerate(model.paths)}
         files = []
         for p in model.paths:
-            files.append({"name": p.name, "bytes": p.stat().st_size,
-                          "sha256": sha256_file(p) if hash_files else "",
-                          "header_bytes": min(t.offset for t in model.tensors.values() if t.path == p)
-                          if any(t.path == p for t in model.tensors.values()) else p.stat().st_size})
-        tensors = [ManifestTensor(t.name, index[t.path], t.offset, t.n_bytes, t.ggml_type.name, list(t.shape), t.layer)
-                   for t in sorted(model.tensors.values(), key=lambda t: (index[t.path], t.offset))]
+            files.append(
+                {
+                    "name": p.name,
+                    "bytes": p.stat().st_size,
+                    "sha256": sha256_file(p) if hash_files else "",
+                    "header_bytes": min(t.offset for t in model.tensors.values() if t.path == p)
+                    if any(t.path == p for t in model.tensors.values())
+                    else p.stat().st_size,
+                }
+            )
+        tensors = [
+            ManifestTensor(t.name, index[t.path], t.offset, t.n_bytes, t.ggml_type.name, list(t.shape), t.layer)
+            for t in sorted(model.tensors.values(), key=lambda t: (index[t.path], t.offset))
+        ]
         n_layers = int(model.metadata.get(f"{model.architecture}.block_count", 0))
         return cls(name or model.paths[0].name.removesuffix(".gguf"), model.architecture, n_layers, files, tensors)
 
@@ -99,7 +107,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         """Parse JSON text; ValueError when it is not a manifest of a known version."""
         data = json.loads(text)
         if not isinstance(data, dict):

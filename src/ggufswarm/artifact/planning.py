@@ -12,8 +12,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .accounting import (FRAME_HEADER_BYTES, MAX_CONTEXT, TRAILER_BYTES_PER_TOKEN, WIRE_ELEMENT_BYTES, HeaderAccounts,
-                         ShardAccount)
+from .accounting import (
+    FRAME_HEADER_BYTES,
+    MAX_CONTEXT,
+    TRAILER_BYTES_PER_TOKEN,
+    WIRE_ELEMENT_BYTES,
+    HeaderAccounts,
+    ShardAccount,
+)
 from .gguf_file import GGUFError, GGUFModelFile
 
 
@@ -60,8 +66,14 @@ def _check(node_memory: int, context: int, sessions: int, n_nodes: int | None) -
         raise PlanError(f"nodes must be at least 1, got {n_nodes}")
 
 
-def place(acc: HeaderAccounts, node_memory: int, context: int, n_nodes: int | None = None, sessions: int = 1,
-          wire_dtype: str = "f32") -> Placement:
+def place(
+    acc: HeaderAccounts,
+    node_memory: int,
+    context: int,
+    n_nodes: int | None = None,
+    sessions: int = 1,
+    wire_dtype: str = "f32",
+) -> Placement:
     """Cut blocks ``0 .. acc.n_layers - 1`` into contiguous shards for nodes of ``node_memory`` bytes, each
     holding ``sessions`` sessions of ``context`` tokens.
 
@@ -109,18 +121,24 @@ def place(acc: HeaderAccounts, node_memory: int, context: int, n_nodes: int | No
     cuts = greedy(node_memory)
     if cuts is None and all(cost(i, i + 1) <= node_memory for i in range(n)):
         problem = next((p for p in (acc.range_problem(i, i + 1) for i in range(n)) if p), "")
-        raise PlanError(f"no placement on nodes of {human_bytes(node_memory)} with {sessions} session(s) of {context} "
-                        f"tokens: the shards that fit break the model's cut rules ({problem}); use bigger nodes or "
-                        f"a shorter --context")
+        raise PlanError(
+            f"no placement on nodes of {human_bytes(node_memory)} with {sessions} session(s) of {context} "
+            f"tokens: the shards that fit break the model's cut rules ({problem}); use bigger nodes or "
+            f"a shorter --context"
+        )
     if cuts is None:
         worst = max(range(n), key=lambda i: cost(i, i + 1))
-        raise PlanError(f"block {worst} alone (with its stage and {sessions} session(s) of {context} tokens) needs "
-                        f"{human_bytes(cost(worst, worst + 1))}, more than a node's {human_bytes(node_memory)}; use bigger "
-                        f"nodes or a shorter --context")
+        raise PlanError(
+            f"block {worst} alone (with its stage and {sessions} session(s) of {context} tokens) needs "
+            f"{human_bytes(cost(worst, worst + 1))}, more than a node's {human_bytes(node_memory)}; use bigger "
+            f"nodes or a shorter --context"
+        )
     if n_nodes is not None:
         if len(cuts) > n_nodes:
-            raise PlanError(f"{n_nodes} node(s) of {human_bytes(node_memory)} cannot hold the model with {sessions} "
-                            f"session(s) of {context} tokens: it needs at least {len(cuts)}")
+            raise PlanError(
+                f"{n_nodes} node(s) of {human_bytes(node_memory)} cannot hold the model with {sessions} "
+                f"session(s) of {context} tokens: it needs at least {len(cuts)}"
+            )
         lo, hi = max(cost(i, i + 1) for i in range(n)), node_memory
         while lo < hi:  # the least bound under which greedy needs at most n_nodes nodes
             mid = (lo + hi) // 2
@@ -143,11 +161,13 @@ def place(acc: HeaderAccounts, node_memory: int, context: int, n_nodes: int | No
     if trained is not None:
         session_context = trained if session_context is None else min(session_context, trained)
     hop = FRAME_HEADER_BYTES + acc.boundary_bytes_per_token(wire_dtype) + TRAILER_BYTES_PER_TOKEN
-    return Placement(node_memory, context, sessions, nodes, session_context, trained, wire_dtype,
-                     hop * (len(nodes) - 1))
+    return Placement(
+        node_memory, context, sessions, nodes, session_context, trained, wire_dtype, hop * (len(nodes) - 1)
+    )
 
 
 # -- loading a header ------------------------------------------------------------------------------------
+
 
 def local_accounts(model: str | None) -> tuple[HeaderAccounts, str]:
     """The accounting of a local GGUF ``model`` and a one-line description of it.
@@ -168,8 +188,10 @@ def local_accounts(model: str | None) -> tuple[HeaderAccounts, str]:
     described = sum(t.n_bytes for t in file.tensors.values())
     on_disk = sum(p.stat().st_size for p in file.paths)
     note = "" if on_disk >= described + file.header_bytes else f", {human_bytes(on_disk)} on disk (header only)"
-    return HeaderAccounts.from_model(file), (f"{path} ({len(file.paths)} file(s), {len(file.tensors)} tensors, "
-                                              f"{human_bytes(described)} of tensors described{note})")
+    return HeaderAccounts.from_model(file), (
+        f"{path} ({len(file.paths)} file(s), {len(file.tensors)} tensors, "
+        f"{human_bytes(described)} of tensors described{note})"
+    )
 
 
 def human_bytes(n: int | float) -> str:
@@ -184,70 +206,97 @@ def human_bytes(n: int | float) -> str:
 def plan_json(acc: HeaderAccounts, placement: Placement | None, source: str) -> dict:
     """Everything ``plan`` reports, as JSON-ready data (bytes as integers)."""
     return {
-        "source": source, "arch": acc.arch, "n_layers": acc.n_layers, "n_blocks": acc.n_blocks, "n_embd": acc.n_embd,
-        "boundary_width": acc.boundary_width, "blocks": [asdict(b) for b in acc.layers],
+        "source": source,
+        "arch": acc.arch,
+        "n_layers": acc.n_layers,
+        "n_blocks": acc.n_blocks,
+        "n_embd": acc.n_embd,
+        "boundary_width": acc.boundary_width,
+        "blocks": [asdict(b) for b in acc.layers],
         "globals": dict(sorted(acc.global_bytes.items())),
-        "embed_bytes": acc.embed_bytes, "head_bytes": acc.head_bytes, "shared_bytes": acc.shared_bytes,
+        "embed_bytes": acc.embed_bytes,
+        "head_bytes": acc.head_bytes,
+        "shared_bytes": acc.shared_bytes,
         "total_bytes": acc.total_bytes,
-        "kv_bytes_per_token": sum(b.kv_bytes_per_token for b in acc.layers[:acc.n_layers]),
-        "state_bytes_per_session": sum(b.state_bytes_per_session for b in acc.layers[:acc.n_layers]),
+        "kv_bytes_per_token": sum(b.kv_bytes_per_token for b in acc.layers[: acc.n_layers]),
+        "state_bytes_per_session": sum(b.state_bytes_per_session for b in acc.layers[: acc.n_layers]),
         "boundary_bytes_per_token": {d: acc.boundary_bytes_per_token(d) for d in WIRE_ELEMENT_BYTES},
-        "placement": None if placement is None else {
+        "placement": None
+        if placement is None
+        else {
             **{k: v for k, v in asdict(placement).items() if k != "nodes"},
-            "nodes": [{**p.shard.to_json(), "used_bytes": p.used_bytes, "max_context": p.max_context}
-                      for p in placement.nodes]},
+            "nodes": [
+                {**p.shard.to_json(), "used_bytes": p.used_bytes, "max_context": p.max_context} for p in placement.nodes
+            ],
+        },
     }
 
 
 def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> str:
     """The human report of ``plan``: per-block table, totals, boundary, placement."""
-    lines = [f"model: {source}", f"architecture {acc.arch}: {acc.n_layers} blocks on a route"
-             + (f" (+{acc.n_blocks - acc.n_layers} MTP/nextn blocks no route runs)" if acc.n_blocks > acc.n_layers
-                else "") + f", n_embd {acc.n_embd}", "",
-             f"{'block':>5}  {'kind':<10} {'weight bytes':>16} {'':>11}  {'KV B/token':>10}  {'state B/session':>15}"]
+    lines = [
+        f"model: {source}",
+        f"architecture {acc.arch}: {acc.n_layers} blocks on a route"
+        + (f" (+{acc.n_blocks - acc.n_layers} MTP/nextn blocks no route runs)" if acc.n_blocks > acc.n_layers else "")
+        + f", n_embd {acc.n_embd}",
+        "",
+        f"{'block':>5}  {'kind':<10} {'weight bytes':>16} {'':>11}  {'KV B/token':>10}  {'state B/session':>15}",
+    ]
     for b in acc.layers:
         mark = "" if b.index < acc.n_layers else "  (MTP, not placed)"
-        lines.append(f"{b.index:>5}  {b.kind:<10} {b.weight_bytes:>16,} {human_bytes(b.weight_bytes):>11}  "
-                     f"{b.kv_bytes_per_token:>10,}  {b.state_bytes_per_session:>15,}{mark}")
+        lines.append(
+            f"{b.index:>5}  {b.kind:<10} {b.weight_bytes:>16,} {human_bytes(b.weight_bytes):>11}  "
+            f"{b.kv_bytes_per_token:>10,}  {b.state_bytes_per_session:>15,}{mark}"
+        )
     block_total = sum(b.weight_bytes for b in acc.layers)
     lines += [f"{'all':>5}  {'':<10} {block_total:>16,} {human_bytes(block_total):>11}", ""]
     for name, n in sorted(acc.global_bytes.items()):
         lines.append(f"  {name:<28} {n:>16,} {human_bytes(n):>11}")
-    route_kv = sum(b.kv_bytes_per_token for b in acc.layers[:acc.n_layers])
-    width = f"n_embd {acc.n_embd}" + (f" x {acc.boundary_width // acc.n_embd} (hyper-connections)"
-                                      if acc.boundary_width != acc.n_embd else "")
-    route_state = sum(b.state_bytes_per_session for b in acc.layers[:acc.n_layers])
+    route_kv = sum(b.kv_bytes_per_token for b in acc.layers[: acc.n_layers])
+    width = f"n_embd {acc.n_embd}" + (
+        f" x {acc.boundary_width // acc.n_embd} (hyper-connections)" if acc.boundary_width != acc.n_embd else ""
+    )
+    route_state = sum(b.state_bytes_per_session for b in acc.layers[: acc.n_layers])
     trained = acc.metadata.get(f"{acc.arch}.context_length")
     longest = min(int(trained), MAX_CONTEXT) if trained else MAX_CONTEXT  # the longest session a route serves
-    lines += [f"  {'tensor table total':<28} {acc.total_bytes:>16,} {human_bytes(acc.total_bytes):>11}", "",
-              f"KV cache per token (all route blocks, f16): {route_kv:,} B; at {longest:,} tokens "
-              f"{human_bytes(route_kv * longest)}",
-              f"recurrent state per session (f32): {route_state:,} B",
-              f"boundary per decode token: {width} x 4 = {acc.boundary_bytes_per_token('f32'):,} B f32 "
-              f"({acc.boundary_bytes_per_token('f16'):,} B f16); a frame adds {FRAME_HEADER_BYTES} + "
-              f"{TRAILER_BYTES_PER_TOKEN} B"]
+    lines += [
+        f"  {'tensor table total':<28} {acc.total_bytes:>16,} {human_bytes(acc.total_bytes):>11}",
+        "",
+        f"KV cache per token (all route blocks, f16): {route_kv:,} B; at {longest:,} tokens "
+        f"{human_bytes(route_kv * longest)}",
+        f"recurrent state per session (f32): {route_state:,} B",
+        f"boundary per decode token: {width} x 4 = {acc.boundary_bytes_per_token('f32'):,} B f32 "
+        f"({acc.boundary_bytes_per_token('f16'):,} B f16); a frame adds {FRAME_HEADER_BYTES} + "
+        f"{TRAILER_BYTES_PER_TOKEN} B",
+    ]
     if placement is None:
         return "\n".join(lines)
     p = placement
-    lines += ["", f"placement: nodes of {human_bytes(p.node_memory)}, {p.sessions} session(s) of {p.context:,} tokens "
-                  f"each (weights + KV + state; compute buffers not counted)",
-              f"{'node':>4}  {'layers':<9} {'stages':<11} {'weights':>11} {'KV+state':>11} {'used':>11} "
-              f"{'max context':>12}"]
+    lines += [
+        "",
+        f"placement: nodes of {human_bytes(p.node_memory)}, {p.sessions} session(s) of {p.context:,} tokens "
+        f"each (weights + KV + state; compute buffers not counted)",
+        f"{'node':>4}  {'layers':<9} {'stages':<11} {'weights':>11} {'KV+state':>11} {'used':>11} {'max context':>12}",
+    ]
     for i, node in enumerate(p.nodes, 1):
         s = node.shard
         stages = "+".join(x for x, on in (("embed", s.embed), ("head", s.head)) if on) or "-"
         sessions_bytes = node.used_bytes - s.weight_bytes
         ctx = f"{longest:,}" if node.max_context is None or node.max_context >= longest else f"{node.max_context:,}"
-        lines.append(f"{i:>4}  {s.layers[0]}:{s.layers[1]:<{8 - len(str(s.layers[0]))}} {stages:<11} "
-                     f"{human_bytes(s.weight_bytes):>11} {human_bytes(sessions_bytes):>11} {human_bytes(node.used_bytes):>11} "
-                     f"{ctx:>12}")
+        lines.append(
+            f"{i:>4}  {s.layers[0]}:{s.layers[1]:<{8 - len(str(s.layers[0]))}} {stages:<11} "
+            f"{human_bytes(s.weight_bytes):>11} {human_bytes(sessions_bytes):>11} {human_bytes(node.used_bytes):>11} "
+            f"{ctx:>12}"
+        )
     ctx = "unbounded by memory" if p.session_context is None else f"{p.session_context:,} tokens"
     trained = f" (trained context {p.trained_context:,})" if p.trained_context else ""
     hops = len(p.nodes) - 1
-    lines += [f"nodes: {len(p.nodes)}; each session can have up to {ctx}{trained}",
-              f"wire bytes per decode token on this route ({p.wire_dtype}): {hops} hop(s) x "
-              f"{FRAME_HEADER_BYTES + acc.boundary_bytes_per_token(p.wire_dtype) + TRAILER_BYTES_PER_TOKEN:,} = "
-              f"{p.wire_bytes_per_token:,} B"]
+    lines += [
+        f"nodes: {len(p.nodes)}; each session can have up to {ctx}{trained}",
+        f"wire bytes per decode token on this route ({p.wire_dtype}): {hops} hop(s) x "
+        f"{FRAME_HEADER_BYTES + acc.boundary_bytes_per_token(p.wire_dtype) + TRAILER_BYTES_PER_TOKEN:,} = "
+        f"{p.wire_bytes_per_token:,} B",
+    ]
     return "\n".join(lines)
 
 

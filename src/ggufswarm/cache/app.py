@@ -36,8 +36,8 @@ class CacheConfig:
     """Cache server settings: blob directory, size cap (bytes), largest accepted upload (bytes)."""
 
     dir: str
-    max_bytes: int = 4 * 2 ** 30
-    max_upload_bytes: int = 2 ** 30
+    max_bytes: int = 4 * 2**30
+    max_upload_bytes: int = 2**30
     token: str | None = None  # swarm token required on every endpoint (None: an open swarm)
 
 
@@ -48,8 +48,9 @@ async def put_snapshot(request: web.Request) -> web.Response:
     try:
         blob = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise SnapshotTooLarge(f"snapshot upload over {request.app[CONFIG].max_upload_bytes} bytes, this server's "
-                               f"limit") from None
+        raise SnapshotTooLarge(
+            f"snapshot upload over {request.app[CONFIG].max_upload_bytes} bytes, this server's limit"
+        ) from None
     info = await asyncio.get_running_loop().run_in_executor(None, store.put, blob)
     return web.json_response(info, status=200 if info["existing"] else 201)
 
@@ -61,25 +62,35 @@ async def get_snapshot(request: web.Request) -> web.Response:
     if not KEY_RE.fullmatch(key):
         raise ProtocolError("bad_request", "a snapshot key is 64 lowercase hex digits")
     blob = await asyncio.get_running_loop().run_in_executor(None, store.get, key)
-    return web.Response(body=blob, content_type="application/octet-stream",
-                        headers={SHA_HEADER: hashlib.sha256(blob).hexdigest()})
+    return web.Response(
+        body=blob, content_type="application/octet-stream", headers={SHA_HEADER: hashlib.sha256(blob).hexdigest()}
+    )
 
 
 def parse_lookup(body) -> tuple[Shard, list[int]]:
-    """The shard and tokens of a lookup body ``{model, layers: [start, end], dtype, tokens[, scope]}``; ProtocolError."""
+    """The shard and tokens of a lookup body ``{model, layers: [start, end], dtype, tokens[, scope]}``;
+    ProtocolError."""
     if not isinstance(body, dict):
         raise ProtocolError("bad_request", "body must be a JSON object")
     model, layers, dtype, tokens = body.get("model"), body.get("layers"), body.get("dtype"), body.get("tokens")
     if not isinstance(model, str) or not re.fullmatch(r"[0-9a-f]{64}", model):
         raise ProtocolError("bad_request", "model must be the 64-hex-digit GGUF fingerprint")
-    if not (isinstance(layers, list) and len(layers) == 2 and all(type(x) is int and 0 <= x <= 100_000 for x in layers)
-            and layers[0] < layers[1]):
+    if not (
+        isinstance(layers, list)
+        and len(layers) == 2
+        and all(type(x) is int and 0 <= x <= 100_000 for x in layers)
+        and layers[0] < layers[1]
+    ):
         raise ProtocolError("bad_request", f"layers must be [start, end] with start < end, got {layers!r}")
     if dtype not in KV_DTYPES and dtype != STATE_DTYPE:
-        raise ProtocolError("bad_request", f"dtype must be one of {', '.join([*KV_DTYPES, STATE_DTYPE])}, "
-                                           f"got {dtype!r}")
-    if not (isinstance(tokens, list) and len(tokens) <= MAX_CONTEXT and all(type(t) is int and 0 <= t < 2 ** 31
-                                                                           for t in tokens)):
+        raise ProtocolError(
+            "bad_request", f"dtype must be one of {', '.join([*KV_DTYPES, STATE_DTYPE])}, got {dtype!r}"
+        )
+    if not (
+        isinstance(tokens, list)
+        and len(tokens) <= MAX_CONTEXT
+        and all(type(t) is int and 0 <= t < 2**31 for t in tokens)
+    ):
         raise ProtocolError("bad_request", f"tokens must be a list of at most {MAX_CONTEXT} non-negative int32 ids")
     scope = body.get("scope", "")
     if not valid_scope(scope):
@@ -98,8 +109,17 @@ async def lookup(request: web.Request) -> web.Response:
 
 def health_body(store: SnapshotStore) -> dict:
     s = store.stats
-    return {"status": "ok", "snapshots": store.count, "bytes": store.total_bytes, "max_bytes": store.max_bytes,
-            "hits": s.hits, "misses": s.misses, "evictions": s.evictions, "corrupt": s.corrupt, "refused": s.refused}
+    return {
+        "status": "ok",
+        "snapshots": store.count,
+        "bytes": store.total_bytes,
+        "max_bytes": store.max_bytes,
+        "hits": s.hits,
+        "misses": s.misses,
+        "evictions": s.evictions,
+        "corrupt": s.corrupt,
+        "refused": s.refused,
+    }
 
 
 async def health(request: web.Request) -> web.Response:
@@ -113,16 +133,20 @@ def make_app(config: CacheConfig) -> web.Application:
     Handlers raise their errors (ProtocolError, the store's typed errors); the shared middleware answers each
     with its JSON error (protocol/http.py)."""
     store = SnapshotStore(config.dir, config.max_bytes)
-    app = web.Application(client_max_size=config.max_upload_bytes, middlewares=[token_middleware(config.token), json_errors_middleware()])
+    app = web.Application(
+        client_max_size=config.max_upload_bytes, middlewares=[token_middleware(config.token), json_errors_middleware()]
+    )
     app[STORE] = store
     app[CONFIG] = config
     registry = CollectorRegistry()
-    for name, doc, fn in (("snapshots", "Snapshots stored", lambda: store.count),
-                          ("bytes", "Bytes of stored snapshots", lambda: store.total_bytes),
-                          ("hits", "Lookups that found a cached prefix", lambda: store.stats.hits),
-                          ("misses", "Lookups that found none", lambda: store.stats.misses),
-                          ("evictions", "Snapshots evicted (LRU, size cap)", lambda: store.stats.evictions),
-                          ("refused", "Uploads refused: another blob holds their key", lambda: store.stats.refused)):
+    for name, doc, fn in (
+        ("snapshots", "Snapshots stored", lambda: store.count),
+        ("bytes", "Bytes of stored snapshots", lambda: store.total_bytes),
+        ("hits", "Lookups that found a cached prefix", lambda: store.stats.hits),
+        ("misses", "Lookups that found none", lambda: store.stats.misses),
+        ("evictions", "Snapshots evicted (LRU, size cap)", lambda: store.stats.evictions),
+        ("refused", "Uploads refused: another blob holds their key", lambda: store.stats.refused),
+    ):
         Gauge(f"ggufswarm_cache_{name}", doc, registry=registry).set_function(fn)
 
     async def metrics(request: web.Request) -> web.Response:
@@ -134,6 +158,7 @@ def make_app(config: CacheConfig) -> web.Application:
     app.router.add_post("/v1/lookup", lookup)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+
     async def close(_app) -> None:
         store.close()
 
@@ -149,11 +174,12 @@ def run_cache(config: CacheConfig, host: str, port: int) -> int:
     store = app[STORE]
 
     def ready(url: str) -> None:
-        print(f"ggufswarm cache ready: {url}  (dir {Path(config.dir).resolve()}, {store.count} snapshots, "
-              f"{store.total_bytes / 2**20:.1f} of {config.max_bytes / 2**20:.0f} MiB)", flush=True)
+        print(
+            f"ggufswarm cache ready: {url}  (dir {Path(config.dir).resolve()}, {store.count} snapshots, "
+            f"{store.total_bytes / 2**20:.1f} of {config.max_bytes / 2**20:.0f} MiB)",
+            flush=True,
+        )
 
     run_server(app, host, port, ready)
     print("ggufswarm cache: stopped", file=sys.stderr, flush=True)
     return 0
-
-

@@ -88,14 +88,15 @@ def prefix_hashes(shard: Shard, tokens) -> list[str]:
     out = []
     step = 4 * BLOCK_TOKENS
     for off in range(0, len(ids) - step + 1, step):
-        h = hashlib.sha256(h + ids[off:off + step]).digest()
+        h = hashlib.sha256(h + ids[off : off + step]).digest()
         out.append(h.hex())
     return out
 
 
 @dataclass
 class Snapshot:
-    """A decoded snapshot: ``tokens`` int64 ``[n]`` (numpy), per-layer ``keys`` / ``values`` ``[n, n_head_kv, head_dim]``
+    """A decoded snapshot: ``tokens`` int64 ``[n]`` (numpy), per-layer ``keys`` / ``values`` ``[n, n_head_kv,
+    head_dim]``
     (torch tensors), or ``state`` (llama.cpp sequence state bytes, keys/values empty; decoding it needs no torch)."""
 
     shard: Shard
@@ -120,14 +121,22 @@ class Snapshot:
         h = hashlib.sha256(self.shard.tag() + b"\0" + _ids(self.tokens.tolist()) + b"\0" + _ids(self.boundaries))
         if self.keys:  # a torch-backend snapshot: its K/V are torch tensors
             import torch
+
             for t in self.keys + self.values:
                 h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
         h.update(self.state or b"")
         return h.hexdigest()
 
 
-def encode_snapshot(shard: Shard, tokens: list[int], keys: list, values: list,
-                    state: bytes | None = None, boundaries: list[int] | None = None, node: str = "") -> bytes:
+def encode_snapshot(
+    shard: Shard,
+    tokens: list[int],
+    keys: list,
+    values: list,
+    state: bytes | None = None,
+    boundaries: list[int] | None = None,
+    node: str = "",
+) -> bytes:
     """A safetensors blob of one shard's KV for ``tokens`` (``keys[i]`` / ``values[i]``: torch ``[n, ...]`` per layer,
     already sliced to ``len(tokens)`` positions; or a llama.cpp ``state`` holding exactly those positions, written
     without torch). ``boundaries``: the positions where the steps that computed it ended (ascending, each in
@@ -141,17 +150,26 @@ def encode_snapshot(shard: Shard, tokens: list[int], keys: list, values: list,
     head = {"tokens": np.asarray(tokens, dtype=np.int32)}
     if bounds:
         head["boundaries"] = np.asarray(bounds, dtype=np.int32)
-    meta = {"format": FORMAT, "model": shard.model, "layers": f"{shard.start}:{shard.end}", "dtype": shard.dtype,
-            "n_tokens": str(n), "scope": shard.scope, "node": str(node)[:64]}
+    meta = {
+        "format": FORMAT,
+        "model": shard.model,
+        "layers": f"{shard.start}:{shard.end}",
+        "dtype": shard.dtype,
+        "n_tokens": str(n),
+        "scope": shard.scope,
+        "node": str(node)[:64],
+    }
     if shard.dtype == STATE_DTYPE:
         if state is None:
             raise SnapshotError("a llama.cpp snapshot needs the sequence state")
         return np_save({**head, "state": np.frombuffer(state, dtype=np.uint8)}, metadata=meta)
     if len(keys) != shard.end - shard.start or len(values) != len(keys):
-        raise SnapshotError(f"layers {shard.start}:{shard.end} need {shard.end - shard.start} K/V pairs, got "
-                            f"{len(keys)}/{len(values)}")
+        raise SnapshotError(
+            f"layers {shard.start}:{shard.end} need {shard.end - shard.start} K/V pairs, got {len(keys)}/{len(values)}"
+        )
     import torch  # torch-backend K/V (bfloat16 among them: safetensors' numpy side has no bfloat16)
     from safetensors.torch import save as st_save
+
     tensors = {name: torch.from_numpy(arr) for name, arr in head.items()}
     for i, (k, v) in enumerate(zip(keys, values)):
         if k.shape[0] != n or v.shape[0] != n:
@@ -172,10 +190,11 @@ def decode_snapshot(blob: bytes) -> Snapshot:
             tensors = np_load(blob)
         else:  # torch-backend K/V
             from safetensors.torch import load as st_load
+
             tensors = {name: t.numpy() if name in ("tokens", "boundaries") else t for name, t in st_load(blob).items()}
     except SnapshotError:
         raise
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+    except Exception as exc:
         raise SnapshotError(f"not a safetensors snapshot: {exc}") from None
     if meta.get("format") != FORMAT:
         raise SnapshotError(f"snapshot format {meta.get('format')!r}, expected {FORMAT!r}")
@@ -186,11 +205,17 @@ def decode_snapshot(blob: bytes) -> Snapshot:
     except (KeyError, ValueError):
         raise SnapshotError(f"snapshot metadata incomplete: {meta}") from None
     if not re.fullmatch(r"[0-9a-f]{64}", shard.model) or not 0 <= start < end or not valid_scope(shard.scope):
-        raise SnapshotError("snapshot model must be a 64-hex-digit GGUF fingerprint, layers start:end, "
-                            "scope empty or a 32-hex-digit session id")
+        raise SnapshotError(
+            "snapshot model must be a 64-hex-digit GGUF fingerprint, layers start:end, "
+            "scope empty or a 32-hex-digit session id"
+        )
     tokens = tensors.get("tokens")
-    if tokens is None or tokens.dtype != np.int32 or tokens.shape != (n,) or \
-            (shard.dtype not in KV_DTYPES and shard.dtype != STATE_DTYPE):
+    if (
+        tokens is None
+        or tokens.dtype != np.int32
+        or tokens.shape != (n,)
+        or (shard.dtype not in KV_DTYPES and shard.dtype != STATE_DTYPE)
+    ):
         raise SnapshotError("snapshot tokens missing or not int32 [n_tokens], or unknown dtype")
     if n and int(tokens.min()) < 0:
         raise SnapshotError("snapshot token ids must be non-negative")
@@ -208,11 +233,20 @@ def decode_snapshot(blob: bytes) -> Snapshot:
             raise SnapshotError("llama.cpp snapshot needs exactly a uint8 [bytes] state and its tokens")
         return Snapshot(shard, tokens.astype(np.int64), [], [], state.tobytes(), bounds or [], node)
     import torch
+
     keys, values = [], []
     for i in range(end - start):
         k, v = tensors.get(f"k.{i}"), tensors.get(f"v.{i}")
-        if (k is None or v is None or k.dim() != 3 or k.shape[0] != n or v.shape[:2] != k.shape[:2] or v.dim() != 3
-                or k.dtype != getattr(torch, shard.dtype) or v.dtype != k.dtype):
+        if (
+            k is None
+            or v is None
+            or k.dim() != 3
+            or k.shape[0] != n
+            or v.shape[:2] != k.shape[:2]
+            or v.dim() != 3
+            or k.dtype != getattr(torch, shard.dtype)
+            or v.dtype != k.dtype
+        ):
             raise SnapshotError(f"snapshot layer {i} K/V missing or mis-shaped")
         if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
             raise SnapshotError(f"snapshot layer {i} K/V hold NaN/inf")
@@ -224,4 +258,4 @@ def decode_snapshot(blob: bytes) -> Snapshot:
 def _metadata(blob: bytes) -> dict:
     """The ``__metadata__`` of a safetensors blob (its JSON header, after the 8-byte length)."""
     n = int.from_bytes(blob[:8], "little")
-    return json.loads(blob[8:8 + n]).get("__metadata__") or {}
+    return json.loads(blob[8 : 8 + n]).get("__metadata__") or {}

@@ -55,8 +55,10 @@ class SnapshotExists(SnapshotError):
     code = "snapshot_exists"
 
     def __init__(self, key: str, node: str):
-        super().__init__(f"snapshot {key} already holds other bytes; the first upload stays (this one came from "
-                         f"node {node or 'unnamed'})")
+        super().__init__(
+            f"snapshot {key} already holds other bytes; the first upload stays (this one came from "
+            f"node {node or 'unnamed'})"
+        )
         self.key = key
         self.node = node
 
@@ -124,8 +126,9 @@ class SnapshotStore:
     def _evict(self, limit: int, keep: str = "") -> list[str]:
         """Drop least recently used blobs (never ``keep``) until at most ``limit`` bytes remain."""
         total, evicted = self.total_bytes, []
-        for k, size in self._db.execute("SELECT key, size FROM blobs WHERE key != ? ORDER BY last_used",
-                                        (keep,)).fetchall():
+        for k, size in self._db.execute(
+            "SELECT key, size FROM blobs WHERE key != ? ORDER BY last_used", (keep,)
+        ).fetchall():
             if total <= limit:
                 break
             self._drop(k)
@@ -137,9 +140,10 @@ class SnapshotStore:
     def _prefix_rows(self, hashes: list[str]) -> list[tuple[str, int]]:
         rows = []
         for i in range(0, len(hashes), 500):  # SQLite caps the number of bound parameters
-            chunk = hashes[i:i + 500]
-            rows += self._db.execute(f"SELECT key, length FROM prefixes WHERE hash IN ({','.join('?' * len(chunk))})",
-                                     chunk).fetchall()
+            chunk = hashes[i : i + 500]
+            rows += self._db.execute(
+                f"SELECT key, length FROM prefixes WHERE hash IN ({','.join('?' * len(chunk))})", chunk
+            ).fetchall()
         return rows
 
     @property
@@ -166,8 +170,7 @@ class SnapshotStore:
         snap = decode_snapshot(blob)
         shard, tokens = snap.shard, snap.tokens.tolist()
         if len(tokens) < BLOCK_TOKENS:
-            raise SnapshotError(f"snapshot holds {len(tokens)} tokens; the cache keeps whole blocks of "
-                                f"{BLOCK_TOKENS}")
+            raise SnapshotError(f"snapshot holds {len(tokens)} tokens; the cache keeps whole blocks of {BLOCK_TOKENS}")
         if len(blob) > self.max_bytes:
             raise SnapshotTooLarge(f"snapshot is {len(blob)} bytes; this cache holds at most {self.max_bytes}")
         key = snapshot_key(shard, tokens)
@@ -185,28 +188,47 @@ class SnapshotStore:
                 self.stats.refused += 1
                 # info, not a warning: concurrent sessions on one prompt do this all the time (the same prefix
                 # computed in other steps); /health's ``refused`` counts them, a faulty node shows there too
-                log.info("kept the first snapshot under key %s, refused other content from node %s (the same "
-                         "prefix computed in other steps, or a faulty node)", key, snap.node or "?")
+                log.info(
+                    "kept the first snapshot under key %s, refused other content from node %s (the same "
+                    "prefix computed in other steps, or a faulty node)",
+                    key,
+                    snap.node or "?",
+                )
                 raise SnapshotExists(key, snap.node)
-            return {"key": key, "n_tokens": len(tokens), "bytes": len(blob), "blocks": len(hashes), "evicted": [],
-                    "existing": True}
+            return {
+                "key": key,
+                "n_tokens": len(tokens),
+                "bytes": len(blob),
+                "blocks": len(hashes),
+                "evicted": [],
+                "existing": True,
+            }
         path = self._path(key)
         tmp = self.root / f".{key}.tmp{threading.get_ident()}"
         tmp.write_bytes(blob)
         with self._lock:  # (eviction removes emptied subfolders under this lock)
             path.parent.mkdir(exist_ok=True)
             os.replace(tmp, path)
-            self._db.execute("INSERT OR REPLACE INTO blobs VALUES (?,?,?,?,?)", (key, len(blob), sha, len(tokens),
-                                                                               time.time()))
+            self._db.execute(
+                "INSERT OR REPLACE INTO blobs VALUES (?,?,?,?,?)", (key, len(blob), sha, len(tokens), time.time())
+            )
             old = {k for k, _ in self._prefix_rows(hashes)}
-            self._db.executemany("INSERT OR REPLACE INTO prefixes VALUES (?,?,?)",
-                                 [(h, key, (i + 1) * BLOCK_TOKENS) for i, h in enumerate(hashes)])
+            self._db.executemany(
+                "INSERT OR REPLACE INTO prefixes VALUES (?,?,?)",
+                [(h, key, (i + 1) * BLOCK_TOKENS) for i, h in enumerate(hashes)],
+            )
             for k in old - {key}:  # snapshots whose every block now points at the new one
                 if self._db.execute("SELECT 1 FROM prefixes WHERE key = ? LIMIT 1", (k,)).fetchone() is None:
                     self._drop(k)
             evicted = self._evict(self.max_bytes, keep=key)
-        return {"key": key, "n_tokens": len(tokens), "bytes": len(blob), "blocks": len(hashes), "evicted": evicted,
-                "existing": False}
+        return {
+            "key": key,
+            "n_tokens": len(tokens),
+            "bytes": len(blob),
+            "blocks": len(hashes),
+            "evicted": evicted,
+            "existing": False,
+        }
 
     def get(self, key: str) -> bytes:
         """The blob stored under ``key``, checked against its SHA-256.

@@ -60,7 +60,7 @@ class LocalSession:
         except BaseException:
             del self.history[base:]
             raise
-        return [self.sampler.sample(logits[i], self.history[:base + i + 1]) for i in range(len(token_ids))]
+        return [self.sampler.sample(logits[i], self.history[: base + i + 1]) for i in range(len(token_ids))]
 
     def drop(self, n: int) -> None:
         """Forget the last ``n`` tokens fed (rejected drafts)."""
@@ -71,7 +71,7 @@ class LocalSession:
         in chunks of that size, as a route sends it."""
         limit = max(1, min(s.n_batch or len(token_ids) for s in self.shards))
         for i in range(0, len(token_ids), limit):
-            chunk = token_ids[i:i + limit]
+            chunk = token_ids[i : i + limit]
             self.history.extend(chunk)
             logits = self.logits(chunk)
         return self.sampler.sample(logits[-1], self.history)
@@ -101,26 +101,34 @@ class GenerationStats:
     finish_reason: str = "length"
     tokens: list[int] = field(default_factory=list)
     speculative: str = "none"  # drafting method ("ngram") or "none"
-    drafted: int = 0           # tokens drafted and sent for verification
-    accepted: int = 0          # drafted tokens the head's samples confirmed
-    verify_steps: int = 0      # verify steps sent (each also yields the head's own next token)
+    drafted: int = 0  # tokens drafted and sent for verification
+    accepted: int = 0  # drafted tokens the head's samples confirmed
+    verify_steps: int = 0  # verify steps sent (each also yields the head's own next token)
 
     def summary(self) -> str:
         """One line for stderr."""
-        line = (f"prompt tokens: {self.prompt_tokens}, completion tokens: {self.completion_tokens}, "
-                f"TTFT: {self.ttft_ms:.1f} ms, prefill: {self.prefill_tok_s:.1f} tok/s, "
-                f"decode: {self.decode_tok_s:.1f} tok/s, finish: {self.finish_reason}")
+        line = (
+            f"prompt tokens: {self.prompt_tokens}, completion tokens: {self.completion_tokens}, "
+            f"TTFT: {self.ttft_ms:.1f} ms, prefill: {self.prefill_tok_s:.1f} tok/s, "
+            f"decode: {self.decode_tok_s:.1f} tok/s, finish: {self.finish_reason}"
+        )
         if self.speculative != "none":
             rate = f" ({100 * self.accepted / self.drafted:.0f}%)" if self.drafted else ""
-            line += (f", speculative {self.speculative}: drafted {self.drafted}, accepted {self.accepted}{rate} "
-                     f"in {self.verify_steps} verify steps")
+            line += (
+                f", speculative {self.speculative}: drafted {self.drafted}, accepted {self.accepted}{rate} "
+                f"in {self.verify_steps} verify steps"
+            )
         return line
 
     def speculative_summary(self) -> dict:
         """The ``speculative`` telemetry object: method, drafted / accepted tokens, verify steps, acceptance."""
-        return {"method": self.speculative, "drafted": self.drafted, "accepted": self.accepted,
-                "verify_steps": self.verify_steps,
-                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
+        return {
+            "method": self.speculative,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "verify_steps": self.verify_steps,
+            "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+        }
 
 
 class _Blocking:
@@ -159,9 +167,16 @@ def _drive(awaitable):
     raise RuntimeError("a blocking generation awaited an event loop")
 
 
-def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
-             stop: list[str] | None = None, stats: GenerationStats | None = None, drafter: Drafter | None = None,
-             special: bool = False) -> Iterator[str]:
+def generate(
+    session: RouteSession,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    max_tokens: int,
+    stop: list[str] | None = None,
+    stats: GenerationStats | None = None,
+    drafter: Drafter | None = None,
+    special: bool = False,
+) -> Iterator[str]:
     """``agenerate`` for a blocking ``session`` (LocalSession, RemoteSession), in the calling thread: the same
     text deltas, arguments and errors. The drafter runs in this thread too."""
     deltas = _deltas(_Blocking(session), tokenizer, prompt_ids, max_tokens, stop, stats, drafter, special, False)
@@ -176,9 +191,16 @@ def generate(session: RouteSession, tokenizer: Tokenizer, prompt_ids: list[int],
         _drive(deltas.aclose())
 
 
-def agenerate(session: AsyncSession, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
-              stop: list[str] | None = None, stats: GenerationStats | None = None, drafter: Drafter | None = None,
-              special: bool = False) -> AsyncIterator[str]:
+def agenerate(
+    session: AsyncSession,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    max_tokens: int,
+    stop: list[str] | None = None,
+    stats: GenerationStats | None = None,
+    drafter: Drafter | None = None,
+    special: bool = False,
+) -> AsyncIterator[str]:
     """An async iterator of the text deltas of the completion of ``prompt_ids`` on ``session``, on the running
     loop (stops at EOG tokens, stop strings, max_tokens). Control tokens and media markers are no text unless
     ``special`` (``Tokenizer.token_bytes``).
@@ -198,18 +220,27 @@ def agenerate(session: AsyncSession, tokenizer: Tokenizer, prompt_ids: list[int]
     return _deltas(session, tokenizer, prompt_ids, max_tokens, stop, stats, drafter, special, True)
 
 
-async def _deltas(session: AsyncSession, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
-                  stop: list[str] | None, stats: GenerationStats | None, drafter: Drafter | None, special: bool,
-                  on_loop: bool) -> AsyncIterator[str]:
+async def _deltas(
+    session: AsyncSession,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    max_tokens: int,
+    stop: list[str] | None,
+    stats: GenerationStats | None,
+    drafter: Drafter | None,
+    special: bool,
+    on_loop: bool,
+) -> AsyncIterator[str]:
     """The generation loop of ``agenerate``; ``on_loop``: a blocking drafter goes to a worker thread (False:
     nothing here may suspend, see ``generate``)."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     if drafter is not None:
         from .speculative import speculate
+
         stats.speculative = drafter.method
         history = list(prompt_ids)  # what the drafter looks up: the prompt and every token emitted
-        pending: list[int] = []     # tokens a verify step confirmed, not yet emitted
+        pending: list[int] = []  # tokens a verify step confirmed, not yet emitted
         room = min(session.max_verify_tokens, session.max_length) - 1
         offload = on_loop and drafter.blocking
     stream = TextStream(tokenizer, stop, special)

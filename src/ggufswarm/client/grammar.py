@@ -11,8 +11,22 @@ from __future__ import annotations
 import json
 
 # Keywords that only annotate: no effect on what validates.
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-                          "readOnly", "writeOnly", "$defs", "definitions"})
+_ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "$defs",
+        "definitions",
+    }
+)
 # What the converter turns into grammar rules, by the keyword that selects its branch (``SchemaConverter.visit``).
 _STRING_FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"})
 _TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
@@ -38,8 +52,10 @@ def _check(schema, where: str, defs: dict) -> None:
     def only(*allowed: str) -> None:
         extra = keys - set(allowed)
         if extra:
-            raise SchemaNotEnforceable(f"{where}: {', '.join(sorted(extra))} cannot be enforced together with "
-                                       f"{', '.join(a for a in allowed if a in keys)} by constrained decoding")
+            raise SchemaNotEnforceable(
+                f"{where}: {', '.join(sorted(extra))} cannot be enforced together with "
+                f"{', '.join(a for a in allowed if a in keys)} by constrained decoding"
+            )
 
     if "$ref" in keys:
         ref = schema["$ref"]
@@ -103,8 +119,10 @@ def _check(schema, where: str, defs: dict) -> None:
     if kind in (None, "string") and "format" in keys:
         only("type", "format")
         if schema["format"] not in _STRING_FORMATS:
-            raise SchemaNotEnforceable(f"{where}/format: {schema['format']!r} cannot be enforced (supported: "
-                                       f"{', '.join(sorted(_STRING_FORMATS))})")
+            raise SchemaNotEnforceable(
+                f"{where}/format: {schema['format']!r} cannot be enforced (supported: "
+                f"{', '.join(sorted(_STRING_FORMATS))})"
+            )
         return
     if kind == "string":
         only("type", "minLength", "maxLength")
@@ -150,8 +168,9 @@ def response_format_grammar(response_format) -> str:
     try:
         return json_schema_to_gbnf(text)
     except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise SchemaNotEnforceable(f"response_format.json_schema.schema cannot be turned into a grammar: "
-                                   f"{exc or type(exc).__name__}") from None
+        raise SchemaNotEnforceable(
+            f"response_format.json_schema.schema cannot be turned into a grammar: {exc or type(exc).__name__}"
+        ) from None
 
 
 __all__ = ["MAX_SCHEMA_BYTES", "SchemaNotEnforceable", "response_format_grammar"]

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..runtime.backends import DEFAULT_BACKEND, load_shard, model_config
+from ..runtime.sampling import SamplingParams
 from ..runtime.spec import ShardSpec, split_at
 from .generate import LocalSession
-from ..runtime.sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 
@@ -25,9 +25,17 @@ class LocalModel:
     backend: str = DEFAULT_BACKEND
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None = None, split: list[int] | None = None,
-             dtype: str = "float32", backend: str = DEFAULT_BACKEND, threads: int | None = None,
-             max_length: int = 4096, all_logits: bool = False, max_sessions: int = 2) -> "LocalModel":
+    def load(
+        cls,
+        path: str | os.PathLike | None = None,
+        split: list[int] | None = None,
+        dtype: str = "float32",
+        backend: str = DEFAULT_BACKEND,
+        threads: int | None = None,
+        max_length: int = 4096,
+        all_logits: bool = False,
+        max_sessions: int = 2,
+    ) -> LocalModel:
         """Load ``path`` (default: the embedded Gemma 3 270M) cut at ``split`` layer indices, on ``backend``.
 
         ``max_length``: longest session the llama.cpp backend holds KV for (tokens; the torch
@@ -39,10 +47,20 @@ class LocalModel:
         file = GGUFModelFile(resolve_model(path))
         config = model_config(file, backend)
         specs = split_at(config.n_layers, split or [])
-        shards = [load_shard(file, spec, backend, config=config, dtype=dtype, threads=threads,
-                             max_length=min(max_length, config.max_length), max_sessions=max_sessions,
-                             all_logits=all_logits)
-                  for spec in specs]
+        shards = [
+            load_shard(
+                file,
+                spec,
+                backend,
+                config=config,
+                dtype=dtype,
+                threads=threads,
+                max_length=min(max_length, config.max_length),
+                max_sessions=max_sessions,
+                all_logits=all_logits,
+            )
+            for spec in specs
+        ]
         return cls(file, config, Tokenizer(str(file.path), file.metadata), shards, backend)
 
     def session(self, max_length: int | None = None, sampling: SamplingParams | None = None) -> LocalSession:

@@ -69,5 +69,5 @@ def _close_http() -> None:
     if _http is not None and not _http.closed and _loop is not None and _loop.is_running():
         try:
             asyncio.run_coroutine_threadsafe(_http.close(), _loop).result(timeout=1.0)
-        except Exception:  # noqa: BLE001 - best effort at interpreter exit (timeout, a loop already stopping)
+        except Exception:
             pass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -17,15 +17,20 @@ def chunk_nll(logits, tokens: list[int]) -> list[float]:
     """
     n_ctx = len(tokens)
     first = n_ctx // 2
-    rows = np.asarray(logits[first:n_ctx - 1], dtype=np.float64)
-    target = np.asarray(tokens[first + 1:n_ctx], dtype=np.int64)
+    rows = np.asarray(logits[first : n_ctx - 1], dtype=np.float64)
+    target = np.asarray(tokens[first + 1 : n_ctx], dtype=np.int64)
     peak = rows.max(axis=1, keepdims=True)
     lse = np.log(np.exp(rows - peak).sum(axis=1)) + peak[:, 0]
     return (lse - rows[np.arange(len(target)), target]).tolist()
 
 
-def perplexity(all_logits: Callable[[list[int]], np.ndarray], tokens: list[int], n_ctx: int,
-               bos_id: int | None, max_chunks: int | None = None) -> Iterator[tuple[int, float]]:
+def perplexity(
+    all_logits: Callable[[list[int]], np.ndarray],
+    tokens: list[int],
+    n_ctx: int,
+    bos_id: int | None,
+    max_chunks: int | None = None,
+) -> Iterator[tuple[int, float]]:
     """Yield ``(chunks_done, running perplexity)`` per chunk, as ``llama-perplexity`` prints them.
 
     ``tokens``: the whole text tokenized once (BOS included when the model adds it). It is cut into
@@ -41,7 +46,7 @@ def perplexity(all_logits: Callable[[list[int]], np.ndarray], tokens: list[int],
         raise ValueError(f"need at least {2 * n_ctx} tokens for ctx size {n_ctx}, the text has {len(tokens)}")
     nll, count = 0.0, 0
     for i in range(n_chunks):
-        chunk = list(tokens[i * n_ctx:(i + 1) * n_ctx])
+        chunk = list(tokens[i * n_ctx : (i + 1) * n_ctx])
         if bos_id is not None:
             chunk[0] = bos_id
         scores = chunk_nll(all_logits(chunk), chunk)

@@ -20,8 +20,9 @@ from .tracker import TrackerClient
 HEADER_TIMEOUT_S = 30.0  # seconds for one node's answer with the model's first header
 
 
-def load_accounts(model: str | None, tracker: str | None = None,
-                  token: str | None = None) -> tuple[HeaderAccounts, str]:
+def load_accounts(
+    model: str | None, tracker: str | None = None, token: str | None = None
+) -> tuple[HeaderAccounts, str]:
     """The accounting of ``model`` and a one-line description of where its header came from: a local GGUF (see
     ``artifact.planning.local_accounts``) when ``model`` names one or no ``tracker`` is given, else the model
     published under that name on ``tracker`` (``token``: the swarm token).
@@ -48,8 +49,12 @@ def load_accounts(model: str | None, tracker: str | None = None,
             metadata = GGUFModelFile(head, header_only=True).metadata
         acc = HeaderAccounts(metadata, ((t.name, t.n_bytes) for t in manifest.tensors))
         described = sum(t.n_bytes for t in manifest.tensors)
-        return acc, (f"{model} on {client.url} (manifest: {len(manifest.files)} file(s), {len(manifest.tensors)} "
-                     f"tensors, {human_bytes(described)} described; metadata from {url})")
+        return acc, (
+            f"{model} on {client.url} (manifest: {len(manifest.files)} file(s), {len(manifest.tensors)} "
+            f"tensors, {human_bytes(described)} described; metadata from {url})"
+        )
     why = "; ".join(errors) if errors else "no node serves it now"
-    raise PlanError(f"{model}: the tracker's manifest has the tensor table but not the metadata, and no node gave "
-                    f"the header ({why}); plan from a local copy of the GGUF header instead")
+    raise PlanError(
+        f"{model}: the tracker's manifest has the tensor table but not the metadata, and no node gave "
+        f"the header ({why}); plan from a local copy of the GGUF header instead"
+    )

@@ -13,6 +13,7 @@ import inspect
 import time
 from typing import TYPE_CHECKING
 
+from . import opening
 from .route import Hop, RemoteRoute
 from .transport import RouteError
 
@@ -39,11 +40,13 @@ def common_prefix(held: dict[str, tuple[int, list[int] | None]]) -> tuple[int, l
     return (common[-1] if common else 0), common
 
 
-async def restore_many(session: AsyncRouteSession, hops: list[Hop], tokens: list[int],
-                       boundaries: list[int] | None = None) -> dict[str, tuple[int, list[int] | None]]:
+async def restore_many(
+    session: AsyncRouteSession, hops: list[Hop], tokens: list[int], boundaries: list[int] | None = None
+) -> dict[str, tuple[int, list[int] | None]]:
     """``/restore`` on each of ``hops`` at once: per node URL the tokens it now holds and, from a llama.cpp
     node, the step boundaries of what it restored (None from a torch node). ``boundaries``: the session's
     own step ends, for a repair (the node then restores only a prefix computed with exactly those steps)."""
+
     async def one(hop: Hop) -> tuple[int, list[int] | None]:
         body = {"tokens": tokens, "step": session.step_no}
         if boundaries is not None:
@@ -54,8 +57,7 @@ async def restore_many(session: AsyncRouteSession, hops: list[Hop], tokens: list
     return dict(zip((h.url for h in hops), await asyncio.gather(*(one(h) for h in hops))))
 
 
-async def rewind(session: AsyncRouteSession, hops: list[Hop], held: dict[str, int], length: int,
-                 relink: bool) -> None:
+async def rewind(session: AsyncRouteSession, hops: list[Hop], held: dict[str, int], length: int, relink: bool) -> None:
     """Truncate every hop holding more than ``length`` tokens (all of them with ``relink``, which also
     sets each one's next_hop to its successor in ``hops``) and set their step counters to ``step_no``."""
     for i, hop in enumerate(hops):
@@ -79,8 +81,7 @@ async def restore_prefix(session: AsyncRouteSession, prompt: list[int]) -> int:
     except RouteError:  # a failing node shows again at the first step, which repairs the route
         for hop in hops:
             try:
-                await session.call(hop.url, "POST", f"/v1/sessions/{session.id}/truncate", {"length": 0},
-                                   "truncate")
+                await session.call(hop.url, "POST", f"/v1/sessions/{session.id}/truncate", {"length": 0}, "truncate")
             except RouteError:
                 pass
         session.position = 0
@@ -97,8 +98,9 @@ async def _plan(session: AsyncRouteSession, exclude: frozenset[str], span: tuple
     return await asyncio.to_thread(session.replan, exclude, span)
 
 
-async def _plan_avoiding(session: AsyncRouteSession, excluded: set[str], failed: Hop,
-                         span: tuple[int, int]) -> RemoteRoute:
+async def _plan_avoiding(
+    session: AsyncRouteSession, excluded: set[str], failed: Hop, span: tuple[int, int]
+) -> RemoteRoute:
     """A plan for ``span`` avoiding every node that failed this session, then, when none is left, any but
     ``failed`` itself: a node that failed earlier may be healthy again (restarted, its fault passed), and the
     open or restore on it tells. ``excluded`` is narrowed to ``{failed}`` in that case."""
@@ -113,8 +115,9 @@ async def _plan_avoiding(session: AsyncRouteSession, excluded: set[str], failed:
     return spare
 
 
-async def replacement(session: AsyncRouteSession, excluded: set[str],
-                      failed: Hop) -> tuple[RemoteRoute, tuple[int, int]]:
+async def replacement(
+    session: AsyncRouteSession, excluded: set[str], failed: Hop
+) -> tuple[RemoteRoute, tuple[int, int]]:
     """A chain from ``replan`` and the layers ``(start, end)`` it replaces: ``failed``'s own layers when some
     node serves exactly them, else the whole route's (every hop re-planned: a node serving more layers than
     the failed one, such as a whole-model node, can then take over). RouteError (the one for ``failed``'s own
@@ -134,8 +137,14 @@ async def replacement(session: AsyncRouteSession, excluded: set[str],
 
 def _entry(failed: Hop, exc: RouteError, t0: float, **more) -> dict:
     """A ``telemetry.repairs`` entry: the failed node, its layers, the cause, and ``more``."""
-    return {"hop": failed.url, "layers": [failed.start, failed.end], "cause": exc.code,
-            "message": str(exc)[:MESSAGE_CHARS], **more, "ms": round((time.perf_counter() - t0) * 1e3, 1)}
+    return {
+        "hop": failed.url,
+        "layers": [failed.start, failed.end],
+        "cause": exc.code,
+        "message": str(exc)[:MESSAGE_CHARS],
+        **more,
+        "ms": round((time.perf_counter() - t0) * 1e3, 1),
+    }
 
 
 async def repair_route(session: AsyncRouteSession, excluded: set[str], exc: RouteError) -> dict:
@@ -153,11 +162,15 @@ async def repair_route(session: AsyncRouteSession, excluded: set[str], exc: Rout
         spare, span = await replacement(session, excluded, failed)
     except RouteError as err:
         session.measured.repairs.append(_entry(failed, exc, t0, replacement=None, error=str(err)[:MESSAGE_CHARS]))
-        raise RouteError(f"node {failed.url} (layers {failed.start}:{failed.end}) failed ({exc}); no replacement: "
-                         f"{err}", 503, "no_replacement", failed.url) from None
+        raise RouteError(
+            f"node {failed.url} (layers {failed.start}:{failed.end}) failed ({exc}); no replacement: {err}",
+            503,
+            "no_replacement",
+            failed.url,
+        ) from None
     replaced = [h for h in old.hops if span[0] <= h.start and h.end <= span[1]]  # failed alone, or every hop
     i, j = old.hops.index(replaced[0]), old.hops.index(replaced[-1])
-    hops = old.hops[:i] + spare.hops + old.hops[j + 1:]
+    hops = old.hops[:i] + spare.hops + old.hops[j + 1 :]
     session.route = RemoteRoute.of_hops(hops, old.hop_timeout_s, model=old.model, token=old.token)
     await session.drop_links()  # the first node or head may have changed; late replies of the old route are moot
     kept = {h.url for h in hops}
@@ -166,12 +179,12 @@ async def repair_route(session: AsyncRouteSession, excluded: set[str], exc: Rout
             continue
         session.opened.remove(h.url)
         if h is not failed:  # a live node the new route leaves out: its KV is freed now
-            await session.close_on(h.url)
+            await opening.close_on(session, h.url)
     target = session.position
     try:
         fresh = [h for h in spare.hops if h.url not in session.opened]
         for h in reversed(fresh):
-            await session.open_on(hops, hops.index(h))
+            await opening.open_on(session, hops, hops.index(h))
         own = sorted(b for b in session.boundaries if 0 < b <= target)
         restored = await restore_many(session, fresh, session.tokens[:target], own) if fresh else {}
         held = {url: n for url, (n, _) in restored.items()}
@@ -186,13 +199,29 @@ async def repair_route(session: AsyncRouteSession, excluded: set[str], exc: Rout
             length = 0
             await rewind(session, hops, {}, 0, relink=True)
     except RouteError as err:  # failed halfway (the replacement failed too): recorded, then the caller retries
-        session.measured.repairs.append(_entry(
-            failed, exc, t0, replacement=[h.url for h in spare.hops], replaced_layers=list(span), restored_tokens=0,
-            tokens_replayed=0, error=str(err)[:MESSAGE_CHARS]))
+        session.measured.repairs.append(
+            _entry(
+                failed,
+                exc,
+                t0,
+                replacement=[h.url for h in spare.hops],
+                replaced_layers=list(span),
+                restored_tokens=0,
+                tokens_replayed=0,
+                error=str(err)[:MESSAGE_CHARS],
+            )
+        )
         raise
     # tokens_replayed counts up as the history from ``length`` to ``target`` is replayed; ms is the repair's own
     # time (plan, open, restore, relink), without the replay
-    entry = _entry(failed, exc, t0, replacement=[h.url for h in spare.hops], replaced_layers=list(span),
-                   restored_tokens=length, tokens_replayed=0)
+    entry = _entry(
+        failed,
+        exc,
+        t0,
+        replacement=[h.url for h in spare.hops],
+        replaced_layers=list(span),
+        restored_tokens=length,
+        tokens_replayed=0,
+    )
     session.measured.repairs.append(entry)
     return entry

@@ -46,32 +46,55 @@ class Hop:
         if not isinstance(hop, dict):
             return None
         try:
-            return cls(str(ad["url"]).rstrip("/"), int(ad["layers"][0]), int(ad["layers"][1]), bool(ad["embed"]),
-                       bool(ad["head"]), **{k: hop[k] for k in ("n_embd", "n_layers", "max_length", "max_step_tokens")},
-                       model_fingerprint=hop.get("model_fingerprint"), model_name=hop.get("model_name"),
-                       cache=hop.get("cache"), max_verify_tokens=hop.get("max_verify_tokens"))
+            return cls(
+                str(ad["url"]).rstrip("/"),
+                int(ad["layers"][0]),
+                int(ad["layers"][1]),
+                bool(ad["embed"]),
+                bool(ad["head"]),
+                **{k: hop[k] for k in ("n_embd", "n_layers", "max_length", "max_step_tokens")},
+                model_fingerprint=hop.get("model_fingerprint"),
+                model_name=hop.get("model_name"),
+                cache=hop.get("cache"),
+                max_verify_tokens=hop.get("max_verify_tokens"),
+            )
         except (KeyError, TypeError, ValueError, IndexError):
             return None
 
     @classmethod
     def from_health(cls, url: str, h: dict) -> Hop:
         """The Hop node ``url``'s ``/health`` body ``h`` describes (KeyError for a missing field)."""
-        return cls(url, h["layers"][0], h["layers"][1], h["embed"], h["head"], h["n_embd"], h["n_layers"],
-                   h["max_length"], h["max_step_tokens"], h.get("model_fingerprint"), h.get("model_name"),
-                   bool(h["cache"]) if "cache" in h else None, h.get("max_verify_tokens"))
+        return cls(
+            url,
+            h["layers"][0],
+            h["layers"][1],
+            h["embed"],
+            h["head"],
+            h["n_embd"],
+            h["n_layers"],
+            h["max_length"],
+            h["max_step_tokens"],
+            h.get("model_fingerprint"),
+            h.get("model_name"),
+            bool(h["cache"]) if "cache" in h else None,
+            h.get("max_verify_tokens"),
+        )
 
 
-async def describe_hops(urls: list[str], timeout_s: float, token: str | None,
-                        http: aiohttp.ClientSession | None = None) -> list[Hop]:
+async def describe_hops(
+    urls: list[str], timeout_s: float, token: str | None, http: aiohttp.ClientSession | None = None
+) -> list[Hop]:
     """Ask every node of ``urls`` for its ``/health`` at once: their Hops in order. RouteError (the first
     failure in route order) when one is unreachable or refuses; ValueError for a malformed URL."""
     urls = [check_url(u) for u in urls]
     own = http is None
     http = http or new_http_session()
     try:
+
         async def one(url: str) -> Hop:
-            return Hop.from_health(url, await call(http, url, "GET", "/health", None, "health", token=token,
-                                                   timeout=timeout_s))
+            return Hop.from_health(
+                url, await call(http, url, "GET", "/health", None, "health", token=token, timeout=timeout_s)
+            )
 
         results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
     finally:
@@ -101,17 +124,31 @@ class RemoteRoute:
     RemoteRoute.connect(...)`` does the same on the caller's loop.
     """
 
-    def __init__(self, urls: list[str], hop_timeout_s: float = 30.0, part: bool = False, model: str | None = None,
-                 *, token: str | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        hop_timeout_s: float = 30.0,
+        part: bool = False,
+        model: str | None = None,
+        *,
+        token: str | None = None,
+    ):
         if not urls:
             raise ValueError("a route needs at least one node URL")
         hops = loop.run(describe_hops(urls, min(hop_timeout_s, HEALTH_TIMEOUT_S), token))
         self._init(hops, hop_timeout_s, part, model, token)
 
     @classmethod
-    async def connect(cls, urls: list[str], hop_timeout_s: float = 30.0, part: bool = False,
-                      model: str | None = None, *, token: str | None = None,
-                      http: aiohttp.ClientSession | None = None) -> RemoteRoute:
+    async def connect(
+        cls,
+        urls: list[str],
+        hop_timeout_s: float = 30.0,
+        part: bool = False,
+        model: str | None = None,
+        *,
+        token: str | None = None,
+        http: aiohttp.ClientSession | None = None,
+    ) -> RemoteRoute:
         """The route over ``urls``, described by their ``/health`` on the running loop (``http``: the aiohttp
         session to ask with; a short-lived one of its own by default). Raises as the constructor."""
         if not urls:
@@ -120,16 +157,22 @@ class RemoteRoute:
         return cls.of_hops(hops, hop_timeout_s, part, model, token=token)
 
     @classmethod
-    def of_hops(cls, hops: list[Hop], hop_timeout_s: float, part: bool = False,
-                model: str | None = None, *, token: str | None = None) -> RemoteRoute:
+    def of_hops(
+        cls,
+        hops: list[Hop],
+        hop_timeout_s: float,
+        part: bool = False,
+        model: str | None = None,
+        *,
+        token: str | None = None,
+    ) -> RemoteRoute:
         """A route over already described hops (no /health calls; ``part``, ``model`` and ``token`` as in the
         constructor); ValueError when they do not chain or serve another model."""
         route = cls.__new__(cls)
         route._init(list(hops), hop_timeout_s, part, model, token)
         return route
 
-    def _init(self, hops: list[Hop], hop_timeout_s: float, part: bool, model: str | None,
-              token: str | None) -> None:
+    def _init(self, hops: list[Hop], hop_timeout_s: float, part: bool, model: str | None, token: str | None) -> None:
         self.hop_timeout_s = hop_timeout_s
         self.token = token
         self.hops = hops
@@ -142,12 +185,16 @@ class RemoteRoute:
         if other is not None:
             mine = next((h for h in said if h.model_fingerprint == self.model), None)
             want = f"{mine.model_name} ({self.model[:12]}, at {mine.url})" if mine else f"model {self.model[:12]}"
-            raise ValueError(f"node {other.url} serves {other.model_name} (GGUF fingerprint "
-                             f"{other.model_fingerprint[:12]}), not {want}: a route serves one model")
+            raise ValueError(
+                f"node {other.url} serves {other.model_name} (GGUF fingerprint "
+                f"{other.model_fingerprint[:12]}), not {want}: a route serves one model"
+            )
         first, last = self.hops[0], self.hops[-1]
         if not part and (not first.embed or not last.head or first.start != 0 or last.end != last.n_layers):
-            raise ValueError(f"route must start at layer 0 with the embedding stage and end at layer "
-                             f"{last.n_layers} with the head; got {self.describe()}")
+            raise ValueError(
+                f"route must start at layer 0 with the embedding stage and end at layer "
+                f"{last.n_layers} with the head; got {self.describe()}"
+            )
         for a, b in zip(self.hops, self.hops[1:]):
             if a.end != b.start or a.head or b.embed:
                 raise ValueError(f"route does not chain at {a.url} ({a.start}:{a.end}) → {b.url} ({b.start}:{b.end})")
@@ -166,9 +213,19 @@ class RemoteRoute:
         """The most tokens one step may carry on this route (the smallest node limit)."""
         return min(h.max_step_tokens for h in self.hops)
 
-    async def aopen(self, max_length: int, sampling: SamplingParams | None = None, wire_dtype: str = "f32",
-                    top_logprobs: int = 0, replan=None, reuse_prefix: bool = True, lease_s: float | None = None,
-                    logprobs: bool = False, *, http: aiohttp.ClientSession | None = None):
+    async def aopen(
+        self,
+        max_length: int,
+        sampling: SamplingParams | None = None,
+        wire_dtype: str = "f32",
+        top_logprobs: int = 0,
+        replan=None,
+        reuse_prefix: bool = True,
+        lease_s: float | None = None,
+        logprobs: bool = False,
+        *,
+        http: aiohttp.ClientSession | None = None,
+    ):
         """Open an AsyncRouteSession on every node (head first) on the running loop; RouteError (with the
         node's status) when one refuses.
 
@@ -186,26 +243,58 @@ class RemoteRoute:
         """
         from .session import AsyncRouteSession
 
-        return await AsyncRouteSession.open(self, max_length, sampling or SamplingParams(), wire_dtype,
-                                            top_logprobs, replan, reuse_prefix, lease_s, logprobs, http=http)
+        return await AsyncRouteSession.open(
+            self,
+            max_length,
+            sampling or SamplingParams(),
+            wire_dtype,
+            top_logprobs,
+            replan,
+            reuse_prefix,
+            lease_s,
+            logprobs,
+            http=http,
+        )
 
-    def open(self, max_length: int, sampling: SamplingParams | None = None, wire_dtype: str = "f32",
-             top_logprobs: int = 0, replan=None, reuse_prefix: bool = True,
-             lease_s: float | None = None, logprobs: bool = False):
+    def open(
+        self,
+        max_length: int,
+        sampling: SamplingParams | None = None,
+        wire_dtype: str = "f32",
+        top_logprobs: int = 0,
+        replan=None,
+        reuse_prefix: bool = True,
+        lease_s: float | None = None,
+        logprobs: bool = False,
+    ):
         """``aopen`` on the shared route loop: a blocking RemoteSession (same arguments; ``replan`` may be a
         plain function)."""
         from .blocking import RemoteSession
 
         async def opening():
-            return await self.aopen(max_length, sampling, wire_dtype, top_logprobs, replan, reuse_prefix, lease_s,
-                                    logprobs, http=await loop.shared_http())
+            return await self.aopen(
+                max_length,
+                sampling,
+                wire_dtype,
+                top_logprobs,
+                replan,
+                reuse_prefix,
+                lease_s,
+                logprobs,
+                http=await loop.shared_http(),
+            )
 
         return RemoteSession(loop.run(opening()))
 
 
-async def afetch_model_headers(url: str, data_dir: Path, timeout: float = HEADER_TIMEOUT_S, *,
-                               token: str | None = None,
-                               http: aiohttp.ClientSession | None = None) -> tuple[Path, dict]:
+async def afetch_model_headers(
+    url: str,
+    data_dir: Path,
+    timeout: float = HEADER_TIMEOUT_S,
+    *,
+    token: str | None = None,
+    http: aiohttp.ClientSession | None = None,
+) -> tuple[Path, dict]:
     """The model node ``url`` serves, for a client without its GGUF: ``GET /v1/model``, then each file's header
     (``GET /v1/model/header/{i}``) written into a sparse file of the file's full size under
     ``data_dir/models/<fingerprint[:16]>/`` (reused when already there). Enough for the vocabulary and chat
@@ -221,15 +310,13 @@ async def afetch_model_headers(url: str, data_dir: Path, timeout: float = HEADER
     own = http is None
     http = http or new_http_session()
     try:
-        info = check_reply(url, *await request(http, url, "GET", "/v1/model", token=token, timeout=timeout),
-                           "model")
+        info = check_reply(url, *await request(http, url, "GET", "/v1/model", token=token, timeout=timeout), "model")
         folder = Path(data_dir) / "models" / str(info["fingerprint"])[:16]
         paths = [folder / Path(f["name"]).name for f in info["files"]]
         if not all(p.is_file() and p.stat().st_size == f["bytes"] for p, f in zip(paths, info["files"])):
             folder.mkdir(parents=True, exist_ok=True)
             for i, (path, f) in enumerate(zip(paths, info["files"])):
-                status, header = await request(http, url, "GET", f"/v1/model/header/{i}", token=token,
-                                               timeout=timeout)
+                status, header = await request(http, url, "GET", f"/v1/model/header/{i}", token=token, timeout=timeout)
                 if status != 200 or len(header) != f["header_bytes"]:
                     check_reply(url, status if status >= 400 else 502, header[:200], f"model header {i}")
                 with open(path, "wb") as out:
@@ -244,8 +331,9 @@ async def afetch_model_headers(url: str, data_dir: Path, timeout: float = HEADER
     return paths[0], info
 
 
-def fetch_model_headers(url: str, data_dir: Path, timeout: float = HEADER_TIMEOUT_S, *,
-                        token: str | None = None) -> tuple[Path, dict]:
+def fetch_model_headers(
+    url: str, data_dir: Path, timeout: float = HEADER_TIMEOUT_S, *, token: str | None = None
+) -> tuple[Path, dict]:
     """``afetch_model_headers`` on the shared route loop (blocking)."""
     return loop.run(afetch_model_headers(url, data_dir, timeout, token=token))
 

@@ -17,16 +17,14 @@ from ..protocol import encode_tokens, step_timeout_s
 from ..protocol.link import frame_key
 from ..protocol.snapshots import BLOCK_TOKENS
 from ..runtime.sampling import SamplingParams
-from . import repair
-from .route import Hop, RemoteRoute
+from . import opening, repair
+from .route import RemoteRoute
 from .telemetry import RouteTelemetry
 from .transport import REPAIRABLE, RouteError, StepLink, call, check_reply, new_http_session, request, timed_out
 
-CLOSE_TIMEOUT_S = 5.0  # most seconds a node may take to release a session at close
 REPLY_LINK_TIMEOUT_S = 5.0  # most seconds the head may take to open a reply link
 LATE_WAIT_S = 1.0  # how long reading the telemetry waits for the route's replies to directly answered steps
 RENEW_TIMEOUT_S = 10.0  # most seconds one lease renewal by the keeper may take
-FIRST_PAUSE_S, MAX_PAUSE_S = 0.02, 0.5  # an open waiting for a session slot (kv_budget_full) retries with backoff
 
 _closing: set[asyncio.Task] = set()  # releases still running after their session's task was cancelled
 
@@ -64,11 +62,21 @@ class AsyncRouteSession:
     """
 
     MAX_REPAIRS_PER_STEP = 3
-    OPEN_WAIT_S = 60.0  # how long an open waits for a node's free session slot (kv_budget_full) before failing
 
-    def __init__(self, route: RemoteRoute, max_length: int, sampling: SamplingParams, wire_dtype: str = "f32",
-                 top_logprobs: int = 0, replan=None, reuse_prefix: bool = True, lease_s: float | None = None,
-                 logprobs: bool = False, *, http: aiohttp.ClientSession | None = None):
+    def __init__(
+        self,
+        route: RemoteRoute,
+        max_length: int,
+        sampling: SamplingParams,
+        wire_dtype: str = "f32",
+        top_logprobs: int = 0,
+        replan=None,
+        reuse_prefix: bool = True,
+        lease_s: float | None = None,
+        logprobs: bool = False,
+        *,
+        http: aiohttp.ClientSession | None = None,
+    ):
         """A session not yet open on its nodes: use ``open``."""
         self.route = route
         self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
@@ -82,7 +90,7 @@ class AsyncRouteSession:
         self.lease_s = lease_s
         self.http = http or new_http_session()
         self._own_http = http is None
-        self.position = 0      # tokens every node of the route holds
+        self.position = 0  # tokens every node of the route holds
         self.tokens: list[int] = []  # the whole history fed so far (position <= len(tokens) during a repair)
         # Positions where a step ended. llama.cpp's numerics depend on how tokens are grouped into steps, so a
         # repair rolls back to one of these and replays the same steps: the output stays bit for bit the same.
@@ -95,7 +103,7 @@ class AsyncRouteSession:
         self.last_tokens: list[int] | None = None  # a verify step's samples, one per position
         self._excluded: set[str] = set()  # nodes that failed this session (repairs avoid them)
         self._rewinding = False  # the nodes hold rejected drafts past ``position``: the next frame rewinds (drop)
-        self._renewed = time.monotonic()
+        self.renewed_at = time.monotonic()  # time.monotonic() of the last lease renewal
         # while one step takes longer than a third of the lease (a long prefill on a loaded node), a keeper task
         # renews the lease on every node: the nodes after the busy one see nothing of the session meanwhile
         self._step_since: float | None = None  # time.monotonic() when the step in flight started
@@ -113,13 +121,20 @@ class AsyncRouteSession:
         self._drained: asyncio.Future | None = None  # set when the last late reply is in (``telemetry``)
 
     @classmethod
-    async def open(cls, route: RemoteRoute, max_length: int, sampling: SamplingParams, *args,
-                   http: aiohttp.ClientSession | None = None, **kwargs) -> AsyncRouteSession:
+    async def open(
+        cls,
+        route: RemoteRoute,
+        max_length: int,
+        sampling: SamplingParams,
+        *args,
+        http: aiohttp.ClientSession | None = None,
+        **kwargs,
+    ) -> AsyncRouteSession:
         """A session opened on every node of ``route`` (arguments as ``RemoteRoute.aopen``); RouteError (with
         the node's status) when one refuses, after closing it where it opened."""
         session = cls(route, max_length, sampling, *args, http=http, **kwargs)
         try:
-            await session._open_all(route.hops)
+            await opening.open_all(session, route.hops)
         except BaseException:
             await session.close()
             raise
@@ -134,76 +149,16 @@ class AsyncRouteSession:
     # -- node calls --------------------------------------------------------------------------------
     async def call(self, url: str, method: str, path: str, body: dict | None, what: str) -> dict:
         """A JSON call to node ``url`` of this session (RouteError naming it on failure)."""
-        return await call(self.http, url, method, path, body, what, token=self.route.token,
-                          timeout=self.route.timeout_s)
+        return await call(
+            self.http, url, method, path, body, what, token=self.route.token, timeout=self.route.timeout_s
+        )
 
-    async def _best_effort(self, url: str, method: str, path: str, timeout_s: float) -> None:
+    async def best_effort(self, url: str, method: str, path: str, timeout_s: float) -> None:
         """One request to node ``url``; a refusal or a dead node is ignored."""
         try:
             await request(self.http, url, method, path, token=self.route.token, timeout=timeout_s)
         except RouteError:
             pass
-
-    async def _open_all(self, hops: list[Hop]) -> None:
-        """Open the session on every node at once: one round trip for the whole route, not one per node (TTFT).
-        When a node's session slots are all taken (kv_budget_full), what was opened is closed and the session
-        opens head first instead, waiting for slots (``open_on``). Raises the first refusal in route order."""
-        if len(hops) == 1:
-            await self.open_on(hops, 0)
-            return
-        results = await asyncio.gather(*(self.open_on(hops, i, wait=False) for i in range(len(hops))),
-                                       return_exceptions=True)
-        errors = [e for e in results if e is not None]
-        if not errors:
-            return
-        for e in errors:
-            if not isinstance(e, RouteError) or e.code != "kv_budget_full":
-                raise e
-        await self._close_opened()
-        for i in reversed(range(len(hops))):
-            await self.open_on(hops, i)
-
-    async def open_on(self, hops: list[Hop], i: int, wait: bool = True) -> None:
-        """Open the session on node ``hops[i]`` (its next hop ``hops[i + 1]``). ``wait``: while the node's session
-        slots are all taken (kv_budget_full), retry for up to OPEN_WAIT_S. RouteError when it refuses."""
-        hop = hops[i]
-        body = {"session_id": str(self.id), "max_length": self.max_length, "wire_dtype": self.wire_dtype,
-                "next_hop": hops[i + 1].url if i + 1 < len(hops) else None,
-                "hop_timeout_s": self.route.hop_timeout_s * max(len(hops) - 1 - i, 1)}
-        if hop.head:
-            body["sampling"] = self.sampling.to_dict()
-            body["top_logprobs"] = self.top_logprobs
-            if self.logprobs:
-                body["logprobs"] = True
-        if self.lease_s is not None:
-            body["lease_s"] = self.lease_s
-        if self.route.model is not None:
-            body["model"] = self.route.model
-        # A node whose session slots are all taken answers 429 kv_budget_full: wait for one (as llama-server
-        # queues requests beyond --parallel). A session that waits opens head first (_open_all), so the ones
-        # holding this node's slots already hold the later nodes too and will finish: waiting cannot deadlock.
-        deadline, pause = time.monotonic() + self.OPEN_WAIT_S, FIRST_PAUSE_S
-        while True:
-            try:
-                await self.call(hop.url, "POST", "/v1/sessions", body, "open session")
-                break
-            except RouteError as exc:
-                if not wait or exc.code != "kv_budget_full" or time.monotonic() + pause > deadline:
-                    raise
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, MAX_PAUSE_S)
-                if self.lease_s is not None and time.monotonic() - self._renewed > self.lease_s / 3:
-                    await self.renew()  # the nodes opened already hold the session for us meanwhile
-        self.opened.append(hop.url)
-
-    async def close_on(self, url: str) -> None:
-        """Release the session on node ``url`` (best effort: errors are ignored)."""
-        await self._best_effort(url, "DELETE", f"/v1/sessions/{self.id}", min(self.route.hop_timeout_s,
-                                                                               CLOSE_TIMEOUT_S))
-
-    async def _close_opened(self) -> None:
-        opened, self.opened = self.opened, []
-        await asyncio.gather(*(self.close_on(url) for url in opened))
 
     # -- steps -------------------------------------------------------------------------------------
     async def step(self, token_ids: list[int], sample: bool = True) -> int | None:
@@ -216,8 +171,12 @@ class AsyncRouteSession:
         """
         if not token_ids:
             raise ValueError("a step needs at least one token id")
-        if self.reuse_prefix and not self.tokens and len(token_ids) > BLOCK_TOKENS \
-                and any(h.cache is not False for h in self.route.hops):  # no cache on any node: nothing to restore
+        if (
+            self.reuse_prefix
+            and not self.tokens
+            and len(token_ids) > BLOCK_TOKENS
+            and any(h.cache is not False for h in self.route.hops)
+        ):  # no cache on any node: nothing to restore
             restored = await repair.restore_prefix(self, token_ids[:-1])  # at least one token is computed: sampled
             self.tokens.extend(token_ids[:restored])
             token_ids = token_ids[restored:]
@@ -228,7 +187,7 @@ class AsyncRouteSession:
         self._step_since = time.monotonic()
         try:
             while i < len(token_ids):
-                chunk = token_ids[i:i + self.route.max_step_tokens]
+                chunk = token_ids[i : i + self.route.max_step_tokens]
                 i += len(chunk)
                 token = await self._step(chunk, sample and i >= len(token_ids))
         finally:
@@ -244,8 +203,12 @@ class AsyncRouteSession:
             since = self._step_since
             if since is None or time.monotonic() - since < period:
                 continue
-            await asyncio.gather(*(self._best_effort(url, "POST", f"/v1/sessions/{self.id}/renew",
-                                                     min(period, RENEW_TIMEOUT_S)) for url in list(self.opened)))
+            await asyncio.gather(
+                *(
+                    self.best_effort(url, "POST", f"/v1/sessions/{self.id}/renew", min(period, RENEW_TIMEOUT_S))
+                    for url in list(self.opened)
+                )
+            )
 
     @property
     def max_verify_tokens(self) -> int:
@@ -258,14 +221,20 @@ class AsyncRouteSession:
         (``[len(token_ids)]``). The session then holds them all: ``drop`` the rejected drafts. ValueError for more
         than ``max_verify_tokens`` ids; RouteError as ``step`` (``bad_route`` when the head answers no samples)."""
         if not token_ids or len(token_ids) > self.max_verify_tokens:
-            raise ValueError(f"a verify step takes 1..{self.max_verify_tokens} token ids on this route "
-                             f"(the head's max_verify_tokens), got {len(token_ids)}")
+            raise ValueError(
+                f"a verify step takes 1..{self.max_verify_tokens} token ids on this route "
+                f"(the head's max_verify_tokens), got {len(token_ids)}"
+            )
         await self._step(token_ids, True, verify=True)
         samples = self.last_tokens
         if not isinstance(samples, list) or len(samples) != len(token_ids):
-            raise RouteError(f"head {self.route.hops[-1].url} answered a verify step of {len(token_ids)} tokens "
-                             f"with {samples!r}: it does not do speculative decoding", 502, "bad_route",
-                             self.route.hops[-1].url)
+            raise RouteError(
+                f"head {self.route.hops[-1].url} answered a verify step of {len(token_ids)} tokens "
+                f"with {samples!r}: it does not do speculative decoding",
+                502,
+                "bad_route",
+                self.route.hops[-1].url,
+            )
         return samples
 
     def drop(self, n: int) -> None:
@@ -277,7 +246,7 @@ class AsyncRouteSession:
             return
         old = self.position
         self.position -= n
-        del self.tokens[self.position:]
+        del self.tokens[self.position :]
         self.boundaries.discard(old)
         self.boundaries.add(self.position)
         self._rewinding = True
@@ -292,7 +261,7 @@ class AsyncRouteSession:
                     pending = None
                 while self.position < len(self.tokens):  # replay after a repair, step by original step
                     end = min(b for b in self.boundaries | {len(self.tokens)} if b > self.position)
-                    chunk = self.tokens[self.position:min(end, self.position + self.route.max_step_tokens)]
+                    chunk = self.tokens[self.position : min(end, self.position + self.route.max_step_tokens)]
                     await self._send(chunk, False)
                     if replaying is not None:  # what the repair actually replayed, counted as it goes
                         replaying["tokens_replayed"] += len(chunk)
@@ -302,7 +271,7 @@ class AsyncRouteSession:
                 return token
             except RouteError as exc:
                 if replaying is not None:  # the replay failed halfway: that repair says how far it got
-                    replaying["error"] = f"replay failed: {exc}"[:repair.MESSAGE_CHARS]
+                    replaying["error"] = f"replay failed: {exc}"[: repair.MESSAGE_CHARS]
                     replaying = None
                 if self.replan is None or exc.code not in REPAIRABLE or repairs >= self.MAX_REPAIRS_PER_STEP:
                     raise
@@ -324,8 +293,7 @@ class AsyncRouteSession:
         if link is None or link.url != first.url:
             if link is not None:
                 await link.close()
-            link = self._link = StepLink(self.http, first.url, self.route.timeout_s, self.route.token,
-                                         late=self._late)
+            link = self._link = StepLink(self.http, first.url, self.route.timeout_s, self.route.token, late=self._late)
         elif self._replies is None and head is not first and not link.http_only and head.url not in self._no_replies:
             self._reply_link(head.url)
         timeout = step_timeout_s(self.route.timeout_s - 1.0, len(ids)) + 1.0  # long prefill chunks wait longer
@@ -390,9 +358,11 @@ class AsyncRouteSession:
         message after it sampled, not back through every hop (docs/protocol.md). Opened in the background and
         used once open: a head that does not answer never holds a step up."""
         if self._replies_opening is None:
+
             async def opening() -> StepLink | None:
-                link = StepLink(self.http, head, min(self.route.timeout_s, REPLY_LINK_TIMEOUT_S), self.route.token,
-                                replies=self.id)
+                link = StepLink(
+                    self.http, head, min(self.route.timeout_s, REPLY_LINK_TIMEOUT_S), self.route.token, replies=self.id
+                )
                 try:
                     await link.connect()
                 except RouteError:
@@ -475,7 +445,7 @@ class AsyncRouteSession:
         """Restart the idle clock (lease) of the session on every node it is open on; RouteError on a refusal."""
         for url in list(self.opened):
             await self.call(url, "POST", f"/v1/sessions/{self.id}/renew", None, "renew")
-        self._renewed = time.monotonic()
+        self.renewed_at = time.monotonic()
 
     async def truncate(self, length: int) -> None:
         """Roll every node back to ``length`` tokens; RouteError when a node refuses."""
@@ -505,6 +475,6 @@ class AsyncRouteSession:
         await self.drop_links()
         if self._link is not None:
             await self._link.close()
-        await self._close_opened()
+        await opening.close_opened(self)
         if self._own_http:
             await self.http.close()

@@ -68,12 +68,12 @@ class NgramDrafter:
             raise ValueError("the history shrank: a drafter serves one growing sequence")
         for pos in range(max(self._done, 1), end):  # the n-grams ending just before pos, followed by history[pos]
             for n in range(self.min_ngram, min(self.max_ngram, pos) + 1):
-                self._index[tuple(history[pos - n:pos])] = pos
+                self._index[tuple(history[pos - n : pos])] = pos
         self._done = max(self._done, end)
         for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
-            at = self._index.get(tuple(history[end - n:]))
+            at = self._index.get(tuple(history[end - n :]))
             if at is not None:
-                return list(history[at:at + limit])
+                return list(history[at : at + limit])
         return []
 
 
@@ -90,17 +90,21 @@ class DraftModel:
     ``sessions``: drafting sessions at once (each request holds one; when all are taken a request decodes without
     drafts); ``threads``: llama.cpp threads. Raises what ``LocalModel.load`` raises."""
 
-    def __init__(self, path: str, target_metadata: dict, max_length: int = 4096, sessions: int = 4,
-                 threads: int | None = 1):
+    def __init__(
+        self, path: str, target_metadata: dict, max_length: int = 4096, sessions: int = 4, threads: int | None = 1
+    ):
         from ..artifact.default_model import resolve_model
         from ..artifact.gguf_file import GGUFModelFile
         from .local import LocalModel
+
         meta = GGUFModelFile(resolve_model(path)).metadata
         if not same_vocabulary(meta, target_metadata):
-            raise ValueError(f"draft model {path}: its vocabulary ({len(meta.get('tokenizer.ggml.tokens') or [])} "
-                             f"tokens) is not the served model's "
-                             f"({len(target_metadata.get('tokenizer.ggml.tokens') or [])} tokens); a draft model "
-                             f"must share the tokenizer")
+            raise ValueError(
+                f"draft model {path}: its vocabulary ({len(meta.get('tokenizer.ggml.tokens') or [])} "
+                f"tokens) is not the served model's "
+                f"({len(target_metadata.get('tokenizer.ggml.tokens') or [])} tokens); a draft model "
+                f"must share the tokenizer"
+            )
         self.model = LocalModel.load(path, threads=threads, max_length=max_length, max_sessions=sessions)
         self.max_length = min(max_length, self.model.config.max_length)
 
@@ -110,6 +114,7 @@ class DraftModel:
         if length + MAX_DRAFT + 1 > self.max_length:
             return None
         from ..runtime.sampling import SamplingParams
+
         try:
             session = self.model.session(length + MAX_DRAFT + 1, SamplingParams(temperature=0))
         except RuntimeError:  # llama.cpp: every session slot taken
@@ -164,8 +169,17 @@ async def speculate(session, token: int, drafts: list[int]) -> list[int]:
         n += 1
     if n < len(drafts):
         session.drop(len(drafts) - n)
-    return samples[:n + 1]
+    return samples[: n + 1]
 
 
-__all__ = ["DEFAULT_DRAFT_MAX", "DraftModel", "MAX_DRAFT", "METHODS", "ModelDrafter", "NgramDrafter",
-           "check_draft_max", "same_vocabulary", "speculate"]
+__all__ = [
+    "DEFAULT_DRAFT_MAX",
+    "DraftModel",
+    "MAX_DRAFT",
+    "METHODS",
+    "ModelDrafter",
+    "NgramDrafter",
+    "check_draft_max",
+    "same_vocabulary",
+    "speculate",
+]

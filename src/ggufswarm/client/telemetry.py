@@ -41,8 +41,9 @@ class RouteTelemetry:
     prefix_tokens_restored: int = 0
     direct_replies: int = 0  # steps whose reply came straight from the head (its reply link)
 
-    def record(self, reply: dict, rtt: float, n_tokens: int, urls: list[str], verify: bool = False,
-               start: int = -1) -> None:
+    def record(
+        self, reply: dict, rtt: float, n_tokens: int, urls: list[str], verify: bool = False, start: int = -1
+    ) -> None:
         """One StepTiming from a reply that came back along the route (``hops``: each node's numbers, ms) and
         its round trip ``rtt`` (ms): a hop's network time is what its caller waited beyond its handling."""
         hops = reply["hops"]
@@ -51,9 +52,18 @@ class RouteTelemetry:
         for hop in hops:
             network.append(max(outer - hop["handle_ms"], 0.0))
             outer = hop.get("push_ms", 0.0)
-        self.steps.append(StepTiming(n_tokens, [h["compute_ms"] for h in hops], network,
-                                     [h["bytes_in"] for h in hops], [h["kv_tokens"] for h in hops], urls,
-                                     verify, start))
+        self.steps.append(
+            StepTiming(
+                n_tokens,
+                [h["compute_ms"] for h in hops],
+                network,
+                [h["bytes_in"] for h in hops],
+                [h["kv_tokens"] for h in hops],
+                urls,
+                verify,
+                start,
+            )
+        )
 
     def summary(self, route) -> dict:
         """Per-hop compute/network ms (mean, p95) over decode steps of ``route`` (a RemoteRoute: its hops),
@@ -70,16 +80,22 @@ class RouteTelemetry:
             net = per_hop(decode, hop.url, "network_ms")
             sent = [s.bytes_in[s.urls.index(hop.url)] / s.n_tokens for s in decode if hop.url in s.urls]
             kv = per_hop(self.steps, hop.url, "kv_tokens")
-            hops.append({
-                "node": hop.url, "layers": [hop.start, hop.end],
-                "compute_ms": {"mean": _mean(comp), "p95": round(_pct(comp, P95), 3)},
-                "network_ms": {"mean": _mean(net), "p95": round(_pct(net, P95), 3)},
-                "prefill_compute_ms": round(sum(per_hop(prefill, hop.url, "compute_ms")), 3),
-                "payload_bytes_per_decode_token": round(sum(sent) / len(sent), 1) if sent else 0.0,
-                "kv_tokens": kv[-1] if kv else 0,
-            })
-        return {"hops": hops,
-                "payload_bytes_per_decode_token": round(sum(h["payload_bytes_per_decode_token"] for h in hops), 1),
-                "kv_tokens_held": {h["node"]: h["kv_tokens"] for h in hops},
-                "prefix_tokens_restored": self.prefix_tokens_restored, "repairs": list(self.repairs),
-                "direct_replies": self.direct_replies}
+            hops.append(
+                {
+                    "node": hop.url,
+                    "layers": [hop.start, hop.end],
+                    "compute_ms": {"mean": _mean(comp), "p95": round(_pct(comp, P95), 3)},
+                    "network_ms": {"mean": _mean(net), "p95": round(_pct(net, P95), 3)},
+                    "prefill_compute_ms": round(sum(per_hop(prefill, hop.url, "compute_ms")), 3),
+                    "payload_bytes_per_decode_token": round(sum(sent) / len(sent), 1) if sent else 0.0,
+                    "kv_tokens": kv[-1] if kv else 0,
+                }
+            )
+        return {
+            "hops": hops,
+            "payload_bytes_per_decode_token": round(sum(h["payload_bytes_per_decode_token"] for h in hops), 1),
+            "kv_tokens_held": {h["node"]: h["kv_tokens"] for h in hops},
+            "prefix_tokens_restored": self.prefix_tokens_restored,
+            "repairs": list(self.repairs),
+            "direct_replies": self.direct_replies,
+        }

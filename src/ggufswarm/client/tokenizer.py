@@ -13,7 +13,6 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 
-
 # llama.cpp's built-in template used when a GGUF carries no tokenizer.chat_template
 # (llama.cpp's common chat code falls back to chatml the same way).
 BUILTIN_CHAT_TEMPLATES = {"gemma3": "gemma"}
@@ -31,8 +30,9 @@ def media_marker_ids(metadata: dict[str, Any]) -> frozenset[int]:
     follow one with media: like control tokens they are no text to show (``Tokenizer.token_bytes``)."""
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     types = metadata.get("tokenizer.ggml.token_type") or []
-    return frozenset(i for i, (t, ty) in enumerate(zip(tokens, types))
-                     if ty == USER_DEFINED and MEDIA_MARKER.fullmatch(t))
+    return frozenset(
+        i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == USER_DEFINED and MEDIA_MARKER.fullmatch(t)
+    )
 
 
 @contextlib.contextmanager
@@ -55,7 +55,8 @@ def render_builtin_template(name: str, messages: list[dict[str, str]], add_gener
     import llama_cpp
 
     chat = (llama_cpp.llama_chat_message * len(messages))(
-        *[llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in messages])
+        *[llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in messages]
+    )
     size = 256 + 2 * sum(len(m["content"].encode()) + len(m["role"]) for m in messages)
     for _ in range(2):
         buf = ctypes.create_string_buffer(size)
@@ -89,8 +90,10 @@ class Tokenizer:
         vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
         self.eog_ids = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
         # fill-in-the-middle prefix / suffix / middle tokens (llama_vocab_fim_*), all three or none
-        self.has_fim = all(f(vocab) >= 0 for f in (llama_cpp.llama_vocab_fim_pre, llama_cpp.llama_vocab_fim_suf,
-                                                   llama_cpp.llama_vocab_fim_mid))
+        self.has_fim = all(
+            f(vocab) >= 0
+            for f in (llama_cpp.llama_vocab_fim_pre, llama_cpp.llama_vocab_fim_suf, llama_cpp.llama_vocab_fim_mid)
+        )
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         self.bos_token = tokens[self.bos_id] if 0 <= self.bos_id < len(tokens) else ""
         self.eos_token = tokens[self.eos_id] if 0 <= self.eos_id < len(tokens) else ""
@@ -123,7 +126,7 @@ class Tokenizer:
         return b"".join(self.token_bytes(t, special) for t in ids).decode("utf-8", errors="replace")
 
     @property
-    def control_pattern(self) -> "re.Pattern | None":
+    def control_pattern(self) -> re.Pattern | None:
         """A regex matching the text of any control token (``tokenizer.ggml.token_type`` 3: turn markers such
         as ``<start_of_turn>`` or ``<|im_start|>``), longest first; None when the vocabulary has none."""
         if not hasattr(self, "_control_rx"):
@@ -133,8 +136,9 @@ class Tokenizer:
             self._control_rx = re.compile("|".join(map(re.escape, control))) if control else None
         return self._control_rx
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Token ids of ``messages`` (and ``tools``, see ``render_chat``) rendered with the chat template, where
         only the template writes control tokens: text in a message that looks like one (``<|im_end|>``,
         ``<start_of_turn>``) is tokenized as the literal text it is, so a message cannot forge a turn. The same
@@ -155,10 +159,12 @@ class Tokenizer:
 
         def mask(value):
             if isinstance(value, str):
+
                 def sub(m):
                     key = f"ggufswarmctl{nonce}n{len(literal)}x"
                     literal[key] = m.group()
                     return key
+
                 return rx.sub(sub, value)
             if isinstance(value, dict):
                 return {mask(k): mask(v) for k, v in value.items()}
@@ -173,8 +179,11 @@ class Tokenizer:
             return self.encode(rendered)
         marks = [f"@@ggufswarm-message-{i}-{nonce}@@" for i in range(len(messages))]
         # (an empty content stays empty: templates test it, e.g. an assistant turn with only tool calls)
-        skeleton = self.render_chat([{**m, "content": mark} if m.get("content") else m
-                                     for m, mark in zip(messages, marks)], add_generation_prompt, tools)
+        skeleton = self.render_chat(
+            [{**m, "content": mark} if m.get("content") else m for m, mark in zip(messages, marks)],
+            add_generation_prompt,
+            tools,
+        )
         parts = re.split("(" + "|".join(map(re.escape, marks)) + ")", skeleton)
         pieces, rebuilt = [], ""
         for i, part in enumerate(parts):
@@ -187,21 +196,29 @@ class Tokenizer:
                 if rendered.startswith(rebuilt + candidate):
                     break
             else:
-                raise ValueError("a message holds control-token text and the chat template rewrites messages, so "
-                                 "it cannot be sent as literal text")
+                raise ValueError(
+                    "a message holds control-token text and the chat template rewrites messages, so "
+                    "it cannot be sent as literal text"
+                )
             pieces.append((candidate, False))
             rebuilt += candidate
         if rebuilt != rendered:
-            raise ValueError("a message holds control-token text and the chat template renders messages in a way "
-                             "that cannot be split safely")
+            raise ValueError(
+                "a message holds control-token text and the chat template renders messages in a way "
+                "that cannot be split safely"
+            )
         if literal:  # the template's parts: placeholders of control-token text a client wrote become that text
             split = re.compile("(" + "|".join(map(re.escape, literal)) + ")")
-            pieces = [(p if j % 2 == 0 else literal[p], special and j % 2 == 0)
-                      for text, special in pieces
-                      for j, p in enumerate(split.split(text) if special else [text])]
+            pieces = [
+                (p if j % 2 == 0 else literal[p], special and j % 2 == 0)
+                for text, special in pieces
+                for j, p in enumerate(split.split(text) if special else [text])
+            ]
             if any(key in text for text, _ in pieces for key in literal):
-                raise ValueError("the chat template rewrites tool definitions or calls holding control-token text, "
-                                 "so they cannot be sent as literal text")
+                raise ValueError(
+                    "the chat template rewrites tool definitions or calls holding control-token text, "
+                    "so they cannot be sent as literal text"
+                )
         ids: list[int] = []
         for text, template in pieces:
             if text:
@@ -210,8 +227,9 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """Render ``messages`` (``[{"role", "content", ...}]``; an assistant turn may carry ``tool_calls``
         ``[{"id", "type": "function", "function": {"name", "arguments"}}]``, a ``tool`` turn ``tool_call_id`` and
         ``name``) with the GGUF's ``tokenizer.chat_template`` (jinja2), as Hugging Face's ``apply_chat_template``
@@ -233,16 +251,22 @@ class Tokenizer:
             raise ValueError(f"chat template: {message}")
 
         def tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                              sort_keys=sort_keys)
+            return json.dumps(
+                value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+            )
 
         env.filters["tojson"] = tojson
-        env.globals.update(raise_exception=raise_exception,
-                           strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+        env.globals.update(
+            raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt)
+        )
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
-                bos_token=self.bos_token, eos_token=self.eos_token)
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools or None,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
 
@@ -279,8 +303,8 @@ class TextStream:
                 out, self._pending = self._pending[:idx], ""
                 return out
         hold = max((n for s in self.stop for n in range(1, len(s)) if self._pending.endswith(s[:n])), default=0)
-        out = self._pending[:len(self._pending) - hold]
-        self._pending = self._pending[len(out):]
+        out = self._pending[: len(self._pending) - hold]
+        self._pending = self._pending[len(out) :]
         return out
 
     def _flush_pending(self) -> str:

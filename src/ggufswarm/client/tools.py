@@ -72,15 +72,16 @@ class ToolRequest:
 def _functions(tools) -> dict[str, dict]:
     """``{name: parameters schema}`` of a ``tools`` list; ToolError (param ``tools``) for a malformed one."""
     if not isinstance(tools, list) or not tools:
-        raise ToolError("tools must be a non-empty list of {\"type\": \"function\", \"function\": {...}}")
+        raise ToolError('tools must be a non-empty list of {"type": "function", "function": {...}}')
     if len(tools) > MAX_TOOLS:
         raise ToolError(f"tools has {len(tools)} entries; at most {MAX_TOOLS}")
     out = {}
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise ToolError(f'{where} must be {{"type": "function", "function": {{"name", "description", '
-                            f'"parameters"}}}}')
+            raise ToolError(
+                f'{where} must be {{"type": "function", "function": {{"name", "description", "parameters"}}}}'
+            )
         unknown = set(tool) - {"type", "function"}
         if unknown:
             raise ToolError(f"{where}: unexpected {', '.join(sorted(unknown))}")
@@ -118,8 +119,9 @@ def tool_request(body: dict, template: str | None) -> ToolRequest | None:
     """
     for name in ("functions", "function_call"):
         if body.get(name) is not None:
-            raise ToolError(f"{name} (deprecated function calling) is not implemented: send tools / tool_choice",
-                            param=name)
+            raise ToolError(
+                f"{name} (deprecated function calling) is not implemented: send tools / tool_choice", param=name
+            )
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None or tools == []:
         if choice not in (None, "none"):
@@ -128,29 +130,42 @@ def tool_request(body: dict, template: str | None) -> ToolRequest | None:
     schemas = _functions(tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise ToolError(f"parallel_tool_calls must be true or false, got {json.dumps(parallel)}",
-                        param="parallel_tool_calls")
+        raise ToolError(
+            f"parallel_tool_calls must be true or false, got {json.dumps(parallel)}", param="parallel_tool_calls"
+        )
     if choice is None or choice == "auto":
         kind, name = "auto", None
     elif choice == "none":
         return None
     elif choice == "required":
         kind, name = "required", None
-    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
-            and set(choice) == {"type", "function"} and set(choice["function"]) == {"name"}:
+    elif (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and set(choice) == {"type", "function"}
+        and set(choice["function"]) == {"name"}
+    ):
         kind, name = "function", choice["function"]["name"]
         if name not in schemas:
             raise ToolError(f"tool_choice names function {name!r}, which is not among the tools", param="tool_choice")
     else:
-        raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                        f'{{"name": ...}}}}, got {json.dumps(choice)}', param="tool_choice")
+        raise ToolError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+            f'{{"name": ...}}}}, got {json.dumps(choice)}',
+            param="tool_choice",
+        )
     fmt = template_tool_format(template)
     if fmt is None:
-        raise ToolError("tools (function calling) are not supported: this model's chat template has no tool "
-                        "support (give a template that renders tools with gateway --chat-template-file)")
+        raise ToolError(
+            "tools (function calling) are not supported: this model's chat template has no tool "
+            "support (give a template that renders tools with gateway --chat-template-file)"
+        )
     if fmt != HERMES:
-        raise ToolError("tools (function calling) are not supported for this chat template: it renders tools in a "
-                        "format this gateway does not parse (it parses the Hermes / Qwen <tool_call> format)")
+        raise ToolError(
+            "tools (function calling) are not supported for this chat template: it renders tools in a "
+            "format this gateway does not parse (it parses the Hermes / Qwen <tool_call> format)"
+        )
     request = ToolRequest(tools, kind, name, format=fmt, schemas=schemas, parallel=parallel is not False)
     if kind != "auto":
         request.grammar = tool_call_grammar({n: s for n, s in schemas.items() if name is None or n == name})
@@ -168,19 +183,29 @@ def tool_call_grammar(schemas: dict[str, dict]) -> str:
         try:
             _check(params, f"tools[{name}].function.parameters#", params)
         except SchemaNotEnforceable as exc:
-            raise ToolError(f"tool_choice {name!r} needs constrained decoding, which cannot enforce the tool's "
-                            f"parameters: {exc}", param="tool_choice") from None
-        alternatives.append({"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                             "required": ["name", "arguments"], "additionalProperties": False})
+            raise ToolError(
+                f"tool_choice {name!r} needs constrained decoding, which cannot enforce the tool's parameters: {exc}",
+                param="tool_choice",
+            ) from None
+        alternatives.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    converter = SchemaConverter(prop_order={"name": 0, "arguments": 1}, allow_fetch=False, dotall=False,
-                                raw_pattern=False)
+    converter = SchemaConverter(
+        prop_order={"name": 0, "arguments": 1}, allow_fetch=False, dotall=False, raw_pattern=False
+    )
     try:
         converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), "tools"), "")
         rules = converter.format_grammar()
     except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise ToolError(f"tool parameters cannot be turned into a grammar: {exc or type(exc).__name__}",
-                        param="tool_choice") from None
+        raise ToolError(
+            f"tool parameters cannot be turned into a grammar: {exc or type(exc).__name__}", param="tool_choice"
+        ) from None
     # the converter's root rule is the call's JSON; the grammar's root wraps it in the template's tags
     rules = re.sub(r"^root ::=", "tool-call-json ::=", rules, count=1, flags=re.MULTILINE)
     return f'root ::= "{OPEN}\\n" tool-call-json "\\n{CLOSE}"\n{rules}\n'
@@ -204,7 +229,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         return text, []
     calls, outside, last = [], [], 0
     for m in _CALL.finditer(text):
-        outside.append(text[last:m.start()])
+        outside.append(text[last : m.start()])
         last = m.end()
         try:
             call = json.loads(m.group(1), strict=False)  # a raw newline in a string: still what was meant
@@ -246,7 +271,7 @@ class ToolCallStream:
             out, self._held = self._held[:at], self._held[at:]
         else:  # hold a tail that may be the start of <tool_call>
             keep = max((n for n in range(1, len(OPEN)) if self._held.endswith(OPEN[:n])), default=0)
-            out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+            out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
         return out
 
     def finish(self) -> tuple[str | None, list[dict]]:
@@ -259,5 +284,14 @@ class ToolCallStream:
         return content, calls
 
 
-__all__ = ["HERMES", "ToolCallStream", "ToolError", "ToolRequest", "new_call_id", "parse_tool_calls",
-           "template_tool_format", "tool_call_grammar", "tool_request"]
+__all__ = [
+    "HERMES",
+    "ToolCallStream",
+    "ToolError",
+    "ToolRequest",
+    "new_call_id",
+    "parse_tool_calls",
+    "template_tool_format",
+    "tool_call_grammar",
+    "tool_request",
+]

@@ -8,7 +8,6 @@ calls (heartbeats, next-hop checks, deregistering) run on its event loop through
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
@@ -50,13 +49,21 @@ class TrackerClient:
         return f"{self.url}/{path.lstrip('/')}" + (f"?{urlencode(query)}" if query else "")
 
     # -- blocking calls ------------------------------------------------------------------------------
-    def call(self, path: str, method: str = "GET", body: dict | None = None, *, query: dict | None = None,
-             timeout_s: float | None = None) -> dict:
+    def call(
+        self,
+        path: str,
+        method: str = "GET",
+        body: dict | None = None,
+        *,
+        query: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> dict:
         """One JSON request to endpoint ``path``; the decoded JSON answer. TrackerError on a refusal."""
         url = self.url_for(path, query)
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **auth_headers(self.token)})
+        req = urllib.request.Request(
+            url, data=data, method=method, headers={"Content-Type": "application/json", **auth_headers(self.token)}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s if timeout_s is None else timeout_s) as r:
                 return json.loads(r.read())
@@ -67,8 +74,9 @@ class TrackerClient:
                 reason = e.reason
             raise TrackerError(f"tracker {url}: {e.code} {reason}", e.code, str(reason)) from None
         except (urllib.error.URLError, OSError) as e:
-            raise TrackerError(f"cannot reach tracker {url}: {getattr(e, 'reason', e)}", None,
-                               "the tracker cannot be reached") from None
+            raise TrackerError(
+                f"cannot reach tracker {url}: {getattr(e, 'reason', e)}", None, "the tracker cannot be reached"
+            ) from None
 
     def models(self, timeout_s: float | None = None) -> list[str]:
         """Names of the published models (``GET /models``)."""
@@ -80,8 +88,9 @@ class TrackerClient:
 
     def put_manifest(self, name: str, manifest: dict, torrent: bytes) -> dict:
         """Publish model ``name``: its manifest (JSON object) and torrent (``PUT /manifests/{name}``)."""
-        return self.call(f"manifests/{quote(name, safe='')}", "PUT", {"manifest": manifest,
-                                                                      "torrent_hex": torrent.hex()})
+        return self.call(
+            f"manifests/{quote(name, safe='')}", "PUT", {"manifest": manifest, "torrent_hex": torrent.hex()}
+        )
 
     def nodes(self, model: str | None = None) -> list[dict]:
         """The advertisements of live nodes (of ``model``; None: all) (``GET /nodes``)."""
@@ -99,8 +108,9 @@ class TrackerClient:
         """The tracker's whole view (``GET /status.json``): nodes, models, coverage."""
         return self.call("status.json")
 
-    def wait_for_model(self, name: str | None, every_s: float = 2.0, parent: int | None = None,
-                       who: str = "node") -> None:
+    def wait_for_model(
+        self, name: str | None, every_s: float = 2.0, parent: int | None = None, who: str = "node"
+    ) -> None:
         """Block until the tracker answers and has ``name`` published (None: until it answers), saying once (one
         line, as ``ggufswarm {who}``) what it waits for: start order does not matter. Raises TrackerError for any
         other refusal (a wrong token, say), SystemExit when ``parent`` (a pid) is gone (``--exit-with-parent``)."""
@@ -111,28 +121,47 @@ class TrackerClient:
             try:
                 self.manifest(name, timeout_s=10) if name else self.models(timeout_s=10)
                 if said:
-                    print(f"ggufswarm {who}: {'the tracker answers' if name is None else name + ' is published'}; "
-                          f"going on", file=sys.stderr, flush=True)
+                    print(
+                        f"ggufswarm {who}: {'the tracker answers' if name is None else name + ' is published'}; "
+                        f"going on",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return
             except TrackerError as exc:
                 if exc.status not in (None, 404):
                     raise
-                why = (f"waiting for the tracker {self.url} to answer" if exc.status is None else
-                       f"waiting for model {name!r} to be published on {self.url} (ggufswarm publish --name {name})")
+                why = (
+                    f"waiting for the tracker {self.url} to answer"
+                    if exc.status is None
+                    else f"waiting for model {name!r} to be published on {self.url} (ggufswarm publish --name {name})"
+                )
                 if why != said:
-                    print(f"ggufswarm {who}: {why}; retrying every {every_s:g} s (Ctrl-C stops)", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"ggufswarm {who}: {why}; retrying every {every_s:g} s (Ctrl-C stops)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     said = why
             time.sleep(every_s)
 
     # -- a node's calls, on its event loop ------------------------------------------------------------
-    async def acall(self, http: aiohttp.ClientSession, path: str, method: str = "GET", body: dict | None = None, *,
-                    query: dict | None = None, timeout_s: float = 5.0) -> dict:
+    async def acall(
+        self,
+        http: aiohttp.ClientSession,
+        path: str,
+        method: str = "GET",
+        body: dict | None = None,
+        *,
+        query: dict | None = None,
+        timeout_s: float = 5.0,
+    ) -> dict:
         """As ``call``, through ``http`` (the caller's aiohttp session, which sends the token)."""
         url = self.url_for(path, query)
         try:
-            async with http.request(method, url, json=body, headers=auth_headers(self.token),
-                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            async with http.request(
+                method, url, json=body, headers=auth_headers(self.token), timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as r:
                 if r.status != 200:
                     text = (await r.text())[:200]
                     try:
@@ -141,9 +170,10 @@ class TrackerClient:
                         reason = text or r.reason
                     raise TrackerError(f"tracker {url}: {r.status} {reason}", r.status, str(reason))
                 return await r.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            raise TrackerError(f"cannot reach tracker {url}: {str(exc) or type(exc).__name__}", None,
-                               "the tracker cannot be reached") from None
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            raise TrackerError(
+                f"cannot reach tracker {url}: {str(exc) or type(exc).__name__}", None, "the tracker cannot be reached"
+            ) from None
 
     async def aheartbeat(self, http: aiohttp.ClientSession, advertisement: dict) -> dict:
         """Advertise a node (``POST /nodes/heartbeat``); the tracker's answer (``ttl_s``: seconds it keeps it)."""

@@ -66,8 +66,17 @@ def failed(url: str, exc: BaseException, what: str = "") -> RouteError:
     return RouteError(f"node {url} failed: {what}{type(exc).__name__}: {exc}", 502, "hop_failed", url)
 
 
-async def request(http: aiohttp.ClientSession, url: str, method: str, path: str, body: bytes | None = None,
-                  content_type: str = JSON, *, token: str | None, timeout: float) -> tuple[int, bytes]:
+async def request(
+    http: aiohttp.ClientSession,
+    url: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    content_type: str = JSON,
+    *,
+    token: str | None,
+    timeout: float,
+) -> tuple[int, bytes]:
     """One HTTP request to node ``url``: (status, body bytes). RouteError when it fails or takes over
     ``timeout`` s; ValueError for a URL that is not ``http://HOST:PORT``."""
     check_url(url)
@@ -75,8 +84,9 @@ async def request(http: aiohttp.ClientSession, url: str, method: str, path: str,
     if body is not None:
         headers["Content-Type"] = content_type
     try:
-        async with http.request(method, url + path, data=body, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with http.request(
+            method, url + path, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
             return resp.status, await resp.read()
     except TimeoutError:
         raise timed_out(url, timeout) from None
@@ -84,8 +94,17 @@ async def request(http: aiohttp.ClientSession, url: str, method: str, path: str,
         raise failed(url, exc) from None
 
 
-async def call(http: aiohttp.ClientSession, url: str, method: str, path: str, body: dict | None, what: str, *,
-               token: str | None, timeout: float) -> dict:
+async def call(
+    http: aiohttp.ClientSession,
+    url: str,
+    method: str,
+    path: str,
+    body: dict | None,
+    what: str,
+    *,
+    token: str | None,
+    timeout: float,
+) -> dict:
     """A JSON call to node ``url``: its JSON object reply; RouteError (``check_reply``) on any failure."""
     data = json.dumps(body).encode() if body is not None else None
     return check_reply(url, *await request(http, url, method, path, data, token=token, timeout=timeout), what)
@@ -126,8 +145,15 @@ class StepLink:
     a step link's waiters get RouteError ``hop_failed`` (a reply link's are left to the step link).
     """
 
-    def __init__(self, http: aiohttp.ClientSession, url: str, timeout: float, token: str | None = None,
-                 replies: uuid.UUID | None = None, late=None):
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        url: str,
+        timeout: float,
+        token: str | None = None,
+        replies: uuid.UUID | None = None,
+        late=None,
+    ):
         self.http = http
         self.url = url
         self.timeout = timeout
@@ -152,14 +178,23 @@ class StepLink:
         path = "/v1/link" + (f"?replies={self.replies}" if self.replies is not None else "")
         try:
             async with asyncio.timeout(self.timeout):
-                self._ws = await self.http.ws_connect(f"ws://{parts.netloc}{path}", headers=auth_headers(self.token),
-                                                      timeout=LINK_TIMEOUTS, autoping=True, max_msg_size=0)
+                self._ws = await self.http.ws_connect(
+                    f"ws://{parts.netloc}{path}",
+                    headers=auth_headers(self.token),
+                    timeout=LINK_TIMEOUTS,
+                    autoping=True,
+                    max_msg_size=0,
+                )
         except aiohttp.WSServerHandshakeError as exc:
             if exc.status in NO_LINKS:
                 self.http_only = True
                 return
-            raise RouteError(f"node {self.url} refused a link: HTTP {exc.status}", exc.status
-                             if exc.status >= 400 else 502, "hop_failed", self.url) from None
+            raise RouteError(
+                f"node {self.url} refused a link: HTTP {exc.status}",
+                exc.status if exc.status >= 400 else 502,
+                "hop_failed",
+                self.url,
+            ) from None
         except TimeoutError:
             raise timed_out(self.url, self.timeout) from None
         except (OSError, aiohttp.ClientError) as exc:
@@ -184,8 +219,9 @@ class StepLink:
         if self._ws is None and not self.http_only:
             await self.connect()
         if self._ws is None:  # a node without links
-            status, body = await request(self.http, self.url, "POST", "/v1/step", frame, FRAME, token=self.token,
-                                         timeout=timeout)
+            status, body = await request(
+                self.http, self.url, "POST", "/v1/step", frame, FRAME, token=self.token, timeout=timeout
+            )
             waiter.set_result((status, body, False))
             return
         key = frame_key(frame)

@@ -31,7 +31,7 @@ from .state import Gateway
 
 GATEWAY = web.AppKey("gateway", Gateway)
 HEALTH_PROBE_S = 2.0  # GET /health: how long it waits for each node's (or the tracker's) answer, in seconds
-MAX_BODY_BYTES = 16 * 2 ** 20  # largest request body taken (a long prompt)
+MAX_BODY_BYTES = 16 * 2**20  # largest request body taken (a long prompt)
 DISCONNECT_POLL_S = 0.5  # a non-streamed request looks this often whether its client is still there
 
 
@@ -42,8 +42,10 @@ async def read_body(request: web.Request) -> dict:
     try:  # JSON may escape a lone UTF-16 surrogate ("\\ud800"): no text can hold it, no tokenizer can take it
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise RequestError(f"body holds a lone UTF-16 surrogate (\\u{ord(exc.object[exc.start]):04x}), which is not "
-                           f"text; send valid Unicode") from None
+        raise RequestError(
+            f"body holds a lone UTF-16 surrogate (\\u{ord(exc.object[exc.start]):04x}), which is not "
+            f"text; send valid Unicode"
+        ) from None
     return body
 
 
@@ -55,8 +57,9 @@ async def gateway_for(request: web.Request, body: dict) -> Gateway:
     if gw.every_model:
         return await asyncio.get_running_loop().run_in_executor(gw.pool, gw.for_model, name)
     if name is not None and name != gw.model_name:
-        raise RequestError(f"model {name!r} is not served here; this gateway serves {gw.model_name!r}",
-                           404, "model_not_found", "model")
+        raise RequestError(
+            f"model {name!r} is not served here; this gateway serves {gw.model_name!r}", 404, "model_not_found", "model"
+        )
     return gw
 
 
@@ -71,7 +74,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise RequestError(str(exc), param=exc.param) from None
     try:  # off the event loop: a long prompt takes a while to render and tokenize, other requests go on meanwhile
         ids = await asyncio.get_running_loop().run_in_executor(
-            gw.pool, gw.tokenizer.encode_chat, turns, True, tools.tools if tools else None)
+            gw.pool, gw.tokenizer.encode_chat, turns, True, tools.tools if tools else None
+        )
     except ValueError as exc:
         raise RequestError(str(exc), param="messages") from None
     return await complete(request, gw, ids, body, chat=True, tools=tools)
@@ -87,15 +91,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not isinstance(prompt, str):
         raise RequestError("prompt must be a string", param="prompt")
     ids = await asyncio.get_running_loop().run_in_executor(  # off the event loop, as for chat
-        gw.pool, lambda: gw.tokenizer.encode(prompt, special=gw.config.prompt_special))
+        gw.pool, lambda: gw.tokenizer.encode(prompt, special=gw.config.prompt_special)
+    )
     if not ids:  # a model without BOS has nothing to start from
-        raise RequestError("prompt is empty and this model adds no BOS token: give at least one token of text",
-                           param="prompt")
+        raise RequestError(
+            "prompt is empty and this model adds no BOS token: give at least one token of text", param="prompt"
+        )
     return await complete(request, gw, ids, body, chat=False, prompt=prompt)
 
 
-async def complete(request: web.Request, gw: Gateway, ids: list[int], body: dict, chat: bool,
-                   prompt: str | None = None, tools: ToolRequest | None = None) -> web.StreamResponse:
+async def complete(
+    request: web.Request,
+    gw: Gateway,
+    ids: list[int],
+    body: dict,
+    chat: bool,
+    prompt: str | None = None,
+    tools: ToolRequest | None = None,
+) -> web.StreamResponse:
     """Generate the completion of prompt ``ids`` and answer it, streamed (SSE) or whole. RequestError for a bad
     parameter; the route's failure before the answer starts is raised (an error answer), after it an SSE error
     event; a client that goes away stops the generation (its session closes on every node)."""
@@ -129,20 +142,23 @@ async def next_while_connected(request: web.Request, generation: Generation) -> 
             pass
 
 
-async def stream_answer(request: web.Request, generation: Generation, reply: Reply,
-                        tools: ToolRequest | None) -> web.StreamResponse:
+async def stream_answer(
+    request: web.Request, generation: Generation, reply: Reply, tools: ToolRequest | None
+) -> web.StreamResponse:
     """The SSE answer (render.write_stream); a client that went away ends it quietly."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
     try:
-        await write_stream(resp, request, generation.next, reply, ToolCallStream() if tools is not None else None,
-                           tools)
+        await write_stream(
+            resp, request, generation.next, reply, ToolCallStream() if tools is not None else None, tools
+        )
     except ConnectionResetError:
         pass  # the client left; complete() stops the generation
     return resp
 
 
-async def whole_answer(request: web.Request, generation: Generation, reply: Reply,
-                       tools: ToolRequest | None) -> web.Response:
+async def whole_answer(
+    request: web.Request, generation: Generation, reply: Reply, tools: ToolRequest | None
+) -> web.Response:
     """The non-streamed answer (Reply.body) once the generation is done; its failure raised (an error answer)."""
     parts, entries = [reply.echo or ""], []
     while True:
@@ -153,8 +169,9 @@ async def whole_answer(request: web.Request, generation: Generation, reply: Repl
         if isinstance(event, Failed):
             raise event.error
         if isinstance(event, Done):
-            return web.Response(body=json.dumps(reply.body("".join(parts), entries, event, tools)).encode(),
-                                content_type=JSON)
+            return web.Response(
+                body=json.dumps(reply.body("".join(parts), entries, event, tools)).encode(), content_type=JSON
+            )
         parts.append(event.text)
         entries += event.entries
 
@@ -183,8 +200,9 @@ async def model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     found = next((m for m in await listed_models(request.app[GATEWAY]) if m["id"] == name), None)
     if found is None:
-        raise RequestError(f"model {name!r} is not served here (GET /v1/models lists what is)", 404,
-                           "model_not_found", "model")
+        raise RequestError(
+            f"model {name!r} is not served here (GET /v1/models lists what is)", 404, "model_not_found", "model"
+        )
     return web.json_response(found)
 
 

@@ -25,9 +25,9 @@ class GatewayConfig:
     default_max_tokens: int = 512
     workers: int = 8  # threads for blocking work (tokenizing prompts, loading a vocabulary); generations run on
     # the event loop, not here
-    api_keys: tuple[str, ...] = ()    # when set, /v1/* needs ``Authorization: Bearer KEY`` (OpenAI style)
-    tracker: str | None = None        # plan a route per session from this tracker (``route`` unused)
-    token: str | None = None          # swarm token, sent to the tracker and the nodes (None: an open swarm)
+    api_keys: tuple[str, ...] = ()  # when set, /v1/* needs ``Authorization: Bearer KEY`` (OpenAI style)
+    tracker: str | None = None  # plan a route per session from this tracker (``route`` unused)
+    token: str | None = None  # swarm token, sent to the tracker and the nodes (None: an open swarm)
     data_dir: str = "ggufswarm-data"  # where the vocabulary (GGUF header) fetched from the swarm goes
     # /v1/completions: read control-token text in a raw prompt as control tokens (as llama-server does), or
     # as literal text (``--literal-prompts``). Chat messages are always literal (Tokenizer.encode_chat).
@@ -38,5 +38,5 @@ class GatewayConfig:
     speculative: str = "none"  # "ngram": prompt-lookup drafts verified by the route (client.speculative), or "none"
     draft_max: int = DEFAULT_DRAFT_MAX  # most tokens drafted per verify step (a request's speculative.n_max lowers it)
     draft_model: str | None = None  # speculative "draft": a small GGUF of the served model's vocabulary, run here
-    draft_threads: int = 1          # its llama.cpp threads
-    draft_sessions: int = 4         # requests drafting at once (others decode without drafts)
+    draft_threads: int = 1  # its llama.cpp threads
+    draft_sessions: int = 4  # requests drafting at once (others decode without drafts)

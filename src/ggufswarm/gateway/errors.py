@@ -14,9 +14,11 @@ from ..protocol.http import as_protocol_error
 
 JSON = "application/json"
 # what a gateway without a tracker can and cannot do about a failed node (its error answers and its /health say it)
-FIXED_ROUTE_HINT = ("this gateway serves a fixed --route and cannot replace a failed node: start that node again, "
-                    "the gateway finds it on the next request; or run the gateway with --tracker and spare nodes, "
-                    "and routes are repaired mid-request")
+FIXED_ROUTE_HINT = (
+    "this gateway serves a fixed --route and cannot replace a failed node: start that node again, "
+    "the gateway finds it on the next request; or run the gateway with --tracker and spare nodes, "
+    "and routes are repaired mid-request"
+)
 CLIENT_GONE = 499  # nginx's "client closed request": the answer to a client that left (nobody reads it)
 SERVER_ERROR = 500  # statuses from here on are the gateway's (or the swarm's) fault: they leave a stderr line
 
@@ -25,8 +27,15 @@ class GatewayError(ProtocolError):
     """An error answer in OpenAI's shape: HTTP ``status``, OpenAI error ``type``, ``code``, ``param`` (the request
     parameter at fault, or None) and ``telemetry`` (what the route session did before it failed, or None)."""
 
-    def __init__(self, message: str, status: int, code: str, param: str | None = None,
-                 type_: str | None = None, telemetry: dict | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int,
+        code: str,
+        param: str | None = None,
+        type_: str | None = None,
+        telemetry: dict | None = None,
+    ):
         super().__init__(code, message, status)
         self.param = param
         self.type = type_ or ("invalid_request_error" if status < SERVER_ERROR else "server_error")
@@ -36,8 +45,14 @@ class GatewayError(ProtocolError):
 class RequestError(GatewayError):
     """A request the gateway refuses: HTTP ``status`` (default 400), OpenAI error ``type``, ``code`` and ``param``."""
 
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request", param: str | None = None,
-                 type_: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        code: str = "invalid_request",
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+    ):
         super().__init__(message, status, code, param, type_)
 
 
@@ -96,7 +111,10 @@ def say_repaired(repairs: list[dict]) -> None:
         if r.get("replacement") and "error" not in r:
             lo, hi = r["replaced_layers"]
             replanned = "" if [lo, hi] == r["layers"] else f"; layers {lo}:{hi} re-planned"
-            print(f"ggufswarm gateway: repaired a route: node {r['hop']} (layers {r['layers'][0]}:{r['layers'][1]}) "
-                  f"failed ({r['cause']}); continued on {', '.join(r['replacement'])}{replanned} "
-                  f"({r['restored_tokens']} tokens restored, {r['tokens_replayed']} replayed)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"ggufswarm gateway: repaired a route: node {r['hop']} (layers {r['layers'][0]}:{r['layers'][1]}) "
+                f"failed ({r['cause']}); continued on {', '.join(r['replacement'])}{replanned} "
+                f"({r['restored_tokens']} tokens restored, {r['tokens_replayed']} replayed)",
+                file=sys.stderr,
+                flush=True,
+            )

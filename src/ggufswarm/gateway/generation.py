@@ -115,10 +115,18 @@ async def telemetry(gw: Gateway, session, stats: GenerationStats) -> dict:
     """The ``telemetry`` object of a finished generation (ms, tok/s, bytes, tokens; the route as it ended, after
     any repairs, each listed in ``repairs``)."""
     per_hop = (await session.telemetry()).summary(session.route)
-    return {"route": session.route.describe(), "session": str(session.id), "wire_dtype": gw.config.wire_dtype,
-            "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "ttft_ms": round(stats.ttft_ms, 2), "prefill_tok_s": round(stats.prefill_tok_s, 2),
-            "decode_tok_s": round(stats.decode_tok_s, 2), **per_hop, "speculative": stats.speculative_summary()}
+    return {
+        "route": session.route.describe(),
+        "session": str(session.id),
+        "wire_dtype": gw.config.wire_dtype,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "ttft_ms": round(stats.ttft_ms, 2),
+        "prefill_tok_s": round(stats.prefill_tok_s, 2),
+        "decode_tok_s": round(stats.decode_tok_s, 2),
+        **per_hop,
+        "speculative": stats.speculative_summary(),
+    }
 
 
 def failure(gw: Gateway, exc: BaseException, session) -> GatewayError:
@@ -181,8 +189,7 @@ async def run(gw: Gateway, ids: list[int], opts: RequestOptions, emit, prompt_pa
     session is closed on every node before it returns, also when cancelled."""
     session, stats = None, GenerationStats()
     try:
-        session, max_length = await gw.planner.open(gw.http, ids, request_sampling(gw, ids, opts), opts,
-                                                    prompt_param)
+        session, max_length = await gw.planner.open(gw.http, ids, request_sampling(gw, ids, opts), opts, prompt_param)
         emit(Opened(session))
         # a session holds max_length tokens: the prompt, then every sampled token but the last is fed back
         budget = min(opts.max_tokens, max_length - len(ids) + 1)  # past it the answer ends with "length"
@@ -190,8 +197,9 @@ async def run(gw: Gateway, ids: list[int], opts: RequestOptions, emit, prompt_pa
         drain = tap.drain if tap is not None else _no_entries
         drafter = drafter_for(gw, session, opts)
         try:
-            async with aclosing(agenerate(tap or session, gw.tokenizer, ids, budget, opts.stop, stats, drafter,
-                                          opts.special)) as deltas:
+            async with aclosing(
+                agenerate(tap or session, gw.tokenizer, ids, budget, opts.stop, stats, drafter, opts.special)
+            ) as deltas:
                 async for text in deltas:
                     emit(Delta(text, drain()))
         finally:
@@ -207,7 +215,7 @@ async def run(gw: Gateway, ids: list[int], opts: RequestOptions, emit, prompt_pa
             say_repaired(session.repairs)
         emit(Failed(RequestError("client went away", CLIENT_GONE, "cancelled"), stats.completion_tokens))
         raise
-    except Exception as exc:  # noqa: BLE001 - every failure is an event for the handler
+    except Exception as exc:
         if session is not None:
             say_repaired(session.repairs)
         emit(Failed(failure(gw, exc, session), stats.completion_tokens))

@@ -27,7 +27,6 @@ def message_text(content) -> str:
     raise RequestError("message content must be a string or a list of text parts", param="messages")
 
 
-
 def tool_calls(calls, i: int) -> list[dict]:
     """An assistant message's OpenAI ``tool_calls`` in the shape Hugging Face chat templates read: ``{"id",
     "type": "function", "function": {"name", "arguments"}}`` with ``arguments`` a JSON object when the string
@@ -38,11 +37,18 @@ def tool_calls(calls, i: int) -> list[dict]:
     out = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or call.get("type", "function") != "function" \
-                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), (str, dict)) \
-                or not isinstance(call.get("id", ""), str):
-            raise RequestError(f'messages[{i}].tool_calls[{j}] must be {{"id", "type": "function", "function": '
-                               f'{{"name", "arguments": JSON string}}}}', param="messages")
+        if (
+            not isinstance(fn, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments", ""), (str, dict))
+            or not isinstance(call.get("id", ""), str)
+        ):
+            raise RequestError(
+                f'messages[{i}].tool_calls[{j}] must be {{"id", "type": "function", "function": '
+                f'{{"name", "arguments": JSON string}}}}',
+                param="messages",
+            )
         args = fn.get("arguments", "")
         try:
             parsed = json.loads(args) if isinstance(args, str) else args  # (an object, as some clients send)
@@ -50,8 +56,13 @@ def tool_calls(calls, i: int) -> list[dict]:
                 args = parsed
         except ValueError:
             pass  # not JSON (a model's malformed call sent back): the template gets the string
-        out.append({"id": call.get("id") or new_call_id(), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+        out.append(
+            {
+                "id": call.get("id") or new_call_id(),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
     return out
 
 
@@ -94,4 +105,3 @@ def chat_turns(messages, template: str | None) -> list[dict]:
             turn["name"] = m["name"]
         turns.append(turn)
     return turns
-

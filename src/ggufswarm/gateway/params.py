@@ -18,7 +18,7 @@ COMPLETIONS_PATH = "/v1/completions"
 MAX_STOP_STRINGS = 16  # entries of one request's ``stop``
 MAX_TOP_LOGPROBS_CHAT = 20  # OpenAI's bounds of top_logprobs (chat) and logprobs (completions)
 MAX_TOP_LOGPROBS_COMPLETION = 5
-INT32_MAX = 2 ** 31 - 1
+INT32_MAX = 2**31 - 1
 
 
 def _number(body: dict, name: str, default, lo=None, hi=None, kind=float):
@@ -39,20 +39,76 @@ def _number(body: dict, name: str, default, lo=None, hi=None, kind=float):
 
 
 # OpenAI parameters that change nothing in what one locally served model generates: accepted and ignored.
-IGNORED_PARAMS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                            "parallel_tool_calls", "cache_prompt"})
+IGNORED_PARAMS = frozenset(
+    {
+        "user",
+        "store",
+        "metadata",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "parallel_tool_calls",
+        "cache_prompt",
+    }
+)
 # llama-server sampler settings this gateway does not implement: accepted only at the value that turns them off.
-NEUTRAL_EXTRAS = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
-                  "top_n_sigma": -1.0, "dynatemp_range": 0.0, "n_probs": 0, "min_keep": 0}
+NEUTRAL_EXTRAS = {
+    "typical_p": 1.0,
+    "mirostat": 0,
+    "dry_multiplier": 0.0,
+    "xtc_probability": 0.0,
+    "top_n_sigma": -1.0,
+    "dynatemp_range": 0.0,
+    "n_probs": 0,
+    "min_keep": 0,
+}
 # ... and their sub-settings, which do nothing while the setting above is off: accepted and ignored.
-DEPENDENT_EXTRAS = frozenset({"mirostat_tau", "mirostat_eta", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-                              "dry_sequence_breakers", "xtc_threshold", "dynatemp_exponent"})
-_COMMON_PARAMS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-                            "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-                            "logprobs", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos",
-                            "speculative.n_max", "skip_special_tokens"})
-CHAT_PARAMS = _COMMON_PARAMS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
-                                "function_call"}
+DEPENDENT_EXTRAS = frozenset(
+    {
+        "mirostat_tau",
+        "mirostat_eta",
+        "dry_base",
+        "dry_allowed_length",
+        "dry_penalty_last_n",
+        "dry_sequence_breakers",
+        "xtc_threshold",
+        "dynatemp_exponent",
+    }
+)
+_COMMON_PARAMS = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "stream_options",
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_k",
+        "min_p",
+        "repeat_penalty",
+        "repeat_last_n",
+        "ignore_eos",
+        "speculative.n_max",
+        "skip_special_tokens",
+    }
+)
+CHAT_PARAMS = _COMMON_PARAMS | {
+    "messages",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+}
 COMPLETION_PARAMS = _COMMON_PARAMS | {"prompt", "echo", "suffix", "best_of"}
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 EOG_BIAS = -1e30  # ignore_eos: llama-server biases end-of-generation tokens by -inf; a finite "never" here
@@ -103,10 +159,17 @@ def _check_known(body: dict, chat: bool) -> None:
             same_kind = isinstance(value, (bool, int, float)) and isinstance(value, bool) == isinstance(neutral, bool)
             if value is None or (same_kind and value == neutral):
                 continue
-            raise RequestError(f"{name} (a llama-server sampler setting) is not implemented by this gateway; omit it "
-                               f"or leave it at {json.dumps(neutral)}", param=name)
-        raise RequestError(f"unknown parameter {name!r}: not a parameter {where} implements here (docs/protocol.md, "
-                           f"\"Gateway\", lists them)", param=name, code="unknown_parameter")
+            raise RequestError(
+                f"{name} (a llama-server sampler setting) is not implemented by this gateway; omit it "
+                f"or leave it at {json.dumps(neutral)}",
+                param=name,
+            )
+        raise RequestError(
+            f"unknown parameter {name!r}: not a parameter {where} implements here (docs/protocol.md, "
+            f'"Gateway", lists them)',
+            param=name,
+            code="unknown_parameter",
+        )
 
 
 def _logit_bias(body: dict, n_vocab: int | None) -> tuple:
@@ -115,8 +178,9 @@ def _logit_bias(body: dict, n_vocab: int | None) -> tuple:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise RequestError("logit_bias must be an object mapping token ids (strings) to a bias in [-100, 100]",
-                           param="logit_bias")
+        raise RequestError(
+            "logit_bias must be an object mapping token ids (strings) to a bias in [-100, 100]", param="logit_bias"
+        )
     if len(value) > MAX_LOGIT_BIAS:
         raise RequestError(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
     pairs = []
@@ -124,14 +188,21 @@ def _logit_bias(body: dict, n_vocab: int | None) -> tuple:
         if not (key.isascii() and key.isdigit()) or (n_vocab is not None and int(key) >= n_vocab):
             raise RequestError(f"logit_bias keys must be token ids in [0, {n_vocab}), got {key!r}", param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {key}",
-                               param="logit_bias")
+            raise RequestError(
+                f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {key}", param="logit_bias"
+            )
         pairs.append((int(key), float(bias)))
     return tuple(pairs)
 
 
-def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab: int | None = None,
-                 fim: bool = False, tools: ToolRequest | None = None) -> RequestOptions:
+def parse_params(
+    body: dict,
+    default_max_tokens: int,
+    chat: bool = True,
+    n_vocab: int | None = None,
+    fim: bool = False,
+    tools: ToolRequest | None = None,
+) -> RequestOptions:
     """The checked options of an OpenAI request body for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``.
 
     Omitted settings take llama.cpp server defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05,
@@ -166,7 +237,8 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
         presence_penalty=_number(body, "presence_penalty", 0.0, -2, 2),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2, 2),
         logit_bias=_logit_bias(body, n_vocab),
-        seed=seed)
+        seed=seed,
+    )
     try:
         params = params.validate()
     except ValueError as exc:
@@ -177,12 +249,14 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
     elif isinstance(stop, str):
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= MAX_STOP_STRINGS):
-        raise RequestError(f"stop must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings",
-                           param="stop")
+        raise RequestError(
+            f"stop must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings", param="stop"
+        )
     stream = _flag(body, "stream")
     skip_special = body.get("skip_special_tokens") is None or _flag(body, "skip_special_tokens")
-    opts = RequestOptions(params, max_tokens, stop, stream, ignore_eos=_flag(body, "ignore_eos"),
-                          special=not skip_special)
+    opts = RequestOptions(
+        params, max_tokens, stop, stream, ignore_eos=_flag(body, "ignore_eos"), special=not skip_special
+    )
     if body.get("speculative.n_max") is not None:
         opts.draft_max = _number(body, "speculative.n_max", 0, 0, MAX_DRAFT, int)
     stream_options = body.get("stream_options")
@@ -193,11 +267,14 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
             raise RequestError("stream_options must be an object", param="stream_options")
         for key in stream_options:
             if key not in ("include_usage", "include_obfuscation"):  # no obfuscation here: nothing to pad
-                raise RequestError(f"stream_options.{key} is not implemented (include_usage is)",
-                                   param="stream_options")
+                raise RequestError(
+                    f"stream_options.{key} is not implemented (include_usage is)", param="stream_options"
+                )
         if not isinstance(stream_options.get("include_usage", False), bool):
-            raise RequestError(f"stream_options.include_usage must be true or false, got "
-                               f"{stream_options['include_usage']!r}", param="stream_options")
+            raise RequestError(
+                f"stream_options.include_usage must be true or false, got {stream_options['include_usage']!r}",
+                param="stream_options",
+            )
         opts.include_usage = stream_options.get("include_usage", False)
     if chat:
         opts.logprobs = _flag(body, "logprobs")
@@ -210,9 +287,12 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
         except SchemaNotEnforceable as exc:
             raise RequestError(str(exc), param="response_format") from None
         if grammar and tools is not None:
-            raise RequestError("response_format (json_object / json_schema) together with tools is not supported: "
-                               "the answer would have to be a tool call and JSON at once; drop one (or send "
-                               "tool_choice: \"none\")", param="response_format")
+            raise RequestError(
+                "response_format (json_object / json_schema) together with tools is not supported: "
+                "the answer would have to be a tool call and JSON at once; drop one (or send "
+                'tool_choice: "none")',
+                param="response_format",
+            )
         if tools is not None and tools.grammar:  # tool_choice "required" / a named function: one forced call
             grammar = tools.grammar
         if grammar:
@@ -223,16 +303,21 @@ def parse_params(body: dict, default_max_tokens: int, chat: bool = True, n_vocab
             opts.top_logprobs = _number(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS_COMPLETION, int)
         opts.echo = _flag(body, "echo")
         if opts.echo and opts.logprobs:
-            raise RequestError("echo with logprobs is not supported: the head computes logprobs for generated "
-                               "tokens only, not for the prompt", param="echo")
+            raise RequestError(
+                "echo with logprobs is not supported: the head computes logprobs for generated "
+                "tokens only, not for the prompt",
+                param="echo",
+            )
         if _number(body, "best_of", 1, 1, None, int) != 1:
             raise RequestError("only best_of = 1 is supported", param="best_of")
         suffix = body.get("suffix")
         if suffix is not None and not isinstance(suffix, str):
             raise RequestError("suffix must be a string", param="suffix")
         if suffix:
-            why = ("fill-in-the-middle is not implemented by this gateway" if fim else
-                   "this model has no fill-in-the-middle tokens")
+            why = (
+                "fill-in-the-middle is not implemented by this gateway"
+                if fim
+                else "this model has no fill-in-the-middle tokens"
+            )
             raise RequestError(f"suffix is not supported: {why}", param="suffix")
     return opts
-

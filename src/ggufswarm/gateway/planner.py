@@ -73,8 +73,9 @@ class RoutePlanner:
         self._fixed: RemoteRoute | None = None
         self._fixed_lock = asyncio.Lock()
 
-    async def route(self, http: aiohttp.ClientSession, max_length: int = 1, exclude=(),
-                    span: tuple[int, int] | None = None) -> RemoteRoute:
+    async def route(
+        self, http: aiohttp.ClientSession, max_length: int = 1, exclude=(), span: tuple[int, int] | None = None
+    ) -> RemoteRoute:
         """A route for a session of ``max_length`` tokens. Raises RouteError (``no_route`` 503: the tracker has
         none; ``bad_route`` 502: one that does not serve this model).
 
@@ -97,17 +98,28 @@ class RoutePlanner:
                 planned = await self.tracker.acall(http, "route", query=query, timeout_s=self.tracker.timeout_s)
                 hops = [Hop.from_advertisement(ad) for ad in planned["route"]]
                 if all(hops):  # described by their advertisements: no /health round trip per node (TTFT)
-                    return RemoteRoute.of_hops(hops, self.config.hop_timeout_s, part=span is not None,
-                                               model=self.fingerprint, token=self.config.token)
-                return await RemoteRoute.connect([hop["url"] for hop in planned["route"]], self.config.hop_timeout_s,
-                                                 part=span is not None, model=self.fingerprint,
-                                                 token=self.config.token, http=http)
+                    return RemoteRoute.of_hops(
+                        hops,
+                        self.config.hop_timeout_s,
+                        part=span is not None,
+                        model=self.fingerprint,
+                        token=self.config.token,
+                    )
+                return await RemoteRoute.connect(
+                    [hop["url"] for hop in planned["route"]],
+                    self.config.hop_timeout_s,
+                    part=span is not None,
+                    model=self.fingerprint,
+                    token=self.config.token,
+                    http=http,
+                )
             except TrackerError as exc:
                 # the tracker's reason, not its URL: API clients need not learn the swarm's addresses
                 refused = RouteError(f"no route for {max_length} tokens: {exc.reason}", 503, "no_route")
             except ValueError as exc:
-                raise RouteError(f"bad route from the tracker: {exc} (this gateway's model: {self.model_name})",
-                                 502, "bad_route") from None
+                raise RouteError(
+                    f"bad route from the tracker: {exc} (this gateway's model: {self.model_name})", 502, "bad_route"
+                ) from None
         raise refused
 
     async def _fixed_route(self, http: aiohttp.ClientSession) -> RemoteRoute:
@@ -116,15 +128,27 @@ class RoutePlanner:
         async with self._fixed_lock:
             if self._fixed is None:
                 try:
-                    self._fixed = await RemoteRoute.connect(self.config.route, self.config.hop_timeout_s,
-                                                            model=self.fingerprint, token=self.config.token, http=http)
+                    self._fixed = await RemoteRoute.connect(
+                        self.config.route,
+                        self.config.hop_timeout_s,
+                        model=self.fingerprint,
+                        token=self.config.token,
+                        http=http,
+                    )
                 except ValueError as exc:
-                    raise RouteError(f"bad route: {exc} (this gateway's model: {self.model_name})", 502,
-                                     "bad_route") from None
+                    raise RouteError(
+                        f"bad route: {exc} (this gateway's model: {self.model_name})", 502, "bad_route"
+                    ) from None
             return self._fixed
 
-    async def open(self, http: aiohttp.ClientSession, ids: list[int], params: SamplingParams, opts: RequestOptions,
-                   prompt_param: str):
+    async def open(
+        self,
+        http: aiohttp.ClientSession,
+        ids: list[int],
+        params: SamplingParams,
+        opts: RequestOptions,
+        prompt_param: str,
+    ):
         """Plan a route and open a session for prompt ``ids`` and ``opts.max_tokens`` on it: ``(AsyncRouteSession,
         its max_length)``. With a tracker, a node of the plan that fails to open (the tracker still lists it) is
         suspected and the session planned again, OPEN_ATTEMPTS times at most. RouteError; RequestError
@@ -138,14 +162,23 @@ class RoutePlanner:
                 self.suspects.add(exc.hop)
         raise AssertionError("unreachable")
 
-    async def _open_once(self, http: aiohttp.ClientSession, ids: list[int], params: SamplingParams,
-                         opts: RequestOptions, prompt_param: str):
+    async def _open_once(
+        self,
+        http: aiohttp.ClientSession,
+        ids: list[int],
+        params: SamplingParams,
+        opts: RequestOptions,
+        prompt_param: str,
+    ):
         max_tokens = opts.max_tokens
         route = await self._route_holding(http, ids, min(len(ids) + max(max_tokens, 1), MAX_CONTEXT), prompt_param)
         limit = route.max_length
         if len(ids) >= limit:
-            raise RequestError(f"prompt is {len(ids)} tokens; this route holds at most {limit}",
-                               code="context_length_exceeded", param=prompt_param)
+            raise RequestError(
+                f"prompt is {len(ids)} tokens; this route holds at most {limit}",
+                code="context_length_exceeded",
+                param=prompt_param,
+            )
         max_length = min(limit, len(ids) + max(max_tokens, 1))
 
         async def replan(exclude, span):  # repair: a replacement for a failed hop's span, from the tracker
@@ -153,13 +186,21 @@ class RoutePlanner:
                 self.suspects.add(url)
             return await self.route(http, max_length, exclude, span)
 
-        session = await route.aopen(max_length, params, self.config.wire_dtype, top_logprobs=opts.top_logprobs,
-                                    replan=replan if self.tracker is not None else None,
-                                    lease_s=self.config.session_lease_s, logprobs=opts.logprobs, http=http)
+        session = await route.aopen(
+            max_length,
+            params,
+            self.config.wire_dtype,
+            top_logprobs=opts.top_logprobs,
+            replan=replan if self.tracker is not None else None,
+            lease_s=self.config.session_lease_s,
+            logprobs=opts.logprobs,
+            http=http,
+        )
         return session, max_length
 
-    async def _route_holding(self, http: aiohttp.ClientSession, ids: list[int], want: int,
-                             prompt_param: str) -> RemoteRoute:
+    async def _route_holding(
+        self, http: aiohttp.ClientSession, ids: list[int], want: int, prompt_param: str
+    ) -> RemoteRoute:
         """A route for ``want`` tokens; when no route has KV for that many, one that holds the prompt (the answer
         then ends at its length with finish_reason "length", as llama-server's does at its context)."""
         try:
@@ -181,7 +222,9 @@ class RoutePlanner:
                 except RouteError:
                     raise held from None
                 if len(ids) >= longest:
-                    raise RequestError(f"prompt is {len(ids)} tokens; the longest session this swarm's nodes hold "
-                                       f"is {longest} tokens", code="context_length_exceeded",
-                                       param=prompt_param) from None
+                    raise RequestError(
+                        f"prompt is {len(ids)} tokens; the longest session this swarm's nodes hold is {longest} tokens",
+                        code="context_length_exceeded",
+                        param=prompt_param,
+                    ) from None
                 raise held from None

@@ -69,16 +69,20 @@ class LogprobsRenderer:
 
 def usage(stats: GenerationStats) -> dict:
     """OpenAI's ``usage`` object of a finished generation."""
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
 
 
 class Reply:
     """The response objects of one request to ``/v1/chat/completions`` (``chat``) or ``/v1/completions``: one
     ``id`` and ``created`` for all of them. ``echo``: the prompt, when the completion starts with it."""
 
-    def __init__(self, model_name: str, tokenizer: Tokenizer, chat: bool, opts: RequestOptions,
-                 echo: str | None = None):
+    def __init__(
+        self, model_name: str, tokenizer: Tokenizer, chat: bool, opts: RequestOptions, echo: str | None = None
+    ):
         self.model_name, self.chat, self.opts, self.echo = model_name, chat, opts, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:ID_HEX]
         self.created = int(time.time())
@@ -91,8 +95,9 @@ class Reply:
             return None
         return self._logprobs.chat(entries) if self.chat else self._logprobs.completion(entries)
 
-    def chunk(self, text: str | None, finish: str | None = None, first: bool = False, entries=None,
-              tool_calls=None) -> dict:
+    def chunk(
+        self, text: str | None, finish: str | None = None, first: bool = False, entries=None, tool_calls=None
+    ) -> dict:
         """One stream chunk: ``text`` (chat: the first chunk's delta is the assistant role), its logprob
         ``entries``, the ``finish`` reason of the last, a chat's ``tool_calls``."""
         lp = self.logprobs(entries) if entries else None
@@ -103,8 +108,13 @@ class Reply:
             choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
-        out = {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
-               "created": self.created, "model": self.model_name, "choices": [choice]}
+        out = {
+            "id": self.id,
+            "object": self.object + ".chunk" if self.chat else self.object,
+            "created": self.created,
+            "model": self.model_name,
+            "choices": [choice],
+        }
         if self.opts.include_usage:  # OpenAI: every chunk but the last has "usage": null
             out["usage"] = None
         return out
@@ -122,8 +132,15 @@ class Reply:
             choice = {"index": 0, "message": message, "logprobs": self.logprobs(entries), "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": self.logprobs(entries), "finish_reason": finish}
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model_name,
-                "choices": [choice], "usage": usage(done.stats), "telemetry": done.telemetry}
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": usage(done.stats),
+            "telemetry": done.telemetry,
+        }
 
     def last_chunks(self, done: Done, calls: ToolCallStream | None, tools: ToolRequest | None) -> list[dict]:
         """The chunks that end a stream: held-back text and tool calls (``calls``), the final chunk with its
@@ -155,8 +172,14 @@ def error_event(err, tokens: int) -> dict:
     return event
 
 
-async def write_stream(resp: web.StreamResponse, request: web.Request, next_event: Callable[[], Awaitable[Event]],
-                       reply: Reply, calls: ToolCallStream | None = None, tools: ToolRequest | None = None) -> None:
+async def write_stream(
+    resp: web.StreamResponse,
+    request: web.Request,
+    next_event: Callable[[], Awaitable[Event]],
+    reply: Reply,
+    calls: ToolCallStream | None = None,
+    tools: ToolRequest | None = None,
+) -> None:
     """Write SSE chunks from the generation's events until Done (last_chunks, ``[DONE]``) or Failed (error_event).
     With ``calls`` (tools offered), text that may be a tool call is held back and sent at the end as one
     ``delta.tool_calls`` chunk (finish_reason ``tool_calls``), or as content when it was none. ConnectionResetError

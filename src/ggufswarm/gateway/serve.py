@@ -39,8 +39,12 @@ def check_route(config: GatewayConfig, every_s: float = 2.0) -> RemoteRoute:
     said = None
     while True:
         try:
-            return RemoteRoute(config.route, min(config.hop_timeout_s, CHECK_HOP_TIMEOUT_S),
-                               model=model and model.fingerprint, token=config.token)
+            return RemoteRoute(
+                config.route,
+                min(config.hop_timeout_s, CHECK_HOP_TIMEOUT_S),
+                model=model and model.fingerprint,
+                token=config.token,
+            )
         except ValueError as exc:
             mine = f" (--model {model.path.name}: fingerprint {model.fingerprint[:FINGERPRINT_SHOWN]})" if model else ""
             raise ValueError(f"bad route: {exc}{mine}") from None
@@ -48,8 +52,11 @@ def check_route(config: GatewayConfig, every_s: float = 2.0) -> RemoteRoute:
             if exc.status in (401, 403):
                 raise ValueError(f"bad route: {exc} (give the nodes' --token)") from None
             if str(exc) != said:
-                print(f"ggufswarm gateway: waiting for the route: {exc}; retrying every {every_s:g} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"ggufswarm gateway: waiting for the route: {exc}; retrying every {every_s:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 said = str(exc)
         time.sleep(every_s)
 
@@ -58,9 +65,12 @@ def run_gateway(config: GatewayConfig) -> int:
     """``ggufswarm gateway``: check the route (``--route``; see check_route), then serve until SIGINT/SIGTERM,
     printing one ready line to stdout."""
     if not config.api_keys and not loopback(config.host):
-        print(f"ggufswarm gateway: WARNING: listening on {config.host} without --api-key: anyone who can reach "
-              f"this port can generate (and hold KV cache on every node of the swarm); set --api-key",
-              file=sys.stderr, flush=True)
+        print(
+            f"ggufswarm gateway: WARNING: listening on {config.host} without --api-key: anyone who can reach "
+            f"this port can generate (and hold KV cache on every node of the swarm); set --api-key",
+            file=sys.stderr,
+            flush=True,
+        )
     if config.route and not config.tracker:
         check_route(config)
     if config.tracker:  # start order does not matter: wait for the tracker (and the model, when one is named)

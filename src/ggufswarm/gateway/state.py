@@ -28,20 +28,23 @@ HEADER_FETCH_TIMEOUT_S = 30.0  # most seconds a route's first node may take to s
 
 class Gateway:
     """One served model: its vocabulary (``tokenizer``, loaded by ``load``), ``model_name``, ``fingerprint`` and
-    ``planner``; ``pool`` runs blocking work (tokenizing, loading); ``http`` is the session its routes talk over
-(``start``). ValueError for contradictory speculative
-    settings."""
+        ``planner``; ``pool`` runs blocking work (tokenizing, loading); ``http`` is the session its routes talk over
+    (``start``). ValueError for contradictory speculative
+        settings."""
 
     def __init__(self, config: GatewayConfig, parent: Gateway | None = None):
         if config.speculative not in METHODS:
             raise ValueError(f"speculative must be one of {', '.join(METHODS)}, got {config.speculative!r}")
         check_draft_max(config.draft_max)
         if (config.speculative == "draft") != bool(config.draft_model):
-            raise ValueError("speculative draft needs a draft model (--draft-model PATH), and a draft model needs "
-                             "--speculative draft")
+            raise ValueError(
+                "speculative draft needs a draft model (--draft-model PATH), and a draft model needs "
+                "--speculative draft"
+            )
         if config.speculative == "draft" and config.tracker and not config.model:
-            raise ValueError("speculative draft needs the served model named (--model): a draft model drafts for one "
-                             "vocabulary")
+            raise ValueError(
+                "speculative draft needs the served model named (--model): a draft model drafts for one vocabulary"
+            )
         self.config = config
         self.draft: DraftModel | None = None  # loaded with the vocabulary (load)
         self.tokenizer: Tokenizer | None = None
@@ -92,8 +95,10 @@ class Gateway:
         a gateway serving every model. RequestError 400 without a name, 404 ``model_not_found`` for a model
         the swarm has not published; TrackerError when the tracker cannot be reached."""
         if not isinstance(name, str) or not name:
-            raise RequestError("model is required: this gateway serves every model of its swarm (GET /v1/models "
-                               "lists them)", param="model")
+            raise RequestError(
+                "model is required: this gateway serves every model of its swarm (GET /v1/models lists them)",
+                param="model",
+            )
         with self._models_lock:
             found = self._models.get(name)
         if found is not None:
@@ -103,8 +108,12 @@ class Gateway:
             child.load()
         except TrackerError as exc:
             if exc.status == 404:
-                raise RequestError(f"model {name!r} is not published in this swarm (GET /v1/models lists the "
-                                   f"models it can serve)", 404, "model_not_found", "model") from None
+                raise RequestError(
+                    f"model {name!r} is not published in this swarm (GET /v1/models lists the models it can serve)",
+                    404,
+                    "model_not_found",
+                    "model",
+                ) from None
             raise
         with self._models_lock:
             return self._models.setdefault(name, child)
@@ -118,13 +127,18 @@ class Gateway:
             return  # each model is loaded on first use (for_model)
         if self.config.tracker:
             from ..swarm.shard_fetch import fetch_header
+
             self.model_name = self.config.model or self.config.model_name
-            path, self.swarm = fetch_header(self.config.tracker, self.model_name, Path(self.config.data_dir),
-                                            token=self.config.token)
+            path, self.swarm = fetch_header(
+                self.config.tracker, self.model_name, Path(self.config.data_dir), token=self.config.token
+            )
         elif self.config.model is None and self.config.route:
-            path, info = fetch_model_headers(self.config.route[0], Path(self.config.data_dir),
-                                             min(self.config.hop_timeout_s, HEADER_FETCH_TIMEOUT_S),
-                                             token=self.config.token)
+            path, info = fetch_model_headers(
+                self.config.route[0],
+                Path(self.config.data_dir),
+                min(self.config.hop_timeout_s, HEADER_FETCH_TIMEOUT_S),
+                token=self.config.token,
+            )
             self.model_name = self.model_name or info["name"]
         else:
             path = resolve_model(self.config.model)
@@ -136,5 +150,9 @@ class Gateway:
         self.model_name = self.model_name or model_name(self.config.model, file.path)
         self.planner.model_name, self.planner.fingerprint = self.model_name, self.fingerprint
         if self.config.speculative == "draft" and self.draft is None:  # ValueError: another vocabulary
-            self.draft = DraftModel(self.config.draft_model, file.metadata, sessions=self.config.draft_sessions,
-                                    threads=self.config.draft_threads)
+            self.draft = DraftModel(
+                self.config.draft_model,
+                file.metadata,
+                sessions=self.config.draft_sessions,
+                threads=self.config.draft_threads,
+            )

@@ -7,7 +7,9 @@ from types import ModuleType
 from . import deepseek2, gemma3, llama, qwen, qwenmoe
 from .config import MAX_CONTEXT, MLAConfig, ModelConfig, MoEConfig, UnsupportedArchitecture
 
-FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (deepseek2, gemma3, llama, qwen, qwenmoe) for arch in fam.ARCHITECTURES}
+FAMILIES: dict[str, ModuleType] = {
+    arch: fam for fam in (deepseek2, gemma3, llama, qwen, qwenmoe) for arch in fam.ARCHITECTURES
+}
 SUPPORTED = tuple(sorted(FAMILIES))
 
 
@@ -18,7 +20,8 @@ def family(arch: str) -> ModuleType:
     except KeyError:
         raise UnsupportedArchitecture(
             f"unsupported architecture '{arch}' for the torch backend (supported: {', '.join(SUPPORTED)}); "
-            f"the llama.cpp backend (the default) runs more") from None
+            f"the llama.cpp backend (the default) runs more"
+        ) from None
 
 
 def load_config(model_file) -> ModelConfig:
@@ -29,4 +32,14 @@ def load_config(model_file) -> ModelConfig:
     return fam.config(model_file.metadata, arch, n_vocab)
 
 
-__all__ = ["FAMILIES", "SUPPORTED", "MAX_CONTEXT", "MLAConfig", "ModelConfig", "MoEConfig", "UnsupportedArchitecture", "family", "load_config"]
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED",
+    "MAX_CONTEXT",
+    "MLAConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "UnsupportedArchitecture",
+    "family",
+    "load_config",
+]

@@ -55,8 +55,10 @@ def yarn_inv_freq(inv_freq: torch.Tensor, n_rot: int, base: float, yarn) -> torc
     """float64 ``[n_rot // 2]``: ``inv_freq`` with YaRN's per-pair blend of extrapolation and interpolation
     (``yarn``: a ``YarnConfig``), so that ``rope_tables(pos, yarn_inv_freq(...), 1.0)`` turns pair ``j`` by ggml's
     ``theta_interp * (1 - mix) + theta_extrap * mix`` (``rope_yarn``, ``ggml-cpu/ops.cpp``)."""
+
     def corr_dim(n_rotations: float) -> float:  # ggml_rope_yarn_corr_dim
         return n_rot * math.log(yarn.n_ctx_orig / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+
     low = max(0.0, math.floor(corr_dim(yarn.beta_fast)))
     high = min(n_rot - 1.0, math.ceil(corr_dim(yarn.beta_slow)))
     j = torch.arange(inv_freq.shape[0], dtype=torch.float64)
@@ -65,8 +67,13 @@ def yarn_inv_freq(inv_freq: torch.Tensor, n_rot: int, base: float, yarn) -> torc
     return inv_freq * (yarn.freq_scale * (1 - mix) + mix)
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
-                dtype: torch.dtype = torch.float32, magnitude: float = 1.0) -> StepTables:
+def rope_tables(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype = torch.float32,
+    magnitude: float = 1.0,
+) -> StepTables:
     """cos/sin tables ``[n_tokens, head_dim // 2]`` for RoPE angle ``pos * scale * inv_freq`` (``rope_inv_freq``),
     times ``magnitude`` (YaRN's, ``YarnConfig.magnitude``; 1 otherwise).
 
@@ -101,8 +108,7 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> tor
     return allowed
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Grouped-query softmax attention. q ``[T, n_head, d]``, k/v ``[S, n_head_kv, d]``, mask ``[T, S]``
     (None: every key).
 
@@ -110,8 +116,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """
     n_head, n_kv = q.shape[1], k.shape[1]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, scale=scale, enable_gqa=n_head != n_kv)
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=n_head != n_kv
+    )
     return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 
@@ -182,8 +188,15 @@ def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
-def self_attention(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor],
-                   kv, positions: torch.Tensor, rope: StepTables) -> torch.Tensor:
+def self_attention(
+    cfg: ModelConfig,
+    il: int,
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    kv,
+    positions: torch.Tensor,
+    rope: StepTables,
+) -> torch.Tensor:
     """Attention sub-block of layer ``il`` on normed input ``x`` ``[T, n_embd]``, writing k/v into ``kv``.
 
     ``kv`` is the session's ``LayerKV`` for this layer; ``positions`` ``[T]`` are absolute token
@@ -207,8 +220,15 @@ def self_attention(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torc
     return linear(attend(q, k_all, v_all, rope.mask(positions, k_pos, window), cfg.attn_scale), w, "attn_output")
 
 
-def prenorm_block(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor], kv,
-                  positions: torch.Tensor, rope: StepTables) -> torch.Tensor:
+def prenorm_block(
+    cfg: ModelConfig,
+    il: int,
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    kv,
+    positions: torch.Tensor,
+    rope: StepTables,
+) -> torch.Tensor:
     """The llama-style block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``. ``x``: ``[T, n_embd]``."""
     h = x + self_attention(cfg, il, rms_norm(x, w["attn_norm"], cfg.rms_eps), w, kv, positions, rope)
     return h + gated_ffn(rms_norm(h, w["ffn_norm"], cfg.rms_eps), w, cfg.ffn_act)
@@ -234,7 +254,8 @@ def route_experts(cfg: ModelConfig, x: torch.Tensor, w: dict) -> tuple[torch.Ten
     As ``build_moe_ffn`` (llama.cpp ``src/llama-graph.cpp``): ``probs = gating(x @ ffn_gate_inp.T)``; the
     top ``n_expert_used`` of ``probs + exp_probs_b`` (the DeepSeek-V3 selection bias, when the layer has
     it), with ``n_groups > 1`` only within the ``n_group_used`` groups of ``n_expert / n_groups`` consecutive
-    experts whose two best selection scores sum highest (the others' scores set to -inf); weights are the picked *unbiased* probs, divided by their sum (clamped below at
+    experts whose two best selection scores sum highest (the others' scores set to -inf); weights are the picked
+    *unbiased* probs, divided by their sum (clamped below at
     ``WEIGHTS_SUM_MIN``) when ``weights_norm``, times ``weights_scale`` unless that is 0 or 1.
     """
     moe = cfg.moe
@@ -242,7 +263,7 @@ def route_experts(cfg: ModelConfig, x: torch.Tensor, w: dict) -> tuple[torch.Ten
     bias = w.get("exp_probs_b.bias")
     select = probs if bias is None else probs + bias
     if moe.n_groups > 1:
-        groups = select.view(select.shape[0], moe.n_groups, -1)                # [T, n_groups, n_expert / n_groups]
+        groups = select.view(select.shape[0], moe.n_groups, -1)  # [T, n_groups, n_expert / n_groups]
         best = torch.topk(groups.topk(2, dim=-1).values.sum(-1), moe.n_group_used, dim=-1).indices
         keep = torch.zeros(groups.shape[:2], dtype=torch.bool).scatter_(1, best, True)
         select = groups.masked_fill(~keep[..., None], float("-inf")).view_as(select)
@@ -268,7 +289,9 @@ def moe_ffn(cfg: ModelConfig, x: torch.Tensor, w: dict, act: str = "silu") -> to
     for expert in chosen.unique().tolist():
         tok, slot = (chosen == expert).nonzero(as_tuple=True)
         xe = x[tok]
-        h = FFN_ACTIVATIONS[act](expert_linear(xe, w, "ffn_gate_exps", expert)) * expert_linear(xe, w, "ffn_up_exps", expert)
+        h = FFN_ACTIVATIONS[act](expert_linear(xe, w, "ffn_gate_exps", expert)) * expert_linear(
+            xe, w, "ffn_up_exps", expert
+        )
         out[tok, slot] = expert_linear(h, w, "ffn_down_exps", expert)
     out = out * weights[..., None]
     y = out[:, 0]

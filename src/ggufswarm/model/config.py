@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..artifact.accounting import MAX_CONTEXT  # noqa: F401 - the 128K product cap, re-exported
+from ..artifact.accounting import MAX_CONTEXT
 
 
 class UnsupportedArchitecture(ValueError):
@@ -20,7 +20,8 @@ class MoEConfig:
     The router scores ``probs = gating(x @ ffn_gate_inp)`` (``"softmax"`` over the experts or ``"sigmoid"``
     per expert), picks the ``n_expert_used`` best (by ``probs + exp_probs_b`` when the layer has that
     selection bias; with ``n_groups > 1`` only among the ``n_group_used`` groups of consecutive experts
-    whose two best scores sum highest, DeepSeek-V3's group-limited routing), weights each picked expert by its unbiased prob, divided by the picked probs' sum when
+    whose two best scores sum highest, DeepSeek-V3's group-limited routing), weights each picked expert by its
+    unbiased prob, divided by the picked probs' sum when
     ``weights_norm`` and multiplied by ``weights_scale`` when that is neither 0 nor 1. Blocks
     ``il < n_dense_lead`` have a dense FFN (``n_ff``) instead. ``n_expert_shared`` shared experts (one
     FFN of ``n_ff_shexp`` rows) are added to every token's MoE output.
@@ -29,14 +30,14 @@ class MoEConfig:
     n_expert: int
     n_expert_used: int
     n_ff_exp: int
-    gating: str = "softmax"          # "softmax" or "sigmoid" (llama.cpp expert_gating_func 1 / 2)
+    gating: str = "softmax"  # "softmax" or "sigmoid" (llama.cpp expert_gating_func 1 / 2)
     weights_norm: bool = False
-    weights_scale: float = 0.0       # 0 or 1: no scaling
+    weights_scale: float = 0.0  # 0 or 1: no scaling
     n_dense_lead: int = 0
     n_expert_shared: int = 0
     n_ff_shexp: int = 0
-    n_groups: int = 0                # expert_group_count; 0 or 1: no groups
-    n_group_used: int = 0            # expert_group_used_count
+    n_groups: int = 0  # expert_group_count; 0 or 1: no groups
+    n_group_used: int = 0  # expert_group_used_count
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class YarnConfig:
     falling from 1 to 0 between the correction dims of ``beta_fast`` and ``beta_slow`` for ``n_ctx_orig``;
     cos/sin are multiplied by ``magnitude``."""
 
-    freq_scale: float     # 1 / rope.scaling.factor
+    freq_scale: float  # 1 / rope.scaling.factor
     ext_factor: float
     beta_fast: float
     beta_slow: float
@@ -93,20 +94,20 @@ class ModelConfig:
     rms_eps: float
     context_length: int
     rope_type: str
-    rope_base: tuple[float, ...]         # per layer
-    rope_scale: tuple[float, ...]        # per layer: positions are multiplied by this (1/linear factor)
-    sliding_window: tuple[int, ...]      # per layer, 0 = full attention
-    attn_scale: float                    # multiplies q·k (usually 1/sqrt(head_dim))
-    embed_scale: float = 1.0             # multiplies the token embedding (gemma: sqrt(n_embd))
-    ffn_act: str = "silu"                # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-    qkv_bias: bool = False               # qwen2
-    qk_norm: bool = False                # qwen3, gemma3: RMSNorm over head_dim on q and k
-    post_norms: bool = False             # gemma: norm after attention and after the FFN
-    final_logit_softcap: float = 0.0     # 0 = none
-    rope_dim: int = 0                    # dimensions RoPE rotates per head; 0 = head_dim
-    moe: MoEConfig | None = None         # mixture-of-experts FFN (qwen3moe, deepseek2, ...)
-    mla: MLAConfig | None = None         # multi-head latent attention (deepseek2)
-    yarn: YarnConfig | None = None       # YaRN RoPE scaling (deepseek2); rope_scale is then 1
+    rope_base: tuple[float, ...]  # per layer
+    rope_scale: tuple[float, ...]  # per layer: positions are multiplied by this (1/linear factor)
+    sliding_window: tuple[int, ...]  # per layer, 0 = full attention
+    attn_scale: float  # multiplies q·k (usually 1/sqrt(head_dim))
+    embed_scale: float = 1.0  # multiplies the token embedding (gemma: sqrt(n_embd))
+    ffn_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    qkv_bias: bool = False  # qwen2
+    qk_norm: bool = False  # qwen3, gemma3: RMSNorm over head_dim on q and k
+    post_norms: bool = False  # gemma: norm after attention and after the FFN
+    final_logit_softcap: float = 0.0  # 0 = none
+    rope_dim: int = 0  # dimensions RoPE rotates per head; 0 = head_dim
+    moe: MoEConfig | None = None  # mixture-of-experts FFN (qwen3moe, deepseek2, ...)
+    mla: MLAConfig | None = None  # multi-head latent attention (deepseek2)
+    yarn: YarnConfig | None = None  # YaRN RoPE scaling (deepseek2); rope_scale is then 1
 
     @property
     def n_rot(self) -> int:
@@ -161,17 +162,26 @@ def base_hparams(meta: dict[str, Any], arch: str, n_vocab: int, yarn: bool = Fal
     scaling = meta.get(f"{arch}.rope.scaling.type", "linear")
     factor = float(meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear", 0.0)) or 0.0)
     if scaling not in ("none", "linear") and factor > 0 and not (yarn and scaling == "yarn"):
-        raise UnsupportedArchitecture(f"{arch}: RoPE scaling type {scaling!r} (factor {factor:g}) is not implemented "
-                                      f"by the torch backend (it takes none and linear); use --backend llama.cpp")
+        raise UnsupportedArchitecture(
+            f"{arch}: RoPE scaling type {scaling!r} (factor {factor:g}) is not implemented "
+            f"by the torch backend (it takes none and linear); use --backend llama.cpp"
+        )
     scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
     return dict(
-        arch=arch, n_layers=n_layers, n_embd=n_embd,
+        arch=arch,
+        n_layers=n_layers,
+        n_embd=n_embd,
         n_ff=int(per_layer(meta_get(meta, arch, "feed_forward_length"), n_layers)[0]),
-        n_head=int(n_head), n_head_kv=int(n_head_kv), head_dim=head_dim, n_vocab=n_vocab,
+        n_head=int(n_head),
+        n_head_kv=int(n_head_kv),
+        head_dim=head_dim,
+        n_vocab=n_vocab,
         rms_eps=float(meta_get(meta, arch, "attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=int(meta_get(meta, arch, "context_length", 4096)),
-        rope_base=(rope_base,) * n_layers, rope_scale=(scale,) * n_layers,
-        sliding_window=(0,) * n_layers, attn_scale=head_dim ** -0.5,
+        rope_base=(rope_base,) * n_layers,
+        rope_scale=(scale,) * n_layers,
+        sliding_window=(0,) * n_layers,
+        attn_scale=head_dim**-0.5,
     )
 
 
@@ -179,8 +189,14 @@ def base_hparams(meta: dict[str, Any], arch: str, n_vocab: int, yarn: bool = Fal
 EXPERT_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 
-def moe_hparams(meta: dict[str, Any], arch: str, *, default_gating: str = "softmax",
-                weights_norm: bool | None = None, read_weights_scale: bool = True) -> MoEConfig:
+def moe_hparams(
+    meta: dict[str, Any],
+    arch: str,
+    *,
+    default_gating: str = "softmax",
+    weights_norm: bool | None = None,
+    read_weights_scale: bool = True,
+) -> MoEConfig:
     """The MoE settings of a GGUF (llama.cpp ``llama-model.cpp`` keys ``{arch}.expert_*``,
     ``leading_dense_block_count``). ``weights_norm`` fixes the normalisation where the architecture's graph
     does (qwen3moe: always; qwen2moe: never) instead of reading ``expert_weights_norm``; without
@@ -194,8 +210,10 @@ def moe_hparams(meta: dict[str, Any], arch: str, *, default_gating: str = "softm
     n_used = meta_get(meta, arch, "expert_used_count")
     if isinstance(n_used, list):
         if len(set(n_used)) != 1:
-            raise UnsupportedArchitecture(f"{arch}: a per-layer expert_used_count is not implemented by the torch "
-                                          f"backend; use --backend llama.cpp")
+            raise UnsupportedArchitecture(
+                f"{arch}: a per-layer expert_used_count is not implemented by the torch "
+                f"backend; use --backend llama.cpp"
+            )
         n_used = n_used[0]
     n_used = int(n_used)
     if not 0 < n_used <= n_expert:
@@ -203,23 +221,32 @@ def moe_hparams(meta: dict[str, Any], arch: str, *, default_gating: str = "softm
     func = int(meta.get(f"{arch}.expert_gating_func", 0) or 0)
     gating = EXPERT_GATING_FUNCS.get(func, default_gating if func == 0 else None)
     if gating is None:
-        raise UnsupportedArchitecture(f"{arch}: expert_gating_func {func} is not implemented by the torch backend "
-                                      f"(it takes 1 softmax, 2 sigmoid); use --backend llama.cpp")
+        raise UnsupportedArchitecture(
+            f"{arch}: expert_gating_func {func} is not implemented by the torch backend "
+            f"(it takes 1 softmax, 2 sigmoid); use --backend llama.cpp"
+        )
     n_groups = int(meta.get(f"{arch}.expert_group_count", 0) or 0)
     n_group_used = int(meta.get(f"{arch}.expert_group_used_count", 0) or 0)
     if n_groups > 1 and not (n_expert % n_groups == 0 and n_expert // n_groups >= 2 and 0 < n_group_used < n_groups):
-        raise ValueError(f"{arch}: {n_expert} experts in expert_group_count {n_groups} groups (at least 2 each), "
-                         f"expert_group_used_count {n_group_used} of them: inconsistent")
+        raise ValueError(
+            f"{arch}: {n_expert} experts in expert_group_count {n_groups} groups (at least 2 each), "
+            f"expert_group_used_count {n_group_used} of them: inconsistent"
+        )
     ff = meta.get(f"{arch}.feed_forward_length", 0)
     n_ff = int(max(ff) if isinstance(ff, list) else ff or 0)
     n_ff_exp = int(meta.get(f"{arch}.expert_feed_forward_length", 0) or 0) or (n_ff // n_used if n_ff else 0)
     n_shared = int(meta.get(f"{arch}.expert_shared_count", 0) or 0)
     n_ff_shexp = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0) or n_ff_exp * n_shared
     return MoEConfig(
-        n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, gating=gating,
+        n_expert=n_expert,
+        n_expert_used=n_used,
+        n_ff_exp=n_ff_exp,
+        gating=gating,
         weights_norm=bool(meta.get(f"{arch}.expert_weights_norm", False)) if weights_norm is None else weights_norm,
         weights_scale=float(meta.get(f"{arch}.expert_weights_scale", 0.0) or 0.0) if read_weights_scale else 0.0,
         n_dense_lead=int(meta.get(f"{arch}.leading_dense_block_count", 0) or 0),
-        n_expert_shared=n_shared, n_ff_shexp=n_ff_shexp,
-        n_groups=n_groups if n_groups > 1 else 0, n_group_used=n_group_used if n_groups > 1 else 0,
+        n_expert_shared=n_shared,
+        n_ff_shexp=n_ff_shexp,
+        n_groups=n_groups if n_groups > 1 else 0,
+        n_group_used=n_group_used if n_groups > 1 else 0,
     )

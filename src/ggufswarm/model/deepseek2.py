@@ -36,12 +36,15 @@ def config(meta: dict[str, Any], arch: str, n_vocab: int) -> ModelConfig:
     k_mla = int(meta.get(f"{arch}.attention.key_length_mla", 0) or 0)
     v_mla = int(meta.get(f"{arch}.attention.value_length_mla", 0) or 0)
     if not (k_mla and v_mla):
-        raise UnsupportedArchitecture(f"{arch}: a GGUF without attention.key_length_mla/value_length_mla (the legacy "
-                                      f"attn_kv_b form) is not implemented by the torch backend; use --backend "
-                                      f"llama.cpp")
+        raise UnsupportedArchitecture(
+            f"{arch}: a GGUF without attention.key_length_mla/value_length_mla (the legacy "
+            f"attn_kv_b form) is not implemented by the torch backend; use --backend "
+            f"llama.cpp"
+        )
     if float(meta.get(f"{arch}.attention.temperature_scale", 0.0) or 0.0):
-        raise UnsupportedArchitecture(f"{arch}: attention temperature scaling is not implemented by the torch "
-                                      f"backend; use --backend llama.cpp")
+        raise UnsupportedArchitecture(
+            f"{arch}: attention temperature scaling is not implemented by the torch backend; use --backend llama.cpp"
+        )
     rope_dim = int(meta_get(meta, arch, "rope.dimension_count"))
     if not 0 < rope_dim < k_mla:
         raise ValueError(f"{arch}: rope.dimension_count {rope_dim} must be in 1..key_length_mla-1 ({k_mla - 1})")
@@ -50,9 +53,13 @@ def config(meta: dict[str, Any], arch: str, n_vocab: int) -> ModelConfig:
         hp[key] = hp[key][:n_layers]
     yarn, mscale = _yarn(meta, arch, hp["context_length"])
     hp.update(n_layers=n_layers, head_dim=k_mla, attn_scale=mscale * mscale / math.sqrt(k_mla))
-    mla = MLAConfig(q_lora_rank=int(meta.get(f"{arch}.attention.q_lora_rank", 0) or 0),
-                    kv_lora_rank=int(meta_get(meta, arch, "attention.kv_lora_rank")),
-                    nope_dim=k_mla - rope_dim, rope_dim=rope_dim, v_head_dim=v_mla)
+    mla = MLAConfig(
+        q_lora_rank=int(meta.get(f"{arch}.attention.q_lora_rank", 0) or 0),
+        kv_lora_rank=int(meta_get(meta, arch, "attention.kv_lora_rank")),
+        nope_dim=k_mla - rope_dim,
+        rope_dim=rope_dim,
+        v_head_dim=v_mla,
+    )
     glm47_lite = n_layers in (47, 48) and n_vocab == 154880
     moe = moe_hparams(meta, arch, default_gating="sigmoid" if glm47_lite else "softmax")
     return ModelConfig(**hp, rope_type="norm", rope_dim=rope_dim, moe=moe, mla=mla, yarn=yarn)
@@ -75,17 +82,20 @@ def _yarn(meta: dict[str, Any], arch: str, n_ctx_train: int) -> tuple[YarnConfig
         return None, 1.0
     log_mul = float(meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1
     gain = 1.0 + 0.1 * math.log(factor)  # ggml's own mscale factor for ext_factor != 0 (F > 1)
-    mscale_of = lambda m: 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731 (get_mscale)
+    mscale_of = lambda m: 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
     attn_factor = (1.0 if log_mul != 0.0 else mscale_of(1.0)) / gain
     attn_factor *= float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0)
     ext = float(meta.get(f"{arch}.rope.scaling.yarn_ext_factor", -1.0))
     ext = 1.0 if ext < 0 else ext
     magnitude = attn_factor * gain if ext != 0.0 else attn_factor
-    yarn = YarnConfig(freq_scale=1.0 / factor, ext_factor=ext,
-                      beta_fast=float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-                      beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
-                      n_ctx_orig=int(meta.get(f"{arch}.rope.scaling.original_context_length", 0) or n_ctx_train),
-                      magnitude=magnitude)
+    yarn = YarnConfig(
+        freq_scale=1.0 / factor,
+        ext_factor=ext,
+        beta_fast=float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        n_ctx_orig=int(meta.get(f"{arch}.rope.scaling.original_context_length", 0) or n_ctx_train),
+        magnitude=magnitude,
+    )
     return yarn, attn_factor * gain * (1.0 + 0.1 * log_mul * math.log(factor))
 
 
@@ -98,8 +108,15 @@ def _per_head(x: torch.Tensor, w: dict, name: str, spec: str) -> torch.Tensor:
     return torch.einsum(spec, x, w[name])
 
 
-def mla_attention(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor], kv,
-                  positions: torch.Tensor, rope: StepTables) -> torch.Tensor:
+def mla_attention(
+    cfg: ModelConfig,
+    il: int,
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    kv,
+    positions: torch.Tensor,
+    rope: StepTables,
+) -> torch.Tensor:
     """MLA sub-block of layer ``il`` on normed ``x`` ``[T, n_embd]`` → ``[T, n_embd]``, appending to ``kv``.
 
     As llama.cpp's absorbed MLA (``deepseek2.cpp``, ``is_mla``): per head ``q = [q_nope, q_pe]``
@@ -116,21 +133,33 @@ def mla_attention(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch
     else:
         q = linear(x, w, "attn_q")
     q = q.view(T, H, m.nope_dim + m.rope_dim)
-    q_nope, q_pe = q[..., :m.nope_dim], q[..., m.nope_dim:]
-    ckv = linear(x, w, "attn_kv_a_mqa")                                  # [T, kv_lora_rank + rope_dim]
-    latent = rms_norm(ckv[:, :m.kv_lora_rank], w["attn_kv_a_norm"], eps)  # [T, kv_lora_rank]
-    k_pe = apply_rope(ckv[:, None, m.kv_lora_rank:], rope.cos, rope.sin, cfg.rope_type)  # [T, 1, rope_dim]
+    q_nope, q_pe = q[..., : m.nope_dim], q[..., m.nope_dim :]
+    ckv = linear(x, w, "attn_kv_a_mqa")  # [T, kv_lora_rank + rope_dim]
+    latent = rms_norm(ckv[:, : m.kv_lora_rank], w["attn_kv_a_norm"], eps)  # [T, kv_lora_rank]
+    k_pe = apply_rope(ckv[:, None, m.kv_lora_rank :], rope.cos, rope.sin, cfg.rope_type)  # [T, 1, rope_dim]
     q_pe = apply_rope(q_pe, rope.cos, rope.sin, cfg.rope_type)
-    q_abs = _per_head(q_nope, w, "attn_k_b", "thn,hrn->thr")             # [T, H, kv_lora_rank]
+    q_abs = _per_head(q_nope, w, "attn_k_b", "thn,hrn->thr")  # [T, H, kv_lora_rank]
     k_all, _, k_pos = kv.append(torch.cat((latent[:, None, :], k_pe), dim=-1), latent.new_empty(T, 1, 0))
-    out = attend(torch.cat((q_abs, q_pe), dim=-1), k_all, k_all[..., :m.kv_lora_rank],
-                 rope.mask(positions, k_pos, 0), cfg.attn_scale)         # [T, H * kv_lora_rank]
+    out = attend(
+        torch.cat((q_abs, q_pe), dim=-1),
+        k_all,
+        k_all[..., : m.kv_lora_rank],
+        rope.mask(positions, k_pos, 0),
+        cfg.attn_scale,
+    )  # [T, H * kv_lora_rank]
     out = _per_head(out.view(T, H, m.kv_lora_rank), w, "attn_v_b", "thr,hvr->thv")  # [T, H, v_head_dim]
     return linear(out.reshape(T, H * m.v_head_dim), w, "attn_output")
 
 
-def block(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor], kv,
-          positions: torch.Tensor, rope: StepTables) -> torch.Tensor:
+def block(
+    cfg: ModelConfig,
+    il: int,
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    kv,
+    positions: torch.Tensor,
+    rope: StepTables,
+) -> torch.Tensor:
     """``h = x + mla(attn_norm(x)); out = h + ffn(ffn_norm(h))``, ``x`` ``[T, n_embd]`` → ``[T, n_embd]``; the FFN is
     dense SwiGLU for ``il < n_dense_lead``, else routed experts plus the shared expert (``*_shexp``)."""
     h = x + mla_attention(cfg, il, rms_norm(x, w["attn_norm"], cfg.rms_eps), w, kv, positions, rope)

@@ -15,7 +15,7 @@ from .blocks import StepTables, gated_ffn, rms_norm, self_attention
 from .config import ModelConfig, base_hparams, meta_get
 
 ARCHITECTURES = ("gemma3",)
-SWA_PATTERN = 6          # every 6th layer is global, the other 5 use the sliding window
+SWA_PATTERN = 6  # every 6th layer is global, the other 5 use the sliding window
 ROPE_BASE_SWA = 10000.0  # local layers' RoPE base (llama.cpp rope_freq_base_train_swa)
 
 
@@ -30,13 +30,26 @@ def config(meta: dict[str, Any], arch: str, n_vocab: int) -> ModelConfig:
     hp["rope_scale"] = tuple(1.0 if is_local else hp["rope_scale"][il] for il, is_local in enumerate(local))
     # Gemma 3 27B (62 layers) scales queries by 1/sqrt(n_embd/n_head); the others by 1/sqrt(head_dim).
     hp["attn_scale"] = (hp["n_embd"] / hp["n_head"]) ** -0.5 if n == 62 else hp["head_dim"] ** -0.5
-    return ModelConfig(**hp, rope_type="neox", embed_scale=math.sqrt(hp["n_embd"]), ffn_act="gelu_tanh",
-                       qk_norm=True, post_norms=True,
-                       final_logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0))
+    return ModelConfig(
+        **hp,
+        rope_type="neox",
+        embed_scale=math.sqrt(hp["n_embd"]),
+        ffn_act="gelu_tanh",
+        qk_norm=True,
+        post_norms=True,
+        final_logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
+    )
 
 
-def block(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor], kv,
-          positions: torch.Tensor, rope: StepTables) -> torch.Tensor:
+def block(
+    cfg: ModelConfig,
+    il: int,
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    kv,
+    positions: torch.Tensor,
+    rope: StepTables,
+) -> torch.Tensor:
     """``h = x + post_attn_norm(attn(norm(x))); out = h + post_ffw_norm(ffn(ffn_norm(h)))``; x ``[T, n_embd]``."""
     eps = cfg.rms_eps
     attn = self_attention(cfg, il, rms_norm(x, w["attn_norm"], eps), w, kv, positions, rope)

@@ -26,20 +26,33 @@ def config(meta: dict[str, Any], arch: str, n_vocab: int) -> ModelConfig:
     fix it (``norm_w`` of ``build_moe_ffn``), whatever ``expert_weights_norm`` says; ``expert_weights_scale`` is not
     read (llama.cpp's loaders for these two leave it 0: no scaling)."""
     qwen3 = arch == "qwen3moe"
-    return ModelConfig(**base_hparams(meta, arch, n_vocab), rope_type="neox", qk_norm=qwen3, qkv_bias=not qwen3,
-                       moe=moe_hparams(meta, arch, default_gating="softmax", weights_norm=qwen3,
-                                       read_weights_scale=False))
+    return ModelConfig(
+        **base_hparams(meta, arch, n_vocab),
+        rope_type="neox",
+        qk_norm=qwen3,
+        qkv_bias=not qwen3,
+        moe=moe_hparams(meta, arch, default_gating="softmax", weights_norm=qwen3, read_weights_scale=False),
+    )
 
 
 def shared_expert(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """qwen2moe's shared expert on normed ``x`` ``[T, n_embd]`` → ``[T, n_embd]``: the SwiGLU FFN ``*_shexp`` times
     its per-token gate ``sigmoid(x · ffn_gate_inp_shexp)`` (``ffn_gate_inp_shexp`` is ``[n_embd]``)."""
-    gate = torch.sigmoid(linear(x, {"g": w["ffn_gate_inp_shexp"][None, :], "g.act": w.get("ffn_gate_inp_shexp.act")}, "g"))
+    gate = torch.sigmoid(
+        linear(x, {"g": w["ffn_gate_inp_shexp"][None, :], "g.act": w.get("ffn_gate_inp_shexp.act")}, "g")
+    )
     return gated_ffn(x, w, "silu", "_shexp") * gate
 
 
-def block(cfg: ModelConfig, il: int, x: torch.Tensor, w: dict[str, torch.Tensor], kv,
-          positions: torch.Tensor, rope: StepTables) -> torch.Tensor:
+def block(
+    cfg: ModelConfig,
+    il: int,
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    kv,
+    positions: torch.Tensor,
+    rope: StepTables,
+) -> torch.Tensor:
     """``h = x + attn(attn_norm(x)); out = h + moe(ffn_norm(h)) [+ shared expert]``; ``x`` ``[T, n_embd]``."""
     h = x + self_attention(cfg, il, rms_norm(x, w["attn_norm"], cfg.rms_eps), w, kv, positions, rope)
     f = rms_norm(h, w["ffn_norm"], cfg.rms_eps)

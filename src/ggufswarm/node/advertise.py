@@ -19,8 +19,15 @@ PEERS_TTL_S = 5.0  # how long (s) the tracker's list of this model's nodes is tr
 HEARTBEATS_PER_TTL = 3  # beats within the tracker's TTL of an advertisement
 LISTEN_POLL_S = 0.05  # the heartbeat loop's wait for the server to listen (s)
 ACCOUNTING_KEYS = ("weight_bytes", "state_bytes_per_session", "boundary_bytes_per_token", "n_embd")
-HOP_KEYS = ("n_embd", "n_layers", "max_length", "max_step_tokens", "model_fingerprint", "model_name",
-            "max_verify_tokens")
+HOP_KEYS = (
+    "n_embd",
+    "n_layers",
+    "max_length",
+    "max_step_tokens",
+    "model_fingerprint",
+    "model_name",
+    "max_verify_tokens",
+)
 
 
 def shard_accounting(state: NodeState) -> dict:
@@ -36,35 +43,53 @@ def shard_accounting(state: NodeState) -> dict:
     static = state.accounting
     if static is None:
         from ..artifact.accounting import shard_account
+
         try:
-            acc = shard_account(state.executor.model, state.spec.start, state.spec.end, state.spec.embed,
-                                state.spec.head).to_json()
+            acc = shard_account(
+                state.executor.model, state.spec.start, state.spec.end, state.spec.embed, state.spec.head
+            ).to_json()
         except (AttributeError, KeyError, ValueError):  # an executor without a GGUF header (a test double)
-            acc = {"weight_bytes": 0, "state_bytes_per_session": 0, "n_embd": state.cfg.n_embd,
-                   "boundary_bytes_per_token": 0 if state.spec.head else F32_BYTES * state.cfg.n_embd}
+            acc = {
+                "weight_bytes": 0,
+                "state_bytes_per_session": 0,
+                "n_embd": state.cfg.n_embd,
+                "boundary_bytes_per_token": 0 if state.spec.head else F32_BYTES * state.cfg.n_embd,
+            }
         static = state.accounting = {k: acc[k] for k in ACCOUNTING_KEYS}
     store = state.store
     per_token = store.kv_bytes_per_token()
     slots = state.executor.n_seq_max
     free_sessions = None if slots is None else max(slots - len(store.sessions), 0)
     free_state = (free_sessions if free_sessions is not None else 1) * static["state_bytes_per_session"]
-    return {**static, "kv_bytes_per_token": per_token,
-            "free_bytes": max(store.budget_tokens - store.reserved_tokens, 0) * per_token + free_state,
-            "free_sessions": free_sessions,
-            "max_length": state.max_session_tokens}
+    return {
+        **static,
+        "kv_bytes_per_token": per_token,
+        "free_bytes": max(store.budget_tokens - store.reserved_tokens, 0) * per_token + free_state,
+        "free_sessions": free_sessions,
+        "max_length": state.max_session_tokens,
+    }
 
 
 def advertisement(state: NodeState) -> dict:
     """This node's shard advertisement for the tracker (free KV in tokens, mean decode compute in ms, and
     the shard's accounting in bytes: ``shard_accounting``)."""
     h = state.health()
-    return {"node_id": state.node_id, "url": state.url, "model": state.config.swarm_name or state.config.model,
-            "layers": [state.spec.start, state.spec.end], "embed": state.spec.embed, "head": state.spec.head,
-            "state": "ready", "free_kv_tokens": state.store.budget_tokens - state.store.reserved_tokens,
-            "decode_ms": round(state.decode_ms(), 3),
-            # what a client needs to use this node in a route (client.route.Hop), so it need not ask /health
-            "extra": {"hop": {k: h[k] for k in HOP_KEYS} | {"cache": bool(h["cache"])},
-                      "accounting": shard_accounting(state)}}
+    return {
+        "node_id": state.node_id,
+        "url": state.url,
+        "model": state.config.swarm_name or state.config.model,
+        "layers": [state.spec.start, state.spec.end],
+        "embed": state.spec.embed,
+        "head": state.spec.head,
+        "state": "ready",
+        "free_kv_tokens": state.store.budget_tokens - state.store.reserved_tokens,
+        "decode_ms": round(state.decode_ms(), 3),
+        # what a client needs to use this node in a route (client.route.Hop), so it need not ask /health
+        "extra": {
+            "hop": {k: h[k] for k in HOP_KEYS} | {"cache": bool(h["cache"])},
+            "accounting": shard_accounting(state),
+        },
+    }
 
 
 async def heartbeats(state: NodeState) -> None:
@@ -118,11 +143,13 @@ async def check_registered(state: NodeState, url: str | None) -> None:
         state.peers = {str(n["url"]).rstrip("/") for n in listed}
         state.peers_at = now
     except (TrackerError, KeyError, TypeError) as exc:
-        raise ProtocolError("tracker_unavailable", f"cannot check next_hop {url} with the tracker: "
-                                                   f"{type(exc).__name__}") from None
+        raise ProtocolError(
+            "tracker_unavailable", f"cannot check next_hop {url} with the tracker: {type(exc).__name__}"
+        ) from None
     if url not in state.peers:
-        raise ProtocolError("next_hop_unknown", f"next_hop {url} is not a node the tracker lists for model "
-                                                f"{model!r}; refused")
+        raise ProtocolError(
+            "next_hop_unknown", f"next_hop {url} is not a node the tracker lists for model {model!r}; refused"
+        )
 
 
 __all__ = ["READVERTISE_S", "advertisement", "check_registered", "deregister", "heartbeats", "shard_accounting"]

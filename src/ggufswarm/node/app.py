@@ -63,12 +63,22 @@ def load_executor(config: NodeConfig):
     per_session = min(config.ctx_size, model_cfg.max_length, max(config.kv_budget_tokens // config.max_sessions, 1))
     if config.kv_budget_mb is not None:  # the sessions' cells of a backend that allocates them up front
         per_token = max(shard_account(file, spec.start, spec.end).kv_bytes_per_token, 1)
-        per_session = max(1, min(per_session, int(config.kv_budget_mb * BYTES_PER_MIB) // per_token
-                                 // config.max_sessions))
-    return load_shard(file, spec, config.backend, config=model_cfg, dtype=config.dtype, threads=config.threads,
-                      max_length=per_session, max_sessions=config.max_sessions,
-                      cache_dir=Path(config.data_dir) / "shards", state_checkpoints=config.state_checkpoints,
-                      kv_unified=config.batch_group > EXACT_BATCH_GROUP)  # throughput mode: any sessions batch
+        per_session = max(
+            1, min(per_session, int(config.kv_budget_mb * BYTES_PER_MIB) // per_token // config.max_sessions)
+        )
+    return load_shard(
+        file,
+        spec,
+        config.backend,
+        config=model_cfg,
+        dtype=config.dtype,
+        threads=config.threads,
+        max_length=per_session,
+        max_sessions=config.max_sessions,
+        cache_dir=Path(config.data_dir) / "shards",
+        state_checkpoints=config.state_checkpoints,
+        kv_unified=config.batch_group > EXACT_BATCH_GROUP,
+    )  # throughput mode: any sessions batch
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -77,10 +87,18 @@ async def model_info(request: web.Request) -> web.Response:
     headers (``GET /v1/model/header/{i}``) for the vocabulary and chat template."""
     state: NodeState = request.app[NODE]
     model = state.executor.model
-    files = [{"name": p.name, "bytes": p.stat().st_size, "header_bytes": n} for p, n in zip(model.paths,
-                                                                                           model.header_sizes)]
-    return json_response({"name": state.model_name, "fingerprint": model.fingerprint, "arch": state.cfg.arch,
-                          "n_layers": state.cfg.n_layers, "files": files})
+    files = [
+        {"name": p.name, "bytes": p.stat().st_size, "header_bytes": n} for p, n in zip(model.paths, model.header_sizes)
+    ]
+    return json_response(
+        {
+            "name": state.model_name,
+            "fingerprint": model.fingerprint,
+            "arch": state.cfg.arch,
+            "n_layers": state.cfg.n_layers,
+            "files": files,
+        }
+    )
 
 
 async def model_header(request: web.Request) -> web.Response:
@@ -94,8 +112,11 @@ async def model_header(request: web.Request) -> web.Response:
         if i < 0:
             raise IndexError
     except (ValueError, IndexError):
-        raise ProtocolError("not_found", f"no model file {request.match_info['i']!r}: the model has "
-                                         f"{len(model.paths)} file(s), 0..{len(model.paths) - 1}") from None
+        raise ProtocolError(
+            "not_found",
+            f"no model file {request.match_info['i']!r}: the model has "
+            f"{len(model.paths)} file(s), 0..{len(model.paths) - 1}",
+        ) from None
     with open(path, "rb") as f:
         data = f.read(size)
     return web.Response(body=data, content_type="application/octet-stream")
@@ -138,9 +159,10 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     load_executor."""
     state = NodeState(config, executor or load_executor(config))
     # bodies: one frame of max_step_tokens f32 rows, or a JSON restore
-    app = web.Application(client_max_size=max(state.max_body, MAX_RESTORE_BODY) + BODY_HEADROOM,
-                          middlewares=[token_middleware(config.token),
-                                       json_errors_middleware(lambda _req, err: state.count_error(err))])
+    app = web.Application(
+        client_max_size=max(state.max_body, MAX_RESTORE_BODY) + BODY_HEADROOM,
+        middlewares=[token_middleware(config.token), json_errors_middleware(lambda _req, err: state.count_error(err))],
+    )
     app[NODE] = state
     app.router.add_post("/v1/sessions", sessions_api.open_session)
     app.router.add_delete("/v1/sessions/{sid}", sessions_api.close_session)
@@ -155,8 +177,9 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.router.add_get("/metrics", metrics)
 
     async def lifecycle(app):
-        state.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             headers=auth_headers(config.token))
+        state.client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=auth_headers(config.token)
+        )
         tasks = [asyncio.create_task(_reaper(state))]
         if config.exit_with_parent:
             tasks.append(asyncio.create_task(_watch_parent(os.getppid())))
@@ -199,11 +222,19 @@ def _warn_unroutable(state: NodeState) -> None:
     """Say on stderr when no route can start or end at this shard (a missing --embed / --head)."""
     spec = state.spec
     if spec.end == state.cfg.n_layers and not spec.head:
-        print(f"ggufswarm node: WARNING: layers {spec.start}:{spec.end} end at the model's last layer without --head: "
-              f"no route can end here (add --head)", file=sys.stderr, flush=True)
+        print(
+            f"ggufswarm node: WARNING: layers {spec.start}:{spec.end} end at the model's last layer without --head: "
+            f"no route can end here (add --head)",
+            file=sys.stderr,
+            flush=True,
+        )
     if spec.start == 0 and not spec.embed:
-        print(f"ggufswarm node: WARNING: layers {spec.start}:{spec.end} start at layer 0 without --embed: no route "
-              f"can start here (add --embed)", file=sys.stderr, flush=True)
+        print(
+            f"ggufswarm node: WARNING: layers {spec.start}:{spec.end} start at layer 0 without --embed: no route "
+            f"can start here (add --embed)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def run_node(config: NodeConfig) -> int:
@@ -218,18 +249,41 @@ def run_node(config: NodeConfig) -> int:
         _check_port(config.host, config.port)
     if config.tracker:
         from ..swarm.shard_fetch import fetch_shard
+
         name = config.model or DEFAULT_SWARM_MODEL
         TrackerClient(config.tracker, config.token).wait_for_model(
-            name, parent=os.getppid() if config.exit_with_parent else None)
-        fetched = fetch_shard(config.tracker, name, config.layers, config.embed, config.head, Path(config.data_dir),
-                              budget_bytes=int(config.memory_budget_mb * BYTES_PER_MIB),
-                              timeout=config.fetch_timeout_s, stall_s=config.fetch_stall_s, token=config.token)
-        got = (f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s"
-               if fetched.stats.bytes_downloaded else "already on disk, checked")
-        print(f"ggufswarm node: fetched layers {fetched.spec.start}:{fetched.spec.end} of {name}: {got}",
-              file=sys.stderr, flush=True)
-        config = replace(config, layers=f"{fetched.spec.start}:{fetched.spec.end}", embed=fetched.spec.embed,
-                         head=fetched.spec.head, model=str(fetched.path), swarm_name=name)
+            name, parent=os.getppid() if config.exit_with_parent else None
+        )
+        fetched = fetch_shard(
+            config.tracker,
+            name,
+            config.layers,
+            config.embed,
+            config.head,
+            Path(config.data_dir),
+            budget_bytes=int(config.memory_budget_mb * BYTES_PER_MIB),
+            timeout=config.fetch_timeout_s,
+            stall_s=config.fetch_stall_s,
+            token=config.token,
+        )
+        got = (
+            f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s"
+            if fetched.stats.bytes_downloaded
+            else "already on disk, checked"
+        )
+        print(
+            f"ggufswarm node: fetched layers {fetched.spec.start}:{fetched.spec.end} of {name}: {got}",
+            file=sys.stderr,
+            flush=True,
+        )
+        config = replace(
+            config,
+            layers=f"{fetched.spec.start}:{fetched.spec.end}",
+            embed=fetched.spec.embed,
+            head=fetched.spec.head,
+            model=str(fetched.path),
+            swarm_name=name,
+        )
     app = make_app(config)
     state: NodeState = app[NODE]
     spec = state.spec
@@ -238,8 +292,11 @@ def run_node(config: NodeConfig) -> int:
     def ready(url: str) -> None:
         state.url = url
         stages = "".join([" +embed" if spec.embed else "", " +head" if spec.head else ""])
-        print(f"ggufswarm node ready: {url} layers {spec.start}:{spec.end}{stages} "
-              f"kv_budget {state.store.budget_tokens} tokens", flush=True)
+        print(
+            f"ggufswarm node ready: {url} layers {spec.start}:{spec.end}{stages} "
+            f"kv_budget {state.store.budget_tokens} tokens",
+            flush=True,
+        )
 
     try:
         run_server(app, config.host, config.port, ready)

@@ -21,14 +21,15 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..runtime.sessions import SessionStore, StepRecord
+from ..runtime.session_state import StepRecord
+from ..runtime.sessions import SessionStore
 
 
 @dataclass
 class _Job:
-    args: tuple                 # SessionStore.apply's arguments
+    args: tuple  # SessionStore.apply's arguments
     future: asyncio.Future
-    pieces: object = None       # prefill: the apply_chunked generator once started
+    pieces: object = None  # prefill: the apply_chunked generator once started
     n_tokens: int = field(default=0)
 
 
@@ -53,8 +54,13 @@ class StepBatcher:
         self.batches = self.batched_steps = self.largest_batch = self.prefill_pieces = 0
 
     def counters(self) -> dict:
-        return {"batches": self.batches, "batched_steps": self.batched_steps, "largest_batch": self.largest_batch,
-                "prefill_pieces": self.prefill_pieces, "queued": len(self.decodes) + len(self.prefills)}
+        return {
+            "batches": self.batches,
+            "batched_steps": self.batched_steps,
+            "largest_batch": self.largest_batch,
+            "prefill_pieces": self.prefill_pieces,
+            "queued": len(self.decodes) + len(self.prefills),
+        }
 
     def submit(self, args: tuple, alone: bool, more: bool = False) -> StepRecord | asyncio.Future:
         """Schedule one step (``SessionStore.apply``'s arguments). ``alone``: no other session has a step in flight
@@ -112,14 +118,14 @@ class StepBatcher:
         if len(jobs) == 1:
             try:
                 return [self.store.apply(*jobs[0].args)]
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 return [exc]
         return self.store.apply_batch([j.args for j in jobs])
 
     def _batch_done(self, jobs: list[_Job], done: asyncio.Future) -> None:
         try:
             results = done.result()
-        except BaseException as exc:  # noqa: BLE001 - apply_batch itself failed: every step gets the error
+        except BaseException as exc:
             results = [exc] * len(jobs)
         if len(jobs) > 1:
             self.batches += 1
@@ -139,14 +145,14 @@ class StepBatcher:
             return False, None
         except StopIteration as stop:
             return True, stop.value
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return True, exc
 
     def _piece_done(self, job: _Job, done: asyncio.Future) -> None:
         self.prefill_pieces += 1
         try:
             finished, result = done.result()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             finished, result = True, exc
         if finished:
             self.prefills.remove(job)

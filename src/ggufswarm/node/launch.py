@@ -40,11 +40,21 @@ class NodeProcess:
             self.proc.wait()
 
 
-def node_command(spec: ShardSpec, model: str | None = None, port: int = 0, threads: int | None = None,
-                 extra: list[str] | None = None) -> list[str]:
+def node_command(
+    spec: ShardSpec, model: str | None = None, port: int = 0, threads: int | None = None, extra: list[str] | None = None
+) -> list[str]:
     """The argv of a ``ggufswarm node`` serving ``spec`` (run with this Python)."""
-    cmd = [sys.executable, "-m", "ggufswarm.cli", "node", "--layers", f"{spec.start}:{spec.end}",
-           "--port", str(port), "--exit-with-parent"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ggufswarm.cli",
+        "node",
+        "--layers",
+        f"{spec.start}:{spec.end}",
+        "--port",
+        str(port),
+        "--exit-with-parent",
+    ]
     if spec.embed:
         cmd.append("--embed")
     if spec.head:
@@ -56,9 +66,16 @@ def node_command(spec: ShardSpec, model: str | None = None, port: int = 0, threa
     return cmd + list(extra or [])
 
 
-def start_nodes(specs: list[ShardSpec], model: str | None = None, threads: int | None = None,
-                extra: list[str] | None = None, timeout: float = 120.0, stderr=None,
-                per_node=None, token: str | None = None) -> list[NodeProcess]:
+def start_nodes(
+    specs: list[ShardSpec],
+    model: str | None = None,
+    threads: int | None = None,
+    extra: list[str] | None = None,
+    timeout: float = 120.0,
+    stderr=None,
+    per_node=None,
+    token: str | None = None,
+) -> list[NodeProcess]:
     """Start one node per spec (in parallel) and wait for each one's ready line.
 
     ``per_node(i) -> list[str]``: extra arguments for node ``i`` only (e.g. its own data directory).
@@ -74,8 +91,14 @@ def start_nodes(specs: list[ShardSpec], model: str | None = None, threads: int |
     nodes, lines = [], queue.Queue()
     for i, spec in enumerate(specs):
         args = list(extra or []) + (per_node(i) if per_node else [])
-        proc = subprocess.Popen(node_command(spec, model, 0, threads, args), stdout=subprocess.PIPE,
-                                stderr=stderr, stdin=subprocess.DEVNULL, text=True, env=env)
+        proc = subprocess.Popen(
+            node_command(spec, model, 0, threads, args),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         nodes.append(NodeProcess("", spec, proc))
 
         def pump(i=i, proc=proc):
@@ -95,8 +118,10 @@ def start_nodes(specs: list[ShardSpec], model: str | None = None, threads: int |
                 raise RuntimeError(f"nodes {sorted(pending)} not ready within {timeout:g} s") from None
             if url is None:
                 if i in pending:
-                    raise RuntimeError(f"node {specs[i].start}:{specs[i].end} exited with status "
-                                       f"{nodes[i].proc.wait()} before it was ready")
+                    raise RuntimeError(
+                        f"node {specs[i].start}:{specs[i].end} exited with status "
+                        f"{nodes[i].proc.wait()} before it was ready"
+                    )
                 continue
             nodes[i].url = url
             pending.discard(i)

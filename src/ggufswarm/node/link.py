@@ -58,7 +58,7 @@ class _Link:
                     fut.set_result((status, body))
             if self.ws.exception() is not None:
                 reason = f"failed: {type(self.ws.exception()).__name__}: {self.ws.exception()}"
-        except Exception as exc:  # noqa: BLE001 - any failure ends the link; its waiters learn why
+        except Exception as exc:
             reason = f"failed: {type(exc).__name__}: {exc}"
         finally:
             on_close(self)
@@ -93,8 +93,9 @@ class HopLinks:
 
     async def _open(self, url: str, timeout_s: float) -> _Link | None:
         try:
-            ws = await asyncio.wait_for(self._client().ws_connect(url + "/v1/link", max_msg_size=0, autoping=True),
-                                        timeout_s)
+            ws = await asyncio.wait_for(
+                self._client().ws_connect(url + "/v1/link", max_msg_size=0, autoping=True), timeout_s
+            )
         except aiohttp.WSServerHandshakeError as exc:
             if exc.status in HTTP_ONLY_STATUSES:  # a next hop without links: plain POST /v1/step from now on
                 self._http_only.add(url)
@@ -136,8 +137,9 @@ class HopLinks:
         return asyncio.ensure_future(self._reply(link, key, fut, deadline, url, timeout_s)), True
 
     @staticmethod
-    async def _reply(link: _Link, key: bytes, fut: asyncio.Future, deadline: float, url: str,
-                     timeout_s: float) -> tuple[int, bytes]:
+    async def _reply(
+        link: _Link, key: bytes, fut: asyncio.Future, deadline: float, url: str, timeout_s: float
+    ) -> tuple[int, bytes]:
         loop = asyncio.get_running_loop()
         try:
             return await asyncio.wait_for(fut, max(deadline - loop.time(), 0.001))
@@ -149,8 +151,12 @@ class HopLinks:
 
     async def _post(self, url: str, frame: bytes, timeout_s: float) -> tuple[int, bytes]:
         try:
-            async with self._client().post(url + "/v1/step", data=frame, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                           headers={"Content-Type": "application/octet-stream"}) as resp:
+            async with self._client().post(
+                url + "/v1/step",
+                data=frame,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                headers={"Content-Type": "application/octet-stream"},
+            ) as resp:
                 return resp.status, await resp.read()
         except TimeoutError:
             raise _error("hop_timeout", f"next hop {url} did not answer within {timeout_s:g} s", url) from None

@@ -21,7 +21,7 @@ from ..runtime.sampling import SamplingParams
 from .advertise import check_registered
 from .state import NODE, NodeState, json_response, parse_session_id
 
-MAX_STEP = 2 ** 63 - 1  # step numbers are uint64 in a frame's header; JSON ones stay below 2**63
+MAX_STEP = 2**63 - 1  # step numbers are uint64 in a frame's header; JSON ones stay below 2**63
 MAX_TOP_LOGPROBS = 20
 MAX_URL_CHARS = 2048  # longest next_hop URL taken
 MAX_MESSAGE_CHARS = 300  # error messages quoting a client's value are cut to this
@@ -47,9 +47,12 @@ async def open_session(request: web.Request) -> web.Response:
     hop_timeout = json_field(body, "hop_timeout_s", float, state.config.hop_timeout_s, positive=True, unit="seconds")
     model = body.get("model")
     if model is not None and model != state.executor.model.fingerprint:
-        raise ProtocolError("model_mismatch", f"this node serves {state.model_name} (GGUF fingerprint "
-                                              f"{state.executor.model.fingerprint[:12]}), the session is for "
-                                              f"another model (fingerprint {str(model)[:12]})")
+        raise ProtocolError(
+            "model_mismatch",
+            f"this node serves {state.model_name} (GGUF fingerprint "
+            f"{state.executor.model.fingerprint[:12]}), the session is for "
+            f"another model (fingerprint {str(model)[:12]})",
+        )
     sampling = body.get("sampling") or {}
     if not isinstance(sampling, dict):
         raise ProtocolError("bad_request", "sampling must be an object")
@@ -62,10 +65,16 @@ async def open_session(request: web.Request) -> web.Response:
     session.hop_timeout_s = float(hop_timeout)
     session.lease_s = lease
     state.readvertise()
-    return json_response({"session_id": str(sid), "max_length": max_length,
-                          "layers": [state.spec.start, state.spec.end],
-                          "kv_tokens_reserved": state.store.reserved_tokens,
-                          "kv_budget_tokens": state.store.budget_tokens}, 201)
+    return json_response(
+        {
+            "session_id": str(sid),
+            "max_length": max_length,
+            "layers": [state.spec.start, state.spec.end],
+            "kv_tokens_reserved": state.store.reserved_tokens,
+            "kv_budget_tokens": state.store.budget_tokens,
+        },
+        201,
+    )
 
 
 async def renew_session(request: web.Request) -> web.Response:
@@ -99,15 +108,27 @@ def next_hop_url(state: NodeState, next_hop) -> str | None:
     if not bad:
         try:
             parts = urlsplit(next_hop)
-            bad = (parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None
-                   or parts.username is not None or parts.password is not None or parts.path not in ("", "/")
-                   or parts.query or parts.fragment or "?" in next_hop or "#" in next_hop)
+            bad = (
+                parts.scheme not in ("http", "https")
+                or not parts.hostname
+                or parts.port is None
+                or parts.username is not None
+                or parts.password is not None
+                or parts.path not in ("", "/")
+                or parts.query
+                or parts.fragment
+                or "?" in next_hop
+                or "#" in next_hop
+            )
         except ValueError:  # a port out of range or not a number
             bad = True
     if bad:
-        raise ProtocolError("bad_request", f"layers {state.spec.start}:{state.spec.end} are not the last shard: "
-                                           f"next_hop must be the next node's http://HOST:PORT (no path, query "
-                                           f"or user info), got {next_hop!r}"[:MAX_MESSAGE_CHARS])
+        raise ProtocolError(
+            "bad_request",
+            f"layers {state.spec.start}:{state.spec.end} are not the last shard: "
+            f"next_hop must be the next node's http://HOST:PORT (no path, query "
+            f"or user info), got {next_hop!r}"[:MAX_MESSAGE_CHARS],
+        )
     return next_hop.rstrip("/")
 
 
@@ -140,8 +161,12 @@ def _restore_request(body: dict) -> tuple[list[int], int | None, list[int] | Non
         raise ProtocolError("bad_request", "tokens must be a list of token ids")
     step_no = json_field(body, "step", int, None, min=0, max=MAX_STEP)
     wanted = body.get("boundaries")
-    if wanted is not None and (not isinstance(wanted, list) or not all(type(b) is int for b in wanted)
-                               or wanted != sorted(set(wanted)) or (wanted and wanted[0] <= 0)):
+    if wanted is not None and (
+        not isinstance(wanted, list)
+        or not all(type(b) is int for b in wanted)
+        or wanted != sorted(set(wanted))
+        or (wanted and wanted[0] <= 0)
+    ):
         raise ProtocolError("bad_request", "boundaries must be ascending positive token positions")
     return tokens, step_no, wanted
 
@@ -165,20 +190,25 @@ async def restore_session(request: web.Request) -> web.Response:
     tokens, step_no, wanted = _restore_request(await read_json(request))
     session = state.store.get(parse_session_id(request.match_info["sid"]))
     if len(tokens) > session.max_length:
-        raise ProtocolError("context_overflow", f"{len(tokens)} tokens exceed the session's max_length "
-                                                f"{session.max_length}")
+        raise ProtocolError(
+            "context_overflow", f"{len(tokens)} tokens exceed the session's max_length {session.max_length}"
+        )
     if tokens and not 0 <= min(tokens) <= max(tokens) < state.cfg.n_vocab:
         raise ProtocolError("bad_token", f"token id out of range [0, {state.cfg.n_vocab})")
     async with session.lock:
         if session.length:
-            raise ProtocolError("session_not_empty", f"session holds {session.length} tokens; restore needs "
-                                                     "an empty session (truncate to 0 first)")
-        snap, n, reason = (None, 0, "no cache configured") if state.snapshots is None else \
-            await state.snapshots.fetch(tokens, wanted)
+            raise ProtocolError(
+                "session_not_empty",
+                f"session holds {session.length} tokens; restore needs an empty session (truncate to 0 first)",
+            )
+        snap, n, reason = (
+            (None, 0, "no cache configured") if state.snapshots is None else await state.snapshots.fetch(tokens, wanted)
+        )
         if snap is not None and snap.state is not None:  # a whole state (llama.cpp), then the shared prefix
             try:
                 await asyncio.get_running_loop().run_in_executor(
-                    state.pool, state.executor.load_state, session.kv, snap.state, snap.n_tokens)
+                    state.pool, state.executor.load_state, session.kv, snap.state, snap.n_tokens
+                )
                 if n < snap.n_tokens:
                     session.kv.truncate(n)
             except (RuntimeError, ValueError) as exc:  # e.g. taken by a node with other --max-sessions
@@ -193,12 +223,23 @@ async def restore_session(request: web.Request) -> web.Response:
             state.snapshots.counters["restored_tokens"] += n
         if step_no is not None:
             state.store.set_step(session, step_no)
-    reply = {"session_id": str(session.id), "length": session.length, "reason": reason,
-             "ms": round((time.perf_counter() - t0) * 1e3, 3)}
+    reply = {
+        "session_id": str(session.id),
+        "length": session.length,
+        "reason": reason,
+        "ms": round((time.perf_counter() - t0) * 1e3, 3),
+    }
     if state.executor.step_grouping_matters:
         reply["boundaries"] = session.boundaries
     return json_response(reply)
 
 
-__all__ = ["MAX_STEP", "close_session", "next_hop_url", "open_session", "renew_session", "restore_session",
-           "truncate_session"]
+__all__ = [
+    "MAX_STEP",
+    "close_session",
+    "next_hop_url",
+    "open_session",
+    "renew_session",
+    "restore_session",
+    "truncate_session",
+]

@@ -21,7 +21,7 @@ import aiohttp
 from ..cache.snapshot import KV_DTYPES, STATE_DTYPE, Shard, SnapshotError, decode_snapshot, encode_snapshot
 from ..protocol.snapshots import BLOCK_TOKENS, SHA_HEADER
 from ..runtime.backends import ShardBackend
-from ..runtime.sessions import Session
+from ..runtime.session_state import Session
 
 
 class SnapshotLink:
@@ -45,8 +45,15 @@ class SnapshotLink:
         self._tasks: set[asyncio.Task] = set()
         self._warned = False
         # written: stored; kept: the cache already held that key (the same bytes, or another node's: first wins)
-        self.counters = {"written": 0, "kept": 0, "bytes": 0, "dropped": 0, "failed": 0, "restored": 0,
-                         "restored_tokens": 0}
+        self.counters = {
+            "written": 0,
+            "kept": 0,
+            "bytes": 0,
+            "dropped": 0,
+            "failed": 0,
+            "restored": 0,
+            "restored_tokens": 0,
+        }
 
     # -- snapshots ---------------------------------------------------------------------------------
     def after_step(self, session: Session, prefill_sampled: bool) -> None:
@@ -75,8 +82,10 @@ class SnapshotLink:
             keys = [layer.k[:n] for layer in session.kv.layers]
             values = [layer.v[:n] for layer in session.kv.layers]
             task = asyncio.get_running_loop().create_task(
-                self._write(session, list(session.history), keys, values, session.kv.epoch,
-                            boundaries=list(session.boundaries)))
+                self._write(
+                    session, list(session.history), keys, values, session.kv.epoch, boundaries=list(session.boundaries)
+                )
+            )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -85,9 +94,10 @@ class SnapshotLink:
         try:
             async with session.lock:
                 if not session.kv.closed:
-                    await asyncio.get_running_loop().run_in_executor(self._copy_pool, self.executor.state_bytes,
-                                                                     session.kv)
-        except Exception as exc:  # noqa: BLE001 - a checkpoint never fails the session
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._copy_pool, self.executor.state_bytes, session.kv
+                    )
+        except Exception as exc:
             self.counters["failed"] += 1
             print(f"ggufswarm node: state checkpoint failed ({exc}); still serving", file=sys.stderr, flush=True)
 
@@ -103,27 +113,40 @@ class SnapshotLink:
                 tokens = list(session.history)
                 boundaries = list(session.boundaries)
                 state = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self.executor.state_bytes, session.kv)
+                    self._pool, self.executor.state_bytes, session.kv
+                )
                 epoch = session.kv.epoch
-        except Exception as exc:  # noqa: BLE001 - a snapshot never fails the session
+        except Exception as exc:
             self._inflight.discard(session.id)
             self.counters["failed"] += 1
             print(f"ggufswarm node: snapshot state copy failed ({exc}); still serving", file=sys.stderr, flush=True)
             return
         await self._write(session, tokens, [], [], epoch, state, boundaries)
 
-    async def _write(self, session: Session, tokens, keys, values, epoch: int, state: bytes | None = None,
-                     boundaries: list[int] | None = None) -> None:
+    async def _write(
+        self,
+        session: Session,
+        tokens,
+        keys,
+        values,
+        epoch: int,
+        state: bytes | None = None,
+        boundaries: list[int] | None = None,
+    ) -> None:
         try:
             loop = asyncio.get_running_loop()
-            blob = await loop.run_in_executor(self._pool, encode_snapshot, self.shard, tokens, keys, values, state,
-                                              boundaries, self.node_id)
+            blob = await loop.run_in_executor(
+                self._pool, encode_snapshot, self.shard, tokens, keys, values, state, boundaries, self.node_id
+            )
             if session.kv.epoch != epoch:  # truncated while we copied: positions may have been rewritten
                 self.counters["dropped"] += 1
                 return
-            async with self._client().post(self.url + "/v1/snapshots", data=blob,
-                                           headers={"Content-Type": "application/octet-stream"},
-                                           timeout=aiohttp.ClientTimeout(total=60)) as resp:
+            async with self._client().post(
+                self.url + "/v1/snapshots",
+                data=blob,
+                headers={"Content-Type": "application/octet-stream"},
+                timeout=aiohttp.ClientTimeout(total=60),
+            ) as resp:
                 if resp.status in (200, 409):  # the key is taken (by these bytes or others): the first stays
                     self.counters["kept"] += 1
                     return
@@ -135,8 +158,9 @@ class SnapshotLink:
         except (TimeoutError, aiohttp.ClientError, RuntimeError, SnapshotError) as exc:
             self.counters["failed"] += 1
             if not self._warned:
-                print(f"ggufswarm node: snapshot to {self.url} failed ({exc}); still serving", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"ggufswarm node: snapshot to {self.url} failed ({exc}); still serving", file=sys.stderr, flush=True
+                )
                 self._warned = True
         finally:
             self._inflight.discard(session.id)
@@ -164,16 +188,22 @@ class SnapshotLink:
         client = self._client()
         shard = self.shard
         try:
-            body = {"model": shard.model, "layers": [shard.start, shard.end], "dtype": shard.dtype,
-                    "scope": shard.scope, "tokens": tokens}
+            body = {
+                "model": shard.model,
+                "layers": [shard.start, shard.end],
+                "dtype": shard.dtype,
+                "scope": shard.scope,
+                "tokens": tokens,
+            }
             async with client.post(self.url + "/v1/lookup", json=body, timeout=aiohttp.ClientTimeout(total=10)) as r:
                 if r.status != 200:
                     return None, 0, f"cache lookup answered {r.status}"
                 found = await r.json()
             if not found.get("key"):
                 return None, 0, "no cached prefix"
-            async with client.get(f"{self.url}/v1/snapshots/{found['key']}",
-                                  timeout=aiohttp.ClientTimeout(total=60)) as r:
+            async with client.get(
+                f"{self.url}/v1/snapshots/{found['key']}", timeout=aiohttp.ClientTimeout(total=60)
+            ) as r:
                 if r.status != 200:
                     return None, 0, f"cache answered {r.status} for snapshot {found['key'][:12]}"
                 blob = await r.read()
@@ -193,12 +223,22 @@ class SnapshotLink:
             if snap.state is not None:
                 length = grouped_length(snap.boundaries, length, boundaries)
                 if not length:
-                    return None, 0, "no step of the cached computation ends inside the shared prefix" + (
-                        "" if boundaries is None else " with this session's steps")
+                    return (
+                        None,
+                        0,
+                        "no step of the cached computation ends inside the shared prefix"
+                        + ("" if boundaries is None else " with this session's steps"),
+                    )
                 if self.executor.exact_states_only and length != snap.n_tokens:
                     # a recurrent state is the state at exactly n_tokens: it cannot be cut back to a shorter prefix
-                    return None, 0, (f"the cached recurrent state holds {snap.n_tokens} tokens, of which only {length} "
-                                     f"are usable here; a recurrent state restores only at its exact position")
+                    return (
+                        None,
+                        0,
+                        (
+                            f"the cached recurrent state holds {snap.n_tokens} tokens, of which only {length} "
+                            f"are usable here; a recurrent state restores only at its exact position"
+                        ),
+                    )
             return snap, length, "restored"
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
             return None, 0, f"cache failed: {type(exc).__name__}: {exc}"
@@ -226,4 +266,3 @@ def shard_of(executor: ShardBackend) -> Shard:
         return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, STATE_DTYPE)
     dtype = next(name for name in KV_DTYPES if f"torch.{name}" == str(executor.dtype))
     return Shard(executor.model.fingerprint, executor.spec.start, executor.spec.end, dtype)
-

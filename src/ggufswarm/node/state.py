@@ -28,11 +28,11 @@ NODE = web.AppKey("node", object)  # the app's NodeState
 # sessions share a ubatch
 EXACT_BATCH_GROUP = 3
 STEP_KINDS = ("prefill", "decode")  # the ``kind`` label of the step metrics
-BYTES_PER_MIB = 2 ** 20
+BYTES_PER_MIB = 2**20
 # frame body bytes per token beyond its f32 hidden state row: the token-id trailer (int32)
 TOKEN_ID_BYTES = 4
 F32_BYTES = 4
-STEP_SECONDS_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 @dataclass
@@ -45,13 +45,13 @@ class NodeConfig:
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
-    dtype: str = "float32"            # torch backend's compute dtype
-    backend: str = DEFAULT_BACKEND    # "llama.cpp" or "torch" (runtime.backends)
-    threads: int | None = None        # llama.cpp decode/batch threads (None: all cores)
-    ctx_size: int = 8192              # llama.cpp: KV cells per session = the longest session (tokens)
-    max_sessions: int = 4             # llama.cpp: sessions at once (sequence ids of the context)
+    dtype: str = "float32"  # torch backend's compute dtype
+    backend: str = DEFAULT_BACKEND  # "llama.cpp" or "torch" (runtime.backends)
+    threads: int | None = None  # llama.cpp decode/batch threads (None: all cores)
+    ctx_size: int = 8192  # llama.cpp: KV cells per session = the longest session (tokens)
+    max_sessions: int = 4  # llama.cpp: sessions at once (sequence ids of the context)
     batch_group: int = EXACT_BATCH_GROUP  # llama.cpp: most sessions per shared ubatch (<= EXACT_BATCH_GROUP:
-                                          # bitwise as alone; more: one unified KV stream, not bitwise)
+    # bitwise as alone; more: one unified KV stream, not bitwise)
     kv_budget_tokens: int = 262144
     kv_budget_mb: float | None = None
     session_ttl_s: float = 300.0
@@ -59,17 +59,17 @@ class NodeConfig:
     max_step_tokens: int = 4096
     workers: int = 4
     exit_with_parent: bool = False
-    tracker: str | None = None       # with a tracker: ``model`` is a published name, fetched from the swarm
+    tracker: str | None = None  # with a tracker: ``model`` is a published name, fetched from the swarm
     data_dir: str = "ggufswarm-data"  # where swarm-fetched shards are stored (sparse files)
     heartbeat_s: float = 5.0
-    swarm_name: str | None = None     # the published name advertised to the tracker (set after a fetch)
+    swarm_name: str | None = None  # the published name advertised to the tracker (set after a fetch)
     memory_budget_mb: float = 8192.0  # with layers "auto": most MiB of block weights (encoded) to take on
-    fetch_timeout_s: float = 1800.0   # with a tracker: the shard fetch fails after this long in all
-    fetch_stall_s: float = 60.0       # with a tracker: warn and retry when the fetch gets no piece this long
-    token: str | None = None          # swarm token: required on every endpoint, sent to tracker, hops, cache
-    cache: str | None = None          # snapshot cache server URL (``ggufswarm cache``)
-    snapshot_every: int = 32          # with a cache: snapshot each session every N tokens after its prefill
-    state_checkpoints: int = 4        # llama.cpp exact-state shards: session states kept to truncate to
+    fetch_timeout_s: float = 1800.0  # with a tracker: the shard fetch fails after this long in all
+    fetch_stall_s: float = 60.0  # with a tracker: warn and retry when the fetch gets no piece this long
+    token: str | None = None  # swarm token: required on every endpoint, sent to tracker, hops, cache
+    cache: str | None = None  # snapshot cache server URL (``ggufswarm cache``)
+    snapshot_every: int = 32  # with a cache: snapshot each session every N tokens after its prefill
+    state_checkpoints: int = 4  # llama.cpp exact-state shards: session states kept to truncate to
 
 
 class NodeState:
@@ -106,6 +106,7 @@ class NodeState:
         self.batcher = None
         if executor.supports_batch and self.inline_lock is not None:
             from .batching import StepBatcher
+
             if config.batch_group < 1:
                 raise ValueError(f"--batch-group must be at least 1, got {config.batch_group}")
             executor.batch_group = config.batch_group
@@ -129,8 +130,10 @@ class NodeState:
         self.snapshots = None
         if config.cache:
             from .snapshots import SnapshotLink, shard_of
-            self.snapshots = SnapshotLink(config.cache, shard_of(executor), config.snapshot_every, lambda: self.client,
-                                          executor, self.node_id)
+
+            self.snapshots = SnapshotLink(
+                config.cache, shard_of(executor), config.snapshot_every, lambda: self.client, executor, self.node_id
+            )
         # most tokens in one step: --max-step-tokens, at most what the backend takes in one call (llama.cpp: n_batch)
         self.max_step_tokens = min(config.max_step_tokens, executor.n_batch or config.max_step_tokens)
         self.max_body = HEADER_SIZE + self.max_step_tokens * (self.cfg.n_embd * F32_BYTES + TOKEN_ID_BYTES)
@@ -141,22 +144,34 @@ class NodeState:
         reg = self.registry = CollectorRegistry()
         store = self.store
         Gauge("ggufswarm_node_sessions_open", "Route sessions open on this node", registry=reg).set_function(
-            lambda: len(store.sessions))
+            lambda: len(store.sessions)
+        )
         Gauge("ggufswarm_node_kv_tokens_held", "Tokens held in KV caches (all sessions)", registry=reg).set_function(
-            lambda: store.held_tokens)
-        Gauge("ggufswarm_node_kv_tokens_reserved", "Tokens reserved by open sessions (sum of max_length)",
-              registry=reg).set_function(lambda: store.reserved_tokens)
+            lambda: store.held_tokens
+        )
+        Gauge(
+            "ggufswarm_node_kv_tokens_reserved", "Tokens reserved by open sessions (sum of max_length)", registry=reg
+        ).set_function(lambda: store.reserved_tokens)
         Gauge("ggufswarm_node_kv_budget_tokens", "KV budget of this node in tokens", registry=reg).set_function(
-            lambda: store.budget_tokens)
+            lambda: store.budget_tokens
+        )
         self.steps = Counter("ggufswarm_node_steps", "Steps applied", ["kind"], registry=reg)
-        self.step_seconds = Histogram("ggufswarm_node_step_seconds", "Step compute time (this shard only)", ["kind"],
-                                      registry=reg, buckets=STEP_SECONDS_BUCKETS)
-        self.bytes_in = Counter("ggufswarm_node_payload_bytes_in", "Frame bytes received (header + payload)",
-                                ["kind"], registry=reg)
-        self.bytes_out = Counter("ggufswarm_node_payload_bytes_out", "Frame bytes pushed to the next hop",
-                                 ["kind"], registry=reg)
-        self.replays = Counter("ggufswarm_node_step_replays", "Retried steps answered without re-applying",
-                               registry=reg)
+        self.step_seconds = Histogram(
+            "ggufswarm_node_step_seconds",
+            "Step compute time (this shard only)",
+            ["kind"],
+            registry=reg,
+            buckets=STEP_SECONDS_BUCKETS,
+        )
+        self.bytes_in = Counter(
+            "ggufswarm_node_payload_bytes_in", "Frame bytes received (header + payload)", ["kind"], registry=reg
+        )
+        self.bytes_out = Counter(
+            "ggufswarm_node_payload_bytes_out", "Frame bytes pushed to the next hop", ["kind"], registry=reg
+        )
+        self.replays = Counter(
+            "ggufswarm_node_step_replays", "Retried steps answered without re-applying", registry=reg
+        )
         self.errors = Counter("ggufswarm_node_errors", "Requests answered with an error", ["code"], registry=reg)
         for kind in STEP_KINDS:  # export the series before the first step
             for metric in (self.steps, self.step_seconds, self.bytes_in, self.bytes_out):
@@ -177,12 +192,22 @@ class NodeState:
 
     def totals(self) -> dict:
         """Plain counters for /health (read from the Prometheus registry, so a test need not parse its text)."""
+
         def value(name: str, kind: str | None = None) -> int:
             return int(self.registry.get_sample_value(name, {"kind": kind} if kind else {}) or 0)
 
-        out = {"replays": value("ggufswarm_node_step_replays_total"),
-               "errors": int(sum(m.value for f in self.registry.collect() if f.name == "ggufswarm_node_errors"
-                                 for m in f.samples if m.name.endswith("_total")))}
+        out = {
+            "replays": value("ggufswarm_node_step_replays_total"),
+            "errors": int(
+                sum(
+                    m.value
+                    for f in self.registry.collect()
+                    if f.name == "ggufswarm_node_errors"
+                    for m in f.samples
+                    if m.name.endswith("_total")
+                )
+            ),
+        }
         for kind in ("decode", "prefill"):
             out[kind + "_steps"] = value("ggufswarm_node_steps_total", kind)
             out["bytes_in_" + kind] = value("ggufswarm_node_payload_bytes_in_total", kind)
@@ -206,22 +231,37 @@ class NodeState:
         """The ``/health`` body: shard, model shape, limits and counters."""
         s = self.store
         return {
-            "status": "ok", "protocol": PROTOCOL_VERSION, "node_id": self.node_id,
+            "status": "ok",
+            "protocol": PROTOCOL_VERSION,
+            "node_id": self.node_id,
             "model": self.executor.model.path.name,
-            "model_name": self.model_name, "model_fingerprint": self.executor.model.fingerprint,
-            "arch": self.cfg.arch, "n_layers": self.cfg.n_layers, "n_embd": self.cfg.n_embd,
-            "n_vocab": self.cfg.n_vocab, "backend": self.executor.backend,
+            "model_name": self.model_name,
+            "model_fingerprint": self.executor.model.fingerprint,
+            "arch": self.cfg.arch,
+            "n_layers": self.cfg.n_layers,
+            "n_embd": self.cfg.n_embd,
+            "n_vocab": self.cfg.n_vocab,
+            "backend": self.executor.backend,
             "max_length": self.max_session_tokens,
-            "layers": [self.spec.start, self.spec.end], "embed": self.spec.embed, "head": self.spec.head,
-            "max_step_tokens": self.max_step_tokens, "hop_timeout_s": self.config.hop_timeout_s,
+            "layers": [self.spec.start, self.spec.end],
+            "embed": self.spec.embed,
+            "head": self.spec.head,
+            "max_step_tokens": self.max_step_tokens,
+            "hop_timeout_s": self.config.hop_timeout_s,
             "max_verify_tokens": self.max_verify_tokens,
-            "session_ttl_s": s.ttl_s, "sessions": len(s.sessions), "kv_budget_tokens": s.budget_tokens,
-            "kv_tokens_reserved": s.reserved_tokens, "kv_tokens_held": s.held_tokens,
-            "kv_bytes_per_token": s.kv_bytes_per_token(), **self.totals(),
-            "cache": self.config.cache, "snapshots": self.snapshots.counters if self.snapshots else None,
+            "session_ttl_s": s.ttl_s,
+            "sessions": len(s.sessions),
+            "kv_budget_tokens": s.budget_tokens,
+            "kv_tokens_reserved": s.reserved_tokens,
+            "kv_tokens_held": s.held_tokens,
+            "kv_bytes_per_token": s.kv_bytes_per_token(),
+            **self.totals(),
+            "cache": self.config.cache,
+            "snapshots": self.snapshots.counters if self.snapshots else None,
             "links": {"in": len(self.links_in), "replies": len(self.reply_links), **self.links.counts()},
-            "batching": None if self.batcher is None else {"batch_group": self.config.batch_group,
-                                                           **self.batcher.counters()},
+            "batching": None
+            if self.batcher is None
+            else {"batch_group": self.config.batch_group, **self.batcher.counters()},
         }
 
     def error_reply(self, exc: BaseException) -> tuple[int, bytes]:

@@ -21,7 +21,7 @@ from ..protocol import Frame, ProtocolError, decode_frame, encode_hidden
 from ..protocol.frame import FLAG_NO_SAMPLE, FLAG_REWIND, FLAG_VERIFY, WIRE_DTYPES, step_timeout_s
 from ..protocol.http import JSON
 from ..protocol.link import encode_reply
-from ..runtime.sessions import Session, StepRecord
+from ..runtime.session_state import Session, StepRecord
 from .link import reply_error
 from .state import NODE, NodeState, parse_session_id
 
@@ -33,8 +33,10 @@ OK = 200
 
 def frame_too_large(state: NodeState) -> ProtocolError:
     """ProtocolError too_many_tokens for a frame body over the node's ``max_body``."""
-    return ProtocolError("too_many_tokens", f"frame body over {state.max_body} bytes: more than "
-                                            f"max_step_tokens {state.max_step_tokens} tokens")
+    return ProtocolError(
+        "too_many_tokens",
+        f"frame body over {state.max_body} bytes: more than max_step_tokens {state.max_step_tokens} tokens",
+    )
 
 
 async def step(request: web.Request) -> web.Response:
@@ -64,12 +66,14 @@ async def link(request: web.Request) -> web.StreamResponse:
     state: NodeState = request.app[NODE]
     ws = web.WebSocketResponse(max_msg_size=state.max_body + BODY_SLACK, autoping=True)
     if not ws.can_prepare(request).ok:
-        raise ProtocolError("bad_request", "GET /v1/link opens a WebSocket: send Connection: Upgrade and Upgrade: "
-                                           "websocket (docs/protocol.md, \"Links\")")
+        raise ProtocolError(
+            "bad_request",
+            "GET /v1/link opens a WebSocket: send Connection: Upgrade and Upgrade: "
+            'websocket (docs/protocol.md, "Links")',
+        )
     if "replies" in request.query:
         if not state.spec.head:
-            raise ProtocolError("bad_request", "only the head sends replies: a reply link goes to the node with "
-                                               "--head")
+            raise ProtocolError("bad_request", "only the head sends replies: a reply link goes to the node with --head")
         sid = state.store.get(parse_session_id(request.query["replies"])).id
         return await _reply_link(state, ws, request, sid)
     await ws.prepare(request)
@@ -101,8 +105,9 @@ async def link(request: web.Request) -> web.StreamResponse:
     return ws
 
 
-async def _reply_link(state: NodeState, ws: web.WebSocketResponse, request: web.Request,
-                      sid: uuid.UUID) -> web.WebSocketResponse:
+async def _reply_link(
+    state: NodeState, ws: web.WebSocketResponse, request: web.Request, sid: uuid.UUID
+) -> web.WebSocketResponse:
     """Hold ``ws`` as session ``sid``'s reply link until the client closes it (messages from the client are
     ignored), or the session is closed."""
     await ws.prepare(request)
@@ -145,12 +150,16 @@ async def apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, by
         state.bytes_in.labels(kind).inc(len(body))
         if (frame.dtype == "ids") != state.spec.embed:
             want = "token ids (dtype ids)" if state.spec.embed else f"hidden states ({', '.join(WIRE_DTYPES)})"
-            raise ProtocolError("bad_dtype", f"layers {state.spec.start}:{state.spec.end} take {want}; "
-                                             f"got a {frame.dtype} frame")
+            raise ProtocolError(
+                "bad_dtype", f"layers {state.spec.start}:{state.spec.end} take {want}; got a {frame.dtype} frame"
+            )
         if frame.verify and state.spec.head and frame.n_tokens > state.max_verify_tokens:
-            raise ProtocolError("too_many_tokens", f"a verify step (frame flag 4) holds at most "
-                                                   f"{state.max_verify_tokens} tokens on this head, "
-                                                   f"got {frame.n_tokens}")
+            raise ProtocolError(
+                "too_many_tokens",
+                f"a verify step (frame flag 4) holds at most "
+                f"{state.max_verify_tokens} tokens on this head, "
+                f"got {frame.n_tokens}",
+            )
         session = state.store.get(frame.session_id)
         session.stepping += 1  # in a step until its reply is back: never expired meanwhile (next hops may be slow)
         state.active_sessions += session.stepping == 1
@@ -160,12 +169,13 @@ async def apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, by
             session.stepping -= 1
             state.active_sessions -= session.stepping == 0
             session.last_used = time.monotonic()
-    except Exception as exc:  # noqa: BLE001 - a step's every failure is answered (on a link too) with its error
+    except Exception as exc:
         return state.error_reply(exc)
 
 
-async def _apply_session_frame(state: NodeState, session: Session, frame: Frame, body: bytes, kind: str,
-                               t0: float) -> tuple[int, bytes]:
+async def _apply_session_frame(
+    state: NodeState, session: Session, frame: Frame, body: bytes, kind: str, t0: float
+) -> tuple[int, bytes]:
     """Apply one step of ``session``, in parts: replay or apply the step (_replay, _apply) under the session's
     lock; the head answers (_head_reply) and records its reply (_record) under the lock too; another node
     pushes its output to the next hop (_push) under the lock, then releases it and waits for that hop's reply
@@ -228,8 +238,9 @@ def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> Ste
     elif state.batcher is not None:  # batched with other sessions' steps, prefills in pieces
         # alone: no other session's step is in flight here, nor read and about to start: a step run inline on the
         # loop would otherwise hold up the steps its batch could have taken along
-        return state.batcher.submit(args, alone=state.active_sessions <= 1 and not state.frames_waiting,
-                                    more=state.frames_waiting > 0)
+        return state.batcher.submit(
+            args, alone=state.active_sessions <= 1 and not state.frames_waiting, more=state.frames_waiting > 0
+        )
     lock = state.inline_lock if frame.n_tokens == 1 else None
     if lock is not None and lock.acquire(blocking=False):
         # A decode step when the shard is idle runs right here on the event loop: it is short, and the hand-off
@@ -272,8 +283,9 @@ async def _push(state: NodeState, session: Session, frame: Frame, record: StepRe
     hop over its link, waiting at most ``step_timeout_s`` of the session's ``hop_timeout_s`` (seconds) for the
     reply. ProtocolError naming the hop when it cannot be sent (hop_failed, hop_timeout)."""
     ids = frame.data if frame.dtype == "ids" else frame.token_ids
-    out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype,
-                        ids, frame.flags & FORWARDED_FLAGS)
+    out = encode_hidden(
+        frame.session_id, frame.step, frame.start, record.output, session.wire_dtype, ids, frame.flags & FORWARDED_FLAGS
+    )
     state.bytes_out.labels(kind).inc(len(out))
     url = session.next_hop
     t_push = time.perf_counter()

@@ -38,9 +38,14 @@ def token_middleware(token: str | None):
             if key is not None and hmac.compare_digest(key.encode(), announce_key(token).encode()):
                 return await handler(request)
             if not hmac.compare_digest(given.encode(), token.encode()):
-                body = {"error": {"code": "unauthorized", "message": "missing or wrong swarm token "
-                                                                     f"({TOKEN_HEADER} header or ?token=; ggufswarm "
-                                                                     f"commands take it as --token or ${TOKEN_ENV})"}}
+                body = {
+                    "error": {
+                        "code": "unauthorized",
+                        "message": "missing or wrong swarm token "
+                        f"({TOKEN_HEADER} header or ?token=; ggufswarm "
+                        f"commands take it as --token or ${TOKEN_ENV})",
+                    }
+                }
                 return web.Response(status=401, text=json.dumps(body), content_type="application/json")
         return await handler(request)
 

@@ -6,47 +6,47 @@ import json
 
 # code -> HTTP status (docs/protocol.md, "Errors")
 ERROR_STATUS = {
-    "unauthorized": 401,        # no or wrong swarm token (X-Ggufswarm-Token)
-    "next_hop_unknown": 403,    # next_hop is not a node the tracker lists for this model
-    "bad_request": 400,         # JSON body missing / malformed / wrong field types
-    "bad_frame": 400,           # frame too short, bad magic, lengths that do not add up
-    "unsupported_version": 400, # frame protocol version this node does not speak
-    "bad_dtype": 400,           # unknown dtype code, or a dtype this shard does not take (ids vs hidden)
-    "bad_shape": 400,           # n_embd differs from the model's, or n_tokens == 0
-    "bad_token": 400,           # token id outside the vocabulary
-    "non_finite": 400,          # a frame carries NaN/inf
-    "context_overflow": 400,    # the step would pass the session's max_length
-    "not_found": 404,           # no endpoint at this path
+    "unauthorized": 401,  # no or wrong swarm token (X-Ggufswarm-Token)
+    "next_hop_unknown": 403,  # next_hop is not a node the tracker lists for this model
+    "bad_request": 400,  # JSON body missing / malformed / wrong field types
+    "bad_frame": 400,  # frame too short, bad magic, lengths that do not add up
+    "unsupported_version": 400,  # frame protocol version this node does not speak
+    "bad_dtype": 400,  # unknown dtype code, or a dtype this shard does not take (ids vs hidden)
+    "bad_shape": 400,  # n_embd differs from the model's, or n_tokens == 0
+    "bad_token": 400,  # token id outside the vocabulary
+    "non_finite": 400,  # a frame carries NaN/inf
+    "context_overflow": 400,  # the step would pass the session's max_length
+    "not_found": 404,  # no endpoint at this path
     "method_not_allowed": 405,  # the path exists, not with this HTTP method
-    "unknown_session": 404,     # no such session on this node (never opened, closed or expired)
-    "session_exists": 409,      # open with an id already in use
-    "model_mismatch": 409,      # open for another model (fingerprint) than the one this node serves
-    "session_not_empty": 409,   # restore into a session that already holds tokens
-    "step_conflict": 409,       # same step number, different content
-    "stale_step": 409,          # step number below the last one applied
-    "step_gap": 409,            # step number skips ahead
-    "position_mismatch": 409,   # frame start position != tokens the session holds
+    "unknown_session": 404,  # no such session on this node (never opened, closed or expired)
+    "session_exists": 409,  # open with an id already in use
+    "model_mismatch": 409,  # open for another model (fingerprint) than the one this node serves
+    "session_not_empty": 409,  # restore into a session that already holds tokens
+    "step_conflict": 409,  # same step number, different content
+    "stale_step": 409,  # step number below the last one applied
+    "step_gap": 409,  # step number skips ahead
+    "position_mismatch": 409,  # frame start position != tokens the session holds
     "state_not_at_position": 409,  # truncate of a recurrent (hybrid) shard to a position it holds no state snapshot of
-    "too_many_tokens": 413,     # n_tokens above the node's max_step_tokens
-    "body_too_large": 413,      # a JSON request body over the server's limit
-    "kv_budget_full": 429,      # the node's KV budget is taken by other sessions: retry later
-    "kv_budget_too_small": 503, # this session's max_length alone exceeds the node's whole budget
-    "bad_snapshot": 400,        # cache: an upload that is not a snapshot blob, or shorter than one block
-    "unknown_snapshot": 404,    # cache: no snapshot under that key (never stored, or evicted)
-    "snapshot_exists": 409,     # cache: other bytes are already stored under that key (the first upload stays)
-    "snapshot_corrupt": 410,    # cache: the stored bytes failed their SHA-256 check; deleted
+    "too_many_tokens": 413,  # n_tokens above the node's max_step_tokens
+    "body_too_large": 413,  # a JSON request body over the server's limit
+    "kv_budget_full": 429,  # the node's KV budget is taken by other sessions: retry later
+    "kv_budget_too_small": 503,  # this session's max_length alone exceeds the node's whole budget
+    "bad_snapshot": 400,  # cache: an upload that is not a snapshot blob, or shorter than one block
+    "unknown_snapshot": 404,  # cache: no snapshot under that key (never stored, or evicted)
+    "snapshot_exists": 409,  # cache: other bytes are already stored under that key (the first upload stays)
+    "snapshot_corrupt": 410,  # cache: the stored bytes failed their SHA-256 check; deleted
     "snapshot_too_large": 413,  # cache: upload over the server's limit
-    "internal": 500,            # a bug; the message says what
-    "hop_failed": 502,          # the next hop answered with an error or dropped the connection
-    "hop_timeout": 504,         # the next hop did not answer within the hop timeout
-    "tracker_unavailable": 503, # the tracker could not be asked (e.g. to check a next_hop)
+    "internal": 500,  # a bug; the message says what
+    "hop_failed": 502,  # the next hop answered with an error or dropped the connection
+    "hop_timeout": 504,  # the next hop did not answer within the hop timeout
+    "tracker_unavailable": 503,  # the tracker could not be asked (e.g. to check a next_hop)
     # the tracker's own (docs/protocol.md, "Tracker API")
-    "bad_json": 400,            # tracker: a request body that is not a JSON object (or too deep, or undecodable)
-    "bad_advertisement": 400,   # tracker: a heartbeat with missing or out-of-range fields
-    "bad_manifest": 400,        # tracker: a manifest or .torrent that does not parse
-    "unknown_node": 404,        # tracker: no node registered under that id / advertising that URL
-    "unknown_model": 404,       # tracker: no model published under that name
-    "no_route": 503,            # tracker: the published nodes do not cover the layers (or lack KV room)
+    "bad_json": 400,  # tracker: a request body that is not a JSON object (or too deep, or undecodable)
+    "bad_advertisement": 400,  # tracker: a heartbeat with missing or out-of-range fields
+    "bad_manifest": 400,  # tracker: a manifest or .torrent that does not parse
+    "unknown_node": 404,  # tracker: no node registered under that id / advertising that URL
+    "unknown_model": 404,  # tracker: no model published under that name
+    "no_route": 503,  # tracker: the published nodes do not cover the layers (or lack KV room)
 }
 
 

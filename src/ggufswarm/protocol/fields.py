@@ -18,13 +18,14 @@ def _shown(value) -> str:
 
 def _bound(x) -> str:
     """A bound as a message shows it: ``2**63 - 1`` rather than its 19 digits."""
-    if isinstance(x, int) and x > 2 ** 32 and (x + 1) & x == 0:
+    if isinstance(x, int) and x > 2**32 and (x + 1) & x == 0:
         return f"2**{x.bit_length()} - 1"
     return str(x)
 
 
-def json_field(body: dict, name: str, kind: type, default=REQUIRED, *, min=None, max=None, positive: bool = False,
-          unit: str = ""):
+def json_field(
+    body: dict, name: str, kind: type, default=REQUIRED, *, min=None, max=None, positive: bool = False, unit: str = ""
+):
     """``body[name]`` checked: ``kind`` ``int`` (a JSON integer; ``true``/``false`` are not integers, nor is
     ``1.0``), ``bool`` (``true`` or ``false``; never 0 or 1) or ``float`` (a finite JSON number, integer or not,
     never a bool; returned as a float). ``min`` / ``max``: inclusive bounds; ``positive``: more than 0;
@@ -36,18 +37,25 @@ def json_field(body: dict, name: str, kind: type, default=REQUIRED, *, min=None,
     value = body.get(name, REQUIRED)
     if value is REQUIRED or (value is None and default is None):
         if default is REQUIRED:
-            raise ProtocolError("bad_request", f"{name} must be {_wanted(kind, min, max, positive, unit)}; "
-                                               f"the body has no {name}")
+            raise ProtocolError(
+                "bad_request", f"{name} must be {_wanted(kind, min, max, positive, unit)}; the body has no {name}"
+            )
         return default
     if kind is bool:
         ok = isinstance(value, bool)
     else:  # a bool is an int in Python, not in JSON; a float is finite (compared, not converted: 10**400 is refused)
-        ok = (not isinstance(value, bool) and isinstance(value, int if kind is int else (int, float))
-              and (kind is int or -_FLOAT_MAX <= value <= _FLOAT_MAX) and (not positive or value > 0)
-              and (min is None or value >= min) and (max is None or value <= max))
+        ok = (
+            not isinstance(value, bool)
+            and isinstance(value, int if kind is int else (int, float))
+            and (kind is int or -_FLOAT_MAX <= value <= _FLOAT_MAX)
+            and (not positive or value > 0)
+            and (min is None or value >= min)
+            and (max is None or value <= max)
+        )
     if not ok:
-        raise ProtocolError("bad_request", f"{name} must be {_wanted(kind, min, max, positive, unit)}, "
-                                           f"got {_shown(value)}")
+        raise ProtocolError(
+            "bad_request", f"{name} must be {_wanted(kind, min, max, positive, unit)}, got {_shown(value)}"
+        )
     return float(value) if kind is float else value
 
 

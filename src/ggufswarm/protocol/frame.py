@@ -54,16 +54,20 @@ class WireDtype:
 
 
 # The one table of wire dtypes; every other mapping (codes, names, sizes, the hidden-state dtypes) derives from it.
-DTYPES = {"ids": WireDtype(1, "<i4", None), "f16": WireDtype(2, "<f2", np.float16),
-          "bf16": WireDtype(3, "<u2", ml_dtypes.bfloat16), "f32": WireDtype(4, "<f4", np.float32)}
+DTYPES = {
+    "ids": WireDtype(1, "<i4", None),
+    "f16": WireDtype(2, "<f2", np.float16),
+    "bf16": WireDtype(3, "<u2", ml_dtypes.bfloat16),
+    "f32": WireDtype(4, "<f4", np.float32),
+}
 DTYPE_CODES = {name: d.code for name, d in DTYPES.items()}
 DTYPE_NAMES = {d.code: name for name, d in DTYPES.items()}
 ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
 WIRE_DTYPES = tuple(name for name, d in DTYPES.items() if d.cast is not None)  # hidden states: f16, bf16, f32
 FLAG_TOKEN_IDS = 1
 FLAG_NO_SAMPLE = 2
-FLAG_VERIFY = 4   # speculative decoding: the head samples at every position and replies ``tokens`` (one per token)
-FLAG_REWIND = 8   # the step may start inside the session's previous step: nodes first drop the tokens from ``start``
+FLAG_VERIFY = 4  # speculative decoding: the head samples at every position and replies ``tokens`` (one per token)
+FLAG_REWIND = 8  # the step may start inside the session's previous step: nodes first drop the tokens from ``start``
 F16_MAX = 65504.0
 
 
@@ -126,14 +130,33 @@ def step_timeout_s(timeout_s: float, n_tokens: int) -> float:
     return timeout_s * max(1.0, n_tokens / TIMEOUT_TOKENS)
 
 
-def _header(session_id: uuid.UUID, step: int, start: int, n_tokens: int, n_embd: int, dtype: str,
-            flags: int, scale_exp: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, DTYPE_CODES[dtype], flags, scale_exp, session_id.bytes,
-                       step, start, n_tokens, n_embd, 0)
+def _header(
+    session_id: uuid.UUID, step: int, start: int, n_tokens: int, n_embd: int, dtype: str, flags: int, scale_exp: int = 0
+) -> bytes:
+    return HEADER.pack(
+        MAGIC,
+        PROTOCOL_VERSION,
+        DTYPE_CODES[dtype],
+        flags,
+        scale_exp,
+        session_id.bytes,
+        step,
+        start,
+        n_tokens,
+        n_embd,
+        0,
+    )
 
 
-def encode_tokens(session_id: uuid.UUID, step: int, start: int, token_ids: list[int], sample: bool = True,
-                  verify: bool = False, rewind: bool = False) -> bytes:
+def encode_tokens(
+    session_id: uuid.UUID,
+    step: int,
+    start: int,
+    token_ids: list[int],
+    sample: bool = True,
+    verify: bool = False,
+    rewind: bool = False,
+) -> bytes:
     """A frame carrying token ids (for the first shard). ``start``: position of the first id. ``verify``: the head
     samples at every position (FLAG_VERIFY); ``rewind``: nodes holding more than ``start`` tokens drop the rest of
     the previous step first (FLAG_REWIND)."""
@@ -154,8 +177,9 @@ def _int_ids(ids) -> np.ndarray:
     return np.asarray(ids if isinstance(ids, (np.ndarray, list, tuple)) else ids.numpy(), dtype=DTYPES["ids"].numpy)
 
 
-def encode_hidden(session_id: uuid.UUID, step: int, start: int, hidden, dtype: str = "f16",
-                  token_ids=None, flags: int = 0) -> bytes:
+def encode_hidden(
+    session_id: uuid.UUID, step: int, start: int, hidden, dtype: str = "f16", token_ids=None, flags: int = 0
+) -> bytes:
     """A frame carrying hidden states ``[T, n_embd]`` (numpy array or CPU torch tensor, any float dtype) in wire
     ``dtype`` (f16 / bf16 / f32), rounded to nearest even.
 
@@ -171,12 +195,13 @@ def encode_hidden(session_id: uuid.UUID, step: int, start: int, hidden, dtype: s
     n_tokens, n_embd = arr.shape
     peak = float(np.abs(arr).max())
     if not math.isfinite(peak):
-        raise FrameError("non_finite", f"step {step}: hidden states hold NaN/inf before encoding; refusing to send",
-                         status=500)
+        raise FrameError(
+            "non_finite", f"step {step}: hidden states hold NaN/inf before encoding; refusing to send", status=500
+        )
     scale_exp = 0
-    if dtype == "f16" and peak > F16_MAX * (1 - 2 ** -12):
-        scale_exp = math.ceil(math.log2(peak / (F16_MAX * (1 - 2 ** -12))))
-        arr = arr * np.float32(2.0 ** -scale_exp)  # a power of two: exact
+    if dtype == "f16" and peak > F16_MAX * (1 - 2**-12):
+        scale_exp = math.ceil(math.log2(peak / (F16_MAX * (1 - 2**-12))))
+        arr = arr * np.float32(2.0**-scale_exp)  # a power of two: exact
     payload = arr.astype(wire.cast, copy=False).view(wire.numpy).tobytes()
     if token_ids is not None:
         flags |= FLAG_TOKEN_IDS
@@ -220,8 +245,11 @@ def decode_frame(body: bytes, n_embd: int | None = None, max_tokens: int | None 
     end = HEADER_SIZE + _payload_size(n_tokens, width, dtype)  # where the id trailer starts
     expected = end + (ITEMSIZE["ids"] * n_tokens if has_ids else 0)  # frame_size, computed once
     if len(body) != expected:
-        raise FrameError("bad_frame", f"frame is {len(body)} bytes; header says [{n_tokens}, {width}] {dtype}"
-                                      f"{' + ids' if has_ids else ''} = {expected} bytes")
+        raise FrameError(
+            "bad_frame",
+            f"frame is {len(body)} bytes; header says [{n_tokens}, {width}] {dtype}"
+            f"{' + ids' if has_ids else ''} = {expected} bytes",
+        )
     count = n_tokens if dtype == "ids" else n_tokens * width
     raw = np.frombuffer(body, dtype=DTYPES[dtype].numpy, count=count, offset=HEADER_SIZE)
     if dtype == "ids":
@@ -233,7 +261,7 @@ def decode_frame(body: bytes, n_embd: int | None = None, max_tokens: int | None 
             arr = raw.astype(np.float32)
             if dtype == "f16" and scale_exp:  # f16 range extension
                 with np.errstate(over="ignore"):  # overflow gives inf, refused as non_finite below
-                    arr *= np.float32(2.0 ** scale_exp)
+                    arr *= np.float32(2.0**scale_exp)
         if not np.isfinite(arr).all():
             raise FrameError("non_finite", f"step {step}: frame holds NaN/inf values")
         data = arr.reshape(n_tokens, width)

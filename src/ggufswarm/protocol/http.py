@@ -39,8 +39,9 @@ async def probe(http: aiohttp.ClientSession, url: str, headers: dict | None = No
     return (await probe_json(http, url, headers, read=False))[1]
 
 
-async def probe_json(http: aiohttp.ClientSession, url: str, headers: dict | None = None,
-                     read: bool = True) -> tuple[dict | None, str | None]:
+async def probe_json(
+    http: aiohttp.ClientSession, url: str, headers: dict | None = None, read: bool = True
+) -> tuple[dict | None, str | None]:
     """``probe`` that also reads the answer: ``(JSON object, None)`` on a 200 whose body is one (``({}, None)``
     with ``read=False``), else ``(None, why)``; a 200 that is not a JSON object is ``"bad answer: ..."``."""
     try:
@@ -110,13 +111,12 @@ async def read_json(request: web.Request, code: str = "bad_request") -> dict:
     """
     try:
         text = await request.text()
-    except Exception as exc:  # noqa: BLE001 - mapped when it is about the body, re-raised otherwise
+    except Exception as exc:
         if (err := body_error(exc)) is None:
             raise
         raise ProtocolError(code if err.code == "bad_request" else err.code, err.message) from None
     if json_depth(text) > MAX_JSON_DEPTH:
-        raise ProtocolError(code, f"body is not usable JSON: arrays/objects nested deeper than {MAX_JSON_DEPTH} "
-                                  f"levels")
+        raise ProtocolError(code, f"body is not usable JSON: arrays/objects nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(text)
     except ValueError as exc:
@@ -155,8 +155,10 @@ def error_response(err: ProtocolError, headers: dict | None = None) -> web.Respo
     return web.Response(body=err.body(), status=err.status, content_type=JSON, headers=headers)
 
 
-def json_errors_middleware(on_error: Callable[[web.Request, ProtocolError], None] | None = None,
-                           render: Callable[[ProtocolError, dict | None], web.Response] = error_response):
+def json_errors_middleware(
+    on_error: Callable[[web.Request, ProtocolError], None] | None = None,
+    render: Callable[[ProtocolError, dict | None], web.Response] = error_response,
+):
     """aiohttp middleware giving every error a JSON answer, written by ``render(err, headers)`` (default
     error_response; the gateway writes OpenAI's error shape).
 
@@ -178,13 +180,15 @@ def json_errors_middleware(on_error: Callable[[web.Request, ProtocolError], None
                 headers = None
             else:
                 allowed = sorted(getattr(exc, "allowed_methods", ()) or ())
-                err = ProtocolError("method_not_allowed",
-                                    f"{request.path} does not take {request.method} (allowed: {', '.join(allowed)})")
+                err = ProtocolError(
+                    "method_not_allowed",
+                    f"{request.path} does not take {request.method} (allowed: {', '.join(allowed)})",
+                )
                 headers = {"Allow": ",".join(allowed)}
             resp = render(err, headers)
         except web.HTTPException:
             raise
-        except Exception as exc:  # noqa: BLE001 - every error gets its JSON answer; the server serves on
+        except Exception as exc:
             err = as_protocol_error(exc)
             if err.code == "internal":
                 log.exception("%s %s failed", request.method, request.path)
@@ -256,11 +260,23 @@ class ServerThread:
         if self._runner is not None:
             try:
                 asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout)
-            except Exception:  # noqa: BLE001 - shutting down anyway
+            except Exception:
                 pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
 
 
-__all__ = ["JSON", "MAX_JSON_DEPTH", "ServerThread", "as_protocol_error", "body_error", "error_body",
-           "error_response", "json_depth", "json_errors_middleware", "read_json", "run_server", "serve"]
+__all__ = [
+    "JSON",
+    "MAX_JSON_DEPTH",
+    "ServerThread",
+    "as_protocol_error",
+    "body_error",
+    "error_body",
+    "error_response",
+    "json_depth",
+    "json_errors_middleware",
+    "read_json",
+    "run_server",
+    "serve",
+]

@@ -28,4 +28,8 @@ def decode_reply(message: bytes) -> tuple[bytes, int, bytes] | None:
     """``(key, status, body)`` of a reply message, or None when it is shorter than a reply head."""
     if len(message) < REPLY_HEAD:
         return None
-    return bytes(message[:KEY_SIZE]), int.from_bytes(message[KEY_SIZE:REPLY_HEAD], "little"), bytes(message[REPLY_HEAD:])
+    return (
+        bytes(message[:KEY_SIZE]),
+        int.from_bytes(message[KEY_SIZE:REPLY_HEAD], "little"),
+        bytes(message[REPLY_HEAD:]),
+    )

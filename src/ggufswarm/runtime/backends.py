@@ -96,15 +96,28 @@ def model_config(model: GGUFModelFile, backend: str):
     """
     if check_backend(backend) == "torch":
         from ..model import load_config
+
         return load_config(model)
     from .llamacpp.backend import model_info
+
     return model_info(model)
 
 
-def load_shard(model: GGUFModelFile, spec: ShardSpec, backend: str = DEFAULT_BACKEND, *, config=None,
-               dtype: str = "float32", threads: int | None = None, max_length: int = 4096, max_sessions: int = 4,
-               all_logits: bool = False, cache_dir: str | os.PathLike | None = None, state_checkpoints: int = 4,
-               kv_unified: bool = False):
+def load_shard(
+    model: GGUFModelFile,
+    spec: ShardSpec,
+    backend: str = DEFAULT_BACKEND,
+    *,
+    config=None,
+    dtype: str = "float32",
+    threads: int | None = None,
+    max_length: int = 4096,
+    max_sessions: int = 4,
+    all_logits: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    state_checkpoints: int = 4,
+    kv_unified: bool = False,
+):
     """Load one shard of ``model`` on ``backend``.
 
     ``dtype``: torch compute dtype (``float32`` / ``bfloat16``); llama.cpp computes as llama.cpp does.
@@ -121,14 +134,24 @@ def load_shard(model: GGUFModelFile, spec: ShardSpec, backend: str = DEFAULT_BAC
         import torch
 
         from .shard import ShardExecutor
+
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
         if dtype not in dtypes:
             raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
         return ShardExecutor(model, spec, dtypes[dtype], config)
     from .llamacpp.backend import LlamaCppShard
-    return LlamaCppShard(model, spec, n_ctx_seq=max_length, n_seq_max=max_sessions, threads=threads,
-                         all_logits=all_logits, cache_dir=cache_dir, checkpoints=state_checkpoints,
-                         kv_unified=kv_unified)
+
+    return LlamaCppShard(
+        model,
+        spec,
+        n_ctx_seq=max_length,
+        n_seq_max=max_sessions,
+        threads=threads,
+        all_logits=all_logits,
+        cache_dir=cache_dir,
+        checkpoints=state_checkpoints,
+        kv_unified=kv_unified,
+    )
 
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "ShardBackend", "check_backend", "load_shard", "model_config"]

@@ -42,4 +42,5 @@ class KVPosition:
         """Raise ContextOverflow unless ``n_tokens`` more tokens fit under ``max_length``."""
         if self.length + n_tokens > self.max_length:
             raise ContextOverflow(
-                f"session holds {self.length} tokens; {n_tokens} more would exceed max_length {self.max_length}")
+                f"session holds {self.length} tokens; {n_tokens} more would exceed max_length {self.max_length}"
+            )

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 _FLOAT_MAX = float(np.finfo(np.float64).max)
-MAX_GRAMMAR_CHARS = 2 ** 20  # a GBNF grammar of a session (characters)
+MAX_GRAMMAR_CHARS = 2**20  # a GBNF grammar of a session (characters)
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -63,7 +63,7 @@ class SamplingParams:
     logit_bias: tuple = ()
     grammar: str = ""
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """These settings with ``logit_bias`` normalized to sorted ``((int id, float bias), ...)`` (a token given twice
         is refused); ValueError naming the first setting of the wrong type or out of range."""
         for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
@@ -79,8 +79,9 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
                 raise ValueError(f"{name} must be an integer in [0, 2^31), got {value!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+        ):
             raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -125,7 +126,7 @@ def _logit_bias(value) -> tuple:
         tok, bias = pair
         if isinstance(tok, str) and tok.isdigit() and tok.isascii():
             tok = int(tok)
-        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < 2 ** 31:
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < 2**31:
             raise ValueError(f"logit_bias token ids must be integers in [0, 2^31), got {tok!r}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) < _F32_MAX:
             raise ValueError(f"logit_bias values must be finite numbers, got {bias!r}")
@@ -149,13 +150,19 @@ class SamplerBase:
         ``grammar``: only a llama.cpp head (``LlamaCppSampler``) does constrained decoding."""
         params = params.validate()
         if params.grammar and not self.grammar_support:
-            raise ValueError("grammar (constrained decoding: response_format json, a forced tool_choice) needs a "
-                             "llama.cpp head; this one runs the torch backend")
+            raise ValueError(
+                "grammar (constrained decoding: response_format json, a forced tool_choice) needs a "
+                "llama.cpp head; this one runs the torch backend"
+            )
         # as floats: torch takes a Python int scalar as int64, and larger ones (temperature 2**64) overflow
-        self.params = replace(params, **{name: float(getattr(params, name))
-                                         for name in ("temperature", "top_p", "min_p", "repeat_penalty",
-                                                      "presence_penalty", "frequency_penalty")})
-        self.seed = params.seed if params.seed is not None else secrets.randbelow(2 ** 62)
+        self.params = replace(
+            params,
+            **{
+                name: float(getattr(params, name))
+                for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+            },
+        )
+        self.seed = params.seed if params.seed is not None else secrets.randbelow(2**62)
 
     def bind(self, executor) -> None:
         """Attach the head shard executor this sampler draws for (a llama.cpp head lends its vocabulary to the
@@ -195,5 +202,6 @@ def __getattr__(name: str):
     """``Sampler``, the torch backend's sampler, imported on first use (it needs torch; nothing else here does)."""
     if name == "Sampler":
         from .torch_sampling import Sampler
+
         return Sampler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

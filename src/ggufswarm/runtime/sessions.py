@@ -9,118 +9,20 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from .kv import ContextOverflow, KVPosition, TokenOutOfRange, check_max_length
-from .sampling import SamplerBase, SamplingParams, token_logprobs
-
-
-class SessionError(Exception):
-    """Base of the store's errors; ``code`` is the protocol's machine-readable error code."""
-
-    code = "internal"
-
-    def __init__(self, message: str, code: str | None = None):
-        super().__init__(message)
-        self.code = code or self.code
-
-
-class UnknownSession(SessionError):
-    code = "unknown_session"
-
-
-class AdmissionRefused(SessionError):
-    """The KV budget cannot take the session: ``kv_budget_full`` (retry later) or ``kv_budget_too_small``."""
-
-    code = "kv_budget_full"
-
-
-class StepConflict(SessionError):
-    """A step number that cannot be applied: ``step_conflict``, ``stale_step``, ``step_gap``, ``position_mismatch``."""
-
-    code = "step_conflict"
-
-
-@dataclass
-class StepRecord:
-    """The last step a session applied: its number, a digest of its frame, and its outcome.
-
-    ``output``: hidden states ``[T, n_embd]`` for the next hop, or None on the head.
-    ``token`` / ``logprobs``: the head's sample (None when not sampled) and the ``n_logprobs`` most likely
-    ``(id, logprob)`` pairs; ``token_logprob``: the sampled token's logprob (sessions opened with ``logprobs``).
-    Logprobs are ``log_softmax`` of the raw logits (``runtime.sampling.token_logprobs``).
-    ``tokens``: on the head, a verify step's samples: the token drawn after each of its positions.
-    ``reply``: the bytes answered to the caller once the step completed end to end (None until then).
-    ``relay``: on a node with a next hop, the asyncio.Future of that reply while the next hop has the step
-    (a retry of the step meanwhile waits for it instead of pushing the step again).
-    """
-
-    step: int
-    digest: int
-    start: int
-    n_tokens: int
-    output: np.ndarray | None = None  # hidden states [T, n_embd] (a torch tensor on the torch backend)
-    token: int | None = None
-    logprobs: list[tuple[int, float]] | None = None
-    token_logprob: float | None = None
-    tokens: list[int] | None = None  # a verify step's samples, one per position (speculative decoding)
-    compute_ms: float = 0.0
-    reply: bytes | None = None
-    relay: object = None
-
-
-@dataclass
-class Session:
-    """One route session on this node: its KV cache, sampler (head only) and last step."""
-
-    id: uuid.UUID
-    kv: KVPosition
-    max_length: int
-    next_hop: str | None = None
-    wire_dtype: str = "f32"
-    sampler: SamplerBase | None = None
-    n_logprobs: int = 0
-    want_logprob: bool = False  # the head reports the sampled token's logprob with each sample
-    history: list[int] = field(default_factory=list)  # token ids of every position held (sampler, snapshots)
-    history_complete: bool = True  # False once a step arrived without its token ids
-    snapshot_at: int = 0  # position of the last snapshot taken (tokens)
-    # Positions where the steps that filled the KV cache ended, in order, up to the first cut (a truncation or
-    # restore inside a step: later steps are not recorded). llama.cpp's numerics depend on this grouping, so a
-    # snapshot carries it and is restored only to one of these positions (see SnapshotLink.fetch).
-    boundaries: list[int] = field(default_factory=list)
-    grouping_cut: bool = False
-    last: StepRecord | None = None
-    last_used: float = field(default_factory=time.monotonic)
-    busy: int = 0
-    stepping: int = 0  # the server's count of steps in flight (waiting for the next hops too); touched by one thread
-    hop_timeout_s: float | None = None  # seconds to wait for next_hop's answer (the server's to use)
-    lease_s: float | None = None  # idle seconds after which the session is dropped (None: the store's ttl_s)
-    lock: object = None  # for the server (e.g. an asyncio.Lock serializing this session's steps)
-
-    @property
-    def length(self) -> int:
-        """Tokens held in the KV cache (= position of the next token)."""
-        return self.kv.length
-
-    def mark_restored(self, tokens: list[int], boundaries: list[int]) -> None:
-        """Record that the KV cache was just filled with ``tokens`` (their KV/state loaded from a snapshot) whose
-        computation's steps ended at ``boundaries`` (ascending positions; those past ``len(tokens)`` are dropped):
-        history, step boundaries (a prefix ending inside a step is a cut), and the snapshot position."""
-        n = len(tokens)
-        self.history[:] = tokens
-        self.boundaries[:] = [b for b in boundaries if b <= n]
-        self.grouping_cut = bool(n) and n not in self.boundaries  # torch: any prefix restores
-        self.history_complete = True
-        self.snapshot_at = n
-
-
-def cut_boundaries(session: Session, length: int) -> None:
-    """Keep the session's step boundaries up to ``length`` tokens; a ``length`` inside a step is a cut."""
-    if length and length not in session.boundaries:
-        session.grouping_cut = True
-    del session.boundaries[sum(1 for b in session.boundaries if b <= length):]
+from .kv import ContextOverflow, TokenOutOfRange, check_max_length
+from .sampling import SamplingParams, token_logprobs
+from .session_state import (
+    AdmissionRefused,
+    Session,
+    SessionError,
+    StepConflict,
+    StepRecord,
+    UnknownSession,
+    cut_boundaries,
+)
 
 
 def _free(session: Session) -> None:
@@ -159,9 +61,16 @@ class SessionStore:
         """KV bytes one token costs on this shard (all its layers, keys and values)."""
         return self.executor.kv_bytes_per_token()
 
-    def open(self, session_id: uuid.UUID, max_length: int, next_hop: str | None = None,
-             sampling: SamplingParams | None = None, wire_dtype: str = "f32", n_logprobs: int = 0,
-             logprobs: bool = False) -> Session:
+    def open(
+        self,
+        session_id: uuid.UUID,
+        max_length: int,
+        next_hop: str | None = None,
+        sampling: SamplingParams | None = None,
+        wire_dtype: str = "f32",
+        n_logprobs: int = 0,
+        logprobs: bool = False,
+    ) -> Session:
         """Open a session reserving ``max_length`` tokens of the budget. On the head, ``n_logprobs`` (0..20) most
         likely tokens and, with ``logprobs``, the sampled token's logprob come with each sample.
 
@@ -173,12 +82,17 @@ class SessionStore:
         """
         check_max_length(max_length, self.executor.cfg.max_length)
         if max_length > self.budget_tokens:
-            raise AdmissionRefused(f"max_length {max_length} exceeds this node's whole KV budget of "
-                                   f"{self.budget_tokens} tokens", "kv_budget_too_small")
+            raise AdmissionRefused(
+                f"max_length {max_length} exceeds this node's whole KV budget of {self.budget_tokens} tokens",
+                "kv_budget_too_small",
+            )
         if self.max_session_tokens is not None and max_length > self.max_session_tokens:
-            raise AdmissionRefused(f"max_length {max_length} exceeds the longest session this node holds, "
-                                   f"{self.max_session_tokens} tokens (node --ctx-size, and 1/--max-sessions of "
-                                   f"its KV budget of {self.budget_tokens})", "kv_budget_too_small")
+            raise AdmissionRefused(
+                f"max_length {max_length} exceeds the longest session this node holds, "
+                f"{self.max_session_tokens} tokens (node --ctx-size, and 1/--max-sessions of "
+                f"its KV budget of {self.budget_tokens})",
+                "kv_budget_too_small",
+            )
         if self.executor.spec.head:
             sampler = self.executor.sampler_class(sampling or SamplingParams())
             sampler.check_vocab(self.executor.cfg.n_vocab)
@@ -192,8 +106,10 @@ class SessionStore:
                 self._expire_locked(time.monotonic())
             free = self.budget_tokens - self.reserved_tokens
             if max_length > free:
-                raise AdmissionRefused(f"KV budget full: {free} of {self.budget_tokens} tokens free, session asks "
-                                       f"max_length {max_length}; retry later or ask for less")
+                raise AdmissionRefused(
+                    f"KV budget full: {free} of {self.budget_tokens} tokens free, session asks "
+                    f"max_length {max_length}; retry later or ask for less"
+                )
             try:
                 kv = self.executor.new_session(max_length)
             except RuntimeError as exc:  # llama.cpp: no free sequence slot, or max_length over its cells
@@ -238,8 +154,11 @@ class SessionStore:
             return self._expire_locked(time.monotonic() if now is None else now)
 
     def _expire_locked(self, now: float) -> list[uuid.UUID]:
-        dead = [sid for sid, s in self.sessions.items()
-                if not s.busy and not s.stepping and now - s.last_used > min(self.ttl_s, s.lease_s or self.ttl_s)]
+        dead = [
+            sid
+            for sid, s in self.sessions.items()
+            if not s.busy and not s.stepping and now - s.last_used > min(self.ttl_s, s.lease_s or self.ttl_s)
+        ]
         for sid in dead:
             _free(self.sessions.pop(sid))
         return dead
@@ -264,8 +183,11 @@ class SessionStore:
         session.kv.truncate(start)
         del session.history[start:]
         session.snapshot_at = min(session.snapshot_at, start)
-        if session.boundaries and session.boundaries[-1] == held and \
-                (len(session.boundaries) < 2 or session.boundaries[-2] < start):
+        if (
+            session.boundaries
+            and session.boundaries[-1] == held
+            and (len(session.boundaries) < 2 or session.boundaries[-2] < start)
+        ):
             session.boundaries[-1] = start
         else:
             cut_boundaries(session, start)
@@ -274,14 +196,15 @@ class SessionStore:
     def set_step(session: Session, step: int) -> None:
         """Make ``step`` the last step applied (the next one is ``step + 1``): after a route repair every
         node of the route, old or new, continues from the same step number. ValueError when negative."""
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2 ** 63:
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
             raise ValueError(f"step must be an integer in [0, 2**63), got {step!r}")
         session.last = StepRecord(step, -1, -1, 0) if step else None
 
     # -- steps -------------------------------------------------------------------------------
     @staticmethod
-    def replay(session: Session, step: int, digest: int, start: int, n_tokens: int,
-               rewind: bool = False) -> StepRecord | None:
+    def replay(
+        session: Session, step: int, digest: int, start: int, n_tokens: int, rewind: bool = False
+    ) -> StepRecord | None:
         """Check a step number against the last one applied.
 
         Returns None for the next step (``last.step + 1``) at the right position: apply it. With ``rewind``
@@ -296,18 +219,25 @@ class SessionStore:
         if step == expected:
             held = session.kv.length
             if rewind and start < held and (last is None or start <= last.start or last.n_tokens < 1):
-                raise StepConflict(f"step {step} rewinds to position {start}: a rewind stays inside the previous "
-                                   f"step (positions {(last.start + 1) if last else held}..{held})",
-                                   "position_mismatch")
+                raise StepConflict(
+                    f"step {step} rewinds to position {start}: a rewind stays inside the previous "
+                    f"step (positions {(last.start + 1) if last else held}..{held})",
+                    "position_mismatch",
+                )
             if start != held and not (rewind and start < held):
-                raise StepConflict(f"step {step} starts at position {start}; the session holds "
-                                   f"{session.kv.length} tokens", "position_mismatch")
+                raise StepConflict(
+                    f"step {step} starts at position {start}; the session holds {session.kv.length} tokens",
+                    "position_mismatch",
+                )
             return None
         if last is not None and step == last.step:
             if digest == last.digest and start == last.start and n_tokens == last.n_tokens:
                 return last
-            raise StepConflict(f"step {step} was already applied with different content; "
-                               f"steps are never applied twice (next step is {expected})", "step_conflict")
+            raise StepConflict(
+                f"step {step} was already applied with different content; "
+                f"steps are never applied twice (next step is {expected})",
+                "step_conflict",
+            )
         if step < expected:
             raise StepConflict(f"step {step} is older than the last step applied ({expected - 1})", "stale_step")
         raise StepConflict(f"step {step} skips ahead; the next step of this session is {expected}", "step_gap")
@@ -329,8 +259,17 @@ class SessionStore:
             self._rewind(session, start)
         return session.kv.length, len(session.history), session.history_complete
 
-    def apply(self, session: Session, step: int, digest: int, start: int, inputs: np.ndarray,
-              token_ids: np.ndarray | None, sample: bool = True, verify: bool = False) -> StepRecord:
+    def apply(
+        self,
+        session: Session,
+        step: int,
+        digest: int,
+        start: int,
+        inputs: np.ndarray,
+        token_ids: np.ndarray | None,
+        sample: bool = True,
+        verify: bool = False,
+    ) -> StepRecord:
         """Run one step (blocking; call off the event loop) and record it as the session's last step.
 
         A ``start`` below the tokens held (a rewind ``replay`` allowed) first drops the tokens from ``start`` on: the
@@ -351,8 +290,9 @@ class SessionStore:
             t0 = time.perf_counter()
             kept = self._begin(session, start)
             all_rows = self.executor.spec.head and verify and sample
-            out = self.executor.forward(session.kv, inputs, logits="all" if all_rows else "last",
-                                        **self._ids(token_ids))
+            out = self.executor.forward(
+                session.kv, inputs, logits="all" if all_rows else "last", **self._ids(token_ids)
+            )
             record = self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept, 0.0, all_rows)
             record.compute_ms = (time.perf_counter() - t0) * 1e3
             return record
@@ -360,8 +300,17 @@ class SessionStore:
             session.busy -= 1
             session.last_used = time.monotonic()
 
-    def apply_chunked(self, session: Session, step: int, digest: int, start: int, inputs: np.ndarray,
-                      token_ids: np.ndarray | None, sample: bool = True, chunk: int = 512):
+    def apply_chunked(
+        self,
+        session: Session,
+        step: int,
+        digest: int,
+        start: int,
+        inputs: np.ndarray,
+        token_ids: np.ndarray | None,
+        sample: bool = True,
+        chunk: int = 512,
+    ):
         """``apply`` as a generator that runs the forward pass in pieces of ``chunk`` tokens and yields (None)
         between pieces, so a scheduler can run other sessions' steps in between; its return value
         (``StopIteration.value``) is the StepRecord. Each ``next()`` blocks (call off the event loop).
@@ -383,9 +332,13 @@ class SessionStore:
                     if a:
                         yield None
                     t0 = time.perf_counter()
-                    outs.append(self.executor.forward(
-                        session.kv, inputs[a:a + chunk],
-                        **self._ids(None if token_ids is None else token_ids[a:a + chunk])))
+                    outs.append(
+                        self.executor.forward(
+                            session.kv,
+                            inputs[a : a + chunk],
+                            **self._ids(None if token_ids is None else token_ids[a : a + chunk]),
+                        )
+                    )
                     ms += (time.perf_counter() - t0) * 1e3
             except BaseException:
                 # a session closed between two pieces has given its cells (and sequence id) back: nothing to undo
@@ -416,15 +369,16 @@ class SessionStore:
             try:
                 self._check_token_ids(token_ids)
                 kept[i] = self._begin(session, start)
-            except Exception as exc:  # noqa: BLE001 - that session's error only
+            except Exception as exc:
                 results[i] = exc
                 continue
             todo.append(i)
             session.busy += 1
         try:
             t0 = time.perf_counter()
-            outs = self.executor.forward_batch([(items[i][0].kv, items[i][4], *self._ids(items[i][5]).values())
-                                                for i in todo])
+            outs = self.executor.forward_batch(
+                [(items[i][0].kv, items[i][4], *self._ids(items[i][5]).values()) for i in todo]
+            )
             ms = (time.perf_counter() - t0) * 1e3
             for i, out in zip(todo, outs):
                 if isinstance(out, Exception):
@@ -432,9 +386,8 @@ class SessionStore:
                     continue
                 session, step, digest, start, inputs, token_ids, sample = items[i]
                 try:
-                    results[i] = self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept[i],
-                                              ms)
-                except Exception as exc:  # noqa: BLE001 - that session's error only
+                    results[i] = self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept[i], ms)
+                except Exception as exc:
                     results[i] = exc
         finally:
             for i in todo:
@@ -453,12 +406,23 @@ class SessionStore:
             kept = (0, 0, True)
             cut_boundaries(session, 0)
             session.snapshot_at = 0
-        del session.history[kept[1]:]
+        del session.history[kept[1] :]
         session.history_complete = kept[2]
 
-    def _finish(self, session: Session, step: int, digest: int, start: int, inputs: np.ndarray,
-                token_ids: np.ndarray | None, sample: bool, out, kept: tuple, compute_ms: float,
-                all_rows: bool = False) -> StepRecord:
+    def _finish(
+        self,
+        session: Session,
+        step: int,
+        digest: int,
+        start: int,
+        inputs: np.ndarray,
+        token_ids: np.ndarray | None,
+        sample: bool,
+        out,
+        kept: tuple,
+        compute_ms: float,
+        all_rows: bool = False,
+    ) -> StepRecord:
         """Record a step whose forward pass gave ``out``: history, the head's sample (``all_rows``: a verify step's
         sample after every position), the session's last step. ``kept``: (KV length, history length,
         history_complete) before the step, restored on an error."""
@@ -472,8 +436,9 @@ class SessionStore:
             if self.executor.spec.head:
                 if all_rows:
                     base = kept[1]
-                    record.tokens = [session.sampler.sample(out[i], session.history[:base + i + 1])
-                                     for i in range(out.shape[0])]
+                    record.tokens = [
+                        session.sampler.sample(out[i], session.history[: base + i + 1]) for i in range(out.shape[0])
+                    ]
                     record.token = record.tokens[-1]
                 elif sample:
                     logits = out[-1]
@@ -493,5 +458,15 @@ class SessionStore:
         session.last = record
         return record
 
-__all__ = ["AdmissionRefused", "ContextOverflow", "Session", "SessionError", "SessionStore", "StepConflict",
-           "StepRecord", "UnknownSession", "cut_boundaries"]
+
+__all__ = [
+    "AdmissionRefused",
+    "ContextOverflow",
+    "Session",
+    "SessionError",
+    "SessionStore",
+    "StepConflict",
+    "StepRecord",
+    "UnknownSession",
+    "cut_boundaries",
+]

@@ -10,17 +10,33 @@ import torch
 from ..artifact.gguf_file import GGUFModelFile
 from ..model import ModelConfig, family, load_config
 from ..model.blocks import linear, rms_norm, rope_inv_freq, rope_tables, yarn_inv_freq
-from .torch_sampling import Sampler
 from .kv import ContextOverflow, TokenOutOfRange
-from .spec import ShardSpec, even_split, split_at  # noqa: F401 (re-exported)
+from .spec import ShardSpec, even_split, split_at
 from .torch_kv import SessionKV
+from .torch_sampling import Sampler
 
 NUMERICS = ("llama.cpp", "exact")
 # ggml-cpu.c type_traits_cpu[...].vec_dot_type: activations are quantized to this before the dot product
 VEC_DOT_ACTIVATION = {
     **{t: "q8_0" for t in ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4")},
-    **{t: "q8_k" for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
-                           "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_XS")},
+    **{
+        t: "q8_k"
+        for t in (
+            "Q2_K",
+            "Q3_K",
+            "Q4_K",
+            "Q5_K",
+            "Q6_K",
+            "IQ2_XXS",
+            "IQ2_XS",
+            "IQ2_S",
+            "IQ3_XXS",
+            "IQ3_S",
+            "IQ1_S",
+            "IQ1_M",
+            "IQ4_XS",
+        )
+    },
 }
 
 
@@ -37,8 +53,14 @@ class ShardExecutor:
     UnsupportedArchitecture, or ValueError for a bad spec or numerics.
     """
 
-    def __init__(self, model: GGUFModelFile, spec: ShardSpec, dtype: torch.dtype = torch.float32,
-                 config: ModelConfig | None = None, numerics: str = "exact"):
+    def __init__(
+        self,
+        model: GGUFModelFile,
+        spec: ShardSpec,
+        dtype: torch.dtype = torch.float32,
+        config: ModelConfig | None = None,
+        numerics: str = "exact",
+    ):
         self.model = model
         self.cfg = config or load_config(model)
         spec.validate(self.cfg.n_layers)
@@ -74,8 +96,8 @@ class ShardExecutor:
         weights = {}
         for name in self.model.tensors:
             if name.startswith(prefix):
-                key = name[len(prefix):]
-                key = key[:-len(".weight")] if key.endswith(".weight") else key
+                key = name[len(prefix) :]
+                key = key[: -len(".weight")] if key.endswith(".weight") else key
                 weights[key] = self._tensor(name)
                 act = self._activation_format(name)
                 if act:
@@ -159,9 +181,16 @@ class ShardExecutor:
                         if self.cfg.yarn is not None:
                             inv_freq = yarn_inv_freq(inv_freq, self.cfg.n_rot, key[0], self.cfg.yarn)
                         self._inv_freq[key[0]] = inv_freq
-                    tables[key] = rope_tables(positions, inv_freq, key[1], self.dtype,
-                                              self.cfg.yarn.magnitude if self.cfg.yarn is not None else 1.0)
-                x = self._block(self.cfg, il, x, self.layers[il], kv.layers[il - self.spec.start], positions, tables[key])
+                    tables[key] = rope_tables(
+                        positions,
+                        inv_freq,
+                        key[1],
+                        self.dtype,
+                        self.cfg.yarn.magnitude if self.cfg.yarn is not None else 1.0,
+                    )
+                x = self._block(
+                    self.cfg, il, x, self.layers[il], kv.layers[il - self.spec.start], positions, tables[key]
+                )
         except BaseException:
             kv.truncate(start)
             raise
@@ -171,7 +200,8 @@ class ShardExecutor:
         return self.head(x if logits == "all" else x[-1:])
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Output norm + LM head: hidden ``[T, n_embd]`` → float32 logits ``[T, n_vocab]`` (softcapped if the model says)."""
+        """Output norm + LM head: hidden ``[T, n_embd]`` → float32 logits ``[T, n_vocab]`` (softcapped if the model
+        says)."""
         out = linear(rms_norm(x, self.output_norm, self.cfg.rms_eps), self.head_weights, "output").float()
         cap = self.cfg.final_logit_softcap
         return torch.tanh(out / cap) * cap if cap else out

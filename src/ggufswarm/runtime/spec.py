@@ -18,7 +18,7 @@ class ShardSpec:
     head: bool = False
 
     @classmethod
-    def parse(cls, text: str, n_layers: int, embed: bool = False, head: bool = False) -> "ShardSpec":
+    def parse(cls, text: str, n_layers: int, embed: bool = False, head: bool = False) -> ShardSpec:
         """Parse ``"START:END"`` (half-open, as Python slices); ValueError when malformed or out of range."""
         m = _RANGE_RE.match(text)
         if not m:
@@ -51,11 +51,14 @@ def even_split(n_layers: int, n_shards: int) -> list[ShardSpec]:
 
 
 def split_at(n_layers: int, points: list[int]) -> list[ShardSpec]:
-    """Shards cut at ``points`` (e.g. ``[6, 12]`` → ``[0,6) [6,12) [12,n)``); ValueError unless increasing and inside."""
+    """Shards cut at ``points`` (e.g. ``[6, 12]`` → ``[0,6) [6,12) [12,n)``); ValueError unless increasing and
+    inside."""
     bounds = [0, *points, n_layers]
     if any(b >= c for b, c in zip(bounds, bounds[1:])):
         raise ValueError(f"split points {points} must be strictly increasing inside 1..{n_layers - 1}")
-    return [ShardSpec(a, b, embed=i == 0, head=i == len(bounds) - 2) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    return [
+        ShardSpec(a, b, embed=i == 0, head=i == len(bounds) - 2) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+    ]
 
 
 __all__ = ["ShardSpec", "even_split", "split_at"]

@@ -18,8 +18,7 @@ class LayerKV:
 
     __slots__ = ("k", "v", "length", "max_length")
 
-    def __init__(self, n_head_kv: int, head_dim: int, max_length: int, dtype: torch.dtype,
-                 v_dim: int | None = None):
+    def __init__(self, n_head_kv: int, head_dim: int, max_length: int, dtype: torch.dtype, v_dim: int | None = None):
         cap = min(max_length, 256)
         self.k = torch.empty(cap, n_head_kv, head_dim, dtype=dtype)
         self.v = torch.empty(cap, n_head_kv, head_dim if v_dim is None else v_dim, dtype=dtype)
@@ -39,10 +38,10 @@ class LayerKV:
             for name in ("k", "v"):
                 old = getattr(self, name)
                 new = torch.empty(cap, *old.shape[1:], dtype=old.dtype)
-                new[:self.length] = old[:self.length]
+                new[: self.length] = old[: self.length]
                 setattr(self, name, new)
-        self.k[self.length:end] = k
-        self.v[self.length:end] = v
+        self.k[self.length : end] = k
+        self.v[self.length : end] = v
         self.length = end
         return self.k[:end], self.v[:end], torch.arange(end)
 
@@ -57,8 +56,15 @@ class SessionKV(KVPosition):
     ``length`` is the number of tokens held (= position of the next token); ``closed`` once ``close`` was called.
     """
 
-    def __init__(self, n_layers: int, n_head_kv: int, head_dim: int, max_length: int, dtype: torch.dtype,
-                 v_dim: int | None = None):
+    def __init__(
+        self,
+        n_layers: int,
+        n_head_kv: int,
+        head_dim: int,
+        max_length: int,
+        dtype: torch.dtype,
+        v_dim: int | None = None,
+    ):
         self.max_length = check_max_length(max_length)
         self.layers = [LayerKV(n_head_kv, head_dim, max_length, dtype, v_dim) for _ in range(n_layers)]
         self.length = 0
@@ -86,8 +92,9 @@ class SessionKV(KVPosition):
         want_v = tuple(self.layers[0].v.shape[1:]) if self.layers else ()
         for k, v in zip(keys, values):
             if k.shape[0] != n or tuple(k.shape[1:]) != want or tuple(v.shape) != (n, *want_v):
-                raise ValueError(f"snapshot K/V shapes {tuple(k.shape)} / {tuple(v.shape)} do not fit "
-                                 f"[n, {want}] / [n, {want_v}]")
+                raise ValueError(
+                    f"snapshot K/V shapes {tuple(k.shape)} / {tuple(v.shape)} do not fit [n, {want}] / [n, {want_v}]"
+                )
         if n > self.max_length:
             raise ContextOverflow(f"snapshot holds {n} tokens; the session's max_length is {self.max_length}")
         self.truncate(0)

@@ -33,12 +33,12 @@ class Sampler(SamplerBase):
         if p.repeat_penalty != 1.0 and history and p.repeat_last_n > 0:  # llama.cpp: penalty_last_n 0 = off
             # llama.cpp penalties: positive logits divided, negative multiplied (CTRL paper, arXiv:1909.05858)
             logits = logits.clone()
-            ids = torch.tensor(sorted(set(history[-p.repeat_last_n:])), dtype=torch.long)
+            ids = torch.tensor(sorted(set(history[-p.repeat_last_n :])), dtype=torch.long)
             vals = logits[ids]
             penalized = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
             # an extreme penalty overflows (x / 1e-300, 0 * inf): keep the logits finite
             logits[ids] = penalized.nan_to_num(nan=0.0, posinf=_F32_MAX, neginf=-_F32_MAX)
-        generated = history[p.penalize_from:] if history else []
+        generated = history[p.penalize_from :] if history else []
         if (p.presence_penalty or p.frequency_penalty) and generated:
             # OpenAI's frequency / presence penalties, after the repeat penalty (llama.cpp's penalties sampler's order)
             ids, counts = torch.unique(torch.tensor(generated, dtype=torch.long), return_counts=True)
@@ -70,7 +70,7 @@ class Sampler(SamplerBase):
             scaled = (values.double() - float(values[0])) / p.temperature  # softmax is shift-invariant
         probs = torch.softmax(scaled, dim=-1)
         position = len(history) if history else 0
-        self.generator.manual_seed((self.seed * 1_000_003 + position) % 2 ** 63)
+        self.generator.manual_seed((self.seed * 1_000_003 + position) % 2**63)
         return int(ids[torch.multinomial(probs, 1, generator=self.generator)])
 
 

@@ -25,8 +25,16 @@ class Published:
     info_hash: str
 
 
-def publish(model_path: Path, tracker: str, name: str | None = None, data_dir: Path | None = None,
-            web_seeds: list[str] = (), piece_size: int = DEFAULT_PIECE_SIZE, *, token: str | None = None) -> Published:
+def publish(
+    model_path: Path,
+    tracker: str,
+    name: str | None = None,
+    data_dir: Path | None = None,
+    web_seeds: list[str] = (),
+    piece_size: int = DEFAULT_PIECE_SIZE,
+    *,
+    token: str | None = None,
+) -> Published:
     """Index ``model_path`` (a GGUF or any file of a split set), make its torrent (announcing to
     ``tracker``), register both with the tracker under ``name`` and write them into ``data_dir``. ``token``:
     the swarm token (sent to the tracker; the torrent announces with its ``announce_key``).

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..artifact.manifest import Manifest
+from ..client.tracker import TrackerClient
 from ..runtime.spec import ShardSpec
 from ..tracker.routing import Advertisement
-from ..client.tracker import TrackerClient
 from .torrent import FetchStats, Swarm
 
 
@@ -46,13 +46,13 @@ def choose_layers(manifest: Manifest, ads: list[Advertisement], budget_bytes: in
     cuts = sorted(c for c in cuts if 0 <= c <= n)
     aligned = [(s, e) for s in cuts for e in cuts if s < e and shard_bytes(manifest, s, e) <= budget_bytes]
     if aligned:
-        s, e = min(aligned, key=lambda r: (sum(cover[r[0]:r[1]]) / (r[1] - r[0]), r[0] - r[1], r[0]))
+        s, e = min(aligned, key=lambda r: (sum(cover[r[0] : r[1]]) / (r[1] - r[0]), r[0] - r[1], r[0]))
         return ShardSpec(s, e, embed=s == 0, head=e == n)
     best = None
     for width in range(n, 0, -1):
         fits = [s for s in range(n - width + 1) if shard_bytes(manifest, s, s + width) <= budget_bytes]
         if fits or width == 1:
-            best = min(fits or range(n), key=lambda s: (sum(cover[s:s + width]), s))
+            best = min(fits or range(n), key=lambda s: (sum(cover[s : s + width]), s))
             break
     return ShardSpec(best, best + width, embed=best == 0, head=best + width == n)
 
@@ -69,9 +69,20 @@ class FetchedShard:
     stats: FetchStats
 
 
-def fetch_shard(tracker: str, name: str, layers: str, embed: bool, head: bool, data_dir: Path,
-                budget_bytes: int = 8 << 30, progress: bool = True, timeout: float = 1800.0,
-                stall_s: float = 60.0, *, token: str | None = None) -> FetchedShard:
+def fetch_shard(
+    tracker: str,
+    name: str,
+    layers: str,
+    embed: bool,
+    head: bool,
+    data_dir: Path,
+    budget_bytes: int = 8 << 30,
+    progress: bool = True,
+    timeout: float = 1800.0,
+    stall_s: float = 60.0,
+    *,
+    token: str | None = None,
+) -> FetchedShard:
     """Fetch from the swarm only the pieces a shard needs (header + its tensors), verified, into
     ``data_dir``; returns with the swarm still seeding them. ``layers``: ``"START:END"`` or ``"auto"``.
     ``timeout``: seconds in all; ``stall_s``: seconds without a new piece before it warns and retries
@@ -84,8 +95,10 @@ def fetch_shard(tracker: str, name: str, layers: str, embed: bool, head: bool, d
     manifest = Manifest.from_json(json.dumps(found["manifest"]))
     torrent = bytes.fromhex(found["torrent_hex"])
     if layers == "auto":
-        ads = [Advertisement(a["node_id"], a["url"], a["model"], tuple(a["layers"]), a["embed"], a["head"], a["state"])
-               for a in client.nodes(name)]
+        ads = [
+            Advertisement(a["node_id"], a["url"], a["model"], tuple(a["layers"]), a["embed"], a["head"], a["state"])
+            for a in client.nodes(name)
+        ]
         spec = choose_layers(manifest, ads, budget_bytes)
     else:
         spec = ShardSpec.parse(layers, manifest.n_layers, embed, head)
@@ -98,8 +111,9 @@ def fetch_shard(tracker: str, name: str, layers: str, embed: bool, head: bool, d
     return FetchedShard(path, spec, manifest, swarm, torrent, stats)
 
 
-def fetch_header(tracker: str, name: str, data_dir: Path, progress: bool = False, *,
-                 token: str | None = None) -> tuple[Path, Swarm]:
+def fetch_header(
+    tracker: str, name: str, data_dir: Path, progress: bool = False, *, token: str | None = None
+) -> tuple[Path, Swarm]:
     """Fetch only the GGUF header(s) of ``name`` (metadata + vocabulary, no tensors) for a tokenizer
     (``token``: the swarm token, for the tracker).
 

@@ -23,8 +23,9 @@ class SwarmError(RuntimeError):
     """A fetch could not complete (timeout, no peers, storage error)."""
 
 
-def make_torrent(paths: list[Path], piece_size: int = DEFAULT_PIECE_SIZE, trackers: list[str] = (),
-                 web_seeds: list[str] = ()) -> bytes:
+def make_torrent(
+    paths: list[Path], piece_size: int = DEFAULT_PIECE_SIZE, trackers: list[str] = (), web_seeds: list[str] = ()
+) -> bytes:
     """Bencoded hybrid torrent over the files of one artifact (a GGUF or a split set in one directory).
 
     A single file is stored as itself; several files under their directory's name. Hashes the
@@ -89,13 +90,19 @@ class Swarm:
     """One libtorrent session bound to ``host`` (loopback by default) on an OS-chosen or given port."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
-        self.session = lt.session({
-            "listen_interfaces": f"{host}:{port}",
-            "enable_dht": False, "enable_lsd": False, "enable_upnp": False, "enable_natpmp": False,
-            "allow_multiple_connections_per_ip": True,  # every peer of a loopback swarm is 127.0.0.1
-            "announce_to_all_trackers": True, "announce_to_all_tiers": True,
-            "alert_mask": lt.alert_category.error,
-        })
+        self.session = lt.session(
+            {
+                "listen_interfaces": f"{host}:{port}",
+                "enable_dht": False,
+                "enable_lsd": False,
+                "enable_upnp": False,
+                "enable_natpmp": False,
+                "allow_multiple_connections_per_ip": True,  # every peer of a loopback swarm is 127.0.0.1
+                "announce_to_all_trackers": True,
+                "announce_to_all_tiers": True,
+                "alert_mask": lt.alert_category.error,
+            }
+        )
         self.handles: dict[str, lt.torrent_handle] = {}
 
     @property
@@ -128,14 +135,24 @@ class Swarm:
             if st.errc.value():
                 raise SwarmError(f"cannot seed from {save_path}: {st.errc.message()}")
             if st.state not in checking:
-                raise SwarmError(f"cannot seed from {save_path}: the files are incomplete or differ from the torrent "
-                                 f"({st.progress:.0%} verified)")
+                raise SwarmError(
+                    f"cannot seed from {save_path}: the files are incomplete or differ from the torrent "
+                    f"({st.progress:.0%} verified)"
+                )
             if time.monotonic() > deadline:
                 raise SwarmError(f"cannot seed from {save_path}: checking the files took over {timeout:.0f} s")
             time.sleep(0.05)
 
-    def fetch(self, torrent: bytes, save_path: Path, ranges: list[tuple[int, int, int]], peers=(),
-              timeout: float = 600.0, progress: bool = True, stall_s: float = 60.0) -> FetchStats:
+    def fetch(
+        self,
+        torrent: bytes,
+        save_path: Path,
+        ranges: list[tuple[int, int, int]],
+        peers=(),
+        timeout: float = 600.0,
+        progress: bool = True,
+        stall_s: float = 60.0,
+    ) -> FetchStats:
         """Download only the pieces overlapping ``ranges`` into ``save_path`` (sparse files), verified.
 
         ``peers``: extra ``(host, port)`` to connect to besides the tracker's. Shows a tqdm progress
@@ -156,8 +173,16 @@ class Swarm:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fetching shard", leave=False,
-                       disable=None)  # None: no bar when stderr is not a terminal
+
+            bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="fetching shard",
+                leave=False,
+                disable=None,
+            )  # None: no bar when stderr is not a terminal
         last_done, last_progress, shown_peers = -1, t0, -1
         try:
             while True:
@@ -175,15 +200,24 @@ class Swarm:
                 if st.errc.value():
                     raise SwarmError(f"fetch failed: {st.errc.message()}")
                 if now - t0 > timeout:
-                    raise SwarmError(f"fetch timed out after {timeout:.0f} s with {len(have)}/{len(wanted)} pieces "
-                                     f"({st.num_peers} peers connected)")
+                    raise SwarmError(
+                        f"fetch timed out after {timeout:.0f} s with {len(have)}/{len(wanted)} pieces "
+                        f"({st.num_peers} peers connected)"
+                    )
                 if done != last_done:
                     last_done, last_progress = done, now
                 elif now - last_progress > stall_s:
-                    log.warning("fetch stalled: no new piece for %.0f s (%d/%d pieces, %d peers connected, %d of them "
-                                "seeds); retrying: asking the tracker for peers again (is a node holding these layers "
-                                "up?); giving up after %.0f s in all", now - last_progress, len(have), len(wanted),
-                                st.num_peers, st.num_seeds, timeout)
+                    log.warning(
+                        "fetch stalled: no new piece for %.0f s (%d/%d pieces, %d peers connected, %d of them "
+                        "seeds); retrying: asking the tracker for peers again (is a node holding these layers "
+                        "up?); giving up after %.0f s in all",
+                        now - last_progress,
+                        len(have),
+                        len(wanted),
+                        st.num_peers,
+                        st.num_seeds,
+                        timeout,
+                    )
                     handle.force_reannounce()
                     for peer in peers:
                         handle.connect_peer(peer)

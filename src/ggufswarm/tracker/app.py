@@ -51,8 +51,9 @@ async def _json_body(request: web.Request) -> dict:
 
 def make_app(config: TrackerConfig) -> web.Application:
     """The tracker as an aiohttp app (tests drive it in process; ``ggufswarm tracker`` serves it)."""
-    app = web.Application(client_max_size=64 << 20,
-                          middlewares=[token_middleware(config.token), json_errors_middleware()])
+    app = web.Application(
+        client_max_size=64 << 20, middlewares=[token_middleware(config.token), json_errors_middleware()]
+    )
     registry = Registry(config.db, config.ttl_s)
     routed: Counter[str] = Counter()  # sessions handed each node (load spreading)
     probe_headers = auth_headers(config.token)  # nodes of this swarm share its token
@@ -64,9 +65,18 @@ def make_app(config: TrackerConfig) -> web.Application:
     async def heartbeat(request: web.Request) -> web.Response:
         b = await _json_body(request)
         try:
-            ad = Advertisement(str(b["node_id"]), str(b["url"]), str(b["model"]), (int(b["layers"][0]), int(b["layers"][1])),
-                               bool(b.get("embed")), bool(b.get("head")), str(b.get("state", "ready")),
-                               int(b.get("free_kv_tokens", 0)), float(b.get("decode_ms", 0.0)), dict(b.get("extra", {})))
+            ad = Advertisement(
+                str(b["node_id"]),
+                str(b["url"]),
+                str(b["model"]),
+                (int(b["layers"][0]), int(b["layers"][1])),
+                bool(b.get("embed")),
+                bool(b.get("head")),
+                str(b.get("state", "ready")),
+                int(b.get("free_kv_tokens", 0)),
+                float(b.get("decode_ms", 0.0)),
+                dict(b.get("extra", {})),
+            )
             if not (0 <= ad.free_kv_tokens < 2**62 and 0.0 <= ad.decode_ms < 1e9 and ad.layers[1] < 2**31):
                 raise ValueError("free_kv_tokens, decode_ms and layers must be finite, non-negative and in range")
             free_kv_tokens(ad)  # a malformed extra.accounting is refused here, not while planning
@@ -95,8 +105,9 @@ def make_app(config: TrackerConfig) -> web.Application:
         alive = reason is None
         removed = 0 if alive else sum(registry.deregister(a.node_id) for a in ads)
         if removed:
-            log.warning("node %s reported failing and its /health: %s: dropped %d advertisement(s)", url, reason,
-                        removed)
+            log.warning(
+                "node %s reported failing and its /health: %s: dropped %d advertisement(s)", url, reason, removed
+            )
         return web.json_response({"url": url, "alive": alive, "removed": removed})
 
     async def nodes(request: web.Request) -> web.Response:
@@ -122,8 +133,10 @@ def make_app(config: TrackerConfig) -> web.Application:
 
     async def announce(request: web.Request) -> web.Response:
         # info_hash and peer_id are raw bytes, URL-encoded: parse the raw query, not the str-decoded one
-        q = dict((k, unquote_to_bytes(v)) for k, v in
-                 (part.split("=", 1) for part in request.query_string.split("&") if "=" in part))
+        q = dict(
+            (k, unquote_to_bytes(v))
+            for k, v in (part.split("=", 1) for part in request.query_string.split("&") if "=" in part)
+        )
         try:
             info_hash, peer_id, port = q["info_hash"], q["peer_id"], int(q["port"])
             left = int(q.get("left", b"0") or 0)
@@ -133,10 +146,13 @@ def make_app(config: TrackerConfig) -> web.Application:
             return web.Response(body=lt.bencode({"failure reason": b"bad info_hash or port"}))
         ip = request.remote or "127.0.0.1"
         peers = registry.announce(info_hash, peer_id, ip, port, left, q.get("event", b"").decode("latin-1"))
-        compact = b"".join(socket.inet_aton(p_ip) + struct.pack(">H", p_port) for p_ip, p_port in peers
-                           if ":" not in p_ip)
-        return web.Response(body=lt.bencode({"interval": ANNOUNCE_INTERVAL_S, "min interval": 1, "peers": compact}),
-                            content_type="text/plain")
+        compact = b"".join(
+            socket.inet_aton(p_ip) + struct.pack(">H", p_port) for p_ip, p_port in peers if ":" not in p_ip
+        )
+        return web.Response(
+            body=lt.bencode({"interval": ANNOUNCE_INTERVAL_S, "min interval": 1, "peers": compact}),
+            content_type="text/plain",
+        )
 
     async def route(request: web.Request) -> web.Response:
         model = request.query.get("model", "")
@@ -158,9 +174,14 @@ def make_app(config: TrackerConfig) -> web.Application:
         except NoRoute as exc:
             raise ProtocolError("no_route", f"{model}: {exc}") from None
         routed.update(a.node_id for a in chain)
-        return web.json_response({"model": model, "route": [_ad_json(a) for a in chain],
-                                  "context": route_context(chain),
-                                  "wire_bytes_per_token": route_wire_bytes_per_token(chain)})
+        return web.json_response(
+            {
+                "model": model,
+                "route": [_ad_json(a) for a in chain],
+                "context": route_context(chain),
+                "wire_bytes_per_token": route_wire_bytes_per_token(chain),
+            }
+        )
 
     async def models(request: web.Request) -> web.Response:
         """``GET /models``: ``{"models": [servable now, end to end], "published": [...], "unservable": {name:
@@ -180,13 +201,21 @@ def make_app(config: TrackerConfig) -> web.Application:
     async def index(request: web.Request) -> web.Response:
         return web.Response(text=STATUS_PAGE, content_type="text/html")
 
-    app.add_routes([
-        web.post("/nodes/heartbeat", heartbeat), web.delete("/nodes/{node_id}", deregister), web.get("/nodes", nodes),
-        web.post("/nodes/report", report),
-        web.put("/manifests/{name}", put_manifest), web.get("/manifests/{name}", get_manifest),
-        web.get("/announce", announce), web.get("/route", route), web.get("/models", models),
-        web.get("/status.json", status_json), web.get("/", index),
-    ])
+    app.add_routes(
+        [
+            web.post("/nodes/heartbeat", heartbeat),
+            web.delete("/nodes/{node_id}", deregister),
+            web.get("/nodes", nodes),
+            web.post("/nodes/report", report),
+            web.put("/manifests/{name}", put_manifest),
+            web.get("/manifests/{name}", get_manifest),
+            web.get("/announce", announce),
+            web.get("/route", route),
+            web.get("/models", models),
+            web.get("/status.json", status_json),
+            web.get("/", index),
+        ]
+    )
     app.on_cleanup.append(lambda _app: _close(registry))
     return app
 
@@ -200,8 +229,10 @@ def status_snapshot(registry: Registry) -> dict:
     out = {}
     for name in registry.manifest_names():
         found = registry.manifest(name)
-        out[name] = {"n_layers": Manifest.from_json(found[0]).n_layers,
-                     "nodes": [_ad_json(a) for a in registry.nodes(name)]}
+        out[name] = {
+            "n_layers": Manifest.from_json(found[0]).n_layers,
+            "nodes": [_ad_json(a) for a in registry.nodes(name)],
+        }
     return {"models": out}
 
 

@@ -49,9 +49,23 @@ class Registry:
             raise ValueError(f"state must be one of {', '.join(NODE_STATES)}, got {ad.state!r}")
         if not 0 <= ad.layers[0] <= ad.layers[1]:
             raise ValueError(f"bad layer range {ad.layers}")
-        self._q("INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (ad.node_id, ad.url, ad.model, ad.layers[0], ad.layers[1], int(ad.embed), int(ad.head), ad.state,
-                 int(ad.free_kv_tokens), float(ad.decode_ms), json.dumps(ad.extra), now or time.time()))
+        self._q(
+            "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                ad.node_id,
+                ad.url,
+                ad.model,
+                ad.layers[0],
+                ad.layers[1],
+                int(ad.embed),
+                int(ad.head),
+                ad.state,
+                int(ad.free_kv_tokens),
+                float(ad.decode_ms),
+                json.dumps(ad.extra),
+                now or time.time(),
+            ),
+        )
 
     def deregister(self, node_id: str) -> bool:
         """Remove a node; False when it was not registered."""
@@ -62,11 +76,15 @@ class Registry:
         """Live advertisements (heard from within the TTL), optionally of one model; expired ones are dropped."""
         cutoff = (now or time.time()) - self.ttl_s
         self._q("DELETE FROM nodes WHERE last_seen < ?", (cutoff,))
-        rows = self._q("SELECT node_id, url, model, layer_start, layer_end, embed, head, state, free_kv_tokens, "
-                       "decode_ms, extra FROM nodes" + (" WHERE model = ?" if model else "") + " ORDER BY node_id",
-                       (model,) if model else ())
-        return [Advertisement(r[0], r[1], r[2], (r[3], r[4]), bool(r[5]), bool(r[6]), r[7], r[8], r[9], json.loads(r[10]))
-                for r in rows]
+        rows = self._q(
+            "SELECT node_id, url, model, layer_start, layer_end, embed, head, state, free_kv_tokens, "
+            "decode_ms, extra FROM nodes" + (" WHERE model = ?" if model else "") + " ORDER BY node_id",
+            (model,) if model else (),
+        )
+        return [
+            Advertisement(r[0], r[1], r[2], (r[3], r[4]), bool(r[5]), bool(r[6]), r[7], r[8], r[9], json.loads(r[10]))
+            for r in rows
+        ]
 
     # manifests -----------------------------------------------------------------------------------
     def put_manifest(self, name: str, manifest_json: str, torrent: bytes, info_hash: str) -> None:
@@ -83,8 +101,17 @@ class Registry:
         return [r[0] for r in self._q("SELECT name FROM manifests ORDER BY name")]
 
     # BitTorrent peers ----------------------------------------------------------------------------
-    def announce(self, info_hash: bytes, peer_id: bytes, ip: str, port: int, left: int, event: str,
-                 now: float | None = None, max_peers: int = 50) -> list[tuple[str, int]]:
+    def announce(
+        self,
+        info_hash: bytes,
+        peer_id: bytes,
+        ip: str,
+        port: int,
+        left: int,
+        event: str,
+        now: float | None = None,
+        max_peers: int = 50,
+    ) -> list[tuple[str, int]]:
         """Record an announce and return up to ``max_peers`` other live peers ``(ip, port)`` of the swarm."""
         now = now or time.time()
         if event == "stopped":
@@ -92,8 +119,10 @@ class Registry:
         else:
             self._q("INSERT OR REPLACE INTO peers VALUES (?,?,?,?,?,?)", (info_hash, peer_id, ip, port, left, now))
         self._q("DELETE FROM peers WHERE last_seen < ?", (now - max(self.ttl_s, 60.0) * 4,))
-        rows = self._q("SELECT ip, port FROM peers WHERE info_hash = ? AND peer_id != ? ORDER BY left_bytes LIMIT ?",
-                       (info_hash, peer_id, max_peers))
+        rows = self._q(
+            "SELECT ip, port FROM peers WHERE info_hash = ? AND peer_id != ? ORDER BY left_bytes LIMIT ?",
+            (info_hash, peer_id, max_peers),
+        )
         return [(r[0], r[1]) for r in rows]
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ class Advertisement:
         return acc if isinstance(acc, dict) else None
 
 
-UNBOUNDED = 2 ** 62  # context a shard without per-token KV (all layers recurrent) allows, memory-wise
+UNBOUNDED = 2**62  # context a shard without per-token KV (all layers recurrent) allows, memory-wise
 
 
 def _num(acc: dict, key: str, default: int | None = 0) -> int | None:
@@ -114,13 +114,20 @@ def uncovered(ads: list[Advertisement], n_layers: int) -> list[tuple[int, int]]:
     return gaps({i for ad in ads for i in range(max(ad.layers[0], 0), min(ad.layers[1], n_layers))}, n_layers)
 
 
-def plan_route(ads: list[Advertisement], n_layers: int, max_length: int, hop_ms: float = 1.0,
-               load: dict[str, int] | None = None, span: tuple[int, int] | None = None) -> list[Advertisement]:
+def plan_route(
+    ads: list[Advertisement],
+    n_layers: int,
+    max_length: int,
+    hop_ms: float = 1.0,
+    load: dict[str, int] | None = None,
+    span: tuple[int, int] | None = None,
+) -> list[Advertisement]:
     """The chain ``[ad_0, ..., ad_k]`` with ``ad_0`` holding the embedding stage and layers from 0,
     each next one starting where the previous ended, the last holding the head and ending at
     ``n_layers``, that minimizes ``sum(decode_ms + hop_ms)``; only ready nodes with
     ``free_kv_tokens(ad) >= max_length`` qualify (the advertised bytes: a session of ``max_length``
-    tokens costs ``max_length * kv_bytes_per_token + state_bytes_per_session`` on a node). Among equal-latency chains, nodes with fewer sessions
+    tokens costs ``max_length * kv_bytes_per_token + state_bytes_per_session`` on a node). Among equal-latency chains,
+    nodes with fewer sessions
     in ``load`` (node_id → sessions routed) are preferred, which spreads load.
 
     ``span=(start, end)`` plans only that part of the route (a replacement for a failed hop): the chain
@@ -171,8 +178,10 @@ def plan_route(ads: list[Advertisement], n_layers: int, max_length: int, hop_ms:
                 prev[end] = ad
                 heapq.heappush(heap, (key[0], key[1], end))
     if last not in prev:
-        raise NoRoute(f"the served ranges do not chain from layer {first}{' (with embedding)' if first == 0 else ''} "
-                      f"to {last}{' (with head)' if last == n_layers else ''} without overlapping")
+        raise NoRoute(
+            f"the served ranges do not chain from layer {first}{' (with embedding)' if first == 0 else ''} "
+            f"to {last}{' (with head)' if last == n_layers else ''} without overlapping"
+        )
     route, pos = [], last
     while pos != first:
         ad = prev[pos]

@@ -21,8 +21,10 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
         raise ValueError(f"--db {config.db}: directory {db_dir} does not exist")
 
     def ready(url: str) -> None:
-        print(f"ggufswarm tracker ready: {url}  (db {config.db}, node TTL {config.ttl_s:g} s; status page at /)",
-              flush=True)
+        print(
+            f"ggufswarm tracker ready: {url}  (db {config.db}, node TTL {config.ttl_s:g} s; status page at /)",
+            flush=True,
+        )
 
     run_server(make_app(config), host, port, ready)
     return 0
@@ -43,20 +45,47 @@ def status_text(tracker: str, token: str | None = None) -> str:
             if node["state"] == "ready":
                 covered.update(range(s, e))
             stages = " ".join(x for x, on in (("+embed", node["embed"]), ("+head", node["head"])) if on)
-            lines.append(f"  {coverage_bar(n, (s, e))}  {s:>3}:{e:<3} {node['state']:<8} "
-                         f"kv free {node['free_kv_tokens']:>7}  decode {node['decode_ms']:6.1f} ms  "
-                         f"{node['url']} {stages}".rstrip())
+            lines.append(
+                f"  {coverage_bar(n, (s, e))}  {s:>3}:{e:<3} {node['state']:<8} "
+                f"kv free {node['free_kv_tokens']:>7}  decode {node['decode_ms']:6.1f} ms  "
+                f"{node['url']} {stages}".rstrip()
+            )
         missing = gaps(covered, n)
         if missing:
             lines.append("  not servable: layers " + ", ".join(f"{a}:{b}" for a, b in missing) + " have no ready node")
             continue
         try:  # covered is not enough: the ranges must chain from an embedding stage to a head (the tracker's plan)
-            plan_route([Advertisement(a["node_id"], a["url"], a["model"], tuple(a["layers"]), a["embed"], a["head"],
-                                      a["state"], 1 << 62, a["decode_ms"]) for a in m["nodes"]], n, 1)
+            plan_route(
+                [
+                    Advertisement(
+                        a["node_id"],
+                        a["url"],
+                        a["model"],
+                        tuple(a["layers"]),
+                        a["embed"],
+                        a["head"],
+                        a["state"],
+                        1 << 62,
+                        a["decode_ms"],
+                    )
+                    for a in m["nodes"]
+                ],
+                n,
+                1,
+            )
             lines.append("  servable end to end")
         except NoRoute as exc:
-            lines.append(f"  not servable: {exc}" + ("" if any(a["head"] for a in m["nodes"]) else
-                                                      f" (no node has --head: the one serving layer {n - 1} needs it)")
-                         + ("" if any(a["embed"] for a in m["nodes"]) else
-                            " (no node has --embed: the one serving layer 0 needs it)"))
+            lines.append(
+                f"  not servable: {exc}"
+                + (
+                    ""
+                    if any(a["head"] for a in m["nodes"])
+                    else f" (no node has --head: the one serving layer {n - 1} needs it)"
+                )
+                + (
+                    ""
+                    if any(a["embed"] for a in m["nodes"])
+                    else " (no node has --embed: the one serving layer 0 needs it)"
+                )
+            )
     return "\n".join(lines) if lines else "no models published"

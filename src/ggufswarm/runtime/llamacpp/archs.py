@@ -6,15 +6,43 @@ says what the rules do and where in llama.cpp each comes from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from ...artifact.accounting import DEFAULT_SWA_PERIOD
 from ...artifact.gguf_file import GGUFModelFile
 from .errors import UnsupportedShard
-from .range_checks import (n_model_layers, _all_recurrent, _command_r_check, _deepseek2_check, _deepseek4_check, _deepstack_check, _dots3note_check, _ernie45_moe_check, _first_block_heads, _gemma3_check, _gemma4_check, _gemma4_unused, _glm_dsa_check, _hc_streams, _hybrid_check, _kimi_k3_check, _kv0_recurrent, _llama4_check, _minicpm_check, _minimax_m3_check, _nanbeige_check, _nemotron_h_recurrent, _no_rope_every_4, _smallthinker_check, _sqrt_n_embd, _whole_layers_check)
+from .range_checks import (
+    _all_recurrent,
+    _command_r_check,
+    _deepseek2_check,
+    _deepseek4_check,
+    _deepstack_check,
+    _dots3note_check,
+    _ernie45_moe_check,
+    _first_block_heads,
+    _gemma3_check,
+    _gemma4_check,
+    _gemma4_unused,
+    _glm_dsa_check,
+    _hc_streams,
+    _hybrid_check,
+    _kimi_k3_check,
+    _kv0_recurrent,
+    _llama4_check,
+    _minicpm_check,
+    _minimax_m3_check,
+    _nanbeige_check,
+    _nemotron_h_recurrent,
+    _no_rope_every_4,
+    _smallthinker_check,
+    _sqrt_n_embd,
+    _whole_layers_check,
+    n_model_layers,
+)
 
 
 @dataclass(frozen=True)
@@ -80,27 +108,41 @@ class ArchRules:
     recurrent: Callable[[GGUFModelFile], list[bool]] | None = None  # per-block recurrent flags (hybrid models)
 
 
-_HYPER_CONNECTIONS = ("hyper-connections: hyper_connection.count residual streams cross a cut, and the graph takes "
-                      "batch.embd as a token embedding to expand (src/models/{}.cpp); needs a llama.cpp change taking "
-                      "the streams through batch.embd, as patch 0002 does for deepseek4")
+_HYPER_CONNECTIONS = (
+    "hyper-connections: hyper_connection.count residual streams cross a cut, and the graph takes "
+    "batch.embd as a token embedding to expand (src/models/{}.cpp); needs a llama.cpp change taking "
+    "the streams through batch.embd, as patch 0002 does for deepseek4"
+)
 WHOLE_ONLY: dict[str, str] = {
-    "bloom": ("normalizes batch.embd with token_embd_norm as it does token embeddings (src/models/bloom.cpp), so a "
-              "shard would normalize hidden states; needs a llama.cpp change skipping the input norm when "
-              "embedding_length_in (patch 0001) is set"),
-    "minicpm3": ("scales batch.embd by a fixed 12 as it scales token embeddings, and its residual scale is "
-                 "1.4 / sqrt(n_layer) of the file's block count (src/models/minicpm3.cpp); needs a llama.cpp change "
-                 "scaling token input only and reading residual_scale, as minicpm.cpp does"),
-    "talkie": ("every block adds a learned multiple of the normalized input embedding (embd_skip, "
-               "src/models/talkie.cpp), so two vectors per token cross a cut; needs a llama.cpp change taking the skip "
-               "embedding as a second input"),
-    "hrm_text": ("its blocks are cache slots of low/high stacks run in nested cycles (src/models/hrm-text.cpp asserts "
-                 "block_count == layers_per_stack * h_cycles * (l_cycles + 1)); no block range is a part of the "
-                 "computation"),
-    "muse-glimmer": ("normalizes batch.embd (embd_norm: an RMS norm of the input, src/models/muse-glimmer.cpp) as it "
-                     "does token embeddings, so a shard would normalize hidden states again; needs a llama.cpp change "
-                     "normalizing token input only"),
-    "minimax-01": ("its lightning-attention decay is scaled by 1 - il / (n_layer - 1) of the file's own block index "
-                   "and count (src/models/minimax-01.cpp); needs a llama.cpp change reading the slope scale per layer"),
+    "bloom": (
+        "normalizes batch.embd with token_embd_norm as it does token embeddings (src/models/bloom.cpp), so a "
+        "shard would normalize hidden states; needs a llama.cpp change skipping the input norm when "
+        "embedding_length_in (patch 0001) is set"
+    ),
+    "minicpm3": (
+        "scales batch.embd by a fixed 12 as it scales token embeddings, and its residual scale is "
+        "1.4 / sqrt(n_layer) of the file's block count (src/models/minicpm3.cpp); needs a llama.cpp change "
+        "scaling token input only and reading residual_scale, as minicpm.cpp does"
+    ),
+    "talkie": (
+        "every block adds a learned multiple of the normalized input embedding (embd_skip, "
+        "src/models/talkie.cpp), so two vectors per token cross a cut; needs a llama.cpp change taking the skip "
+        "embedding as a second input"
+    ),
+    "hrm_text": (
+        "its blocks are cache slots of low/high stacks run in nested cycles (src/models/hrm-text.cpp asserts "
+        "block_count == layers_per_stack * h_cycles * (l_cycles + 1)); no block range is a part of the "
+        "computation"
+    ),
+    "muse-glimmer": (
+        "normalizes batch.embd (embd_norm: an RMS norm of the input, src/models/muse-glimmer.cpp) as it "
+        "does token embeddings, so a shard would normalize hidden states again; needs a llama.cpp change "
+        "normalizing token input only"
+    ),
+    "minimax-01": (
+        "its lightning-attention decay is scaled by 1 - il / (n_layer - 1) of the file's own block index "
+        "and count (src/models/minimax-01.cpp); needs a llama.cpp change reading the slope scale per layer"
+    ),
     "hy_v4": _HYPER_CONNECTIONS.format("hy-v4"),
     "glm5-next": _HYPER_CONNECTIONS.format("glm5-next"),
     "qwen4exp": _HYPER_CONNECTIONS.format("qwen4exp") + "; its per-layer n-gram embeddings also read token ids",
@@ -118,9 +160,16 @@ ARCH_RULES: dict[str, ArchRules] = {
     # patch 0003 (src/models/gemma.cpp, gemma2.cpp: pattern of 2, afmoe.cpp: pattern of 4 and a no-RoPE step of 4)
     "gemma": ArchRules(token_scale=_sqrt_n_embd, patch="0003-hidden-state-input"),
     "gemma2": ArchRules(swa_pattern=2, token_scale=_sqrt_n_embd, patch="0003-hidden-state-input"),
-    "afmoe": ArchRules(swa_pattern=4, leading_dense=True, token_scale=_sqrt_n_embd, patch="0003-hidden-state-input",
-                       check=_no_rope_every_4("src/models/afmoe.cpp: use_rope = (il + 1) % n_no_rope_layer_step "
-                                              "!= 0, a step of 4 (src/llama-hparams.h default)")),
+    "afmoe": ArchRules(
+        swa_pattern=4,
+        leading_dense=True,
+        token_scale=_sqrt_n_embd,
+        patch="0003-hidden-state-input",
+        check=_no_rope_every_4(
+            "src/models/afmoe.cpp: use_rope = (il + 1) % n_no_rope_layer_step "
+            "!= 0, a step of 4 (src/llama-hparams.h default)"
+        ),
+    ),
     # CogVLM: batch.embd ran through the vision-expert weights (image tokens) until patch 0003
     "cogvlm": ArchRules(patch="0003-hidden-state-input"),
     # Gemma 4 31B / 26B-A4B (src/models/gemma4.cpp): the per-layer sliding-window array, sqrt(n_embd) on token input,
@@ -137,31 +186,86 @@ ARCH_RULES: dict[str, ArchRules] = {
     "glm-dsa": ArchRules(leading_dense=True, nextn=True, check=_glm_dsa_check),
     # hc_mult residual streams cross a cut (frames of hc*n_embd per token), the hash-routed blocks read token ids,
     # the last block's output is named l_last (src/models/deepseek4.cpp)
-    "deepseek4": ArchRules(nextn=True, exact_states=True, patch="0002-deepseek4-layer-range", streams=_hc_streams,
-                           token_ids=True, tap="l_last", no_dummy_head=True, check=_deepseek4_check),
+    "deepseek4": ArchRules(
+        nextn=True,
+        exact_states=True,
+        patch="0002-deepseek4-layer-range",
+        streams=_hc_streams,
+        token_ids=True,
+        tap="l_last",
+        no_dummy_head=True,
+        check=_deepseek4_check,
+    ),
     # grown from llama.cpp's architecture zoo (tests/zoo.py, docs/architectures.md): each bitwise equal to llama.cpp's
     # whole model as shard chains; the rules from src/models/<arch>.cpp (load_arch_hparams, the graph)
-    **{arch: ArchRules() for arch in (
-        "arcee", "arctic", "baichuan", "chatglm", "codeshell", "dbrx", "deci", "ernie4_5", "exaone", "falcon",
-        "gptneox", "grovemoe", "hunyuan-dense", "hunyuan-moe", "hunyuan_vl", "hy_v3", "internlm2", "jais", "jais2",
-        "maincoder", "minimax-m2", "mistral3", "nemotron", "olmo", "olmoe", "openelm", "orion", "paddleocr",
-        "pangu-embedded", "phi2", "phi3", "phimoe", "plamo", "qwen", "qwen2vl", "refact", "seed_oss", "stablelm",
-        "starcoder2", "xverse", "grok", "granitemoe")},
+    **{
+        arch: ArchRules()
+        for arch in (
+            "arcee",
+            "arctic",
+            "baichuan",
+            "chatglm",
+            "codeshell",
+            "dbrx",
+            "deci",
+            "ernie4_5",
+            "exaone",
+            "falcon",
+            "gptneox",
+            "grovemoe",
+            "hunyuan-dense",
+            "hunyuan-moe",
+            "hunyuan_vl",
+            "hy_v3",
+            "internlm2",
+            "jais",
+            "jais2",
+            "maincoder",
+            "minimax-m2",
+            "mistral3",
+            "nemotron",
+            "olmo",
+            "olmoe",
+            "openelm",
+            "orion",
+            "paddleocr",
+            "pangu-embedded",
+            "phi2",
+            "phi3",
+            "phimoe",
+            "plamo",
+            "qwen",
+            "qwen2vl",
+            "refact",
+            "seed_oss",
+            "stablelm",
+            "starcoder2",
+            "xverse",
+            "grok",
+            "granitemoe",
+        )
+    },
     # learned absolute positions added to the input (zeros past block 0: the hidden states hold them)
     **{arch: ArchRules(embd_add=("position_embd.weight",)) for arch in ("gpt2", "starcoder", "mpt")},
     # leading_dense_block_count read by the loader (src/models/<arch>.cpp)
-    **{arch: ArchRules(leading_dense=True) for arch in (
-        "bailingmoe", "bailingmoe2", "deepseek32", "dots1", "mistral4")},
+    **{
+        arch: ArchRules(leading_dense=True) for arch in ("bailingmoe", "bailingmoe2", "deepseek32", "dots1", "mistral4")
+    },
     "minimax-m3": ArchRules(leading_dense=True, check=_minimax_m3_check),
     "ernie4_5-moe": ArchRules(leading_dense=True, check=_ernie45_moe_check),
-    # GLM-4 aborts on embedding input of a text-only (non-M-RoPE) file unless patch 0003 (src/models/glm4.cpp), as glm4moe
+    # GLM-4 aborts on embedding input of a text-only (non-M-RoPE) file unless patch 0003 (src/models/glm4.cpp), as
+    # glm4moe
     "glm4": ArchRules(patch="0003-hidden-state-input"),
     "command-r": ArchRules(check=_command_r_check),
-    "exaone4": ArchRules(check=_whole_layers_check("exaone4", 64, "makes the 64-block model (32B) sliding-window "
-                                                   "(src/models/exaone4.cpp: if (n_layer == 64))")),
+    "exaone4": ArchRules(
+        check=_whole_layers_check(
+            "exaone4", 64, "makes the 64-block model (32B) sliding-window (src/models/exaone4.cpp: if (n_layer == 64))"
+        )
+    ),
     "nanbeige": ArchRules(check=_nanbeige_check),
-    "smollm3": ArchRules(check=_no_rope_every_4("src/models/smollm3.cpp: n_no_rope_layer_step = 4, "
-                                                "use_rope = (il + 1) % 4 != 0")),
+    "smollm3": ArchRules(
+        check=_no_rope_every_4("src/models/smollm3.cpp: n_no_rope_layer_step = 4, use_rope = (il + 1) % 4 != 0")
+    ),
     "minicpm": ArchRules(check=_minicpm_check),
     "granite": ArchRules(check=_deepstack_check),
     "qwen3vl": ArchRules(check=_deepstack_check),
@@ -188,12 +292,16 @@ ARCH_RULES: dict[str, ArchRules] = {
     **{arch: ArchRules(recurrent=_kv0_recurrent, check=_hybrid_check) for arch in ("jamba", "granitehybrid", "lfm2")},
     "plamo2": ArchRules(recurrent=_kv0_recurrent, check=_hybrid_check, tap="ffn_residual"),  # src/models/plamo2.cpp
     "lfm2moe": ArchRules(recurrent=_kv0_recurrent, check=_hybrid_check, leading_dense=True),
-    **{arch: ArchRules(recurrent=_kv0_recurrent, check=_first_block_heads, leading_dense=True) for arch in (
-        "kimi-linear", "bailingmoe3")},
+    **{
+        arch: ArchRules(recurrent=_kv0_recurrent, check=_first_block_heads, leading_dense=True)
+        for arch in ("kimi-linear", "bailingmoe3")
+    },
     "kimi-k3": ArchRules(recurrent=_kv0_recurrent, check=_kimi_k3_check, leading_dense=True),
     # (src/models/nemotron-h.cpp names a block's output nemotron_h_block_out)
-    **{arch: ArchRules(recurrent=_nemotron_h_recurrent, check=_hybrid_check, tap="nemotron_h_block_out") for arch in (
-        "nemotron_h", "nemotron_h_moe")},
+    **{
+        arch: ArchRules(recurrent=_nemotron_h_recurrent, check=_hybrid_check, tap="nemotron_h_block_out")
+        for arch in ("nemotron_h", "nemotron_h_moe")
+    },
     # only the whole model (WHOLE_ONLY says why)
     **{arch: ArchRules(embd_input=why) for arch, why in WHOLE_ONLY.items()},
 }
@@ -205,10 +313,12 @@ def rules_for(arch: str) -> ArchRules:
         return ARCH_RULES[arch]
     except KeyError:
         from ...model import SUPPORTED as TORCH_ARCHS
+
         hint = "; --backend torch runs it" if arch in TORCH_ARCHS else ""
         raise UnsupportedShard(
             f"unsupported architecture '{arch}' for the llama.cpp backend (supported: "
-            f"{', '.join(sorted(ARCH_RULES))}){hint}") from None
+            f"{', '.join(sorted(ARCH_RULES))}){hint}"
+        ) from None
 
 
 def swa_layers(model: GGUFModelFile, rules: ArchRules) -> list[bool] | None:
@@ -223,8 +333,10 @@ def swa_layers(model: GGUFModelFile, rules: ArchRules) -> list[bool] | None:
     if isinstance(value, list):
         return [bool(v) for v in value]
     if rules.swa_array:
-        raise UnsupportedShard(f"{arch}: llama.cpp needs {key} as a per-layer array, and this file has "
-                               f"{'none' if value is None else 'a scalar'}")
+        raise UnsupportedShard(
+            f"{arch}: llama.cpp needs {key} as a per-layer array, and this file has "
+            f"{'none' if value is None else 'a scalar'}"
+        )
     period = int(value) if value is not None else rules.swa_pattern
     if rules.swa_dense_first:
         return [period == 0 or il % period != 0 for il in range(n)]

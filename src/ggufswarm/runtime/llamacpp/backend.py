@@ -38,8 +38,8 @@ from . import batch
 from .archs import recurrent_layers, rules_for
 from .derive import TokenEmbedding, hidden_width, n_vocab, shard_paths
 from .errors import KVCellsFull, LlamaCppError, UnsupportedShard
-from .range_checks import n_model_layers
 from .ffi import ensure_backend, graph_tap, install_tap
+from .range_checks import n_model_layers
 from .sampling import LlamaCppSampler
 from .seq import SeqKV
 
@@ -54,10 +54,10 @@ class ShardModelInfo:
     """What the node and clients need to know of the model a llama.cpp shard belongs to."""
 
     arch: str
-    n_layers: int          # blocks a route covers (MTP/nextn blocks excluded)
-    n_embd: int            # values per token of a hidden state between shards (derive.hidden_width)
+    n_layers: int  # blocks a route covers (MTP/nextn blocks excluded)
+    n_embd: int  # values per token of a hidden state between shards (derive.hidden_width)
     n_vocab: int
-    context_length: int    # trained context (tokens)
+    context_length: int  # trained context (tokens)
 
     @property
     def max_length(self) -> int:
@@ -70,8 +70,9 @@ def model_info(model: GGUFModelFile) -> ShardModelInfo:
     arch = model.architecture
     rules_for(arch)
     md = model.metadata
-    return ShardModelInfo(arch, n_model_layers(model), hidden_width(model), n_vocab(model),
-                          int(md.get(f"{arch}.context_length", 4096)))
+    return ShardModelInfo(
+        arch, n_model_layers(model), hidden_width(model), n_vocab(model), int(md.get(f"{arch}.context_length", 4096))
+    )
 
 
 def kv_bytes_per_token(model: GGUFModelFile, spec: ShardSpec) -> int:
@@ -115,10 +116,22 @@ class LlamaCppShard:
     # (docs/protocol.md, "Exactness"), more is the throughput mode
     batch_group: int = batch.EXACT_BATCH_GROUP
 
-    def __init__(self, model: GGUFModelFile, spec: ShardSpec, *, n_ctx_seq: int = 4096, n_seq_max: int = 4,
-                 n_batch: int = 2048, n_ubatch: int = 512, threads: int | None = None,
-                 cache_dir: str | os.PathLike | None = None, all_logits: bool = False, checkpoints: int = 4,
-                 kv_unified: bool = False, in_place: bool | None = None):
+    def __init__(
+        self,
+        model: GGUFModelFile,
+        spec: ShardSpec,
+        *,
+        n_ctx_seq: int = 4096,
+        n_seq_max: int = 4,
+        n_batch: int = 2048,
+        n_ubatch: int = 512,
+        threads: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        all_logits: bool = False,
+        checkpoints: int = 4,
+        kv_unified: bool = False,
+        in_place: bool | None = None,
+    ):
         self.model = model
         self.cfg = model_info(model)
         spec.validate(self.cfg.n_layers)
@@ -142,8 +155,9 @@ class LlamaCppShard:
         self._kv_bytes = kv_bytes_per_token(model, spec)
         recr = recurrent_layers(model)
         # llama.cpp cannot roll this shard's sessions back partway: recurrent blocks, or a cache that refuses it
-        self.exact_states_only = (bool(recr and any(recr[spec.start:spec.end]))
-                                  or rules_for(model.architecture).exact_states)
+        self.exact_states_only = (
+            bool(recr and any(recr[spec.start : spec.end])) or rules_for(model.architecture).exact_states
+        )
         self.checkpoints = max(0, int(checkpoints))
 
         mparams = L.llama_model_default_params()
@@ -160,8 +174,9 @@ class LlamaCppShard:
         n_embd = self.cfg.n_embd
         streams = rules.streams(model.metadata) if rules.streams else 1
         if L.llama_model_n_embd(self._model) * streams != n_embd:
-            raise LlamaCppError(f"{self.path}: n_embd {L.llama_model_n_embd(self._model)} x {streams}, "
-                                f"expected {n_embd}")
+            raise LlamaCppError(
+                f"{self.path}: n_embd {L.llama_model_n_embd(self._model)} x {streams}, expected {n_embd}"
+            )
         self.streams = streams
         # the graph reads each token's id with its hidden states (hash-routed blocks): forward(token_ids=...)
         self.needs_token_ids = rules.token_ids and not self.takes_tokens
@@ -211,8 +226,9 @@ class LlamaCppShard:
         # position to [p, p, p, 0] itself (llm_graph_input_pos::set_input) but reads an embedding batch's four,
         # section-major (pos[j * n_tokens + i], src/llama-batch.cpp): our buffer replaces the batch's 1-wide one
         rope = L.llama_model_rope_type(self._model)
-        self.n_pos_per_token = 4 if not self.takes_tokens and rope in (L.LLAMA_ROPE_TYPE_MROPE,
-                                                                       L.LLAMA_ROPE_TYPE_IMROPE) else 1
+        self.n_pos_per_token = (
+            4 if not self.takes_tokens and rope in (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE) else 1
+        )
         self._batch_pos = ctypes.cast(self._batch.pos, ctypes.c_void_p).value  # the one llama_batch_free frees
         if self.n_pos_per_token > 1:
             self._pos_buffer = np.zeros(n_batch * self.n_pos_per_token, dtype=np.int32)
@@ -247,8 +263,10 @@ class LlamaCppShard:
         or all ``n_seq_max`` sequence ids are taken."""
         check_max_length(max_length)
         if max_length > self.n_ctx_seq:
-            raise KVCellsFull(f"max_length {max_length} exceeds this shard's {self.n_ctx_seq} KV cells per session "
-                              f"(node --ctx-size)", "kv_budget_too_small")
+            raise KVCellsFull(
+                f"max_length {max_length} exceeds this shard's {self.n_ctx_seq} KV cells per session (node --ctx-size)",
+                "kv_budget_too_small",
+            )
         with self._lock:
             if not self._free_seqs:
                 raise KVCellsFull(f"all {self.n_seq_max} session slots of this shard are in use")
@@ -289,8 +307,10 @@ class LlamaCppShard:
         inputs = np.asarray(inputs)
         prepared = self.prepare_step(kv, inputs, token_ids)
         if self.spec.head and logits == "all" and int(inputs.shape[0]) > self.max_outputs:
-            raise ValueError(f"this head returns at most {self.max_outputs} rows of logits per step "
-                             f"(load it with all_logits=True for perplexity)")
+            raise ValueError(
+                f"this head returns at most {self.max_outputs} rows of logits per step "
+                f"(load it with all_logits=True for perplexity)"
+            )
         return self.decode_steps([(kv, *prepared)], logits)
 
     def forward_batch(self, steps: list[tuple]) -> list[np.ndarray | Exception]:
@@ -313,8 +333,9 @@ class LlamaCppShard:
         kv.reserve(n_tokens)
         if self.spec.embed:
             if inputs.ndim != 1 or inputs.dtype.kind not in "iu":
-                raise ValueError(f"the first shard takes integer token ids [n_tokens], got {inputs.dtype} "
-                                 f"{tuple(inputs.shape)}")
+                raise ValueError(
+                    f"the first shard takes integer token ids [n_tokens], got {inputs.dtype} {tuple(inputs.shape)}"
+                )
             ids = inputs.astype(np.int32, copy=False)
             if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.n_vocab:
                 raise TokenOutOfRange(f"token id out of range [0, {self.cfg.n_vocab})")
@@ -329,8 +350,10 @@ class LlamaCppShard:
         tok = None
         if self.needs_token_ids:
             if token_ids is None:
-                raise ValueError(f"this {self.cfg.arch} shard routes blocks by token id: a step of hidden states "
-                                 f"must carry its token ids")
+                raise ValueError(
+                    f"this {self.cfg.arch} shard routes blocks by token id: a step of hidden states "
+                    f"must carry its token ids"
+                )
             tok = np.asarray(token_ids).astype(np.int32, copy=False).reshape(-1)
             if tok.shape[0] != n_tokens:
                 raise ValueError(f"{tok.shape[0]} token ids for {n_tokens} hidden states")
@@ -359,10 +382,10 @@ class LlamaCppShard:
                 positions = np.arange(kv.length, kv.length + n, dtype=np.int32)
                 if self.n_pos_per_token == 4:  # text positions as llama.cpp writes them for tokens: [p, p, p, 0]
                     for section in range(3):  # section-major: pos[section * n_tokens + row]
-                        self._pos[section * n_tokens + at:section * n_tokens + at + n] = positions
-                    self._pos[3 * n_tokens + at:3 * n_tokens + at + n] = 0
+                        self._pos[section * n_tokens + at : section * n_tokens + at + n] = positions
+                    self._pos[3 * n_tokens + at : 3 * n_tokens + at + n] = 0
                 else:
-                    self._pos[at:at + n] = positions
+                    self._pos[at : at + n] = positions
                 for i in range(at, at + n):
                     batch.seq_id[i][0] = kv.seq_id
                 if ids is not None:
@@ -372,7 +395,7 @@ class LlamaCppShard:
                     embd = np.ascontiguousarray(embd, dtype=np.float32)
                     ctypes.memmove(self._embd_at + at * embd[0].nbytes, embd.ctypes.data, embd.nbytes)
                     if tok is not None:
-                        self._token_ids[at:at + n] = tok
+                        self._token_ids[at : at + n] = tok
                 at += n
             self._out[:n_tokens] = 1 if all_out else 0
             self._out[n_tokens - 1] = 1
@@ -388,8 +411,9 @@ class LlamaCppShard:
                 if self._tap.overflow or got != n_tokens:
                     for kv, *_ in steps:
                         L.llama_memory_seq_rm(self._mem, kv.seq_id, kv.length, -1)
-                    raise LlamaCppError(f"captured {got} hidden-state rows for {n_tokens} tokens "
-                                        f"(tensor {self._tap.target.decode()})")
+                    raise LlamaCppError(
+                        f"captured {got} hidden-state rows for {n_tokens} tokens (tensor {self._tap.target.decode()})"
+                    )
                 out = self._capture[:n_tokens].copy()
             elif logits == "all":  # the output rows, contiguous in batch order (llama.h, llama_get_logits)
                 out = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n_tokens, self.n_vocab_out)).copy()
@@ -423,8 +447,9 @@ class LlamaCppShard:
             held = L.llama_memory_seq_pos_max(self._mem, seq_id) + 1
             if got == 0 or held != n_tokens:
                 L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-                raise LlamaCppError(f"llama.cpp rejected the state ({len(data)} bytes; holds {held} tokens, "
-                                    f"expected {n_tokens})")
+                raise LlamaCppError(
+                    f"llama.cpp rejected the state ({len(data)} bytes; holds {held} tokens, expected {n_tokens})"
+                )
 
     def load_state(self, kv: SeqKV, data: bytes, n_tokens: int) -> None:
         """Replace the session's KV with a state from ``state_bytes`` holding ``n_tokens`` tokens.
@@ -462,5 +487,13 @@ class LlamaCppShard:
             pass
 
 
-__all__ = ["KV_STREAM_ROUNDING", "LlamaCppShard", "MAX_SEQUENCES", "MAX_VERIFY_TOKENS", "STATE_FORMAT",
-           "ShardModelInfo", "kv_bytes_per_token", "model_info"]
+__all__ = [
+    "KV_STREAM_ROUNDING",
+    "LlamaCppShard",
+    "MAX_SEQUENCES",
+    "MAX_VERIFY_TOKENS",
+    "STATE_FORMAT",
+    "ShardModelInfo",
+    "kv_bytes_per_token",
+    "model_info",
+]

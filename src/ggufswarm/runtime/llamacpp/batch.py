@@ -50,7 +50,7 @@ def forward_batch(shard: LlamaCppShard, steps: list[tuple]) -> list[np.ndarray |
             continue
         try:
             decode.append((i, (kv, *shard.prepare_step(kv, inputs))))
-        except Exception as exc:  # noqa: BLE001 - that step's error, the others go on
+        except Exception as exc:
             results[i] = exc
     if len(decode) == 1:  # nothing to share a decode with
         i = decode[0][0]
@@ -59,7 +59,7 @@ def forward_batch(shard: LlamaCppShard, steps: list[tuple]) -> list[np.ndarray |
         decode = grouped(shard, decode)
         try:
             rows = shard.decode_steps([step for _, step in decode], logits="all")
-            outs = [rows[j:j + 1] for j in range(len(decode))]
+            outs = [rows[j : j + 1] for j in range(len(decode))]
         except LlamaCppError:  # llama.cpp rolled the whole batch back: each step alone
             outs = [_forward_one(shard, *steps[i]) for i, _ in decode]
         for (i, _), out in zip(decode, outs):
@@ -82,8 +82,9 @@ def grouped(shard: LlamaCppShard, decode: list[tuple[int, tuple]]) -> list[tuple
     groups, run = [], []
     for d in decode:
         kv, last = d[1][0], run[-1][1][0] if run else None
-        if run and (kv.seq_id != last.seq_id + 1 or len(run) >= shard.batch_group or solo(shard, last)
-                    or solo(shard, kv)):
+        if run and (
+            kv.seq_id != last.seq_id + 1 or len(run) >= shard.batch_group or solo(shard, last) or solo(shard, kv)
+        ):
             groups.append(run)
             run = []
         run.append(d)
@@ -103,7 +104,7 @@ def _forward_one(shard: LlamaCppShard, kv: SeqKV, inputs: np.ndarray, token_ids=
     """``shard.forward`` of one step, its exception returned instead of raised."""
     try:
         return shard.forward(kv, inputs, token_ids=token_ids)
-    except Exception as exc:  # noqa: BLE001 - that step's error is its result
+    except Exception as exc:
         return exc
 
 

@@ -1,4 +1,5 @@
-"""Derived shard GGUFs: blocks ``[a, b)`` of a model renumbered from 0, metadata fixed so llama.cpp runs them as it would inside the whole model.
+"""Derived shard GGUFs: blocks ``[a, b)`` of a model renumbered from 0, metadata fixed so llama.cpp runs them as it
+would inside the whole model.
 
 llama.cpp builds a model's graph from ``{arch}.block_count`` and per-layer hyperparameters that
 it either reads from arrays or computes from the *absolute* layer index (the sliding-window
@@ -62,7 +63,9 @@ from .errors import UnsupportedShard
 from .range_checks import n_model_layers
 
 
-def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
+def shard_metadata(
+    model: GGUFModelFile, start: int, end: int, head: bool
+) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
     """Metadata of the shard GGUF for blocks ``[start, end)``: key → (value, type, array item type).
 
     Raises UnsupportedShard for an architecture outside ``ARCH_RULES`` or a range llama.cpp cannot run.
@@ -77,14 +80,17 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
         raise UnsupportedShard(f"{arch}: only the whole model runs on the llama.cpp backend: {rules.embd_input}")
     if rules.patch and not whole:
         from .patches import require_patch
+
         require_patch(rules.patch, f"a layer range of {arch}")
     extra = rules.check(model, start, end) if rules.check else {}
     heads = model.metadata.get(f"{arch}.attention.head_count")
     if isinstance(heads, list) and int(heads[start]) == 0 and int(heads[0]) > 0:
-        raise UnsupportedShard(f"{arch}: block {start} has no attention heads, and llama.cpp reads the head sizes "
-                               f"(attention.key_length, value_length, rope.dimension_count) only when a file's block 0 "
-                               f"has some (src/llama-model.cpp load_hparams: if (hparams.n_head() > 0)); a layer range "
-                               f"must start at a block with attention heads")
+        raise UnsupportedShard(
+            f"{arch}: block {start} has no attention heads, and llama.cpp reads the head sizes "
+            f"(attention.key_length, value_length, rope.dimension_count) only when a file's block 0 "
+            f"has some (src/llama-model.cpp load_hparams: if (hparams.n_head() > 0)); a layer range "
+            f"must start at a block with attention heads"
+        )
     out: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {}
     for key, value in model.metadata.items():
         vtype, item = model.metadata_types[key]
@@ -92,8 +98,12 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
             continue
         if not head and key.startswith("tokenizer."):
             continue
-        if (key.startswith(f"{arch}.") and isinstance(value, list) and len(value) == n_blocks
-                and not key.endswith(".rope.dimension_sections")):  # (4 M-RoPE sections, whatever the block count)
+        if (
+            key.startswith(f"{arch}.")
+            and isinstance(value, list)
+            and len(value) == n_blocks
+            and not key.endswith(".rope.dimension_sections")
+        ):  # (4 M-RoPE sections, whatever the block count)
             value = value[start:end]  # per-layer array
         out[key] = (value, vtype, item)
     out[f"{arch}.block_count"] = (end - start, GGUFValueType.UINT32, None)
@@ -112,11 +122,13 @@ def shard_metadata(model: GGUFModelFile, start: int, end: int, head: bool) -> di
     swa = swa_layers(model, rules)
     if swa is not None and any(swa) and not any(swa[start:end]):
         if not rules.swa_optional:
-            raise UnsupportedShard(f"{arch}: layer range {start}:{end} holds no sliding-window layer, and llama.cpp's "
-                                   f"memory for a model with sliding-window attention asserts one (src/llama-model.cpp "
-                                   f"create_memory: is_swa_any); widen the range (sliding-window layers: "
-                                   f"{', '.join(str(i) for i, w in enumerate(swa) if w)}), or a llama.cpp change: "
-                                   f"create_memory building a plain KV cache when no block is sliding-window")
+            raise UnsupportedShard(
+                f"{arch}: layer range {start}:{end} holds no sliding-window layer, and llama.cpp's "
+                f"memory for a model with sliding-window attention asserts one (src/llama-model.cpp "
+                f"create_memory: is_swa_any); widen the range (sliding-window layers: "
+                f"{', '.join(str(i) for i, w in enumerate(swa) if w)}), or a llama.cpp change: "
+                f"create_memory building a plain KV cache when no block is sliding-window"
+            )
         # llama.cpp then builds a plain model (a plain KV cache): the range's full-attention blocks compute as in the
         # whole model
         out[f"{arch}.attention.sliding_window"] = (0, GGUFValueType.UINT32, None)
@@ -175,7 +187,9 @@ def shard_tensors(model: GGUFModelFile, start: int, end: int, head: bool) -> lis
         elif name in rules.embd_add and start > 0:
             continue  # a zero stand-in (_stand_ins): the hidden states coming in already hold it
         elif name in ("token_embd.weight", "output.weight", "output.bias", "output_norm.weight"):
-            if not head or (rules.no_dummy_head and name == "token_embd.weight" and not (start == 0 and end == n_layer)):
+            if not head or (
+                rules.no_dummy_head and name == "token_embd.weight" and not (start == 0 and end == n_layer)
+            ):
                 continue  # (a patched graph taking hidden states needs no token embedding)
             new_name = name
         elif name.startswith("output_") and rules.no_dummy_head and not head:
@@ -195,21 +209,32 @@ def _stand_ins(model: GGUFModelFile, head: bool, start: int = 0) -> list[tuple[s
     zeros of the model's shape for the tensors the graph adds to its input (``ArchRules.embd_add``, f16)."""
     arch = model.architecture
     rules = rules_for(arch)
-    out = [(name, np.zeros(model.tensors[name].shape, np.float16))
-           for name in rules.embd_add if start > 0 and name in model.tensors]
+    out = [
+        (name, np.zeros(model.tensors[name].shape, np.float16))
+        for name in rules.embd_add
+        if start > 0 and name in model.tensors
+    ]
     if head or rules.no_dummy_head:
         return out
     n_embd = int(model.metadata[f"{arch}.embedding_length"])
-    stand = {"token_embd.weight": np.zeros((1, n_embd), np.float32),
-             "output.weight": np.zeros((1, n_embd), np.float32),
-             "output.bias": np.zeros(1, np.float32),
-             "output_norm.weight": np.ones(n_embd, np.float32)}
-    return [(name, array) for name, array in stand.items()
-            if name == "token_embd.weight" or name in model.tensors] + out
+    stand = {
+        "token_embd.weight": np.zeros((1, n_embd), np.float32),
+        "output.weight": np.zeros((1, n_embd), np.float32),
+        "output.bias": np.zeros(1, np.float32),
+        "output_norm.weight": np.ones(n_embd, np.float32),
+    }
+    return [
+        (name, array) for name, array in stand.items() if name == "token_embd.weight" or name in model.tensors
+    ] + out
 
 
-def _write_gguf(model: GGUFModelFile, dest: Path, metadata: dict, tensors: list[tuple[str, str]],
-                arrays: list[tuple[str, np.ndarray]]) -> Path:
+def _write_gguf(
+    model: GGUFModelFile,
+    dest: Path,
+    metadata: dict,
+    tensors: list[tuple[str, str]],
+    arrays: list[tuple[str, np.ndarray]],
+) -> Path:
     """Write a GGUF with ``metadata``, the raw bytes of ``tensors`` (``(model name, new name)``, read from ``model``)
     and ``arrays``, to a temporary name renamed to ``dest`` (a crash never leaves a half file behind)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +272,9 @@ def derive_shard(model: GGUFModelFile, start: int, end: int, head: bool, dest: s
     Raises UnsupportedShard as ``shard_metadata``; OSError on a write failure.
     """
     metadata = shard_metadata(model, start, end, head)
-    return _write_gguf(model, Path(dest), metadata, shard_tensors(model, start, end, head), _stand_ins(model, head, start))
+    return _write_gguf(
+        model, Path(dest), metadata, shard_tensors(model, start, end, head), _stand_ins(model, head, start)
+    )
 
 
 def derive_shard_header(model: GGUFModelFile, start: int, end: int, head: bool, dest: str | os.PathLike) -> Path:
@@ -263,13 +290,15 @@ def derive_shard_header(model: GGUFModelFile, start: int, end: int, head: bool, 
     tensors = shard_tensors(model, start, end, head)
     stand_ins = _stand_ins(model, head, start)
     metadata = shard_metadata(model, start, end, head)
-    metadata.update({
-        "split.no": (0, GGUFValueType.UINT16, None),
-        "split.count": (1 + len(model.paths), GGUFValueType.UINT16, None),
-        "split.tensors.count": (len(tensors) + len(stand_ins), GGUFValueType.INT32, None),
-        "split.sources.tensors": ([name for name, _ in tensors], GGUFValueType.ARRAY, GGUFValueType.STRING),
-        "split.sources.block_offset": (start, GGUFValueType.UINT32, None),
-    })
+    metadata.update(
+        {
+            "split.no": (0, GGUFValueType.UINT16, None),
+            "split.count": (1 + len(model.paths), GGUFValueType.UINT16, None),
+            "split.tensors.count": (len(tensors) + len(stand_ins), GGUFValueType.INT32, None),
+            "split.sources.tensors": ([name for name, _ in tensors], GGUFValueType.ARRAY, GGUFValueType.STRING),
+            "split.sources.block_offset": (start, GGUFValueType.UINT32, None),
+        }
+    )
     return _write_gguf(model, Path(dest), metadata, [], stand_ins)
 
 
@@ -315,8 +344,9 @@ def shard_file_name(model: GGUFModelFile, start: int, end: int, head: bool) -> s
     return f"{model.fingerprint[:16]}-{start}-{end}{'-head' if head else ''}-v2.gguf"
 
 
-def shard_paths(model: GGUFModelFile, start: int, end: int, head: bool, cache_dir: str | os.PathLike,
-                in_place: bool | None = None) -> list[Path]:
+def shard_paths(
+    model: GGUFModelFile, start: int, end: int, head: bool, cache_dir: str | os.PathLike, in_place: bool | None = None
+) -> list[Path]:
     """The files llama.cpp loads for the shard ``[start, end)``, derived under ``cache_dir`` on first use.
 
     The whole model with its head (``start == 0``, ``end == n_layers``, no MTP blocks, one file) is the original file
@@ -324,12 +354,18 @@ def shard_paths(model: GGUFModelFile, start: int, end: int, head: bool, cache_di
     (``derive_shard_header``) followed by the model's own files, which llama.cpp reads the shard's tensors from in
     place; else one derived shard GGUF holding a copy of them (``derive_shard``).
     """
-    if start == 0 and end == n_model_layers(model) and head and n_model_layers(model) == int(
-            model.metadata[f"{model.architecture}.block_count"]) and len(model.paths) == 1:
+    if (
+        start == 0
+        and end == n_model_layers(model)
+        and head
+        and n_model_layers(model) == int(model.metadata[f"{model.architecture}.block_count"])
+        and len(model.paths) == 1
+    ):
         rules_for(model.architecture)
         return [model.path]
     if in_place is None:
         from .patches import applied
+
         in_place = applied("0004-split-sources")
     name = shard_file_name(model, start, end, head)
     if in_place:
@@ -343,5 +379,13 @@ def shard_paths(model: GGUFModelFile, start: int, end: int, head: bool, cache_di
     return [path]
 
 
-__all__ = ["TokenEmbedding", "derive_shard", "derive_shard_header", "hidden_width", "n_vocab", "shard_metadata",
-           "shard_paths", "shard_tensors"]
+__all__ = [
+    "TokenEmbedding",
+    "derive_shard",
+    "derive_shard_header",
+    "hidden_width",
+    "n_vocab",
+    "shard_metadata",
+    "shard_paths",
+    "shard_tensors",
+]

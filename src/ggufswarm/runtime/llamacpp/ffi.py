@@ -78,8 +78,10 @@ def ggml_functions() -> tuple[int, int, int]:
     if not candidates:
         raise RuntimeError(f"cannot find ggml's base library next to llama-cpp-python ({lib_dir})")
     lib = ctypes.CDLL(str(candidates[0]))
-    return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                 for name in ("ggml_get_name", "ggml_backend_tensor_get", "ggml_nbytes"))
+    return tuple(
+        ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        for name in ("ggml_get_name", "ggml_backend_tensor_get", "ggml_nbytes")
+    )
 
 
 def graph_tap(capture: np.ndarray, target: str) -> GraphTap:

@@ -33,7 +33,7 @@ def libllama_path() -> Path:
     return Path(llama_cpp.llama_cpp._lib._name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _library_bytes(path: str) -> bytes:
     return Path(path).read_bytes()
 
@@ -52,7 +52,8 @@ def require_patch(name: str, what: str) -> None:
         raise UnsupportedShard(
             f"{what} needs llama.cpp patch {name} (patches/llama.cpp in ggufswarm), which the llama-cpp-python at "
             f"{libllama_path().parent.parent} does not carry; `make setup` builds one with the patch queue "
-            f"(until then only the whole model runs)")
+            f"(until then only the whole model runs)"
+        )
 
 
 __all__ = ["PATCH_MARKERS", "applied", "libllama_path", "require_patch"]

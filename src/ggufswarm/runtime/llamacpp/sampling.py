@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
-
 import llama_cpp as L
+import numpy as np
 
 from ..sampling import SamplerBase, SamplingParams, _as_numpy, greedy
 
@@ -28,7 +27,7 @@ assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)
 
 def draw_seed(seed: int, position: int) -> int:
     """The 32-bit dist seed (``llama_sampler_init_dist``) of the draw at ``position`` (tokens before it)."""
-    return (seed * 1_000_003 + position) % 2 ** 32
+    return (seed * 1_000_003 + position) % 2**32
 
 
 class LlamaCppSampler(SamplerBase):
@@ -100,16 +99,15 @@ class LlamaCppSampler(SamplerBase):
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_logit_bias(n_vocab, len(p.logit_bias), biases))
         # Each penalties sampler keeps a ring buffer of penalty_last_n ids: sized to the tokens it is given, never
         # to a client's window (repeat_last_n may be 2^31 - 1).
-        window = history[-p.repeat_last_n:] if p.repeat_last_n > 0 else []
+        window = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else []
         if p.repeat_penalty != 1.0 and window:
             pen = L.llama_sampler_init_penalties(n_vocab, len(window), p.repeat_penalty, 0.0, 0.0)
             for tok in window:
                 L.llama_sampler_accept(pen, tok)
             L.llama_sampler_chain_add(chain, pen)
-        generated = history[p.penalize_from:]
+        generated = history[p.penalize_from :]
         if (p.frequency_penalty or p.presence_penalty) and generated:  # OpenAI's: over the generated tokens
-            pen = L.llama_sampler_init_penalties(n_vocab, len(generated), 1.0, p.frequency_penalty,
-                                                 p.presence_penalty)
+            pen = L.llama_sampler_init_penalties(n_vocab, len(generated), 1.0, p.frequency_penalty, p.presence_penalty)
             for tok in generated:
                 L.llama_sampler_accept(pen, tok)
             L.llama_sampler_chain_add(chain, pen)
@@ -146,7 +144,7 @@ class LlamaCppSampler(SamplerBase):
             L.llama_sampler_apply(chain, ctypes.byref(arr))
         finally:
             L.llama_sampler_free(chain)
-        data = self._data[:arr.size]
+        data = self._data[: arr.size]
         out = np.empty(n, dtype=np.float32)
         out[data["id"]] = data["logit"]
         return out
@@ -162,14 +160,19 @@ class LlamaCppSampler(SamplerBase):
             return self._draw(logits, history, False)
         if self._grammar is None:
             raise ValueError("a grammar needs the head's vocabulary: call bind(executor) first")
-        self._sync_grammar(history[p.penalize_from:])
+        self._sync_grammar(history[p.penalize_from :])
         token = self._draw(logits, history, False)
         return token if self._allows(token) else self._draw(logits, history, True)
 
     def _draw(self, logits, history: list[int], grammar: bool) -> int:
         p = self.params
-        if not grammar and p.temperature <= 0 and (p.repeat_penalty == 1.0 or not history) and not p.logit_bias \
-                and not ((p.frequency_penalty or p.presence_penalty) and history[p.penalize_from:]):
+        if (
+            not grammar
+            and p.temperature <= 0
+            and (p.repeat_penalty == 1.0 or not history)
+            and not p.logit_bias
+            and not ((p.frequency_penalty or p.presence_penalty) and history[p.penalize_from :])
+        ):
             return greedy(logits)  # what llama.cpp's greedy sampler returns (first maximum)
         arr, n = self._array(logits)
         if grammar:  # tokens the grammar does not allow get -inf

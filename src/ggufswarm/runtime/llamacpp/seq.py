@@ -57,7 +57,8 @@ class SeqKV(KVPosition):
                 held = sorted(self.checkpoints) or "none"
                 raise StateNotAtPosition(
                     f"this shard's state cannot be rolled back to {length} tokens (llama.cpp keeps one recurrent or "
-                    f"compressed state per session); exact state checkpoints held: {held}")
+                    f"compressed state per session); exact state checkpoints held: {held}"
+                )
             try:
                 self.shard.set_seq_state(self.seq_id, state, length)
             except LlamaCppError:  # llama.cpp refused its own state: the sequence is empty now

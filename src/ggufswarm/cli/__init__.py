@@ -1,4 +1,5 @@
-"""Command line: ``ggufswarm demo | generate | perplexity | node | gateway | tracker | publish | status | cache | plan``."""
+"""Command line: ``ggufswarm demo | generate | perplexity | node | gateway | tracker | publish | status | cache |
+plan``: each command's entry (``cmd_*``) and ``main``; the options are in ``parser.py``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from .cli_parser import build_parser, check_speculative
+from .args import check_speculative
+from .parser import build_parser
 
 
 def _context_for(max_tokens: int) -> int:
@@ -16,18 +18,34 @@ def _context_for(max_tokens: int) -> int:
 
 def cmd_generate(args) -> int:
     check_speculative(args)
-    from .client.generate import GenerationStats, generate
-    from .client.local import LocalModel
-    from .runtime.sampling import SamplingParams
+    from ..client.generate import GenerationStats, generate
+    from ..client.local import LocalModel
+    from ..runtime.sampling import SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repeat_penalty=args.repeat_penalty, seed=args.seed).validate()
-    model = LocalModel.load(args.model, args.split, args.dtype, args.backend, args.threads,
-                            max_length=_context_for(args.max_tokens), max_sessions=1)
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+    ).validate()
+    model = LocalModel.load(
+        args.model,
+        args.split,
+        args.dtype,
+        args.backend,
+        args.threads,
+        max_length=_context_for(args.max_tokens),
+        max_sessions=1,
+    )
     if args.chat and not model.tokenizer.chat_template:
-        print(f"note: the GGUF has no chat template (a base model?); using llama.cpp's built-in "
-              f"'{model.tokenizer.builtin_template}' template", file=sys.stderr)
+        print(
+            f"note: the GGUF has no chat template (a base model?); using llama.cpp's built-in "
+            f"'{model.tokenizer.builtin_template}' template",
+            file=sys.stderr,
+        )
     ids = model.prompt_ids(prompt, chat=args.chat)
     limit = model.config.max_length
     if len(ids) >= limit:
@@ -36,13 +54,19 @@ def cmd_generate(args) -> int:
     stats = GenerationStats()
     drafter = None
     if args.speculative == "ngram":
-        from .client.speculative import NgramDrafter
+        from ..client.speculative import NgramDrafter
+
         drafter = NgramDrafter(min(args.draft_max, session.max_verify_tokens - 1))
     elif args.speculative == "draft":
-        from .client.speculative import DraftModel
-        drafter = DraftModel(args.draft_model, model.file.metadata, max_length=_context_for(args.max_tokens),
-                             sessions=1, threads=args.draft_threads).drafter(
-            min(args.draft_max, session.max_verify_tokens - 1), session.max_length)
+        from ..client.speculative import DraftModel
+
+        drafter = DraftModel(
+            args.draft_model,
+            model.file.metadata,
+            max_length=_context_for(args.max_tokens),
+            sessions=1,
+            threads=args.draft_threads,
+        ).drafter(min(args.draft_max, session.max_verify_tokens - 1), session.max_length)
     for delta in generate(session, model.tokenizer, ids, args.max_tokens, args.stop, stats, drafter, args.special):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -53,8 +77,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_perplexity(args) -> int:
-    from .client.local import LocalModel
-    from .client.perplexity import perplexity
+    from ..client.local import LocalModel
+    from ..client.perplexity import perplexity
 
     try:
         with open(args.file, encoding="utf-8") as f:
@@ -63,8 +87,9 @@ def cmd_perplexity(args) -> int:
         raise ValueError(f"{args.file}: is a directory, not a text file") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"{args.file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    model = LocalModel.load(args.model, args.split, args.dtype, args.backend, args.threads,
-                            max_length=args.ctx_size, all_logits=True)
+    model = LocalModel.load(
+        args.model, args.split, args.dtype, args.backend, args.threads, max_length=args.ctx_size, all_logits=True
+    )
     tokens = model.tokenizer.encode(text)
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos else None
 
@@ -79,35 +104,62 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_node(args) -> int:
-    from .node import NodeConfig, run_node
+    from ..node import NodeConfig, run_node
+
     if args.snapshot_every < 0:
         raise ValueError(f"--snapshot-every must be >= 0, got {args.snapshot_every}")
     if args.layers == "auto" and not args.tracker:
-        raise ValueError("--layers auto picks the range the swarm covers least: it needs --tracker (or give "
-                         "START:END)")
+        raise ValueError("--layers auto picks the range the swarm covers least: it needs --tracker (or give START:END)")
     if args.fetch_timeout <= 0 or args.fetch_stall <= 0:
-        raise ValueError(f"--fetch-timeout and --fetch-stall must be > 0 seconds, got {args.fetch_timeout:g} "
-                         f"and {args.fetch_stall:g}")
+        raise ValueError(
+            f"--fetch-timeout and --fetch-stall must be > 0 seconds, got {args.fetch_timeout:g} "
+            f"and {args.fetch_stall:g}"
+        )
     if args.cache is not None and not args.cache.startswith(("http://", "https://")):
         raise ValueError(f"--cache must be the cache server's http:// URL, got {args.cache!r}")
-    return run_node(NodeConfig(
-        layers=args.layers, embed=args.embed, head=args.head, model=args.model, host=args.host, port=args.port,
-        dtype=args.dtype, backend=args.backend, threads=args.threads, ctx_size=args.ctx_size,
-        max_sessions=args.max_sessions, batch_group=args.batch_group, kv_budget_tokens=args.kv_budget, kv_budget_mb=args.kv_budget_mb,
-        session_ttl_s=args.session_ttl, hop_timeout_s=args.hop_timeout, max_step_tokens=args.max_step_tokens,
-        workers=args.workers, exit_with_parent=args.exit_with_parent, tracker=args.tracker, data_dir=args.data_dir,
-        memory_budget_mb=args.memory_budget, fetch_timeout_s=args.fetch_timeout,
-        fetch_stall_s=args.fetch_stall, cache=args.cache, snapshot_every=args.snapshot_every, token=args.token,
-        state_checkpoints=args.state_checkpoints))
+    return run_node(
+        NodeConfig(
+            layers=args.layers,
+            embed=args.embed,
+            head=args.head,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            dtype=args.dtype,
+            backend=args.backend,
+            threads=args.threads,
+            ctx_size=args.ctx_size,
+            max_sessions=args.max_sessions,
+            batch_group=args.batch_group,
+            kv_budget_tokens=args.kv_budget,
+            kv_budget_mb=args.kv_budget_mb,
+            session_ttl_s=args.session_ttl,
+            hop_timeout_s=args.hop_timeout,
+            max_step_tokens=args.max_step_tokens,
+            workers=args.workers,
+            exit_with_parent=args.exit_with_parent,
+            tracker=args.tracker,
+            data_dir=args.data_dir,
+            memory_budget_mb=args.memory_budget,
+            fetch_timeout_s=args.fetch_timeout,
+            fetch_stall_s=args.fetch_stall,
+            cache=args.cache,
+            snapshot_every=args.snapshot_every,
+            token=args.token,
+            state_checkpoints=args.state_checkpoints,
+        )
+    )
 
 
 def cmd_cache(args) -> int:
-    from .cache.app import CacheConfig, run_cache
+    from ..cache.app import CacheConfig, run_cache
+
     return run_cache(CacheConfig(dir=args.dir, max_bytes=args.max_bytes, token=args.token), args.host, args.port)
 
 
 def cmd_gateway(args) -> int:
-    from .gateway import GatewayConfig, run_gateway
+    from ..gateway import GatewayConfig, run_gateway
+
     check_speculative(args)
     if not args.route and not args.tracker:
         raise ValueError("give --route URL1,URL2,... or --tracker URL")
@@ -120,40 +172,59 @@ def cmd_gateway(args) -> int:
             raise ValueError(f"--chat-template-file: cannot read {args.chat_template_file}: {exc}") from None
         if not chat_template.strip():
             raise ValueError(f"--chat-template-file: {args.chat_template_file} is empty")
-    return run_gateway(GatewayConfig(route=route, model=args.model, host=args.host, port=args.port,
-                                     hop_timeout_s=args.hop_timeout, wire_dtype=args.wire_dtype,
-                                     default_max_tokens=args.max_tokens, tracker=args.tracker,
-                                     session_lease_s=args.session_lease,
-                                     api_keys=tuple(args.api_key), prompt_special=not args.literal_prompts,
-                                     data_dir=args.data_dir, chat_template=chat_template, token=args.token,
-                                     speculative=args.speculative, draft_max=args.draft_max,
-                                     draft_model=args.draft_model, draft_threads=args.draft_threads))
+    return run_gateway(
+        GatewayConfig(
+            route=route,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            hop_timeout_s=args.hop_timeout,
+            wire_dtype=args.wire_dtype,
+            default_max_tokens=args.max_tokens,
+            tracker=args.tracker,
+            session_lease_s=args.session_lease,
+            api_keys=tuple(args.api_key),
+            prompt_special=not args.literal_prompts,
+            data_dir=args.data_dir,
+            chat_template=chat_template,
+            token=args.token,
+            speculative=args.speculative,
+            draft_max=args.draft_max,
+            draft_model=args.draft_model,
+            draft_threads=args.draft_threads,
+        )
+    )
 
 
 def cmd_demo(args) -> int:
-    from .gateway.demo import run_demo
+    from ..gateway.demo import run_demo
+
     check_speculative(args)
     return run_demo(args)
 
 
 def cmd_tracker(args) -> int:
-    from .tracker.app import TrackerConfig
-    from .tracker.service import run_tracker
+    from ..tracker.app import TrackerConfig
+    from ..tracker.service import run_tracker
+
     return run_tracker(TrackerConfig(db=args.db, ttl_s=args.ttl, token=args.token), args.host, args.port)
 
 
 def cmd_publish(args) -> int:
     from pathlib import Path
 
-    from .artifact.default_model import model_name, resolve_model
-    from .swarm.publish import publish, seed_forever
+    from ..artifact.default_model import model_name, resolve_model
+    from ..swarm.publish import publish, seed_forever
+
     path = resolve_model(args.model)
     name = args.name or model_name(args.model, path)
-    published = publish(path, args.tracker, name, Path(args.data_dir), args.web_seed, args.piece_size,
-                        token=args.token)
+    published = publish(path, args.tracker, name, Path(args.data_dir), args.web_seed, args.piece_size, token=args.token)
     m = published.manifest
-    print(f"published {m.name}: {m.arch}, {m.n_layers} layers, {sum(f['bytes'] for f in m.files)} bytes, "
-          f"info-hash {published.info_hash}", flush=True)
+    print(
+        f"published {m.name}: {m.arch}, {m.n_layers} layers, {sum(f['bytes'] for f in m.files)} bytes, "
+        f"info-hash {published.info_hash}",
+        flush=True,
+    )
     if not args.no_seed:
         print("seeding; Ctrl-C stops", file=sys.stderr, flush=True)
         seed_forever(published, path)
@@ -161,7 +232,8 @@ def cmd_publish(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from .tracker.service import status_text
+    from ..tracker.service import status_text
+
     print(status_text(args.tracker, args.token))
     return 0
 
@@ -169,9 +241,10 @@ def cmd_status(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
-    from .artifact.accounting import MAX_CONTEXT
-    from .artifact.planning import place, plan_json, plan_text
-    from .client.published import load_accounts
+    from ..artifact.accounting import MAX_CONTEXT
+    from ..artifact.planning import place, plan_json, plan_text
+    from ..client.published import load_accounts
+
     if args.node_memory is None and args.nodes is not None:
         raise ValueError("--nodes places the model on nodes of --node-memory: give both")
     acc, source = load_accounts(args.model, args.tracker, args.token)
@@ -185,9 +258,18 @@ def cmd_plan(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "node": cmd_node, "gateway": cmd_gateway,
-            "demo": cmd_demo, "tracker": cmd_tracker, "publish": cmd_publish, "status": cmd_status,
-            "cache": cmd_cache, "plan": cmd_plan}
+COMMANDS = {
+    "generate": cmd_generate,
+    "perplexity": cmd_perplexity,
+    "node": cmd_node,
+    "gateway": cmd_gateway,
+    "demo": cmd_demo,
+    "tracker": cmd_tracker,
+    "publish": cmd_publish,
+    "status": cmd_status,
+    "cache": cmd_cache,
+    "plan": cmd_plan,
+}
 
 
 COMPONENTS = ("tracker", "node", "gateway", "cache")  # what a log line names when its logger is one of theirs
@@ -229,25 +311,31 @@ def main(argv: list[str] | None = None) -> int:
     if lease is not None and not 0 < lease < float("inf"):
         parser.error(f"--session-lease must be a positive number of seconds, got {lease}")
     if getattr(args, "dtype", "float32") != "float32" and getattr(args, "backend", None) == "llama.cpp":
-        parser.error(f"--dtype {args.dtype} is the torch backend's compute dtype; the llama.cpp backend computes "
-                     f"as llama.cpp does (add --backend torch)")
+        parser.error(
+            f"--dtype {args.dtype} is the torch backend's compute dtype; the llama.cpp backend computes "
+            f"as llama.cpp does (add --backend torch)"
+        )
     if threads and getattr(args, "backend", None) == "torch":
         import torch
+
         torch.set_num_threads(threads)
     if hasattr(args, "token"):  # the only place the environment is read: everything else is given the token
-        from .protocol.auth import TOKEN_ENV
+        from ..protocol.auth import TOKEN_ENV
+
         args.token = args.token or os.environ.get(TOKEN_ENV) or None
-    from .artifact.gguf_file import GGUFError
+    from ..artifact.gguf_file import GGUFError
+
     _log_to_stderr(args.command)
     try:
         return COMMANDS[args.command](args)
-    except (GGUFError, ValueError, OSError, RuntimeError) as exc:  # UnsupportedArchitecture, ContextOverflow: ValueErrors
+    except (
+        GGUFError,
+        ValueError,
+        OSError,
+        RuntimeError,
+    ) as exc:  # UnsupportedArchitecture, ContextOverflow: ValueErrors
         print(f"ggufswarm {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"ggufswarm {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Argument types and option groups the command line's subcommands share: layer cuts, byte sizes, the model and
+backend options, the swarm token, speculative decoding."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+
+def layer_cuts(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--split takes comma-separated layer indices, got {text!r}") from None
+
+
+def model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="GGUF file (or first file of a split set), or smollm2 (SmolLM2-135M-"
+        "Instruct, installed by the set-up); default: embedded Gemma 3 270M",
+    )
+    p.add_argument(
+        "--split",
+        type=layer_cuts,
+        metavar="A,B,...",
+        default=None,
+        help="run the model as in-process chained shards cut at these layers",
+    )
+    backend_args(p)
+
+
+def backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend",
+        choices=["llama.cpp", "torch"],
+        default="llama.cpp",
+        help="shard backend: llama.cpp (default: llama.cpp's own graphs and quantized kernels, bitwise "
+        "equal to llama.cpp) or torch (the PyTorch reference: dequantized weights, f32/bf16)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="torch backend's compute dtype (default float32; with --backend torch only)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads: llama.cpp's decode and batch threads, or PyTorch's (default: all cores)",
+    )
+
+
+def byte_size(text: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?", text.strip().upper())
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"size must be a positive number of bytes, optionally with K/M/G/T, got {text!r}"
+        )
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
+
+
+def token_arg(p: argparse.ArgumentParser, unset: str = "none = an open swarm") -> None:
+    p.add_argument(
+        "--token",
+        default=None,
+        metavar="SECRET",
+        help="swarm token: nodes, tracker and cache answer only requests carrying it (401 otherwise); "
+        f"default $GGUFSWARM_TOKEN, {unset}",
+    )
+
+
+def draft_max(text: str) -> int:
+    from .client.speculative import MAX_DRAFT
+
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in 1..{MAX_DRAFT}, got {text!r}") from None
+    if not 1 <= k <= MAX_DRAFT:
+        raise argparse.ArgumentTypeError(
+            f"must be in 1..{MAX_DRAFT} (tokens drafted per verify step; the head "
+            f"verifies at most {MAX_DRAFT + 1} tokens in one step), got {k}"
+        )
+    return k
+
+
+def speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        choices=["none", "ngram", "draft"],
+        default="none",
+        help="speculative decoding (default none). ngram: draft up to --draft-max tokens by prompt lookup "
+        "(the tokens that followed the latest earlier occurrence of the last 1-3 tokens); draft: the "
+        "greedy continuation of --draft-model, a small GGUF of the same vocabulary run in this "
+        "process. The drafts go with the last sampled token as one step in which the head samples "
+        "every position; the client keeps the drafts it confirms plus the head's next token: the "
+        "same tokens as without it (greedy or seeded sampling), in fewer trips through the route. "
+        "Pays off on code and repetitive text, most "
+        "over slow links; requests with logprobs decode plainly",
+    )
+    p.add_argument(
+        "--draft-max",
+        type=draft_max,
+        default=None,
+        metavar="K",
+        help="most tokens drafted per step, 1..15 (default 2). Up to 2 the llama.cpp backend computes a "
+        "verify step bitwise as one-token steps (output identical to plain decoding); from 3 on "
+        "ggml's batched kernels round differently on some weight types (Gemma's Q4_K/Q8_0) and a "
+        'token can differ now and then (docs/protocol.md, "Speculative decoding")',
+    )
+    p.add_argument(
+        "--draft-model",
+        metavar="PATH|NAME",
+        help="with --speculative draft: the draft GGUF (same "
+        "vocabulary as the served model, e.g. a smaller model of its family)",
+    )
+    p.add_argument(
+        "--draft-threads", type=int, default=1, metavar="N", help="llama.cpp threads of the draft model (default 1)"
+    )
+
+
+def check_speculative(args) -> None:
+    """ValueError for speculative settings that do not go together (a draft model without ``--speculative draft``
+    or the reverse, ``--draft-max`` without ``--speculative``); ``args.draft_max`` gets its default (2)."""
+    if (args.speculative == "draft") != bool(args.draft_model):
+        raise ValueError("--speculative draft needs --draft-model PATH (and --draft-model needs --speculative draft)")
+    if args.draft_max is not None and args.speculative == "none":
+        raise ValueError("--draft-max sets the drafts of speculative decoding: give --speculative ngram or draft too")
+    if args.draft_max is None:
+        from .client.speculative import DEFAULT_DRAFT_MAX
+
+        args.draft_max = DEFAULT_DRAFT_MAX

@@ -1,0 +1,383 @@
+"""The command line's long-running services: the options of ``ggufswarm node``, ``gateway``, ``demo``, ``tracker``
+and ``cache``."""
+
+from __future__ import annotations
+
+import argparse
+
+from .args import backend_args, byte_size, speculative_args, token_arg
+
+
+def add_node_parser(sub) -> argparse.ArgumentParser:
+    """Add ``ggufswarm node`` to the subparsers ``sub``; its parser."""
+    n = sub.add_parser(
+        "node",
+        help="serve one shard (a layer range) over HTTP",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve layers START:END (half-open, as Python slices) of a GGUF model. The first "
+        "shard of a route needs --embed, the last --head (norm + LM head + sampler). "
+        "Each session keeps its KV cache here; frames go straight to the next hop. "
+        "Prints 'ggufswarm node ready: URL ...' once listening. Protocol: docs/protocol.md.",
+        epilog="example, a 2-node route of an 18-layer model:\n"
+        "  ggufswarm node --layers 0:9 --embed --port 8471\n"
+        "  ggufswarm node --layers 9:18 --head --port 8472",
+    )
+    n.add_argument(
+        "--layers",
+        required=True,
+        metavar="START:END",
+        help="layer range to serve, e.g. 0:6; with --tracker also 'auto': a range that fits in "
+        "--memory-budget, on the cuts the swarm's nodes already use (so it can replace or chain with "
+        "them) where the swarm has the fewest nodes (embed/head follow the range)",
+    )
+    n.add_argument("--embed", action="store_true", help="also run the embedding stage (first shard of a route)")
+    n.add_argument("--head", action="store_true", help="also run output norm, LM head and sampler (last shard)")
+    n.add_argument(
+        "--model",
+        metavar="PATH|NAME",
+        help="GGUF file; with --tracker the published model name. Default: embedded Gemma 3 270M",
+    )
+    n.add_argument(
+        "--tracker",
+        metavar="URL",
+        help="fetch the shard from the swarm this tracker knows, "
+        "seed it, and advertise this node there (heartbeats; deregisters on shutdown)",
+    )
+    n.add_argument(
+        "--data-dir",
+        default="ggufswarm-data",
+        metavar="DIR",
+        help="where swarm-fetched shards (sparse files) and the llama.cpp backend's derived shard GGUFs "
+        "(DIR/shards, one per layer range, reused across restarts) are kept; default ./ggufswarm-data",
+    )
+    n.add_argument(
+        "--memory-budget",
+        type=float,
+        default=8192.0,
+        metavar="MB",
+        help="with --layers auto: the most MiB of weights to take, embedding and LM head included (default 8192)",
+    )
+    n.add_argument(
+        "--fetch-timeout",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="with --tracker: give up fetching the shard after S seconds in all (default 1800)",
+    )
+    n.add_argument(
+        "--fetch-stall",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="with --tracker: when no new piece arrives for S seconds (its only seeder died, none is "
+        "up yet), say so and ask the tracker for peers again; repeats while stalled (default 60)",
+    )
+    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
+    backend_args(n)
+    n.add_argument(
+        "--ctx-size",
+        type=int,
+        default=8192,
+        metavar="TOKENS",
+        help="the longest session this node takes (capped by the model's context); llama.cpp "
+        "backend: KV cells per session, allocated up front for --max-sessions; default 8192",
+    )
+    n.add_argument(
+        "--max-sessions",
+        type=int,
+        default=4,
+        metavar="N",
+        help="llama.cpp backend: sessions held at once (default 4); KV memory = N x --ctx-size x "
+        "this shard's KV bytes per token. Both backends: one session reserves at most 1/N of "
+        "the KV budget, so no single request takes all of it",
+    )
+    n.add_argument(
+        "--batch-group",
+        type=int,
+        default=3,
+        metavar="N",
+        help="llama.cpp backend: decode steps of different sessions that arrive while the shard is busy "
+        "run together; at most N sessions share one graph evaluation (default 3: each session's "
+        "result stays bitwise equal to running it alone; llama.cpp's CPU matmul rounds differently "
+        "from 4 rows on). Larger is the throughput mode: all sessions' KV cells in one llama.cpp "
+        "stream, so that any of them batch together (with one stream per session only consecutive "
+        "sequence ids can); much faster with many sessions, not bitwise",
+    )
+    n.add_argument(
+        "--kv-budget",
+        type=int,
+        default=262144,
+        metavar="TOKENS",
+        help="KV budget: tokens all sessions may reserve together (each reserves its max_length); "
+        "an open that does not fit gets 429 (full, retry later) or 503 (never fits). Default 262144; on "
+        "the llama.cpp backend also at most --max-sessions x --ctx-size, the KV it allocates",
+    )
+    n.add_argument(
+        "--kv-budget-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="cap the KV budget in MiB too (converted with this shard's bytes per token)",
+    )
+    n.add_argument(
+        "--session-ttl",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="drop sessions idle this many seconds (default 300)",
+    )
+    n.add_argument(
+        "--hop-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds to wait for the next hop before failing the step with 504, for sessions that "
+        "do not set hop_timeout_s at open (default 30)",
+    )
+    n.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="most tokens one frame may carry, at most the backend's batch (llama.cpp: 2048); larger gets "
+        "413, and clients send longer prompts in chunks of it (default 4096)",
+    )
+    n.add_argument("--workers", type=int, default=4, help="threads running steps of different sessions (default 4)")
+    n.add_argument("--exit-with-parent", action="store_true", help="exit when the parent process dies")
+    n.add_argument(
+        "--cache",
+        metavar="URL",
+        help="snapshot cache server (ggufswarm cache): snapshot sessions' KV "
+        "there after prefill and every --snapshot-every tokens (in the background), and restore from it "
+        "when a route is repaired or a prompt starts with a cached prefix",
+    )
+    n.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=32,
+        metavar="N",
+        help="with --cache: snapshot a session after its prefill and whenever it reaches a multiple "
+        "of N tokens (default 32; a multiple of 16 wastes nothing; 0 = after prefill only)",
+    )
+    n.add_argument(
+        "--state-checkpoints",
+        type=int,
+        default=4,
+        metavar="N",
+        help="llama.cpp shards of hybrid recurrent models and deepseek4 (which cannot roll a session back "
+        "partway): exact session states kept per session, at the snapshot positions, for route "
+        "repair and prefix reuse to return to (default 4; each costs the shard's recurrent state "
+        "plus its KV of the tokens held; 0 = none: a repair then recomputes from the start)",
+    )
+    token_arg(n)
+    return n
+
+
+def add_gateway_parser(sub) -> argparse.ArgumentParser:
+    """Add ``ggufswarm gateway`` to the subparsers ``sub``; its parser."""
+    w = sub.add_parser(
+        "gateway",
+        help="OpenAI-compatible API over a route of nodes",
+        description="Serve /v1/chat/completions, /v1/completions and /v1/models over a route of "
+        "nodes: given by hand (--route; first node has --embed, last --head), or planned "
+        "per session by a tracker (--tracker), which also repairs routes whose nodes "
+        "fail. Streaming (SSE) and non-streamed; the body (the stream's last chunk) carries "
+        "a telemetry object, and usage (a stream: with stream_options.include_usage). "
+        "Every request parameter is implemented or refused with a 400: docs/protocol.md, "
+        '"Gateway".',
+    )
+    w.add_argument("--route", metavar="URL1,URL2,...", help="node URLs in layer order (or use --tracker)")
+    w.add_argument(
+        "--tracker",
+        metavar="URL",
+        help="plan a route per session from this tracker instead of --route, and repair it when a node "
+        "fails (a replacement restores the failed layers' KV snapshot from the nodes' --cache)",
+    )
+    w.add_argument(
+        "--model",
+        metavar="PATH|NAME",
+        help="GGUF file for the tokenizer; every node must serve the "
+        "same model (checked by GGUF header fingerprint). With --tracker: the published model name to serve (its "
+        "header is fetched from the swarm); without it, every model the swarm can serve end to end, "
+        "each request's model picking one. With --route and no "
+        "--model: the model the route's nodes serve (its headers are fetched from the first node)",
+    )
+    w.add_argument("--data-dir", default="ggufswarm-data", metavar="DIR", help="where the fetched header goes")
+    w.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: open API: anyone who "
+        "reaches the port can generate; the gateway warns when it listens beyond loopback without one)",
+    )
+    w.add_argument(
+        "--literal-prompts",
+        action="store_true",
+        help="/v1/completions: tokenize control-token text in a prompt (e.g. <start_of_turn>) as plain "
+        "text; by default it is read as the control token, as llama-server does (chat messages are "
+        "always plain text)",
+    )
+    w.add_argument(
+        "--chat-template-file",
+        metavar="FILE",
+        help="a jinja2 chat template (Hugging Face style) used instead of the GGUF's "
+        "tokenizer.chat_template, as llama-server's flag of that name: for a GGUF without one, or "
+        "to render tools (function calling) with a template that teaches the <tool_call> format",
+    )
+    w.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    w.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    w.add_argument(
+        "--hop-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds one hop may take to answer a step; a dead or hung node fails the request "
+        "within this, naming the node (default 30)",
+    )
+    w.add_argument(
+        "--wire-dtype",
+        choices=["f16", "bf16", "f32"],
+        default="f32",
+        help="hidden-state frame dtype between nodes (default f32: the route computes exactly what "
+        "llama.cpp computes; f16 (range-extended) or bf16 halve the bytes; see docs/protocol.md)",
+    )
+    w.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
+    w.add_argument(
+        "--session-lease",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="nodes drop a request's session once idle this long: a gateway that dies frees its KV that "
+        "soon (default 30; the gateway renews it while a step takes long)",
+    )
+    speculative_args(w)
+    token_arg(w)
+    return w
+
+
+def add_demo_parser(sub) -> argparse.ArgumentParser:
+    """Add ``ggufswarm demo`` to the subparsers ``sub``; its parser."""
+    d = sub.add_parser(
+        "demo",
+        help="start N nodes + a gateway on loopback and stream one answer (the main job)",
+        description="The whole story on loopback: a tracker, a publisher seeding the model, --nodes "
+        "node processes each fetching only its layers (even split) through the swarm, "
+        "a gateway routing through the tracker; sends PROMPT through the OpenAI API and "
+        "streams the answer to stdout; telemetry goes to stderr. Everything stops at the end (or on "
+        "Ctrl-C). --serve keeps the cluster up and prints the gateway URL.",
+    )
+    d.add_argument(
+        "prompt",
+        nargs="?",
+        default=None,
+        help="prompt (default: a question for chat models, 'Photosynthesis is the process by which' for base models)",
+    )
+    d.add_argument("--nodes", type=int, default=3, help="node processes (default 3)")
+    d.add_argument(
+        "--model",
+        metavar="PATH",
+        help="GGUF file, or smollm2 (SmolLM2-135M-Instruct, a chat model "
+        "installed by the set-up); default: embedded Gemma 3 270M",
+    )
+    d.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    d.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    d.add_argument(
+        "--repeat-penalty",
+        type=float,
+        default=None,
+        metavar="P",
+        help="repetition guard, llama.cpp's repeat penalty (default 1.15 for a base model, which loops "
+        "without one; 1.0, off, for a chat model). A base model's media markers (Gemma's "
+        "<start_of_image>, which a text-only route cannot follow) are also never drawn",
+    )
+    d.add_argument("--seed", type=int, default=None, help="sampling seed")
+    d.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as a plain completion (no chat template; "
+        "automatic for base models, whose GGUF has no chat template)",
+    )
+    d.add_argument(
+        "--serve",
+        action="store_true",
+        help="keep the cluster up (after PROMPT, when one is given; none is "
+        "sent by default) and print the gateway URL, the swarm token and how to add a node; a node that "
+        "dies is reported and the gateway keeps serving",
+    )
+    d.add_argument("--port", type=int, default=0, help="gateway port (default: any free port)")
+    d.add_argument("--threads", type=int, default=None, help="threads per node (default: cores / nodes)")
+    d.add_argument(
+        "--backend",
+        choices=["llama.cpp", "torch"],
+        default="llama.cpp",
+        help="the nodes' shard backend (default llama.cpp)",
+    )
+    d.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-hop timeout (default 30)")
+    d.add_argument(
+        "--wire-dtype",
+        choices=["f16", "bf16", "f32"],
+        default="f32",
+        help="frame dtype (default f32: the route computes exactly what llama.cpp does; f16 halves the bytes)",
+    )
+    d.add_argument(
+        "--no-swarm",
+        action="store_true",
+        help="skip the tracker and swarm: nodes load the local file, the gateway gets the route by hand",
+    )
+    speculative_args(d)
+    token_arg(d, "else a fresh token the demo makes (a private swarm)")
+    return d
+
+
+def add_tracker_parser(sub) -> argparse.ArgumentParser:
+    """Add ``ggufswarm tracker`` to the subparsers ``sub``; its parser."""
+    t = sub.add_parser(
+        "tracker",
+        help="registry of nodes, manifests and routes; BitTorrent tracker of the swarms",
+        description="Serve the tracker: node registry with heartbeats (TTL expiry), shard "
+        "advertisements, manifests by name, the BitTorrent announce endpoint (/announce), "
+        "route queries (/route?model=NAME&max_length=N) and a live status page at /. "
+        "State is kept in SQLite and survives a restart.",
+    )
+    t.add_argument(
+        "--db",
+        default="ggufswarm-tracker.sqlite",
+        metavar="PATH",
+        help="SQLite file (default ./ggufswarm-tracker.sqlite)",
+    )
+    t.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    t.add_argument("--port", type=int, default=8470, help="TCP port (default 8470)")
+    t.add_argument("--ttl", type=float, default=15.0, metavar="S", help="forget nodes silent this long (default 15)")
+    token_arg(t)
+    return t
+
+
+def add_cache_parser(sub) -> argparse.ArgumentParser:
+    """Add ``ggufswarm cache`` to the subparsers ``sub``; its parser."""
+    c = sub.add_parser(
+        "cache",
+        help="prefix KV snapshot cache for nodes (route repair, prefix reuse)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve prefix KV snapshots: nodes started with --cache URL store each\n"
+        "session's KV of their layers here (content-addressed by model, layer range and\n"
+        "token prefix; SHA-256 checked on every read; least recently used evicted past\n"
+        "--max-bytes). A replacement node restores from it when the gateway repairs a\n"
+        "route, and a new session whose prompt starts with a cached prefix skips\n"
+        "recomputing it.",
+        epilog="example:\n  ggufswarm cache --dir ./ggufswarm-cache --port 8475 --max-bytes 8G\n"
+        "  ggufswarm node --layers 0:9 --embed --cache http://127.0.0.1:8475",
+    )
+    c.add_argument("--dir", required=True, metavar="PATH", help="directory for snapshots and their index (created)")
+    c.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    c.add_argument("--port", type=int, default=8475, help="TCP port (default 8475; 0 = any free port)")
+    c.add_argument(
+        "--max-bytes",
+        type=byte_size,
+        default=4 * 2**30,
+        metavar="N",
+        help="size cap; least recently used snapshots are evicted past it (bytes, or with K/M/G; default 4G)",
+    )
+    token_arg(c)
+    return c
