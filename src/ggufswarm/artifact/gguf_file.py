@@ -3,8 +3,8 @@
 The header layout is the one documented in ggml's ``docs/gguf.md``; type codes, block sizes and
 dequantization come from the ``gguf`` package (``GGUFValueType``, ``GGML_QUANT_SIZES``,
 ``gguf.quants.dequantize``). We parse the header ourselves only because ``gguf.GGUFReader``
-builds a numpy view per array element and takes ~20 s on Gemma 3's 262144-token vocabulary
-(measured here), which every node start would pay; this parser reads it in well under a second.
+builds a numpy view per array element, too slow on a large vocabulary for every node start
+(docs/design.md, "Measured choices").
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ def split_paths(path: Path) -> list[Path]:
 def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
     """Q8_0 blocks (f16 scale ``d`` + 32 int8 ``qs``; ggml ``block_q8_0``) to float32 ``d * qs``.
 
-    Same result as ``gguf.quants.dequantize(raw, Q8_0)`` (checked in tests) but ~3x faster on the
-    262144 x 640 Gemma embedding, which dominates load time. ``raw``: uint8 ``[n_blocks * 34]``;
+    Same result as ``gguf.quants.dequantize(raw, Q8_0)`` (checked in tests), faster on a large embedding,
+    which dominates load time (docs/design.md, "Measured choices"). ``raw``: uint8 ``[n_blocks * 34]``;
     returns float32 ``[n_blocks * 32]``.
     """
     blocks = raw.reshape(-1, 34)

@@ -78,7 +78,7 @@ class Tokenizer:
     """
 
     def __init__(self, model_path: str, metadata: dict[str, Any]):
-        import llama_cpp  # deferred: loading the shared library costs ~0.2 s
+        import llama_cpp  # deferred: loading the shared library takes a noticeable part of a second
 
         with _quiet_stderr():
             self._llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)

@@ -124,8 +124,8 @@ TIMEOUT_TOKENS = 512  # a hop's timeout covers a frame of up to this many tokens
 
 def step_timeout_s(timeout_s: float, n_tokens: int) -> float:
     """Seconds to wait for the reply to a frame of ``n_tokens`` tokens when ``timeout_s`` is the wait for a decode
-    step: ``timeout_s x max(1, n_tokens / 512)``. A prefill chunk's compute grows with its size (a 4096-token
-    chunk takes ~8x a 512-token one), so a fixed timeout either fails long prompts (504) or waits too long
+    step: ``timeout_s x max(1, n_tokens / 512)``. A prefill chunk's compute grows with its size (about
+    linearly), so a fixed timeout either fails long prompts (504) or waits too long
     for a dead hop during decode."""
     return timeout_s * max(1.0, n_tokens / TIMEOUT_TOKENS)
 

@@ -222,8 +222,7 @@ async def serve(app: web.Application, host: str, port: int, ready: Callable[[str
 
 def run_server(app: web.Application, host: str, port: int, ready: Callable[[str], None] | None = None) -> None:
     """``serve`` in the foreground on uvloop's event loop (libuv), asyncio's own without it: every decode token
-    crosses each node's loop twice per hop, and uvloop took 0.5-1.5 ms off a 3-node route's ~4 ms of per-token
-    overhead here (A/B on the same machine, bench/bench_llamacpp.py's route)."""
+    crosses each node's loop twice per hop (why uvloop: docs/design.md, "Measured choices")."""
     try:
         import uvloop
     except ImportError:  # not on this platform (Windows)
