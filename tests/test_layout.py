@@ -120,3 +120,18 @@ def test_every_noqa_gives_its_reason():
             ):
                 bare.append(f"{path.relative_to(root)}:{n}")
     assert not bare, f"# noqa without a reason: {bare}"
+
+
+def test_every_relative_import_names_a_module_or_package_that_exists():
+    """Function-local imports run only when their code does: a relative import that names no module of the tree
+    (``from .client import x`` in a subpackage that has no ``client``) is found here, not by a user."""
+    missing = []
+    for path, parts in _modules():
+        package = parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = list(package[: len(package) - (node.level - 1)])
+                target = SRC.joinpath(*base, *(node.module.split(".") if node.module else []))
+                if not (target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()):
+                    missing.append(f"{path.relative_to(SRC)}:{node.lineno} from {'.' * node.level}{node.module or ''}")
+    assert not missing, f"relative imports of nothing: {missing}"

@@ -73,7 +73,7 @@ def token_arg(p: argparse.ArgumentParser, unset: str = "none = an open swarm") -
 
 
 def draft_max(text: str) -> int:
-    from .client.speculative import MAX_DRAFT
+    from ..client.speculative import MAX_DRAFT
 
     try:
         k = int(text)
@@ -130,6 +130,6 @@ def check_speculative(args) -> None:
     if args.draft_max is not None and args.speculative == "none":
         raise ValueError("--draft-max sets the drafts of speculative decoding: give --speculative ngram or draft too")
     if args.draft_max is None:
-        from .client.speculative import DEFAULT_DRAFT_MAX
+        from ..client.speculative import DEFAULT_DRAFT_MAX
 
         args.draft_max = DEFAULT_DRAFT_MAX
