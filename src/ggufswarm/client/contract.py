@@ -3,11 +3,33 @@
 ``RouteSession``: blocking (LocalSession in client/generate.py, RemoteSession in client/blocking.py), used by
 ``generate``. ``AsyncSession``: the same on an event loop (AsyncRouteSession in client/session.py), used by
 ``agenerate``. ``Drafter``: client/speculative.py's NgramDrafter and ModelDrafter.
+
+``SessionWrapper`` (with ``forwarded``) is the base of the sessions that wrap another one and pass its members
+through: RemoteSession, generate's blocking adapter, the gateway's logprob tap.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+
+def forwarded(name: str, doc: str | None = None) -> property:
+    """A read-only property that reads attribute ``name`` of the wrapped session (``self.session``)."""
+    return property(lambda self: getattr(self.session, name), doc=doc or f"The wrapped session's ``{name}``.")
+
+
+class SessionWrapper:
+    """A session that wraps another, ``session``: its length limits and ``drop`` are the wrapped session's."""
+
+    def __init__(self, session):
+        self.session = session
+
+    max_length = forwarded("max_length", "Tokens the session may hold.")
+    max_verify_tokens = forwarded("max_verify_tokens", "Most tokens of one ``verify`` step (0: it cannot verify).")
+
+    def drop(self, n: int) -> None:
+        """Forget the last ``n`` tokens fed (the wrapped session's ``drop``)."""
+        self.session.drop(n)
 
 
 class RouteSession(Protocol):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..runtime.sampling import SamplingParams
-from .contract import AsyncSession, Drafter, RouteSession
+from .contract import AsyncSession, Drafter, RouteSession, SessionWrapper
 from .tokenizer import TextStream, Tokenizer
 
 
@@ -131,29 +131,15 @@ class GenerationStats:
         }
 
 
-class _Blocking:
+class _Blocking(SessionWrapper):
     """A blocking RouteSession seen as an AsyncSession whose coroutines never suspend (``generate`` drives them
     without an event loop)."""
-
-    def __init__(self, session: RouteSession):
-        self.session = session
-
-    @property
-    def max_length(self) -> int:
-        return self.session.max_length
-
-    @property
-    def max_verify_tokens(self) -> int:
-        return self.session.max_verify_tokens
 
     async def step(self, token_ids: list[int]) -> int:
         return self.session.step(token_ids)
 
     async def verify(self, token_ids: list[int]) -> list[int]:
         return self.session.verify(token_ids)
-
-    def drop(self, n: int) -> None:
-        self.session.drop(n)
 
 
 def _drive(awaitable):
@@ -167,19 +153,15 @@ def _drive(awaitable):
     raise RuntimeError("a blocking generation awaited an event loop")
 
 
-def generate(
-    session: RouteSession,
-    tokenizer: Tokenizer,
-    prompt_ids: list[int],
-    max_tokens: int,
-    stop: list[str] | None = None,
-    stats: GenerationStats | None = None,
-    drafter: Drafter | None = None,
-    special: bool = False,
-) -> Iterator[str]:
+def generate(session: RouteSession, *args, **kwargs) -> Iterator[str]:
     """``agenerate`` for a blocking ``session`` (LocalSession, RemoteSession), in the calling thread: the same
-    text deltas, arguments and errors. The drafter runs in this thread too."""
-    deltas = _deltas(_Blocking(session), tokenizer, prompt_ids, max_tokens, stop, stats, drafter, special, False)
+    arguments after the session (``tokenizer, prompt_ids, max_tokens, stop, stats, drafter, special``), text
+    deltas and errors. The drafter runs in this thread too."""
+    return _drive_all(agenerate(_Blocking(session), *args, **kwargs))
+
+
+def _drive_all(deltas: AsyncIterator[str]) -> Iterator[str]:
+    """The items of an async generator that never suspends (``_drive``), in this thread; closed with it."""
     try:
         while True:
             try:
@@ -191,7 +173,7 @@ def generate(
         _drive(deltas.aclose())
 
 
-def agenerate(
+async def agenerate(
     session: AsyncSession,
     tokenizer: Tokenizer,
     prompt_ids: list[int],
@@ -208,7 +190,8 @@ def agenerate(
     ``drafter`` (``client.speculative.NgramDrafter`` or ``ModelDrafter``): speculative decoding. Each decode step
     sends the drafted tokens after the last sampled one as one verify step and keeps what the head confirms
     (``speculative.speculate``): the same tokens as without it, fewer trips through the route; ``stats`` counts
-    drafted and accepted tokens. A ``blocking`` drafter (a model) drafts in a worker thread.
+    drafted and accepted tokens. A ``blocking`` drafter (a model) drafts in a worker thread (not for
+    ``generate``'s sessions, driven with no event loop: nothing may suspend there).
 
     ``stats`` (if given) is filled in as generation proceeds; ``stats.tokens`` gets every generated id, the one
     that ended the generation (an end-of-generation token, or the one completing a stop string) included, and
@@ -217,22 +200,6 @@ def agenerate(
     Raises what the session's ``step``/``verify`` raise. The session stays open: close it (``await
     session.close()`` in a ``finally``, or ``async with``) also when the task iterating is cancelled.
     """
-    return _deltas(session, tokenizer, prompt_ids, max_tokens, stop, stats, drafter, special, True)
-
-
-async def _deltas(
-    session: AsyncSession,
-    tokenizer: Tokenizer,
-    prompt_ids: list[int],
-    max_tokens: int,
-    stop: list[str] | None,
-    stats: GenerationStats | None,
-    drafter: Drafter | None,
-    special: bool,
-    on_loop: bool,
-) -> AsyncIterator[str]:
-    """The generation loop of ``agenerate``; ``on_loop``: a blocking drafter goes to a worker thread (False:
-    nothing here may suspend, see ``generate``)."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     if drafter is not None:
@@ -242,7 +209,7 @@ async def _deltas(
         history = list(prompt_ids)  # what the drafter looks up: the prompt and every token emitted
         pending: list[int] = []  # tokens a verify step confirmed, not yet emitted
         room = min(session.max_verify_tokens, session.max_length) - 1
-        offload = on_loop and drafter.blocking
+        offload = drafter.blocking and not isinstance(session, _Blocking)  # generate: no loop to offload from
     stream = TextStream(tokenizer, stop, special)
     t0 = time.perf_counter()
     token = await session.step(prompt_ids) if max_tokens > 0 else None

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import aiohttp
 
-from ..runtime.sampling import SamplingParams
 from . import loop
 from .transport import call, check_reply, check_url, new_http_session, request
 
@@ -143,18 +142,18 @@ class RemoteRoute:
         cls,
         urls: list[str],
         hop_timeout_s: float = 30.0,
-        part: bool = False,
-        model: str | None = None,
-        *,
+        *args,
         token: str | None = None,
         http: aiohttp.ClientSession | None = None,
+        **kwargs,
     ) -> RemoteRoute:
-        """The route over ``urls``, described by their ``/health`` on the running loop (``http``: the aiohttp
-        session to ask with; a short-lived one of its own by default). Raises as the constructor."""
+        """The route over ``urls``, described by their ``/health`` on the running loop: the constructor's arguments
+        (``part`` and ``model`` go to ``of_hops``), and ``http``, the aiohttp session to ask with (a short-lived
+        one of its own by default). Raises as the constructor."""
         if not urls:
             raise ValueError("a route needs at least one node URL")
         hops = await describe_hops(urls, min(hop_timeout_s, HEALTH_TIMEOUT_S), token, http)
-        return cls.of_hops(hops, hop_timeout_s, part, model, token=token)
+        return cls.of_hops(hops, hop_timeout_s, *args, token=token, **kwargs)
 
     @classmethod
     def of_hops(
@@ -213,76 +212,22 @@ class RemoteRoute:
         """The most tokens one step may carry on this route (the smallest node limit)."""
         return min(h.max_step_tokens for h in self.hops)
 
-    async def aopen(
-        self,
-        max_length: int,
-        sampling: SamplingParams | None = None,
-        wire_dtype: str = "f32",
-        top_logprobs: int = 0,
-        replan=None,
-        reuse_prefix: bool = True,
-        lease_s: float | None = None,
-        logprobs: bool = False,
-        *,
-        http: aiohttp.ClientSession | None = None,
-    ):
+    async def aopen(self, max_length: int, *args, **kwargs):
         """Open an AsyncRouteSession on every node (head first) on the running loop; RouteError (with the
-        node's status) when one refuses.
-
-        ``lease_s``: the nodes drop the session after that many idle seconds (not only after their session
-        TTL): a client that dies frees the route's KV that soon. The session renews it while it waits.
-
-        ``replan(exclude, span) -> RemoteRoute`` (a plain function, run in a worker thread, or a coroutine
-        function): plans a replacement for the layers ``span`` avoiding the node URLs in ``exclude``; with it
-        the session repairs itself when a node fails (see AsyncRouteSession).
-
-        ``top_logprobs`` (0..20): the head returns that many most likely ``[id, logprob]`` pairs with each sample
-        (``last_logprobs``); ``logprobs``: it returns the sampled token's logprob too (``last_token_logprob``).
-        Both are log-softmax of the raw logits. ``http``: the aiohttp session to talk over (one of the
-        session's own, closed with it, by default; ``transport.new_http_session`` makes a shareable one).
-        """
+        node's status) when one refuses. The same arguments as ``AsyncRouteSession`` after its route:
+        ``max_length, sampling=None, wire_dtype="f32", top_logprobs=0, replan=None, reuse_prefix=True,
+        lease_s=None, logprobs=False, *, http=None`` (what each does: ``AsyncRouteSession.__init__``)."""
         from .session import AsyncRouteSession
 
-        return await AsyncRouteSession.open(
-            self,
-            max_length,
-            sampling or SamplingParams(),
-            wire_dtype,
-            top_logprobs,
-            replan,
-            reuse_prefix,
-            lease_s,
-            logprobs,
-            http=http,
-        )
+        return await AsyncRouteSession.open(self, max_length, *args, **kwargs)
 
-    def open(
-        self,
-        max_length: int,
-        sampling: SamplingParams | None = None,
-        wire_dtype: str = "f32",
-        top_logprobs: int = 0,
-        replan=None,
-        reuse_prefix: bool = True,
-        lease_s: float | None = None,
-        logprobs: bool = False,
-    ):
-        """``aopen`` on the shared route loop: a blocking RemoteSession (same arguments; ``replan`` may be a
-        plain function)."""
+    def open(self, max_length: int, *args, **kwargs):
+        """``aopen`` on the shared route loop: a blocking RemoteSession (same arguments but ``http``, the shared
+        loop's; ``replan`` may be a plain function)."""
         from .blocking import RemoteSession
 
         async def opening():
-            return await self.aopen(
-                max_length,
-                sampling,
-                wire_dtype,
-                top_logprobs,
-                replan,
-                reuse_prefix,
-                lease_s,
-                logprobs,
-                http=await loop.shared_http(),
-            )
+            return await self.aopen(max_length, *args, http=await loop.shared_http(), **kwargs)
 
         return RemoteSession(loop.run(opening()))
 

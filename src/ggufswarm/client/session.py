@@ -29,6 +29,23 @@ RENEW_TIMEOUT_S = 10.0  # most seconds one lease renewal by the keeper may take
 _closing: set[asyncio.Task] = set()  # releases still running after their session's task was cancelled
 
 
+async def releases_done(timeout_s: float) -> None:
+    """Wait (up to ``timeout_s`` seconds) for the releases of this loop's closed sessions still running on their
+    nodes: call it before closing the aiohttp session they use (a server shutting down)."""
+    loop = asyncio.get_running_loop()
+    pending = [t for t in _closing if t.get_loop() is loop and not t.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)
+
+
+def _release_done(task: asyncio.Task) -> None:
+    """A release finished: forget it, and take its error (a release is best effort, and one whose closer was
+    cancelled has nobody else to take it: asyncio would print it as never retrieved)."""
+    _closing.discard(task)
+    if not task.cancelled():
+        task.exception()
+
+
 def _result(task: asyncio.Task):
     """A finished task's result; None when it was cancelled or failed."""
     return None if task.cancelled() or task.exception() is not None else task.result()
@@ -67,7 +84,7 @@ class AsyncRouteSession:
         self,
         route: RemoteRoute,
         max_length: int,
-        sampling: SamplingParams,
+        sampling: SamplingParams | None = None,
         wire_dtype: str = "f32",
         top_logprobs: int = 0,
         replan=None,
@@ -77,11 +94,25 @@ class AsyncRouteSession:
         *,
         http: aiohttp.ClientSession | None = None,
     ):
-        """A session not yet open on its nodes: use ``open``."""
+        """A session not yet open on its nodes: use ``open`` (or ``RemoteRoute.aopen``: the arguments after ``route``).
+
+        ``sampling``: the head's sampling parameters (default ``SamplingParams()``). ``lease_s``: the nodes drop
+        the session after that many idle seconds (not only after their session TTL): a client that dies frees the
+        route's KV that soon. The session renews it while it waits.
+
+        ``replan(exclude, span) -> RemoteRoute`` (a plain function, run in a worker thread, or a coroutine
+        function): plans a replacement for the layers ``span`` avoiding the node URLs in ``exclude``; with it
+        the session repairs itself when a node fails (see the class docstring).
+
+        ``top_logprobs`` (0..20): the head returns that many most likely ``[id, logprob]`` pairs with each sample
+        (``last_logprobs``); ``logprobs``: it returns the sampled token's logprob too (``last_token_logprob``).
+        Both are log-softmax of the raw logits. ``http``: the aiohttp session to talk over (one of the
+        session's own, closed with it, by default; ``transport.new_http_session`` makes a shareable one).
+        """
         self.route = route
         self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
         self.max_length = max_length
-        self.sampling = sampling.validate()
+        self.sampling = (sampling or SamplingParams()).validate()
         self.wire_dtype = wire_dtype
         self.top_logprobs = top_logprobs
         self.logprobs = logprobs
@@ -121,18 +152,10 @@ class AsyncRouteSession:
         self._drained: asyncio.Future | None = None  # set when the last late reply is in (``telemetry``)
 
     @classmethod
-    async def open(
-        cls,
-        route: RemoteRoute,
-        max_length: int,
-        sampling: SamplingParams,
-        *args,
-        http: aiohttp.ClientSession | None = None,
-        **kwargs,
-    ) -> AsyncRouteSession:
-        """A session opened on every node of ``route`` (arguments as ``RemoteRoute.aopen``); RouteError (with
-        the node's status) when one refuses, after closing it where it opened."""
-        session = cls(route, max_length, sampling, *args, http=http, **kwargs)
+    async def open(cls, route: RemoteRoute, *args, **kwargs) -> AsyncRouteSession:
+        """A session opened on every node of ``route`` (the constructor's arguments); RouteError (with the node's
+        status) when one refuses, after closing it where it opened."""
+        session = cls(route, *args, **kwargs)
         try:
             await opening.open_all(session, route.hops)
         except BaseException:
@@ -467,8 +490,11 @@ class AsyncRouteSession:
             self._keeper.cancel()
         task = asyncio.get_running_loop().create_task(self._release())
         _closing.add(task)
-        task.add_done_callback(_closing.discard)
-        await asyncio.shield(task)
+        task.add_done_callback(_release_done)
+        try:
+            await asyncio.shield(task)
+        except (RouteError, aiohttp.ClientError, RuntimeError, OSError):
+            pass  # best effort: a node or connection gone (or, at shutdown, the aiohttp session closed) frees it
 
     async def _release(self) -> None:
         await self.telemetry()  # the route's replies to directly answered steps: their per-hop numbers

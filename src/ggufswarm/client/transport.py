@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -133,6 +135,7 @@ def check_reply(url: str, status: int, body: bytes, what: str) -> dict:
     return data
 
 
+@dataclass(eq=False)
 class StepLink:
     """A WebSocket to a node's ``GET /v1/link`` (docs/protocol.md, "Links"): each step frame goes as one binary
     message and its reply comes back as one (protocol/link.py). A reader task takes every reply and resolves
@@ -145,25 +148,16 @@ class StepLink:
     a step link's waiters get RouteError ``hop_failed`` (a reply link's are left to the step link).
     """
 
-    def __init__(
-        self,
-        http: aiohttp.ClientSession,
-        url: str,
-        timeout: float,
-        token: str | None = None,
-        replies: uuid.UUID | None = None,
-        late=None,
-    ):
-        self.http = http
-        self.url = url
-        self.timeout = timeout
-        self.token = token
-        self.replies = replies
-        self.late = late
-        self.http_only = False
-        self._ws: aiohttp.ClientWebSocketResponse | None = None
-        self._reader: asyncio.Task | None = None
-        self._waiting: dict[bytes, asyncio.Future] = {}
+    http: aiohttp.ClientSession
+    url: str
+    timeout: float
+    token: str | None = None
+    replies: uuid.UUID | None = None
+    late: Callable[[bytes, int, bytes], None] | None = None
+    http_only: bool = field(default=False, init=False)
+    _ws: aiohttp.ClientWebSocketResponse | None = field(default=None, init=False, repr=False)
+    _reader: asyncio.Task | None = field(default=None, init=False, repr=False)
+    _waiting: dict[bytes, asyncio.Future] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def connected(self) -> bool:

@@ -10,6 +10,7 @@ import threading
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+from ..client.contract import SessionWrapper
 from ..client.generate import GenerationStats, agenerate
 from ..client.speculative import NgramDrafter
 from ..client.transport import RouteError
@@ -140,12 +141,13 @@ def failure(gw: Gateway, exc: BaseException, session) -> GatewayError:
     return as_gateway_error(exc, tel)
 
 
-class _LogprobTap:
+class _LogprobTap(SessionWrapper):
     """An AsyncSession that keeps a LogprobEntry of each sample of the session it wraps (but end-of-generation
     tokens, in ``skip``) until ``drain``: a request with logprobs."""
 
     def __init__(self, session, skip=frozenset()):
-        self.session, self.skip = session, skip
+        super().__init__(session)
+        self.skip = skip
         self.entries: list[LogprobEntry] = []
         self.last_logprobs = self.last_token_logprob = self.last_tokens = None
 
@@ -155,20 +157,9 @@ class _LogprobTap:
             self.entries.append((token, self.session.last_token_logprob, self.session.last_logprobs or []))
         return token
 
-    @property
-    def max_length(self) -> int:
-        return self.session.max_length
-
-    @property
-    def max_verify_tokens(self) -> int:
-        return self.session.max_verify_tokens
-
     async def verify(self, token_ids):
         """The session's verify step (speculative decoding; never with logprobs: drafter_for)."""
         return await self.session.verify(token_ids)
-
-    def drop(self, n):
-        self.session.drop(n)
 
     def drain(self) -> list[LogprobEntry]:
         """The samples kept since the last drain."""

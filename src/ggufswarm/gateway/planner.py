@@ -153,50 +153,44 @@ class RoutePlanner:
         its max_length)``. With a tracker, a node of the plan that fails to open (the tracker still lists it) is
         suspected and the session planned again, OPEN_ATTEMPTS times at most. RouteError; RequestError
         ``context_length_exceeded`` (param ``prompt_param``) for a prompt no route can hold."""
+        max_tokens = opts.max_tokens
+
+        async def once():
+            route = await self._route_holding(http, ids, min(len(ids) + max(max_tokens, 1), MAX_CONTEXT), prompt_param)
+            limit = route.max_length
+            if len(ids) >= limit:
+                raise RequestError(
+                    f"prompt is {len(ids)} tokens; this route holds at most {limit}",
+                    code="context_length_exceeded",
+                    param=prompt_param,
+                )
+            max_length = min(limit, len(ids) + max(max_tokens, 1))
+
+            async def replan(exclude, span):  # repair: a replacement for a failed hop's span, from the tracker
+                for url in exclude:  # nodes this session saw fail: new sessions avoid them too
+                    self.suspects.add(url)
+                return await self.route(http, max_length, exclude, span)
+
+            session = await route.aopen(
+                max_length,
+                params,
+                self.config.wire_dtype,
+                top_logprobs=opts.top_logprobs,
+                replan=replan if self.tracker is not None else None,
+                lease_s=self.config.session_lease_s,
+                logprobs=opts.logprobs,
+                http=http,
+            )
+            return session, max_length
+
         for attempt in range(OPEN_ATTEMPTS):
             try:
-                return await self._open_once(http, ids, params, opts, prompt_param)
+                return await once()
             except RouteError as exc:
                 if self.tracker is None or exc.code not in REPAIRABLE or not exc.hop or attempt + 1 == OPEN_ATTEMPTS:
                     raise
                 self.suspects.add(exc.hop)
         raise AssertionError("unreachable")
-
-    async def _open_once(
-        self,
-        http: aiohttp.ClientSession,
-        ids: list[int],
-        params: SamplingParams,
-        opts: RequestOptions,
-        prompt_param: str,
-    ):
-        max_tokens = opts.max_tokens
-        route = await self._route_holding(http, ids, min(len(ids) + max(max_tokens, 1), MAX_CONTEXT), prompt_param)
-        limit = route.max_length
-        if len(ids) >= limit:
-            raise RequestError(
-                f"prompt is {len(ids)} tokens; this route holds at most {limit}",
-                code="context_length_exceeded",
-                param=prompt_param,
-            )
-        max_length = min(limit, len(ids) + max(max_tokens, 1))
-
-        async def replan(exclude, span):  # repair: a replacement for a failed hop's span, from the tracker
-            for url in exclude:  # nodes this session saw fail: new sessions avoid them too
-                self.suspects.add(url)
-            return await self.route(http, max_length, exclude, span)
-
-        session = await route.aopen(
-            max_length,
-            params,
-            self.config.wire_dtype,
-            top_logprobs=opts.top_logprobs,
-            replan=replan if self.tracker is not None else None,
-            lease_s=self.config.session_lease_s,
-            logprobs=opts.logprobs,
-            http=http,
-        )
-        return session, max_length
 
     async def _route_holding(
         self, http: aiohttp.ClientSession, ids: list[int], want: int, prompt_param: str

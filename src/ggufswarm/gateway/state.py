@@ -15,6 +15,7 @@ import aiohttp
 from ..artifact.default_model import model_name, resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.route import fetch_model_headers
+from ..client.session import releases_done
 from ..client.speculative import METHODS, DraftModel, check_draft_max
 from ..client.tokenizer import Tokenizer
 from ..client.tracker import TrackerClient, TrackerError
@@ -24,6 +25,7 @@ from .errors import RequestError
 from .planner import RoutePlanner, Suspects
 
 HEADER_FETCH_TIMEOUT_S = 30.0  # most seconds a route's first node may take to send the model's headers
+RELEASE_WAIT_S = 5.0  # at shutdown, how long the gateway waits for closed sessions to release their nodes
 
 
 class Gateway:
@@ -70,7 +72,9 @@ class Gateway:
         self._http = new_http_session()
 
     async def stop(self) -> None:
-        """At shutdown: close the aiohttp session, stop the pool."""
+        """At shutdown: let the sessions of cancelled requests release their nodes, close the aiohttp session,
+        stop the pool."""
+        await releases_done(RELEASE_WAIT_S)
         if self._http is not None:
             await self._http.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
