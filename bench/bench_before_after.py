@@ -1,6 +1,7 @@
 """Benchmark: the per-token path of two source trees side by side, in one run: decode tok/s of a 3-node llama.cpp
-route and TTFT of a short prompt, as an OpenAI client sees them through the gateway (the embedded Gemma 3 270M,
-loopback, one thread per node). Trees alternate request by request so that machine drift hits both alike.
+route and TTFT of a short prompt, as an OpenAI client sees them through the gateway, and the route's decode tok/s
+through the blocking route client alone (``RemoteRoute(...).open``, greedy; the embedded Gemma 3 270M, loopback,
+one thread per node). Trees alternate request by request so that machine drift hits both alike.
 
 ``--before REF`` checks the git revision REF out into a temporary worktree (its graph tap extension built there);
 "after" is this checkout. Each server runs with ``PYTHONPATH`` set
@@ -29,6 +30,26 @@ ROOT = Path(__file__).resolve().parents[1]
 SHORT_PROMPT = "The capital of France is"
 DECODE_PROMPT = "Photosynthesis is the process by which"
 LAYERS = ("0:6", "6:12", "12:18")  # Gemma 3 270M: 18 blocks
+# Run with the tree's python path: decode ``n`` greedy tokens through the route client alone; prints tok/s.
+# (The route client moved from client/remote.py to client/route.py in issue 24: either tree works.)
+DIRECT = """
+import sys, time
+try:
+    from ggufswarm.client.route import RemoteRoute
+except ImportError:
+    from ggufswarm.client.remote import RemoteRoute
+from ggufswarm.runtime.sampling import SamplingParams
+urls, n = sys.argv[1].split(","), int(sys.argv[2])
+session = RemoteRoute(urls, hop_timeout_s=60.0).open(n + 64, SamplingParams(temperature=0.0))
+try:
+    token = session.step(list(range(2, 18)))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        token = session.step([token])
+    print(n / (time.perf_counter() - t0))
+finally:
+    session.close()
+"""
 
 
 def free_port() -> int:
@@ -58,6 +79,7 @@ class Stack:
         self.name = name
         env = {**os.environ, "PYTHONPATH": str(tree / "src")}
         cli = [sys.executable, "-m", "ggufswarm.cli"]
+        self.env = env
         self.procs, urls = [], []
         for i, layers in enumerate(LAYERS):
             port = free_port()
@@ -83,7 +105,20 @@ class Stack:
             )
         )
         self.url = f"http://127.0.0.1:{port}"
+        self.node_urls = urls
         wait_healthy(self.url)
+
+    def direct_tok_s(self, n_tokens: int) -> float:
+        """Decode tok/s of ``n_tokens`` greedy steps through the route client alone, in a process of this tree."""
+        out = subprocess.run(
+            [sys.executable, "-c", DIRECT, ",".join(self.node_urls), str(n_tokens)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        return float(out.stdout.strip().splitlines()[-1])
 
     def stream(self, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
         """(ms to the first text delta, perf_counter s of every delta) of one streamed greedy completion."""
@@ -140,6 +175,7 @@ def main() -> int:
         stacks = [Stack(before, f"before ({args.before})"), Stack(ROOT, "after (this checkout)")]
         ttft = {s.name: [] for s in stacks}
         tps = {s.name: [] for s in stacks}
+        direct = {s.name: [] for s in stacks}
         for s in stacks:  # warm-up
             s.stream(SHORT_PROMPT, 4)
         for _ in range(args.rounds):
@@ -147,13 +183,17 @@ def main() -> int:
                 ttft[s.name].append(s.stream(SHORT_PROMPT, 2)[0])
                 _, times = s.stream(DECODE_PROMPT, args.tokens)
                 tps[s.name].append((len(times) - 1) / (times[-1] - times[0]))
+                direct[s.name].append(s.direct_tok_s(args.tokens))
         print(
             f"3-node llama.cpp route (Gemma 3 270M, {', '.join(LAYERS)}), through the gateway, loopback, "
             f"medians of {args.rounds}"
         )
-        print(f"{'tree':<32} {'TTFT ms (short prompt)':>24} {'decode tok/s':>14}")
+        print(f"{'tree':<32} {'TTFT ms (short prompt)':>24} {'decode tok/s':>14} {'route client tok/s':>20}")
         for s in stacks:
-            print(f"{s.name:<32} {statistics.median(ttft[s.name]):>24.1f} {statistics.median(tps[s.name]):>14.1f}")
+            print(
+                f"{s.name:<32} {statistics.median(ttft[s.name]):>24.1f} {statistics.median(tps[s.name]):>14.1f} "
+                f"{statistics.median(direct[s.name]):>20.1f}"
+            )
     finally:
         for s in stacks:
             s.close()
