@@ -112,7 +112,7 @@ def test_store_prefix_lookup_supersede_lru_and_corruption(tmp_path):
     k3 = small.put(blob_for([3] * 32)[0])
     assert k3["evicted"] == [k2] and small.count == 2 and small.stats.evictions == 1
     # bytes changed on disk fail the SHA-256 check on read: deleted, reported as corrupt
-    path = small._path(k1)
+    path = small.path(k1)
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF
     path.write_bytes(bytes(raw))

@@ -485,11 +485,11 @@ def test_snapshot_of_a_session_truncated_meanwhile_is_dropped(model, tmp_path):
         link = app[NODE].snapshots
         with AppThread(lambda: app) as node:
             release = threading.Event()
-            link._pool.submit(release.wait, 30)  # the snapshot thread (one worker) is busy: the encode waits
+            link.pool.submit(release.wait, 30)  # the snapshot thread (one worker) is busy: the encode waits
             try:
                 sid = open_greedy(node)
                 assert http("POST", node + "/v1/step", encode_tokens(sid, 1, 0, PROMPT * 2))[0] == 200
-                assert poll(lambda: sid in link._inflight)  # the snapshot of the prefill was taken, not yet encoded
+                assert poll(lambda: link.uploading(sid))  # the snapshot of the prefill was taken, not yet encoded
                 status, body = http("POST", f"{node}/v1/sessions/{sid}/truncate", {"length": 16})
                 assert status == 200 and body["length"] == 16
             finally:

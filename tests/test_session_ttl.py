@@ -72,7 +72,7 @@ def test_a_step_that_waited_out_a_stall_of_the_node_finds_its_session(node):
     answered 200, not 404 unknown_session (it was before the fix, every time)."""
     url, server = node
     sid = _open(url)
-    server._loop.call_soon_threadsafe(time.sleep, 4 * TTL_S)  # the stall: nothing on the node's loop runs
+    server.loop.call_soon_threadsafe(time.sleep, 4 * TTL_S)  # the stall: nothing on the node's loop runs
     time.sleep(0.05)
     status, body = _step(url, sid)
     assert status == 200, body

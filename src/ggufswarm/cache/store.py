@@ -104,19 +104,20 @@ class SnapshotStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(SCHEMA)
         for (key,) in self._db.execute("SELECT key FROM blobs").fetchall():  # drop rows whose file is gone
-            if not self._path(key).is_file():
+            if not self.path(key).is_file():
                 self._drop(key)
         with self._lock:
             self._evict(self.max_bytes)  # restarted with a smaller cap
 
-    def _path(self, key: str) -> Path:
+    def path(self, key: str) -> Path:
+        """The file snapshot ``key`` (hex digest) is stored in, whether or not it exists."""
         return self.root / key[:2] / f"{key}.kv"
 
     # -- bookkeeping (caller holds the lock or is single-threaded) ---------------------------------
     def _drop(self, key: str) -> None:
         self._db.execute("DELETE FROM blobs WHERE key = ?", (key,))
         self._db.execute("DELETE FROM prefixes WHERE key = ?", (key,))
-        path = self._path(key)
+        path = self.path(key)
         path.unlink(missing_ok=True)
         try:
             path.parent.rmdir()  # only when empty
@@ -203,7 +204,7 @@ class SnapshotStore:
                 "evicted": [],
                 "existing": True,
             }
-        path = self._path(key)
+        path = self.path(key)
         tmp = self.root / f".{key}.tmp{threading.get_ident()}"
         tmp.write_bytes(blob)
         with self._lock:  # (eviction removes emptied subfolders under this lock)
@@ -241,7 +242,7 @@ class SnapshotStore:
                 raise SnapshotMissing(key)
             self._db.execute("UPDATE blobs SET last_used = ? WHERE key = ?", (time.time(), key))
         try:
-            blob = self._path(key).read_bytes()
+            blob = self.path(key).read_bytes()
         except FileNotFoundError:
             with self._lock:
                 self._drop(key)

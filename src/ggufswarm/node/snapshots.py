@@ -39,7 +39,7 @@ class SnapshotLink:
         self.node_id = node_id  # recorded in every snapshot this node takes
         self.every = every
         self._client = client_factory  # () -> aiohttp.ClientSession (the node's, with the swarm token)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")  # encodes snapshots, one at a time
         self._copy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")  # never behind an upload
         self._inflight: set = set()
         self._tasks: set[asyncio.Task] = set()
@@ -56,6 +56,11 @@ class SnapshotLink:
         }
 
     # -- snapshots ---------------------------------------------------------------------------------
+    def uploading(self, session_id) -> bool:
+        """Whether a snapshot of session ``session_id`` is being encoded or uploaded now (the next due position
+        of that session is skipped meanwhile)."""
+        return session_id in self._inflight
+
     def after_step(self, session: Session, prefill_sampled: bool) -> None:
         """Called by the step handler after a step: schedule a snapshot when one is due. Never blocks."""
         n = session.length
@@ -113,7 +118,7 @@ class SnapshotLink:
                 tokens = list(session.history)
                 boundaries = list(session.boundaries)
                 state = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self.executor.state_bytes, session.kv
+                    self.pool, self.executor.state_bytes, session.kv
                 )
                 epoch = session.kv.epoch
         except Exception as exc:
@@ -136,7 +141,7 @@ class SnapshotLink:
         try:
             loop = asyncio.get_running_loop()
             blob = await loop.run_in_executor(
-                self._pool, encode_snapshot, self.shard, tokens, keys, values, state, boundaries, self.node_id
+                self.pool, encode_snapshot, self.shard, tokens, keys, values, state, boundaries, self.node_id
             )
             if session.kv.epoch != epoch:  # truncated while we copied: positions may have been rewritten
                 self.counters["dropped"] += 1
@@ -209,9 +214,9 @@ class SnapshotLink:
                 blob = await r.read()
                 sha = r.headers.get(SHA_HEADER)
             loop = asyncio.get_running_loop()
-            if sha != await loop.run_in_executor(self._pool, lambda: hashlib.sha256(blob).hexdigest()):
+            if sha != await loop.run_in_executor(self.pool, lambda: hashlib.sha256(blob).hexdigest()):
                 return None, 0, "snapshot failed its SHA-256 check in transit"
-            snap = await loop.run_in_executor(self._pool, decode_snapshot, blob)
+            snap = await loop.run_in_executor(self.pool, decode_snapshot, blob)
             length = int(found["length"])
             held = snap.tokens.tolist()
             if snap.shard != shard or snap.n_tokens < length or held[:length] != tokens[:length]:
@@ -244,7 +249,7 @@ class SnapshotLink:
             return None, 0, f"cache failed: {type(exc).__name__}: {exc}"
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
         self._copy_pool.shutdown(wait=False, cancel_futures=True)
 
 

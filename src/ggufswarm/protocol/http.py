@@ -234,14 +234,15 @@ def run_server(app: web.Application, host: str, port: int, ready: Callable[[str]
 class ServerThread:
     """Serve an aiohttp app on its own event loop in a daemon thread (the demo and tests).
 
-    ``start()`` returns the base URL once listening (port 0: any free port); ``stop()`` shuts the server down.
+    ``start()`` returns the base URL once listening (port 0: any free port); ``stop()`` shuts the server down;
+    ``loop`` is the event loop the app runs on (to schedule work on it from another thread).
     """
 
     def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
         self.app, self.host, self.port = app, host, port
         self.url: str | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="aiohttp")
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="aiohttp")
         self._runner: web.AppRunner | None = None
 
     def start(self, timeout: float = 60.0) -> str:
@@ -252,16 +253,16 @@ class ServerThread:
             return f"http://{self.host}:{self._runner.addresses[0][1]}"
 
         self._thread.start()
-        self.url = asyncio.run_coroutine_threadsafe(boot(), self._loop).result(timeout)
+        self.url = asyncio.run_coroutine_threadsafe(boot(), self.loop).result(timeout)
         return self.url
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._runner is not None:
             try:
-                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout)
+                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(timeout)
             except Exception:
                 pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
 
 
