@@ -10,7 +10,7 @@ from .servers import add_cache_parser, add_demo_parser, add_gateway_parser, add_
 
 EXAMPLES = """examples:
   ggufswarm generate "The capital of France is" --max-tokens 16
-  ggufswarm generate "Write a haiku about rain" --chat --temperature 0.7 --seed 1
+  ggufswarm generate "Write a haiku about rain" --model smollm2 --chat --temperature 0.7 --seed 1
   ggufswarm generate "Hello" --split 6,12          # run as chained shards [0,6)+[6,12)+[12,n)
   ggufswarm perplexity wiki.txt --ctx-size 512
   ggufswarm demo "Why is the sky blue?" --nodes 3   # 3 node processes + gateway on loopback

@@ -115,7 +115,11 @@ class RoutePlanner:
                 )
             except TrackerError as exc:
                 # the tracker's reason, not its URL: API clients need not learn the swarm's addresses
-                refused = RouteError(f"no route for {max_length} tokens: {exc.reason}", 503, "no_route")
+                refused = RouteError(
+                    f"no route with room for a session of {max_length} tokens: {exc.reason}",
+                    503,
+                    "no_route",
+                )
             except ValueError as exc:
                 raise RouteError(
                     f"bad route from the tracker: {exc} (this gateway's model: {self.model_name})", 502, "bad_route"
