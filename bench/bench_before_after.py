@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from bench_llamacpp import free_port
+from bench_ttft import stream_deltas
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT_PROMPT = "The capital of France is"
@@ -50,12 +51,6 @@ try:
 finally:
     session.close()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
@@ -122,26 +117,7 @@ class Stack:
 
     def stream(self, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
         """(ms to the first text delta, perf_counter s of every delta) of one streamed greedy completion."""
-        parts = urlsplit(self.url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
-        t0 = time.perf_counter()
-        conn.request(
-            "POST",
-            "/v1/completions",
-            json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}),
-            {"Content-Type": "application/json"},
-        )
-        times = []
-        for raw in conn.getresponse():
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            if event.get("choices") and event["choices"][0].get("text"):
-                times.append(time.perf_counter())
-        conn.close()
+        t0, times, _ = stream_deltas(self.url, prompt, max_tokens, timeout_s=300)
         return (times[0] - t0) * 1e3, times
 
     def close(self) -> None:

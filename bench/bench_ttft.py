@@ -22,31 +22,37 @@ from urllib.parse import urlsplit
 PROMPT = "The capital of France is"
 
 
-def client_ttft(base: str, prompt: str) -> tuple[float, dict]:
-    """(ms from sending a streamed completion request to its first text delta, the final telemetry)."""
+def stream_deltas(base: str, prompt: str, max_tokens: int, timeout_s: float = 120.0) -> tuple[float, list[float], dict]:
+    """One streamed greedy ``/v1/completions`` request to the gateway at ``base``: (perf_counter s it was sent,
+    perf_counter s of each text delta, the final telemetry object). RuntimeError for an error event."""
     parts = urlsplit(base)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     t0 = time.perf_counter()
     conn.request(
         "POST",
         "/v1/completions",
-        json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}),
+        json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}),
         {"Content-Type": "application/json"},
     )
-    resp = conn.getresponse()
-    first, telemetry = None, {}
-    for raw in resp:
+    times, telemetry = [], {}
+    for raw in conn.getresponse():
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         event = json.loads(line[6:])
         if "error" in event:
             raise RuntimeError(event["error"])
-        if first is None and event["choices"] and event["choices"][0].get("text"):
-            first = (time.perf_counter() - t0) * 1e3
+        if event.get("choices") and event["choices"][0].get("text"):
+            times.append(time.perf_counter())
         telemetry = event.get("telemetry") or telemetry
     conn.close()
-    return first, telemetry
+    return t0, times, telemetry
+
+
+def client_ttft(base: str, prompt: str) -> tuple[float, dict]:
+    """(ms from sending a streamed completion request to its first text delta, the final telemetry)."""
+    t0, times, telemetry = stream_deltas(base, prompt, 2)
+    return (times[0] - t0) * 1e3 if times else None, telemetry
 
 
 def llama_cpp_ttft(path: Path, prompt: str, threads: int, n: int) -> float:
