@@ -1,0 +1,517 @@
+"""Relaying TCP over one websocket, so that a node behind NAT can be reached (like a TURN or frp tunnel).
+
+A reachable process runs a relay server (``add_relay_routes``); an unreachable node runs a ``RelayClient`` that
+keeps ONE outbound websocket to it (``GET /v1/relay/attach``, authenticated by the app's token middleware). For
+each attached client the relay listens on a fresh TCP port of its own host and tells the client that public
+address (first, text message ``{"host", "port"}``). Every TCP connection opened to that port becomes a stream
+multiplexed over the websocket; the client connects it to its local HTTP port and pipes bytes both ways, so
+HTTP requests and websocket links reach the node unchanged: it advertises ``http://HOST:PORT``.
+
+Wire format, after the address: binary messages ``struct "!IB"`` (stream id uint32, op uint8) + payload:
+
+* OPEN (1, relay → client, empty): a new inbound connection;
+* DATA (2, either way): up to 64 KiB of the stream's bytes;
+* CLOSE (3, either way, empty): the stream is gone (no half-close);
+* WINDOW (4, either way, payload uint32): the receiver wrote that many DATA bytes to its socket, so the sender
+  may send that many more. Each side sends at most WINDOW_BYTES unacknowledged per stream: a slow reader holds
+  back its own stream, never the websocket's other streams.
+
+A malformed message (too short, unknown op, OPEN sent to the relay, a duplicate OPEN, DATA past the window)
+closes the whole attachment (websocket close code 1002) with a logged reason; the relay serves its other
+clients on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import random
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from ..protocol.auth import auth_headers
+from ..protocol.errors import ProtocolError
+from ..protocol.http import error_response
+
+log = logging.getLogger(__name__)
+
+HEADER = struct.Struct("!IB")  # stream id, op
+U32 = struct.Struct("!I")
+OPEN, DATA, CLOSE, WINDOW = 1, 2, 3, 4
+OPS = frozenset({OPEN, DATA, CLOSE, WINDOW})
+CHUNK = 64 * 1024  # most bytes per DATA message
+WINDOW_BYTES = 1024 * 1024  # most unacknowledged DATA bytes per stream and direction
+ACK_EVERY = WINDOW_BYTES // 4  # the receiver acknowledges once it has written this many bytes
+MAX_MSG = CHUNK + HEADER.size + 64
+ATTACH_PATH = "/v1/relay/attach"
+MAX_CLIENTS = 64  # clients attached to one relay at once (more: 503 relay_full)
+MAX_STREAMS = 256  # open connections per attached client (more are closed at once)
+HEARTBEAT_S = 15.0  # websocket ping interval; a peer silent for half of it more is dropped
+ATTACH_TIMEOUT_S = 10.0
+STABLE_S = 30.0  # an attachment that lasted this long resets the re-attach backoff
+
+
+class RelayError(RuntimeError):
+    """A relay could not be attached to: unreachable, refused (token, full, no relay there) or a bad answer."""
+
+
+class _Violation(Exception):
+    """A malformed message from the peer: the attachment is closed."""
+
+
+class _Counters:
+    """DATA payload bytes: ``tx`` sent over the websocket, ``rx`` received; counted into ``parent`` too, and into
+    ``prom`` (Prometheus counter children for tx, rx)."""
+
+    def __init__(self, parent: _Counters | None = None, prom: tuple | None = None):
+        self.tx = self.rx = 0
+        self.parent, self.prom = parent, prom
+
+    def count(self, n: int, sent: bool) -> None:
+        if sent:
+            self.tx += n
+        else:
+            self.rx += n
+        if self.prom is not None:
+            self.prom[0 if sent else 1].inc(n)
+        if self.parent is not None:
+            self.parent.count(n, sent)
+
+
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _Stream:
+    """One TCP connection carried over the websocket."""
+
+    __slots__ = ("sid", "reader", "writer", "inbox", "credit", "credit_ready", "owed", "unacked", "closed_sent", "idle")
+
+    def __init__(self, sid: int):
+        self.sid = sid
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.inbox: asyncio.Queue[bytes | None] = asyncio.Queue()  # bounded by the window
+        self.credit = WINDOW_BYTES  # bytes we may still send
+        self.credit_ready = asyncio.Event()
+        self.owed = 0  # bytes received and not yet acknowledged (the peer's window in use)
+        self.unacked = 0  # of those, bytes already written to our socket
+        self.closed_sent = False  # CLOSE sent or received: say nothing more about this stream
+        self.idle = False  # the stream's task waits for the inbox, all it took written
+
+
+class _Mux:
+    """The streams of one websocket, at either end. ``serve()`` reads the websocket until it closes."""
+
+    def __init__(self, ws, counters: _Counters, name: str, accept_open: bool):
+        self.ws, self.counters, self.name = ws, counters, name
+        self.accept_open = accept_open  # the client end takes OPEN; the relay end never does
+        self.connect: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] | None = None
+        self.streams: dict[int, _Stream] = {}
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.background: set[asyncio.Task] = set()
+        self.closed = False
+
+    async def send(self, sid: int, op: int, payload: bytes = b"") -> None:
+        await self.ws.send_bytes(HEADER.pack(sid, op) + payload)
+
+    async def serve(self) -> None:
+        try:
+            async for msg in self.ws:
+                if msg.type != aiohttp.WSMsgType.BINARY:
+                    if msg.type == aiohttp.WSMsgType.ERROR:
+                        log.info("relay %s: websocket error: %s", self.name, self.ws.exception())
+                        break
+                    raise _Violation(f"unexpected {msg.type.name} message")
+                self._dispatch(msg.data)
+        except _Violation as exc:
+            log.warning("relay %s: closing the attachment: %s", self.name, exc)
+            self.shutdown()
+            await self.ws.close(code=aiohttp.WSCloseCode.PROTOCOL_ERROR, message=str(exc)[:100].encode())
+        finally:
+            self.shutdown()
+
+    def _dispatch(self, data: bytes) -> None:
+        if len(data) < HEADER.size:
+            raise _Violation(f"message of {len(data)} bytes is shorter than its header")
+        sid, op = HEADER.unpack_from(data)
+        if op not in OPS:
+            raise _Violation(f"unknown op {op} (stream {sid})")
+        st = self.streams.get(sid)
+        if op == OPEN:
+            if not self.accept_open or st is not None or len(data) != HEADER.size:
+                raise _Violation(f"OPEN of stream {sid} not allowed here")
+            if len(self.streams) >= MAX_STREAMS:
+                refuse = asyncio.create_task(self.send(sid, CLOSE))
+                self.background.add(refuse)
+                refuse.add_done_callback(self.background.discard)
+                return
+            st = self.streams[sid] = _Stream(sid)
+            self.tasks[sid] = asyncio.create_task(self.run_stream(st))
+        elif st is None or st.closed_sent:
+            return  # a stream already closed here: its peer had not heard yet
+        elif op == DATA:
+            payload = data[HEADER.size :]
+            st.owed += len(payload)
+            if st.owed > WINDOW_BYTES:
+                raise _Violation(f"stream {sid}: DATA past the window ({st.owed} bytes unacknowledged)")
+            self.counters.count(len(payload), sent=False)
+            if st.idle and st.inbox.empty() and not st.writer.transport.get_write_buffer_size():
+                st.writer.write(payload)  # the fast path: the socket keeps up, no task switch
+                st.unacked += len(payload)
+                if st.unacked >= ACK_EVERY:
+                    st.inbox.put_nowait(b"")  # wakes the stream's task to acknowledge
+            else:
+                st.inbox.put_nowait(payload)
+        elif op == WINDOW:
+            if len(data) != HEADER.size + U32.size:
+                raise _Violation(f"stream {sid}: WINDOW of {len(data) - HEADER.size} payload bytes")
+            st.credit += U32.unpack_from(data, HEADER.size)[0]
+            st.credit_ready.set()
+        else:  # CLOSE
+            st.closed_sent = True
+            st.inbox.put_nowait(None)
+
+    async def run_stream(self, st: _Stream, reader=None, writer=None) -> None:
+        """Carry one stream until either side closes it: the relay end passes its accepted connection (and
+        sends OPEN first); the client end connects to its local port."""
+        self.streams[st.sid] = st
+        self.tasks.setdefault(st.sid, asyncio.current_task())
+        pump = None
+        try:
+            if reader is None:
+                reader, writer = await self.connect()
+                _nodelay(writer)
+            else:
+                await self.send(st.sid, OPEN)
+            st.reader, st.writer = reader, writer
+            pump = asyncio.create_task(self._pump_out(st))
+            while True:
+                st.idle = st.inbox.empty()
+                data = await st.inbox.get()
+                st.idle = False
+                if data is None:
+                    break
+                writer.write(data)
+                await writer.drain()
+                st.unacked += len(data)
+                if st.unacked >= ACK_EVERY and not st.closed_sent:
+                    n, st.unacked = st.unacked, 0
+                    st.owed -= n
+                    await self.send(st.sid, WINDOW, U32.pack(n))
+        except (OSError, ConnectionError, aiohttp.ClientError) as exc:
+            log.debug("relay %s: stream %d: %s", self.name, st.sid, exc)
+        finally:
+            if pump is not None:
+                pump.cancel()
+            await self._close_once(st)
+            if writer is not None:
+                writer.close()
+            self.streams.pop(st.sid, None)
+            self.tasks.pop(st.sid, None)
+
+    async def _pump_out(self, st: _Stream) -> None:
+        """Local socket → DATA messages, as the peer's window allows; at EOF: CLOSE, and end the stream."""
+        try:
+            while True:
+                while st.credit <= 0:
+                    st.credit_ready.clear()
+                    await st.credit_ready.wait()
+                data = await st.reader.read(min(CHUNK, st.credit))
+                if not data or st.closed_sent:
+                    break
+                st.credit -= len(data)
+                self.counters.count(len(data), sent=True)
+                await self.send(st.sid, DATA, data)
+        except (OSError, ConnectionError, aiohttp.ClientError) as exc:
+            log.debug("relay %s: stream %d read: %s", self.name, st.sid, exc)
+        await self._close_once(st)
+        st.inbox.put_nowait(None)
+
+    async def _close_once(self, st: _Stream) -> None:
+        if not st.closed_sent and not self.closed:
+            st.closed_sent = True
+            try:
+                await self.send(st.sid, CLOSE)
+            except (OSError, ConnectionError, aiohttp.ClientError):
+                pass
+
+    def shutdown(self) -> None:
+        """Drop every stream (the websocket is gone)."""
+        self.closed = True
+        for task in list(self.tasks.values()):
+            task.cancel()
+        for st in list(self.streams.values()):
+            if st.writer is not None:
+                st.writer.close()
+        self.streams.clear()
+
+
+class _Attached:
+    """One attached relay client, as the relay server sees it."""
+
+    def __init__(self, remote: str | None):
+        self.remote = remote
+        self.port: int | None = None
+        self.mux: _Mux | None = None
+        self.listener: asyncio.AbstractServer | None = None
+        self.since = time.monotonic()
+
+
+class RelayServer:
+    """The relay end: one public TCP port per attached client (``add_relay_routes`` makes it)."""
+
+    def __init__(self, public_host: str, bind_host: str = "0.0.0.0", max_clients: int = MAX_CLIENTS, registry=None):
+        self.public_host, self.bind_host, self.max_clients = public_host, bind_host, max_clients
+        self.clients: dict[int, _Attached] = {}
+        self._ids = 0
+        self.hooks: list[Callable[[str, web.Request, int], None]] = []  # (attached|detached, request, port)
+        prom = None
+        if registry is not None:
+            from prometheus_client import Counter
+
+            help_ = "Bytes relayed (in: from public connections to attached clients; out: back)"
+            prom = Counter("ggufswarm_relay_bytes", help_, ["direction"], registry=registry)
+        self.totals = _Counters(prom=(prom.labels("in"), prom.labels("out")) if prom else None)
+
+    def stats(self) -> dict:
+        """Per attached client: ``remote`` (its IP), ``port``, ``streams`` open, ``bytes_in`` (bytes from public
+        connections carried to it), ``bytes_out`` (bytes it sent back), ``attached_s``; and the totals."""
+        now = time.monotonic()
+        clients = [
+            {
+                "remote": c.remote,
+                "port": c.port,
+                "streams": len(c.mux.streams),
+                "bytes_in": c.mux.counters.tx,
+                "bytes_out": c.mux.counters.rx,
+                "attached_s": round(now - c.since, 3),
+            }
+            for c in self.clients.values()
+            if c.mux is not None and c.port is not None
+        ]
+        return {
+            "clients": clients,
+            "streams": sum(c["streams"] for c in clients),
+            "bytes_in": self.totals.tx,
+            "bytes_out": self.totals.rx,
+        }
+
+    async def attach(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/relay/attach``: the websocket of one relay client (503 ``relay_full`` over max_clients)."""
+        if len(self.clients) >= self.max_clients:
+            msg = f"this relay serves {self.max_clients} clients already: try another relay"
+            return error_response(ProtocolError("relay_full", msg, status=503))
+        self._ids += 1
+        key = self._ids
+        client = self.clients[key] = _Attached(request.remote)
+        listener = None
+        try:
+            ws = web.WebSocketResponse(compress=False, max_msg_size=MAX_MSG, heartbeat=HEARTBEAT_S, autoping=True)
+            await ws.prepare(request)
+            counters = _Counters(parent=self.totals)
+            mux = _Mux(ws, counters, f"{request.remote} ", accept_open=False)
+            try:
+                listener = await asyncio.start_server(lambda r, w: self._accept(mux, r, w), self.bind_host, 0)
+            except OSError as exc:
+                log.warning("relay: cannot listen on %s for %s: %s", self.bind_host, request.remote, exc)
+                await ws.close(code=aiohttp.WSCloseCode.TRY_AGAIN_LATER, message=b"relay cannot listen")
+                return ws
+            client.listener, client.port = listener, listener.sockets[0].getsockname()[1]
+            mux.name = f"{request.remote} (port {client.port})"
+            client.mux = mux
+            await ws.send_str(json.dumps({"host": self.public_host, "port": client.port}))
+            log.info("relay: %s attached at %s:%d", request.remote, self.public_host, client.port)
+            for hook in self.hooks:  # e.g. announce the relayed node on the DHT (node/app.py)
+                hook("attached", request, client.port)
+            await mux.serve()
+            log.info("relay: %s (port %d) detached", request.remote, client.port)
+            return ws
+        finally:
+            for hook in self.hooks if client.port else ():
+                hook("detached", request, client.port)
+            if listener is not None:
+                listener.close()
+            if client.mux is not None:
+                client.mux.shutdown()
+            self.clients.pop(key, None)
+
+    async def _accept(self, mux: _Mux, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if mux.closed or len(mux.streams) >= MAX_STREAMS:
+            writer.close()
+            return
+        _nodelay(writer)
+        self._ids += 1
+        sid = self._ids & 0xFFFFFFFF
+        try:
+            await mux.run_stream(_Stream(sid), reader, writer)
+        except asyncio.CancelledError:  # the top of its task: Python 3.11's start_server logs one not swallowed
+            pass
+
+    async def close(self) -> None:
+        """Close every attachment, its port and its streams."""
+        for client in list(self.clients.values()):
+            if client.listener is not None:
+                client.listener.close()
+            if client.mux is not None:
+                client.mux.shutdown()
+                await client.mux.ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"relay shutting down")
+
+
+def add_relay_routes(app: web.Application, public_host: str, bind_host: str = "0.0.0.0", registry=None) -> RelayServer:
+    """Make ``app`` a relay: ``GET /v1/relay/attach`` (behind the app's token middleware) and closing every
+    attachment when the app shuts down. ``public_host``: the host name or IP clients are told to advertise;
+    ``bind_host``: where the per-client ports listen; ``registry``: a Prometheus registry to count
+    ``ggufswarm_relay_bytes_total{direction="in"|"out"}`` in (bytes). Returns the RelayServer (``stats()``)."""
+    relay = RelayServer(public_host, bind_host, registry=registry)
+    app.router.add_get(ATTACH_PATH, relay.attach)
+
+    app.on_shutdown.append(lambda _app: relay.close())
+    return relay
+
+
+class RelayClient:
+    """The unreachable node's end: one outbound websocket to a relay, whose public port forwards to
+    ``local_host:local_port``. ``start()`` attaches; a background task re-attaches with backoff
+    (``min_backoff_s`` doubling to ``max_backoff_s``) when the websocket drops, calling ``on_address(host,
+    port)`` (a function or coroutine function) whenever the public address changes. ``bytes_in``: bytes
+    carried from the relay's public port to the local port; ``bytes_out``: bytes sent back."""
+
+    def __init__(
+        self,
+        relay_url: str,
+        local_port: int,
+        token: str | None,
+        on_address: Callable[[str, int], object] | None = None,
+        *,
+        local_host: str = "127.0.0.1",
+        min_backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+    ):
+        url, sep, query = relay_url.partition("?")  # http://HOST:PORT, or the attach URL itself; a query is kept
+        url = url.rstrip("/")
+        self.url = (url if url.endswith(ATTACH_PATH) else url + ATTACH_PATH) + sep + query
+        self.local_host, self.local_port, self.token = local_host, local_port, token
+        self.on_address = on_address
+        self.min_backoff_s, self.max_backoff_s = min_backoff_s, max_backoff_s
+        self.address: tuple[str, int] | None = None
+        self.attached = False
+        self.counters = _Counters()
+        self._session: aiohttp.ClientSession | None = None
+        self._mux: _Mux | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def bytes_in(self) -> int:
+        return self.counters.rx
+
+    @property
+    def bytes_out(self) -> int:
+        return self.counters.tx
+
+    @property
+    def streams(self) -> int:
+        """Connections carried right now."""
+        return len(self._mux.streams) if self._mux is not None and self.attached else 0
+
+    async def start(self, session: aiohttp.ClientSession, timeout: float = ATTACH_TIMEOUT_S) -> tuple[str, int]:
+        """Attach (within ``timeout`` s) and keep attached in the background; returns the public ``(host,
+        port)``. Raises RelayError when the relay cannot be reached, refuses (token, full, no relay there) or
+        answers something else than an address."""
+        self._session = session
+        ws, self.address = await self._attach(timeout)
+        self._task = asyncio.create_task(self._keep(ws))
+        return self.address
+
+    async def _attach(self, timeout: float) -> tuple[aiohttp.ClientWebSocketResponse, tuple[str, int]]:
+        try:
+            ws = await asyncio.wait_for(
+                self._session.ws_connect(
+                    self.url,
+                    headers=auth_headers(self.token),
+                    compress=0,
+                    max_msg_size=MAX_MSG,
+                    heartbeat=HEARTBEAT_S,
+                    autoping=True,
+                ),
+                timeout,
+            )
+        except aiohttp.WSServerHandshakeError as exc:
+            why = {
+                401: "refused the swarm token (--token)",
+                404: "has no relay (start it with --relay)",
+                503: "is full",
+            }.get(exc.status, f"refused the attach: HTTP {exc.status}")
+            raise RelayError(f"relay {self.url} {why}") from None
+        except TimeoutError:
+            raise RelayError(f"relay {self.url} did not answer within {timeout:g} s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise RelayError(f"cannot reach relay {self.url}: {type(exc).__name__}: {exc}") from None
+        try:
+            msg = await ws.receive(timeout=timeout)
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                raise ValueError(f"a {msg.type.name} message")
+            addr = json.loads(msg.data)
+            host, port = addr["host"], addr["port"]
+            if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(f"{addr!r}")
+        except (ValueError, KeyError, TypeError, TimeoutError) as exc:
+            await ws.close()
+            raise RelayError(f"relay {self.url} gave no address: {type(exc).__name__}: {exc}") from None
+        self.attached = True
+        return ws, (host, port)
+
+    async def _keep(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        delay = self.min_backoff_s
+        while True:
+            began = time.monotonic()
+            self._mux = _Mux(ws, self.counters, f"to {self.url}", accept_open=True)
+            self._mux.connect = self._connect_local
+            await self._mux.serve()
+            self.attached = False
+            if time.monotonic() - began > STABLE_S:
+                delay = self.min_backoff_s
+            log.warning("relay %s: attachment lost; re-attaching", self.url)
+            while True:
+                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, self.max_backoff_s)
+                try:
+                    ws, addr = await self._attach(ATTACH_TIMEOUT_S)
+                    break
+                except RelayError as exc:
+                    log.warning("%s; retrying", exc)
+            log.info("relay %s: re-attached at %s:%d", self.url, *addr)
+            if addr != self.address:
+                self.address = addr
+                if self.on_address is not None:
+                    try:
+                        result = self.on_address(*addr)
+                        if inspect.isawaitable(result):
+                            await result
+                    except Exception:
+                        log.exception("relay %s: on_address failed", self.url)
+
+    async def _connect_local(self):
+        return await asyncio.open_connection(self.local_host, self.local_port)
+
+    async def close(self) -> None:
+        """Detach: the relay closes the public port and its connections."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._mux is not None:
+            self._mux.shutdown()
+            await self._mux.ws.close()
+        self.attached = False
