@@ -10,7 +10,7 @@ PROMPT ?=
 LLAMA_CPP_VERSION := 0.3.36
 PATCHES := $(wildcard patches/llama.cpp/*.patch)
 
-.PHONY: setup demo test lint test-deps bench bench-llamacpp faults clean llamacpp-tools zoo
+.PHONY: setup demo test lint test-deps bench bench-llamacpp faults clean llamacpp-tools zoo netlab
 
 $(BIN)/ggufswarm: pyproject.toml setup.py $(PATCHES)
 	$(PY) -m venv $(VENV)
@@ -28,11 +28,21 @@ setup: $(BIN)/ggufswarm
 demo: setup
 	$(BIN)/ggufswarm demo $(if $(PROMPT),"$(PROMPT)",)
 
-# The tracker's status page is checked in headless Chromium (Debian package; needs root or sudo).
+# The tracker's status page is checked in headless Chromium (Debian package; needs root or sudo). The netlab tests
+# (tests/netlab.py: a test internet in network namespaces) need nft, miniupnpd (its nftables build) and ip/tc; the
+# package starts no miniupnpd, and any miniupnpd service a distribution adds is stopped and disabled.
 test-deps:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
+	@export PATH="$$PATH:/usr/sbin:/sbin"; { command -v nft && miniupnpd --version 2>&1 | grep -q nftables; } \
+	  >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends nftables miniupnpd-nftables iproute2 >/dev/null; \
+	  if [ -e /etc/init.d/miniupnpd ] || [ -e /lib/systemd/system/miniupnpd.service ]; then \
+	    $$SUDO sh -c 'systemctl disable --now miniupnpd || { service miniupnpd stop; update-rc.d miniupnpd disable; }' \
+	      >/dev/null 2>&1 || true; fi; }
 
 # The tests run in a random order (pytest-randomly), a new one each run; SEED=N repeats the order of a run.
 ifeq ($(origin SEED), undefined)
@@ -47,6 +57,10 @@ LINTED := src tests bench scripts
 lint: setup
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
+
+# The test internet alone (tests/netlab.py, root): namespaces, a UPnP/NAT-PMP router (miniupnpd), a strict NAT.
+netlab: setup test-deps
+	$(BIN)/python -m pytest -q -m netlab
 
 # Fault suite alone, with its table: 20 trials SIGKILLing a random node of a live 3-node route.
 faults: setup
