@@ -103,12 +103,38 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def _apply_link(args) -> None:
+    """Fill a node's or gateway's options from its join link (``--join`` / ``join LINK``): the model, the first
+    tracker, the secret and the DHT contacts; what the command line gives itself wins."""
+    from ..net.invite import JoinLink
+
+    text = getattr(args, "link", None) or getattr(args, "join", None)
+    if not text:
+        args.model_id, args.relays = None, tuple(getattr(args, "relay_via", ()) or ())
+        return
+    link = JoinLink.parse(text)
+    args.model = args.model or link.model
+    args.tracker = args.tracker or (link.trackers[0] if link.trackers else None)
+    args.token = args.token or link.secret
+    args.model_id = link.model_id
+    args.relays = tuple(getattr(args, "relay_via", ()) or ()) + link.relays
+    if getattr(args, "dht", None) is None or hasattr(args, "dht_port"):
+        args.dht = ",".join(link.dht) if link.dht else "-"
+
+
+def _dht_contacts(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    return tuple(c.strip() for c in text.split(",") if c.strip() and c.strip() != "-")
+
+
 def cmd_node(args) -> int:
     from ..node import NodeConfig, run_node
 
+    _apply_link(args)
     if args.snapshot_every < 0:
         raise ValueError(f"--snapshot-every must be >= 0, got {args.snapshot_every}")
-    if args.layers == "auto" and not args.tracker:
+    if args.layers == "auto" and not args.tracker and args.dht is None:
         raise ValueError("--layers auto picks the range the swarm covers least: it needs --tracker (or give START:END)")
     if args.fetch_timeout <= 0 or args.fetch_stall <= 0:
         raise ValueError(
@@ -147,6 +173,13 @@ def cmd_node(args) -> int:
             snapshot_every=args.snapshot_every,
             token=args.token,
             state_checkpoints=args.state_checkpoints,
+            dht=_dht_contacts(args.dht),
+            model_id=args.model_id,
+            reach=args.reach,
+            public_host=args.public_host,
+            relay=args.relay,
+            relays=args.relays,
+            torrent_port=args.torrent_port,
         )
     )
 
@@ -161,8 +194,9 @@ def cmd_gateway(args) -> int:
     from ..gateway import GatewayConfig, run_gateway
 
     check_speculative(args)
-    if not args.route and not args.tracker:
-        raise ValueError("give --route URL1,URL2,... or --tracker URL")
+    _apply_link(args)
+    if not args.route and not args.tracker and not args.join:
+        raise ValueError("give --route URL1,URL2,..., --tracker URL or --join LINK")
     route = [u.strip() for u in (args.route or "").split(",") if u.strip()]
     chat_template = None
     if args.chat_template_file:
@@ -192,6 +226,9 @@ def cmd_gateway(args) -> int:
             draft_max=args.draft_max,
             draft_model=args.draft_model,
             draft_threads=args.draft_threads,
+            dht=_dht_contacts(getattr(args, "dht", None)) or (),
+            model_id=args.model_id,
+            dht_port=args.dht_port,
         )
     )
 
@@ -207,13 +244,16 @@ def cmd_tracker(args) -> int:
     from ..tracker.app import TrackerConfig
     from ..tracker.service import run_tracker
 
-    return run_tracker(TrackerConfig(db=args.db, ttl_s=args.ttl, token=args.token), args.host, args.port)
+    config = TrackerConfig(db=args.db, ttl_s=args.ttl, token=args.token, relay=args.relay, public_host=args.public_host)
+    return run_tracker(config, args.host, args.port)
 
 
 def cmd_publish(args) -> int:
+    import json
     from pathlib import Path
 
     from ..artifact.default_model import model_name, resolve_model
+    from ..net.invite import JoinLink, manifest_digest
     from ..swarm.publish import publish, seed_forever
 
     path = resolve_model(args.model)
@@ -225,9 +265,11 @@ def cmd_publish(args) -> int:
         f"info-hash {published.info_hash}",
         flush=True,
     )
+    link = JoinLink(m.name, manifest_digest(json.loads(m.to_json())), trackers=(args.tracker,), secret=args.token)
+    print(f"join link (nodes: ggufswarm join LINK; it carries the swarm token): {link.format()}", flush=True)
     if not args.no_seed:
         print("seeding; Ctrl-C stops", file=sys.stderr, flush=True)
-        seed_forever(published, path)
+        seed_forever(published, path, host=args.host)
     return 0
 
 
@@ -262,6 +304,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "perplexity": cmd_perplexity,
     "node": cmd_node,
+    "join": cmd_node,
     "gateway": cmd_gateway,
     "demo": cmd_demo,
     "tracker": cmd_tracker,

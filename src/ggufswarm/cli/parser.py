@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=None, help="score only the first N chunks (N >= 1)")
 
     add_node_parser(sub)
+    add_node_parser(sub, "join")
     add_gateway_parser(sub)
     add_demo_parser(sub)
     add_tracker_parser(sub)
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--piece-size", type=int, default=256 * 1024, metavar="BYTES", help="torrent piece size (default 262144)"
     )
     u.add_argument("--no-seed", action="store_true", help="register and exit without seeding")
+    u.add_argument(
+        "--host", default="127.0.0.1", help="address the seeding BitTorrent session listens on (default 127.0.0.1)"
+    )
 
     add_cache_parser(sub)
     st = sub.add_parser(

@@ -8,23 +8,39 @@ import argparse
 from .args import backend_args, byte_size, speculative_args, token_arg
 
 
-def add_node_parser(sub) -> argparse.ArgumentParser:
-    """Add ``ggufswarm node`` to the subparsers ``sub``; its parser."""
-    n = sub.add_parser(
-        "node",
-        help="serve one shard (a layer range) over HTTP",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve layers START:END (half-open, as Python slices) of a GGUF model. The first "
-        "shard of a route needs --embed, the last --head (norm + LM head + sampler). "
-        "Each session keeps its KV cache here; frames go straight to the next hop. "
-        "Prints 'ggufswarm node ready: URL ...' once listening. Protocol: docs/protocol.md.",
-        epilog="example, a 2-node route of an 18-layer model:\n"
-        "  ggufswarm node --layers 0:9 --embed --port 8471\n"
-        "  ggufswarm node --layers 9:18 --head --port 8472",
-    )
+def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
+    """Add ``ggufswarm node`` (or ``ggufswarm join LINK``, the same node joining by a link) to the subparsers
+    ``sub``; its parser."""
+    if command == "join":
+        n = sub.add_parser(
+            "join",
+            help="run a node that joins a swarm by its join link (from 'demo --serve' or a swarm's operator)",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            description="Join the swarm a link names: find its nodes (its trackers, else the BitTorrent DHT from "
+            "the link's contacts), take the least-covered layer range that fits --memory-budget (or --layers), "
+            "fetch only those layers from peers, find out how it can be dialled (--reach auto: a dial-back, "
+            "a UPnP/NAT-PMP port mapping on the home router, else a relay) and serve. Same options as "
+            "'ggufswarm node'. The link carries the swarm's secret: share it like a password.",
+            epilog="example:\n  ggufswarm join 'ggufswarm://join?v=1&model=...&id=...&dht=203.0.113.5:6881&secret=...'",
+        )
+        n.add_argument("link", help="the join link (ggufswarm://join?...)")
+    else:
+        n = sub.add_parser(
+            "node",
+            help="serve one shard (a layer range) over HTTP",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            description="Serve layers START:END (half-open, as Python slices) of a GGUF model. The first "
+            "shard of a route needs --embed, the last --head (norm + LM head + sampler). "
+            "Each session keeps its KV cache here; frames go straight to the next hop. "
+            "Prints 'ggufswarm node ready: URL ...' once listening. Protocol: docs/protocol.md.",
+            epilog="example, a 2-node route of an 18-layer model:\n"
+            "  ggufswarm node --layers 0:9 --embed --port 8471\n"
+            "  ggufswarm node --layers 9:18 --head --port 8472",
+        )
     n.add_argument(
         "--layers",
-        required=True,
+        required=command != "join",
+        default="auto" if command == "join" else None,
         metavar="START:END",
         help="layer range to serve, e.g. 0:6; with --tracker also 'auto': a range that fits in "
         "--memory-budget, on the cuts the swarm's nodes already use (so it can replace or chain with "
@@ -171,7 +187,57 @@ def add_node_parser(sub) -> argparse.ArgumentParser:
         "plus its KV of the tokens held; 0 = none: a repair then recomputes from the start)",
     )
     token_arg(n)
+    reach_args(n, command)
     return n
+
+
+def reach_args(n: argparse.ArgumentParser, command: str) -> None:
+    """A node's options for joining across NATs and without a tracker (node/reach.py, net/)."""
+    g = n.add_argument_group("reaching this node, finding the swarm (home NATs, no tracker)")
+    if command == "node":
+        g.add_argument(
+            "--join",
+            metavar="LINK",
+            help="join the swarm this link names (as 'ggufswarm join LINK'): model, trackers, DHT contacts, secret",
+        )
+    g.add_argument(
+        "--reach",
+        choices=["direct", "auto"],
+        default="auto" if command == "join" else "direct",
+        help="direct: others dial --public-host (or --host) as given; auto: ask a tracker, relay or peer to dial "
+        "this node back, else map the port on the home router (UPnP IGD / NAT-PMP), else attach to a relay "
+        f"(default {'auto' if command == 'join' else 'direct'})",
+    )
+    g.add_argument(
+        "--public-host", metavar="HOST", help="the address others dial (default: --host, or what a dial-back saw)"
+    )
+    g.add_argument(
+        "--relay",
+        action="store_true",
+        help="also relay for nodes that cannot be dialled (they keep one websocket here; this node listens on a "
+        "port for each and carries its connections) — give it to reachable nodes",
+    )
+    g.add_argument(
+        "--relay-via",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a relay (a node or tracker started with --relay) to attach to when this node cannot be dialled "
+        "(repeatable; a join link's relays are added)",
+    )
+    g.add_argument(
+        "--dht",
+        metavar="HOST:PORT,...",
+        help="use the BitTorrent DHT, bootstrapped from these contacts only (never a public router): nodes are "
+        "found and routes planned without a tracker; '-' turns it on with no contact (the swarm's first node)",
+    )
+    g.add_argument(
+        "--torrent-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="the BitTorrent and DHT port (TCP and UDP; default any): the DHT contact other nodes bootstrap from",
+    )
 
 
 def add_gateway_parser(sub) -> argparse.ArgumentParser:
@@ -254,6 +320,13 @@ def add_gateway_parser(sub) -> argparse.ArgumentParser:
     )
     speculative_args(w)
     token_arg(w)
+    w.add_argument(
+        "--join",
+        metavar="LINK",
+        help="serve the swarm a join link names: its model, trackers and secret; routes are planned from the "
+        "BitTorrent DHT (the link's contacts) whenever no tracker answers",
+    )
+    w.add_argument("--dht-port", type=int, default=0, metavar="PORT", help="with --join: the gateway's DHT port")
     return w
 
 
@@ -350,6 +423,12 @@ def add_tracker_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     t.add_argument("--port", type=int, default=8470, help="TCP port (default 8470)")
     t.add_argument("--ttl", type=float, default=15.0, metavar="S", help="forget nodes silent this long (default 15)")
+    t.add_argument(
+        "--relay",
+        action="store_true",
+        help="also relay for nodes behind NATs that cannot be dialled (net/relay.py); dial-backs are always answered",
+    )
+    t.add_argument("--public-host", metavar="HOST", help="with --relay: the address relayed nodes are reached at")
     token_arg(t)
     return t
 

@@ -36,6 +36,7 @@ class Hop:
     model_name: str | None = None
     cache: bool | None = None  # whether the node has a snapshot cache (None: it does not say)
     max_verify_tokens: int | None = None  # head: most tokens of a speculative verify step (None: it cannot verify)
+    path: str = "direct"  # how it is reached: "direct", "mapped" (a home router's mapped port) or "relayed"
 
     @classmethod
     def from_advertisement(cls, ad: dict) -> Hop | None:
@@ -56,6 +57,7 @@ class Hop:
                 model_name=hop.get("model_name"),
                 cache=hop.get("cache"),
                 max_verify_tokens=hop.get("max_verify_tokens"),
+                path=str(((ad.get("extra") or {}).get("reach") or {}).get("path", "direct")),
             )
         except (KeyError, TypeError, ValueError, IndexError):
             return None
@@ -77,6 +79,7 @@ class Hop:
             h.get("model_name"),
             bool(h["cache"]) if "cache" in h else None,
             h.get("max_verify_tokens"),
+            str((h.get("reach") or {}).get("path", "direct")),
         )
 
 

@@ -84,6 +84,7 @@ class RouteTelemetry:
                 {
                     "node": hop.url,
                     "layers": [hop.start, hop.end],
+                    "path": getattr(hop, "path", "direct"),  # direct, mapped (home router's port) or relayed
                     "compute_ms": {"mean": _mean(comp), "p95": round(_pct(comp, P95), 3)},
                     "network_ms": {"mean": _mean(net), "p95": round(_pct(net, P95), 3)},
                     "prefill_compute_ms": round(sum(per_hop(prefill, hop.url, "compute_ms")), 3),

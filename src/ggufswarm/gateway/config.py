@@ -28,6 +28,9 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = ()  # when set, /v1/* needs ``Authorization: Bearer KEY`` (OpenAI style)
     tracker: str | None = None  # plan a route per session from this tracker (``route`` unused)
     token: str | None = None  # swarm token, sent to the tracker and the nodes (None: an open swarm)
+    dht: tuple[str, ...] = ()  # DHT bootstrap contacts (``--join``): plan routes from the DHT when no tracker answers
+    model_id: str | None = None  # the model's identity (manifest digest) naming its DHT key (``--join``)
+    dht_port: int = 0  # UDP/TCP port of the gateway's own DHT session (0: any)
     data_dir: str = "ggufswarm-data"  # where the vocabulary (GGUF header) fetched from the swarm goes
     # /v1/completions: read control-token text in a raw prompt as control tokens (as llama-server does), or
     # as literal text (``--literal-prompts``). Chat messages are always literal (Tokenizer.encode_chat).

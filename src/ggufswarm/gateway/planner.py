@@ -16,6 +16,7 @@ from ..client.route import Hop, RemoteRoute
 from ..client.tracker import TrackerClient, TrackerError
 from ..client.transport import REPAIRABLE, RouteError
 from ..runtime.sampling import SamplingParams
+from ..swarm.directory import Directory
 from .config import GatewayConfig
 from .errors import RequestError
 from .params import RequestOptions
@@ -66,12 +67,39 @@ class RoutePlanner:
     route must serve it), on the gateway's event loop: the tracker and the nodes are asked through ``http`` (the
     gateway's aiohttp session)."""
 
-    def __init__(self, config: GatewayConfig, suspects: Suspects, model_name: str | None, fingerprint: str | None):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        suspects: Suspects,
+        model_name: str | None,
+        fingerprint: str | None,
+        discovery=None,
+    ):
         self.config, self.suspects = config, suspects
         self.model_name, self.fingerprint = model_name, fingerprint
         self.tracker = TrackerClient(config.tracker, config.token) if config.tracker else None
+        self.discovery = discovery  # a net.dht.Discovery (``--join`` with DHT contacts): routes without a tracker
+        self._directory: Directory | None = None
         self._fixed: RemoteRoute | None = None
         self._fixed_lock = asyncio.Lock()
+
+    @property
+    def planned(self) -> bool:
+        """Whether routes are planned per session (a tracker or the DHT), not one fixed ``--route``."""
+        return self.tracker is not None or self.discovery is not None
+
+    @property
+    def directory(self) -> Directory:
+        """Where this model's nodes are listed: the tracker, then the DHT (swarm.directory)."""
+        if self._directory is None or self._directory.model != self.model_name:
+            self._directory = Directory(
+                self.model_name or "",
+                [self.config.tracker] if self.config.tracker else [],
+                self.discovery,
+                self.config.model_id,
+                self.config.token,
+            )
+        return self._directory
 
     async def route(
         self, http: aiohttp.ClientSession, max_length: int = 1, exclude=(), span: tuple[int, int] | None = None
@@ -85,17 +113,17 @@ class RoutePlanner:
         (``suspects``) are avoided too, unless no route exists without them. Without one, the fixed route, asking
         each node's /health the first time.
         """
-        if self.tracker is None:
+        if not self.planned:
             return await self._fixed_route(http)
         plans = [set(exclude) | self.suspects.current(), set(exclude)]  # then the suspects too: perhaps one is back
         for avoid in plans[:1] if plans[0] == plans[1] else plans:
-            query = {"model": self.model_name, "max_length": max_length}
+            query = {"max_length": max_length}
             if avoid:
                 query["exclude"] = ",".join(sorted(avoid))
             if span:
                 query["start"], query["end"] = span
             try:
-                planned = await self.tracker.acall(http, "route", query=query, timeout_s=self.tracker.timeout_s)
+                planned = await self.directory.route(http, query)
                 hops = [Hop.from_advertisement(ad) for ad in planned["route"]]
                 if all(hops):  # described by their advertisements: no /health round trip per node (TTFT)
                     return RemoteRoute.of_hops(
@@ -180,7 +208,7 @@ class RoutePlanner:
                 params,
                 self.config.wire_dtype,
                 top_logprobs=opts.top_logprobs,
-                replan=replan if self.tracker is not None else None,
+                replan=replan if self.planned else None,
                 lease_s=self.config.session_lease_s,
                 logprobs=opts.logprobs,
                 http=http,
@@ -191,7 +219,7 @@ class RoutePlanner:
             try:
                 return await once()
             except RouteError as exc:
-                if self.tracker is None or exc.code not in REPAIRABLE or not exc.hop or attempt + 1 == OPEN_ATTEMPTS:
+                if not self.planned or exc.code not in REPAIRABLE or not exc.hop or attempt + 1 == OPEN_ATTEMPTS:
                     raise
                 self.suspects.add(exc.hop)
         raise AssertionError("unreachable")

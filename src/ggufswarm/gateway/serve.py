@@ -73,12 +73,14 @@ def run_gateway(config: GatewayConfig) -> int:
         )
     if config.route and not config.tracker:
         check_route(config)
-    if config.tracker:  # start order does not matter: wait for the tracker (and the model, when one is named)
+    if config.tracker and not config.dht:  # start order does not matter: wait for the tracker (and the model)
         TrackerClient(config.tracker, config.token).wait_for_model(config.model, who="gateway")
     app = make_app(config)
 
     def ready(url: str) -> None:
         where = f"tracker {config.tracker}" if config.tracker else f"route {','.join(config.route)}"
+        if config.dht:
+            where = (f"tracker {config.tracker}; " if config.tracker else "") + f"DHT contacts {','.join(config.dht)}"
         print(f"ggufswarm gateway ready: {url}/v1 {where}", flush=True)
 
     run_server(app, config.host, config.port, ready)

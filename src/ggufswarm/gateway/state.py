@@ -4,6 +4,7 @@ planner, the pool for blocking work, and, on a gateway serving every model of a 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,8 @@ from ..client.transport import new_http_session
 from .config import GatewayConfig
 from .errors import RequestError
 from .planner import RoutePlanner, Suspects
+
+log = logging.getLogger(__name__)
 
 HEADER_FETCH_TIMEOUT_S = 30.0  # most seconds a route's first node may take to send the model's headers
 RELEASE_WAIT_S = 5.0  # at shutdown, how long the gateway waits for closed sessions to release their nodes
@@ -61,9 +64,20 @@ class Gateway:
             self.created = int(time.time())
         else:  # one model of a gateway serving every model: the pool and what failed lately are shared
             self.pool, self.suspects, self.created = parent.pool, parent.suspects, parent.created
-        self.planner = RoutePlanner(config, self.suspects, self.model_name, None)
+        # --join with DHT contacts: routes planned from the DHT when no tracker answers (swarm.directory)
+        self.discovery = parent.discovery if parent is not None else self._discovery(config)
+        self.planner = RoutePlanner(config, self.suspects, self.model_name, None, self.discovery)
         self._models: dict[str, Gateway] = {}
         self._models_lock = threading.Lock()
+
+    @staticmethod
+    def _discovery(config: GatewayConfig):
+        """The gateway's own DHT session (net.dht.Discovery), bootstrapped from ``config.dht``; None without."""
+        if not config.dht:
+            return None
+        from ..net.dht import Discovery
+
+        return Discovery.standalone(config.host, config.dht_port, list(config.dht))
 
     async def start(self) -> None:
         """On the app's event loop, at startup: the aiohttp session every route session talks over, and the
@@ -78,6 +92,8 @@ class Gateway:
         if self._http is not None:
             await self._http.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.discovery is not None and self._root is self:
+            self.discovery.close()
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -122,6 +138,41 @@ class Gateway:
         with self._models_lock:
             return self._models.setdefault(name, child)
 
+    def _fetch_header(self) -> Path:
+        """The model's GGUF header (vocabulary, chat template) on local disk: fetched from the swarm the tracker
+        knows; when the tracker cannot be reached and the DHT is on, from a node the DHT lists (its
+        ``GET /v1/model/header/{i}``). Raises TrackerError (no tracker and no node found)."""
+        from ..swarm.shard_fetch import fetch_header
+
+        unreachable = None
+        if self.config.tracker:
+            try:
+                path, self.swarm = fetch_header(
+                    self.config.tracker, self.model_name, Path(self.config.data_dir), token=self.config.token
+                )
+                return path
+            except TrackerError as exc:
+                if exc.status is not None or self.discovery is None:
+                    raise
+                unreachable = exc
+        from ..client import loop
+
+        async def from_a_node():
+            async with aiohttp.ClientSession() as http:
+                return await self.planner.directory.dht_nodes(http, fresh=True)
+
+        for ad in loop.run(from_a_node()):
+            try:
+                path, _info = fetch_model_headers(
+                    ad["url"], Path(self.config.data_dir), HEADER_FETCH_TIMEOUT_S, token=self.config.token
+                )
+                return path
+            except (OSError, ValueError, RuntimeError) as exc:
+                log.info("model header from %s failed: %s", ad["url"], exc)
+        raise unreachable or TrackerError(
+            f"no node of {self.model_name} found on the DHT yet", None, "no node of this model is announced"
+        )
+
     def load(self) -> None:
         """Read the GGUF header and vocabulary (blocking): from ``--model``; with a tracker, fetched from the
         swarm (header only); with ``--route`` and no ``--model``, fetched from the route's first node (its
@@ -129,13 +180,9 @@ class Gateway:
         every node of every route must share. Raises GGUFError / OSError / TrackerError / RouteError."""
         if self.every_model:
             return  # each model is loaded on first use (for_model)
-        if self.config.tracker:
-            from ..swarm.shard_fetch import fetch_header
-
+        if self.config.tracker or self.discovery is not None:
             self.model_name = self.config.model or self.config.model_name
-            path, self.swarm = fetch_header(
-                self.config.tracker, self.model_name, Path(self.config.data_dir), token=self.config.token
-            )
+            path = self._fetch_header()
         elif self.config.model is None and self.config.route:
             path, info = fetch_model_headers(
                 self.config.route[0],

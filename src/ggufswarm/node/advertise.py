@@ -12,6 +12,7 @@ import time
 
 from ..client.tracker import TrackerError
 from ..protocol import ProtocolError
+from ..swarm.directory import DirectoryError
 from .state import F32_BYTES, NodeState
 
 READVERTISE_S = 0.2  # after a change of free KV, at most this long (s) before the tracker hears of it; batches a burst
@@ -88,6 +89,8 @@ def advertisement(state: NodeState) -> dict:
         "extra": {
             "hop": {k: h[k] for k in HOP_KEYS} | {"cache": bool(h["cache"])},
             "accounting": shard_accounting(state),
+            # how to reach it: direct, through a mapped port of its home router, or through a relay (node/reach.py)
+            "reach": state.reach.to_json() if state.reach is not None else {"path": "direct"},
         },
     }
 
@@ -129,20 +132,23 @@ async def deregister(state: NodeState) -> None:
 
 
 async def check_registered(state: NodeState, url: str | None) -> None:
-    """With a tracker, a next_hop must be a node the tracker lists for this node's model (the list is cached
+    """With a tracker or the DHT, a next_hop must be a node they list for this node's model (the list is cached
     for ``PEERS_TTL_S`` and fetched again on a miss). ProtocolError next_hop_unknown (403) or tracker_unavailable
     (503)."""
-    if url is None or state.tracker is None:
+    if url is None or (state.tracker is None and state.directory is None):
         return
     now = time.monotonic()
     if url in state.peers and now - state.peers_at < PEERS_TTL_S:
         return
     model = state.config.swarm_name or state.config.model or ""
     try:
-        listed = await state.tracker.anodes(state.client, model)
+        if state.directory is not None:  # its trackers, then the DHT (a tracker that is down is not needed)
+            listed = await state.directory.nodes(state.client)
+        else:
+            listed = await state.tracker.anodes(state.client, model)
         state.peers = {str(n["url"]).rstrip("/") for n in listed}
         state.peers_at = now
-    except (TrackerError, KeyError, TypeError) as exc:
+    except (TrackerError, DirectoryError, KeyError, TypeError) as exc:
         raise ProtocolError(
             "tracker_unavailable", f"cannot check next_hop {url} with the tracker: {type(exc).__name__}"
         ) from None

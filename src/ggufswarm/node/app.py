@@ -27,13 +27,16 @@ from ..artifact.accounting import shard_account
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.tracker import TrackerClient
+from ..net.reach import add_dialback_route, add_probe_route, skip_public_paths
+from ..net.relay import add_relay_routes
 from ..protocol import ProtocolError
 from ..protocol.auth import auth_headers, token_middleware
 from ..protocol.http import json_errors_middleware, run_server
 from ..runtime.backends import load_shard, model_config
 from ..runtime.spec import ShardSpec
 from . import sessions_api, steps
-from .advertise import deregister, heartbeats
+from .advertise import advertisement, deregister, heartbeats
+from .reach import UnreachableError, establish
 from .state import BYTES_PER_MIB, EXACT_BATCH_GROUP, NODE, NodeConfig, NodeState, json_response
 
 DEFAULT_SWARM_MODEL = "gemma-3-270m-q4_k_m"  # the published name a tracker node fetches without --model
@@ -122,6 +125,58 @@ async def model_header(request: web.Request) -> web.Response:
     return web.Response(body=data, content_type="application/octet-stream")
 
 
+async def advertisement_route(request: web.Request) -> web.Response:
+    """``GET /v1/advertisement``: this node's shard advertisement, as the tracker gets it (node/advertise.py): how a
+    gateway or node that found it on the DHT learns its range, free KV and how to reach it. 503 before it knows its
+    public address."""
+    state: NodeState = request.app[NODE]
+    if not state.url:
+        raise ProtocolError("not_ready", "this node does not know its public address yet")
+    return json_response(advertisement(state))
+
+
+async def manifest_route(request: web.Request) -> web.Response:
+    """``GET /v1/manifest``: ``{"manifest", "torrent_hex"}`` this node's shard was fetched with (as the tracker's
+    ``GET /manifests/{name}``), so a node joining without a tracker gets it from a peer; 404 for a node serving a
+    local file."""
+    state: NodeState = request.app[NODE]
+    if state.manifest_answer is None:
+        raise ProtocolError("no_manifest", "this node serves a local GGUF file, not a swarm-published model")
+    return json_response(state.manifest_answer)
+
+
+def _announce_relayed(state: NodeState, event: str, request: web.Request, port: int) -> None:
+    """A relay announces the nodes it relays on the DHT (at its own address and the port it holds for each), when
+    they ask for it (``?announce=MODEL_ID`` on the attach) and serve this node's model."""
+    model_id = request.query.get("announce")
+    if state.discovery is None or not model_id or model_id != state.config.model_id:
+        return
+    from ..net.dht import swarm_key
+
+    if event == "attached":
+        state.discovery.announce(port, swarm_key(model_id))
+    else:
+        state.discovery.stop_announcing(port)
+
+
+async def announce(state: NodeState) -> None:
+    """Announce this node on the DHT under its model's key once it knows its public address, and again whenever
+    that changes (net.dht.Discovery re-announces it periodically). A relayed node is announced by its relay."""
+    from ..net.dht import swarm_key
+
+    announced = None
+    while True:
+        reach = state.reach
+        if reach is not None and reach.path != "relayed" and state.config.model_id:
+            port = int(reach.url.rsplit(":", 1)[1])
+            if port != announced:
+                if announced is not None:
+                    state.discovery.stop_announcing(announced)
+                state.discovery.announce(port, swarm_key(state.config.model_id))
+                announced = port
+        await asyncio.sleep(1.0)
+
+
 async def health(request: web.Request) -> web.Response:
     """``GET /health`` → 200 JSON (see NodeState.health)."""
     return json_response(request.app[NODE].health())
@@ -161,7 +216,10 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     # bodies: one frame of max_step_tokens f32 rows, or a JSON restore
     app = web.Application(
         client_max_size=max(state.max_body, MAX_RESTORE_BODY) + BODY_HEADROOM,
-        middlewares=[token_middleware(config.token), json_errors_middleware(lambda _req, err: state.count_error(err))],
+        middlewares=[
+            skip_public_paths(token_middleware(config.token)),  # a dial-back's probe needs no token
+            json_errors_middleware(lambda _req, err: state.count_error(err)),
+        ],
     )
     app[NODE] = state
     app.router.add_post("/v1/sessions", sessions_api.open_session)
@@ -175,6 +233,14 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.router.add_get("/v1/model", model_info)
     app.router.add_get("/v1/model/header/{i}", model_header)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/advertisement", advertisement_route)
+    app.router.add_get("/v1/manifest", manifest_route)
+    add_probe_route(app)
+    add_dialback_route(app)  # any node can tell another whether it can be dialled (node/reach.py)
+    if config.relay:
+        public = config.public_host or (config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1")
+        state.relay_server = add_relay_routes(app, public, config.host, registry=state.registry)
+        state.relay_server.hooks.append(lambda event, request, port: _announce_relayed(state, event, request, port))
 
     async def lifecycle(app):
         state.client = aiohttp.ClientSession(
@@ -185,7 +251,11 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
             tasks.append(asyncio.create_task(_watch_parent(os.getppid())))
         if state.tracker is not None:
             tasks.append(asyncio.create_task(heartbeats(state)))
+        if state.discovery is not None:
+            tasks.append(asyncio.create_task(announce(state)))
         yield
+        if state.relay_client is not None:
+            await state.relay_client.close()
         for t in tasks:
             t.cancel()
         if state.snapshots is not None:
@@ -237,23 +307,52 @@ def _warn_unroutable(state: NodeState) -> None:
         )
 
 
+def _swarm_for(config: NodeConfig):
+    """The node's libtorrent session (swarm.torrent.Swarm) when it joins a swarm beyond loopback: on ``--host``,
+    with the DHT when ``config.dht`` is set, mapping its ports with ``--reach auto``; None for a plain tracker node
+    on loopback (fetch_shard then makes its own, as before)."""
+    if config.dht is None and config.reach != "auto" and config.host in ("127.0.0.1", "localhost"):
+        return None
+    from ..swarm.torrent import Swarm
+
+    return Swarm(config.host, config.torrent_port, dht_bootstrap=config.dht, map_ports=config.reach == "auto")
+
+
 def run_node(config: NodeConfig) -> int:
     """``ggufswarm node``: load the shard, serve it, print one ready line to stdout; exit 0 on SIGINT/SIGTERM.
 
-    With ``config.tracker``, first fetches the shard's bytes from the swarm (``layers`` may be
-    ``"auto"``), seeds them while serving, and advertises to the tracker until shut down.
-    Raises OSError when the port cannot be listened on, TrackerError when the tracker refuses.
+    With ``config.tracker`` or ``config.dht`` (a join link), first fetches the shard's bytes from the swarm
+    (``layers`` may be ``"auto"``; the manifest from a tracker or a peer the DHT lists), seeds them while serving,
+    and advertises to the tracker and on the DHT until shut down. With ``reach="auto"``, finds out how it can be
+    dialled (node/reach.py) before it prints its ready line with that public URL.
+    Raises OSError when the port cannot be listened on, TrackerError when the tracker refuses, DirectoryError when
+    no tracker or peer has the model, UnreachableError when nothing can reach it.
     """
     fetched = None
     if config.port:
         _check_port(config.host, config.port)
-    if config.tracker:
+    if config.host in ("0.0.0.0", "::") and config.reach != "auto" and not config.public_host:
+        raise ValueError(f"--host {config.host} listens everywhere: say which address others dial (--public-host)")
+    swarm = _swarm_for(config)
+    discovery = directory = None
+    name = config.model or DEFAULT_SWARM_MODEL
+    if swarm is not None and (config.dht is not None or config.reach == "auto"):
+        from ..net.dht import Discovery  # the session's one alert pump (DHT replies, port mappings)
+
+        discovery = Discovery(swarm.session, list(config.dht or ()))
+    if config.dht is not None:
+        from ..swarm.directory import Directory
+
+        directory = Directory(
+            name, [config.tracker] if config.tracker else [], discovery, config.model_id, config.token
+        )
+    if config.tracker or directory is not None:
         from ..swarm.shard_fetch import fetch_shard
 
-        name = config.model or DEFAULT_SWARM_MODEL
-        TrackerClient(config.tracker, config.token).wait_for_model(
-            name, parent=os.getppid() if config.exit_with_parent else None
-        )
+        if directory is None:
+            TrackerClient(config.tracker, config.token).wait_for_model(
+                name, parent=os.getppid() if config.exit_with_parent else None
+            )
         fetched = fetch_shard(
             config.tracker,
             name,
@@ -265,6 +364,8 @@ def run_node(config: NodeConfig) -> int:
             timeout=config.fetch_timeout_s,
             stall_s=config.fetch_stall_s,
             token=config.token,
+            directory=directory,
+            swarm=swarm,
         )
         got = (
             f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s"
@@ -286,23 +387,49 @@ def run_node(config: NodeConfig) -> int:
         )
     app = make_app(config)
     state: NodeState = app[NODE]
+    state.swarm, state.discovery, state.directory = (fetched.swarm if fetched else swarm), discovery, directory
+    if config.reach == "auto" and discovery is not None:
+        from ..net.portmap import PortMapper
+
+        state.port_mapper = PortMapper(swarm.session, discovery.subscribe)
+    if fetched is not None:
+        state.manifest_answer = fetched.answer
     spec = state.spec
     _warn_unroutable(state)
+    failed: list[BaseException] = []
 
-    def ready(url: str) -> None:
+    def say_ready(url: str) -> None:
         state.url = url
         stages = "".join([" +embed" if spec.embed else "", " +head" if spec.head else ""])
+        path = f" reach {state.reach.path}" if state.reach is not None and config.reach == "auto" else ""
         print(
             f"ggufswarm node ready: {url} layers {spec.start}:{spec.end}{stages} "
-            f"kv_budget {state.store.budget_tokens} tokens",
+            f"kv_budget {state.store.budget_tokens} tokens{path}",
             flush=True,
         )
+
+    async def reach_then_ready(local_url: str) -> None:
+        try:
+            state.reach = await establish(state, local_url)
+        except UnreachableError as exc:
+            failed.append(exc)
+            print(f"ggufswarm node: {exc}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        say_ready(state.reach.url)
+
+    def ready(url: str) -> None:
+        asyncio.get_running_loop().create_task(reach_then_ready(url))
 
     try:
         run_server(app, config.host, config.port, ready)
     finally:
-        if fetched is not None:
-            fetched.swarm.close()
+        if discovery is not None:
+            discovery.close()
+        if state.swarm is not None:
+            state.swarm.close()
+    if failed:
+        raise failed[0]
     return 0
 
 

@@ -70,6 +70,14 @@ class NodeConfig:
     cache: str | None = None  # snapshot cache server URL (``ggufswarm cache``)
     snapshot_every: int = 32  # with a cache: snapshot each session every N tokens after its prefill
     state_checkpoints: int = 4  # llama.cpp exact-state shards: session states kept to truncate to
+    # -- across NATs and without a tracker (issue 25; net/, node/reach.py) --
+    dht: tuple[str, ...] | None = None  # BitTorrent DHT bootstrap contacts; None: no DHT, (): DHT with no contact
+    model_id: str | None = None  # the model's identity (manifest digest, from a join link): its DHT key
+    reach: str = "direct"  # "direct": advertise host:port as it is; "auto": dial-back check, port mapping, relay
+    public_host: str | None = None  # the address others dial (default: --host, or what a dial-back observed)
+    relay: bool = False  # also relay for nodes that cannot be dialled (net/relay.py), and answer dial-backs
+    relays: tuple[str, ...] = ()  # relays (node or tracker URLs) this node may attach to when it cannot be dialled
+    torrent_port: int = 0  # the BitTorrent/DHT port (TCP + UDP; 0: any) — the DHT contact a join link gives
 
 
 class NodeState:
@@ -127,6 +135,14 @@ class NodeState:
         self.peers: set[str] = set()  # node URLs the tracker listed for this model (next_hop check), and when
         self.peers_at = 0.0
         self.accounting: dict | None = None  # the static part of the advertised accounting (advertise.py)
+        self.reach = None  # how others reach this node (node/reach.py Reach), once established
+        self.swarm = None  # the libtorrent session seeding this shard (swarm.torrent.Swarm), when fetched
+        self.discovery = None  # its DHT (net.dht.Discovery), with config.dht
+        self.directory = None  # the trackers and the DHT (swarm.directory.Directory), with either
+        self.manifest_answer: dict | None = None  # {"manifest", "torrent_hex"} this shard was fetched with
+        self.relay_server = None  # with config.relay (net.relay.RelayServer)
+        self.relay_client = None  # when this node is reached through a relay (net.relay.RelayClient)
+        self.port_mapper = None  # with --reach auto: UPnP / NAT-PMP through its swarm session (net.portmap)
         self.snapshots = None
         if config.cache:
             from .snapshots import SnapshotLink, shard_of
@@ -262,6 +278,8 @@ class NodeState:
             "batching": None
             if self.batcher is None
             else {"batch_group": self.config.batch_group, **self.batcher.counters()},
+            "reach": self.reach.to_json() if self.reach is not None else {"path": "direct"},
+            "relay": self.relay_server.stats() if self.relay_server is not None else None,
         }
 
     def error_reply(self, exc: BaseException) -> tuple[int, bytes]:

@@ -40,6 +40,10 @@ ERROR_STATUS = {
     "hop_failed": 502,  # the next hop answered with an error or dropped the connection
     "hop_timeout": 504,  # the next hop did not answer within the hop timeout
     "tracker_unavailable": 503,  # the tracker could not be asked (e.g. to check a next_hop)
+    "not_ready": 503,  # the node does not know its public address yet (GET /v1/advertisement)
+    "no_manifest": 404,  # a node serving a local GGUF has no swarm manifest to hand out (GET /v1/manifest)
+    "rate_limited": 429,  # dial-backs: too many from one address
+    "relay_full": 503,  # a relay with no room for another attached node
     # the tracker's own (docs/protocol.md, "Tracker API")
     "bad_json": 400,  # tracker: a request body that is not a JSON object (or too deep, or undecodable)
     "bad_advertisement": 400,  # tracker: a heartbeat with missing or out-of-range fields

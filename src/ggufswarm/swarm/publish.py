@@ -56,12 +56,14 @@ def publish(
     return Published(manifest, torrent, manifest.info_hash)
 
 
-def seed_forever(published: Published, model_path: Path, stop: threading.Event | None = None) -> None:
-    """Seed the published files until SIGINT/SIGTERM (or ``stop`` is set)."""
+def seed_forever(
+    published: Published, model_path: Path, stop: threading.Event | None = None, host: str = "127.0.0.1"
+) -> None:
+    """Seed the published files (listening on ``host``) until SIGINT/SIGTERM (or ``stop`` is set)."""
     stop = stop or threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    swarm = Swarm()
+    swarm = Swarm(host)
     try:
         swarm.seed(published.torrent, save_path_for(split_paths(Path(model_path))))
         while not stop.wait(1.0):

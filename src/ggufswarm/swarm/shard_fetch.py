@@ -67,10 +67,11 @@ class FetchedShard:
     swarm: Swarm
     torrent: bytes
     stats: FetchStats
+    answer: dict | None = None  # {"manifest", "torrent_hex"} as the tracker or peer gave it (its digest: the model id)
 
 
 def fetch_shard(
-    tracker: str,
+    tracker: str | None,
     name: str,
     layers: str,
     embed: bool,
@@ -82,33 +83,78 @@ def fetch_shard(
     stall_s: float = 60.0,
     *,
     token: str | None = None,
+    directory=None,
+    swarm: Swarm | None = None,
 ) -> FetchedShard:
     """Fetch from the swarm only the pieces a shard needs (header + its tensors), verified, into
     ``data_dir``; returns with the swarm still seeding them. ``layers``: ``"START:END"`` or ``"auto"``.
     ``timeout``: seconds in all; ``stall_s``: seconds without a new piece before it warns and retries
     (``Swarm.fetch``). ``token``: the swarm token, for the tracker.
 
-    Raises TrackerError (unknown model, tracker down), ValueError (bad range), SwarmError (fetch failed).
+    ``directory`` (a ``swarm.directory.Directory``: trackers and the DHT) replaces ``tracker``: the manifest then
+    comes from a tracker or, when none answers, from a node the DHT lists (checked against the model's identity),
+    and the torrent's peers from the DHT and the nodes' advertisements. ``swarm``: the libtorrent session to fetch
+    in (a node's, with its DHT and port mapping); a new loopback one by default.
+
+    Raises TrackerError (unknown model, tracker down), DirectoryError (no source answered), ValueError (bad range),
+    SwarmError (fetch failed).
     """
-    client = TrackerClient(tracker, token)
-    found = client.manifest(name)
+    peers: list[tuple[str, int]] = []
+    if directory is None:
+        client = TrackerClient(tracker, token)
+        found = client.manifest(name)
+        listed = client.nodes(name) if layers == "auto" else []
+    else:
+        found, listed = _ask(directory)
+        peers = torrent_peers(listed)
     manifest = Manifest.from_json(json.dumps(found["manifest"]))
     torrent = bytes.fromhex(found["torrent_hex"])
     if layers == "auto":
         ads = [
             Advertisement(a["node_id"], a["url"], a["model"], tuple(a["layers"]), a["embed"], a["head"], a["state"])
-            for a in client.nodes(name)
+            for a in listed
         ]
         spec = choose_layers(manifest, ads, budget_bytes)
     else:
         spec = ShardSpec.parse(layers, manifest.n_layers, embed, head)
     data_dir.mkdir(parents=True, exist_ok=True)
-    swarm = Swarm()
+    swarm = swarm or Swarm()
     ranges = manifest.byte_ranges(spec.start, spec.end, spec.embed, spec.head)
-    stats = swarm.fetch(torrent, data_dir, ranges, timeout=timeout, progress=progress, stall_s=stall_s)
+    stats = swarm.fetch(torrent, data_dir, ranges, peers, timeout=timeout, progress=progress, stall_s=stall_s)
     first = manifest.files[0]["name"]
     path = data_dir / first if len(manifest.files) == 1 else next(data_dir.glob(f"*/{first}"))
-    return FetchedShard(path, spec, manifest, swarm, torrent, stats)
+    return FetchedShard(path, spec, manifest, swarm, torrent, stats, found)
+
+
+def torrent_peers(ads: list[dict]) -> list[tuple[str, int]]:
+    """The BitTorrent endpoints ``(host, port)`` nodes advertise (``extra.reach.torrent``, ``"host:port"``)."""
+    out = []
+    for ad in ads:
+        where = ((ad.get("extra") or {}).get("reach") or {}).get("torrent")
+        if isinstance(where, str) and ":" in where:
+            host, _, port = where.rpartition(":")
+            if port.isdigit():
+                out.append((host, int(port)))
+    return out
+
+
+def _ask(directory) -> tuple[dict, list[dict]]:
+    """The manifest answer and the node list of ``directory``, asked on the shared client loop (blocking)."""
+    import aiohttp
+
+    from ..client import loop
+    from .directory import DirectoryError
+
+    async def both():
+        async with aiohttp.ClientSession() as http:
+            found = await directory.manifest(http)
+            try:
+                listed = await directory.nodes(http)
+            except DirectoryError:  # no node listed yet: the torrent's own peers (DHT) may still have the pieces
+                listed = []
+            return found, listed
+
+    return loop.run(both())
 
 
 def fetch_header(

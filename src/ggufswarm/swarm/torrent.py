@@ -87,22 +87,37 @@ class FetchStats:
 
 
 class Swarm:
-    """One libtorrent session bound to ``host`` (loopback by default) on an OS-chosen or given port."""
+    """One libtorrent session bound to ``host`` (loopback by default) on an OS-chosen or given port (TCP for peers,
+    UDP for the DHT).
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
-        self.session = lt.session(
-            {
-                "listen_interfaces": f"{host}:{port}",
-                "enable_dht": False,
-                "enable_lsd": False,
-                "enable_upnp": False,
-                "enable_natpmp": False,
-                "allow_multiple_connections_per_ip": True,  # every peer of a loopback swarm is 127.0.0.1
-                "announce_to_all_trackers": True,
-                "announce_to_all_tiers": True,
-                "alert_mask": lt.alert_category.error,
-            }
-        )
+    ``dht_bootstrap``: ``["host:port", ...]`` turns the BitTorrent DHT on, bootstrapped from those contacts only
+    (never a public router; ``net.dht.dht_settings``): peers of a torrent are then found without a tracker, and the
+    session can announce and look up nodes (``net.dht.Discovery``). ``map_ports``: ask the home router to forward
+    the listen port (UPnP IGD, NAT-PMP/PCP; libtorrent's port mapping, also ``add_port_mapping`` for others)."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, dht_bootstrap: list[str] | None = None, map_ports: bool = False
+    ):
+        settings = {
+            "listen_interfaces": f"{host}:{port}",
+            "enable_dht": False,
+            "dht_bootstrap_nodes": "",  # never libtorrent's built-in public router
+            "enable_lsd": False,  # local service discovery multicasts outside the swarm's own network
+            "enable_upnp": map_ports,
+            "enable_natpmp": map_ports,
+            "allow_multiple_connections_per_ip": True,  # every peer of a loopback swarm is 127.0.0.1
+            "announce_to_all_trackers": True,
+            "announce_to_all_tiers": True,
+            "alert_mask": lt.alert_category.error,
+        }
+        if dht_bootstrap is not None:
+            from ..net.dht import dht_settings
+
+            settings.update(dht_settings(list(dht_bootstrap)))
+        if map_ports:
+            settings["alert_mask"] = settings["alert_mask"] | lt.alert_category.port_mapping
+        self.session = lt.session(settings)
+        self.dht = dht_bootstrap is not None
         self.handles: dict[str, lt.torrent_handle] = {}
 
     @property
@@ -219,6 +234,8 @@ class Swarm:
                         timeout,
                     )
                     handle.force_reannounce()
+                    if self.dht:
+                        handle.force_dht_announce()
                     for peer in peers:
                         handle.connect_peer(peer)
                     last_progress = now

@@ -15,6 +15,8 @@ import libtorrent as lt
 from aiohttp import web
 
 from ..artifact.manifest import Manifest
+from ..net.reach import add_dialback_route, add_probe_route, skip_public_paths
+from ..net.relay import add_relay_routes
 from ..protocol.auth import auth_headers, token_middleware
 from ..protocol.errors import ProtocolError
 from ..protocol.http import json_errors_middleware, probe, read_json
@@ -36,6 +38,8 @@ class TrackerConfig:
     ttl_s: float = 15.0
     hop_ms: float = 1.0
     token: str | None = None  # swarm token required on every endpoint (None: an open swarm)
+    relay: bool = False  # also relay for nodes that cannot be dialled (net/relay.py)
+    public_host: str | None = None  # with relay: the address relayed nodes are reached at (default: 127.0.0.1)
 
 
 def _ad_json(ad: Advertisement) -> dict:
@@ -52,7 +56,8 @@ async def _json_body(request: web.Request) -> dict:
 def make_app(config: TrackerConfig) -> web.Application:
     """The tracker as an aiohttp app (tests drive it in process; ``ggufswarm tracker`` serves it)."""
     app = web.Application(
-        client_max_size=64 << 20, middlewares=[token_middleware(config.token), json_errors_middleware()]
+        client_max_size=64 << 20,
+        middlewares=[skip_public_paths(token_middleware(config.token)), json_errors_middleware()],
     )
     registry = Registry(config.db, config.ttl_s)
     routed: Counter[str] = Counter()  # sessions handed each node (load spreading)
@@ -217,6 +222,10 @@ def make_app(config: TrackerConfig) -> web.Application:
         ]
     )
     app.on_cleanup.append(lambda _app: _close(registry))
+    add_dialback_route(app)  # nodes behind NATs ask whether they can be dialled (node/reach.py)
+    add_probe_route(app)
+    if config.relay:
+        app["relay"] = add_relay_routes(app, config.public_host or "127.0.0.1")
     return app
 
 

@@ -1,0 +1,210 @@
+"""Where a swarm's nodes are listed: its trackers (any number) and the BitTorrent DHT, behind one interface.
+
+A gateway plans routes and a node checks its next hops through a ``Directory``. Trackers answer first (their
+registry is fresh to a heartbeat); when none answers, or there is none, the directory asks the DHT for the
+endpoints announced under the model's key (``net.dht.swarm_key``), reads each one's advertisement over the
+authenticated API (``GET /v1/advertisement``) and plans with the same pure function the tracker uses
+(``tracker.routing.plan_route``). A DHT entry is only a hint: every endpoint is contacted before it is listed, so a
+stale or forged entry costs one failed request, never a route through a node that is not there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from urllib.parse import quote
+
+import aiohttp
+
+from ..client.tracker import TrackerClient, TrackerError
+from ..net.invite import manifest_digest
+from ..protocol.auth import auth_headers
+from ..tracker.routing import Advertisement, NoRoute, plan_route, route_context, route_wire_bytes_per_token
+
+log = logging.getLogger(__name__)
+
+AD_TIMEOUT_S = 2.0  # most seconds one node's /v1/advertisement may take during a DHT listing
+LOOKUP_TIMEOUT_S = 5.0  # most seconds one DHT lookup may take (a tiny swarm answers in well under one)
+CACHE_S = 2.0  # DHT listings younger than this are reused (a burst of route plans does one lookup)
+HOP_MS = 1.0  # the per-hop network cost the local planner adds, as the tracker's default
+
+
+class DirectoryError(RuntimeError):
+    """No source of the directory could answer (every tracker down and the DHT empty or off)."""
+
+
+def advertisement_of(ad: dict) -> Advertisement:
+    """The routing ``Advertisement`` of a node's advertisement JSON (KeyError/TypeError/ValueError when malformed)."""
+    return Advertisement(
+        str(ad["node_id"]),
+        str(ad["url"]).rstrip("/"),
+        str(ad["model"]),
+        (int(ad["layers"][0]), int(ad["layers"][1])),
+        bool(ad.get("embed")),
+        bool(ad.get("head")),
+        str(ad.get("state", "ready")),
+        int(ad.get("free_kv_tokens", 0)),
+        float(ad.get("decode_ms", 0.0)),
+        ad.get("extra") or {},
+    )
+
+
+def ad_json(ad: Advertisement) -> dict:
+    """An ``Advertisement`` as the tracker's JSON."""
+    return {
+        "node_id": ad.node_id,
+        "url": ad.url,
+        "model": ad.model,
+        "layers": list(ad.layers),
+        "embed": ad.embed,
+        "head": ad.head,
+        "state": ad.state,
+        "free_kv_tokens": ad.free_kv_tokens,
+        "decode_ms": ad.decode_ms,
+        "extra": ad.extra,
+    }
+
+
+class Directory:
+    """The nodes of model ``model`` (a published name) whose identity is ``model_id`` (``manifest_digest``; None:
+    unknown, no DHT), from ``trackers`` (URLs) and ``discovery`` (a ``net.dht.Discovery``, or None).
+
+    ``token``: the swarm token, sent to trackers and nodes. All calls are coroutines on the caller's aiohttp
+    session; the DHT lookups run in libtorrent's thread."""
+
+    def __init__(self, model: str, trackers=(), discovery=None, model_id: str | None = None, token=None):
+        self.model, self.model_id, self.token = model, model_id, token
+        self.trackers = [TrackerClient(t, token) for t in trackers]
+        self.discovery = discovery
+        self._listed: tuple[float, list[dict]] | None = None
+        self._lock = asyncio.Lock()
+        self.routed: Counter[str] = Counter()  # sessions this directory planned through each node (load spreading)
+
+    @property
+    def key(self) -> bytes | None:
+        """The DHT key of this model's nodes (None without a model identity)."""
+        if self.model_id is None:
+            return None
+        from ..net.dht import swarm_key
+
+        return swarm_key(self.model_id)
+
+    async def dht_nodes(self, http: aiohttp.ClientSession, fresh: bool = False) -> list[dict]:
+        """Advertisements of the nodes announced on the DHT under this model's key that answered
+        ``GET /v1/advertisement`` within AD_TIMEOUT_S and serve this model; [] without a DHT."""
+        if self.discovery is None or self.key is None:
+            return []
+        async with self._lock:
+            if not fresh and self._listed and time.monotonic() - self._listed[0] < CACHE_S:
+                return self._listed[1]
+            endpoints = await self.discovery.alookup(self.key, LOOKUP_TIMEOUT_S)
+            ads = await asyncio.gather(*(self._advertisement(http, host, port) for host, port in endpoints))
+            listed = [a for a in ads if a is not None]
+            self._listed = (time.monotonic(), listed)
+            return listed
+
+    async def _advertisement(self, http: aiohttp.ClientSession, host: str, port: int) -> dict | None:
+        url = f"http://{host}:{port}/v1/advertisement"
+        try:
+            async with http.get(
+                url, headers=auth_headers(self.token), timeout=aiohttp.ClientTimeout(total=AD_TIMEOUT_S)
+            ) as r:
+                if r.status != 200:
+                    return None
+                ad = await r.json(content_type=None)
+            advertisement_of(ad)
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError, IndexError):
+            return None
+        return ad if ad.get("model") == self.model else None
+
+    async def nodes(self, http: aiohttp.ClientSession) -> list[dict]:
+        """This model's advertisements: from the first tracker that answers, merged with the DHT's (by URL).
+        Raises DirectoryError when no tracker answers and the DHT lists nothing."""
+        ads: dict[str, dict] = {}
+        reasons = []
+        for t in self.trackers:
+            try:
+                for ad in await t.anodes(http, self.model):
+                    ads[str(ad["url"]).rstrip("/")] = ad
+                break
+            except (TrackerError, KeyError, TypeError) as exc:
+                reasons.append(str(exc))
+        if not ads or self.discovery is not None:
+            for ad in await self.dht_nodes(http):
+                ads.setdefault(str(ad["url"]).rstrip("/"), ad)
+        if not ads and reasons:
+            raise DirectoryError("; ".join(reasons) + ("; the DHT lists no node" if self.discovery else ""))
+        return list(ads.values())
+
+    async def route(self, http: aiohttp.ClientSession, query: dict) -> dict:
+        """A route plan, as the tracker's ``GET /route`` answers it (``{"route": [ad, ...], "context",
+        "wire_bytes_per_token", "source"}``), for ``query`` (``max_length``, optional ``exclude`` (comma-separated
+        URLs), ``start``/``end``). The first tracker that answers plans it; with none, it is planned here from the
+        DHT's advertisements. Raises TrackerError: the tracker's refusal (``no_route``), or status None (unreachable)
+        when no source answered."""
+        unreachable = []
+        for t in self.trackers:
+            try:
+                planned = await t.acall(http, "route", query={**query, "model": self.model}, timeout_s=t.timeout_s)
+                return {**planned, "source": "tracker"}
+            except TrackerError as exc:
+                if exc.status is not None:  # it answered: its refusal stands
+                    raise
+                unreachable.append(exc.reason or str(exc))
+        if self.discovery is None:
+            raise TrackerError("; ".join(unreachable) or "no tracker", None, "the tracker cannot be reached")
+        ads = [advertisement_of(a) for a in await self.dht_nodes(http)]
+        exclude = {u.rstrip("/") for u in str(query.get("exclude", "")).split(",") if u}
+        ads = [a for a in ads if a.url not in exclude]
+        n_layers = next((int(a.extra["hop"]["n_layers"]) for a in ads if "hop" in a.extra), None)
+        if n_layers is None:
+            raise TrackerError("the DHT lists no node of this model yet", 503, "no node of this model is announced")
+        span = (int(query.get("start", 0)), int(query.get("end", n_layers)))
+        try:
+            chain = plan_route(ads, n_layers, int(query.get("max_length", 1)), HOP_MS, self.routed, span)
+        except NoRoute as exc:
+            raise TrackerError(f"no_route: {exc}", 503, str(exc)) from None
+        self.routed.update(a.node_id for a in chain)
+        return {
+            "model": self.model,
+            "route": [ad_json(a) for a in chain],
+            "context": route_context(chain),
+            "wire_bytes_per_token": route_wire_bytes_per_token(chain),
+            "source": "dht",
+        }
+
+    async def manifest(self, http: aiohttp.ClientSession) -> dict:
+        """``{"manifest": ..., "torrent_hex": ...}`` of this model: from a tracker, else from a node the DHT lists
+        (``GET /v1/manifest``). With a ``model_id``, a manifest whose digest differs is refused (a peer cannot
+        hand out another model under this one's name). Raises DirectoryError when no source has it."""
+        reasons = []
+        for t in self.trackers:
+            try:
+                found = await t.acall(http, f"manifests/{quote(self.model, safe='')}", timeout_s=t.timeout_s)
+                return self._checked(found, f"tracker {t.url}")
+            except (TrackerError, ValueError) as exc:
+                reasons.append(str(exc))
+        for ad in await self.dht_nodes(http, fresh=True):
+            url = str(ad["url"]).rstrip("/") + "/v1/manifest"
+            try:
+                async with http.get(
+                    url, headers=auth_headers(self.token), timeout=aiohttp.ClientTimeout(total=30)
+                ) as r:
+                    if r.status == 200:
+                        return self._checked(await r.json(content_type=None), url)
+                    reasons.append(f"{url}: {r.status}")
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                reasons.append(f"{url}: {exc}")
+        raise DirectoryError(f"no source has the manifest of {self.model}: " + ("; ".join(reasons) or "no peers"))
+
+    def _checked(self, found: dict, source: str) -> dict:
+        if not isinstance(found, dict) or "manifest" not in found or "torrent_hex" not in found:
+            raise ValueError(f"{source}: not a manifest answer")
+        if self.model_id is not None and manifest_digest(found["manifest"]) != self.model_id:
+            raise ValueError(f"{source}: its manifest of {self.model} is not the one the join link names; refused")
+        return found
+
+
+__all__ = ["Directory", "DirectoryError", "ad_json", "advertisement_of"]
