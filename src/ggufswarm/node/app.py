@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -34,8 +35,8 @@ from ..protocol.auth import auth_headers, token_middleware
 from ..protocol.http import json_errors_middleware, run_server
 from ..runtime.backends import load_shard, model_config
 from ..runtime.spec import ShardSpec
-from . import sessions_api, steps
-from .advertise import advertisement, deregister, heartbeats
+from . import discovery, sessions_api, steps
+from .advertise import deregister, heartbeats
 from .reach import UnreachableError, establish
 from .state import BYTES_PER_MIB, EXACT_BATCH_GROUP, NODE, NodeConfig, NodeState, json_response
 
@@ -125,16 +126,6 @@ async def model_header(request: web.Request) -> web.Response:
     return web.Response(body=data, content_type="application/octet-stream")
 
 
-async def advertisement_route(request: web.Request) -> web.Response:
-    """``GET /v1/advertisement``: this node's shard advertisement, as the tracker gets it (node/advertise.py): how a
-    gateway or node that found it on the DHT learns its range, free KV and how to reach it. 503 before it knows its
-    public address."""
-    state: NodeState = request.app[NODE]
-    if not state.url:
-        raise ProtocolError("not_ready", "this node does not know its public address yet")
-    return json_response(advertisement(state))
-
-
 async def manifest_route(request: web.Request) -> web.Response:
     """``GET /v1/manifest``: ``{"manifest", "torrent_hex"}`` this node's shard was fetched with (as the tracker's
     ``GET /manifests/{name}``), so a node joining without a tracker gets it from a peer; 404 for a node serving a
@@ -143,38 +134,6 @@ async def manifest_route(request: web.Request) -> web.Response:
     if state.manifest_answer is None:
         raise ProtocolError("no_manifest", "this node serves a local GGUF file, not a swarm-published model")
     return json_response(state.manifest_answer)
-
-
-def _announce_relayed(state: NodeState, event: str, request: web.Request, port: int) -> None:
-    """A relay announces the nodes it relays on the DHT (at its own address and the port it holds for each), when
-    they ask for it (``?announce=MODEL_ID`` on the attach) and serve this node's model."""
-    model_id = request.query.get("announce")
-    if state.discovery is None or not model_id or model_id != state.config.model_id:
-        return
-    from ..net.dht import swarm_key
-
-    if event == "attached":
-        state.discovery.announce(port, swarm_key(model_id))
-    else:
-        state.discovery.stop_announcing(port)
-
-
-async def announce(state: NodeState) -> None:
-    """Announce this node on the DHT under its model's key once it knows its public address, and again whenever
-    that changes (net.dht.Discovery re-announces it periodically). A relayed node is announced by its relay."""
-    from ..net.dht import swarm_key
-
-    announced = None
-    while True:
-        reach = state.reach
-        if reach is not None and reach.path != "relayed" and state.config.model_id:
-            port = int(reach.url.rsplit(":", 1)[1])
-            if port != announced:
-                if announced is not None:
-                    state.discovery.stop_announcing(announced)
-                state.discovery.announce(port, swarm_key(state.config.model_id))
-                announced = port
-        await asyncio.sleep(1.0)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -233,14 +192,15 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.router.add_get("/v1/model", model_info)
     app.router.add_get("/v1/model/header/{i}", model_header)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/advertisement", advertisement_route)
+    app.router.add_get("/v1/advertisement", discovery.advertisement_route)
+    app.router.add_post("/v1/peers", discovery.hello_route)
     app.router.add_get("/v1/manifest", manifest_route)
     add_probe_route(app)
     add_dialback_route(app)  # any node can tell another whether it can be dialled (node/reach.py)
     if config.relay:
         public = config.public_host or (config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1")
         state.relay_server = add_relay_routes(app, public, config.host, registry=state.registry)
-        state.relay_server.hooks.append(lambda event, request, port: _announce_relayed(state, event, request, port))
+        state.relay_server.hooks.append(partial(discovery.announce_relayed, state))
 
     async def lifecycle(app):
         state.client = aiohttp.ClientSession(
@@ -252,7 +212,9 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
         if state.tracker is not None:
             tasks.append(asyncio.create_task(heartbeats(state)))
         if state.discovery is not None:
-            tasks.append(asyncio.create_task(announce(state)))
+            tasks.append(asyncio.create_task(discovery.announce(state)))
+        if state.directory is not None:
+            tasks.append(asyncio.create_task(discovery.hellos(state)))
         yield
         if state.relay_client is not None:
             await state.relay_client.close()

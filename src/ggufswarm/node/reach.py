@@ -99,11 +99,13 @@ async def establish(state: NodeState, local_url: str) -> Reach:
         raise UnreachableError(
             "--reach auto needs a helper to dial this node back: a tracker, a relay (--relay-via) or DHT contacts"
         )
+    _say(f"--reach auto: asking {', '.join(candidates) or 'no helper'} to dial port {port} back")
     seen = await dial_back(state, port, candidates)
     if seen is not None and seen.reachable:
         host = cfg.public_host or seen.observed_ip
         return Reach(f"http://{host}:{port}", "direct", None, f"{host}:{torrent_port}" if torrent_port else None)
     tried = [f"dial-back: {seen.error if seen is not None else 'no helper answered'}"]
+    _say(f"not reachable ({tried[0]}); asking the home router to map the port (UPnP / NAT-PMP)")
     external = await map_port(state, port)
     if external is not None and seen is not None:
         mapped = await dial_back(state, external, candidates)
@@ -127,6 +129,7 @@ async def establish(state: NodeState, local_url: str) -> Reach:
 
         # the relay announces this node on the DHT for it (its own announce would name this NAT's address)
         query = f"?announce={cfg.model_id}" if cfg.model_id else ""
+        _say(f"attaching to relay {relay}")
         client = RelayClient(relay + query, port, cfg.token, moved)
         try:
             host, public = await client.start(state.client)

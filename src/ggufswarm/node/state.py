@@ -142,6 +142,7 @@ class NodeState:
         self.manifest_answer: dict | None = None  # {"manifest", "torrent_hex"} this shard was fetched with
         self.relay_server = None  # with config.relay (net.relay.RelayServer)
         self.relay_client = None  # when this node is reached through a relay (net.relay.RelayClient)
+        self.heard: dict[str, float] = {}  # peers' URLs that said hello -> until when they are passed on (monotonic)
         self.port_mapper = None  # with --reach auto: UPnP / NAT-PMP through its swarm session (net.portmap)
         self.snapshots = None
         if config.cache:

@@ -29,6 +29,7 @@ AD_TIMEOUT_S = 2.0  # most seconds one node's /v1/advertisement may take during 
 LOOKUP_TIMEOUT_S = 5.0  # most seconds one DHT lookup may take (a tiny swarm answers in well under one)
 CACHE_S = 2.0  # DHT listings younger than this are reused (a burst of route plans does one lookup)
 HOP_MS = 1.0  # the per-hop network cost the local planner adds, as the tracker's default
+MAX_HEARD = 64  # most peers-of-peers one listing reads advertisements of
 
 
 class DirectoryError(RuntimeError):
@@ -92,21 +93,29 @@ class Directory:
         return swarm_key(self.model_id)
 
     async def dht_nodes(self, http: aiohttp.ClientSession, fresh: bool = False) -> list[dict]:
-        """Advertisements of the nodes announced on the DHT under this model's key that answered
-        ``GET /v1/advertisement`` within AD_TIMEOUT_S and serve this model; [] without a DHT."""
+        """Advertisements of the nodes announced on the DHT under this model's key, and of the peers those nodes
+        heard from lately (``POST /v1/peers``: a node that joined a moment ago is known to its peers before its
+        DHT announce has spread), each one read from the node itself (``GET /v1/advertisement`` within
+        AD_TIMEOUT_S) and serving this model; [] without a DHT."""
         if self.discovery is None or self.key is None:
             return []
         async with self._lock:
             if not fresh and self._listed and time.monotonic() - self._listed[0] < CACHE_S:
                 return self._listed[1]
             endpoints = await self.discovery.alookup(self.key, LOOKUP_TIMEOUT_S)
-            ads = await asyncio.gather(*(self._advertisement(http, host, port) for host, port in endpoints))
-            listed = [a for a in ads if a is not None]
-            self._listed = (time.monotonic(), listed)
-            return listed
+            urls = [f"http://{host}:{port}" for host, port in endpoints]
+            found = await asyncio.gather(*(self._advertisement(http, u, with_peers=True) for u in urls))
+            listed = {str(a["url"]).rstrip("/"): a for a in found if a is not None}
+            heard = {str(p).rstrip("/") for a in found if a is not None for p in a.pop("peers", ()) or ()}
+            heard -= set(listed) | set(urls)
+            for ad in await asyncio.gather(*(self._advertisement(http, u) for u in sorted(heard)[:MAX_HEARD])):
+                if ad is not None:
+                    listed.setdefault(str(ad["url"]).rstrip("/"), ad)
+            self._listed = (time.monotonic(), list(listed.values()))
+            return self._listed[1]
 
-    async def _advertisement(self, http: aiohttp.ClientSession, host: str, port: int) -> dict | None:
-        url = f"http://{host}:{port}/v1/advertisement"
+    async def _advertisement(self, http: aiohttp.ClientSession, base: str, with_peers: bool = False) -> dict | None:
+        url = f"{base}/v1/advertisement" + ("?peers=1" if with_peers else "")
         try:
             async with http.get(
                 url, headers=auth_headers(self.token), timeout=aiohttp.ClientTimeout(total=AD_TIMEOUT_S)
