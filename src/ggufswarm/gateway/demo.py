@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -19,6 +20,7 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..cache.app import CacheConfig
 from ..cache.app import make_app as make_cache_app
 from ..client.tokenizer import media_marker_ids
+from ..net.invite import JoinLink, manifest_digest
 from ..node.launch import start_nodes, stop_nodes
 from ..protocol.auth import TOKEN_ENV
 from ..protocol.http import ServerThread
@@ -33,6 +35,20 @@ from .app import GatewayConfig, make_app
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."  # for chat (instruction-tuned) models
 DEFAULT_COMPLETION = "Photosynthesis is the process by which"  # for base models (no chat template)
 BASE_REPEAT_PENALTY = 1.15  # a base model's default repetition guard (Gemma 3 270M loops without one)
+
+
+def _free_udp_tcp_port() -> int:
+    """A port free for both TCP and UDP on 127.0.0.1 now (a node's BitTorrent + DHT port)."""
+    for _ in range(50):
+        with socket.socket() as t, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            t.bind(("127.0.0.1", 0))
+            port = t.getsockname()[1]
+            try:
+                u.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no port free for both TCP and UDP on 127.0.0.1")
 
 
 def stream_completion(base_url: str, body: dict, chat: bool = True, out=sys.stdout, timeout: float = 600.0) -> dict:
@@ -204,6 +220,16 @@ def run_demo(args) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            # the nodes also run the BitTorrent DHT (node 0 its first contact): the join link printed with --serve
+            # lets more nodes and gateways join, and keeps the swarm routable should the tracker go away
+            dht_port = _free_udp_tcp_port()
+            link = JoinLink(
+                name,
+                manifest_digest(json.loads(published.manifest.to_json())),
+                dht=(f"127.0.0.1:{dht_port}",),
+                trackers=(tracker_url,),
+                secret=token,
+            ).format()
             nodes = start_nodes(
                 specs,
                 name,
@@ -217,8 +243,13 @@ def run_demo(args) -> int:
                     tracker_url,
                     "--cache",
                     cache_url,
+                    "--join",
+                    link,
                 ],
-                per_node=lambda i: ["--data-dir", str(work / f"node{i}")],
+                per_node=lambda i: (
+                    ["--data-dir", str(work / f"node{i}")]
+                    + (["--dht", "-", "--torrent-port", str(dht_port)] if i == 0 else [])
+                ),
                 timeout=600,
                 token=token,
             )
@@ -301,6 +332,15 @@ def run_demo(args) -> int:
                     f"adds --embed"
                     if len(specs) > 1
                     else ""
+                )
+                print(
+                    f"ggufswarm demo: join link (it carries the swarm token: share it like a password):\n"
+                    f"  LINK='{link}'\n"
+                    f'ggufswarm demo: add a node: ggufswarm join "$LINK" (the least-covered layers that fit '
+                    f"--memory-budget; --layers START:END for a spare); another gateway: ggufswarm gateway --join "
+                    f'"$LINK" --port 8001',
+                    file=sys.stderr,
+                    flush=True,
                 )
                 print(
                     f"ggufswarm demo: to add a node or watch the swarm: export {TOKEN_ENV}={token}; "
