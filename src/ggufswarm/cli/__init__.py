@@ -110,11 +110,12 @@ def _apply_link(args) -> None:
 
     text = getattr(args, "link", None) or getattr(args, "join", None)
     if not text:
-        args.model_id, args.relays = None, tuple(getattr(args, "relay_via", ()) or ())
+        args.model_id, args.relays, args.more_trackers = None, tuple(getattr(args, "relay_via", ()) or ()), ()
         return
     link = JoinLink.parse(text)
     args.model = args.model or link.model
     args.tracker = args.tracker or (link.trackers[0] if link.trackers else None)
+    args.more_trackers = tuple(t for t in link.trackers if t != args.tracker)
     args.token = args.token or link.secret
     args.model_id = link.model_id
     args.relays = tuple(getattr(args, "relay_via", ()) or ()) + link.relays
@@ -179,6 +180,7 @@ def cmd_node(args) -> int:
             public_host=args.public_host,
             relay=args.relay,
             relays=args.relays,
+            more_trackers=args.more_trackers,
             torrent_port=args.torrent_port,
         )
     )
@@ -229,6 +231,7 @@ def cmd_gateway(args) -> int:
             dht=_dht_contacts(getattr(args, "dht", None)) or (),
             model_id=args.model_id,
             dht_port=args.dht_port,
+            more_trackers=args.more_trackers,
         )
     )
 

@@ -28,6 +28,7 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = ()  # when set, /v1/* needs ``Authorization: Bearer KEY`` (OpenAI style)
     tracker: str | None = None  # plan a route per session from this tracker (``route`` unused)
     token: str | None = None  # swarm token, sent to the tracker and the nodes (None: an open swarm)
+    more_trackers: tuple[str, ...] = ()  # further trackers of the swarm (a join link's): asked when ``tracker`` is not
     dht: tuple[str, ...] = ()  # DHT bootstrap contacts (``--join``): plan routes from the DHT when no tracker answers
     model_id: str | None = None  # the model's identity (manifest digest) naming its DHT key (``--join``)
     dht_port: int = 0  # UDP/TCP port of the gateway's own DHT session (0: any)

@@ -94,7 +94,7 @@ class RoutePlanner:
         if self._directory is None or self._directory.model != self.model_name:
             self._directory = Directory(
                 self.model_name or "",
-                [self.config.tracker] if self.config.tracker else [],
+                [u for u in (self.config.tracker, *self.config.more_trackers) if u],
                 self.discovery,
                 self.config.model_id,
                 self.config.token,

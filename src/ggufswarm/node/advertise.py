@@ -96,25 +96,31 @@ def advertisement(state: NodeState) -> dict:
 
 
 async def heartbeats(state: NodeState) -> None:
-    """Advertise to the tracker once listening, then every ``heartbeat_s`` seconds (at most a third of
-    the tracker's TTL, which it returns), and within ``READVERTISE_S`` of sessions opening, closing or expiring
-    (``NodeState.readvertise``): the tracker plans from the free KV advertised. Tracker errors are reported once,
-    never fatal."""
-    interval, warned = state.config.heartbeat_s, False
+    """Advertise to every tracker of the swarm once listening, then every ``heartbeat_s`` seconds (at most a third
+    of the shortest TTL a tracker returns), and within ``READVERTISE_S`` of sessions opening, closing or expiring
+    (``NodeState.readvertise``): trackers plan from the free KV advertised. Tracker errors are reported once per
+    tracker (and again after it answered), never fatal."""
+    interval, warned = state.config.heartbeat_s, set()
     state.capacity_changed = changed = asyncio.Event()
     while not state.url:  # advertise as soon as we listen
         await asyncio.sleep(LISTEN_POLL_S)
-    while True:
+
+    async def beat(tracker) -> float | None:
         try:
-            body = await state.tracker.aheartbeat(state.client, advertisement(state))
-            ok, reason = True, ""
-            if isinstance(body, dict) and body.get("ttl_s"):
-                interval = min(state.config.heartbeat_s, float(body["ttl_s"]) / HEARTBEATS_PER_TTL)
+            body = await tracker.aheartbeat(state.client, advertisement(state))
         except (TrackerError, TypeError, ValueError) as exc:
-            ok, reason = False, str(exc) or type(exc).__name__
-        if not ok and not warned:
-            print(f"ggufswarm node: tracker heartbeat failed ({reason}); still serving", file=sys.stderr, flush=True)
-        warned = not ok
+            if tracker.url not in warned:
+                reason = str(exc) or type(exc).__name__
+                print(f"ggufswarm node: tracker heartbeat failed ({reason}); still serving", file=sys.stderr)
+            warned.add(tracker.url)
+            return None
+        warned.discard(tracker.url)
+        return float(body["ttl_s"]) if isinstance(body, dict) and body.get("ttl_s") else None
+
+    while True:
+        ttls = [t for t in await asyncio.gather(*(beat(t) for t in state.trackers)) if t]
+        if ttls:
+            interval = min(state.config.heartbeat_s, min(ttls) / HEARTBEATS_PER_TTL)
         try:
             await asyncio.wait_for(changed.wait(), interval)
             await asyncio.sleep(READVERTISE_S)  # the rest of a burst of opens / closes goes in the same beat
@@ -124,11 +130,15 @@ async def heartbeats(state: NodeState) -> None:
 
 
 async def deregister(state: NodeState) -> None:
-    """Remove this node from the tracker (at shutdown); a tracker that does not answer is ignored."""
-    try:
-        await state.tracker.aderegister(state.client, state.node_id)
-    except TrackerError:
-        pass
+    """Remove this node from every tracker (at shutdown); a tracker that does not answer is ignored."""
+
+    async def one(tracker) -> None:
+        try:
+            await tracker.aderegister(state.client, state.node_id)
+        except TrackerError:
+            pass
+
+    await asyncio.gather(*(one(t) for t in state.trackers))
 
 
 async def check_registered(state: NodeState, url: str | None) -> None:

@@ -305,9 +305,8 @@ def run_node(config: NodeConfig) -> int:
     if config.dht is not None:
         from ..swarm.directory import Directory
 
-        directory = Directory(
-            name, [config.tracker] if config.tracker else [], discovery, config.model_id, config.token
-        )
+        trackers = [u for u in (config.tracker, *config.more_trackers) if u]
+        directory = Directory(name, trackers, discovery, config.model_id, config.token)
     if config.tracker or directory is not None:
         from ..swarm.shard_fetch import fetch_shard
 

@@ -76,6 +76,7 @@ class NodeConfig:
     reach: str = "direct"  # "direct": advertise host:port as it is; "auto": dial-back check, port mapping, relay
     public_host: str | None = None  # the address others dial (default: --host, or what a dial-back observed)
     relay: bool = False  # also relay for nodes that cannot be dialled (net/relay.py), and answer dial-backs
+    more_trackers: tuple[str, ...] = ()  # further trackers of the same swarm (a join link's): heartbeats go to each
     relays: tuple[str, ...] = ()  # relays (node or tracker URLs) this node may attach to when it cannot be dialled
     torrent_port: int = 0  # the BitTorrent/DHT port (TCP + UDP; 0: any) — the DHT contact a join link gives
 
@@ -125,7 +126,9 @@ class NodeState:
         self.frames_waiting = 0
         self.capacity_changed: asyncio.Event | None = None  # set by readvertise(); the heartbeat loop's
         self.client: aiohttp.ClientSession | None = None
-        self.tracker = TrackerClient(config.tracker, config.token) if config.tracker else None
+        # the swarm's trackers (the first one also fetched the shard); heartbeats go to all of them
+        self.trackers = [TrackerClient(u, config.token) for u in (config.tracker, *config.more_trackers) if u]
+        self.tracker = self.trackers[0] if self.trackers else None
         self.links = HopLinks(lambda: self.client)  # to next hops (node/link.py)
         self.links_in: set[web.WebSocketResponse] = set()  # from previous hops
         self.link_tasks: set[asyncio.Task] = set()  # frames from links being applied
