@@ -175,6 +175,16 @@ def sessions_on(lab: NetLab, url: str) -> int:
     return int(lab.run("pub", [PY, "-c", code, url, TOKEN], timeout=30).stdout.strip())
 
 
+def gateway_get(lab: NetLab, path: str) -> dict:
+    """The gateway's JSON answer to ``GET path`` (any status), asked from pub."""
+    code = (
+        "import json, sys, urllib.request as u, urllib.error as e\n"
+        "try:\n    r = u.urlopen(sys.argv[1], timeout=30)\nexcept e.HTTPError as err:\n    r = err\n"
+        "print(r.read().decode())"
+    )
+    return json.loads(lab.run("pub", [PY, "-c", code, f"http://{PUB}:8000{path}"], timeout=60).stdout)
+
+
 def hop_urls(telemetry: dict) -> list[str]:
     return [h["node"] for h in telemetry["route"]]
 
@@ -235,6 +245,9 @@ def test_swarm_across_nats(swarm, gemma):
             procs["publisher"].kill()
 
     assert stream(lab, LONG, kill_tracker)["text"] == expected
+    health = gateway_get(lab, "/health")  # the tracker is gone: the gateway says it serves through the DHT
+    assert health["status"] == "ok" and health["tracker"]["ok"] is False and health["dht"] == {"ok": True}, health
+    assert [m["id"] for m in gateway_get(lab, "/v1/models")["data"]] == [JoinLink.parse(swarm["link"]).model]
 
     # 4
     t0 = time.monotonic()

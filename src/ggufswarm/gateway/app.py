@@ -190,7 +190,7 @@ async def listed_models(gw: Gateway) -> list[dict]:
             servable = await asyncio.get_running_loop().run_in_executor(None, gw.planner.tracker.models)
             names = list(servable) if gw.every_model else [n for n in names if n in servable]
         except TrackerError:
-            names = []
+            names = [gw.model_name] if await _dht_servable(gw) is None else []
     return [{"id": n, "object": "model", "created": gw.created, "owned_by": "ggufswarm"} for n in names]
 
 
@@ -233,10 +233,28 @@ def _probe_entry(error: str | None) -> dict:
     return {"ok": True} if error is None else {"ok": False, "error": error}
 
 
+async def _dht_servable(gw: Gateway) -> str | None:
+    """With ``--join`` (the DHT): None when a route of this model can be planned from the DHT now, else why not
+    (also why not without a DHT)."""
+    if gw.discovery is None or gw.every_model:
+        return "no DHT (a gateway started without --join)"
+    try:
+        await gw.planner.directory.route(gw.http, {"max_length": 1})
+    except TrackerError as exc:
+        return exc.reason or str(exc)
+    return None
+
+
 async def _tracker_health(gw: Gateway, http: aiohttp.ClientSession, body: dict) -> str | None:
-    """``health`` of a tracker gateway: fills ``body["tracker"]``; why it cannot serve now, or None."""
+    """``health`` of a tracker gateway: fills ``body["tracker"]`` (and ``body["dht"]`` when the tracker does not
+    answer and the gateway joined with a link: routes are then planned from the DHT); why it cannot serve now, or
+    None."""
     answer, error = await probe_json(http, gw.planner.tracker.url_for("models"), auth_headers(gw.config.token))
     body["tracker"] = _probe_entry(error)
+    if error is not None and gw.discovery is not None:
+        why = await _dht_servable(gw)
+        body["dht"] = _probe_entry(why)
+        return None if why is None else f"the tracker does not answer ({error}) and the DHT has no route: {why}"
     if error is not None:
         return f"the tracker does not answer: {error}"
     if gw.every_model:
