@@ -88,7 +88,8 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         help="with --tracker: when no new piece arrives for S seconds (its only seeder died, none is "
         "up yet), say so and ask the tracker for peers again; repeats while stalled (default 60)",
     )
-    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    host = "0.0.0.0" if command == "join" else "127.0.0.1"  # a joining node is dialled from other machines
+    n.add_argument("--host", default=host, help=f"address to listen on (default {host})")
     n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
     backend_args(n)
     n.add_argument(
@@ -228,8 +229,9 @@ def reach_args(n: argparse.ArgumentParser, command: str) -> None:
     g.add_argument(
         "--dht",
         metavar="HOST:PORT,...",
-        help="use the BitTorrent DHT, bootstrapped from these contacts only (never a public router): nodes are "
-        "found and routes planned without a tracker; '-' turns it on with no contact (the swarm's first node)",
+        help="use the BitTorrent DHT, bootstrapped from these contacts only (never a public router): torrent peers "
+        "are found without a tracker, and with a join link (which names the model's identity, the DHT key) nodes "
+        "too; '-' turns it on with no contact (the swarm's first node). Default with a join link: its contacts",
     )
     g.add_argument(
         "--torrent-port",

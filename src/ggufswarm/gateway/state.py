@@ -21,12 +21,14 @@ from ..client.speculative import METHODS, DraftModel, check_draft_max
 from ..client.tokenizer import Tokenizer
 from ..client.tracker import TrackerClient, TrackerError
 from ..client.transport import new_http_session
+from ..swarm.directory import DirectoryError
 from .config import GatewayConfig
 from .errors import RequestError
 from .planner import RoutePlanner, Suspects
 
 log = logging.getLogger(__name__)
 
+LISTING_S = 10.0  # with the DHT: how often (s) the gateway lists the swarm's nodes in the background
 HEADER_FETCH_TIMEOUT_S = 30.0  # most seconds a route's first node may take to send the model's headers
 RELEASE_WAIT_S = 5.0  # at shutdown, how long the gateway waits for closed sessions to release their nodes
 
@@ -67,6 +69,7 @@ class Gateway:
         # --join with DHT contacts: routes planned from the DHT when no tracker answers (swarm.directory)
         self.discovery = parent.discovery if parent is not None else self._discovery(config)
         self.planner = RoutePlanner(config, self.suspects, self.model_name, None, self.discovery)
+        self._refresh: asyncio.Task | None = None  # with the DHT: the background listing (_keep_listing)
         self._models: dict[str, Gateway] = {}
         self._models_lock = threading.Lock()
 
@@ -84,10 +87,24 @@ class Gateway:
         vocabulary (``load``, in the pool)."""
         await asyncio.get_running_loop().run_in_executor(self.pool, self.load)
         self._http = new_http_session()
+        if self.discovery is not None:
+            self._refresh = asyncio.create_task(self._keep_listing())
+
+    async def _keep_listing(self) -> None:
+        """With the DHT: list the swarm's nodes every LISTING_S seconds (trackers, the DHT, peers' peers), so the
+        directory knows the nodes to ask should the tracker go away, before a request needs them."""
+        while True:
+            try:
+                await self.planner.directory.nodes(self.http)
+            except (DirectoryError, TrackerError):
+                pass
+            await asyncio.sleep(LISTING_S)
 
     async def stop(self) -> None:
         """At shutdown: let the sessions of cancelled requests release their nodes, close the aiohttp session,
         stop the pool."""
+        if self._refresh is not None:
+            self._refresh.cancel()
         await releases_done(RELEASE_WAIT_S)
         if self._http is not None:
             await self._http.close()
@@ -139,39 +156,23 @@ class Gateway:
             return self._models.setdefault(name, child)
 
     def _fetch_header(self) -> Path:
-        """The model's GGUF header (vocabulary, chat template) on local disk: fetched from the swarm the tracker
-        knows; when the tracker cannot be reached and the DHT is on, from a node the DHT lists (its
-        ``GET /v1/model/header/{i}``). Raises TrackerError (no tracker and no node found)."""
+        """The model's GGUF header (vocabulary, chat template) on local disk, fetched from the swarm: the manifest
+        from the tracker, or (``--join``, the tracker not answering) from a node the DHT lists, checked against the
+        join link's model identity; the header's pieces from the torrent's peers, verified by BitTorrent. Raises
+        TrackerError, DirectoryError (no source has the manifest), SwarmError."""
         from ..swarm.shard_fetch import fetch_header
 
-        unreachable = None
-        if self.config.tracker:
-            try:
-                path, self.swarm = fetch_header(
-                    self.config.tracker, self.model_name, Path(self.config.data_dir), token=self.config.token
-                )
-                return path
-            except TrackerError as exc:
-                if exc.status is not None or self.discovery is None:
-                    raise
-                unreachable = exc
-        from ..client import loop
+        data_dir = Path(self.config.data_dir)
+        if self.discovery is None:
+            path, self.swarm = fetch_header(self.config.tracker, self.model_name, data_dir, token=self.config.token)
+            return path
+        from ..swarm.torrent import Swarm
 
-        async def from_a_node():
-            async with aiohttp.ClientSession() as http:
-                return await self.planner.directory.dht_nodes(http, fresh=True)
-
-        for ad in loop.run(from_a_node()):
-            try:
-                path, _info = fetch_model_headers(
-                    ad["url"], Path(self.config.data_dir), HEADER_FETCH_TIMEOUT_S, token=self.config.token
-                )
-                return path
-            except (OSError, ValueError, RuntimeError) as exc:
-                log.info("model header from %s failed: %s", ad["url"], exc)
-        raise unreachable or TrackerError(
-            f"no node of {self.model_name} found on the DHT yet", None, "no node of this model is announced"
-        )
+        swarm = Swarm(self.config.host, 0, dht_bootstrap=list(self.config.dht))
+        self.planner.model_name = self.model_name
+        directory = self.planner.directory
+        path, self.swarm = fetch_header(None, self.model_name, data_dir, directory=directory, swarm=swarm)
+        return path
 
     def load(self) -> None:
         """Read the GGUF header and vocabulary (blocking): from ``--model``; with a tracker, fetched from the

@@ -16,8 +16,10 @@ TRANSPORTS = {0: "natpmp", 1: "upnp"}  # lt.portmap_transport values
 
 
 class PortMapper:
-    """Maps TCP ports of ``session`` (an ``lt.session`` with ``enable_upnp``/``enable_natpmp`` on) on the home
-    router. ``subscribe(callback)``: how it sees the session's alerts (``Discovery.subscribe``). Thread-safe."""
+    """Maps TCP ports of ``session`` (an ``lt.session``) on the home router. ``subscribe(callback)``: how it sees
+    the session's alerts (``Discovery.subscribe``). libtorrent's UPnP and NAT-PMP clients are switched on by the
+    first ``map`` only (they multicast an SSDP search on the LAN and ask the default gateway): a node that a
+    dial-back already reached never sends either. Thread-safe."""
 
     def __init__(self, session, subscribe):
         self.session = session
@@ -43,6 +45,7 @@ class PortMapper:
         """Ask the router to forward its TCP port ``port`` (the same number outside) to ``port`` here; ``(external
         port, "upnp" | "natpmp")`` once a router maps it, None when none does within ``timeout_s`` seconds (no
         UPnP / NAT-PMP router, or every one refused). Blocking."""
+        self.session.apply_settings({"enable_upnp": True, "enable_natpmp": True})  # also maps the listen port
         indices = self.session.add_port_mapping(lt.portmap_protocol.tcp, int(port), int(port))
         indices = list(indices) if isinstance(indices, (list, tuple)) else [indices]
         deadline = time.monotonic() + timeout_s

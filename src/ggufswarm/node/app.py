@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -45,6 +46,7 @@ MAX_RESTORE_BODY = 2 * BYTES_PER_MIB  # a JSON restore of up to 128K token ids
 BODY_HEADROOM = 1024  # bytes over the largest body aiohttp is told to take
 PARENT_POLL_S = 0.5  # --exit-with-parent: how often (s) the parent is looked for
 SHUTDOWN_DRAIN_S = 5.0  # at shutdown, how long (s) snapshot uploads under way may still take
+REANNOUNCE_S = 20.0  # DHT re-announce period (s): in a small swarm an announce stored on nodes that died is lost
 REAPER_MIN_PERIOD_S, REAPER_MAX_PERIOD_S = 0.05, 1.0  # leases may be a few seconds
 
 
@@ -271,13 +273,31 @@ def _warn_unroutable(state: NodeState) -> None:
 
 def _swarm_for(config: NodeConfig):
     """The node's libtorrent session (swarm.torrent.Swarm) when it joins a swarm beyond loopback: on ``--host``,
-    with the DHT when ``config.dht`` is set, mapping its ports with ``--reach auto``; None for a plain tracker node
-    on loopback (fetch_shard then makes its own, as before)."""
+    with the DHT when ``config.dht`` is set (its ports mapped by node/reach.py when a dial-back fails); None for a
+    plain tracker node on loopback (fetch_shard then makes its own, as before)."""
     if config.dht is None and config.reach != "auto" and config.host in ("127.0.0.1", "localhost"):
         return None
     from ..swarm.torrent import Swarm
 
-    return Swarm(config.host, config.torrent_port, dht_bootstrap=config.dht, map_ports=config.reach == "auto")
+    host = config.host
+    if host in ("0.0.0.0", "::") and config.dht:  # libtorrent runs no DHT on the loopback part of a wildcard bind:
+        host = _source_address(config.dht[0]) or host  # bind where the swarm's contacts are reached from
+    return Swarm(host, config.torrent_port, dht_bootstrap=config.dht)  # mapping: net.portmap, when needed
+
+
+def _source_address(contact: str) -> str | None:
+    """The local address this machine sends from to DHT contact ``"host:port"`` (its route's source; no packet is
+    sent); None when there is no route."""
+    from ..net.dht import parse_contact
+
+    host, port = parse_contact(contact)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, port))
+        except OSError:
+            return None
+        return probe.getsockname()[0]
 
 
 def run_node(config: NodeConfig) -> int:
@@ -301,7 +321,7 @@ def run_node(config: NodeConfig) -> int:
     if swarm is not None and (config.dht is not None or config.reach == "auto"):
         from ..net.dht import Discovery  # the session's one alert pump (DHT replies, port mappings)
 
-        discovery = Discovery(swarm.session, list(config.dht or ()))
+        discovery = Discovery(swarm.session, list(config.dht or ()), reannounce_s=REANNOUNCE_S)
     if config.dht is not None:
         from ..swarm.directory import Directory
 
@@ -349,6 +369,8 @@ def run_node(config: NodeConfig) -> int:
     app = make_app(config)
     state: NodeState = app[NODE]
     state.swarm, state.discovery, state.directory = (fetched.swarm if fetched else swarm), discovery, directory
+    if directory is not None:
+        directory.heard = lambda: [u for u, until in state.heard.items() if until > time.monotonic()]
     if config.reach == "auto" and discovery is not None:
         from ..net.portmap import PortMapper
 
@@ -377,6 +399,8 @@ def run_node(config: NodeConfig) -> int:
             print(f"ggufswarm node: {exc}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        if state.relay_server is not None and not config.public_host:  # relayed nodes are reached at our address
+            state.relay_server.public_host = urlsplit(state.reach.url).hostname
         say_ready(state.reach.url)
 
     def ready(url: str) -> None:

@@ -51,7 +51,7 @@ def _say(text: str) -> None:
 
 async def helpers(state: NodeState) -> list[str]:
     """URLs that can dial this node back: its trackers, its relays, then nodes the DHT lists (not itself)."""
-    out = [state.config.tracker] if state.config.tracker else []
+    out = [t.url for t in state.trackers]
     out += list(state.config.relays)
     if state.directory is not None and state.discovery is not None:
         try:
@@ -106,8 +106,8 @@ async def establish(state: NodeState, local_url: str) -> Reach:
         return Reach(f"http://{host}:{port}", "direct", None, f"{host}:{torrent_port}" if torrent_port else None)
     tried = [f"dial-back: {seen.error if seen is not None else 'no helper answered'}"]
     _say(f"not reachable ({tried[0]}); asking the home router to map the port (UPnP / NAT-PMP)")
-    external = await map_port(state, port)
-    if external is not None and seen is not None:
+    external = await map_port(state, port) if seen is not None else None  # without a helper it could not be checked
+    if external is not None:
         mapped = await dial_back(state, external, candidates)
         if mapped is not None and mapped.reachable:
             torrent = await map_port(state, torrent_port) if torrent_port else None
@@ -118,7 +118,7 @@ async def establish(state: NodeState, local_url: str) -> Reach:
                 f"{mapped.observed_ip}:{torrent}" if torrent else None,
             )
         tried.append(f"port {external} mapped by the router, still not reachable")
-    else:
+    elif seen is not None:
         tried.append("no UPnP / NAT-PMP router mapped the port")
     for relay in cfg.relays or ([cfg.tracker] if cfg.tracker else []):
 

@@ -30,6 +30,7 @@ LOOKUP_TIMEOUT_S = 5.0  # most seconds one DHT lookup may take (a tiny swarm ans
 CACHE_S = 2.0  # DHT listings younger than this are reused (a burst of route plans does one lookup)
 HOP_MS = 1.0  # the per-hop network cost the local planner adds, as the tracker's default
 MAX_HEARD = 64  # most peers-of-peers one listing reads advertisements of
+KNOWN_S = 120.0  # a node listed once is asked again in DHT listings this long (s) after it last answered
 
 
 class DirectoryError(RuntimeError):
@@ -80,7 +81,9 @@ class Directory:
         self.trackers = [TrackerClient(t, token) for t in trackers]
         self.discovery = discovery
         self._listed: tuple[float, list[dict]] | None = None
-        self._lock = asyncio.Lock()
+        self._known: dict[str, float] = {}  # node URL -> when it last answered (monotonic s); see dht_nodes
+        self.heard = lambda: ()  # a node's own peers that said hello (node/discovery.py): asked in listings too
+        self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}  # one per loop (a node fetches on another)
         self.routed: Counter[str] = Counter()  # sessions this directory planned through each node (load spreading)
 
     @property
@@ -93,17 +96,23 @@ class Directory:
         return swarm_key(self.model_id)
 
     async def dht_nodes(self, http: aiohttp.ClientSession, fresh: bool = False) -> list[dict]:
-        """Advertisements of the nodes announced on the DHT under this model's key, and of the peers those nodes
-        heard from lately (``POST /v1/peers``: a node that joined a moment ago is known to its peers before its
-        DHT announce has spread), each one read from the node itself (``GET /v1/advertisement`` within
-        AD_TIMEOUT_S) and serving this model; [] without a DHT."""
+        """Advertisements of this model's nodes found without a tracker: those announced on the DHT under its key,
+        those this directory listed before (for KNOWN_S seconds after they last answered: a DHT lookup in a small
+        swarm where nodes just died can come back short), and the peers those nodes heard from lately (``POST
+        /v1/peers``: a node that joined a moment ago is known to its peers before its DHT announce has spread).
+        Each one is read from the node itself (``GET /v1/advertisement`` within AD_TIMEOUT_S) and must serve this
+        model; [] without a DHT."""
         if self.discovery is None or self.key is None:
             return []
-        async with self._lock:
-            if not fresh and self._listed and time.monotonic() - self._listed[0] < CACHE_S:
+        lock = self._locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+        async with lock:
+            now = time.monotonic()
+            if not fresh and self._listed and now - self._listed[0] < CACHE_S:
                 return self._listed[1]
             endpoints = await self.discovery.alookup(self.key, LOOKUP_TIMEOUT_S)
-            urls = [f"http://{host}:{port}" for host, port in endpoints]
+            self._known = {u: t for u, t in self._known.items() if now - t < KNOWN_S}
+            announced = [f"http://{host}:{port}" for host, port in endpoints]
+            urls = list(dict.fromkeys(announced + list(self._known) + list(self.heard())))
             found = await asyncio.gather(*(self._advertisement(http, u, with_peers=True) for u in urls))
             listed = {str(a["url"]).rstrip("/"): a for a in found if a is not None}
             heard = {str(p).rstrip("/") for a in found if a is not None for p in a.pop("peers", ()) or ()}
@@ -111,8 +120,15 @@ class Directory:
             for ad in await asyncio.gather(*(self._advertisement(http, u) for u in sorted(heard)[:MAX_HEARD])):
                 if ad is not None:
                     listed.setdefault(str(ad["url"]).rstrip("/"), ad)
+            self.remember(listed)
             self._listed = (time.monotonic(), list(listed.values()))
             return self._listed[1]
+
+    def remember(self, urls) -> None:
+        """Node URLs that just answered (a listing's, or a tracker's): asked again in DHT listings for KNOWN_S s."""
+        now = time.monotonic()
+        for url in urls:
+            self._known[str(url).rstrip("/")] = now
 
     async def _advertisement(self, http: aiohttp.ClientSession, base: str, with_peers: bool = False) -> dict | None:
         url = f"{base}/v1/advertisement" + ("?peers=1" if with_peers else "")
@@ -137,6 +153,7 @@ class Directory:
             try:
                 for ad in await t.anodes(http, self.model):
                     ads[str(ad["url"]).rstrip("/")] = ad
+                self.remember(ads)  # should the tracker go away, the DHT listings still ask these
                 break
             except (TrackerError, KeyError, TypeError) as exc:
                 reasons.append(str(exc))
@@ -157,6 +174,7 @@ class Directory:
         for t in self.trackers:
             try:
                 planned = await t.acall(http, "route", query={**query, "model": self.model}, timeout_s=t.timeout_s)
+                self.remember(str(a["url"]) for a in planned.get("route", ()))
                 return {**planned, "source": "tracker"}
             except TrackerError as exc:
                 if exc.status is not None:  # it answered: its refusal stands
@@ -213,6 +231,14 @@ class Directory:
             raise ValueError(f"{source}: not a manifest answer")
         if self.model_id is not None and manifest_digest(found["manifest"]) != self.model_id:
             raise ValueError(f"{source}: its manifest of {self.model} is not the one the join link names; refused")
+        from .torrent import info_hash  # the torrent must be the manifest's: its pieces are what BitTorrent checks
+
+        try:
+            same = info_hash(bytes.fromhex(found["torrent_hex"])) == found["manifest"].get("info_hash")
+        except (ValueError, RuntimeError, AttributeError):
+            same = False
+        if not same:
+            raise ValueError(f"{source}: its torrent is not the one the manifest of {self.model} names; refused")
         return found
 
 

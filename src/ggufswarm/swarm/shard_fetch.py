@@ -158,19 +158,33 @@ def _ask(directory) -> tuple[dict, list[dict]]:
 
 
 def fetch_header(
-    tracker: str, name: str, data_dir: Path, progress: bool = False, *, token: str | None = None
+    tracker: str | None,
+    name: str,
+    data_dir: Path,
+    progress: bool = False,
+    *,
+    token: str | None = None,
+    directory=None,
+    swarm: Swarm | None = None,
 ) -> tuple[Path, Swarm]:
     """Fetch only the GGUF header(s) of ``name`` (metadata + vocabulary, no tensors) for a tokenizer
     (``token``: the swarm token, for the tracker).
 
+    ``directory`` and ``swarm``: as ``fetch_shard`` (the manifest from a tracker or a DHT-listed node, checked
+    against the join link; the pieces from the torrent's peers, verified by BitTorrent).
+
     Returns the sparse file's path and the swarm (seeding what it holds; close it when done).
     """
-    found = TrackerClient(tracker, token).manifest(name)
+    if directory is None:
+        found, peers = TrackerClient(tracker, token).manifest(name), []
+    else:
+        found, listed = _ask(directory)
+        peers = torrent_peers(listed)
     manifest = Manifest.from_json(json.dumps(found["manifest"]))
     torrent = bytes.fromhex(found["torrent_hex"])
     data_dir.mkdir(parents=True, exist_ok=True)
-    swarm = Swarm()
-    swarm.fetch(torrent, data_dir, manifest.byte_ranges(0, 0), progress=progress)
+    swarm = swarm or Swarm()
+    swarm.fetch(torrent, data_dir, manifest.byte_ranges(0, 0), peers, progress=progress)
     first = manifest.files[0]["name"]
     path = data_dir / first if len(manifest.files) == 1 else next(data_dir.glob(f"*/{first}"))
     return path, swarm

@@ -16,6 +16,7 @@ import libtorrent as lt
 
 log = logging.getLogger(__name__)
 
+NO_PEER_RETRY_S = 5.0  # a fetch with no peer connected asks for peers again this often (s)
 DEFAULT_PIECE_SIZE = 256 * 1024  # small pieces keep a partial fetch tight (≤ 1 piece of waste per range edge)
 
 
@@ -92,19 +93,17 @@ class Swarm:
 
     ``dht_bootstrap``: ``["host:port", ...]`` turns the BitTorrent DHT on, bootstrapped from those contacts only
     (never a public router; ``net.dht.dht_settings``): peers of a torrent are then found without a tracker, and the
-    session can announce and look up nodes (``net.dht.Discovery``). ``map_ports``: ask the home router to forward
-    the listen port (UPnP IGD, NAT-PMP/PCP; libtorrent's port mapping, also ``add_port_mapping`` for others)."""
+    session can announce and look up nodes (``net.dht.Discovery``). UPnP and NAT-PMP stay off until a node asks its
+    home router for a mapping (``net.portmap``)."""
 
-    def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, dht_bootstrap: list[str] | None = None, map_ports: bool = False
-    ):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, dht_bootstrap: list[str] | None = None):
         settings = {
             "listen_interfaces": f"{host}:{port}",
             "enable_dht": False,
             "dht_bootstrap_nodes": "",  # never libtorrent's built-in public router
             "enable_lsd": False,  # local service discovery multicasts outside the swarm's own network
-            "enable_upnp": map_ports,
-            "enable_natpmp": map_ports,
+            "enable_upnp": False,
+            "enable_natpmp": False,
             "allow_multiple_connections_per_ip": True,  # every peer of a loopback swarm is 127.0.0.1
             "announce_to_all_trackers": True,
             "announce_to_all_tiers": True,
@@ -114,8 +113,6 @@ class Swarm:
             from ..net.dht import dht_settings
 
             settings.update(dht_settings(list(dht_bootstrap)))
-        if map_ports:
-            settings["alert_mask"] = settings["alert_mask"] | lt.alert_category.port_mapping
         self.session = lt.session(settings)
         self.dht = dht_bootstrap is not None
         self.handles: dict[str, lt.torrent_handle] = {}
@@ -198,7 +195,7 @@ class Swarm:
                 leave=False,
                 disable=None,
             )  # None: no bar when stderr is not a terminal
-        last_done, last_progress, shown_peers = -1, t0, -1
+        last_done, last_progress, shown_peers, last_kick = -1, t0, -1, t0
         try:
             while True:
                 have = [i for i in wanted if handle.have_piece(i)]
@@ -219,6 +216,9 @@ class Swarm:
                         f"fetch timed out after {timeout:.0f} s with {len(have)}/{len(wanted)} pieces "
                         f"({st.num_peers} peers connected)"
                     )
+                if st.num_peers == 0 and now - last_kick > NO_PEER_RETRY_S:  # none yet: ask again soon, not after
+                    last_kick = now  # stall_s (a DHT answer or a given peer that was not up a moment ago)
+                    self._ask_for_peers(handle, peers)
                 if done != last_done:
                     last_done, last_progress = done, now
                 elif now - last_progress > stall_s:
@@ -233,17 +233,21 @@ class Swarm:
                         st.num_seeds,
                         timeout,
                     )
-                    handle.force_reannounce()
-                    if self.dht:
-                        handle.force_dht_announce()
-                    for peer in peers:
-                        handle.connect_peer(peer)
+                    self._ask_for_peers(handle, peers)
                     last_progress = now
                 time.sleep(0.05)
         finally:
             if bar is not None:
                 bar.close()
         return FetchStats(len(wanted), handle.status().total_payload_download, time.monotonic() - t0)
+
+    def _ask_for_peers(self, handle: lt.torrent_handle, peers) -> None:
+        """Re-announce to the trackers (and the DHT) and connect the given ``peers`` again."""
+        handle.force_reannounce()
+        if self.dht:
+            handle.force_dht_announce()
+        for peer in peers:
+            handle.connect_peer(peer)
 
     def uploaded(self, torrent: bytes) -> int:
         """Payload bytes this session has uploaded for ``torrent``."""
