@@ -11,16 +11,11 @@ which a loopback route equals bitwise (tests/test_node.py and others).
 from __future__ import annotations
 
 import json
-import os
-import queue
 import re
-import signal
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
+from natswarm import CLI, CLIENT, PUB, PY, Proc, node_ready, start_published
 from netlab import NetLab, netlab_available
 from route_fixtures import reference
 
@@ -28,11 +23,7 @@ from ggufswarm.net.invite import JoinLink
 
 pytestmark = [pytest.mark.netlab, pytest.mark.slow]
 
-PY = sys.executable
-TESTS = Path(__file__).parent
-CLI = [PY, "-m", "ggufswarm.cli"]
 TOKEN = "nat-test-token"
-PUB = "10.77.0.1"
 PROMPT = (
     "The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lantern and a "
     "notebook in which he wrote down the ships he saw. One stormy night in October,"
@@ -40,52 +31,6 @@ PROMPT = (
 LONG = 160  # tokens of the streams that see a node die or the tracker go away mid-stream
 JOIN_BOUND_S = 120.0  # join (tracker dead) to ready: DHT lookup, manifest from a peer, fetch 6:12 from home A, load
 DHT_ROUTE_BOUND_S = 30.0  # a node ready → the gateway routes through it, planned from the DHT (no tracker)
-
-
-class Proc:
-    """A process in the lab with its stdout lines queued and its stderr kept in a file."""
-
-    def __init__(self, lab: NetLab, role: str, argv: list[str], name: str, tmp: Path):
-        self.name, self.err_path = name, tmp / f"{name}.err"
-        self.lines: queue.Queue = queue.Queue()
-        env = dict(os.environ, GGUFSWARM_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
-        self.proc = lab.popen(
-            role, argv, stdout=-1, stderr=open(self.err_path, "w"), stdin=-3, text=True, env=env, cwd=str(tmp)
-        )
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        """The first stdout line matching ``pattern`` (regex) within ``timeout`` s; fails with the stderr tail."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                pytest.fail(f"{self.name}: no line matching {pattern!r} within {timeout:g} s\n{self.stderr()}")
-            if line is None:
-                pytest.fail(f"{self.name} exited ({self.proc.wait()}) before {pattern!r}\n{self.stderr()}")
-            m = re.search(pattern, line)
-            if m:
-                return m
-
-    def stderr(self) -> str:
-        return self.err_path.read_text(errors="replace")[-4000:]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-
-def node_ready(p: Proc, timeout: float = 180.0) -> tuple[str, str]:
-    """(URL, reach path) of a node's ready line."""
-    m = p.wait_for(r"ggufswarm node ready: (\S+) .*?(?:reach (\w+))?$", timeout)
-    return m.group(1), m.group(2) or "direct"
 
 
 @pytest.fixture(scope="module")
@@ -98,28 +43,11 @@ def swarm(gemma_path, tmp_path_factory):
     procs: dict[str, Proc] = {}
 
     def start(name, role, argv):
-        procs[name] = Proc(lab, role, argv, name, tmp)
+        procs[name] = Proc(lab, role, argv, name, tmp, TOKEN)
         return procs[name]
 
     try:
-        t = start("tracker", "pub", CLI + ["tracker", "--host", "0.0.0.0", "--port", "8470", "--db", str(tmp / "t.db")])
-        t.wait_for(r"ggufswarm tracker ready", 60)
-        pub = start(
-            "publisher",
-            "pub",
-            CLI
-            + ["publish", str(gemma_path), "--tracker", f"http://{PUB}:8470", "--data-dir", str(tmp / "pub")]
-            + ["--host", "0.0.0.0"],
-        )
-        published = JoinLink.parse(pub.wait_for(r"(ggufswarm://join\S+)", 120).group(1))
-        link = JoinLink(
-            published.model,
-            published.model_id,
-            dht=(f"{PUB}:6881",),
-            trackers=published.trackers,
-            relays=(f"http://{PUB}:8471",),
-            secret=TOKEN,
-        ).format()
+        link = start_published(start, tmp, gemma_path, TOKEN, 8470, 8471)
         common = ["--threads", "1", "--host", "0.0.0.0"]
         p = start(
             "P",
@@ -151,9 +79,7 @@ def swarm(gemma_path, tmp_path_factory):
 
 def stream(lab: NetLab, max_tokens: int, on_delta=None) -> dict:
     """A streamed greedy completion through the gateway, from a client on pub; ``on_delta(n)`` after each delta."""
-    client = lab.popen(
-        "pub", [PY, str(TESTS / "nat_client.py"), f"http://{PUB}:8000", PROMPT, str(max_tokens)], stdout=-1, text=True
-    )
+    client = lab.popen("pub", [PY, CLIENT, f"http://{PUB}:8000", PROMPT, str(max_tokens)], stdout=-1, text=True)
     final = None
     for line in client.stdout:
         event = json.loads(line)
