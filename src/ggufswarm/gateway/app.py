@@ -239,7 +239,7 @@ async def _dht_servable(gw: Gateway) -> str | None:
     if gw.discovery is None or gw.every_model:
         return "no DHT (a gateway started without --join)"
     try:
-        await gw.planner.directory.route(gw.http, {"max_length": 1})
+        await gw.planner.directory.route(gw.http, {"max_length": 1}, count=False)
     except TrackerError as exc:
         return exc.reason or str(exc)
     return None

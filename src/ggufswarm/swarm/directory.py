@@ -164,12 +164,12 @@ class Directory:
             raise DirectoryError("; ".join(reasons) + ("; the DHT lists no node" if self.discovery else ""))
         return list(ads.values())
 
-    async def route(self, http: aiohttp.ClientSession, query: dict) -> dict:
+    async def route(self, http: aiohttp.ClientSession, query: dict, count: bool = True) -> dict:
         """A route plan, as the tracker's ``GET /route`` answers it (``{"route": [ad, ...], "context",
         "wire_bytes_per_token", "source"}``), for ``query`` (``max_length``, optional ``exclude`` (comma-separated
         URLs), ``start``/``end``). The first tracker that answers plans it; with none, it is planned here from the
-        DHT's advertisements. Raises TrackerError: the tracker's refusal (``no_route``), or status None (unreachable)
-        when no source answered."""
+        DHT's advertisements (``count``: the planned nodes' load counts it, for load spreading). Raises
+        TrackerError: the tracker's refusal (``no_route``), or status None (unreachable) when no source answered."""
         unreachable = []
         for t in self.trackers:
             try:
@@ -193,7 +193,8 @@ class Directory:
             chain = plan_route(ads, n_layers, int(query.get("max_length", 1)), HOP_MS, self.routed, span)
         except NoRoute as exc:
             raise TrackerError(f"no_route: {exc}", 503, str(exc)) from None
-        self.routed.update(a.node_id for a in chain)
+        if count:  # a session will use it (not a health probe)
+            self.routed.update(a.node_id for a in chain)
         return {
             "model": self.model,
             "route": [ad_json(a) for a in chain],
