@@ -117,6 +117,12 @@ def _apply_link(args) -> None:
     args.tracker = args.tracker or (link.trackers[0] if link.trackers else None)
     args.more_trackers = tuple(t for t in link.trackers if t != args.tracker)
     args.token = args.token or link.secret
+    if not args.token:
+        print(
+            f"ggufswarm {args.command}: the join link carries no secret= and no --token / $GGUFSWARM_TOKEN is set: "
+            "joining as an open swarm (a swarm with a token answers 401)",
+            file=sys.stderr,
+        )
     args.model_id = link.model_id
     args.relays = tuple(getattr(args, "relay_via", ()) or ()) + link.relays
     if getattr(args, "dht", None) is None or hasattr(args, "dht_port"):

@@ -17,7 +17,8 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
             help="run a node that joins a swarm by its join link (from 'demo --serve' or a swarm's operator)",
             formatter_class=argparse.RawDescriptionHelpFormatter,
             description="Join the swarm a link names: find its nodes (its trackers, else the BitTorrent DHT from "
-            "the link's contacts), take the least-covered layer range that fits --memory-budget (or --layers), "
+            "the link's contacts), take the least-covered layer range that fits --memory-budget (or --layers "
+            "START:END, with the embedding / head stage when it starts at 0 / ends at the last layer), "
             "fetch only those layers from peers, find out how it can be dialled (--reach auto: a dial-back, "
             "a UPnP/NAT-PMP port mapping on the home router, else a relay) and serve. Same options as "
             "'ggufswarm node'. The link carries the swarm's secret: share it like a password.",

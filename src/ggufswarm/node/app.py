@@ -347,6 +347,7 @@ def run_node(config: NodeConfig) -> int:
             token=config.token,
             directory=directory,
             swarm=swarm,
+            stages_follow=config.model_id is not None,  # joined by a link: --embed / --head follow the range
         )
         got = (
             f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s"
@@ -402,6 +403,10 @@ def run_node(config: NodeConfig) -> int:
         if state.relay_server is not None and not config.public_host:  # relayed nodes are reached at our address
             state.relay_server.public_host = urlsplit(state.reach.url).hostname
         say_ready(state.reach.url)
+        if state.discovery is not None and config.dht is not None:
+            host = urlsplit(state.reach.url).hostname if state.reach.path != "relayed" else None
+            if host and state.swarm is not None:  # a contact for more join links (dht=), should the link's die
+                print(f"ggufswarm node: DHT contact {host}:{state.swarm.port} (a join link's dht=)", file=sys.stderr)
 
     def ready(url: str) -> None:
         asyncio.get_running_loop().create_task(reach_then_ready(url))

@@ -225,6 +225,8 @@ class Directory:
                     reasons.append(f"{url}: {r.status}")
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 reasons.append(f"{url}: {exc}")
+        if self.discovery is not None:
+            reasons.append("the DHT lists no node that has it (are the join link's dht= contacts up?)")
         raise DirectoryError(f"no source has the manifest of {self.model}: " + ("; ".join(reasons) or "no peers"))
 
     def _checked(self, found: dict, source: str) -> dict:

@@ -85,6 +85,7 @@ def fetch_shard(
     token: str | None = None,
     directory=None,
     swarm: Swarm | None = None,
+    stages_follow: bool = False,
 ) -> FetchedShard:
     """Fetch from the swarm only the pieces a shard needs (header + its tensors), verified, into
     ``data_dir``; returns with the swarm still seeding them. ``layers``: ``"START:END"`` or ``"auto"``.
@@ -94,7 +95,8 @@ def fetch_shard(
     ``directory`` (a ``swarm.directory.Directory``: trackers and the DHT) replaces ``tracker``: the manifest then
     comes from a tracker or, when none answers, from a node the DHT lists (checked against the model's identity),
     and the torrent's peers from the DHT and the nodes' advertisements. ``swarm``: the libtorrent session to fetch
-    in (a node's, with its DHT and port mapping); a new loopback one by default.
+    in (a node's, with its DHT and port mapping); a new loopback one by default. ``stages_follow``: a ``START:END``
+    range that starts at 0 / ends at the last layer gets the embedding / head stage (as ``"auto"`` always does).
 
     Raises TrackerError (unknown model, tracker down), DirectoryError (no source answered), ValueError (bad range),
     SwarmError (fetch failed).
@@ -117,6 +119,8 @@ def fetch_shard(
         spec = choose_layers(manifest, ads, budget_bytes)
     else:
         spec = ShardSpec.parse(layers, manifest.n_layers, embed, head)
+        if stages_follow:  # a joining node: the embedding / head stage come with a range at the model's ends
+            spec = ShardSpec(spec.start, spec.end, embed or spec.start == 0, head or spec.end == manifest.n_layers)
     data_dir.mkdir(parents=True, exist_ok=True)
     swarm = swarm or Swarm()
     ranges = manifest.byte_ranges(spec.start, spec.end, spec.embed, spec.head)
