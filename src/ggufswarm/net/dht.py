@@ -80,6 +80,7 @@ def dht_settings(bootstrap: list[str], enabled: bool = True) -> dict:
         "dht_ignore_dark_internet": False,
         # the DoS blocker allows 5 queries/s per source IP: a NAT or loopback puts every node behind one IP
         "dht_block_ratelimit": 1000,
+        "dht_max_fail_count": 2,  # a swarm node that stops answering leaves routing tables after 2 timeouts, not 20
         "dht_upload_rate_limit": 256 * 1024,
         "dht_max_peers_reply": 100,
         "dht_aggressive_lookups": True,
@@ -147,6 +148,11 @@ class Discovery:
         self._next_poll = 0.0
         self._thread = threading.Thread(target=self._pump, name="dht-alert-pump", daemon=True)
         self._thread.start()
+        # libtorrent treats dht_bootstrap_nodes as routers: asked only while a lookup has few candidates, never put
+        # in the routing table nor sent announce_peer. In a small private DHT the contacts ARE the swarm's nodes:
+        # add them as ordinary nodes too, so that announces are stored on them and lookups ask them
+        for host, port in (parse_contact(c) for c in bootstrap):
+            session.add_dht_node((host, port))
         atexit.register(self.close)  # a pump still waiting on a session at interpreter exit aborts the process
 
     @classmethod

@@ -30,6 +30,7 @@ LOOKUP_TIMEOUT_S = 5.0  # most seconds one DHT lookup may take (a tiny swarm ans
 CACHE_S = 2.0  # DHT listings younger than this are reused (a burst of route plans does one lookup)
 HOP_MS = 1.0  # the per-hop network cost the local planner adds, as the tracker's default
 MAX_HEARD = 64  # most peers-of-peers one listing reads advertisements of
+LOOKUPS = 3  # DHT lookups one listing makes at most while it has found no node that answers
 KNOWN_S = 120.0  # a node listed once is asked again in DHT listings this long (s) after it last answered
 
 
@@ -109,13 +110,18 @@ class Directory:
             now = time.monotonic()
             if not fresh and self._listed and now - self._listed[0] < CACHE_S:
                 return self._listed[1]
-            endpoints = await self.discovery.alookup(self.key, LOOKUP_TIMEOUT_S)
             self._known = {u: t for u, t in self._known.items() if now - t < KNOWN_S}
-            announced = [f"http://{host}:{port}" for host, port in endpoints]
-            urls = list(dict.fromkeys(announced + list(self._known) + list(self.heard())))
-            found = await asyncio.gather(*(self._advertisement(http, u, with_peers=True) for u in urls))
-            listed = {str(a["url"]).rstrip("/"): a for a in found if a is not None}
-            heard = {str(p).rstrip("/") for a in found if a is not None for p in a.pop("peers", ()) or ()}
+            listed, urls = {}, []
+            for _attempt in range(LOOKUPS):  # libtorrent's lookups in a small DHT with dead nodes come back short,
+                endpoints = await self.discovery.alookup(self.key, LOOKUP_TIMEOUT_S)  # and differ from one another
+                announced = [f"http://{host}:{port}" for host, port in endpoints]
+                new = [u for u in dict.fromkeys(announced + list(self._known) + list(self.heard())) if u not in urls]
+                urls += new
+                found = await asyncio.gather(*(self._advertisement(http, u, with_peers=True) for u in new))
+                listed |= {str(a["url"]).rstrip("/"): a for a in found if a is not None}
+                if listed:
+                    break
+            heard = {str(p).rstrip("/") for a in listed.values() for p in a.pop("peers", ()) or ()}
             heard -= set(listed) | set(urls)
             for ad in await asyncio.gather(*(self._advertisement(http, u) for u in sorted(heard)[:MAX_HEARD])):
                 if ad is not None:
@@ -182,17 +188,23 @@ class Directory:
                 unreachable.append(exc.reason or str(exc))
         if self.discovery is None:
             raise TrackerError("; ".join(unreachable) or "no tracker", None, "the tracker cannot be reached")
-        ads = [advertisement_of(a) for a in await self.dht_nodes(http)]
         exclude = {u.rstrip("/") for u in str(query.get("exclude", "")).split(",") if u}
-        ads = [a for a in ads if a.url not in exclude]
-        n_layers = next((int(a.extra["hop"]["n_layers"]) for a in ads if "hop" in a.extra), None)
-        if n_layers is None:
-            raise TrackerError("the DHT lists no node of this model yet", 503, "no node of this model is announced")
-        span = (int(query.get("start", 0)), int(query.get("end", n_layers)))
-        try:
-            chain = plan_route(ads, n_layers, int(query.get("max_length", 1)), HOP_MS, self.routed, span)
-        except NoRoute as exc:
-            raise TrackerError(f"no_route: {exc}", 503, str(exc)) from None
+        # a plan that avoids nodes (a failed hop, a repair) lists the swarm anew, and so does a plan the listing of
+        # the last CACHE_S seconds cannot make: the swarm just changed
+        for fresh in (False, True) if not exclude else (True,):
+            ads = [a for a in map(advertisement_of, await self.dht_nodes(http, fresh=fresh)) if a.url not in exclude]
+            n_layers = next((int(a.extra["hop"]["n_layers"]) for a in ads if "hop" in a.extra), None)
+            if n_layers is None:
+                refused = TrackerError("the DHT lists no node of this model yet", 503, "no node of it is announced")
+                continue
+            span = (int(query.get("start", 0)), int(query.get("end", n_layers)))
+            try:
+                chain = plan_route(ads, n_layers, int(query.get("max_length", 1)), HOP_MS, self.routed, span)
+                break
+            except NoRoute as exc:
+                refused = TrackerError(f"no_route: {exc}", 503, str(exc))
+        else:
+            raise refused
         if count:  # a session will use it (not a health probe)
             self.routed.update(a.node_id for a in chain)
         return {
