@@ -342,8 +342,12 @@ def test_node_endpoints_and_join_link_parsing(swarm, tiny_dir, tmp_path):
         trackers=("http://t1:8470", "https://t2"),
         relays=("http://r:8470",),
         secret="s e&c=r/t",
+        caches=("http://c:8475",),
     )
     assert JoinLink.parse(full.format()) == full
+    assert JoinLink.parse(full.format()).caches == ("http://c:8475",)
+    with pytest.raises(JoinLinkError, match="http"):
+        JoinLink.parse(full.format() + "&cache=ftp://c")
     assert JoinLink.parse(full.format()).secret == "s e&c=r/t"
     assert JoinLink.parse(swarm.link.format()) == swarm.link
     assert JoinLink.parse(swarm.dht_link).dht == (swarm.contact,)

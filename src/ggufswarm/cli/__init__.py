@@ -124,6 +124,8 @@ def _apply_link(args) -> None:
             file=sys.stderr,
         )
     args.model_id = link.model_id
+    if hasattr(args, "cache") and not args.cache and link.caches:  # a node: the swarm's snapshot cache
+        args.cache = link.caches[0]
     args.relays = tuple(getattr(args, "relay_via", ()) or ()) + link.relays
     if getattr(args, "dht", None) is None or hasattr(args, "dht_port"):
         args.dht = ",".join(link.dht) if link.dht else "-"

@@ -229,6 +229,7 @@ def run_demo(args) -> int:
                 dht=(f"127.0.0.1:{dht_port}",),
                 trackers=(tracker_url,),
                 secret=token,
+                caches=(cache_url,),
             ).format()
             nodes = start_nodes(
                 specs,

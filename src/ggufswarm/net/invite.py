@@ -8,7 +8,8 @@ A link looks like ``ggufswarm://join?v=1&model=NAME&id=DIGEST&dht=HOST:PORT,...&
 * ``dht``: DHT bootstrap contacts (UDP ``host:port`` of nodes already in the swarm) — the only DHT contacts a node
   uses, never a public router;
 * ``tracker``: zero or more tracker URLs (optional: the DHT alone is enough); ``relay``: zero or more relays an
-  unreachable node may attach to;
+  unreachable node may attach to; ``cache``: the snapshot cache the swarm's nodes use (a joined node then restores a
+  repaired session's KV instead of recomputing it);
 * ``secret``: the swarm token (the link is as secret as the token: share it like a password).
 Like a magnet link, it is plain URL syntax (RFC 3986 query, ``urllib.parse``).
 """
@@ -50,6 +51,7 @@ class JoinLink:
     trackers: tuple[str, ...] = ()
     relays: tuple[str, ...] = ()
     secret: str | None = field(default=None, repr=False)
+    caches: tuple[str, ...] = ()  # snapshot caches (``ggufswarm cache``) the swarm's nodes use: a joiner repairs fast
 
     def __post_init__(self):
         if not self.model:
@@ -58,9 +60,9 @@ class JoinLink:
             raise JoinLinkError(f"a join link's id is the manifest's hex SHA-256 (64 digits), got {self.model_id!r}")
         if not self.dht and not self.trackers:
             raise JoinLinkError("a join link needs a DHT contact (dht=HOST:PORT) or a tracker (tracker=URL)")
-        for url in self.trackers + self.relays:
+        for url in self.trackers + self.relays + self.caches:
             if urlsplit(url).scheme not in ("http", "https"):
-                raise JoinLinkError(f"trackers and relays are http(s) URLs, got {url!r}")
+                raise JoinLinkError(f"trackers, relays and caches are http(s) URLs, got {url!r}")
 
     def format(self) -> str:
         """The link as one string (``parse`` reads it back)."""
@@ -68,6 +70,7 @@ class JoinLink:
         if self.dht:
             query.append(("dht", ",".join(self.dht)))
         query += [("tracker", t) for t in self.trackers] + [("relay", r) for r in self.relays]
+        query += [("cache", c) for c in self.caches]
         if self.secret:
             query.append(("secret", self.secret))
         return f"{SCHEME}://join?{urlencode(query)}"
@@ -93,6 +96,7 @@ class JoinLink:
             tuple(q.get("tracker", [])),
             tuple(q.get("relay", [])),
             q.get("secret", [None])[0],
+            tuple(q.get("cache", [])),
         )
 
 

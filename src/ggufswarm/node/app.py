@@ -413,6 +413,7 @@ def run_node(config: NodeConfig) -> int:
 
     try:
         run_server(app, config.host, config.port, ready)
+        print("ggufswarm node: stopped", file=sys.stderr, flush=True)
     finally:
         if discovery is not None:
             discovery.close()
