@@ -16,7 +16,8 @@ from aiohttp import web
 from ..protocol import ProtocolError
 from ..protocol.auth import auth_headers
 from ..protocol.http import read_json
-from ..swarm.directory import DirectoryError, advertisement_of
+from ..swarm.directory import DirectoryError
+from ..tracker.routing import Advertisement
 from .advertise import advertisement
 from .state import NODE, NodeState, json_response
 
@@ -48,7 +49,7 @@ async def hello_route(request: web.Request) -> web.Response:
     state: NodeState = request.app[NODE]
     body = await read_json(request)
     try:
-        ad = advertisement_of(body)
+        ad = Advertisement.from_json(body)
     except (KeyError, TypeError, ValueError, IndexError):
         raise ProtocolError("bad_request", "a hello is a shard advertisement (GET /v1/advertisement's body)") from None
     model = state.config.swarm_name or state.config.model

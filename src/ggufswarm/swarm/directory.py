@@ -38,38 +38,6 @@ class DirectoryError(RuntimeError):
     """No source of the directory could answer (every tracker down and the DHT empty or off)."""
 
 
-def advertisement_of(ad: dict) -> Advertisement:
-    """The routing ``Advertisement`` of a node's advertisement JSON (KeyError/TypeError/ValueError when malformed)."""
-    return Advertisement(
-        str(ad["node_id"]),
-        str(ad["url"]).rstrip("/"),
-        str(ad["model"]),
-        (int(ad["layers"][0]), int(ad["layers"][1])),
-        bool(ad.get("embed")),
-        bool(ad.get("head")),
-        str(ad.get("state", "ready")),
-        int(ad.get("free_kv_tokens", 0)),
-        float(ad.get("decode_ms", 0.0)),
-        ad.get("extra") or {},
-    )
-
-
-def ad_json(ad: Advertisement) -> dict:
-    """An ``Advertisement`` as the tracker's JSON."""
-    return {
-        "node_id": ad.node_id,
-        "url": ad.url,
-        "model": ad.model,
-        "layers": list(ad.layers),
-        "embed": ad.embed,
-        "head": ad.head,
-        "state": ad.state,
-        "free_kv_tokens": ad.free_kv_tokens,
-        "decode_ms": ad.decode_ms,
-        "extra": ad.extra,
-    }
-
-
 class Directory:
     """The nodes of model ``model`` (a published name) whose identity is ``model_id`` (``manifest_digest``; None:
     unknown, no DHT), from ``trackers`` (URLs) and ``discovery`` (a ``net.dht.Discovery``, or None).
@@ -145,7 +113,7 @@ class Directory:
                 if r.status != 200:
                     return None
                 ad = await r.json(content_type=None)
-            advertisement_of(ad)
+            Advertisement.from_json(ad)
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError, IndexError):
             return None
         return ad if ad.get("model") == self.model else None
@@ -192,7 +160,8 @@ class Directory:
         # a plan that avoids nodes (a failed hop, a repair) lists the swarm anew, and so does a plan the listing of
         # the last CACHE_S seconds cannot make: the swarm just changed
         for fresh in (False, True) if not exclude else (True,):
-            ads = [a for a in map(advertisement_of, await self.dht_nodes(http, fresh=fresh)) if a.url not in exclude]
+            listed = map(Advertisement.from_json, await self.dht_nodes(http, fresh=fresh))
+            ads = [a for a in listed if a.url not in exclude]
             n_layers = next((int(a.extra["hop"]["n_layers"]) for a in ads if "hop" in a.extra), None)
             if n_layers is None:
                 refused = TrackerError("the DHT lists no node of this model yet", 503, "no node of it is announced")
@@ -209,7 +178,7 @@ class Directory:
             self.routed.update(a.node_id for a in chain)
         return {
             "model": self.model,
-            "route": [ad_json(a) for a in chain],
+            "route": [a.to_json() for a in chain],
             "context": route_context(chain),
             "wire_bytes_per_token": route_wire_bytes_per_token(chain),
             "source": "dht",
@@ -257,4 +226,4 @@ class Directory:
         return found
 
 
-__all__ = ["Directory", "DirectoryError", "ad_json", "advertisement_of"]
+__all__ = ["Directory", "DirectoryError"]

@@ -7,7 +7,7 @@ import logging
 import socket
 import struct
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
 
 import aiohttp
@@ -42,12 +42,6 @@ class TrackerConfig:
     public_host: str | None = None  # with relay: the address relayed nodes are reached at (default: 127.0.0.1)
 
 
-def _ad_json(ad: Advertisement) -> dict:
-    d = asdict(ad)
-    d["layers"] = list(ad.layers)
-    return d
-
-
 async def _json_body(request: web.Request) -> dict:
     """The body as a JSON object; ProtocolError ``bad_json`` (400) otherwise, ``body_too_large`` (413)."""
     return await read_json(request, code="bad_json")
@@ -70,18 +64,7 @@ def make_app(config: TrackerConfig) -> web.Application:
     async def heartbeat(request: web.Request) -> web.Response:
         b = await _json_body(request)
         try:
-            ad = Advertisement(
-                str(b["node_id"]),
-                str(b["url"]),
-                str(b["model"]),
-                (int(b["layers"][0]), int(b["layers"][1])),
-                bool(b.get("embed")),
-                bool(b.get("head")),
-                str(b.get("state", "ready")),
-                int(b.get("free_kv_tokens", 0)),
-                float(b.get("decode_ms", 0.0)),
-                dict(b.get("extra", {})),
-            )
+            ad = Advertisement.from_json(b)
             if not (0 <= ad.free_kv_tokens < 2**62 and 0.0 <= ad.decode_ms < 1e9 and ad.layers[1] < 2**31):
                 raise ValueError("free_kv_tokens, decode_ms and layers must be finite, non-negative and in range")
             free_kv_tokens(ad)  # a malformed extra.accounting is refused here, not while planning
@@ -116,7 +99,7 @@ def make_app(config: TrackerConfig) -> web.Application:
         return web.json_response({"url": url, "alive": alive, "removed": removed})
 
     async def nodes(request: web.Request) -> web.Response:
-        return web.json_response({"nodes": [_ad_json(a) for a in registry.nodes(request.query.get("model"))]})
+        return web.json_response({"nodes": [a.to_json() for a in registry.nodes(request.query.get("model"))]})
 
     async def put_manifest(request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -182,7 +165,7 @@ def make_app(config: TrackerConfig) -> web.Application:
         return web.json_response(
             {
                 "model": model,
-                "route": [_ad_json(a) for a in chain],
+                "route": [a.to_json() for a in chain],
                 "context": route_context(chain),
                 "wire_bytes_per_token": route_wire_bytes_per_token(chain),
             }
@@ -240,7 +223,7 @@ def status_snapshot(registry: Registry) -> dict:
         found = registry.manifest(name)
         out[name] = {
             "n_layers": Manifest.from_json(found[0]).n_layers,
-            "nodes": [_ad_json(a) for a in registry.nodes(name)],
+            "nodes": [a.to_json() for a in registry.nodes(name)],
         }
     return {"models": out}
 

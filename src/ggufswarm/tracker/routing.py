@@ -11,7 +11,7 @@ shard simply advertises a small ``kv_bytes_per_token``, a recurrent one ``kv_byt
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 class NoRoute(LookupError):
@@ -36,6 +36,27 @@ class Advertisement:
     free_kv_tokens: int = 0
     decode_ms: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Advertisement:
+        """The advertisement a node sends (``POST /nodes/heartbeat``, ``GET /v1/advertisement``) as JSON ``d``.
+        Raises KeyError / TypeError / ValueError / IndexError when a field is missing or malformed."""
+        return cls(
+            str(d["node_id"]),
+            str(d["url"]),
+            str(d["model"]),
+            (int(d["layers"][0]), int(d["layers"][1])),
+            bool(d.get("embed")),
+            bool(d.get("head")),
+            str(d.get("state", "ready")),
+            int(d.get("free_kv_tokens", 0)),
+            float(d.get("decode_ms", 0.0)),
+            dict(d.get("extra", {})),
+        )
+
+    def to_json(self) -> dict:
+        """This advertisement as JSON (``from_json`` reads it back)."""
+        return {**asdict(self), "layers": list(self.layers)}
 
     @property
     def accounting(self) -> dict | None:
