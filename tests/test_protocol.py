@@ -230,6 +230,18 @@ def test_store_rewind_and_verify_flags(middle_shard):
     assert not decode_frame(encode_tokens(s.id, 4, 6, [1, 2], sample=False, verify=True)).verify
 
 
+def test_rewind_past_max_length_is_refused_before_dropping_anything(middle_shard):
+    """A rewind step that would end past max_length is refused (context_overflow) in ``replay``, before the rejected
+    drafts are dropped: a refused step loses nothing (found by tests/test_fuzz.py: the node held one token less)."""
+    store = SessionStore(middle_shard, budget_tokens=1000)
+    s = store.open(uuid.uuid4(), 8)
+    store.apply(s, 1, 1, 0, torch.randn(8, N_EMBD), torch.arange(8))
+    with pytest.raises(ContextOverflow):
+        store.replay(s, 2, 2, 7, 2, rewind=True)
+    assert s.length == 8 and s.boundaries == [8]
+    assert store.replay(s, 2, 2, 7, 1, rewind=True) is None  # a rewind that fits is still taken
+
+
 def test_ngram_drafter():
     from ggufswarm.client.speculative import NgramDrafter
 

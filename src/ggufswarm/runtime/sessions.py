@@ -212,7 +212,9 @@ class SessionStore:
         anywhere after the previous step's first token, up to the tokens held (``last.start < start <= held``);
         ``apply`` drops the tokens from ``start`` on first.
         Returns the last StepRecord for an identical retry (same step number and digest): do not apply.
-        Raises StepConflict for a conflicting retry, an older step, a gap, or a wrong start position.
+        Raises StepConflict for a conflicting retry, an older step, a gap, or a wrong start position, and
+        ContextOverflow when the next step would end past the session's ``max_length`` (checked here, before a rewind
+        drops the previous step's drafts, so that a refused step changes nothing).
         """
         last = session.last
         expected = 1 if last is None else last.step + 1
@@ -228,6 +230,10 @@ class SessionStore:
                 raise StepConflict(
                     f"step {step} starts at position {start}; the session holds {session.kv.length} tokens",
                     "position_mismatch",
+                )
+            if start + n_tokens > session.max_length:  # before a rewind drops anything: a refused step loses nothing
+                raise ContextOverflow(
+                    f"step {step} ends at position {start + n_tokens}; the session's max_length is {session.max_length}"
                 )
             return None
         if last is not None and step == last.step:
