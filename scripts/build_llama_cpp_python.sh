@@ -42,6 +42,31 @@ case "${1:-}" in
     "") usage; exit 2 ;;
 esac
 
+if [ "${1:-}" = cpu-variant ]; then   # the same llama.cpp with another CPU kernel set (a second "CPU kind")
+    # Builds only ggml's CPU backend with GGML_NATIVE=OFF and AVX (no AVX2/FMA/AVX-512: a kernel set no x86-64
+    # machine this project runs on picks natively), and assembles a library folder: llama-cpp-python's own libraries
+    # with that libggml-cpu. A process started with LLAMA_CPP_LIB_PATH=<folder> computes as a node of another CPU
+    # kind would (its numerics fingerprint says so): tests/test_verify.py's honest node of another kind. ~1 minute.
+    [ -f "$DIR/build/CMakeCache.txt" ] || die "no build tree in $DIR/build: run make setup first"
+    out="$DIR/cpu-avx"
+    if [ ! -f "$out/lib/libggml-cpu.so" ]; then
+        say "building ggml's CPU backend with AVX kernels only into $out (about a minute)"
+        openmp="$(sed -n 's/^GGML_OPENMP:BOOL=//p' "$DIR/build/CMakeCache.txt")"
+        cmake -S "$DIR/src/vendor/llama.cpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+            -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=ON -DGGML_AVX512=OFF \
+            -DGGML_OPENMP="${openmp:-ON}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF >/dev/null
+        cmake --build "$out/build" --target ggml-cpu -j "${JOBS:-2}" >&2
+        pkg="$("${2:-python3}" -c 'import llama_cpp, os; print(os.path.join(os.path.dirname(llama_cpp.__file__), "lib"))')"
+        rm -rf "$out/lib.tmp" && mkdir -p "$out/lib.tmp"
+        cp -a "$pkg"/. "$out/lib.tmp/"
+        cp -a "$out/build/bin"/libggml-cpu.so* "$out/lib.tmp/"
+        rm -rf "$out/lib" && mv "$out/lib.tmp" "$out/lib"
+    fi
+    echo "$out/lib"
+    exit 0
+fi
+
 if [ "${1:-}" = tools ]; then   # llama.cpp's test-llama-archs (the architecture zoo's writer), from the kept tree
     [ -f "$DIR/build/CMakeCache.txt" ] || die "no build tree in $DIR/build: run make setup first"
     if [ ! -x "$DIR/build/bin/test-llama-archs" ]; then

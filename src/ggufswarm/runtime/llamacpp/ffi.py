@@ -5,6 +5,7 @@ shard's last block output out of llama.cpp's graph."""
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 from pathlib import Path
@@ -72,8 +73,9 @@ def ensure_backend() -> None:
 
 def ggml_functions() -> tuple[int, int, int]:
     """Addresses of ggml_get_name, ggml_backend_tensor_get and ggml_nbytes in the ggml llama-cpp-python loaded.
-    RuntimeError when its ggml base library is not where llama-cpp-python keeps it."""
-    lib_dir = Path(L.llama_cpp.__file__).parent / "lib"
+    RuntimeError when its ggml base library is not where llama-cpp-python keeps it (its ``lib`` folder, or the folder
+    ``LLAMA_CPP_LIB_PATH`` names: llama-cpp-python loads its libraries from there when set)."""
+    lib_dir = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(L.llama_cpp.__file__).parent / "lib")
     candidates = sorted(lib_dir.glob("libggml-base.*")) + sorted(lib_dir.glob("ggml-base.*"))
     if not candidates:
         raise RuntimeError(f"cannot find ggml's base library next to llama-cpp-python ({lib_dir})")
