@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from identities import signed_ad
 from tinymodels import write_tiny_model
 from tinymoe import write_tiny_moe_model
 
@@ -226,15 +227,15 @@ def test_node_advertises_its_accounting_and_the_tracker_routes_with_it(tmp_path)
                 },
                 "PUT",
             )
-            for ad, url in zip((first, last), ("http://a", "http://b")):
-                call(f"{tracker}/nodes/heartbeat", ad | {"url": url, "model": "ds2"}, "POST")
+            for ad, url, state in zip((first, last), ("http://a", "http://b"), states):
+                call(f"{tracker}/nodes/heartbeat", signed_ad(ad | {"url": url, "model": "ds2"}, state.identity), "POST")
             route = call(f"{tracker}/route?model=ds2&max_length=100")
             assert [hop["url"] for hop in route["route"]] == ["http://a", "http://b"]
             assert route["context"] == 512 and route["wire_bytes_per_token"] == 128 * 4
             bad = first | {"url": "http://c", "model": "ds2", "node_id": "c"}
             bad["extra"] = {**first["extra"], "accounting": {**a, "kv_bytes_per_token": -1}}
             with pytest.raises(urllib.error.HTTPError) as err:
-                call(f"{tracker}/nodes/heartbeat", bad, "POST")
+                call(f"{tracker}/nodes/heartbeat", signed_ad(bad), "POST")
             assert err.value.code == 400 and b"kv_bytes_per_token" in err.value.read()
     finally:
         for s in states:

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from identities import signed_ad
 from tinymodels import write_tiny_model
 
 from ggufswarm.cache.app import CacheConfig
@@ -124,7 +125,7 @@ def test_the_token_is_not_in_the_tracker_database(tmp_path):
             "free_kv_tokens": 64,
             "decode_ms": 1.0,
         }
-        TrackerClient(tracker, TOKEN).call("nodes/heartbeat", "POST", ad)
+        TrackerClient(tracker, TOKEN).call("nodes/heartbeat", "POST", signed_ad(ad))
         assert [a["url"] for a in TrackerClient(tracker, TOKEN).nodes("tiny")] == [ad["url"]]
         files = sorted(tmp_path.glob("tracker.db*"))
         stored = b"".join(f.read_bytes() for f in files)

@@ -62,6 +62,31 @@ def test_snapshot_round_trip_and_rejects():
             encode_snapshot(state, tokens, [], [], b"\1", boundaries=bad)
 
 
+def test_signed_snapshots_verify_and_forgeries_are_refused(tmp_path):
+    """A node signs the snapshots it takes (its key in ``node``, ``sig`` over the content digest): the signature
+    verifies after the round trip; a blob whose content or signature was changed is refused by the cache; an
+    unsigned one is reported unsigned (a restoring node then does not use it)."""
+    from ggufswarm.net.identity import NodeIdentity
+
+    ident, state = NodeIdentity.generate(), Shard("cd" * 32, 0, 2, STATE_DTYPE)
+    tokens = list(range(40))
+    signed = decode_snapshot(encode_snapshot(state, tokens, [], [], b"\1\2\3", boundaries=[40], identity=ident))
+    assert signed.node == ident.key_id and signed.check_signature() is True
+    assert decode_snapshot(encode_snapshot(state, tokens, [], [], b"\1\2\3")).check_signature() is False
+    torch_signed = decode_snapshot(encode_snapshot(SHARD, tokens, *blob_for(tokens)[1:], identity=ident))
+    assert torch_signed.check_signature() is True
+    store = SnapshotStore(tmp_path / "c", max_bytes=2**24)
+    forged = encode_snapshot(state, tokens, [], [], b"\1\2\4", boundaries=[40], identity=ident)
+    forged = forged.replace(b"\1\2\4", b"\1\2\5")  # the state changed after signing
+    with pytest.raises(SnapshotError, match="signature"):
+        store.put(forged)
+    other = NodeIdentity.generate()  # a signature by someone else, under the first node's name
+    blob = encode_snapshot(state, tokens, [], [], b"\1\2\3", boundaries=[40], identity=other)
+    with pytest.raises(SnapshotError, match="signature"):
+        store.put(blob.replace(other.key_id.encode(), ident.key_id.encode()))
+    assert store.put(encode_snapshot(state, tokens, [], [], b"\1\2\3", boundaries=[40], identity=ident))["key"]
+
+
 def test_restorable_length_follows_the_steps():
     """A llama.cpp snapshot restores to its last step boundary inside the shared prefix; for a repair, to the
     last one where its steps and the session's agree. A route keeps the longest prefix all nodes restored with

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as Q
+from identities import signed_ad
 
 from ggufswarm.artifact.accounting import HeaderAccounts
 from ggufswarm.artifact.gguf_file import GGUFModelFile
@@ -524,7 +525,7 @@ def test_published_name_plans_from_manifest_and_a_nodes_header(tmp_path, capsys)
         req = urllib.request.Request(
             f"{tracker}/nodes/heartbeat",
             method="POST",
-            data=json.dumps(beat).encode(),
+            data=json.dumps(signed_ad(beat)).encode(),
             headers={"Content-Type": "application/json"},
         )
         urllib.request.urlopen(req, timeout=10).read()

@@ -68,6 +68,17 @@ def test_load_spread_over_equal_candidates():
     assert ids(plan_route(ads, 18, 1024, load={"x": 0, "y": 2})) == ["x"]
 
 
+def test_a_node_that_has_not_decoded_counts_at_the_median_per_layer_time():
+    """A new node advertises decode_ms 0: it is planned at the median per-layer time of the nodes that have decoded
+    (here 1 ms/layer → 6 ms), so it neither takes every route (0 ms would beat any measured node) nor none."""
+    ads = [ad("a", 0, 6, ms=6.0), ad("fast", 6, 12, ms=3.0), ad("new", 6, 12, ms=0.0), ad("c", 12, 18, ms=6.0)]
+    assert ids(plan_route(ads, 18, 1024)) == ["a", "fast", "c"]
+    ads[1] = ad("slow", 6, 12, ms=9.0)
+    assert ids(plan_route(ads, 18, 1024)) == ["a", "new", "c"]
+    fresh = [ad("a", 0, 6, ms=0.0), ad("b", 6, 18, ms=0.0), ad("d", 6, 18, ms=0.0)]  # none measured: load decides
+    assert ids(plan_route(fresh, 18, 1024, load={"b": 1})) == ["a", "d"]
+
+
 def test_first_needs_embedding_and_last_needs_head():
     no_head = Advertisement("c", "http://c", "m", (12, 18), head=False, free_kv_tokens=10_000)
     with pytest.raises(NoRoute):

@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 from apphost import AppThread
+from identities import key, signed_ad
 from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.manifest import Manifest
@@ -29,7 +30,7 @@ def call(url, method="GET", body=None):
         return e.code, json.loads(e.read())
 
 
-def beat(url, node, layers, n=4, **kw):
+def beat(url, node, layers, n=4, sign=True, **kw):
     body = {
         "node_id": node,
         "url": f"http://{node}",
@@ -42,7 +43,7 @@ def beat(url, node, layers, n=4, **kw):
         "decode_ms": 5.0,
         **kw,
     }
-    return call(f"{url}/nodes/heartbeat", "POST", body)
+    return call(f"{url}/nodes/heartbeat", "POST", signed_ad(body) if sign else body)
 
 
 def test_registry_survives_restart_and_expires_stale_nodes(tmp_path):
@@ -85,9 +86,9 @@ def test_routes_follow_heartbeats(tmp_path, tiny_artifact):
         sent_b = time.time()  # the registry's clock; b's heartbeat arrives no earlier
         beat(url, "b", (2, 4))
         status, body = call(f"{url}/route?model=tiny&max_length=64")
-        assert status == 200 and [h["node_id"] for h in body["route"]] == ["a", "b"]
+        assert status == 200 and [h["node_id"] for h in body["route"]] == [key("a"), key("b")]
         assert call(f"{url}/models")[1]["models"] == ["tiny"]
-        assert call(f"{url}/nodes/heartbeat", "POST", {"node_id": "x"})[0] == 400
+        assert call(f"{url}/nodes/heartbeat", "POST", signed_ad({"node_id": "x"}))[0] == 400  # signed, no fields
         assert call(f"{url}/route?model=nope")[0] == 404
         # no heartbeats: both expire, and not before the TTL (1.5 s) since their last heartbeat. Polled; the
         # deadline only bounds a tracker that never expires them
@@ -100,7 +101,7 @@ def test_routes_follow_heartbeats(tmp_path, tiny_artifact):
         assert status == 503
         beat(url, "a", (0, 2))
         beat(url, "b", (2, 4))
-        assert call(f"{url}/nodes/b", "DELETE")[0] == 200
+        assert call(f"{url}/nodes/{key('b')}", "DELETE")[0] == 200
         assert call(f"{url}/route?model=tiny&max_length=64")[0] == 503
 
 
@@ -139,32 +140,36 @@ def test_status_page_renders_in_headless_chromium(tmp_path, tiny_artifact, token
         call(
             f"{base}/nodes/heartbeat{query}",
             "POST",
-            {
-                "node_id": "node-a",
-                "url": "http://node-a",
-                "model": "tiny",
-                "layers": [0, 2],
-                "embed": True,
-                "head": False,
-                "state": "ready",
-                "free_kv_tokens": 4096,
-                "decode_ms": 5.0,
-            },
+            signed_ad(
+                {
+                    "node_id": "node-a",
+                    "url": "http://node-a",
+                    "model": "tiny",
+                    "layers": [0, 2],
+                    "embed": True,
+                    "head": False,
+                    "state": "ready",
+                    "free_kv_tokens": 4096,
+                    "decode_ms": 5.0,
+                }
+            ),
         )
         call(
             f"{base}/nodes/heartbeat{query}",
             "POST",
-            {
-                "node_id": "node-b",
-                "url": "http://node-b",
-                "model": "tiny",
-                "layers": [2, 4],
-                "embed": False,
-                "head": True,
-                "state": "loading",
-                "free_kv_tokens": 4096,
-                "decode_ms": 5.0,
-            },
+            signed_ad(
+                {
+                    "node_id": "node-b",
+                    "url": "http://node-b",
+                    "model": "tiny",
+                    "layers": [2, 4],
+                    "embed": False,
+                    "head": True,
+                    "state": "loading",
+                    "free_kv_tokens": 4096,
+                    "decode_ms": 5.0,
+                }
+            ),
         )
         out = subprocess.run(
             [
@@ -220,7 +225,9 @@ def test_status_command_draws_coverage(tiny_artifact, ggufswarm_cli):
 def test_heartbeat_with_bad_numbers_is_400():
     with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
         for extra in ({"decode_ms": float("nan")}, {"free_kv_tokens": 10**30}, {"decode_ms": -1}):
-            status, body = beat(url, "a", (0, 2), **extra)
+            # NaN cannot be signed (canonical JSON has none): the fields are checked before the signature
+            nan = extra.get("decode_ms") != extra.get("decode_ms")
+            status, body = beat(url, "a", (0, 2), sign=not nan, **extra)
             assert status == 400 and body["error"]["code"] == "bad_advertisement", extra
         assert beat(url, "a", (0, 2))[0] == 200
 
@@ -261,14 +268,14 @@ def test_a_reported_node_is_dropped_only_when_the_tracker_finds_it_down():
     with AppThread(live_node) as live, AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret"))) as url:
         for node, node_url in (("live", live), ("dead", dead)):
             body = {"node_id": node, "url": node_url, "model": "tiny", "layers": [0, 4], "embed": True, "head": True}
-            assert tcall(f"{url}/nodes/heartbeat", "POST", body)[0] == 200
+            assert tcall(f"{url}/nodes/heartbeat", "POST", signed_ad(body))[0] == 200
         assert tcall(f"{url}/nodes/report", "POST", {"url": live}) == (200, {"url": live, "alive": True, "removed": 0})
         assert seen == ["sekret"]
         assert tcall(f"{url}/nodes/report", "POST", {"url": dead + "/"}) == (
             200,
             {"url": dead, "alive": False, "removed": 1},
         )
-        assert [n["node_id"] for n in tcall(f"{url}/nodes")[1]["nodes"]] == ["live"]
+        assert [n["node_id"] for n in tcall(f"{url}/nodes")[1]["nodes"]] == [key("live")]
         status, body = tcall(f"{url}/nodes/report", "POST", {"url": "http://127.0.0.1:9"})
         assert status == 404 and body["error"]["code"] == "unknown_node"
         assert call(f"{url}/nodes/report", "POST", {"url": live})[0] == 401  # no token: refused, nothing probed
@@ -308,16 +315,18 @@ def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path, tiny_artifact):
             (
                 "POST",
                 "/nodes/heartbeat",
-                {
-                    "node_id": "a",
-                    "url": "http://a",
-                    "model": "tiny",
-                    "layers": [0, 2],
-                    "embed": True,
-                    "head": False,
-                    "state": "ready",
-                    "free_kv_tokens": 4096,
-                },
+                signed_ad(
+                    {
+                        "node_id": "a",
+                        "url": "http://a",
+                        "model": "tiny",
+                        "layers": [0, 2],
+                        "embed": True,
+                        "head": False,
+                        "state": "ready",
+                        "free_kv_tokens": 4096,
+                    }
+                ),
             ),
         ):
             req = urllib.request.Request(tracker + where, json.dumps(sent).encode(), headers, method=method)
@@ -331,16 +340,18 @@ def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path, tiny_artifact):
         req = urllib.request.Request(
             tracker + "/nodes/heartbeat",
             json.dumps(
-                {
-                    "node_id": "b",
-                    "url": "http://b",
-                    "model": "tiny",
-                    "layers": [2, 4],
-                    "embed": False,
-                    "head": True,
-                    "state": "ready",
-                    "free_kv_tokens": 4096,
-                }
+                signed_ad(
+                    {
+                        "node_id": "b",
+                        "url": "http://b",
+                        "model": "tiny",
+                        "layers": [2, 4],
+                        "embed": False,
+                        "head": True,
+                        "state": "ready",
+                        "free_kv_tokens": 4096,
+                    }
+                )
             ).encode(),
             headers,
             method="POST",

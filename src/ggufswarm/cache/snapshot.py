@@ -105,7 +105,8 @@ class Snapshot:
     values: list
     state: bytes | None = None
     boundaries: list[int] = field(default_factory=list)  # step ends of the computation (see encode_snapshot)
-    node: str = ""  # id of the node that took it ("" when unnamed)
+    node: str = ""  # id of the node that took it ("" when unnamed): its ed25519 key when signed
+    sig: str = ""  # the node's signature of ``content_digest()`` (net/identity.py; "" when unsigned)
 
     @property
     def n_tokens(self) -> int:
@@ -114,6 +115,20 @@ class Snapshot:
     @property
     def key(self) -> str:
         return snapshot_key(self.shard, self.tokens.tolist())
+
+    def check_signature(self) -> bool:
+        """Whether the snapshot is signed: True when ``sig`` verifies as ``node``'s ed25519 signature of
+        ``content_digest()``, False when unsigned; SnapshotError for a signature that does not verify (forged, or
+        content changed after signing)."""
+        if not self.sig:
+            return False
+        from ..net.identity import IdentityError, verify
+
+        try:
+            verify(self.node, self.content_digest().encode(), self.sig)
+        except IdentityError as exc:
+            raise SnapshotError(f"snapshot signature of node {self.node[:16]!r} does not verify: {exc}") from None
+        return True
 
     def content_digest(self) -> str:
         """SHA-256 of what the snapshot holds (shard, tokens, boundaries, K/V or state), not of its blob: the
@@ -136,13 +151,16 @@ def encode_snapshot(
     state: bytes | None = None,
     boundaries: list[int] | None = None,
     node: str = "",
+    identity=None,
 ) -> bytes:
     """A safetensors blob of one shard's KV for ``tokens`` (``keys[i]`` / ``values[i]``: torch ``[n, ...]`` per layer,
     already sliced to ``len(tokens)`` positions; or a llama.cpp ``state`` holding exactly those positions, written
     without torch). ``boundaries``: the positions where the steps that computed it ended (ascending, each in
     ``1..n``; stored as int32 ``boundaries``): a llama.cpp snapshot is restored only up to one of them. ``node``:
-    the id of the node taking it (metadata ``node``; the cache logs it when it refuses an upload). Copies the
-    tensors; safe to call off the event loop. SnapshotError for parts that do not fit together."""
+    the id of the node taking it (metadata ``node``; the cache logs it when it refuses an upload); ``identity``
+    (a net.identity.NodeIdentity): sign it — ``node`` becomes the node's key and metadata ``sig`` its signature of
+    ``Snapshot.content_digest()``, which caches and restoring nodes check. Copies the tensors; safe to call off the
+    event loop. SnapshotError for parts that do not fit together."""
     n = len(tokens)
     bounds = list(boundaries or [])
     if any(not 0 < b <= n for b in bounds) or bounds != sorted(set(bounds)):
@@ -159,6 +177,9 @@ def encode_snapshot(
         "scope": shard.scope,
         "node": str(node)[:64],
     }
+    if identity is not None:
+        unsigned = Snapshot(shard, np.asarray(tokens, dtype=np.int64), keys, values, state, bounds)
+        meta["node"], meta["sig"] = identity.key_id, identity.sign(unsigned.content_digest().encode())
     if shard.dtype == STATE_DTYPE:
         if state is None:
             raise SnapshotError("a llama.cpp snapshot needs the sequence state")
@@ -219,7 +240,7 @@ def decode_snapshot(blob: bytes) -> Snapshot:
         raise SnapshotError("snapshot tokens missing or not int32 [n_tokens], or unknown dtype")
     if n and int(tokens.min()) < 0:
         raise SnapshotError("snapshot token ids must be non-negative")
-    node = str(meta.get("node", ""))[:64]
+    node, sig = str(meta.get("node", ""))[:64], str(meta.get("sig", ""))[:128]
     bounds = tensors.pop("boundaries", None)
     if bounds is not None:
         if bounds.dtype != np.int32 or bounds.ndim != 1:
@@ -231,7 +252,7 @@ def decode_snapshot(blob: bytes) -> Snapshot:
         state = tensors.get("state")
         if state is None or state.dtype != np.uint8 or state.ndim != 1 or len(tensors) != 2:
             raise SnapshotError("llama.cpp snapshot needs exactly a uint8 [bytes] state and its tokens")
-        return Snapshot(shard, tokens.astype(np.int64), [], [], state.tobytes(), bounds or [], node)
+        return Snapshot(shard, tokens.astype(np.int64), [], [], state.tobytes(), bounds or [], node, sig)
     import torch
 
     keys, values = [], []
@@ -252,7 +273,7 @@ def decode_snapshot(blob: bytes) -> Snapshot:
             raise SnapshotError(f"snapshot layer {i} K/V hold NaN/inf")
         keys.append(k)
         values.append(v)
-    return Snapshot(shard, tokens.astype(np.int64), keys, values, boundaries=bounds or [], node=node)
+    return Snapshot(shard, tokens.astype(np.int64), keys, values, boundaries=bounds or [], node=node, sig=sig)
 
 
 def _metadata(blob: bytes) -> dict:

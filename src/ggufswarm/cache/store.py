@@ -165,10 +165,11 @@ class SnapshotStore:
         the same tokens, which are then deleted); least recently used blobs are evicted to stay under
         ``max_bytes``. The first blob stored under a key stays: the same bytes again are a no-op (``existing``
         True), other bytes raise SnapshotExists (nobody can replace what other sessions restore). Raises
-        SnapshotError for a blob that is not a snapshot, is shorter than one block, or alone exceeds
-        ``max_bytes``.
+        SnapshotError for a blob that is not a snapshot, carries a signature that does not verify, is shorter than one
+        block, or alone exceeds ``max_bytes``.
         """
         snap = decode_snapshot(blob)
+        snap.check_signature()  # a signed snapshot whose signature fails is refused (unsigned ones: open swarms)
         shard, tokens = snap.shard, snap.tokens.tolist()
         if len(tokens) < BLOCK_TOKENS:
             raise SnapshotError(f"snapshot holds {len(tokens)} tokens; the cache keeps whole blocks of {BLOCK_TOKENS}")

@@ -104,6 +104,16 @@ class TrackerClient:
         """Report node ``node_url`` as failing (``POST /nodes/report``): the tracker checks it and drops it."""
         return self.call("nodes/report", "POST", {"url": node_url}, timeout_s=timeout_s)
 
+    def ban(self, key: str, reason: str, evidence: dict | None = None) -> dict:
+        """Ban node key ``key`` (64 hex characters) from the swarm (``POST /v1/bans``) with a one-line ``reason``
+        and ``evidence`` (a JSON object: what the node signed that proves it lied). The tracker drops its
+        advertisements at once and refuses its heartbeats from then on; ``{"banned": key}``."""
+        return self.call("v1/bans", "POST", {"key": key, "reason": reason, "evidence": evidence or {}})
+
+    def bans(self, timeout_s: float | None = None) -> list[dict]:
+        """The swarm's bans (``GET /v1/bans``): ``[{"key", "reason", "at" (unix s)}]``, oldest first."""
+        return self.call("v1/bans", timeout_s=timeout_s)["bans"]
+
     def status(self) -> dict:
         """The tracker's whole view (``GET /status.json``): nodes, models, coverage."""
         return self.call("status.json")
@@ -186,3 +196,15 @@ class TrackerClient:
     async def aderegister(self, http: aiohttp.ClientSession, node_id: str) -> None:
         """Remove node ``node_id`` from the tracker (``DELETE /nodes/{id}``) at shutdown."""
         await self.acall(http, f"nodes/{quote(node_id, safe='')}", "DELETE", timeout_s=3.0)
+
+    async def aban(self, http: aiohttp.ClientSession, key: str, reason: str, evidence: dict | None = None) -> dict:
+        """As ``ban``, on the event loop."""
+        return await self.acall(http, "v1/bans", "POST", {"key": key, "reason": reason, "evidence": evidence or {}})
+
+    async def abans(self, http: aiohttp.ClientSession, timeout_s: float = 5.0) -> list[dict]:
+        """As ``bans``, on the event loop. TrackerError also for an answer that is not a list of bans."""
+        body = await self.acall(http, "v1/bans", timeout_s=timeout_s)
+        found = body.get("bans") if isinstance(body, dict) else None
+        if not isinstance(found, list) or not all(isinstance(b, dict) and isinstance(b.get("key"), str) for b in found):
+            raise TrackerError(f"tracker {self.url}: GET /v1/bans answered no list of bans", 200, "not a list of bans")
+        return found

@@ -9,15 +9,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import weakref
 
 import aiohttp
 from aiohttp import web
 
+from ..net.identity import IdentityError
 from ..protocol import ProtocolError
 from ..protocol.auth import auth_headers
 from ..protocol.http import read_json
 from ..swarm.directory import DirectoryError
-from ..tracker.routing import Advertisement
+from ..tracker.routing import Advertisement, check_signed
 from .advertise import advertisement
 from .state import NODE, NodeState, json_response
 
@@ -26,39 +28,54 @@ HELLO_SCHEDULE_S = (0.0, 3.0, 10.0)  # after the node knows its address: hellos 
 HELLO_EVERY_S = 30.0
 HELLO_TIMEOUT_S = 2.0
 MAX_HEARD = 256  # peers remembered at once (the oldest are forgotten)
+HEARD_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # NodeState -> {peer URL: its node key}
 
 
 async def advertisement_route(request: web.Request) -> web.Response:
     """``GET /v1/advertisement``: this node's shard advertisement, as the tracker gets it (node/advertise.py): how a
-    gateway or node that found it on the DHT learns its range, free KV and how to reach it. 503 before it knows its
-    public address."""
+    gateway or node that found it on the DHT learns its range, free KV and how to reach it; signed with the node's
+    key (``sig``, ``signed_at``). ``?peers=1`` adds ``peers`` (outside the signed fields): the URLs of the peers that
+    said hello lately and whose keys are not banned since. 503 before it knows its public address."""
     state: NodeState = request.app[NODE]
     if not state.url:
         raise ProtocolError("not_ready", "this node does not know its public address yet")
     body = advertisement(state)
     if request.query.get("peers"):  # the peers that said hello lately (swarm.directory reads them too)
-        now = time.monotonic()
-        body["peers"] = [u for u, until in state.heard.items() if until > now]
+        now, keys = time.monotonic(), HEARD_KEYS.get(state, {})
+        banned = state.directory.banned if state.directory is not None else frozenset()
+        body["peers"] = [u for u, until in state.heard.items() if until > now and keys.get(u) not in banned]
     return json_response(body)
 
 
 async def hello_route(request: web.Request) -> web.Response:
-    """``POST /v1/peers`` with a node's advertisement: remember its URL for PEER_TTL_S seconds and pass it on to
-    whoever lists this node's peers (``GET /v1/advertisement?peers=1``). Only a URL is kept: readers fetch each
-    peer's advertisement from the peer itself. 400 for a body that is not an advertisement of this node's model."""
+    """``POST /v1/peers`` with a node's signed advertisement: remember its URL for PEER_TTL_S seconds and pass it on
+    to whoever lists this node's peers (``GET /v1/advertisement?peers=1``). Only a URL is kept: readers fetch each
+    peer's advertisement from the peer itself (and check its signature again). 400 bad_request for a body that is
+    not an advertisement of this node's model; 401 bad_signature when it is not signed by its ``node_id``'s key
+    within 300 s of this clock; 403 banned for a key this node's directory (its trackers' bans) refuses."""
     state: NodeState = request.app[NODE]
     body = await read_json(request)
     try:
         ad = Advertisement.from_json(body)
     except (KeyError, TypeError, ValueError, IndexError):
         raise ProtocolError("bad_request", "a hello is a shard advertisement (GET /v1/advertisement's body)") from None
+    try:
+        check_signed(body)
+    except IdentityError as exc:
+        raise ProtocolError("bad_signature", f"hello from {ad.url[:80]}: {exc}") from None
+    if state.directory is not None and ad.node_id in state.directory.banned:
+        raise ProtocolError("banned", f"node key {ad.node_id[:16]}… is banned from this swarm")
     model = state.config.swarm_name or state.config.model
     if ad.model != model or not ad.url.startswith(("http://", "https://")):
         raise ProtocolError("bad_request", f"a hello for model {ad.model!r} at {ad.url!r}; this node serves {model!r}")
     now = time.monotonic()
     state.heard = {u: t for u, t in state.heard.items() if t > now}
+    keys = HEARD_KEYS.setdefault(state, {})
+    for gone in set(keys) - set(state.heard):
+        del keys[gone]
     if ad.url != state.url and (ad.url in state.heard or len(state.heard) < MAX_HEARD):
         state.heard[ad.url] = now + PEER_TTL_S
+        keys[ad.url] = ad.node_id
     return json_response({"ok": True})
 
 

@@ -44,6 +44,8 @@ ERROR_STATUS = {
     "no_manifest": 404,  # a node serving a local GGUF has no swarm manifest to hand out (GET /v1/manifest)
     "rate_limited": 429,  # dial-backs: too many from one address
     "relay_full": 503,  # a relay with no room for another attached node
+    "bad_signature": 401,  # a signed record (advertisement, hello, ban) whose ed25519 signature does not verify
+    "banned": 403,  # a node key the swarm banned (a confirmed liar): its advertisements and hellos are refused
     # the tracker's own (docs/protocol.md, "Tracker API")
     "bad_json": 400,  # tracker: a request body that is not a JSON object (or too deep, or undecodable)
     "bad_advertisement": 400,  # tracker: a heartbeat with missing or out-of-range fields

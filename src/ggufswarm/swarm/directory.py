@@ -6,11 +6,17 @@ endpoints announced under the model's key (``net.dht.swarm_key``), reads each on
 authenticated API (``GET /v1/advertisement``) and plans with the same pure function the tracker uses
 (``tracker.routing.plan_route``). A DHT entry is only a hint: every endpoint is contacted before it is listed, so a
 stale or forged entry costs one failed request, never a route through a node that is not there.
+
+Every advertisement, from a tracker, the DHT, a peer's hello or a peer-of-peer, must be signed by the key its
+``node_id`` names, within ``SIGNED_WINDOW_S`` of this clock (``tracker.routing.check_signed``), and its key must not
+be banned: by a tracker (``GET /v1/bans``, fetched along with listings) or locally (``Directory.ban``). Others are
+dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -19,9 +25,18 @@ from urllib.parse import quote
 import aiohttp
 
 from ..client.tracker import TrackerClient, TrackerError
+from ..net.identity import IdentityError, canonical
 from ..net.invite import manifest_digest
 from ..protocol.auth import auth_headers
-from ..tracker.routing import Advertisement, NoRoute, plan_route, route_context, route_wire_bytes_per_token
+from ..tracker.routing import (
+    Advertisement,
+    NoRoute,
+    check_signed,
+    check_signed_at,
+    plan_route,
+    route_context,
+    route_wire_bytes_per_token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +47,10 @@ HOP_MS = 1.0  # the per-hop network cost the local planner adds, as the tracker'
 MAX_HEARD = 64  # most peers-of-peers one listing reads advertisements of
 LOOKUPS = 3  # DHT lookups one listing makes at most while it has found no node that answers
 KNOWN_S = 120.0  # a node listed once is asked again in DHT listings this long (s) after it last answered
+BANS_EVERY_S = 5.0  # the trackers' bans are fetched again, with a listing or a plan, at most this often (s)
+BANS_TIMEOUT_S = 2.0  # most seconds one tracker's GET /v1/bans may take
+VERIFIED_MAX = 4096  # advertisements whose signature verified, remembered (by digest) so they are not verified again
+ROUTE_TRIES = 3  # tracker plans asked for at most, each avoiding the hops of the last that did not verify
 
 
 class DirectoryError(RuntimeError):
@@ -54,6 +73,70 @@ class Directory:
         self.heard = lambda: ()  # a node's own peers that said hello (node/discovery.py): asked in listings too
         self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}  # one per loop (a node fetches on another)
         self.routed: Counter[str] = Counter()  # sessions this directory planned through each node (load spreading)
+        self.local_bans: set[str] = set()  # node keys banned here (Directory.ban)
+        self._tracker_bans: dict[str, frozenset[str]] = {}  # tracker URL -> the keys it banned, as last fetched
+        self._banned: frozenset[str] = frozenset()  # the union of both
+        self._bans_at = -BANS_EVERY_S  # when the trackers' bans were last fetched (monotonic s)
+        self._bans_down: set[str] = set()  # trackers whose last GET /v1/bans failed
+        self._verified: set[bytes] = set()  # SHA-256 of the canonical JSON of advertisements that verified
+
+    # -- identities and bans ---------------------------------------------------------------------------------------
+    @property
+    def banned(self) -> frozenset[str]:
+        """The node keys this directory refuses: its trackers' bans (as last fetched) and its own."""
+        return self._banned
+
+    def ban(self, key: str) -> None:
+        """Ban node key ``key`` here (a gateway that caught a node lying): its advertisements are dropped from every
+        listing and plan from now on, whatever the trackers say."""
+        self.local_bans.add(str(key).lower())
+        self._update_banned()
+
+    def _update_banned(self) -> None:
+        self._banned = frozenset(self.local_bans.union(*self._tracker_bans.values()))
+        if self._listed is not None:
+            self._listed = (self._listed[0], [a for a in self._listed[1] if a.get("node_id") not in self._banned])
+
+    async def refresh_bans(self, http: aiohttp.ClientSession, force: bool = False, skip_down: bool = False) -> None:
+        """Fetch every tracker's bans (``GET /v1/bans``, BANS_TIMEOUT_S each, at most every BANS_EVERY_S unless
+        ``force``; ``skip_down``: not from trackers whose last answer failed, so a route plan does not wait on a
+        tracker that is down). A tracker that does not answer keeps the set it gave last. Never raises."""
+        now = time.monotonic()
+        if not self.trackers or (not force and now - self._bans_at < BANS_EVERY_S):
+            return
+        self._bans_at = now
+
+        async def one(t: TrackerClient) -> None:
+            try:
+                found = await t.abans(http, timeout_s=BANS_TIMEOUT_S)
+            except TrackerError:
+                self._bans_down.add(t.url)
+                return
+            self._bans_down.discard(t.url)
+            self._tracker_bans[t.url] = frozenset(str(b["key"]).lower() for b in found)
+
+        await asyncio.gather(*(one(t) for t in self.trackers if not (skip_down and t.url in self._bans_down)))
+        self._update_banned()
+
+    def trusted(self, ad: dict) -> bool:
+        """Whether advertisement ``ad`` (a JSON object) may be listed: signed by its ``node_id``'s key within
+        SIGNED_WINDOW_S of this clock, and that key not banned. A signature that verified once is not verified
+        again (remembered by the digest of the whole signed object)."""
+        if not isinstance(ad, dict) or not isinstance(ad.get("node_id"), str) or ad["node_id"] in self._banned:
+            return False
+        try:
+            digest = hashlib.sha256(canonical(ad)).digest()
+            if digest in self._verified:
+                check_signed_at(ad)
+                return True
+            check_signed(ad)
+        except (IdentityError, TypeError, ValueError) as exc:
+            log.info("dropped an advertisement of %s: %s", str(ad.get("url"))[:80], exc)
+            return False
+        if len(self._verified) >= VERIFIED_MAX:
+            self._verified.clear()
+        self._verified.add(digest)
+        return True
 
     @property
     def key(self) -> bytes | None:
@@ -116,17 +199,28 @@ class Directory:
             Advertisement.from_json(ad)
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError, IndexError):
             return None
-        return ad if ad.get("model") == self.model else None
+        peers = ad.pop("peers", None)  # not signed: added to the node's advertisement by ?peers=1
+        if ad.get("model") != self.model or not self.trusted(ad):
+            return None
+        if isinstance(peers, list):
+            ad["peers"] = [p for p in peers if isinstance(p, str)]
+        return ad
 
     async def nodes(self, http: aiohttp.ClientSession) -> list[dict]:
-        """This model's advertisements: from the first tracker that answers, merged with the DHT's (by URL).
+        """This model's advertisements: from the first tracker that answers, merged with the DHT's (by URL); only
+        those ``trusted`` (signed, not banned). The trackers' bans are fetched meanwhile (``refresh_bans``).
         Raises DirectoryError when no tracker answers and the DHT lists nothing."""
+        listed, _ = await asyncio.gather(self._nodes(http), self.refresh_bans(http))
+        return [a for a in listed if a.get("node_id") not in self._banned]
+
+    async def _nodes(self, http: aiohttp.ClientSession) -> list[dict]:
         ads: dict[str, dict] = {}
         reasons = []
         for t in self.trackers:
             try:
                 for ad in await t.anodes(http, self.model):
-                    ads[str(ad["url"]).rstrip("/")] = ad
+                    if self.trusted(ad):
+                        ads[str(ad["url"]).rstrip("/")] = ad
                 self.remember(ads)  # should the tracker go away, the DHT listings still ask these
                 break
             except (TrackerError, KeyError, TypeError) as exc:
@@ -145,9 +239,10 @@ class Directory:
         DHT's advertisements (``count``: the planned nodes' load counts it, for load spreading). Raises
         TrackerError: the tracker's refusal (``no_route``), or status None (unreachable) when no source answered."""
         unreachable = []
+        await self.refresh_bans(http, skip_down=True)  # the listings (nodes) ask the trackers that were down
         for t in self.trackers:
             try:
-                planned = await t.acall(http, "route", query={**query, "model": self.model}, timeout_s=t.timeout_s)
+                planned = await self._tracker_route(http, t, query)
                 self.remember(str(a["url"]) for a in planned.get("route", ()))
                 return {**planned, "source": "tracker"}
             except TrackerError as exc:
@@ -160,7 +255,7 @@ class Directory:
         # a plan that avoids nodes (a failed hop, a repair) lists the swarm anew, and so does a plan the listing of
         # the last CACHE_S seconds cannot make: the swarm just changed
         for fresh in (False, True) if not exclude else (True,):
-            listed = map(Advertisement.from_json, await self.dht_nodes(http, fresh=fresh))
+            listed = map(Advertisement.from_json, filter(self.trusted, await self.dht_nodes(http, fresh=fresh)))
             ads = [a for a in listed if a.url not in exclude]
             n_layers = next((int(a.extra["hop"]["n_layers"]) for a in ads if "hop" in a.extra), None)
             if n_layers is None:
@@ -183,6 +278,28 @@ class Directory:
             "wire_bytes_per_token": route_wire_bytes_per_token(chain),
             "source": "dht",
         }
+
+    async def _tracker_route(self, http: aiohttp.ClientSession, t: TrackerClient, query: dict) -> dict:
+        """Tracker ``t``'s plan for ``query``, whose every hop is ``trusted``: a plan through a node whose
+        advertisement does not verify or whose key is banned here is asked for again without it (ROUTE_TRIES
+        plans at most). TrackerError as ``acall``, or 503 when no plan it makes avoids such nodes."""
+        exclude = [u for u in str(query.get("exclude", "")).split(",") if u]
+        for _ in range(ROUTE_TRIES):
+            asked = {**query, "model": self.model} | ({"exclude": ",".join(exclude)} if exclude else {})
+            planned = await t.acall(http, "route", query=asked, timeout_s=t.timeout_s)
+            hops = planned.get("route") if isinstance(planned, dict) else None
+            if not isinstance(hops, list):
+                raise TrackerError(f"tracker {t.url}: GET /route answered no route", 502, "not a route")
+            bad = [str(a.get("url", "")) if isinstance(a, dict) else "" for a in hops if not self.trusted(a)]
+            if not bad:
+                return planned
+            exclude += [u for u in bad if u]
+        raise TrackerError(
+            f"tracker {t.url}: no_route: its routes go through nodes that are banned or whose advertisements do not "
+            "verify",
+            503,
+            "no route avoids nodes that are banned or whose advertisements do not verify",
+        )
 
     async def manifest(self, http: aiohttp.ClientSession) -> dict:
         """``{"manifest": ..., "torrent_hex": ...}`` of this model: from a tracker, else from a node the DHT lists

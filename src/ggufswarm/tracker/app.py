@@ -15,13 +15,22 @@ import libtorrent as lt
 from aiohttp import web
 
 from ..artifact.manifest import Manifest
+from ..net.identity import IdentityError, public_key
 from ..net.reach import add_dialback_route, add_probe_route, skip_public_paths
 from ..net.relay import add_relay_routes
 from ..protocol.auth import auth_headers, token_middleware
 from ..protocol.errors import ProtocolError
 from ..protocol.http import json_errors_middleware, probe, read_json
-from .registry import Registry
-from .routing import Advertisement, NoRoute, free_kv_tokens, plan_route, route_context, route_wire_bytes_per_token
+from .registry import NODE_STATES, Registry
+from .routing import (
+    Advertisement,
+    NoRoute,
+    check_signed,
+    free_kv_tokens,
+    plan_route,
+    route_context,
+    route_wire_bytes_per_token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,21 +71,55 @@ def make_app(config: TrackerConfig) -> web.Application:
         return Manifest.from_json(found[0]).n_layers if found else None
 
     async def heartbeat(request: web.Request) -> web.Response:
+        """``POST /nodes/heartbeat``: a node's signed advertisement. 400 bad_advertisement for a malformed one, then
+        401 bad_signature when its ``sig`` does not verify against its ``node_id`` or its ``signed_at`` is over 300 s
+        from this clock, 403 banned for a banned key."""
         b = await _json_body(request)
         try:
             ad = Advertisement.from_json(b)
             if not (0 <= ad.free_kv_tokens < 2**62 and 0.0 <= ad.decode_ms < 1e9 and ad.layers[1] < 2**31):
                 raise ValueError("free_kv_tokens, decode_ms and layers must be finite, non-negative and in range")
+            if ad.state not in NODE_STATES or not 0 <= ad.layers[0] <= ad.layers[1]:
+                raise ValueError(f"state must be one of {', '.join(NODE_STATES)} and layers a range [start, end]")
             free_kv_tokens(ad)  # a malformed extra.accounting is refused here, not while planning
-            registry.heartbeat(ad)
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             raise ProtocolError("bad_advertisement", f"bad advertisement: {exc}") from None
+        try:
+            check_signed(b)
+        except IdentityError as exc:
+            raise ProtocolError("bad_signature", f"advertisement of node {ad.node_id[:16]}…: {exc}") from None
+        if registry.banned(ad.node_id):
+            raise ProtocolError("banned", f"node key {ad.node_id[:16]}… is banned from this swarm")
+        registry.heartbeat(ad)
         return web.json_response({"ok": True, "ttl_s": config.ttl_s})
 
     async def deregister(request: web.Request) -> web.Response:
         if not registry.deregister(request.match_info["node_id"]):
             raise ProtocolError("unknown_node", f"node {request.match_info['node_id']!r} is not registered")
         return web.json_response({"ok": True})
+
+    async def ban(request: web.Request) -> web.Response:
+        """``POST /v1/bans {"key", "reason", "evidence"}``: ban node key ``key`` (64 hex characters), drop its
+        advertisements at once and refuse its heartbeats from then on (403 banned), at any address. 200
+        ``{"banned": key}``; 400 bad_request for a malformed key, a reason that is not a string or evidence that is
+        not a JSON object."""
+        b = await _json_body(request)
+        key, reason, evidence = b.get("key"), b.get("reason", ""), b.get("evidence", {})
+        try:
+            public_key(key)
+        except IdentityError as exc:
+            raise ProtocolError("bad_request", f"ban: {exc}") from None
+        if not isinstance(reason, str) or len(reason) > 1000:
+            raise ProtocolError("bad_request", "ban: reason is a string of at most 1000 characters")
+        if not isinstance(evidence, dict):
+            raise ProtocolError("bad_request", "ban: evidence is a JSON object")
+        removed = registry.ban(key.lower(), reason, evidence)
+        log.warning("node key %s banned (%s): dropped %d advertisement(s)", key, reason or "no reason", removed)
+        return web.json_response({"banned": key.lower()})
+
+    async def bans(request: web.Request) -> web.Response:
+        """``GET /v1/bans``: ``{"bans": [{"key", "reason", "at"}]}`` (``at``: unix s), oldest first."""
+        return web.json_response({"bans": registry.bans()})
 
     async def report(request: web.Request) -> web.Response:
         """``POST /nodes/report {"url"}``: a client saw this node fail. The tracker checks it itself (``GET
@@ -193,6 +236,8 @@ def make_app(config: TrackerConfig) -> web.Application:
         [
             web.post("/nodes/heartbeat", heartbeat),
             web.delete("/nodes/{node_id}", deregister),
+            web.post("/v1/bans", ban),
+            web.get("/v1/bans", bans),
             web.get("/nodes", nodes),
             web.post("/nodes/report", report),
             web.put("/manifests/{name}", put_manifest),
@@ -260,7 +305,7 @@ async function refresh(){
       h += `<tr><td>${esc(n.url)}</td><td>${n.layers[0]}:${n.layers[1]}${n.embed ? ' +embed' : ''}${n.head ? ' +head' : ''}</td>`
          + `<td><div class="bar"><div class="seg" style="width:${left}%"></div>`
          + `<div class="seg ${n.state}" style="width:${w}%"></div></div></td>`
-         + `<td>${esc(n.state)}</td><td>${n.free_kv_tokens}</td><td>${n.decode_ms.toFixed(1)}</td></tr>`;
+         + `<td>${esc(n.state)}</td><td>${esc(n.free_kv_tokens)}</td><td>${Number(n.decode_ms || 0).toFixed(1)}</td></tr>`;
     }
     h += '</table>';
   }

@@ -1,4 +1,4 @@
-"""Tracker state in SQLite: nodes and their shard advertisements (TTL heartbeats), manifests, swarm peers."""
+"""Tracker state in SQLite: nodes and their shard advertisements (TTL heartbeats), manifests, swarm peers, bans."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY, url TEXT NOT NULL, model TEXT NOT NULL,
     layer_start INTEGER NOT NULL, layer_end INTEGER NOT NULL, embed INTEGER NOT NULL, head INTEGER NOT NULL,
     state TEXT NOT NULL, free_kv_tokens INTEGER NOT NULL, decode_ms REAL NOT NULL,
-    extra TEXT NOT NULL, last_seen REAL NOT NULL);
+    extra TEXT NOT NULL, last_seen REAL NOT NULL, signed TEXT);
 CREATE TABLE IF NOT EXISTS manifests (
     name TEXT PRIMARY KEY, manifest TEXT NOT NULL, torrent BLOB NOT NULL, info_hash TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS peers (
     info_hash BLOB NOT NULL, peer_id BLOB NOT NULL, ip TEXT NOT NULL, port INTEGER NOT NULL,
     left_bytes INTEGER NOT NULL, last_seen REAL NOT NULL, PRIMARY KEY (info_hash, peer_id));
+CREATE TABLE IF NOT EXISTS bans (key TEXT PRIMARY KEY, reason TEXT NOT NULL, evidence TEXT NOT NULL, at REAL NOT NULL);
 """
 NODE_STATES = ("fetching", "loading", "ready")
 
@@ -37,6 +38,8 @@ class Registry:
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL") if str(path) != ":memory:" else None
         self._db.executescript(SCHEMA)
+        if "signed" not in [r[1] for r in self._db.execute("PRAGMA table_info(nodes)")]:  # a database of an older one
+            self._db.execute("ALTER TABLE nodes ADD COLUMN signed TEXT")
 
     def _q(self, sql: str, args=()) -> list[tuple]:
         with self._lock:
@@ -44,13 +47,14 @@ class Registry:
 
     # nodes ---------------------------------------------------------------------------------------
     def heartbeat(self, ad: Advertisement, now: float | None = None) -> None:
-        """Insert or refresh a node's advertisement. ValueError for an unknown state or bad range."""
+        """Insert or refresh a node's advertisement (with the object it signed, ``ad.signed``, kept as sent).
+        ValueError for an unknown state or bad range."""
         if ad.state not in NODE_STATES:
             raise ValueError(f"state must be one of {', '.join(NODE_STATES)}, got {ad.state!r}")
         if not 0 <= ad.layers[0] <= ad.layers[1]:
             raise ValueError(f"bad layer range {ad.layers}")
         self._q(
-            "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 ad.node_id,
                 ad.url,
@@ -64,6 +68,7 @@ class Registry:
                 float(ad.decode_ms),
                 json.dumps(ad.extra),
                 now or time.time(),
+                json.dumps(ad.signed) if ad.signed is not None else None,
             ),
         )
 
@@ -73,17 +78,54 @@ class Registry:
             return self._db.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,)).rowcount > 0
 
     def nodes(self, model: str | None = None, now: float | None = None) -> list[Advertisement]:
-        """Live advertisements (heard from within the TTL), optionally of one model; expired ones are dropped."""
+        """Live advertisements (heard from within the TTL), optionally of one model, none of a banned key; expired
+        ones are dropped."""
         cutoff = (now or time.time()) - self.ttl_s
         self._q("DELETE FROM nodes WHERE last_seen < ?", (cutoff,))
         rows = self._q(
             "SELECT node_id, url, model, layer_start, layer_end, embed, head, state, free_kv_tokens, "
-            "decode_ms, extra FROM nodes" + (" WHERE model = ?" if model else "") + " ORDER BY node_id",
+            "decode_ms, extra, signed FROM nodes WHERE node_id NOT IN (SELECT key FROM bans)"
+            + (" AND model = ?" if model else "")
+            + " ORDER BY node_id",
             (model,) if model else (),
         )
         return [
-            Advertisement(r[0], r[1], r[2], (r[3], r[4]), bool(r[5]), bool(r[6]), r[7], r[8], r[9], json.loads(r[10]))
+            Advertisement(
+                r[0],
+                r[1],
+                r[2],
+                (r[3], r[4]),
+                bool(r[5]),
+                bool(r[6]),
+                r[7],
+                r[8],
+                r[9],
+                json.loads(r[10]),
+                json.loads(r[11]) if r[11] is not None else None,
+            )
             for r in rows
+        ]
+
+    # bans ----------------------------------------------------------------------------------------
+    def ban(self, key: str, reason: str, evidence: dict, now: float | None = None) -> int:
+        """Ban node key ``key`` (``reason``: one line; ``evidence``: a JSON object kept with it) and drop its
+        advertisements at once; banning it again replaces the reason and evidence. The number of advertisements
+        dropped."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO bans VALUES (?,?,?,?)",
+                (key, reason, json.dumps(evidence), now or time.time()),
+            )
+            return self._db.execute("DELETE FROM nodes WHERE node_id = ?", (key,)).rowcount
+
+    def banned(self, key: str) -> bool:
+        """Whether node key ``key`` is banned."""
+        return bool(self._q("SELECT 1 FROM bans WHERE key = ?", (key,)))
+
+    def bans(self) -> list[dict]:
+        """Every ban, oldest first: ``[{"key", "reason", "at" (unix s)}]`` (not the evidence)."""
+        return [
+            {"key": r[0], "reason": r[1], "at": r[2]} for r in self._q("SELECT key, reason, at FROM bans ORDER BY at")
         ]
 
     # manifests -----------------------------------------------------------------------------------

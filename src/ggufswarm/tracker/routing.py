@@ -11,7 +11,13 @@ shard simply advertises a small ``kv_bytes_per_token``, a recurrent one ``kv_byt
 from __future__ import annotations
 
 import heapq
+import math
+import time
 from dataclasses import asdict, dataclass, field
+
+from ..net.identity import IdentityError, verify_json
+
+SIGNED_WINDOW_S = 300.0  # an advertisement signed further than this (s) from the reader's clock is refused
 
 
 class NoRoute(LookupError):
@@ -23,7 +29,9 @@ class Advertisement:
     """What a node tells the tracker about one shard it serves.
 
     ``layers`` is ``(start, end)`` half-open; ``free_kv_tokens`` its KV capacity left (tokens);
-    ``decode_ms`` its measured time per decode step for its layers (ms).
+    ``decode_ms`` its measured time per decode step for its layers (ms). ``signed``: the JSON object the node
+    signed (with its ``sig`` and ``signed_at``), exactly as received, when it was signed: ``to_json`` answers it
+    unchanged, so whoever gets it from a tracker can check the signature again (``check_signed``).
     """
 
     node_id: str
@@ -36,6 +44,7 @@ class Advertisement:
     free_kv_tokens: int = 0
     decode_ms: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    signed: dict | None = field(default=None, compare=False, hash=False, repr=False)
 
     @classmethod
     def from_json(cls, d: dict) -> Advertisement:
@@ -52,17 +61,58 @@ class Advertisement:
             int(d.get("free_kv_tokens", 0)),
             float(d.get("decode_ms", 0.0)),
             dict(d.get("extra", {})),
+            dict(d) if isinstance(d, dict) and "sig" in d else None,
         )
 
     def to_json(self) -> dict:
-        """This advertisement as JSON (``from_json`` reads it back)."""
-        return {**asdict(self), "layers": list(self.layers)}
+        """This advertisement as JSON (``from_json`` reads it back): the signed object as the node sent it when
+        it was signed (a copy), else its fields."""
+        if self.signed is not None:
+            return dict(self.signed)
+        out = {**asdict(self), "layers": list(self.layers)}
+        del out["signed"]
+        return out
 
     @property
     def accounting(self) -> dict | None:
         """``extra["accounting"]`` when the node advertised it (see ``free_kv_tokens``), else None."""
         acc = self.extra.get("accounting") if isinstance(self.extra, dict) else None
         return acc if isinstance(acc, dict) else None
+
+
+def check_signed(d: dict, now: float | None = None, window_s: float = SIGNED_WINDOW_S) -> None:
+    """Check that advertisement ``d`` (a JSON object) is signed by the key its ``node_id`` names (``sig``: the
+    ed25519 signature of the canonical JSON of every other field, net/identity.py) and that its ``signed_at``
+    (unix s) is within ``window_s`` seconds of ``now`` (default: this clock), so an old signed advertisement cannot
+    be replayed for long. Raises IdentityError saying what is wrong (no signature, a malformed key, a signature
+    that does not verify, a stale or future-dated advertisement)."""
+    if not isinstance(d, dict):
+        raise IdentityError("an advertisement is a JSON object")
+    if "sig" not in d:
+        raise IdentityError("unsigned advertisement: no 'sig' field (nodes sign their advertisements with their key)")
+    key = d.get("node_id")
+    if isinstance(key, str) and key != key.lower():  # one key, one spelling: a ban by key cannot be dodged
+        raise IdentityError("a node_id is its public key in lowercase hex")
+    verify_json(d, key)
+    check_signed_at(d, now, window_s)
+
+
+def check_signed_at(d: dict, now: float | None = None, window_s: float = SIGNED_WINDOW_S) -> None:
+    """Check that advertisement ``d``'s ``signed_at`` (unix s) is within ``window_s`` seconds of ``now`` (default:
+    this clock); the signature is not checked (``check_signed``). Raises IdentityError when not."""
+    at = d.get("signed_at")
+    try:
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            raise ValueError
+    except (ValueError, OverflowError):  # OverflowError: an int past float's range
+        shown = "an integer out of range" if isinstance(at, int) and not isinstance(at, bool) else repr(at)[:40]
+        raise IdentityError(f"an advertisement's signed_at is unix seconds, got {shown}") from None
+    skew = at - (time.time() if now is None else now)
+    if abs(skew) > window_s:
+        raise IdentityError(
+            f"stale or future-dated advertisement: signed {abs(skew):.0f} s {'ahead of' if skew > 0 else 'before'} "
+            f"this clock (at most {window_s:g} s either way)"
+        )
 
 
 UNBOUNDED = 2**62  # context a shard without per-token KV (all layers recurrent) allows, memory-wise
@@ -135,6 +185,18 @@ def uncovered(ads: list[Advertisement], n_layers: int) -> list[tuple[int, int]]:
     return gaps({i for ad in ads for i in range(max(ad.layers[0], 0), min(ad.layers[1], n_layers))}, n_layers)
 
 
+def decode_estimates(ads: list[Advertisement]) -> dict[int, float]:
+    """The decode time (ms per token) route planning assumes for each advertisement, by ``id(ad)``: its advertised
+    ``decode_ms`` once it has decoded, else (a node that has not decoded yet advertises 0) the median per-layer time
+    of the nodes that have, times its own layer count — a new node is neither free (it would take every route until
+    its first steps, then lose them all) nor shunned. 0 when no node has decoded yet."""
+    per_layer = sorted(
+        a.decode_ms / (a.layers[1] - a.layers[0]) for a in ads if a.decode_ms > 0 and a.layers[1] > a.layers[0]
+    )
+    typical = per_layer[len(per_layer) // 2] if per_layer else 0.0
+    return {id(a): a.decode_ms if a.decode_ms > 0 else typical * max(a.layers[1] - a.layers[0], 0) for a in ads}
+
+
 def plan_route(
     ads: list[Advertisement],
     n_layers: int,
@@ -145,7 +207,8 @@ def plan_route(
 ) -> list[Advertisement]:
     """The chain ``[ad_0, ..., ad_k]`` with ``ad_0`` holding the embedding stage and layers from 0,
     each next one starting where the previous ended, the last holding the head and ending at
-    ``n_layers``, that minimizes ``sum(decode_ms + hop_ms)``; only ready nodes with
+    ``n_layers``, that minimizes ``sum(decode_ms + hop_ms)`` (``decode_estimates``: a node that has not decoded yet
+    counts at the swarm's median per-layer time); only ready nodes with
     ``free_kv_tokens(ad) >= max_length`` qualify (the advertised bytes: a session of ``max_length``
     tokens costs ``max_length * kv_bytes_per_token + state_bytes_per_session`` on a node). Among equal-latency chains,
     nodes with fewer sessions
@@ -177,6 +240,7 @@ def plan_route(
     if missing:
         names = ", ".join(f"{s}:{e}" for s, e in missing)
         raise NoRoute(f"no node serving layers {names} has {max_length} tokens of free KV cache")
+    ms = decode_estimates(fit)
     # Dijkstra over layer boundaries 0..n_layers; edge = one shard. Cost: (latency, load) lexicographic.
     best: dict[int, tuple[float, int]] = {first: (0.0, 0)}
     prev: dict[int, Advertisement] = {}
@@ -193,7 +257,7 @@ def plan_route(
                 continue
             if end == n_layers and not ad.head:
                 continue
-            key = (cost + ad.decode_ms + hop_ms, spread + load.get(ad.node_id, 0))
+            key = (cost + ms[id(ad)] + hop_ms, spread + load.get(ad.node_id, 0))
             if key < best.get(end, (float("inf"), 0)):
                 best[end] = key
                 prev[end] = ad

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..client.tracker import TrackerClient
@@ -37,55 +38,31 @@ def status_text(tracker: str, token: str | None = None) -> str:
     lines = []
     for name, m in snapshot["models"].items():
         n = m["n_layers"]
-        count = len(m["nodes"])
+        ads = [Advertisement.from_json(a) for a in m["nodes"]]
+        count = len(ads)
         lines.append(f"{name}  ({n} layers, {count} node{'s' if count != 1 else ''})")
         covered = set()
-        for node in sorted(m["nodes"], key=lambda a: (a["layers"][0], a["layers"][1], a["url"])):
-            s, e = node["layers"]
-            if node["state"] == "ready":
+        for node in sorted(ads, key=lambda a: (a.layers, a.url)):
+            s, e = node.layers
+            if node.state == "ready":
                 covered.update(range(s, e))
-            stages = " ".join(x for x, on in (("+embed", node["embed"]), ("+head", node["head"])) if on)
+            stages = " ".join(x for x, on in (("+embed", node.embed), ("+head", node.head)) if on)
             lines.append(
-                f"  {coverage_bar(n, (s, e))}  {s:>3}:{e:<3} {node['state']:<8} "
-                f"kv free {node['free_kv_tokens']:>7}  decode {node['decode_ms']:6.1f} ms  "
-                f"{node['url']} {stages}".rstrip()
+                f"  {coverage_bar(n, (s, e))}  {s:>3}:{e:<3} {node.state:<8} "
+                f"kv free {node.free_kv_tokens:>7}  decode {node.decode_ms:6.1f} ms  "
+                f"{node.url} {stages}".rstrip()
             )
         missing = gaps(covered, n)
         if missing:
             lines.append("  not servable: layers " + ", ".join(f"{a}:{b}" for a, b in missing) + " have no ready node")
             continue
         try:  # covered is not enough: the ranges must chain from an embedding stage to a head (the tracker's plan)
-            plan_route(
-                [
-                    Advertisement(
-                        a["node_id"],
-                        a["url"],
-                        a["model"],
-                        tuple(a["layers"]),
-                        a["embed"],
-                        a["head"],
-                        a["state"],
-                        1 << 62,
-                        a["decode_ms"],
-                    )
-                    for a in m["nodes"]
-                ],
-                n,
-                1,
-            )
+            plan_route([replace(a, free_kv_tokens=1 << 62, extra={}, signed=None) for a in ads], n, 1)
             lines.append("  servable end to end")
         except NoRoute as exc:
             lines.append(
                 f"  not servable: {exc}"
-                + (
-                    ""
-                    if any(a["head"] for a in m["nodes"])
-                    else f" (no node has --head: the one serving layer {n - 1} needs it)"
-                )
-                + (
-                    ""
-                    if any(a["embed"] for a in m["nodes"])
-                    else " (no node has --embed: the one serving layer 0 needs it)"
-                )
+                + ("" if any(a.head for a in ads) else f" (no node has --head: the one serving layer {n - 1} needs it)")
+                + ("" if any(a.embed for a in ads) else " (no node has --embed: the one serving layer 0 needs it)")
             )
     return "\n".join(lines) if lines else "no models published"

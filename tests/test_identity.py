@@ -1,0 +1,343 @@
+"""Node identities (issue 26): ed25519 keys, signed advertisements, bans by key.
+
+A node's id is its public key and every advertisement it makes is signed with it (net/identity.py). Trackers refuse
+unsigned, forged and stale heartbeats (401 bad_signature) and banned keys (403 banned, at any address, across a
+restart); directories drop what does not verify or is banned, wherever it came from; a node refuses such hellos.
+In-process servers only: fake nodes answer ``GET /v1/advertisement``, no model is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+from aiohttp import web
+from apphost import AppThread
+from identities import key, signed_ad
+from tinymodels import write_tiny_model
+
+from ggufswarm.artifact.manifest import Manifest
+from ggufswarm.client.tracker import TrackerClient, TrackerError
+from ggufswarm.net.identity import IdentityError, NodeIdentity, canonical, verify, verify_json
+from ggufswarm.node.discovery import advertisement_route, hello_route
+from ggufswarm.node.state import NODE
+from ggufswarm.protocol.http import json_errors_middleware
+from ggufswarm.swarm.directory import Directory
+from ggufswarm.swarm.torrent import make_torrent
+from ggufswarm.tracker.app import TrackerConfig, make_app
+from ggufswarm.tracker.routing import check_signed
+
+
+def call(url, method="GET", body=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def ad_of(name: str, url: str | None = None, layers=(0, 4), n=4, **kw) -> dict:
+    """An unsigned advertisement of model ``tiny`` by test node ``name`` (signed_ad signs it)."""
+    return {
+        "node_id": name,
+        "url": url or f"http://{name}",
+        "model": "tiny",
+        "layers": list(layers),
+        "embed": layers[0] == 0,
+        "head": layers[1] == n,
+        "state": "ready",
+        "free_kv_tokens": 4096,
+        "decode_ms": 5.0,
+        "extra": {"hop": {"n_layers": n}},
+        **kw,
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tiny_dir):
+    path = write_tiny_model(tiny_dir / "identity-tiny.gguf", "llama", n_layers=4)
+    return path, Manifest.from_gguf(path, name="tiny")
+
+
+def publish(url: str, tiny_artifact) -> None:
+    path, manifest = tiny_artifact
+    body = {"manifest": json.loads(manifest.to_json()), "torrent_hex": make_torrent([path]).hex()}
+    assert call(f"{url}/manifests/tiny", "PUT", body)[0] == 200
+
+
+# -- keys and signatures ---------------------------------------------------------------------------------------------
+
+
+def test_sign_and_verify_round_trip_and_tampering_is_detected():
+    me, other = NodeIdentity.generate(), NodeIdentity.generate()
+    assert len(me.key_id) == 64 and me.key_id != other.key_id and me.key_id == me.key_id.lower()
+    sig = me.sign(b"hello")
+    assert len(sig) == 128
+    verify(me.key_id, b"hello", sig)
+    for k, data, s in ((me.key_id, b"hellO", sig), (other.key_id, b"hello", sig), (me.key_id, b"hello", "00" * 64)):
+        with pytest.raises(IdentityError, match="does not verify"):
+            verify(k, data, s)
+    with pytest.raises(IdentityError, match="64 hex"):
+        verify("zz" * 32, b"hello", sig)
+    signed = me.sign_json({"b": 1, "a": [1, "é"], "nested": {"y": 2, "x": 1}})
+    assert verify_json(signed, me.key_id) == {"b": 1, "a": [1, "é"], "nested": {"y": 2, "x": 1}}
+    assert canonical({"b": 1, "a": 2}) == b'{"a":2,"b":1}'  # key order does not matter to the signature
+    verify_json(json.loads(json.dumps(signed, indent=2, sort_keys=False)), me.key_id)  # nor does the JSON layout
+    for tampered in ({**signed, "b": 2}, {**signed, "nested": {"y": 2, "x": 2}}, {**signed, "extra": 1}):
+        with pytest.raises(IdentityError):
+            verify_json(tampered, me.key_id)
+    with pytest.raises(IdentityError, match="unsigned"):
+        verify_json({"b": 1}, me.key_id)
+
+
+def test_advertisement_checks_signature_key_spelling_and_clock():
+    now = time.time()
+    good = signed_ad(ad_of("a"))
+    check_signed(good)
+    with pytest.raises(IdentityError, match="unsigned"):
+        check_signed({k: v for k, v in good.items() if k != "sig"})
+    with pytest.raises(IdentityError, match="does not verify"):
+        check_signed({**good, "url": "http://elsewhere"})
+    with pytest.raises(IdentityError, match="lowercase"):
+        check_signed({**good, "node_id": good["node_id"].upper()})
+    for at in (now - 400, now + 400):
+        with pytest.raises(IdentityError, match="stale or future-dated"):
+            check_signed(signed_ad(ad_of("a"), signed_at=at))
+    check_signed(signed_ad(ad_of("a"), signed_at=now - 200))  # within 300 s either way
+    for at in ("yesterday", True, 10**400):  # signed, but not a time (infinity cannot even be signed)
+        with pytest.raises(IdentityError, match="unix seconds"):
+            check_signed(signed_ad(ad_of("a"), signed_at=at))
+
+
+def test_claim_gives_one_key_per_running_node_and_the_same_key_after_a_restart(tmp_path):
+    first = NodeIdentity.claim(tmp_path)
+    second = NodeIdentity.claim(tmp_path)  # another node started in the same folder
+    assert first.key_id != second.key_id
+    assert (tmp_path / "identity.key").stat().st_mode & 0o777 == 0o600
+    kept = first.key_id
+    del first
+    gc.collect()  # the first node is gone: its key's lock is released
+    again = NodeIdentity.claim(tmp_path)
+    assert again.key_id == kept and again.key_id != second.key_id
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "identity.key").write_bytes(b"short")
+    with pytest.raises(IdentityError, match="32 bytes"):
+        NodeIdentity.claim(tmp_path / "bad")
+
+
+# -- the tracker -----------------------------------------------------------------------------------------------------
+
+
+def test_tracker_refuses_unsigned_forged_and_stale_heartbeats(tiny_artifact):
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
+        publish(url, tiny_artifact)
+        good = signed_ad(ad_of("a"))
+        forged = {**good, "free_kv_tokens": 10**6}  # one field changed after signing
+        unsigned = {k: v for k, v in good.items() if k != "sig"}
+        stale = signed_ad(ad_of("a"), signed_at=time.time() - 301)
+        wrong_key = {**good, "node_id": key("b")}  # a's signature under b's name
+        for sent, why in (
+            (forged, "does not verify"),
+            (unsigned, "unsigned"),
+            (stale, "stale or future-dated"),
+            (wrong_key, "does not verify"),
+            ({**good, "node_id": "n1"}, "64 hex"),
+        ):
+            status, body = call(f"{url}/nodes/heartbeat", "POST", sent)
+            assert status == 401 and body["error"]["code"] == "bad_signature", (why, body)
+            assert why in body["error"]["message"], body
+        assert call(f"{url}/nodes")[1]["nodes"] == []
+        assert call(f"{url}/nodes/heartbeat", "POST", good) == (200, {"ok": True, "ttl_s": 15.0})
+        listed = call(f"{url}/nodes?model=tiny")[1]["nodes"]
+        assert listed == [good]  # exactly what the node signed: whoever lists it can check it again
+        verify_json(listed[0], key("a"))
+        route = call(f"{url}/route?model=tiny&max_length=64")[1]["route"]
+        check_signed(route[0])
+
+
+def test_a_ban_drops_the_node_and_holds_at_any_address_across_a_restart(tmp_path, tiny_artifact):
+    db = str(tmp_path / "t.sqlite")
+    with AppThread(lambda: make_app(TrackerConfig(db=db))) as url:
+        publish(url, tiny_artifact)
+        for name in ("liar", "honest"):
+            assert call(f"{url}/nodes/heartbeat", "POST", signed_ad(ad_of(name)))[0] == 200
+        tracker = TrackerClient(url)
+        assert {a["node_id"] for a in tracker.nodes("tiny")} == {key("liar"), key("honest")}
+        evidence = {"step": 7, "claimed": "ab" * 16, "recomputed": "cd" * 16}
+        assert tracker.ban(key("liar"), "wrong logits at step 7", evidence) == {"banned": key("liar")}
+        assert [a["node_id"] for a in tracker.nodes("tiny")] == [key("honest")]  # at once, not after the TTL
+        for _ in range(3):  # the planner never picks it, whatever the load spreading
+            planned = tracker.route({"model": "tiny", "max_length": 64})["route"]
+            assert [h["node_id"] for h in planned] == [key("honest")]
+        bans = tracker.bans()
+        assert [(b["key"], b["reason"]) for b in bans] == [(key("liar"), "wrong logits at step 7")]
+        assert abs(bans[0]["at"] - time.time()) < 60 and "evidence" not in bans[0]
+        moved = signed_ad(ad_of("liar", url="http://10.0.0.9:9999"))  # back under another address and port
+        status, body = call(f"{url}/nodes/heartbeat", "POST", moved)
+        assert status == 403 and body["error"]["code"] == "banned", body
+        for bad in ({"key": "nope"}, {"key": key("x"), "evidence": [1]}, {"key": key("x"), "reason": 5}, {}):
+            status, body = call(f"{url}/v1/bans", "POST", bad)
+            assert status == 400 and body["error"]["code"] == "bad_request", (bad, body)
+    with AppThread(lambda: make_app(TrackerConfig(db=db))) as url:  # the same database, a new process
+        assert [b["key"] for b in TrackerClient(url).bans()] == [key("liar")]
+        status, body = call(f"{url}/nodes/heartbeat", "POST", signed_ad(ad_of("liar", url="http://10.0.0.10:1")))
+        assert status == 403 and body["error"]["code"] == "banned", body
+        assert call(f"{url}/nodes/heartbeat", "POST", signed_ad(ad_of("honest")))[0] == 200
+
+
+def test_bans_are_token_gated_and_async_client_calls_work():
+    async def go(url):
+        tracker = TrackerClient(url, "sekret")
+        async with aiohttp.ClientSession() as http:
+            assert await tracker.aban(http, key("x"), "lied", {"why": 1}) == {"banned": key("x")}
+            assert [b["key"] for b in await tracker.abans(http)] == [key("x")]
+            with pytest.raises(TrackerError) as err:
+                await TrackerClient(url).abans(http)
+            assert err.value.status == 401
+
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret"))) as url:
+        assert call(f"{url}/v1/bans", "POST", {"key": key("y"), "reason": "", "evidence": {}})[0] == 401
+        asyncio.run(go(url))
+
+
+# -- directories and hellos ------------------------------------------------------------------------------------------
+
+
+class FakeDiscovery:
+    """A DHT that lists fixed endpoints (``net.dht.Discovery.alookup``'s answer)."""
+
+    def __init__(self, urls):
+        self.endpoints = [(u.split("//")[1].rsplit(":", 1)[0], int(u.rsplit(":", 1)[1])) for u in urls]
+
+    async def alookup(self, key, timeout):
+        return list(self.endpoints)
+
+
+def fake_node(answer):
+    """A node that answers ``GET /v1/advertisement`` with ``answer(base_url, query)`` (a JSON object)."""
+    app = web.Application()
+
+    async def ad(request):
+        base = f"http://{request.host}"
+        return web.json_response(answer(base, request.query))
+
+    app.router.add_get("/v1/advertisement", ad)
+    return app
+
+
+def test_directory_drops_forged_stale_and_banned_advertisements_from_peers():
+    """On the DHT: an honest node, a node whose advertisement was altered after signing, one with a stale
+    signature, a banned one, and a forged peer-of-peer that only the honest node names. Only the honest one is
+    listed and planned through."""
+    forger_url = {}
+
+    def honest(base, q):
+        out = signed_ad(ad_of("honest", url=base))
+        if q.get("peers"):
+            out["peers"] = [forger_url["url"]]  # outside the signature, as a node adds it
+        return out
+
+    forged = lambda base, q: {**signed_ad(ad_of("forged", url="http://elsewhere")), "url": base, "layers": [0, 4]}
+    stale = lambda base, q: signed_ad(ad_of("stale", url=base), signed_at=time.time() - 1000)
+    banned = lambda base, q: signed_ad(ad_of("banned", url=base))
+    with (
+        AppThread(lambda: fake_node(honest)) as h,
+        AppThread(lambda: fake_node(forged)) as f,
+        AppThread(lambda: fake_node(stale)) as s,
+        AppThread(lambda: fake_node(banned)) as b,
+        AppThread(lambda: fake_node(forged)) as peer_only,
+    ):
+        forger_url["url"] = peer_only
+        directory = Directory("tiny", [], FakeDiscovery([h, f, s, b]), "00" * 32)
+        directory.ban(key("banned").upper())  # any spelling
+
+        async def go():
+            async with aiohttp.ClientSession() as http:
+                listed = await directory.nodes(http)
+                planned = await directory.route(http, {"max_length": 16})
+                return listed, planned
+
+        listed, planned = asyncio.run(go())
+        assert [a["url"] for a in listed] == [h], listed
+        check_signed(listed[0])  # as the node signed it ("peers" taken off)
+        assert [hop["node_id"] for hop in planned["route"]] == [key("honest")] and planned["source"] == "dht"
+        assert directory.banned == {key("banned")}
+
+
+def test_directory_follows_its_trackers_bans_and_re_plans_around_local_ones(tiny_artifact):
+    async def go(url, directory):
+        async with aiohttp.ClientSession() as http:
+            first = {a["node_id"] for a in await directory.nodes(http)}
+            await TrackerClient(url).aban(http, key("b"), "lied", {})
+            await directory.refresh_bans(http, force=True)
+            after_ban = {a["node_id"] for a in await directory.nodes(http)}
+            directory.ban(key("a"))  # the tracker does not know: its plans through a are asked for again without it
+            planned = await directory.route(http, {"max_length": 16})
+            return first, after_ban, planned
+
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
+        publish(url, tiny_artifact)
+        for name in ("a", "b", "c"):
+            ad = signed_ad(ad_of(name, decode_ms={"a": 1.0, "b": 2.0, "c": 9.0}[name]))
+            assert call(f"{url}/nodes/heartbeat", "POST", ad)[0] == 200
+        directory = Directory("tiny", [url])
+        first, after_ban, planned = asyncio.run(go(url, directory))
+        assert first == {key("a"), key("b"), key("c")} and after_ban == {key("a"), key("c")}
+        assert [h["node_id"] for h in planned["route"]] == [key("c")] and planned["source"] == "tracker"
+        assert directory.banned == {key("a"), key("b")}
+
+
+class StandIn:
+    """The fields of a NodeState the hello handlers read (no model loaded)."""
+
+    def __init__(self, directory):
+        self.config = SimpleNamespace(swarm_name="tiny", model="tiny")
+        self.url = "http://receiver"
+        self.heard: dict[str, float] = {}
+        self.directory = directory
+
+
+def test_a_node_refuses_unsigned_forged_and_banned_hellos_and_stops_passing_on_banned_peers(monkeypatch):
+    import ggufswarm.node.discovery as discovery
+
+    directory = Directory("tiny", [])
+    directory.ban(key("banned"))
+    state = StandIn(directory)
+    own = signed_ad(ad_of("receiver", url=state.url))
+    monkeypatch.setattr(discovery, "advertisement", lambda _state: dict(own))
+
+    def app():
+        app = web.Application(middlewares=[json_errors_middleware()])
+        app[NODE] = state
+        app.router.add_post("/v1/peers", hello_route)
+        app.router.add_get("/v1/advertisement", advertisement_route)
+        return app
+
+    with AppThread(app) as url:
+        good = signed_ad(ad_of("peer", url="http://peer:1"))
+        for sent, status, code in (
+            ({k: v for k, v in good.items() if k != "sig"}, 401, "bad_signature"),
+            ({**good, "url": "http://attacker:1"}, 401, "bad_signature"),
+            (signed_ad(ad_of("peer", url="http://peer:1"), signed_at=time.time() - 3600), 401, "bad_signature"),
+            (signed_ad(ad_of("banned", url="http://banned:1")), 403, "banned"),
+            ({"junk": 1}, 400, "bad_request"),
+        ):
+            got, body = call(f"{url}/v1/peers", "POST", sent)
+            assert (got, body["error"]["code"]) == (status, code), body
+        assert state.heard == {}
+        assert call(f"{url}/v1/peers", "POST", good) == (200, {"ok": True})
+        assert call(f"{url}/v1/peers", "POST", signed_ad(ad_of("other", url="http://other:1")))[0] == 200
+        status, body = call(f"{url}/v1/advertisement?peers=1")
+        assert status == 200 and sorted(body.pop("peers")) == ["http://other:1", "http://peer:1"]
+        check_signed(body)
+        directory.ban(key("peer"))  # banned since its hello: no longer passed on
+        assert call(f"{url}/v1/advertisement?peers=1")[1]["peers"] == ["http://other:1"]
