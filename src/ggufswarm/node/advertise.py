@@ -13,6 +13,7 @@ import time
 from ..client.tracker import TrackerError
 from ..protocol import ProtocolError
 from ..swarm.directory import DirectoryError
+from .numerics import numerics
 from .state import F32_BYTES, NodeState
 
 READVERTISE_S = 0.2  # after a change of free KV, at most this long (s) before the tracker hears of it; batches a burst
@@ -72,10 +73,12 @@ def shard_accounting(state: NodeState) -> dict:
 
 
 def advertisement(state: NodeState) -> dict:
-    """This node's shard advertisement for the tracker (free KV in tokens, mean decode compute in ms, and
-    the shard's accounting in bytes: ``shard_accounting``)."""
+    """This node's shard advertisement for the tracker (free KV in tokens, mean decode compute in ms, the
+    shard's accounting in bytes: ``shard_accounting``, its numerics fingerprint: node/numerics.py), signed with
+    the node's key (``node_id`` is its public key, ``sig`` the ed25519 signature of the rest, ``signed_at`` unix
+    seconds: net/identity.py)."""
     h = state.health()
-    return {
+    ad = {
         "node_id": state.node_id,
         "url": state.url,
         "model": state.config.swarm_name or state.config.model,
@@ -91,8 +94,12 @@ def advertisement(state: NodeState) -> dict:
             "accounting": shard_accounting(state),
             # how to reach it: direct, through a mapped port of its home router, or through a relay (node/reach.py)
             "reach": state.reach.to_json() if state.reach is not None else {"path": "direct"},
+            # what decides the bits of this shard's outputs: a client replays its steps where this is equal
+            "numerics": numerics(state),
         },
+        "signed_at": round(time.time(), 3),
     }
+    return state.identity.sign_json(ad)
 
 
 async def heartbeats(state: NodeState) -> None:

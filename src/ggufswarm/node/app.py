@@ -38,6 +38,7 @@ from ..runtime.backends import load_shard, model_config
 from ..runtime.spec import ShardSpec
 from . import discovery, sessions_api, steps
 from .advertise import deregister, heartbeats
+from .lies import check_lie, parse_lie
 from .reach import UnreachableError, establish
 from .state import BYTES_PER_MIB, EXACT_BATCH_GROUP, NODE, NodeConfig, NodeState, json_response
 
@@ -61,6 +62,9 @@ def load_executor(config: NodeConfig):
     file = GGUFModelFile(resolve_model(config.model))
     model_cfg = model_config(file, config.backend)
     spec = ShardSpec.parse(config.layers, model_cfg.n_layers, config.embed, config.head)
+    lie = parse_lie(config.test_lie) if config.test_lie else None  # testing only (node/lies.py)
+    if lie is not None:
+        check_lie(lie, spec)
     for flag, value in (("--max-sessions", config.max_sessions), ("--ctx-size", config.ctx_size)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
@@ -72,8 +76,9 @@ def load_executor(config: NodeConfig):
         per_session = max(
             1, min(per_session, int(config.kv_budget_mb * BYTES_PER_MIB) // per_token // config.max_sessions)
         )
-    return load_shard(
-        file,
+    source = lie.weights(file) if lie is not None else file
+    executor = load_shard(
+        source,
         spec,
         config.backend,
         config=model_cfg,
@@ -83,8 +88,11 @@ def load_executor(config: NodeConfig):
         max_sessions=config.max_sessions,
         cache_dir=Path(config.data_dir) / "shards",
         state_checkpoints=config.state_checkpoints,
-        kv_unified=config.batch_group > EXACT_BATCH_GROUP,
-    )  # throughput mode: any sessions batch
+        kv_unified=config.batch_group > EXACT_BATCH_GROUP,  # throughput mode: any sessions batch
+    )
+    if source is not file:  # --test-lie weights:PATH: the shard passes itself off as the published model's
+        executor.model = file
+    return executor
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -372,6 +380,8 @@ def run_node(config: NodeConfig) -> int:
     state.swarm, state.discovery, state.directory = (fetched.swarm if fetched else swarm), discovery, directory
     if directory is not None:
         directory.heard = lambda: [u for u, until in state.heard.items() if until > time.monotonic()]
+        if state.snapshots is not None:  # a banned node's snapshots never restore here
+            state.snapshots.banned = lambda key: key in directory.banned
     if config.reach == "auto" and discovery is not None:
         from ..net.portmap import PortMapper
 

@@ -30,8 +30,9 @@ SESSION_ID_BYTES = 16  # a session id the node picks: 128 random bits
 
 async def open_session(request: web.Request) -> web.Response:
     """``POST /v1/sessions`` {session_id, max_length, next_hop, sampling, wire_dtype, top_logprobs, logprobs,
-    lease_s, hop_timeout_s, model} → 201; ``model`` (optional): the GGUF fingerprint the client expects, 409
-    ``model_mismatch`` when this node serves another model."""
+    lease_s, hop_timeout_s, model, commit} → 201; ``model`` (optional): the GGUF fingerprint the client expects, 409
+    ``model_mismatch`` when this node serves another model; ``commit`` (bool, default false): every step's hop
+    record carries this node's signed step commitment (node/commit.py; 400 bad_request for a non-bool)."""
     state: NodeState = request.app[NODE]
     body = await read_json(request)
     sid = parse_session_id(body.get("session_id") or uuid.UUID(bytes=os.urandom(SESSION_ID_BYTES)))
@@ -43,6 +44,7 @@ async def open_session(request: web.Request) -> web.Response:
         raise ProtocolError("bad_dtype", f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire!r}")
     n_logprobs = json_field(body, "top_logprobs", int, 0, min=0, max=MAX_TOP_LOGPROBS)
     want_logprob = json_field(body, "logprobs", bool, False)
+    commit = json_field(body, "commit", bool, False)
     lease = json_field(body, "lease_s", float, None, positive=True, unit="seconds")
     hop_timeout = json_field(body, "hop_timeout_s", float, state.config.hop_timeout_s, positive=True, unit="seconds")
     model = body.get("model")
@@ -64,6 +66,7 @@ async def open_session(request: web.Request) -> web.Response:
     session.lock = asyncio.Lock()
     session.hop_timeout_s = float(hop_timeout)
     session.lease_s = lease
+    session.commit = commit
     state.readvertise()
     return json_response(
         {

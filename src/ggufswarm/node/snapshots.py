@@ -32,11 +32,12 @@ class SnapshotLink:
     ``counters``: a dict of ints the node exports (written, bytes, dropped, failed, restored).
     """
 
-    def __init__(self, url: str, shard: Shard, every: int, client_factory, executor: ShardBackend, node_id: str = ""):
+    def __init__(self, url: str, shard: Shard, every: int, client_factory, executor: ShardBackend, identity=None):
         self.url = url.rstrip("/")
         self.executor = executor
         self.shard = shard
-        self.node_id = node_id  # recorded in every snapshot this node takes
+        self.identity = identity  # net.identity.NodeIdentity: signs every snapshot this node takes (None: unsigned)
+        self.banned = lambda key: False  # the swarm's ban check (key -> bool): a banned node's snapshots never restore
         self.every = every
         self._client = client_factory  # () -> aiohttp.ClientSession (the node's, with the swarm token)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")  # encodes snapshots, one at a time
@@ -141,7 +142,7 @@ class SnapshotLink:
         try:
             loop = asyncio.get_running_loop()
             blob = await loop.run_in_executor(
-                self.pool, encode_snapshot, self.shard, tokens, keys, values, state, boundaries, self.node_id
+                self.pool, encode_snapshot, self.shard, tokens, keys, values, state, boundaries, "", self.identity
             )
             if session.kv.epoch != epoch:  # truncated while we copied: positions may have been rewritten
                 self.counters["dropped"] += 1
@@ -188,7 +189,8 @@ class SnapshotLink:
         its ``n_tokens``): its recurrent state exists at that position alone.
 
         ``snapshot`` is None (``length`` 0) on a miss or when the cache fails in any way (unreachable,
-        corrupt, a blob that does not match): a restore falls back to recomputing, it never fails.
+        corrupt, a blob that does not match, unsigned, a signature that does not verify, taken by a banned node): a
+        restore falls back to recomputing, it never fails.
         """
         client = self._client()
         shard = self.shard
@@ -217,6 +219,10 @@ class SnapshotLink:
             if sha != await loop.run_in_executor(self.pool, lambda: hashlib.sha256(blob).hexdigest()):
                 return None, 0, "snapshot failed its SHA-256 check in transit"
             snap = await loop.run_in_executor(self.pool, decode_snapshot, blob)
+            if not await loop.run_in_executor(self.pool, snap.check_signature):
+                return None, 0, "cached snapshot is unsigned: restored only from a node's signed snapshot"
+            if self.banned(snap.node):
+                return None, 0, f"cached snapshot was taken by node {snap.node[:16]}…, which the swarm banned"
             length = int(found["length"])
             held = snap.tokens.tolist()
             if snap.shard != shard or snap.n_tokens < length or held[:length] != tokens[:length]:
@@ -245,7 +251,7 @@ class SnapshotLink:
                         ),
                     )
             return snap, length, "restored"
-        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:  # SnapshotError too
             return None, 0, f"cache failed: {type(exc).__name__}: {exc}"
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..artifact.default_model import model_name
 from ..client.tracker import TrackerClient
+from ..net.identity import NodeIdentity
 from ..protocol import PROTOCOL_VERSION, ProtocolError
 from ..protocol.frame import HEADER_SIZE
 from ..protocol.http import JSON, as_protocol_error
@@ -79,6 +80,7 @@ class NodeConfig:
     more_trackers: tuple[str, ...] = ()  # further trackers of the same swarm (a join link's): heartbeats go to each
     relays: tuple[str, ...] = ()  # relays (node or tracker URLs) this node may attach to when it cannot be dialled
     torrent_port: int = 0  # the BitTorrent/DHT port (TCP + UDP; 0: any) — the DHT contact a join link gives
+    test_lie: str | None = None  # testing only: this node lies (node/lies.py: noise, noise-every:N, weights:PATH)
 
 
 class NodeState:
@@ -90,7 +92,9 @@ class NodeState:
     def __init__(self, config: NodeConfig, executor: ShardBackend):
         self.config = config
         self.executor = executor
-        self.node_id = uuid.uuid4().hex
+        # the node's ed25519 key pair (net/identity.py); its public key is its id in the swarm
+        self.identity = NodeIdentity.claim(config.data_dir)
+        self.node_id = self.identity.key_id
         self.url = ""
         self.spec = executor.spec
         self.cfg = executor.cfg
@@ -138,6 +142,7 @@ class NodeState:
         self.peers: set[str] = set()  # node URLs the tracker listed for this model (next_hop check), and when
         self.peers_at = 0.0
         self.accounting: dict | None = None  # the static part of the advertised accounting (advertise.py)
+        self.numerics: dict | None = None  # what decides this shard's output bits (node/numerics.py), once computed
         self.reach = None  # how others reach this node (node/reach.py Reach), once established
         self.swarm = None  # the libtorrent session seeding this shard (swarm.torrent.Swarm), when fetched
         self.discovery = None  # its DHT (net.dht.Discovery), with config.dht
@@ -152,7 +157,7 @@ class NodeState:
             from .snapshots import SnapshotLink, shard_of
 
             self.snapshots = SnapshotLink(
-                config.cache, shard_of(executor), config.snapshot_every, lambda: self.client, executor, self.node_id
+                config.cache, shard_of(executor), config.snapshot_every, lambda: self.client, executor, self.identity
             )
         # most tokens in one step: --max-step-tokens, at most what the backend takes in one call (llama.cpp: n_batch)
         self.max_step_tokens = min(config.max_step_tokens, executor.n_batch or config.max_step_tokens)

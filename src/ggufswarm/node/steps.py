@@ -22,6 +22,8 @@ from ..protocol.frame import FLAG_NO_SAMPLE, FLAG_REWIND, FLAG_VERIFY, WIRE_DTYP
 from ..protocol.http import JSON
 from ..protocol.link import encode_reply
 from ..runtime.session_state import Session, StepRecord
+from .commit import input_digest, output_digest, step_commit
+from .lies import parse_lie
 from .link import reply_error
 from .state import NODE, NodeState, parse_session_id
 
@@ -192,6 +194,8 @@ async def _apply_session_frame(
                 record = await record
             state.steps.labels(kind).inc()
             state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
+            if state.config.test_lie and record.output is not None:  # testing only (node/lies.py)
+                _lie(state, frame, record)
             if state.snapshots is not None:
                 state.snapshots.after_step(session, kind == "prefill" and frame.sample)
         elif record.reply is not None:  # a retry of a step answered: the same answer
@@ -205,10 +209,15 @@ async def _apply_session_frame(
         if record is not None:
             hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
             if state.spec.head:
+                if session.commit:
+                    hop["commit"] = _commit(state, frame, body, record, record.out_digest)
                 reply = _record(record, _head_reply(record, hop), hop, t0)
                 await _send_direct(state, frame, body, reply)
                 return OK, reply
             sent = await _push(state, session, frame, record, kind)
+            if session.commit:  # the frame is on its way: its digests and signature overlap the next hops' work
+                out = None if record.commit else output_digest(sent.frame, frame, state.cfg.n_embd, session.wire_dtype)
+                hop["commit"] = _commit(state, frame, body, record, out)
             pending = record.relay = asyncio.ensure_future(_relayed(sent, record, hop, t0))
             pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # its waiters may have gone
             if not sent.ordered:  # plain POSTs may overtake each other: keep the session until the reply
@@ -254,6 +263,22 @@ def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> Ste
     return asyncio.get_running_loop().run_in_executor(state.pool, state.store.apply, *args)
 
 
+def _commit(state: NodeState, frame: Frame, body: bytes, record: StepRecord, out: str | None) -> dict:
+    """The step's signed commitment (node/commit.py), made once per step and kept on its record: a retry answers
+    the same one. IN digests ``body``'s payload; ``out``: the OUT digest (unused when the record has one)."""
+    if record.commit is None:
+        record.commit = step_commit(state.identity, frame, input_digest(body, frame), out)
+    return record.commit
+
+
+def _lie(state: NodeState, frame: Frame, record: StepRecord) -> None:
+    """Testing only (``--test-lie``, node/lies.py): replace the step's output with the lie's version of it, once, so
+    that a retry sends the same."""
+    noisy = parse_lie(state.config.test_lie).tamper(frame.session_id, frame.step, record.output)
+    if noisy is not None:
+        record.output = noisy
+
+
 def _head_reply(record: StepRecord, hop: dict) -> dict:
     """The head's reply to a step: ``{token, hops: [hop]}``, with ``logprobs`` / ``token_logprob`` when the
     session asked for them."""
@@ -270,12 +295,14 @@ def _head_reply(record: StepRecord, hop: dict) -> dict:
 @dataclass
 class _Sent:
     """A step pushed to the next hop ``url`` at ``t_push`` (perf_counter s); ``reply``: the future of its
-    (status, body); ``ordered``: it went over a link, so later steps of the session reach the hop after it."""
+    (status, body); ``ordered``: it went over a link, so later steps of the session reach the hop after it;
+    ``frame``: the frame's bytes."""
 
     url: str
     t_push: float
     reply: asyncio.Future
     ordered: bool
+    frame: bytes
 
 
 async def _push(state: NodeState, session: Session, frame: Frame, record: StepRecord, kind: str) -> _Sent:
@@ -290,7 +317,7 @@ async def _push(state: NodeState, session: Session, frame: Frame, record: StepRe
     url = session.next_hop
     t_push = time.perf_counter()
     reply, ordered = await state.links.send(url, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
-    return _Sent(url, t_push, reply, ordered)
+    return _Sent(url, t_push, reply, ordered, out)
 
 
 async def _relayed(sent: _Sent, record: StepRecord, hop: dict, t0: float) -> bytes:

@@ -51,6 +51,9 @@ class StepRecord:
     ``reply``: the bytes answered to the caller once the step completed end to end (None until then).
     ``relay``: on a node with a next hop, the asyncio.Future of that reply while the next hop has the step
     (a retry of the step meanwhile waits for it instead of pushing the step again).
+    ``out_digest``: on the head of a session with ``commit``, the OUT digest of its step commitment
+    (``runtime.digest.logits_digest`` of the logits rows computed and the tokens drawn); ``commit``: the step's
+    signed commitment once made (node/commit.py), so that a retry answers the same one.
     """
 
     step: int
@@ -65,6 +68,8 @@ class StepRecord:
     compute_ms: float = 0.0
     reply: bytes | None = None
     relay: object = None
+    out_digest: str | None = None
+    commit: dict | None = None
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Session:
     sampler: SamplerBase | None = None
     n_logprobs: int = 0
     want_logprob: bool = False  # the head reports the sampled token's logprob with each sample
+    commit: bool = False  # every step's hop record carries this node's signed step commitment (node/commit.py)
     history: list[int] = field(default_factory=list)  # token ids of every position held (sampler, snapshots)
     history_complete: bool = True  # False once a step arrived without its token ids
     snapshot_at: int = 0  # position of the last snapshot taken (tokens)

@@ -12,6 +12,7 @@ import uuid
 
 import numpy as np
 
+from .digest import logits_digest
 from .kv import ContextOverflow, TokenOutOfRange, check_max_length
 from .sampling import SamplingParams, token_logprobs
 from .session_state import (
@@ -453,6 +454,9 @@ class SessionStore:
                         lp, top = token_logprobs(logits, record.token, session.n_logprobs)
                         record.logprobs = top if session.n_logprobs else None
                         record.token_logprob = lp if session.want_logprob else None
+                if session.commit:  # the rows computed (a verify step's all, else the last) and the draws
+                    drawn = record.tokens or ([] if record.token is None else [record.token])
+                    record.out_digest = logits_digest(out if all_rows else out[-1:], drawn)
             else:
                 record.output = out
         except BaseException:  # a step that fails after the forward pass leaves the session as it was

@@ -1,0 +1,94 @@
+"""Testing only: a node that lies (``ggufswarm node --test-lie KIND``), to test that clients catch one.
+
+Kinds (``parse_lie``):
+
+* ``noise`` — every step's output hidden states ``[n_tokens, n_embd]`` get Gaussian noise before they are sent on:
+  per row, standard deviation ``NOISE_SCALE`` (0.05) × the row's root mean square, drawn from a generator seeded by
+  (session id, step number), so a retried step sends the same noisy rows. The node's own KV cache stays honest.
+* ``noise-every:N`` — the same on the steps whose number is a multiple of N (``step % N == 0``) only.
+* ``weights:PATH`` — the shard is computed from the GGUF at PATH (e.g. another quantization of the same model)
+  while the node advertises, serves and checks the published model's header and fingerprint as its own.
+
+A liar's step commitments are honest about what it did (node/commit.py): OUT digests the noisy rows it pushed.
+The noise kinds change what a node sends on, so they need a node that is not the head (ValueError there).
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..artifact.gguf_file import GGUFModelFile
+from ..runtime.spec import ShardSpec
+
+NOISE_SCALE = 0.05  # the noise's standard deviation, relative to each row's root mean square
+KINDS = "noise, noise-every:N or weights:PATH"
+
+
+@dataclass(frozen=True)
+class Lie:
+    """A parsed ``--test-lie``: ``kind`` ``"noise"`` (on steps ``step % every == 0``) or ``"weights"`` (from
+    ``path``)."""
+
+    kind: str
+    every: int = 1
+    path: str | None = None
+
+    def tamper(self, session_id: uuid.UUID, step: int, output):
+        """The noisy version of a step's output hidden states ``[n_tokens, n_embd]`` (numpy float32, or a CPU torch
+        tensor) as a new float32 numpy array; None when this lie leaves the step alone (a weights lie, or a
+        step number that is not a multiple of ``every``)."""
+        if self.kind != "noise" or step % self.every:
+            return None
+        x = output if isinstance(output, np.ndarray) else output.detach().float().numpy()
+        x = np.array(x, dtype=np.float32)  # a copy: the record's array may be shared
+        rng = np.random.default_rng([step, int.from_bytes(session_id.bytes, "little")])
+        rms = np.sqrt(np.mean(np.square(x, dtype=np.float64), axis=1, keepdims=True)).astype(np.float32)
+        x += rng.standard_normal(x.shape, dtype=np.float32) * (np.float32(NOISE_SCALE) * rms)
+        return x
+
+    def weights(self, published: GGUFModelFile) -> GGUFModelFile:
+        """The GGUF this node computes from: PATH for a weights lie (ValueError unless it has the published model's
+        architecture and block count), else ``published``."""
+        if self.kind != "weights":
+            return published
+        other = GGUFModelFile(self.path)
+        arch = published.architecture
+        key = f"{arch}.block_count"
+        if other.architecture != arch or other.metadata.get(key) != published.metadata.get(key):
+            raise ValueError(
+                f"--test-lie weights:{self.path}: a {other.architecture} model with "
+                f"{other.metadata.get(f'{other.architecture}.block_count')} blocks cannot pass for "
+                f"{arch} with {published.metadata.get(key)}"
+            )
+        return other
+
+
+@functools.cache
+def parse_lie(text: str) -> Lie:
+    """``--test-lie``'s value as a Lie (cached: steps look it up). ValueError for anything but the kinds above."""
+    if text == "noise":
+        return Lie("noise")
+    if text.startswith("noise-every:"):
+        n = text.partition(":")[2]
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--test-lie noise-every:N takes a step count N >= 1, got {text!r}")
+        return Lie("noise", every=int(n))
+    if text.startswith("weights:") and len(text) > len("weights:"):
+        return Lie("weights", path=text.partition(":")[2])
+    raise ValueError(f"--test-lie must be {KINDS}, got {text!r}")
+
+
+def check_lie(lie: Lie, spec: ShardSpec) -> None:
+    """ValueError when ``lie`` cannot be told on ``spec``: noise needs a node with a next hop (not the head)."""
+    if lie.kind == "noise" and spec.head:
+        raise ValueError(
+            "--test-lie noise perturbs the hidden states a node sends on: give it to a node that is not the "
+            "head (--head samples tokens and sends no hidden states)"
+        )
+
+
+__all__ = ["KINDS", "NOISE_SCALE", "Lie", "check_lie", "parse_lie"]

@@ -1,0 +1,36 @@
+"""Digests of what a step takes in and gives out, for step commitments (docs/protocol.md, "Step commitments").
+
+Every digest is SHA-256 truncated to its first 16 bytes (``hashlib.sha256(data).hexdigest()[:32]``), written as
+32 lowercase hex characters. SHA-256 rather than BLAKE2b because CPUs with SHA extensions (AMD Zen, Intel Ice Lake
+and later) hash it in hardware: on a 2-core AMD EPYC (Python 3.11's hashlib, OpenSSL) one float32 row of Gemma 3
+270M's logits (262144 × 4 bytes, 1 MiB) took 0.60 ms with SHA-256 and 1.3–1.6 ms with BLAKE2b-128; one f16 hidden
+row (1280 bytes) takes a few µs either way. A head's commitment costs about 0.6 ms per drawn row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+DIGEST_BYTES = 16
+
+
+def digest(data) -> str:
+    """SHA-256/128 of ``data`` (bytes or any C-contiguous buffer: a memoryview slice of a frame is hashed in place,
+    not copied): the first 32 hex characters of its SHA-256."""
+    return hashlib.sha256(data).hexdigest()[: 2 * DIGEST_BYTES]
+
+
+def logits_digest(rows, tokens: list[int]) -> str:
+    """A head's OUT digest: SHA-256/128 of the float32 little-endian bytes of ``rows`` (logits ``[R, n_vocab]``
+    as the backend returned them, row-major: a numpy array or a CPU torch tensor of any float dtype, widened to
+    float32) followed by ``tokens`` (the ids drawn, as int32 little-endian; empty when the step drew none)."""
+    if not isinstance(rows, np.ndarray):  # a torch tensor (the torch backend's head), without importing torch here
+        rows = rows.detach().float().numpy()
+    h = hashlib.sha256(np.ascontiguousarray(rows, dtype="<f4"))  # hashlib frees the GIL
+    h.update(np.asarray(tokens, dtype="<i4").tobytes())
+    return h.hexdigest()[: 2 * DIGEST_BYTES]
+
+
+__all__ = ["DIGEST_BYTES", "digest", "logits_digest"]
