@@ -79,6 +79,18 @@ def test_a_node_that_has_not_decoded_counts_at_the_median_per_layer_time():
     assert ids(plan_route(fresh, 18, 1024, load={"b": 1})) == ["a", "d"]
 
 
+def test_measured_time_overrides_a_faster_claim():
+    """A node claiming 0.01 ms that a client measured at 40 ms per step is planned at 40 ms (placement sanity)."""
+    from ggufswarm.tracker.routing import parse_measured
+
+    ads = [ad("a", 0, 6, ms=6.0), ad("honest", 6, 12, ms=6.0), ad("claims", 6, 12, ms=0.01), ad("c", 12, 18, ms=6.0)]
+    assert ids(plan_route(ads, 18, 1024)) == ["a", "claims", "c"]
+    assert ids(plan_route(ads, 18, 1024, measured=parse_measured("claims:40.5,a:1"))) == ["a", "honest", "c"]
+    for bad in ("x", "x:-1", "x:nan", ":3", "x:1e9"):
+        with pytest.raises(ValueError):
+            parse_measured(bad)
+
+
 def test_first_needs_embedding_and_last_needs_head():
     no_head = Advertisement("c", "http://c", "m", (12, 18), head=False, free_kv_tokens=10_000)
     with pytest.raises(NoRoute):

@@ -13,6 +13,7 @@ import time
 from ..client.tracker import TrackerError
 from ..protocol import ProtocolError
 from ..swarm.directory import DirectoryError
+from .lies import parse_lie
 from .numerics import numerics
 from .state import F32_BYTES, NodeState
 
@@ -87,7 +88,7 @@ def advertisement(state: NodeState) -> dict:
         "head": state.spec.head,
         "state": "ready",
         "free_kv_tokens": state.store.budget_tokens - state.store.reserved_tokens,
-        "decode_ms": round(state.decode_ms(), 3),
+        "decode_ms": round(_claimed_ms(state), 3),
         # what a client needs to use this node in a route (client.route.Hop), so it need not ask /health
         "extra": {
             "hop": {k: h[k] for k in HOP_KEYS} | {"cache": bool(h["cache"])},
@@ -100,6 +101,14 @@ def advertisement(state: NodeState) -> dict:
         "signed_at": round(time.time(), 3),
     }
     return state.identity.sign_json(ad)
+
+
+def _claimed_ms(state: NodeState) -> float:
+    """The decode time (ms) advertised: the node's mean (``NodeState.decode_ms``), or a ``--test-lie slow`` node's
+    false claim (testing only)."""
+    lie = parse_lie(state.config.test_lie) if state.config.test_lie else None
+    claimed = lie.claimed_decode_ms if lie is not None else None
+    return state.decode_ms() if claimed is None else claimed
 
 
 async def heartbeats(state: NodeState) -> None:

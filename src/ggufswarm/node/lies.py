@@ -8,6 +8,9 @@ Kinds (``parse_lie``):
 * ``noise-every:N`` — the same on the steps whose number is a multiple of N (``step % N == 0``) only.
 * ``weights:PATH`` — the shard is computed from the GGUF at PATH (e.g. another quantization of the same model)
   while the node advertises, serves and checks the published model's header and fingerprint as its own.
+* ``slow:MS`` — computes honestly but MS milliseconds slower per step (a slow machine), while it advertises a
+  decode time of ``CLAIMED_MS`` and reports its real compute time in step replies: a false claim of speed, which
+  route planning must not believe over what clients measure.
 
 A liar's step commitments are honest about what it did (node/commit.py): OUT digests the noisy rows it pushed.
 The noise kinds change what a node sends on, so they need a node that is not the head (ValueError there).
@@ -25,17 +28,24 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..runtime.spec import ShardSpec
 
 NOISE_SCALE = 0.05  # the noise's standard deviation, relative to each row's root mean square
-KINDS = "noise, noise-every:N or weights:PATH"
+CLAIMED_MS = 0.01  # the decode time (ms) a ``slow`` liar advertises
+KINDS = "noise, noise-every:N, weights:PATH or slow:MS"
 
 
 @dataclass(frozen=True)
 class Lie:
-    """A parsed ``--test-lie``: ``kind`` ``"noise"`` (on steps ``step % every == 0``) or ``"weights"`` (from
-    ``path``)."""
+    """A parsed ``--test-lie``: ``kind`` ``"noise"`` (on steps ``step % every == 0``), ``"weights"`` (from
+    ``path``) or ``"slow"`` (``delay_ms`` per step, advertising ``CLAIMED_MS``)."""
 
     kind: str
     every: int = 1
     path: str | None = None
+    delay_ms: float = 0.0  # ``slow``: added to every step
+
+    @property
+    def claimed_decode_ms(self) -> float | None:
+        """The decode time (ms) this node advertises instead of its own; None: the true one."""
+        return CLAIMED_MS if self.kind == "slow" else None
 
     def tamper(self, session_id: uuid.UUID, step: int, output):
         """The noisy version of a step's output hidden states ``[n_tokens, n_embd]`` (numpy float32, or a CPU torch
@@ -77,6 +87,14 @@ def parse_lie(text: str) -> Lie:
         if not n.isdigit() or int(n) < 1:
             raise ValueError(f"--test-lie noise-every:N takes a step count N >= 1, got {text!r}")
         return Lie("noise", every=int(n))
+    if text.startswith("slow:"):
+        try:
+            ms = float(text.partition(":")[2])
+            if not 0 < ms <= 60_000:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--test-lie slow:MS takes milliseconds in (0, 60000], got {text!r}") from None
+        return Lie("slow", delay_ms=ms)
     if text.startswith("weights:") and len(text) > len("weights:"):
         return Lie("weights", path=text.partition(":")[2])
     raise ValueError(f"--test-lie must be {KINDS}, got {text!r}")
@@ -91,4 +109,4 @@ def check_lie(lie: Lie, spec: ShardSpec) -> None:
         )
 
 
-__all__ = ["KINDS", "NOISE_SCALE", "Lie", "check_lie", "parse_lie"]
+__all__ = ["CLAIMED_MS", "KINDS", "NOISE_SCALE", "Lie", "check_lie", "parse_lie"]

@@ -194,8 +194,11 @@ async def _apply_session_frame(
                 record = await record
             state.steps.labels(kind).inc()
             state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
-            if state.config.test_lie and record.output is not None:  # testing only (node/lies.py)
-                _lie(state, frame, record)
+            if state.config.test_lie:  # testing only (node/lies.py)
+                if lie_delay := parse_lie(state.config.test_lie).delay_ms:
+                    await asyncio.sleep(lie_delay / 1e3)
+                if record.output is not None:
+                    _lie(state, frame, record)
             if state.snapshots is not None:
                 state.snapshots.after_step(session, kind == "prefill" and frame.sample)
         elif record.reply is not None:  # a retry of a step answered: the same answer

@@ -33,6 +33,7 @@ from ..tracker.routing import (
     NoRoute,
     check_signed,
     check_signed_at,
+    parse_measured,
     plan_route,
     route_context,
     route_wire_bytes_per_token,
@@ -263,7 +264,8 @@ class Directory:
                 continue
             span = (int(query.get("start", 0)), int(query.get("end", n_layers)))
             try:
-                chain = plan_route(ads, n_layers, int(query.get("max_length", 1)), HOP_MS, self.routed, span)
+                measured = parse_measured(str(query.get("measured", "")))
+                chain = plan_route(ads, n_layers, int(query.get("max_length", 1)), HOP_MS, self.routed, span, measured)
                 break
             except NoRoute as exc:
                 refused = TrackerError(f"no_route: {exc}", 503, str(exc))

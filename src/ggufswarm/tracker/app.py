@@ -27,6 +27,7 @@ from .routing import (
     NoRoute,
     check_signed,
     free_kv_tokens,
+    parse_measured,
     plan_route,
     route_context,
     route_wire_bytes_per_token,
@@ -200,8 +201,12 @@ def make_app(config: TrackerConfig) -> web.Application:
         except ValueError:
             raise ProtocolError("bad_request", "start and end must be layer indices") from None
         try:
+            measured = parse_measured(request.query.get("measured", ""))
+        except ValueError as exc:
+            raise ProtocolError("bad_request", str(exc)) from None
+        try:
             ads = [a for a in registry.nodes(model) if a.url.rstrip("/") not in exclude]
-            chain = plan_route(ads, layers, max_length, config.hop_ms, routed, span)
+            chain = plan_route(ads, layers, max_length, config.hop_ms, routed, span, measured)
         except NoRoute as exc:
             raise ProtocolError("no_route", f"{model}: {exc}") from None
         routed.update(a.node_id for a in chain)

@@ -185,16 +185,45 @@ def uncovered(ads: list[Advertisement], n_layers: int) -> list[tuple[int, int]]:
     return gaps({i for ad in ads for i in range(max(ad.layers[0], 0), min(ad.layers[1], n_layers))}, n_layers)
 
 
-def decode_estimates(ads: list[Advertisement]) -> dict[int, float]:
+def decode_estimates(ads: list[Advertisement], measured: dict[str, float] | None = None) -> dict[int, float]:
     """The decode time (ms per token) route planning assumes for each advertisement, by ``id(ad)``: its advertised
     ``decode_ms`` once it has decoded, else (a node that has not decoded yet advertises 0) the median per-layer time
     of the nodes that have, times its own layer count — a new node is neither free (it would take every route until
-    its first steps, then lose them all) nor shunned. 0 when no node has decoded yet."""
+    its first steps, then lose them all) nor shunned. 0 when no node has decoded yet.
+
+    ``measured`` (node_id → ms per decode step, as a client timed the node from outside: ``parse_measured``): a
+    node's claim never counts for less than that — a node that advertises speed it does not have gets no more
+    routes than its measured time earns."""
+    measured = measured or {}
     per_layer = sorted(
         a.decode_ms / (a.layers[1] - a.layers[0]) for a in ads if a.decode_ms > 0 and a.layers[1] > a.layers[0]
     )
     typical = per_layer[len(per_layer) // 2] if per_layer else 0.0
-    return {id(a): a.decode_ms if a.decode_ms > 0 else typical * max(a.layers[1] - a.layers[0], 0) for a in ads}
+    return {
+        id(a): max(
+            a.decode_ms if a.decode_ms > 0 else typical * max(a.layers[1] - a.layers[0], 0),
+            measured.get(a.node_id, 0.0),
+        )
+        for a in ads
+    }
+
+
+MAX_MEASURED = 256  # nodes one route query may report timings of
+
+
+def parse_measured(text: str) -> dict[str, float]:
+    """``GET /route``'s ``measured`` parameter, ``node_id:ms,node_id:ms,...`` (a client's own timings of nodes, ms per
+    decode step), as a dict; ValueError for a malformed entry, a time outside [0, 1e6) or more than MAX_MEASURED."""
+    out: dict[str, float] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, ms = item.partition(":")
+        value = float(ms) if sep else -1.0
+        if not key or not 0 <= value < 1e6:
+            raise ValueError(f"measured takes node_id:ms pairs, got {item[:80]!r}")
+        out[key] = value
+    if len(out) > MAX_MEASURED:
+        raise ValueError(f"measured lists {len(out)} nodes; at most {MAX_MEASURED}")
+    return out
 
 
 def plan_route(
@@ -204,11 +233,12 @@ def plan_route(
     hop_ms: float = 1.0,
     load: dict[str, int] | None = None,
     span: tuple[int, int] | None = None,
+    measured: dict[str, float] | None = None,
 ) -> list[Advertisement]:
     """The chain ``[ad_0, ..., ad_k]`` with ``ad_0`` holding the embedding stage and layers from 0,
     each next one starting where the previous ended, the last holding the head and ending at
     ``n_layers``, that minimizes ``sum(decode_ms + hop_ms)`` (``decode_estimates``: a node that has not decoded yet
-    counts at the swarm's median per-layer time); only ready nodes with
+    counts at the swarm's median per-layer time; none counts for less than ``measured`` says); only ready nodes with
     ``free_kv_tokens(ad) >= max_length`` qualify (the advertised bytes: a session of ``max_length``
     tokens costs ``max_length * kv_bytes_per_token + state_bytes_per_session`` on a node). Among equal-latency chains,
     nodes with fewer sessions
@@ -240,7 +270,7 @@ def plan_route(
     if missing:
         names = ", ".join(f"{s}:{e}" for s, e in missing)
         raise NoRoute(f"no node serving layers {names} has {max_length} tokens of free KV cache")
-    ms = decode_estimates(fit)
+    ms = decode_estimates(fit, measured)
     # Dijkstra over layer boundaries 0..n_layers; edge = one shard. Cost: (latency, load) lexicographic.
     best: dict[int, tuple[float, int]] = {first: (0.0, 0)}
     prev: dict[int, Advertisement] = {}
