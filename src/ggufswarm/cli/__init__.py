@@ -141,6 +141,10 @@ def cmd_node(args) -> int:
     from ..node import NodeConfig, run_node
 
     _apply_link(args)
+    if args.test_lie:  # before a fetch from the swarm: a typo fails at once
+        from ..node.lies import parse_lie
+
+        parse_lie(args.test_lie)
     if args.snapshot_every < 0:
         raise ValueError(f"--snapshot-every must be >= 0, got {args.snapshot_every}")
     if args.layers == "auto" and not args.tracker and args.dht is None:
@@ -190,6 +194,7 @@ def cmd_node(args) -> int:
             relays=args.relays,
             more_trackers=args.more_trackers,
             torrent_port=args.torrent_port,
+            test_lie=args.test_lie,
         )
     )
 
@@ -207,6 +212,8 @@ def cmd_gateway(args) -> int:
     _apply_link(args)
     if not args.route and not args.tracker and not args.join:
         raise ValueError("give --route URL1,URL2,..., --tracker URL or --join LINK")
+    if not 0 <= args.verify_rate <= 1:
+        raise ValueError(f"--verify-rate must be a fraction in [0, 1], got {args.verify_rate}")
     route = [u.strip() for u in (args.route or "").split(",") if u.strip()]
     chat_template = None
     if args.chat_template_file:
@@ -240,6 +247,7 @@ def cmd_gateway(args) -> int:
             model_id=args.model_id,
             dht_port=args.dht_port,
             more_trackers=args.more_trackers,
+            verify_rate=args.verify_rate,
         )
     )
 

@@ -188,6 +188,16 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         "repair and prefix reuse to return to (default 4; each costs the shard's recurrent state "
         "plus its KV of the tokens held; 0 = none: a repair then recomputes from the start)",
     )
+    n.add_argument(
+        "--test-lie",
+        metavar="KIND",
+        default=None,
+        help="testing only: make this node lie, to test that clients catch it. 'noise': Gaussian noise (0.05 x "
+        "each row's RMS, seeded) on the hidden states it sends on, every step; 'noise-every:N': only on steps "
+        "numbered a multiple of N; 'weights:PATH': compute the shard from the GGUF at PATH (another quantization) "
+        "while claiming the published model; 'slow:MS': MS ms slower per step while advertising a decode time of "
+        "0.01 ms (a false claim of speed). Noise needs a node that is not --head. Never on a real swarm",
+    )
     token_arg(n)
     reach_args(n, command)
     return n
@@ -330,6 +340,18 @@ def add_gateway_parser(sub) -> argparse.ArgumentParser:
         "BitTorrent DHT (the link's contacts) whenever no tracker answers",
     )
     w.add_argument("--dht-port", type=int, default=0, metavar="PORT", help="with --join: the gateway's DHT port")
+    w.add_argument(
+        "--verify-rate",
+        type=float,
+        default=0.02,  # gateway.config.DEFAULT_VERIFY_RATE
+        metavar="R",
+        help="fraction 0..1 of (session, hop) pairs audited by shadow replay on another node of the same numerics; "
+        "a node caught lying and confirmed by a third is banned (default 0.02; 0 = off, no cost). A node that "
+        "corrupts every step is caught with probability 1-1e-6 within ceil(ln(1e-6)/ln(1-R)) sessions through it "
+        "(684 at 0.02, 132 at 0.1); one lying every K-th step only by sessions of K steps or more. Each audit costs "
+        "one more session on the route's other nodes (~R x hops sessions per session). docs/protocol.md, "
+        '"Verification by shadow replay"',
+    )
     return w
 
 

@@ -60,6 +60,8 @@ async def open_on(session: AsyncRouteSession, hops: list[Hop], i: int, wait: boo
         body["lease_s"] = session.lease_s
     if session.route.model is not None:
         body["model"] = session.route.model
+    if session.commit:  # every node signs what it got and passed on, each step (docs/protocol.md)
+        body["commit"] = True
     # A node whose session slots are all taken answers 429 kv_budget_full: wait for one (as llama-server
     # queues requests beyond --parallel). A session that waits opens head first (open_all), so the ones
     # holding this node's slots already hold the later nodes too and will finish: waiting cannot deadlock.

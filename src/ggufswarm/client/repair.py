@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from . import opening
 from .route import Hop, RemoteRoute
-from .transport import RouteError
+from .transport import BANNED, RouteError
 
 if TYPE_CHECKING:
     from .session import AsyncRouteSession
@@ -150,8 +150,10 @@ def _entry(failed: Hop, exc: RouteError, t0: float, **more) -> dict:
 async def repair_route(session: AsyncRouteSession, excluded: set[str], exc: RouteError) -> dict:
     """Replace the node named by ``exc`` (see AsyncRouteSession), adding every node that failed to
     ``excluded``: plan a replacement, open the session on the new nodes, restore the longest snapshot of the
-    history they have, and rewind and relink every node to the common position. Returns the repair's telemetry
-    entry (already in ``session.measured.repairs``; the caller counts ``tokens_replayed`` in it as it replays).
+    history they have, and rewind and relink every node to the common position (for ``node_banned``, a node the
+    gateway's verifier caught lying: nothing restored, every node rewound to 0, the whole history replayed).
+    Returns the repair's telemetry entry (already in ``session.measured.repairs``; the caller counts
+    ``tokens_replayed`` in it as it replays).
     RouteError ``no_replacement`` (503) when no replacement exists, or the error of a replacement that failed
     too (recorded, the caller retries)."""
     t0 = time.perf_counter()
@@ -186,9 +188,10 @@ async def repair_route(session: AsyncRouteSession, excluded: set[str], exc: Rout
         for h in reversed(fresh):
             await opening.open_on(session, hops, hops.index(h))
         own = sorted(b for b in session.boundaries if 0 < b <= target)
-        restored = await restore_many(session, fresh, session.tokens[:target], own) if fresh else {}
+        banned = exc.code == BANNED  # the nodes after a banned one computed from its outputs: all start again from 0
+        restored = await restore_many(session, fresh, session.tokens[:target], own) if fresh and not banned else {}
         held = {url: n for url, (n, _) in restored.items()}
-        length = max(b for b in session.boundaries if b <= min([target] + list(held.values())))
+        length = 0 if banned else max(b for b in session.boundaries if b <= min([target] + list(held.values())))
         session.position = length  # if this repair fails midway, the next one starts from here
         try:
             await rewind(session, hops, held, length, relink=True)

@@ -37,6 +37,7 @@ class Hop:
     cache: bool | None = None  # whether the node has a snapshot cache (None: it does not say)
     max_verify_tokens: int | None = None  # head: most tokens of a speculative verify step (None: it cannot verify)
     path: str = "direct"  # how it is reached: "direct", "mapped" (a home router's mapped port) or "relayed"
+    node_id: str | None = None  # the node's key (64 hex, its advertisement's ``node_id``; None: not known)
 
     @classmethod
     def from_advertisement(cls, ad: dict) -> Hop | None:
@@ -58,6 +59,7 @@ class Hop:
                 cache=hop.get("cache"),
                 max_verify_tokens=hop.get("max_verify_tokens"),
                 path=str(((ad.get("extra") or {}).get("reach") or {}).get("path", "direct")),
+                node_id=str(ad["node_id"]) if ad.get("node_id") else None,
             )
         except (KeyError, TypeError, ValueError, IndexError):
             return None
@@ -80,6 +82,7 @@ class Hop:
             bool(h["cache"]) if "cache" in h else None,
             h.get("max_verify_tokens"),
             str((h.get("reach") or {}).get("path", "direct")),
+            str(h["node_id"]) if h.get("node_id") else None,
         )
 
 

@@ -93,6 +93,7 @@ class AsyncRouteSession:
         logprobs: bool = False,
         *,
         http: aiohttp.ClientSession | None = None,
+        commit: bool = False,
     ):
         """A session not yet open on its nodes: use ``open`` (or ``RemoteRoute.aopen``: the arguments after ``route``).
 
@@ -107,7 +108,8 @@ class AsyncRouteSession:
         ``top_logprobs`` (0..20): the head returns that many most likely ``[id, logprob]`` pairs with each sample
         (``last_logprobs``); ``logprobs``: it returns the sampled token's logprob too (``last_token_logprob``).
         Both are log-softmax of the raw logits. ``http``: the aiohttp session to talk over (one of the
-        session's own, closed with it, by default; ``transport.new_http_session`` makes a shareable one).
+        session's own, closed with it, by default; ``transport.new_http_session`` makes a shareable one). ``commit``:
+        every node signs a commitment of each step (its hop's ``commit`` in the step's StepTiming; docs/protocol.md).
         """
         self.route = route
         self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
@@ -118,6 +120,8 @@ class AsyncRouteSession:
         self.logprobs = logprobs
         self.replan = replan
         self.reuse_prefix = reuse_prefix
+        self.commit = commit
+        self.sent: list[tuple] | None = None  # when a list: each frame sent, (step, start, ids, sample, verify)
         self.lease_s = lease_s
         self.http = http or new_http_session()
         self._own_http = http is None
@@ -321,6 +325,8 @@ class AsyncRouteSession:
             self._reply_link(head.url)
         timeout = step_timeout_s(self.route.timeout_s - 1.0, len(ids)) + 1.0  # long prefill chunks wait longer
         key = frame_key(frame)
+        if self.sent is not None:  # a session the gateway's verifier audits (gateway/verify.py)
+            self.sent.append((self.step_no, self.position, list(ids), sample, verify))
         t0 = time.perf_counter()
         urls = [h.url for h in self.route.hops]
         start = self.position
@@ -346,7 +352,7 @@ class AsyncRouteSession:
         if direct:  # the head's own reply: the route's, with every hop's numbers, is read later (_late)
             self.measured.direct_replies += 1
         else:
-            self.measured.record(reply, rtt, len(ids), urls, verify, start)
+            self.measured.record(reply, rtt, len(ids), urls, verify, start, self.step_no)
         self.last_tokens = reply.get("tokens")
         self.last_logprobs = reply.get("logprobs")
         self.last_token_logprob = reply.get("token_logprob")
@@ -411,19 +417,25 @@ class AsyncRouteSession:
                 check_reply(self.route.hops[0].url, status, body, "an earlier step")
             except RouteError as exc:
                 exc.late = True
-                if self._waiter is not None and not self._waiter.done():
-                    self._waiter.set_exception(exc)
-                else:
-                    self._broken = exc
+                self.fail(exc)
             return
         try:
             reply = json.loads(body)
         except ValueError:
             return
         t0, n_tokens, urls, verify, start = entry
-        self.measured.record(reply, (time.perf_counter() - t0) * 1e3, n_tokens, urls, verify, start)
+        step = int.from_bytes(key[16:24], "little")  # the frame key: session id, step number
+        self.measured.record(reply, (time.perf_counter() - t0) * 1e3, n_tokens, urls, verify, start, step)
         if not self._unacked and self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
+
+    def fail(self, exc: RouteError) -> None:
+        """Fail the step in flight with ``exc`` (between steps: the next one); a repairable error repairs the route
+        (a late error of an earlier step; ``node_banned``: the gateway's verifier banned a node of the route)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(exc)
+        else:
+            self._broken = exc
 
     async def drop_links(self) -> None:
         """Close the reply link (one still opening is closed once open) and the step link unless it goes to the

@@ -30,6 +30,10 @@ class StepTiming:
     urls: list[str] = field(default_factory=list)
     verify: bool = False  # a speculative verify step (a decode step of several tokens)
     start: int = -1  # position of the step's first token
+    step: int = 0  # the step's number (0: not known)
+    # per hop, its step commitment (``{"in", "out", "key", "sig"}``: docs/protocol.md) or None (a session opened
+    # without ``commit``, or a node that sent none)
+    commits: list[dict | None] = field(default_factory=list)
 
 
 @dataclass
@@ -40,12 +44,21 @@ class RouteTelemetry:
     repairs: list[dict] = field(default_factory=list)
     prefix_tokens_restored: int = 0
     direct_replies: int = 0  # steps whose reply came straight from the head (its reply link)
+    keep_commits: bool = False  # keep each step's commitments (``StepTiming.commits``): a session being audited
 
     def record(
-        self, reply: dict, rtt: float, n_tokens: int, urls: list[str], verify: bool = False, start: int = -1
+        self,
+        reply: dict,
+        rtt: float,
+        n_tokens: int,
+        urls: list[str],
+        verify: bool = False,
+        start: int = -1,
+        step: int = 0,
     ) -> None:
-        """One StepTiming from a reply that came back along the route (``hops``: each node's numbers, ms) and
-        its round trip ``rtt`` (ms): a hop's network time is what its caller waited beyond its handling."""
+        """One StepTiming from a reply that came back along the route (``hops``: each node's numbers, ms, and its
+        ``commit`` when it sent one, kept with ``keep_commits``) and its round trip ``rtt`` (ms): a hop's network
+        time is what its caller waited beyond its handling. ``step``: the step's number."""
         hops = reply["hops"]
         network = []
         outer = rtt
@@ -62,6 +75,8 @@ class RouteTelemetry:
                 urls,
                 verify,
                 start,
+                step,
+                [h.get("commit") for h in hops] if self.keep_commits else [],
             )
         )
 

@@ -41,7 +41,10 @@ class RouteError(RuntimeError):
 
 
 # Errors that mean a node of the route is gone or lost the session: a repair can replace it.
-REPAIRABLE = frozenset({"hop_failed", "hop_timeout", "internal", "unknown_session"})
+# node_banned: the gateway's verifier caught a node of the route lying (gateway/verify.py); the route is repaired
+# around it with every node's KV rolled back to 0 (what came after it was computed from its outputs)
+REPAIRABLE = frozenset({"hop_failed", "hop_timeout", "internal", "unknown_session", "node_banned"})
+BANNED = "node_banned"
 
 
 def new_http_session() -> aiohttp.ClientSession:

@@ -1,4 +1,5 @@
-"""aiohttp app of the gateway: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``.
+"""aiohttp app of the gateway: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, and the
+verifier's ``/v1/verify`` and ``/metrics`` (gateway/verify.py).
 
 Each request gets its own route session (KV on every node), run by ``generation.Generation``; concurrent requests
 proceed concurrently. The final stream chunk and the non-streamed body carry ``usage`` and a ``telemetry`` object
@@ -15,6 +16,7 @@ import json
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, tool_request
 from ..client.tracker import TrackerError
@@ -114,7 +116,7 @@ async def complete(
     event; a client that goes away stops the generation (its session closes on every node)."""
     opts = parse_params(body, gw.config.default_max_tokens, chat, gw.tokenizer.n_vocab, gw.tokenizer.has_fim, tools)
     reply = Reply(gw.model_name, gw.tokenizer, chat, opts, prompt if opts.echo else None)
-    generation = Generation(gw, ids, opts, "messages" if chat else "prompt")
+    generation = Generation(gw, ids, opts, "messages" if chat else "prompt", reply.id)
     try:
         try:
             first = await next_while_connected(request, generation)
@@ -214,10 +216,11 @@ async def health(request: web.Request) -> web.Response:
     is not shown) when all answer 200 and (tracker) the model has a complete chain of ready nodes (a gateway of
     every model: some model has); else ``503 {"status": "degraded", ..., "reason"}``, each failed probe with its
     ``error`` (protocol.http.probe: connection refused, timeout, HTTP status) and ``reason`` one line naming
-    what failed (for a fixed route: that the gateway cannot replace a node, and what to do). Answers within
-    about HEALTH_PROBE_S; needs no API key."""
+    what failed (for a fixed route: that the gateway cannot replace a node, and what to do). Both carry ``verify``
+    (``Verifier.health``: audit rate, audits by result, banned node keys). Answers within about HEALTH_PROBE_S;
+    needs no API key."""
     gw = request.app[GATEWAY]
-    body = {"status": "ok", "model": gw.model_name}
+    body = {"status": "ok", "model": gw.model_name, "verify": gw.verifier.health()}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_S)) as http:
         if gw.config.tracker:
             reason = await _tracker_health(gw, http, body)
@@ -280,6 +283,19 @@ async def _route_health(gw: Gateway, http: aiohttp.ClientSession, body: dict) ->
     return None
 
 
+async def verify(request: web.Request) -> web.Response:
+    """``GET /v1/verify``: the verifier's state (gateway/verify.py, ``Verifier.view``): rate, audits by result, every
+    ban with its signed evidence and the ids of the answers that went through the banned node (``tainted``), and the
+    most recent audits. Behind the API key, as every ``/v1/*``."""
+    return web.json_response(request.app[GATEWAY].verifier.view())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics`` (Prometheus text): ``ggufswarm_gateway_audits_total{result}``."""
+    data = generate_latest(request.app[GATEWAY].verifier.registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 def api_key_middleware(keys: tuple[str, ...]):
     """With API keys configured, ``/v1/*`` answers 401 (OpenAI's ``invalid_api_key``) without a valid
     ``Authorization: Bearer KEY``; ``/health`` stays open."""
@@ -312,6 +328,8 @@ def make_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
+    app.router.add_get("/v1/verify", verify)
+    app.router.add_get("/metrics", metrics)
 
     async def lifecycle(app):
         await gw.start()

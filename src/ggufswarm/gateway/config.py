@@ -8,6 +8,7 @@ from ..client.speculative import DEFAULT_DRAFT_MAX
 
 DEFAULT_HOP_TIMEOUT_S = 30.0
 DEFAULT_SESSION_LEASE_S = 30.0
+DEFAULT_VERIFY_RATE = 0.02  # ``ggufswarm gateway --verify-rate``'s default (a GatewayConfig's is 0: tests, benches)
 
 
 @dataclass
@@ -44,3 +45,6 @@ class GatewayConfig:
     draft_model: str | None = None  # speculative "draft": a small GGUF of the served model's vocabulary, run here
     draft_threads: int = 1  # its llama.cpp threads
     draft_sessions: int = 4  # requests drafting at once (others decode without drafts)
+    # fraction of (session, hop) pairs audited by shadow replay (gateway/verify.py); 0: off, sessions open without
+    # step commitments. The command's default is DEFAULT_VERIFY_RATE; a config made in code verifies when asked
+    verify_rate: float = 0.0

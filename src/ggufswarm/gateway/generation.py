@@ -112,9 +112,10 @@ class _SerialDrafter:
                 self.drafter.close()
 
 
-async def telemetry(gw: Gateway, session, stats: GenerationStats) -> dict:
+async def telemetry(gw: Gateway, session, stats: GenerationStats, watch=None) -> dict:
     """The ``telemetry`` object of a finished generation (ms, tok/s, bytes, tokens; the route as it ended, after
-    any repairs, each listed in ``repairs``)."""
+    any repairs, each listed in ``repairs``; ``tainted_by``: the keys of its route's nodes banned while it ran, from
+    ``watch``, the verifier's verify.Watch of it)."""
     per_hop = (await session.telemetry()).summary(session.route)
     return {
         "route": session.route.describe(),
@@ -127,6 +128,7 @@ async def telemetry(gw: Gateway, session, stats: GenerationStats) -> dict:
         "decode_tok_s": round(stats.decode_tok_s, 2),
         **per_hop,
         "speculative": stats.speculative_summary(),
+        **gw.verifier.telemetry(watch),
     }
 
 
@@ -174,13 +176,17 @@ def _no_entries() -> list[LogprobEntry]:
     return []
 
 
-async def run(gw: Gateway, ids: list[int], opts: RequestOptions, emit, prompt_param: str = "prompt") -> None:
+async def run(
+    gw: Gateway, ids: list[int], opts: RequestOptions, emit, prompt_param: str = "prompt", response_id=None
+) -> None:
     """Generate the completion of prompt ``ids`` on the running loop: open a route session, then ``emit`` an
     Opened, Deltas, and a Done; or a Failed (cancelled: 499 ``cancelled``, and the CancelledError goes on). The
-    session is closed on every node before it returns, also when cancelled."""
-    session, stats = None, GenerationStats()
+    session is closed on every node before it returns, also when cancelled, and then handed to the verifier (its
+    audits run in the background; ``response_id``: the answer's id, listed should a node of its route be banned)."""
+    session, stats, watch = None, GenerationStats(), None
     try:
         session, max_length = await gw.planner.open(gw.http, ids, request_sampling(gw, ids, opts), opts, prompt_param)
+        watch = gw.verifier.watch(session, response_id)
         emit(Opened(session))
         # a session holds max_length tokens: the prompt, then every sampled token but the last is fed back
         budget = min(opts.max_tokens, max_length - len(ids) + 1)  # past it the answer ends with "length"
@@ -200,7 +206,7 @@ async def run(gw: Gateway, ids: list[int], opts: RequestOptions, emit, prompt_pa
         if rest:
             emit(Delta("", rest))
         say_repaired(session.repairs)  # before the answer ends: its reader may look for the line
-        emit(Done(stats, await telemetry(gw, session, stats)))
+        emit(Done(stats, await telemetry(gw, session, stats, watch)))
     except asyncio.CancelledError:
         if session is not None:
             say_repaired(session.repairs)
@@ -212,7 +218,10 @@ async def run(gw: Gateway, ids: list[int], opts: RequestOptions, emit, prompt_pa
         emit(Failed(failure(gw, exc, session), stats.completion_tokens))
     finally:
         if session is not None:
-            await session.close()  # finishes releasing on the nodes even when this task is cancelled
+            try:
+                await session.close()  # finishes releasing on the nodes even when this task is cancelled
+            finally:
+                gw.verifier.finish(watch, gw)  # no-op unless verifying; its audits wait for no one
 
 
 _running: set[asyncio.Task] = set()  # generations in flight (see Generation)
@@ -222,9 +231,13 @@ class Generation:
     """One request's generation (``run``) as a task on the running loop; ``next()`` gives its events in order,
     and ``cancel()`` stops it (the handler is done, or the client went away)."""
 
-    def __init__(self, gw: Gateway, ids: list[int], opts: RequestOptions, prompt_param: str):
+    def __init__(
+        self, gw: Gateway, ids: list[int], opts: RequestOptions, prompt_param: str, response_id: str | None = None
+    ):
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(run(gw, ids, opts, self._queue.put_nowait, prompt_param))
+        self._task = asyncio.get_running_loop().create_task(
+            run(gw, ids, opts, self._queue.put_nowait, prompt_param, response_id)
+        )
         _running.add(self._task)  # the loop holds tasks weakly: a cancelled one still closing its session stays
         self._task.add_done_callback(_running.discard)
 

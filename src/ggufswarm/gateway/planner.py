@@ -80,6 +80,7 @@ class RoutePlanner:
         self.tracker = TrackerClient(config.tracker, config.token) if config.tracker else None
         self.discovery = discovery  # a net.dht.Discovery (``--join`` with DHT contacts): routes without a tracker
         self._directory: Directory | None = None
+        self.verifier = None  # the gateway's verify.Verifier (``attach``): its bans are never planned through
         self._fixed: RemoteRoute | None = None
         self._fixed_lock = asyncio.Lock()
 
@@ -99,6 +100,8 @@ class RoutePlanner:
                 self.config.model_id,
                 self.config.token,
             )
+            for key in self.verifier.bans if self.verifier is not None else ():
+                self._directory.ban(key)
         return self._directory
 
     async def route(
@@ -115,7 +118,8 @@ class RoutePlanner:
         """
         if not self.planned:
             return await self._fixed_route(http)
-        plans = [set(exclude) | self.suspects.current(), set(exclude)]  # then the suspects too: perhaps one is back
+        exclude = set(exclude) | (self.verifier.banned_urls() if self.verifier is not None else set())
+        plans = [exclude | self.suspects.current(), exclude]  # then the suspects too: perhaps one is back
         for avoid in plans[:1] if plans[0] == plans[1] else plans:
             query = {"max_length": max_length}
             if avoid:
@@ -212,6 +216,7 @@ class RoutePlanner:
                 lease_s=self.config.session_lease_s,
                 logprobs=opts.logprobs,
                 http=http,
+                commit=self.verifier is not None and self.verifier.on,  # all: none can tell which are audited
             )
             return session, max_length
 

@@ -25,6 +25,7 @@ from ..swarm.directory import DirectoryError
 from .config import GatewayConfig
 from .errors import RequestError
 from .planner import RoutePlanner, Suspects
+from .verify import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,17 @@ class Gateway:
             self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="gateway")
             self.suspects = Suspects(TrackerClient(config.tracker, config.token) if config.tracker else None)
             self.created = int(time.time())
-        else:  # one model of a gateway serving every model: the pool and what failed lately are shared
+            trackers = (config.tracker, *config.more_trackers)
+            # a fixed --route has no other node to replay a hop on: it does not verify (nor ask for commitments)
+            rate = config.verify_rate if config.tracker or config.dht else 0.0
+            self.verifier = Verifier(rate, trackers, config.token, config.session_lease_s)
+        else:  # one model of a gateway serving every model: the pool, what failed lately and the bans are shared
             self.pool, self.suspects, self.created = parent.pool, parent.suspects, parent.created
+            self.verifier = parent.verifier
         # --join with DHT contacts: routes planned from the DHT when no tracker answers (swarm.directory)
         self.discovery = parent.discovery if parent is not None else self._discovery(config)
         self.planner = RoutePlanner(config, self.suspects, self.model_name, None, self.discovery)
+        self.verifier.attach(self.planner)
         self._refresh: asyncio.Task | None = None  # with the DHT: the background listing (_keep_listing)
         self._models: dict[str, Gateway] = {}
         self._models_lock = threading.Lock()
@@ -105,6 +112,8 @@ class Gateway:
         stop the pool."""
         if self._refresh is not None:
             self._refresh.cancel()
+        if self._root is self:
+            await self.verifier.close()
         await releases_done(RELEASE_WAIT_S)
         if self._http is not None:
             await self._http.close()
