@@ -33,6 +33,8 @@ usage() {
 usage: $0 PIP      build (or find in the cache) the patched llama-cpp-python wheel; PIP is the pip of the venv
                    that will install it (make setup passes .venv/bin/pip); prints the wheel's path
        $0 tools    build llama.cpp's test-llama-archs from the kept build tree; prints its path
+       $0 cpu-variant [PYTHON]   llama.cpp's libraries with AVX-only CPU kernels (another CPU kind, ~1 minute);
+                   prints the folder to give as LLAMA_CPP_LIB_PATH (PYTHON: the venv's python, default python3)
 The wheel cache is ~/.cache/ggufswarm/wheels/<cpu>-<patches>/ (\$GGUFSWARM_WHEELS instead of
 ~/.cache/ggufswarm/wheels). make setup is the usual way in.
 EOF
@@ -42,22 +44,46 @@ case "${1:-}" in
     "") usage; exit 2 ;;
 esac
 
+# the patched source in $DIR/src: llama-cpp-python's sdist (sha256 checked) with the patch queue applied to
+# vendor/llama.cpp. PIP: a pip to download the sdist with.
+prepare_src() {
+    local tmp sdist p
+    tmp="$(mktemp -d)"
+    "$1" download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$tmp" >&2 \
+        || die "pip download of llama-cpp-python==$VERSION failed"
+    sdist="$tmp/llama_cpp_python-$VERSION.tar.gz"
+    [ "$(sha256sum "$sdist" | cut -d' ' -f1)" = "$SDIST_SHA256" ] || die "sha256 of $sdist differs from the pinned one"
+    rm -rf "$DIR/src"
+    mkdir -p "$DIR/src"
+    tar -xzf "$sdist" -C "$DIR/src" --strip-components=1
+    rm -rf "$tmp"
+    for p in "$PATCHES"/*.patch; do
+        say "applying $(basename "$p")"
+        if command -v patch >/dev/null 2>&1; then
+            patch -p1 --forward --quiet -d "$DIR/src/vendor/llama.cpp" < "$p" >&2 || die "patch $(basename "$p") does not apply"
+        else  # git apply works outside a repository too
+            git -C "$DIR/src" apply -p1 --directory=vendor/llama.cpp "$p" >&2 || die "patch $(basename "$p") does not apply"
+        fi
+    done
+}
+
 if [ "${1:-}" = cpu-variant ]; then   # the same llama.cpp with another CPU kernel set (a second "CPU kind")
     # Builds only ggml's CPU backend with GGML_NATIVE=OFF and AVX (no AVX2/FMA/AVX-512: a kernel set no x86-64
     # machine this project runs on picks natively), and assembles a library folder: llama-cpp-python's own libraries
     # with that libggml-cpu. A process started with LLAMA_CPP_LIB_PATH=<folder> computes as a node of another CPU
     # kind would (its numerics fingerprint says so): tests/test_verify.py's honest node of another kind. ~1 minute.
-    [ -f "$DIR/build/CMakeCache.txt" ] || die "no build tree in $DIR/build: run make setup first"
     out="$DIR/cpu-avx"
     if [ ! -f "$out/lib/libggml-cpu.so" ]; then
+        py="${2:-python3}"
+        [ -f "$DIR/src/vendor/llama.cpp/CMakeLists.txt" ] || prepare_src "$(dirname "$py")/pip"
         say "building ggml's CPU backend with AVX kernels only into $out (about a minute)"
-        openmp="$(sed -n 's/^GGML_OPENMP:BOOL=//p' "$DIR/build/CMakeCache.txt")"
+        openmp="$(sed -n 's/^GGML_OPENMP:BOOL=//p' "$DIR/build/CMakeCache.txt" 2>/dev/null || true)"
         cmake -S "$DIR/src/vendor/llama.cpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
             -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=ON -DGGML_AVX512=OFF \
             -DGGML_OPENMP="${openmp:-ON}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
             -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF >/dev/null
         cmake --build "$out/build" --target ggml-cpu -j "${JOBS:-2}" >&2
-        pkg="$("${2:-python3}" -c 'import llama_cpp, os; print(os.path.join(os.path.dirname(llama_cpp.__file__), "lib"))')"
+        pkg="$("$py" -c 'import llama_cpp, os; print(os.path.join(os.path.dirname(llama_cpp.__file__), "lib"))')"
         rm -rf "$out/lib.tmp" && mkdir -p "$out/lib.tmp"
         cp -a "$pkg"/. "$out/lib.tmp/"
         cp -a "$out/build/bin"/libggml-cpu.so* "$out/lib.tmp/"
@@ -88,23 +114,8 @@ if [ -n "$wheel" ]; then
 fi
 mkdir -p "$DIR"
 say "building llama-cpp-python $VERSION with $(ls "$PATCHES"/*.patch | wc -l) llama.cpp patches into $DIR (about 7 minutes on 2 cores)"
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
-"$PIP" download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$tmp" >&2 \
-    || die "pip download of llama-cpp-python==$VERSION failed"
-sdist="$tmp/llama_cpp_python-$VERSION.tar.gz"
-[ "$(sha256sum "$sdist" | cut -d' ' -f1)" = "$SDIST_SHA256" ] || die "sha256 of $sdist differs from the pinned one"
-rm -rf "$DIR/src" "$DIR/build"
-mkdir -p "$DIR/src"
-tar -xzf "$sdist" -C "$DIR/src" --strip-components=1
-for p in "$PATCHES"/*.patch; do
-    say "applying $(basename "$p")"
-    if command -v patch >/dev/null 2>&1; then
-        patch -p1 --forward --quiet -d "$DIR/src/vendor/llama.cpp" < "$p" >&2 || die "patch $(basename "$p") does not apply"
-    else  # git apply works outside a repository too
-        git -C "$DIR/src" apply -p1 --directory=vendor/llama.cpp "$p" >&2 || die "patch $(basename "$p") does not apply"
-    fi
-done
+rm -rf "$DIR/build"
+prepare_src "$PIP"
 CMAKE_ARGS="-DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'" \
     "$PIP" wheel -q --no-deps --no-cache-dir --config-settings=build-dir="$DIR/build" "$DIR/src" -w "$DIR" >&2 \
     || die "the wheel build failed (see above)"

@@ -471,3 +471,93 @@ def test_a_liar_every_50_steps_is_caught_on_a_long_session(swarm, caught):
         print(f"noise-every:50 liar banned {detected:.1f} s after its 60-step session started")
     finally:
         stop_nodes([sly])
+
+
+def cpu_variant_libs() -> str:
+    """llama.cpp's libraries with AVX-only CPU kernels: another CPU kind on this machine (built once, ~1 minute)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build_llama_cpp_python.sh"
+    done = subprocess.run(["bash", str(script), "cpu-variant", sys.executable], capture_output=True, text=True)
+    assert done.returncode == 0, f"building the AVX-only CPU variant failed:\n{done.stderr[-3000:]}"
+    return done.stdout.split()[-1]
+
+
+@pytest.mark.slow
+def test_honest_nodes_of_another_cpu_kind_are_never_reported(swarm, caught, monkeypatch):
+    """Two honest nodes of 6:12 on another CPU kind (llama.cpp with AVX-only kernels, through LLAMA_CPP_LIB_PATH: their
+    bits differ from this machine's native kernels by up to ~5 % per row, bench/bench_numerics_kinds.py): their
+    numerics id says so, each is replayed on the other, never on a node of the native kind, and over more than
+    1,000 verified steps no honest node is reported."""
+    from ggufswarm.node.launch import stop_nodes
+    from ggufswarm.runtime.shard import ShardSpec
+
+    base, gw, tracker, keys = swarm["base"], swarm["gw"], swarm["tracker"], swarm["keys"]
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", cpu_variant_libs())
+    others = [swarm["launch"](ShardSpec(6, 12), 10 + i) for i in range(2)]
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH")
+    try:
+        urls = [n.url for n in others]
+        ads = wait_for(
+            lambda: (a := {x["url"]: x for x in nodes_of(tracker)}) and all(u in a for u in urls) and a, 30, "ads"
+        )
+        kinds = {u: ads[u]["extra"]["numerics"] for u in [*urls, *swarm["honest"]]}
+        assert kinds[urls[0]]["id"] == kinds[urls[1]]["id"] != kinds[swarm["honest"][0]]["id"], kinds
+        assert "AVX2" not in kinds[urls[0]]["cpu"] and kinds[urls[0]]["cpu"] != kinds[swarm["honest"][0]]["cpu"]
+        honest = {keys[u] for u in swarm["honest"]} | {ads[u]["node_id"] for u in urls}
+        answers = []
+        six_twelve = [*swarm["honest"], *urls]
+        for target in [*urls, *urls, *urls, *urls, *swarm["honest"]]:  # 10 sessions of 127 steps through 6:12
+            steer(gw, [u for u in six_twelve if u != target])
+            body = post(base, {"prompt": PROMPT, "max_tokens": 127, "temperature": 0, "ignore_eos": True})
+            clear_steering(gw)
+            assert target in route_of(body["telemetry"]), body["telemetry"]["route"]
+            answers.append(body["id"])
+
+        def audited():  # every answer's audit of hop 6:12 is done
+            view = get(base + "/v1/verify")
+            done = [a for a in view["recent"] if a["response_id"] in answers and a["layers"] == [6, 12]]
+            return len({a["response_id"] for a in done}) == len(answers) and (view, done)
+
+        view, mine = wait_for(audited, 300, "the audits of every answer")
+        reported = [a for a in mine if a["result"] in ("mismatch", "confirmed", "unconfirmed")]
+        assert not reported, reported
+        assert sum(a["result"] == "match" for a in mine) >= len(answers) - 1, mine  # (one may find no shadow free)
+        mine = [a for a in mine if a["result"] == "match"]
+        for a in mine:  # each replayed on a node of its own kind
+            assert (a["node"] in urls) == (a["shadow"] in urls), a
+        verified = sum(a["compared"] for a in mine)
+        print(f"\n{verified} verified steps of honest nodes of two CPU kinds: none reported")
+        assert verified >= 1000 and {a["key"] for a in mine} <= honest
+        assert not honest & set(view["banned"])
+    finally:
+        stop_nodes(others)
+
+
+@pytest.mark.slow
+def test_a_node_claiming_speed_it_lacks_gets_no_more_routes_than_measured(swarm, caught):
+    """Placement sanity: a node of 6:12 advertising 0.01 ms per token while 80 ms slower (``--test-lie slow:80``). The
+    tracker alone would route every session through it; the gateway times each node from outside (what the hop
+    before it waited) and plans with that, so after one session the node gets no more routes."""
+    from ggufswarm.node.launch import stop_nodes
+    from ggufswarm.runtime.shard import ShardSpec
+
+    base, gw, tracker = swarm["base"], swarm["gw"], swarm["tracker"]
+    slow = swarm["launch"](ShardSpec(6, 12), 12, ["--test-lie", "slow:80"])
+    try:
+        ad = wait_for(lambda: next((a for a in nodes_of(tracker) if a["url"] == slow.url), None), 30, "its advert")
+        assert ad["decode_ms"] == 0.01
+        planned = get(f"{tracker}/route?model=gemma&max_length=64")["route"]  # the claim alone: it wins
+        assert planned[1]["url"] == slow.url, [a["url"] for a in planned]
+        routes = [
+            route_of(post(base, {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})["telemetry"]) for _ in range(4)
+        ]
+        through = [slow.url in r for r in routes]
+        assert sum(through) <= 1 and not any(through[1:]), routes
+        measured = gw.timings.get(ad["node_id"])
+        assert measured is not None and measured >= 80, measured
+        print(f"\nslow node measured at {measured:.1f} ms per decode step (claims 0.01): routes {through}")
+    finally:
+        stop_nodes([slow])

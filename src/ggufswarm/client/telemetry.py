@@ -34,6 +34,17 @@ class StepTiming:
     # per hop, its step commitment (``{"in", "out", "key", "sig"}``: docs/protocol.md) or None (a session opened
     # without ``commit``, or a node that sent none)
     commits: list[dict | None] = field(default_factory=list)
+    # per hop, how long its caller waited for its reply (ms): the client's round trip for the first hop, the previous
+    # node's ``push_ms`` for the others — a hop's time measured from outside it (``own_ms``)
+    outer_ms: list[float] = field(default_factory=list)
+
+    def own_ms(self) -> list[float]:
+        """Per hop, the part of the step's time spent at it and on the way to it, as the hops before it measured:
+        ``outer_ms[k] - outer_ms[k + 1]`` (the last hop: ``outer_ms[-1]``), never below 0. A hop's own numbers only
+        enter through the time it says it waited for the next hop, so it cannot make itself look faster than it is
+        without making the next one look slower by as much."""
+        out = self.outer_ms
+        return [max(out[k] - (out[k + 1] if k + 1 < len(out) else 0.0), 0.0) for k in range(len(out))]
 
 
 @dataclass
@@ -60,9 +71,10 @@ class RouteTelemetry:
         ``commit`` when it sent one, kept with ``keep_commits``) and its round trip ``rtt`` (ms): a hop's network
         time is what its caller waited beyond its handling. ``step``: the step's number."""
         hops = reply["hops"]
-        network = []
+        network, waited = [], []
         outer = rtt
         for hop in hops:
+            waited.append(outer)
             network.append(max(outer - hop["handle_ms"], 0.0))
             outer = hop.get("push_ms", 0.0)
         self.steps.append(
@@ -77,6 +89,7 @@ class RouteTelemetry:
                 start,
                 step,
                 [h.get("commit") for h in hops] if self.keep_commits else [],
+                waited,
             )
         )
 

@@ -221,6 +221,7 @@ async def run(
             try:
                 await session.close()  # finishes releasing on the nodes even when this task is cancelled
             finally:
+                gw.timings.observe(session)  # each node's decode time, measured from outside it
                 gw.verifier.finish(watch, gw)  # no-op unless verifying; its audits wait for no one
 
 

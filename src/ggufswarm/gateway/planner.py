@@ -62,6 +62,52 @@ class Suspects:
             return set(self._until)
 
 
+class NodeTimings:
+    """Each node's decode time as this gateway measured it from outside (placement sanity, docs/protocol.md): per
+    finished session, the median over its one-token decode steps of the node's share of the step
+    (``StepTiming.own_ms``: what the hop before it waited, less what the node waited for the next one), folded into a
+    running mean per node key (``ALPHA`` for the newest session). Route planning never counts a node faster than
+    this (``GET /route``'s ``measured``), so a node that advertises speed it does not have gets no more routes than
+    its measured time earns. Thread-safe; shared by the models of a gateway."""
+
+    ALPHA = 0.5  # weight of the newest session's median
+    MAX_NODES = 256  # nodes remembered: the most recently measured
+    MAX_SENT = 64  # of which sent with a route query (~4.7 KB of URL: aiohttp takes request lines of 8190 bytes)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ms: dict[str, float] = {}  # node key -> ms per decode step, insertion order = least recently measured
+
+    def observe(self, session) -> None:
+        """Fold in what a finished route session (client.session.AsyncRouteSession) measured of each of its hops."""
+        keys = {h.url: h.node_id for h in session.route.hops if getattr(h, "node_id", None)}
+        shares: dict[str, list[float]] = {}
+        for step in session.measured.steps:
+            if step.n_tokens != 1 or step.verify or len(step.outer_ms) != len(step.urls):
+                continue
+            for url, ms in zip(step.urls, step.own_ms()):
+                if url in keys:
+                    shares.setdefault(keys[url], []).append(ms)
+        with self._lock:
+            for key, values in shares.items():
+                median = sorted(values)[len(values) // 2]
+                old = self._ms.pop(key, None)
+                self._ms[key] = median if old is None else self.ALPHA * median + (1 - self.ALPHA) * old
+            while len(self._ms) > self.MAX_NODES:
+                del self._ms[next(iter(self._ms))]
+
+    def get(self, key: str) -> float | None:
+        """The measured ms per decode step of node ``key``, or None."""
+        with self._lock:
+            return self._ms.get(key)
+
+    def query(self) -> str:
+        """``GET /route``'s ``measured`` parameter: ``key:ms,...`` ("" when nothing is measured yet)."""
+        with self._lock:
+            recent = list(self._ms.items())[-self.MAX_SENT :]
+        return ",".join(f"{k}:{v:.3f}" for k, v in recent)
+
+
 class RoutePlanner:
     """Routes and sessions of one served model (``model_name``, GGUF header ``fingerprint``: every node of every
     route must serve it), on the gateway's event loop: the tracker and the nodes are asked through ``http`` (the
@@ -81,6 +127,7 @@ class RoutePlanner:
         self.discovery = discovery  # a net.dht.Discovery (``--join`` with DHT contacts): routes without a tracker
         self._directory: Directory | None = None
         self.verifier = None  # the gateway's verify.Verifier (``attach``): its bans are never planned through
+        self.timings = NodeTimings()  # replaced by the gateway's shared one (gateway/state.py)
         self._fixed: RemoteRoute | None = None
         self._fixed_lock = asyncio.Lock()
 
@@ -122,6 +169,9 @@ class RoutePlanner:
         plans = [exclude | self.suspects.current(), exclude]  # then the suspects too: perhaps one is back
         for avoid in plans[:1] if plans[0] == plans[1] else plans:
             query = {"max_length": max_length}
+            measured = self.timings.query()
+            if measured:  # this gateway's own timing of nodes: a node never plans faster than that
+                query["measured"] = measured
             if avoid:
                 query["exclude"] = ",".join(sorted(avoid))
             if span:

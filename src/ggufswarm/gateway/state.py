@@ -24,7 +24,7 @@ from ..client.transport import new_http_session
 from ..swarm.directory import DirectoryError
 from .config import GatewayConfig
 from .errors import RequestError
-from .planner import RoutePlanner, Suspects
+from .planner import NodeTimings, RoutePlanner, Suspects
 from .verify import Verifier
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class Gateway:
             self._http: aiohttp.ClientSession | None = None  # started on the app's loop (start)
             self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="gateway")
             self.suspects = Suspects(TrackerClient(config.tracker, config.token) if config.tracker else None)
+            self.timings = NodeTimings()  # each node's decode time as this gateway measured it (placement sanity)
             self.created = int(time.time())
             trackers = (config.tracker, *config.more_trackers)
             # a fixed --route has no other node to replay a hop on: it does not verify (nor ask for commitments)
@@ -71,10 +72,12 @@ class Gateway:
             self.verifier = Verifier(rate, trackers, config.token, config.session_lease_s)
         else:  # one model of a gateway serving every model: the pool, what failed lately and the bans are shared
             self.pool, self.suspects, self.created = parent.pool, parent.suspects, parent.created
+            self.timings = parent.timings
             self.verifier = parent.verifier
         # --join with DHT contacts: routes planned from the DHT when no tracker answers (swarm.directory)
         self.discovery = parent.discovery if parent is not None else self._discovery(config)
         self.planner = RoutePlanner(config, self.suspects, self.model_name, None, self.discovery)
+        self.planner.timings = self.timings
         self.verifier.attach(self.planner)
         self._refresh: asyncio.Task | None = None  # with the DHT: the background listing (_keep_listing)
         self._models: dict[str, Gateway] = {}
