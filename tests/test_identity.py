@@ -12,8 +12,6 @@ import asyncio
 import gc
 import json
 import time
-import urllib.error
-import urllib.request
 from types import SimpleNamespace
 
 import aiohttp
@@ -21,6 +19,7 @@ import pytest
 from aiohttp import web
 from apphost import AppThread
 from identities import key, signed_ad
+from route_fixtures import http
 from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.manifest import Manifest
@@ -36,13 +35,8 @@ from ggufswarm.tracker.routing import check_signed
 
 
 def call(url, method="GET", body=None):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    """(status, JSON body) of one request (route_fixtures.http with the URL first)."""
+    return http(method, url, body, timeout=10)
 
 
 def ad_of(name: str, url: str | None = None, layers=(0, 4), n=4, **kw) -> dict:
