@@ -71,6 +71,7 @@ async def open_on(session: AsyncRouteSession, hops: list[Hop], i: int, wait: boo
             await session.call(hop.url, "POST", "/v1/sessions", body, "open session")
             break
         except RouteError as exc:
+            exc.next_hop = body["next_hop"]
             if not wait or exc.code != "kv_budget_full" or time.monotonic() + pause > deadline:
                 raise
             await asyncio.sleep(pause)

@@ -30,7 +30,8 @@ class RouteError(RuntimeError):
     """A route operation failed. ``status``: HTTP status to pass on; ``code``: protocol error code;
     ``hop``: URL of the node that failed (the message names it too); ``late``: it came back along the route
     for an earlier step the head had already answered (the route is broken; the step now waiting was not
-    lost on its own connection, so it is not resent as is)."""
+    lost on its own connection, so it is not resent as is); ``next_hop``: at an open, the URL of the node ``hop``
+    was asked to pass steps on to (``next_hop_unknown`` refuses that one, not ``hop``)."""
 
     def __init__(self, message: str, status: int = 502, code: str = "hop_failed", hop: str | None = None):
         super().__init__(message)
@@ -38,6 +39,7 @@ class RouteError(RuntimeError):
         self.code = code
         self.hop = hop
         self.late = False
+        self.next_hop: str | None = None
 
 
 # Errors that mean a node of the route is gone or lost the session: a repair can replace it.

@@ -237,7 +237,8 @@ class RoutePlanner:
     ):
         """Plan a route and open a session for prompt ``ids`` and ``opts.max_tokens`` on it: ``(AsyncRouteSession,
         its max_length)``. With a tracker, a node of the plan that fails to open (the tracker still lists it) is
-        suspected and the session planned again, OPEN_ATTEMPTS times at most. RouteError; RequestError
+        suspected and the session planned again, OPEN_ATTEMPTS times at most (a node refusing its next hop as
+        unknown, ``next_hop_unknown``: that next hop). RouteError; RequestError
         ``context_length_exceeded`` (param ``prompt_param``) for a prompt no route can hold."""
         max_tokens = opts.max_tokens
 
@@ -274,9 +275,16 @@ class RoutePlanner:
             try:
                 return await once()
             except RouteError as exc:
-                if not self.planned or exc.code not in REPAIRABLE or not exc.hop or attempt + 1 == OPEN_ATTEMPTS:
+                if not self.planned or not exc.hop or attempt + 1 == OPEN_ATTEMPTS:
                     raise
-                self.suspects.add(exc.hop)
+                if exc.code in REPAIRABLE:
+                    self.suspects.add(exc.hop)
+                elif exc.code == "next_hop_unknown" and exc.next_hop:
+                    # the node's own directory no longer lists its next hop (it just died, say) while this
+                    # gateway's listing, up to CACHE_S old, still did: plan again without that one
+                    self.suspects.add(exc.next_hop)
+                else:
+                    raise
         raise AssertionError("unreachable")
 
     async def _route_holding(
