@@ -15,6 +15,7 @@ import time
 from types import SimpleNamespace
 
 import aiohttp
+import identities
 import pytest
 from aiohttp import web
 from apphost import AppThread
@@ -40,20 +41,8 @@ def call(url, method="GET", body=None):
 
 
 def ad_of(name: str, url: str | None = None, layers=(0, 4), n=4, **kw) -> dict:
-    """An unsigned advertisement of model ``tiny`` by test node ``name`` (signed_ad signs it)."""
-    return {
-        "node_id": name,
-        "url": url or f"http://{name}",
-        "model": "tiny",
-        "layers": list(layers),
-        "embed": layers[0] == 0,
-        "head": layers[1] == n,
-        "state": "ready",
-        "free_kv_tokens": 4096,
-        "decode_ms": 5.0,
-        "extra": {"hop": {"n_layers": n}},
-        **kw,
-    }
+    """An unsigned advertisement of model ``tiny`` by test node ``name`` (signed_ad signs it), with its hop header."""
+    return identities.ad_of(name, url, layers, n, **{"extra": {"hop": {"n_layers": n}}, **kw})
 
 
 @pytest.fixture(scope="module")

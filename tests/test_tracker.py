@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 from apphost import AppThread
-from identities import key, signed_ad
+from identities import ad_of, key, signed_ad
 from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.manifest import Manifest
@@ -31,18 +31,7 @@ def call(url, method="GET", body=None):
 
 
 def beat(url, node, layers, n=4, sign=True, **kw):
-    body = {
-        "node_id": node,
-        "url": f"http://{node}",
-        "model": "tiny",
-        "layers": list(layers),
-        "embed": layers[0] == 0,
-        "head": layers[1] == n,
-        "state": "ready",
-        "free_kv_tokens": 4096,
-        "decode_ms": 5.0,
-        **kw,
-    }
+    body = ad_of(node, None, layers, n, **kw)
     return call(f"{url}/nodes/heartbeat", "POST", signed_ad(body) if sign else body)
 
 
@@ -140,36 +129,12 @@ def test_status_page_renders_in_headless_chromium(tmp_path, tiny_artifact, token
         call(
             f"{base}/nodes/heartbeat{query}",
             "POST",
-            signed_ad(
-                {
-                    "node_id": "node-a",
-                    "url": "http://node-a",
-                    "model": "tiny",
-                    "layers": [0, 2],
-                    "embed": True,
-                    "head": False,
-                    "state": "ready",
-                    "free_kv_tokens": 4096,
-                    "decode_ms": 5.0,
-                }
-            ),
+            signed_ad(ad_of("node-a", layers=(0, 2))),
         )
         call(
             f"{base}/nodes/heartbeat{query}",
             "POST",
-            signed_ad(
-                {
-                    "node_id": "node-b",
-                    "url": "http://node-b",
-                    "model": "tiny",
-                    "layers": [2, 4],
-                    "embed": False,
-                    "head": True,
-                    "state": "loading",
-                    "free_kv_tokens": 4096,
-                    "decode_ms": 5.0,
-                }
-            ),
+            signed_ad(ad_of("node-b", layers=(2, 4), state="loading")),
         )
         out = subprocess.run(
             [
@@ -315,18 +280,7 @@ def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path, tiny_artifact):
             (
                 "POST",
                 "/nodes/heartbeat",
-                signed_ad(
-                    {
-                        "node_id": "a",
-                        "url": "http://a",
-                        "model": "tiny",
-                        "layers": [0, 2],
-                        "embed": True,
-                        "head": False,
-                        "state": "ready",
-                        "free_kv_tokens": 4096,
-                    }
-                ),
+                signed_ad(ad_of("a", layers=(0, 2))),
             ),
         ):
             req = urllib.request.Request(tracker + where, json.dumps(sent).encode(), headers, method=method)
