@@ -3,10 +3,11 @@ greedy sessions on the 3-node route, next to llama-server ``--parallel 16`` with
 decode step of a running session while another session's 4K-token prompt is prefilled on the same route.
 
 Model: the embedded default (Gemma 3 270M Q4_K_M). Route: three ``ggufswarm node`` processes (blocks 0-5 / 6-11 /
-12-17, 1 thread each, ``--max-sessions`` = the most sessions measured), once per ``--batch-group`` value (3: every
-session's result bitwise its result alone, the default; larger: the throughput mode, one unified KV stream per
-node so that any sessions share a graph evaluation, not bitwise). Each session has its own prompt (``--prompt`` tokens
-of the GPL excerpt, each from another offset),
+12-17, 1 thread each, ``--max-sessions`` = the most sessions measured), once per ``--modes`` entry: ``exact`` (the
+default: every session's result bitwise its result alone; with llama.cpp patch 0005 any number of sessions per
+ubatch), ``exact3`` (exact with ``--batch-group 3``: what the exact mode was before patch 0005), ``throughput``
+(``--batching throughput``: one unified KV stream per node so that any sessions share a graph evaluation, not
+bitwise). Each session has its own prompt (``--prompt`` tokens of the GPL excerpt, each from another offset),
 prefilled before the clock starts; then all decode ``--decode`` tokens at once, each in its own client thread;
 aggregate = all decoded tokens / wall time from the common start to the last token.
 
@@ -24,7 +25,7 @@ Numbers depend on an idle machine: run it alone. ``--quick`` only checks that it
 a few tokens, a 1K prompt).
 
 Usage: .venv/bin/python bench/bench_batching.py [--sessions 1,4,16,32] [--decode 64] [--prompt 64]
-       [--batch-groups 3,32] [--long 4096] [--quick]
+       [--modes exact,exact3,throughput] [--long 4096] [--quick]
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def start_llama_server(path: str, n_ctx_seq: int, threads: int, parallel: int = 
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "LLAMA_BATCH_INVARIANT"},  # llama-server as shipped
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -178,14 +180,21 @@ def start_llama_server(path: str, n_ctx_seq: int, threads: int, parallel: int = 
     raise RuntimeError("llama-server not ready within 300 s")
 
 
-def prefill_interference(path: str, ids: list[int], long_n: int, n_base: int, group: int) -> dict:
+MODES = {  # --modes entry -> node flags
+    "exact": ["--batching", "exact"],
+    "exact3": ["--batching", "exact", "--batch-group", "3"],
+    "throughput": ["--batching", "throughput"],
+}
+
+
+def prefill_interference(path: str, ids: list[int], long_n: int, n_base: int, mode: str) -> dict:
     """Session A's decode steps alone and while B prefills ``long_n`` tokens on the same route (seconds, counts)."""
     ctx = max(4096, -(-(long_n + 600) // 256) * 256)
     nodes = start_nodes(
         even_split(18, 3),
         path,
         threads=1,
-        extra=["--ctx-size", str(ctx), "--max-sessions", "2", "--batch-group", str(group), "--hop-timeout", "600"],
+        extra=["--ctx-size", str(ctx), "--max-sessions", "2", *MODES[mode], "--hop-timeout", "600"],
     )
     try:
         urls = [n.url for n in nodes]
@@ -226,19 +235,28 @@ def prefill_interference(path: str, ids: list[int], long_n: int, n_base: int, gr
     }
 
 
+def _mean(after: dict, before: dict, what: str) -> float:
+    """Sessions per shared decode (``what`` = "batches") or per ubatch ("ubatches") between two /health batching
+    readings of one node; 1.0 when it ran none."""
+    n = (after.get(what) or 0) - (before.get(what) or 0)
+    return (after.get("batched_steps", 0) - before.get("batched_steps", 0)) / n if n > 0 else 1.0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", default="1,4,16,32", help="concurrent session counts (default 1,4,16,32)")
     ap.add_argument("--decode", type=int, default=64, help="tokens each session decodes (default 64)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per session (default 64)")
-    ap.add_argument("--batch-groups", default="3,32", help="node --batch-group values to run (default 3,32)")
+    ap.add_argument("--modes", default="exact,exact3,throughput", help="node batching modes (default: all three)")
     ap.add_argument("--long", type=int, default=4096, help="prompt tokens of the prefill run (default 4096)")
     ap.add_argument("--quick", action="store_true", help="check that it works: 1,4 sessions, 8 tokens, 1K prefill")
     args = ap.parse_args()
     if args.quick:
-        args.sessions, args.decode, args.prompt, args.batch_groups, args.long = "1,4", 8, 32, "3", 1024
+        args.sessions, args.decode, args.prompt, args.modes, args.long = "1,4", 8, 32, "exact", 1024
     counts = [int(x) for x in args.sessions.split(",")]
-    groups = [int(x) for x in args.batch_groups.split(",")]
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in MODES]:
+        ap.error(f"--modes: unknown {unknown}; choose from {sorted(MODES)}")
     path = str(default_model_path())
     f = GGUFModelFile(path)
     ids = Tokenizer(path, f.metadata).encode(TEXT)
@@ -250,7 +268,7 @@ def main() -> int:
     )
 
     rows: dict[str, dict[int, dict]] = {}
-    for group in groups:
+    for mode in modes:
         nodes = start_nodes(
             even_split(18, 3),
             path,
@@ -260,8 +278,7 @@ def main() -> int:
                 str(max(counts)),
                 "--ctx-size",
                 str(ctx),
-                "--batch-group",
-                str(group),
+                *MODES[mode],
                 "--hop-timeout",
                 "600",
             ],
@@ -273,15 +290,14 @@ def main() -> int:
                 before = batching_counters(urls)
                 r = route_aggregate(urls, prompts(ids, n, args.prompt), args.decode)
                 after = batching_counters(urls)
-                r["mean_batch"] = max(
-                    (a.get("batched_steps", 0) - b.get("batched_steps", 0))
-                    / (a.get("batches", 0) - b.get("batches", 0))
-                    if a.get("batches", 0) > b.get("batches", 0)
-                    else 1.0
-                    for a, b in zip(after, before)
+                r["mean_batch"] = max(_mean(a, b, "batches") for a, b in zip(after, before))
+                r["mean_ubatch"] = max(_mean(a, b, "ubatches") for a, b in zip(after, before))
+                rows.setdefault(f"route, {mode}", {})[n] = r
+                print(
+                    f"  route {mode}, {n} sessions: {r['tok_s']:.1f} tok/s aggregate (sessions per batch "
+                    f"{r['mean_batch']:.1f}, per ubatch {r['mean_ubatch']:.1f})",
+                    flush=True,
                 )
-                rows.setdefault(f"route, --batch-group {group}", {})[n] = r
-                print(f"  route group {group}, {n} sessions: {r['tok_s']:.1f} tok/s aggregate", flush=True)
         finally:
             stop_nodes(nodes)
     proc, base = start_llama_server(path, ctx, sum(THREADS_PER_NODE))
@@ -298,12 +314,16 @@ def main() -> int:
             proc.terminate()
             proc.wait(30)
 
-    print("\naggregate decode tok/s (in brackets: mean sessions per shared llama_decode on the node batching most)")
+    print(
+        "\naggregate decode tok/s (in brackets: mean sessions per shared llama_decode / per ubatch on the node "
+        "batching most)"
+    )
     print("\n| | " + " | ".join(f"{n} sessions" for n in counts) + " | aggregate x single |")
     print("|---|" + "---|" * (len(counts) + 1))
     for name, by_n in rows.items():
         cells = [
-            f"{by_n[n]['tok_s']:.1f}" + (f" (batch {by_n[n]['mean_batch']:.1f})" if "mean_batch" in by_n[n] else "")
+            f"{by_n[n]['tok_s']:.1f}"
+            + (f" ({by_n[n]['mean_batch']:.1f} / {by_n[n]['mean_ubatch']:.1f})" if "mean_batch" in by_n[n] else "")
             for n in counts
         ]
         scale = by_n[max(counts)]["tok_s"] / by_n[min(counts)]["tok_s"]
@@ -317,7 +337,7 @@ def main() -> int:
                 line += f", {by_n[16]['tok_s'] / server[16]['tok_s']:.2f}x llama-server's 16 (target 0.8)"
             print(line)
 
-    p = prefill_interference(path, ids, args.long, 16, groups[0])
+    p = prefill_interference(path, ids, args.long, 16, modes[0])
     print(
         f"\n| decode of a running session | median step ms | largest step ms | its tokens |\n|---|---|---|---|\n"
         f"| alone | {p['alone_ms']:.1f} | | |\n"

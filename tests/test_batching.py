@@ -6,7 +6,7 @@ ubatch pieces) against ``apply`` (bitwise). Route: 16 concurrent greedy sessions
 each exactly the tokens and logprobs of the same request run alone, with the nodes batching; on a node, one
 session's bad step in a batch fails only that step; a session keeps
 decoding while another's 4K-token prompt is prefilled, its largest inter-token gap well under one prefill step.
-Throughput mode (``--batch-group`` above 3, one unified KV stream): any sessions share a ubatch, each attending
+Throughput mode (``--batching throughput``, one unified KV stream): any sessions share a ubatch, each attending
 only to its own cells (within float rounding of its run alone).
 """
 
@@ -26,6 +26,7 @@ from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.route import RemoteRoute
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.kv import ContextOverflow, TokenOutOfRange
+from ggufswarm.runtime.llamacpp import batch, patches
 from ggufswarm.runtime.llamacpp.backend import LlamaCppShard
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.sessions import SessionStore
@@ -51,31 +52,103 @@ def _prompts(n: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.tensor(rng.integers(10, 20000, int(k)), dtype=torch.int64) for k in rng.integers(3, 700, n)]
 
 
-def test_forward_batch_is_bitwise_forward(gemma_file, tmp_path_factory):
-    """8 sessions of different lengths, 3 decode steps: each shard's forward_batch rows equal forward's, bitwise
-    (batch_group 3); the two shard chains are fed the same inputs."""
-    n = 8
+def test_forward_batch_is_bitwise_forward(gemma_file, tmp_path_factory, monkeypatch):
+    """16 sessions of different lengths, 3 decode steps: each shard's forward_batch rows equal forward's, bitwise;
+    the shard chains are fed the same inputs. With llama.cpp patch 0005 (batch-invariant decode) all 16 share one
+    ubatch, and a chain without it (LLAMA_BATCH_INVARIANT=0) forced to batch 16 does not give the rows alone (what
+    the patch is for); without the patch, groups of 3."""
+    n = 16
     alone, batched = _chain(gemma_file, tmp_path_factory, n), _chain(gemma_file, tmp_path_factory, n)
-    assert all(sh.batch_group == 3 for sh in batched)
+    invariant = patches.applied(batch.INVARIANT_PATCH)
+    assert all(sh.batch_invariant == invariant for sh in batched)
+    assert all(sh.batch_group == (batch.INVARIANT_BATCH_GROUP if invariant else 3) for sh in batched)
+    chains = [batched]
+    if invariant:
+        monkeypatch.setenv(batch.INVARIANT_ENV, "0")
+        chains.append(_chain(gemma_file, tmp_path_factory, n))
+        monkeypatch.undo()
+        for sh in chains[1]:
+            assert not sh.batch_invariant
+            sh.batch_group = n
     kv_a = [[sh.new_session(1024) for sh in alone] for _ in range(n)]
-    kv_b = [[sh.new_session(1024) for sh in batched] for _ in range(n)]
+    kv_b = [[[sh.new_session(1024) for sh in chain] for _ in range(n)] for chain in chains]
     toks = []
     for i, p in enumerate(_prompts(n)):
         x = p
-        for k in range(3):  # the same prefill on both chains (each shard fed the alone chain's input)
-            batched[k].forward(kv_b[i][k], x)
+        for k in range(3):  # the same prefill on every chain (each shard fed the alone chain's input)
+            for c, chain in enumerate(chains):
+                chain[k].forward(kv_b[c][i][k], x)
             x = alone[k].forward(kv_a[i][k], x)
         toks.append(int(x[-1].argmax()))
+    differ = 0
     for _ in range(3):
         ins = [torch.tensor([t]) for t in toks]
         for k in range(3):
             want = [alone[k].forward(kv_a[i][k], ins[i]) for i in range(n)]
-            got = batched[k].forward_batch([(kv_b[i][k], ins[i]) for i in range(n)])
+            got = [ch[k].forward_batch([(kv_b[c][i][k], ins[i]) for i in range(n)]) for c, ch in enumerate(chains)]
             for i in range(n):
-                assert np.array_equal(want[i], got[i]), f"shard {k} session {i}"
-                assert kv_b[i][k].length == kv_a[i][k].length
+                assert np.array_equal(want[i], got[0][i]), f"shard {k} session {i}"
+                assert kv_b[0][i][k].length == kv_a[i][k].length
+                differ += len(got) > 1 and not np.array_equal(want[i], got[1][i])
             ins = want
         toks = [int(w[-1].argmax()) for w in want]
+    if invariant:
+        # every session in one ubatch (the ids are consecutive), and the stock kernels for 16 rows round otherwise
+        assert all(sh.largest_ubatch == n for sh in batched), [sh.largest_ubatch for sh in batched]
+        assert differ > 0
+    for sh in alone + [sh for chain in chains for sh in chain]:
+        sh.close()
+
+
+@pytest.mark.skipif(not patches.applied(batch.INVARIANT_PATCH), reason="needs llama.cpp patch 0005 (make setup)")
+def test_cohorts_move_to_consecutive_ids_and_stay_bitwise(gemma_file, tmp_path_factory):
+    """Two cohorts of 8 sessions with interleaved sequence ids (even / odd, as a route's pipeline hands them to a
+    node) take turns: the first batch of each moves its sessions to consecutive ids (cross-stream KV copies through
+    the spare stream), after which each cohort is one ubatch with no more copies; every row stays bitwise the
+    session's step alone, and a moved session still truncates and closes by its new id."""
+    n = 16
+    alone, batched = _chain(gemma_file, tmp_path_factory, n), _chain(gemma_file, tmp_path_factory, n)
+    assert all(sh.spare_seq == n for sh in batched)
+    kv_a = [[sh.new_session(1024) for sh in alone] for _ in range(n)]
+    kv_b = [[sh.new_session(1024) for sh in batched] for _ in range(n)]
+    toks = []
+    for i, p in enumerate(_prompts(n, seed=5)):
+        x = p
+        for k in range(3):
+            batched[k].forward(kv_b[i][k], x)
+            x = alone[k].forward(kv_a[i][k], x)
+        toks.append(int(x[-1].argmax()))
+    cohorts = [list(range(0, n, 2)), list(range(1, n, 2))]
+    copies = []
+    for rnd in range(4):
+        chosen = cohorts[rnd % 2]
+        ins = {i: torch.tensor([toks[i]]) for i in chosen}
+        for k in range(3):
+            want = {i: alone[k].forward(kv_a[i][k], ins[i]) for i in chosen}
+            before = batched[k].decode_ubatches
+            got = batched[k].forward_batch([(kv_b[i][k], ins[i]) for i in chosen])
+            assert batched[k].decode_ubatches - before == 1, f"round {rnd} shard {k}: cohort not in one ubatch"
+            for j, i in enumerate(chosen):
+                assert np.array_equal(got[j], want[i]), f"round {rnd} shard {k} session {i}"
+            ins = want
+        for i in chosen:
+            toks[i] = int(want[i][-1].argmax())
+        copies.append(batched[0].stream_copies)
+    assert copies[0] > 0 and copies[1] == copies[2] == copies[3], copies  # moved once, then stable
+    ids = sorted(kv_b[i][0].seq_id for i in cohorts[0])
+    assert ids == list(range(ids[0], ids[0] + 8)), ids
+    # a moved session keeps working by its new id: truncate, step again (bitwise), close frees that id
+    i = cohorts[0][1]
+    for kvs in (kv_a[i], kv_b[i]):
+        for kv in kvs:
+            kv.truncate(kv.length - 1)
+    x, y = torch.tensor([toks[i]]), torch.tensor([toks[i]])
+    for k in range(3):
+        x, y = alone[k].forward(kv_a[i][k], x), batched[k].forward(kv_b[i][k], y)
+        assert np.array_equal(x, y)
+    freed = kv_b[i][0].seq_id
+    kv_b[i][0].close()
+    assert freed in batched[0]._free_seqs
     for sh in alone + batched:
         sh.close()
 
@@ -306,17 +379,19 @@ def test_16_concurrent_sessions_equal_alone(batching_cluster, gemma):
     # steps that arrive during a step are read together and share the next llama_decode (none runs inline alone)
     decode_steps = len(prompts) * (n - 1)
     assert after[-1]["batched_steps"] - before[-1]["batched_steps"] >= decode_steps // 2, (before[-1], after[-1])
+    if patches.applied(batch.INVARIANT_PATCH):  # batch-invariant decode: more than 3 sessions in one ubatch
+        assert after[-1]["largest_ubatch"] > 3, after[-1]
 
 
 def test_throughput_mode_16_sessions(gemma_path, gemma):
-    """A 3-node route with --batch-group 32 (one unified KV stream per node): 16 concurrent greedy sessions all
+    """A 3-node route with --batching throughput (one unified KV stream per node): 16 concurrent greedy sessions all
     finish, the head runs their decode steps in batches of more than 3 sessions, and each session's tokens are the
     ones it gets alone (most sessions exactly; the others leave them only for one of the alone run's top 3)."""
     nodes = start_nodes(
         even_split(18, 3),
         str(gemma_path),
         threads=1,
-        extra=["--max-sessions", "16", "--ctx-size", "1024", "--hop-timeout", "60", "--batch-group", "32"],
+        extra=["--max-sessions", "16", "--ctx-size", "1024", "--hop-timeout", "60", "--batching", "throughput"],
     )
     prompts, n = _sixteen_prompts(gemma), 10
     try:

@@ -169,6 +169,7 @@ def cmd_node(args) -> int:
             threads=args.threads,
             ctx_size=args.ctx_size,
             max_sessions=args.max_sessions,
+            batching=args.batching,
             batch_group=args.batch_group,
             kv_budget_tokens=args.kv_budget,
             kv_budget_mb=args.kv_budget_mb,

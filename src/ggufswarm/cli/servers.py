@@ -43,16 +43,17 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         required=command != "join",
         default="auto" if command == "join" else None,
         metavar="START:END",
-        help="layer range to serve, e.g. 0:6; with --tracker also 'auto': a range that fits in "
-        "--memory-budget, on the cuts the swarm's nodes already use (so it can replace or chain with "
-        "them) where the swarm has the fewest nodes (embed/head follow the range)",
+        help="layer range to serve, e.g. 0:6; with --tracker or a join link also 'auto' (join's default): "
+        "a range that fits in --memory-budget, on the cuts the swarm's nodes already use (so it can replace or "
+        "chain with them) where the swarm has the fewest nodes (embed/head follow the range)",
     )
     n.add_argument("--embed", action="store_true", help="also run the embedding stage (first shard of a route)")
     n.add_argument("--head", action="store_true", help="also run output norm, LM head and sampler (last shard)")
     n.add_argument(
         "--model",
         metavar="PATH|NAME",
-        help="GGUF file; with --tracker the published model name. Default: embedded Gemma 3 270M",
+        help="GGUF file; with --tracker the published model name (join: the link names it). "
+        "Default: embedded Gemma 3 270M",
     )
     n.add_argument(
         "--tracker",
@@ -64,8 +65,10 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         "--data-dir",
         default="ggufswarm-data",
         metavar="DIR",
-        help="where swarm-fetched shards (sparse files) and the llama.cpp backend's derived shard GGUFs "
-        "(DIR/shards, one per layer range, reused across restarts) are kept; default ./ggufswarm-data",
+        help="where swarm-fetched shards (sparse files), the llama.cpp backend's derived shard GGUFs "
+        "(DIR/shards, one per layer range, reused across restarts) and the node's identity key (DIR/identity.key: "
+        "its id in the swarm, kept across restarts; nodes sharing a DIR take identity-1.key, identity-2.key, ... "
+        "in start order) are kept; default ./ggufswarm-data. Give each node its own DIR to keep its own key",
     )
     n.add_argument(
         "--memory-budget",
@@ -111,16 +114,24 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         "the KV budget, so no single request takes all of it",
     )
     n.add_argument(
+        "--batching",
+        choices=("exact", "throughput"),
+        default="exact",
+        help="llama.cpp backend: decode steps of different sessions that arrive while the shard is busy "
+        "run together. exact (default): each session's result stays bitwise equal to running it alone "
+        "(one KV stream per session; with ggufswarm's llama.cpp patch 0005 any number of sessions per "
+        "graph evaluation, without it at most 3: llama.cpp's CPU matmul rounds differently from 4 rows "
+        "on). throughput: all sessions' KV cells in one llama.cpp stream, so that any of them batch "
+        "together (with one stream per session only consecutive sequence ids can); faster with many "
+        "sessions, not bitwise",
+    )
+    n.add_argument(
         "--batch-group",
         type=int,
-        default=3,
+        default=None,
         metavar="N",
-        help="llama.cpp backend: decode steps of different sessions that arrive while the shard is busy "
-        "run together; at most N sessions share one graph evaluation (default 3: each session's "
-        "result stays bitwise equal to running it alone; llama.cpp's CPU matmul rounds differently "
-        "from 4 rows on). Larger is the throughput mode: all sessions' KV cells in one llama.cpp "
-        "stream, so that any of them batch together (with one stream per session only consecutive "
-        "sequence ids can); much faster with many sessions, not bitwise",
+        help="llama.cpp backend: at most N sessions share one graph evaluation (default: exact mode 64 "
+        "with patch 0005, else 3; throughput mode 32)",
     )
     n.add_argument(
         "--kv-budget",
@@ -359,7 +370,8 @@ def add_demo_parser(sub) -> argparse.ArgumentParser:
     """Add ``ggufswarm demo`` to the subparsers ``sub``; its parser."""
     d = sub.add_parser(
         "demo",
-        help="start N nodes + a gateway on loopback and stream one answer (the main job)",
+        help="start N nodes + a gateway on loopback and stream one answer (the main job); --serve keeps the "
+        "swarm up behind an OpenAI-compatible API",
         description="The whole story on loopback: a tracker, a publisher seeding the model, --nodes "
         "node processes each fetching only its layers (even split) through the swarm, "
         "a gateway routing through the tracker; sends PROMPT through the OpenAI API and "

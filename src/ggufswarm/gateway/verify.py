@@ -299,7 +299,7 @@ class Verifier:
         if numerics is None:
             raise Unverifiable("the audited node advertises no numerics id")
         if (mine.get("extra") or {}).get("numerics", {}).get("batching", "exact") != "exact":
-            # --batch-group over 3: its bits depend on the sessions batched with it; a replay alone would differ
+            # --batching throughput: its bits depend on the sessions batched with it; a replay alone would differ
             raise Unverifiable("the audited node batches for throughput: its outputs are not reproducible")
         found = []
         for ad in ads:

@@ -58,6 +58,10 @@ class StepBatcher:
             "batches": self.batches,
             "batched_steps": self.batched_steps,
             "largest_batch": self.largest_batch,
+            # ubatches of the shared decodes (llama.cpp splits a batch: exact mode, only consecutive sequence ids)
+            "ubatches": getattr(self.store.executor, "decode_ubatches", None),
+            "largest_ubatch": getattr(self.store.executor, "largest_ubatch", None),
+            "stream_copies": getattr(self.store.executor, "stream_copies", None),  # exact mode: sessions moved
             "prefill_pieces": self.prefill_pieces,
             "queued": len(self.decodes) + len(self.prefills),
         }

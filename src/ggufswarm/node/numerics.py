@@ -8,7 +8,7 @@ digest of the canonical JSON of the rest, net/identity.py ``canonical``); ``weig
 On llama.cpp also ``llama_cpp`` (``{"python", "ggml", "commit", "patches"}``: the llama-cpp-python version, ggml's
 version and source commit, and the patches of ggufswarm's queue the loaded libllama carries), ``offload`` (a build
 that can run layers on a GPU), ``threads``, ``n_ubatch`` and ``batching`` (``"exact"``, or ``"throughput"``:
-``--batch-group`` over 3, where a step's bits depend on the other sessions batched with it). On torch also
+``--batching throughput``, where a step's bits depend on the other sessions batched with it). On torch also
 ``torch`` (its version) and ``dtype`` (the compute dtype).
 
 What changes the bits, measured here (2-core AMD EPYC with AVX-512, the bundled llama.cpp, Gemma 3 270M Q4_K_M;
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ..net.identity import canonical
 from ..runtime.digest import digest
-from .state import EXACT_BATCH_GROUP, NodeState
+from .state import NodeState
 
 ID_HEX = 16  # characters of ``id``
 
@@ -90,7 +90,7 @@ def _llama_cpp(state: NodeState) -> dict:
         "offload": bool(L.llama_supports_gpu_offload()),
         "threads": getattr(executor, "threads", None),
         "n_ubatch": getattr(executor, "n_ubatch", None),
-        "batching": "exact" if state.config.batch_group <= EXACT_BATCH_GROUP else "throughput",
+        "batching": state.config.batching,
     }
 
 

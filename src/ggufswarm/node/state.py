@@ -24,10 +24,10 @@ from ..runtime.sessions import SessionStore
 from .link import HopLinks
 
 NODE = web.AppKey("node", object)  # the app's NodeState
-# --batch-group up to this: llama.cpp sessions batched together stay bitwise their runs alone
-# (LlamaCppShard.batch_group); above it the node's throughput mode: one unified KV stream, so that any of its
-# sessions share a ubatch
-EXACT_BATCH_GROUP = 3
+# --batching: "exact" (default) keeps every session's result bitwise its run alone (one llama.cpp KV stream per
+# session; how many share a ubatch: runtime/llamacpp/batch.py); "throughput": one unified KV stream, so that any of
+# its sessions share a ubatch, not bitwise
+BATCHING_MODES = ("exact", "throughput")
 STEP_KINDS = ("prefill", "decode")  # the ``kind`` label of the step metrics
 BYTES_PER_MIB = 2**20
 # frame body bytes per token beyond its f32 hidden state row: the token-id trailer (int32)
@@ -51,8 +51,8 @@ class NodeConfig:
     threads: int | None = None  # llama.cpp decode/batch threads (None: all cores)
     ctx_size: int = 8192  # llama.cpp: KV cells per session = the longest session (tokens)
     max_sessions: int = 4  # llama.cpp: sessions at once (sequence ids of the context)
-    batch_group: int = EXACT_BATCH_GROUP  # llama.cpp: most sessions per shared ubatch (<= EXACT_BATCH_GROUP:
-    # bitwise as alone; more: one unified KV stream, not bitwise)
+    batching: str = "exact"  # llama.cpp: BATCHING_MODES
+    batch_group: int | None = None  # llama.cpp: most sessions per shared ubatch (None: the mode's default)
     kv_budget_tokens: int = 262144
     kv_budget_mb: float | None = None
     session_ttl_s: float = 300.0
@@ -87,7 +87,8 @@ class NodeState:
     """Everything a node's handlers share: the shard (a ``runtime.backends.ShardBackend``), its session store,
     metrics, the tracker client and the links to next hops.
 
-    Raises ValueError for a ``batch_group`` below 1 on a shard that batches."""
+    Raises ValueError for a ``batch_group`` below 1 on a shard that batches, or above what stays bitwise in the
+    exact mode."""
 
     def __init__(self, config: NodeConfig, executor: ShardBackend):
         self.config = config
@@ -120,10 +121,19 @@ class NodeState:
         if executor.supports_batch and self.inline_lock is not None:
             from .batching import StepBatcher
 
-            if config.batch_group < 1:
-                raise ValueError(f"--batch-group must be at least 1, got {config.batch_group}")
-            executor.batch_group = config.batch_group
+            group = config.batch_group
+            if group is not None and group < 1:
+                raise ValueError(f"--batch-group must be at least 1, got {group}")
+            if group is not None and config.batching == "exact" and group > executor.batch_group:
+                raise ValueError(
+                    f"--batch-group {group}: at most {executor.batch_group} sessions per ubatch stay bitwise their "
+                    "runs alone with this llama.cpp (batch-invariant decode needs llama.cpp patch 0005, which "
+                    "`make setup` builds); use --batching throughput for more, not bitwise"
+                )
+            if group is not None:
+                executor.batch_group = group
             self.batcher = StepBatcher(self.store, self.pool)
+        self.banned: str | None = None  # why it stopped: a tracker refused its key as banned (advertise.heartbeats)
         self.active_sessions = 0  # sessions with a step in flight here (their stepping > 0)
         # link messages read but not yet started: the steps of several sessions that arrived while the shard computed
         # (one loop iteration reads them all, their tasks then start one after another; see steps.apply)
@@ -286,7 +296,11 @@ class NodeState:
             "links": {"in": len(self.links_in), "replies": len(self.reply_links), **self.links.counts()},
             "batching": None
             if self.batcher is None
-            else {"batch_group": self.config.batch_group, **self.batcher.counters()},
+            else {
+                "mode": self.config.batching,
+                "batch_group": self.executor.batch_group,
+                **self.batcher.counters(),
+            },
             "reach": self.reach.to_json() if self.reach is not None else {"path": "direct"},
             "relay": self.relay_server.stats() if self.relay_server is not None else None,
         }
@@ -316,4 +330,4 @@ def parse_session_id(text) -> uuid.UUID:
         raise ProtocolError("bad_request", f"session_id must be a UUID, got {text!r}") from None
 
 
-__all__ = ["EXACT_BATCH_GROUP", "NODE", "NodeConfig", "NodeState", "json_response", "parse_session_id"]
+__all__ = ["BATCHING_MODES", "NODE", "NodeConfig", "NodeState", "json_response", "parse_session_id"]

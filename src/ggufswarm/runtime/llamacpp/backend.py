@@ -24,6 +24,7 @@ import ctypes
 import heapq
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,9 +113,12 @@ class LlamaCppShard:
     step_grouping_matters = True
     state_snapshots = True
     sampler_class = LlamaCppSampler  # the head draws with llama.cpp's sampler chain
-    # forward_batch: most sessions whose decode steps share one ubatch; up to EXACT_BATCH_GROUP stays bitwise
-    # (docs/protocol.md, "Exactness"), more is the throughput mode
+    # forward_batch: most sessions whose decode steps share one ubatch (set per instance: batch.default_batch_group;
+    # docs/protocol.md, "Exactness")
     batch_group: int = batch.EXACT_BATCH_GROUP
+    decode_ubatches = 0  # ubatches forward_batch's shared decodes ran (/health: sessions per ubatch)
+    largest_ubatch = 0  # most sessions one of them held
+    stream_copies = 0  # KV streams copied to give batched sessions consecutive ids (batch.compact)
 
     def __init__(
         self,
@@ -152,6 +156,7 @@ class LlamaCppShard:
         self.embedding = TokenEmbedding(model) if spec.embed and not spec.head else None
         self._lock = threading.RLock()  # reentrant: SeqKV.__del__ may run inside a step
         self._free_seqs = list(range(n_seq_max))  # a heap: the lowest free id first (keeps ids consecutive)
+        self._sessions: weakref.WeakSet[SeqKV] = weakref.WeakSet()  # handed out by new_session (batch.compact)
         self._kv_bytes = kv_bytes_per_token(model, spec)
         recr = recurrent_layers(model)
         # llama.cpp cannot roll this shard's sessions back partway: recurrent blocks, or a cache that refuses it
@@ -183,10 +188,15 @@ class LlamaCppShard:
         cparams = L.llama_context_default_params()
         # unified KV: every session may hold its n_ctx_seq rounded up as llama.cpp rounds a stream's
         per_session = -(-n_ctx_seq // KV_STREAM_ROUNDING) * KV_STREAM_ROUNDING if kv_unified else n_ctx_seq
-        cparams.n_ctx = per_session * n_seq_max
+        # a decode ubatch of several sessions gives each its bits alone (patch 0005, read by libllama when the
+        # context is created), so all may share it; one more stream: batch.compact's spare for swapping two sessions
+        self.batch_invariant = batch.enable_batch_invariance() and not kv_unified
+        self.spare_seq = n_seq_max if self.batch_invariant and n_seq_max < MAX_SEQUENCES else None
+        n_streams = n_seq_max + (self.spare_seq is not None)
+        cparams.n_ctx = per_session * n_streams
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(n_ubatch, n_batch)
-        cparams.n_seq_max = n_seq_max
+        cparams.n_seq_max = n_streams
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads
         cparams.kv_unified = self.kv_unified = bool(kv_unified)  # False: one KV stream per session (module docstring)
@@ -196,7 +206,7 @@ class LlamaCppShard:
         # outputs llama.cpp may return per ubatch (sizes the LM head's compute buffer: 512 x n_vocab floats would
         # be 512 MiB for Gemma); llama.cpp asserts it is at least n_seq_max (src/llama-context.cpp output_reserve)
         # a head also returns every row of a speculative verify step (up to MAX_VERIFY_TOKENS: 16 x n_vocab floats)
-        self.max_outputs = n_batch if all_logits or not spec.head else min(max(n_seq_max, MAX_VERIFY_TOKENS), n_batch)
+        self.max_outputs = n_batch if all_logits or not spec.head else min(max(n_streams, MAX_VERIFY_TOKENS), n_batch)
         cparams.n_outputs_max = self.max_outputs
         self._tap = None
         if not spec.head:
@@ -204,6 +214,7 @@ class LlamaCppShard:
             self._tap = graph_tap(self._capture, f"{rules.tap}-{spec.end - spec.start - 1}")
             install_tap(cparams, self._tap)
         self._ctx = L.llama_init_from_model(self._model, cparams)
+        self.batch_group = batch.default_batch_group(self.kv_unified, self.batch_invariant)
         if not self._ctx:
             L.llama_model_free(self._model)
             raise LlamaCppError(f"llama.cpp could not create a context (n_ctx_seq {n_ctx_seq}, n_seq_max {n_seq_max})")
@@ -271,7 +282,9 @@ class LlamaCppShard:
             if not self._free_seqs:
                 raise KVCellsFull(f"all {self.n_seq_max} session slots of this shard are in use")
             seq = heapq.heappop(self._free_seqs)
-        return SeqKV(self, seq, max_length)
+            kv = SeqKV(self, seq, max_length)
+            self._sessions.add(kv)
+        return kv
 
     def seq_remove(self, seq_id: int, start: int) -> None:
         """Drop sequence ``seq_id``'s cells from position ``start`` on (``llama_memory_seq_rm``); LlamaCppError when

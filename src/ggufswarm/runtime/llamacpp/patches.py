@@ -18,6 +18,7 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0002-deepseek4-layer-range": b"DeepSeek-V4 embedding_length_in must be",
     "0003-hidden-state-input": b"a layer range sets embedding_length_in",
     "0004-split-sources": b"split.sources.block_offset",
+    "0005-batch-invariant-decode": b"LLAMA_BATCH_INVARIANT",
 }
 # a patch needs the ones it builds on
 REQUIRES: dict[str, tuple[str, ...]] = {
