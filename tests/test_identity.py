@@ -177,6 +177,49 @@ def test_a_ban_drops_the_node_and_holds_at_any_address_across_a_restart(tmp_path
         assert call(f"{url}/nodes/heartbeat", "POST", signed_ad(ad_of("honest")))[0] == 200
 
 
+def test_a_banned_node_says_so_and_stops_once_its_sessions_end(monkeypatch, tmp_path, capsys):
+    """A tracker answering a node's heartbeat with 403 banned: the node prints why (its key file, and that nodes
+    sharing a --data-dir take keys in start order) once, keeps serving the session it holds, and sends itself
+    SIGTERM when that session has ended (run_node then exits 3)."""
+    from ggufswarm.node import advertise
+
+    ident = NodeIdentity.claim(tmp_path)
+    kills = []
+    monkeypatch.setattr(advertise, "advertisement", lambda state: {})
+    monkeypatch.setattr(advertise, "BANNED_POLL_S", 0.01)
+    monkeypatch.setattr(advertise.os, "kill", lambda pid, sig: kills.append(sig))
+
+    class Banned:
+        url = "http://tracker"
+
+        async def aheartbeat(self, client, ad):
+            raise TrackerError("tracker: 403 banned", 403, f"node key {ident.key_id[:16]}... is banned from this swarm")
+
+    state = SimpleNamespace(
+        config=SimpleNamespace(heartbeat_s=0.02),
+        url="http://node",
+        client=None,
+        trackers=[Banned()],
+        identity=ident,
+        banned=None,
+        active_sessions=0,
+        store=SimpleNamespace(sessions={"one": object()}),
+    )
+
+    async def run():
+        task = asyncio.create_task(advertise.heartbeats(state))
+        await asyncio.sleep(0.2)
+        assert state.banned and not kills  # still holding a session
+        state.store.sessions.clear()
+        await asyncio.sleep(0.2)
+        task.cancel()
+
+    asyncio.run(run())
+    err = capsys.readouterr().err
+    assert kills and err.count("this node's key is banned") == 1, err
+    assert str(ident.path) in err and "own --data-dir" in err and "banned and idle; stopping" in err
+
+
 def test_bans_are_token_gated_and_async_client_calls_work():
     async def go(url):
         tracker = TrackerClient(url, "sekret")

@@ -31,6 +31,7 @@ from ..swarm.torrent import Swarm, save_path_for
 from ..tracker.app import TrackerConfig
 from ..tracker.app import make_app as make_tracker_app
 from .app import GatewayConfig, make_app
+from .config import DEFAULT_VERIFY_RATE
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."  # for chat (instruction-tuned) models
 DEFAULT_COMPLETION = "Photosynthesis is the process by which"  # for base models (no chat template)
@@ -274,6 +275,7 @@ def run_demo(args) -> int:
                 hop_timeout_s=args.timeout,
                 wire_dtype=args.wire_dtype,
                 token=token,
+                verify_rate=DEFAULT_VERIFY_RATE,  # as `ggufswarm gateway`: audits once a range has a second node
                 **_speculative(args),
             )
         gateway = ServerThread(make_app(config), port=args.port)
@@ -326,6 +328,12 @@ def run_demo(args) -> int:
                 print(telemetry_summary(final["telemetry"]), file=sys.stderr, flush=True)
         if args.serve:
             print(base, flush=True)
+            print(
+                "ggufswarm demo: the OpenAI API is open (any API key works; `ggufswarm gateway --api-key KEY` "
+                "requires one); the swarm token below is for nodes, not for API clients",
+                file=sys.stderr,
+                flush=True,
+            )
             if tracker is not None:  # what a user needs to watch the swarm or add a node to it
                 last = specs[-1]  # with 2 nodes or more: a range with --head
                 example = (
@@ -334,19 +342,25 @@ def run_demo(args) -> int:
                     if len(specs) > 1
                     else ""
                 )
+                same = (
+                    f"--threads {threads} --data-dir DIR (the demo's nodes' thread count: nodes of the same numerics "
+                    f"audit each other; a --data-dir of its own: its own identity key)"
+                )
                 print(
                     f"ggufswarm demo: join link (it carries the swarm token: share it like a password):\n"
                     f"  LINK='{link}'\n"
-                    f'ggufswarm demo: add a node: ggufswarm join "$LINK" (the least-covered layers that fit '
+                    f'ggufswarm demo: add a node: ggufswarm join "$LINK" {same} (the least-covered layers that fit '
                     f"--memory-budget; --layers START:END for a spare); another gateway: ggufswarm gateway --join "
-                    f'"$LINK" --port 8001',
+                    f'"$LINK" --port 8001. The gateway audits {DEFAULT_VERIFY_RATE:.0%} of (session, hop) pairs by '
+                    f"shadow replay once a range has a second node (--verify-rate)",
                     file=sys.stderr,
                     flush=True,
                 )
                 print(
                     f"ggufswarm demo: to add a node or watch the swarm: export {TOKEN_ENV}={token}; "
                     f"ggufswarm node --tracker {tracker_url} --model {name} --layers auto --cache {cache_url} "
-                    f"--port 0 (the least-covered range that fits --memory-budget MiB, the whole model when it "
+                    f"--port 0 --threads {threads} --data-dir DIR "
+                    f"(the least-covered range that fits --memory-budget MiB, the whole model when it "
                     f"fits: for a spare of one node give its range{example}); "
                     f"ggufswarm status --tracker {tracker_url}",
                     file=sys.stderr,

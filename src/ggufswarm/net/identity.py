@@ -41,6 +41,7 @@ class NodeIdentity:
     def __init__(self, private: Ed25519PrivateKey):
         self._private = private
         self._lock = None  # the key file's lock (claim)
+        self.path: Path | None = None  # the key file (load_or_create, claim)
         raw = private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
         self.key_id = raw.hex()
 
@@ -84,6 +85,7 @@ class NodeIdentity:
                 lock.close()
                 continue
             ident = cls.load_or_create(path)
+            ident.path = path
             ident._lock = lock  # released when the identity is garbage-collected or the process exits
             return ident
         raise IdentityError(f"{folder}: {tries} identity keys are all held by running nodes")

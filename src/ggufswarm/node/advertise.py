@@ -7,6 +7,8 @@ Every call goes through ``client.tracker.TrackerClient`` (``NodeState.tracker``)
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 import time
 
@@ -111,6 +113,9 @@ def _claimed_ms(state: NodeState) -> float:
     return state.decode_ms() if claimed is None else claimed
 
 
+BANNED_POLL_S = 1.0  # how often (s) a banned node checks whether its last session has ended
+
+
 async def heartbeats(state: NodeState) -> None:
     """Advertise to every tracker of the swarm once listening, then every ``heartbeat_s`` seconds (at most a third
     of the shortest TTL a tracker returns), and within ``READVERTISE_S`` of sessions opening, closing or expiring
@@ -124,14 +129,25 @@ async def heartbeats(state: NodeState) -> None:
     async def beat(tracker) -> float | None:
         try:
             body = await tracker.aheartbeat(state.client, advertisement(state))
-        except (TrackerError, TypeError, ValueError) as exc:
-            if tracker.url not in warned:
-                reason = str(exc) or type(exc).__name__
-                print(f"ggufswarm node: tracker heartbeat failed ({reason}); still serving", file=sys.stderr)
-            warned.add(tracker.url)
-            return None
+        except TrackerError as exc:
+            if exc.status == 403 and "banned" in exc.reason:  # no tracker or gateway will route to this key again
+                if not state.banned:
+                    state.banned = banned_message(state, exc.reason)
+                    print(f"ggufswarm node: {state.banned}", file=sys.stderr, flush=True)
+                    asyncio.get_running_loop().create_task(_stop_when_idle(state))
+                return None
+            return warn(tracker, exc)
+        except (TypeError, ValueError) as exc:
+            return warn(tracker, exc)
         warned.discard(tracker.url)
         return float(body["ttl_s"]) if isinstance(body, dict) and body.get("ttl_s") else None
+
+    def warn(tracker, exc: Exception) -> None:
+        if tracker.url not in warned:
+            reason = str(exc) or type(exc).__name__
+            print(f"ggufswarm node: tracker heartbeat failed ({reason}); still serving", file=sys.stderr)
+        warned.add(tracker.url)
+        return None
 
     while True:
         ttls = [t for t in await asyncio.gather(*(beat(t) for t in state.trackers)) if t]
@@ -143,6 +159,26 @@ async def heartbeats(state: NodeState) -> None:
         except TimeoutError:
             pass
         changed.clear()
+
+
+def banned_message(state: NodeState, reason: str) -> str:
+    """What a node whose key the swarm banned says before it stops (``run_node`` exits with it)."""
+    key = getattr(state.identity, "path", None)
+    return (
+        f"this node's key is banned from the swarm ({reason}): a node holding it returned outputs an audit "
+        f"proved wrong, and no route will use it again; it stops once the sessions it holds have ended (at most "
+        f"--session-ttl). The key is {key or 'in --data-dir'}: nodes started in one --data-dir take its keys in "
+        "start order (identity.key, identity-1.key, ...), so a node started where a banned one ran may take its "
+        "key; give each node its own --data-dir"
+    )
+
+
+async def _stop_when_idle(state: NodeState) -> None:
+    """SIGTERM this process once it holds no session (a banned node: gateways repair its sessions away first)."""
+    while state.store.sessions or state.active_sessions:
+        await asyncio.sleep(BANNED_POLL_S)
+    print("ggufswarm node: banned and idle; stopping", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def deregister(state: NodeState) -> None:

@@ -40,7 +40,7 @@ from . import discovery, sessions_api, steps
 from .advertise import deregister, heartbeats
 from .lies import check_lie, parse_lie
 from .reach import UnreachableError, establish
-from .state import BYTES_PER_MIB, EXACT_BATCH_GROUP, NODE, NodeConfig, NodeState, json_response
+from .state import BYTES_PER_MIB, NODE, NodeConfig, NodeState, json_response
 
 DEFAULT_SWARM_MODEL = "gemma-3-270m-q4_k_m"  # the published name a tracker node fetches without --model
 MAX_RESTORE_BODY = 2 * BYTES_PER_MIB  # a JSON restore of up to 128K token ids
@@ -65,6 +65,12 @@ def load_executor(config: NodeConfig):
     lie = parse_lie(config.test_lie) if config.test_lie else None  # testing only (node/lies.py)
     if lie is not None:
         check_lie(lie, spec)
+        print(
+            f"ggufswarm node: --test-lie {config.test_lie}: this node LIES on purpose (testing verification); "
+            "never run it in a swarm you care about",
+            file=sys.stderr,
+            flush=True,
+        )
     for flag, value in (("--max-sessions", config.max_sessions), ("--ctx-size", config.ctx_size)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
@@ -88,7 +94,7 @@ def load_executor(config: NodeConfig):
         max_sessions=config.max_sessions,
         cache_dir=Path(config.data_dir) / "shards",
         state_checkpoints=config.state_checkpoints,
-        kv_unified=config.batch_group > EXACT_BATCH_GROUP,  # throughput mode: any sessions batch
+        kv_unified=config.batching == "throughput",  # any sessions batch, not bitwise
     )
     if source is not file:  # --test-lie weights:PATH: the shard passes itself off as the published model's
         executor.model = file
@@ -424,6 +430,8 @@ def run_node(config: NodeConfig) -> int:
     try:
         run_server(app, config.host, config.port, ready)
         print("ggufswarm node: stopped", file=sys.stderr, flush=True)
+        if state.banned:
+            return 3
     finally:
         if discovery is not None:
             discovery.close()
