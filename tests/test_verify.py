@@ -202,6 +202,7 @@ def test_a_ban_repairs_live_sessions_and_taints_answers():
         # a session planned before the ban, through the banned node, is repaired at its first step
         late = v.watch(FakeSession(HOPS), "cmpl-late")
         assert [e.code for e in late.session.failed] == [BANNED]
+        assert v.telemetry(late) == {}  # nothing went through the node yet: the answer is not tainted
         assert Verifier(0.0).watch(FakeSession(HOPS), "x") is None  # off: nothing at all
 
     asyncio.run(scenario())

@@ -137,8 +137,8 @@ class Verifier:
         watch = Watch(session, response_id, hops, audited, {h.node_id for h in hops if h.node_id})
         self.live.add(watch)
         banned = self._banned_hop(hops)
-        if banned is not None:
-            self._repair(watch, banned, "banned before this session opened")
+        if banned is not None:  # nothing went through it yet: the answer is not tainted
+            self._repair(watch, banned, "banned before this session opened", taint=False)
         return watch
 
     def telemetry(self, watch: Watch | None) -> dict:
@@ -368,9 +368,10 @@ class Verifier:
 
         await asyncio.gather(*(one(t) for t in self.trackers))
 
-    def _repair(self, watch: Watch, hop: Hop, reason: str) -> None:
-        """Have ``watch``'s session repaired around banned ``hop`` (its step in flight fails with ``node_banned``)."""
-        if hop.node_id:
+    def _repair(self, watch: Watch, hop: Hop, reason: str, taint: bool = True) -> None:
+        """Have ``watch``'s session repaired around banned ``hop`` (its step in flight fails with ``node_banned``);
+        ``taint``: the answer went through it."""
+        if hop.node_id and taint:
             watch.tainted.add(hop.node_id)
             watch.keys.add(hop.node_id)
         watch.session.fail(RouteError(f"node {hop.url} is banned: {reason}", 502, BANNED, hop.url))
