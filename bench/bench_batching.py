@@ -40,6 +40,7 @@ import urllib.request
 
 import numpy as np
 from bench_llamacpp import GREEDY, TEXT, TOOLS_BIN, free_port
+from prometheus_client.parser import text_string_to_metric_families
 
 from ggufswarm.artifact.default_model import default_model_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
@@ -97,7 +98,29 @@ def route_aggregate(urls: list[str], prompt_ids: list[list[int]], n_decode: int)
 
 
 def batching_counters(urls: list[str]) -> list[dict]:
-    return [json.load(urllib.request.urlopen(u + "/health", timeout=30)).get("batching") or {} for u in urls]
+    """Each node's /health ``batching`` block, with its decode ``busy_s`` and ``decode_steps`` from /metrics."""
+    out = []
+    for u in urls:
+        block = json.load(urllib.request.urlopen(u + "/health", timeout=30)).get("batching") or {}
+        text = urllib.request.urlopen(u + "/metrics", timeout=30).read().decode()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.labels.get("kind") == "decode" and s.name == "ggufswarm_node_busy_seconds_total":
+                    block["busy_s"] = s.value
+                elif s.labels.get("kind") == "decode" and s.name == "ggufswarm_node_steps_total":
+                    block["decode_steps"] = s.value
+        out.append(block)
+    return out
+
+
+def pipeline_bound(after: list[dict], before: list[dict]) -> tuple[float, list[float]]:
+    """The route's pipeline bound (tok/s: 1 / the slowest stage's compute time per token, a shared decode counted
+    once) between two ``batching_counters`` readings, and each stage's ms per token."""
+    ms = [
+        1e3 * (a.get("busy_s", 0) - b.get("busy_s", 0)) / max(a.get("decode_steps", 0) - b.get("decode_steps", 0), 1)
+        for a, b in zip(after, before)
+    ]
+    return (1e3 / max(ms) if max(ms) > 0 else float("inf")), ms
 
 
 def server_aggregate(base: str, prompt_ids: list[list[int]], n_decode: int) -> dict:
@@ -292,10 +315,14 @@ def main() -> int:
                 after = batching_counters(urls)
                 r["mean_batch"] = max(_mean(a, b, "batches") for a, b in zip(after, before))
                 r["mean_ubatch"] = max(_mean(a, b, "ubatches") for a, b in zip(after, before))
+                r["bound_tok_s"], r["stage_ms"] = pipeline_bound(after, before)
                 rows.setdefault(f"route, {mode}", {})[n] = r
                 print(
                     f"  route {mode}, {n} sessions: {r['tok_s']:.1f} tok/s aggregate (sessions per batch "
-                    f"{r['mean_batch']:.1f}, per ubatch {r['mean_ubatch']:.1f})",
+                    f"{r['mean_batch']:.1f}, per ubatch {r['mean_ubatch']:.1f}); stages "
+                    + " / ".join(f"{x:.1f}" for x in r["stage_ms"])
+                    + f" ms per token, pipeline bound {r['bound_tok_s']:.1f} tok/s "
+                    f"({r['tok_s'] / r['bound_tok_s']:.2f} of it)",
                     flush=True,
                 )
         finally:
@@ -316,14 +343,19 @@ def main() -> int:
 
     print(
         "\naggregate decode tok/s (in brackets: mean sessions per shared llama_decode / per ubatch on the node "
-        "batching most)"
+        "batching most; aggregate / the pipeline's bound: 1 / the slowest stage's compute ms per token)"
     )
     print("\n| | " + " | ".join(f"{n} sessions" for n in counts) + " | aggregate x single |")
     print("|---|" + "---|" * (len(counts) + 1))
     for name, by_n in rows.items():
         cells = [
             f"{by_n[n]['tok_s']:.1f}"
-            + (f" ({by_n[n]['mean_batch']:.1f} / {by_n[n]['mean_ubatch']:.1f})" if "mean_batch" in by_n[n] else "")
+            + (
+                f" ({by_n[n]['mean_batch']:.1f} / {by_n[n]['mean_ubatch']:.1f}; "
+                f"{by_n[n]['tok_s'] / by_n[n]['bound_tok_s']:.2f} of bound)"
+                if "mean_batch" in by_n[n]
+                else ""
+            )
             for n in counts
         ]
         scale = by_n[max(counts)]["tok_s"] / by_n[min(counts)]["tok_s"]
@@ -332,7 +364,10 @@ def main() -> int:
     server = rows.get("llama-server --parallel 16, 3 threads")
     for name, by_n in rows.items():
         if name.startswith("route") and 16 in by_n:
-            line = f"{name}: 16 sessions {by_n[16]['tok_s'] / by_n[min(counts)]['tok_s']:.2f}x its single (target 2.5)"
+            line = (
+                f"{name}: 16 sessions {by_n[16]['tok_s'] / by_n[min(counts)]['tok_s']:.2f}x its single (target 2.5), "
+                f"{by_n[16]['tok_s'] / by_n[16]['bound_tok_s']:.2f} of the pipeline bound (target 0.9)"
+            )
             if server and 16 in server:
                 line += f", {by_n[16]['tok_s'] / server[16]['tok_s']:.2f}x llama-server's 16 (target 0.8)"
             print(line)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from uuid import uuid4
 
 import llama_cpp as L
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from route_fixtures import GREEDY_PROMPTS, health
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
@@ -381,6 +383,15 @@ def test_16_concurrent_sessions_equal_alone(batching_cluster, gemma):
     assert after[-1]["batched_steps"] - before[-1]["batched_steps"] >= decode_steps // 2, (before[-1], after[-1])
     if patches.applied(batch.INVARIANT_PATCH):  # batch-invariant decode: more than 3 sessions in one ubatch
         assert after[-1]["largest_ubatch"] > 3, after[-1]
+    # the head's busy time counts each shared decode once: less than the sum of its steps' compute times
+    text = urllib.request.urlopen(batching_cluster[-1].url + "/metrics", timeout=30).read().decode()
+    value = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.labels.get("kind") == "decode"
+    }
+    assert 0 < value["ggufswarm_node_busy_seconds_total"] < value["ggufswarm_node_step_seconds_sum"], value
 
 
 def test_throughput_mode_16_sessions(gemma_path, gemma):

@@ -198,6 +198,11 @@ class NodeState:
             registry=reg,
             buckets=STEP_SECONDS_BUCKETS,
         )
+        # the shard's busy time: a shared decode of several sessions counted once (per-token time of this stage
+        # = busy / steps; a route's pipeline bound is the slowest stage's)
+        self.busy_seconds = Counter(
+            "ggufswarm_node_busy_seconds", "Shard compute time, a shared decode counted once", ["kind"], registry=reg
+        )
         self.bytes_in = Counter(
             "ggufswarm_node_payload_bytes_in", "Frame bytes received (header + payload)", ["kind"], registry=reg
         )
@@ -209,7 +214,7 @@ class NodeState:
         )
         self.errors = Counter("ggufswarm_node_errors", "Requests answered with an error", ["code"], registry=reg)
         for kind in STEP_KINDS:  # export the series before the first step
-            for metric in (self.steps, self.step_seconds, self.bytes_in, self.bytes_out):
+            for metric in (self.steps, self.step_seconds, self.busy_seconds, self.bytes_in, self.bytes_out):
                 metric.labels(kind)
 
     @property

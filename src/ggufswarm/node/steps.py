@@ -194,6 +194,7 @@ async def _apply_session_frame(
                 record = await record
             state.steps.labels(kind).inc()
             state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
+            state.busy_seconds.labels(kind).inc(record.compute_ms / 1e3 / record.batch_size)
             if state.config.test_lie:  # testing only (node/lies.py)
                 if lie_delay := parse_lie(state.config.test_lie).delay_ms:
                     await asyncio.sleep(lie_delay / 1e3)

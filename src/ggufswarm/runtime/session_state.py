@@ -65,6 +65,7 @@ class StepRecord:
     logprobs: list[tuple[int, float]] | None = None
     token_logprob: float | None = None
     tokens: list[int] | None = None  # a verify step's samples, one per position (speculative decoding)
+    batch_size: int = 1  # steps computed in the same shared decode (compute_ms is that decode's whole time)
     compute_ms: float = 0.0
     reply: bytes | None = None
     relay: object = None

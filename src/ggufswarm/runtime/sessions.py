@@ -394,6 +394,7 @@ class SessionStore:
                 session, step, digest, start, inputs, token_ids, sample = items[i]
                 try:
                     results[i] = self._finish(session, step, digest, start, inputs, token_ids, sample, out, kept[i], ms)
+                    results[i].batch_size = len(todo)
                 except Exception as exc:
                     results[i] = exc
         finally:
