@@ -115,7 +115,7 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
     )
     n.add_argument(
         "--batching",
-        choices=("exact", "throughput"),
+        choices=("exact", "throughput"),  # node.state.BATCHING_MODES (not imported: --help stays light)
         default="exact",
         help="llama.cpp backend: decode steps of different sessions that arrive while the shard is busy "
         "run together. exact (default): each session's result stays bitwise equal to running it alone "

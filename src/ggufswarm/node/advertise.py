@@ -163,7 +163,7 @@ async def heartbeats(state: NodeState) -> None:
 
 def banned_message(state: NodeState, reason: str) -> str:
     """What a node whose key the swarm banned says before it stops (``run_node`` exits with it)."""
-    key = getattr(state.identity, "path", None)
+    key = state.identity.path
     return (
         f"this node's key is banned from the swarm ({reason}): a node holding it returned outputs an audit "
         f"proved wrong, and no route will use it again; it stops once the sessions it holds have ended (at most "

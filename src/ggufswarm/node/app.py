@@ -40,7 +40,7 @@ from . import discovery, sessions_api, steps
 from .advertise import deregister, heartbeats
 from .lies import check_lie, parse_lie
 from .reach import UnreachableError, establish
-from .state import BYTES_PER_MIB, NODE, NodeConfig, NodeState, json_response
+from .state import BATCHING_MODES, BYTES_PER_MIB, NODE, NodeConfig, NodeState, json_response
 
 DEFAULT_SWARM_MODEL = "gemma-3-270m-q4_k_m"  # the published name a tracker node fetches without --model
 MAX_RESTORE_BODY = 2 * BYTES_PER_MIB  # a JSON restore of up to 128K token ids
@@ -71,6 +71,8 @@ def load_executor(config: NodeConfig):
             file=sys.stderr,
             flush=True,
         )
+    if config.batching not in BATCHING_MODES:
+        raise ValueError(f"--batching must be one of {', '.join(BATCHING_MODES)}, got {config.batching!r}")
     for flag, value in (("--max-sessions", config.max_sessions), ("--ctx-size", config.ctx_size)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")

@@ -59,9 +59,9 @@ class StepBatcher:
             "batched_steps": self.batched_steps,
             "largest_batch": self.largest_batch,
             # ubatches of the shared decodes (llama.cpp splits a batch: exact mode, only consecutive sequence ids)
-            "ubatches": getattr(self.store.executor, "decode_ubatches", None),
-            "largest_ubatch": getattr(self.store.executor, "largest_ubatch", None),
-            "stream_copies": getattr(self.store.executor, "stream_copies", None),  # exact mode: sessions moved
+            "ubatches": self.store.executor.decode_ubatches,
+            "largest_ubatch": self.store.executor.largest_ubatch,
+            "stream_copies": self.store.executor.stream_copies,  # exact mode: sessions moved to consecutive ids
             "prefill_pieces": self.prefill_pieces,
             "queued": len(self.decodes) + len(self.prefills),
         }

@@ -33,7 +33,9 @@ class ShardBackend(Protocol):
     * ``max_outputs``: most positions whose logits one head step returns (speculative verify), or None.
     * ``step_lock``: the lock each step of this backend holds (a caller that takes it without blocking may run the
       step inline on its event loop), or None (steps run on a worker thread).
-    * ``supports_batch``: ``forward_batch(steps)`` decodes several sessions' steps in one call.
+    * ``supports_batch``: ``forward_batch(steps)`` decodes several sessions' steps in one call; such a backend
+      also counts ``decode_ubatches`` (graph evaluations those calls took), ``largest_ubatch`` (most sessions in
+      one) and ``stream_copies`` (KV moved to batch sessions together), for /health.
     * ``exact_states_only``: a session truncates only to positions where an exact state was kept (recurrent
       blocks, DeepSeek-V4 compressed caches).
     * ``needs_token_ids``: ``forward`` needs the frame's token ids beside hidden states (DeepSeek-V4 hash routing).

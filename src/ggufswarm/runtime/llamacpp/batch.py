@@ -85,11 +85,6 @@ def forward_batch(shard: LlamaCppShard, steps: list[tuple]) -> list[np.ndarray |
     return results
 
 
-def grouped(shard: LlamaCppShard, decode: list[tuple[int, tuple]]) -> list[tuple[int, tuple]]:
-    """``decode`` (``(index, (kv, ...))`` entries) in the order ``ubatch_groups`` makes, flat."""
-    return [d for g in ubatch_groups(shard, decode) for d in g]
-
-
 def ubatch_groups(shard: LlamaCppShard, decode: list[tuple[int, tuple]]) -> list[list[tuple[int, tuple]]]:
     """``decode`` (``(index, (kv, ...))`` entries) cut into the ubatches llama.cpp will make of them, in the order
     to put them in the batch: with a KV stream per session, llama.cpp's sequential ``split_equal`` makes each
@@ -208,7 +203,6 @@ __all__ = [
     "default_batch_group",
     "enable_batch_invariance",
     "forward_batch",
-    "grouped",
     "solo",
     "ubatch_groups",
 ]
