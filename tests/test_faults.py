@@ -244,6 +244,7 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
             )
         )
         assert text == ref_text, f"trial {trial + 1} ({rows[-1]}, {repairs}): {text!r} != {ref_text!r}"
+        assert telemetry["ring_steps"] > 0  # the head sent decode steps itself (ring decode), around the kill too
         assert [r["hop"] for r in repairs] == [killed.url], repairs
         assert len(repair_log) == 1
         check_repair(repairs[0], repair_log[0], prompt_tokens)

@@ -222,7 +222,8 @@ class RemoteRoute:
         """Open an AsyncRouteSession on every node (head first) on the running loop; RouteError (with the
         node's status) when one refuses. The same arguments as ``AsyncRouteSession`` after its route:
         ``max_length, sampling=None, wire_dtype="f32", top_logprobs=0, replan=None, reuse_prefix=True,
-        lease_s=None, logprobs=False, *, http=None`` (what each does: ``AsyncRouteSession.__init__``)."""
+        lease_s=None, logprobs=False, *, http=None, commit=False, ring=True`` (what each does:
+        ``AsyncRouteSession.__init__``)."""
         from .session import AsyncRouteSession
 
         return await AsyncRouteSession.open(self, max_length, *args, **kwargs)

@@ -17,12 +17,11 @@ from ..protocol import encode_tokens, step_timeout_s
 from ..protocol.link import frame_key
 from ..protocol.snapshots import BLOCK_TOKENS
 from ..runtime.sampling import SamplingParams
-from . import opening, repair
+from . import opening, repair, ring
 from .route import RemoteRoute
 from .telemetry import RouteTelemetry
 from .transport import REPAIRABLE, RouteError, StepLink, call, check_reply, new_http_session, request, timed_out
 
-REPLY_LINK_TIMEOUT_S = 5.0  # most seconds the head may take to open a reply link
 LATE_WAIT_S = 1.0  # how long reading the telemetry waits for the route's replies to directly answered steps
 RENEW_TIMEOUT_S = 10.0  # most seconds one lease renewal by the keeper may take
 
@@ -44,11 +43,6 @@ def _release_done(task: asyncio.Task) -> None:
     _closing.discard(task)
     if not task.cancelled():
         task.exception()
-
-
-def _result(task: asyncio.Task):
-    """A finished task's result; None when it was cancelled or failed."""
-    return None if task.cancelled() or task.exception() is not None else task.result()
 
 
 class AsyncRouteSession:
@@ -94,6 +88,7 @@ class AsyncRouteSession:
         *,
         http: aiohttp.ClientSession | None = None,
         commit: bool = False,
+        ring: bool = True,
     ):
         """A session not yet open on its nodes: use ``open`` (or ``RemoteRoute.aopen``: the arguments after ``route``).
 
@@ -110,6 +105,8 @@ class AsyncRouteSession:
         Both are log-softmax of the raw logits. ``http``: the aiohttp session to talk over (one of the
         session's own, closed with it, by default; ``transport.new_http_session`` makes a shareable one). ``commit``:
         every node signs a commitment of each step (its hop's ``commit`` in the step's StepTiming; docs/protocol.md).
+        ``ring``: ring decode (client/ring.py): the head sends each next decode step itself (a session that verifies
+        turns it off).
         """
         self.route = route
         self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
@@ -121,6 +118,11 @@ class AsyncRouteSession:
         self.replan = replan
         self.reuse_prefix = reuse_prefix
         self.commit = commit
+        self.ring = ring
+        self._ring: ring.RingStep | None = None  # the step the head sent itself, not yet taken by the caller
+        self._granted = 0  # the last step number granted to the head (ring decode)
+        self._early: tuple[bytes, int, bytes] | None = None  # a head-sent step's reply that came before its learn
+        self._ring_claimed: set[bytes] = set()  # keys of head-sent steps taken whose route reply is still to come
         self.sent: list[tuple] | None = None  # when a list: each frame sent, (step, start, ids, sample, verify)
         self.lease_s = lease_s
         self.http = http or new_http_session()
@@ -247,6 +249,7 @@ class AsyncRouteSession:
         head samples after every position; the token a one-token step would have sampled after each
         (``[len(token_ids)]``). The session then holds them all: ``drop`` the rejected drafts. ValueError for more
         than ``max_verify_tokens`` ids; RouteError as ``step`` (``bad_route`` when the head answers no samples)."""
+        self.ring = False  # speculative decoding drives its own steps: the head sending one would be undone each time
         if not token_ids or len(token_ids) > self.max_verify_tokens:
             raise ValueError(
                 f"a verify step takes 1..{self.max_verify_tokens} token ids on this route "
@@ -314,6 +317,11 @@ class AsyncRouteSession:
         """One frame of ``ids`` at ``position``: sent (once more on a fresh connection when the link fails), its
         reply checked, the session advanced; the head's token."""
         first, head = self.route.hops[0], self.route.hops[-1]
+        timeout = step_timeout_s(self.route.timeout_s - 1.0, len(ids)) + 1.0  # long prefill chunks wait longer
+        pending, self._ring = self._ring, None  # a step the head sent itself (ring decode): this one, or undone
+        if pending is not None and not pending.takes(self, ids, sample, verify):
+            await ring.discard(self, pending, timeout)
+            pending = None
         self.step_no += 1
         frame = encode_tokens(self.id, self.step_no, self.position, ids, sample, verify, self._rewinding)
         link = self._link
@@ -321,24 +329,29 @@ class AsyncRouteSession:
             if link is not None:
                 await link.close()
             link = self._link = StepLink(self.http, first.url, self.route.timeout_s, self.route.token, late=self._late)
-        elif self._replies is None and head is not first and not link.http_only and head.url not in self._no_replies:
-            self._reply_link(head.url)
-        timeout = step_timeout_s(self.route.timeout_s - 1.0, len(ids)) + 1.0  # long prefill chunks wait longer
+        elif self._replies is None and (head is not first or self.ring) and not link.http_only:
+            if head.url not in self._no_replies:
+                ring.open_replies(self, head.url)
         key = frame_key(frame)
         if self.sent is not None:  # a session the gateway's verifier audits (gateway/verify.py)
             self.sent.append((self.step_no, self.position, list(ids), sample, verify))
         t0 = time.perf_counter()
         urls = [h.url for h in self.route.hops]
         start = self.position
-        self._unacked[key] = (t0, len(ids), urls, verify, start)
+        if sample and not verify:
+            await ring.grant(self, self.step_no + 1, len(ids))
         try:
-            try:
-                status, body, direct = await self._exchange(link, frame, key, timeout)
-            except RouteError as exc:
-                if exc.code != "hop_failed" or exc.late:
-                    raise
-                # a fresh connection; same step number: never applied twice
-                status, body, direct = await self._exchange(link, frame, key, timeout)
+            if pending is not None:
+                status, body, direct = await ring.claim(self, pending, link, timeout)
+            else:
+                self._unacked[key] = (t0, len(ids), urls, verify, start)
+                try:
+                    status, body, direct = await self._exchange(link, frame, key, timeout)
+                except RouteError as exc:
+                    if exc.code != "hop_failed" or exc.late:
+                        raise
+                    # a fresh connection; same step number: never applied twice
+                    status, body, direct = await self._exchange(link, frame, key, timeout)
         except BaseException:
             self._unacked.pop(key, None)
             raise
@@ -356,6 +369,7 @@ class AsyncRouteSession:
         self.last_tokens = reply.get("tokens")
         self.last_logprobs = reply.get("logprobs")
         self.last_token_logprob = reply.get("token_logprob")
+        ring.learn(self, reply)
         return reply["token"]
 
     async def _exchange(self, link: StepLink, frame: bytes, key: bytes, timeout: float) -> tuple[int, bytes, bool]:
@@ -381,29 +395,6 @@ class AsyncRouteSession:
             self._waiter = None
             if replies is not None:
                 replies.forget(key)
-
-    def _reply_link(self, head: str) -> None:
-        """After the first step (it opened the session everywhere): the head's replies come straight to us, one
-        message after it sampled, not back through every hop (docs/protocol.md). Opened in the background and
-        used once open: a head that does not answer never holds a step up."""
-        if self._replies_opening is None:
-
-            async def opening() -> StepLink | None:
-                link = StepLink(
-                    self.http, head, min(self.route.timeout_s, REPLY_LINK_TIMEOUT_S), self.route.token, replies=self.id
-                )
-                try:
-                    await link.connect()
-                except RouteError:
-                    return None
-                return link if link.connected else None
-
-            self._replies_opening = asyncio.get_running_loop().create_task(opening())
-        elif self._replies_opening.done():
-            self._replies = _result(self._replies_opening)
-            self._replies_opening = None
-            if self._replies is None:
-                self._no_replies.add(head)
 
     def _late(self, key: bytes, status: int, body: bytes) -> None:
         """The route's reply to a step the head already answered on the reply link: its telemetry. An error
@@ -446,7 +437,7 @@ class AsyncRouteSession:
         opening, self._replies_opening = self._replies_opening, None
         if opening is not None:
             opening.cancel()
-            link = _result(opening) if opening.done() else None
+            link = ring.result(opening) if opening.done() else None
             if link is not None:
                 await link.close()
         if self._link is not None and self._link.url != self.route.hops[0].url:
@@ -454,6 +445,9 @@ class AsyncRouteSession:
             self._link = None
         self._unacked.clear()
         self._broken = None
+        self._ring = self._early = None
+        self._granted = 0
+        self._ring_claimed.clear()
 
     # -- session ----------------------------------------------------------------------------------
     @property
@@ -484,6 +478,9 @@ class AsyncRouteSession:
 
     async def truncate(self, length: int) -> None:
         """Roll every node back to ``length`` tokens; RouteError when a node refuses."""
+        pending, self._ring = self._ring, None
+        if pending is not None:  # a step the head sent itself: over before the truncation
+            await ring.discard(self, pending, self.route.timeout_s)
         for hop in self.route.hops:
             await self.call(hop.url, "POST", f"/v1/sessions/{self.id}/truncate", {"length": length}, "truncate")
         self.position = length

@@ -55,6 +55,8 @@ class RouteTelemetry:
     repairs: list[dict] = field(default_factory=list)
     prefix_tokens_restored: int = 0
     direct_replies: int = 0  # steps whose reply came straight from the head (its reply link)
+    ring_steps: int = 0  # steps the head sent to the first node itself (ring decode: client/ring.py)
+    ring_discarded: int = 0  # head-sent steps the caller did not take (rolled back: a stop, a verify step)
     keep_commits: bool = False  # keep each step's commitments (``StepTiming.commits``): a session being audited
 
     def record(
@@ -127,4 +129,6 @@ class RouteTelemetry:
             "prefix_tokens_restored": self.prefix_tokens_restored,
             "repairs": list(self.repairs),
             "direct_replies": self.direct_replies,
+            "ring_steps": self.ring_steps,
+            "ring_discarded": self.ring_discarded,
         }

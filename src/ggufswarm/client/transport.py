@@ -146,11 +146,13 @@ class StepLink:
     message and its reply comes back as one (protocol/link.py). A reader task takes every reply and resolves
     the waiter registered for its frame key; a reply nobody waits for goes to ``late(key, status, body)``.
 
-    ``replies``: a session id makes this that session's *reply link* to the head (``?replies=``, receive
-    only): it resolves a waiter only with a successful (200) reply. A node that answers the upgrade with
-    404/405 has no links: steps then go as ``POST /v1/step`` (``http_only``). ``token``: the swarm token.
-    Waiters resolve to ``(status, body, direct)``, ``direct`` true on a reply link; when the link fails,
-    a step link's waiters get RouteError ``hop_failed`` (a reply link's are left to the step link).
+    ``replies``: a session id makes this that session's *reply link* to the head (``?replies=``; it sends only
+    ring grants, ``send_text``): it resolves a waiter shared with the step link only with a successful (200)
+    reply, and one of its ``own`` (a ring step's, which only the head answers) with any. A node that answers the
+    upgrade with 404/405 has no links: steps then go as ``POST /v1/step`` (``http_only``). ``token``: the swarm
+    token. Waiters resolve to ``(status, body, direct)``, ``direct`` true on a reply link; when the link fails,
+    a step link's waiters and a reply link's own get RouteError ``hop_failed`` (a reply link's others are left to
+    the step link).
     """
 
     http: aiohttp.ClientSession
@@ -163,6 +165,7 @@ class StepLink:
     _ws: aiohttp.ClientWebSocketResponse | None = field(default=None, init=False, repr=False)
     _reader: asyncio.Task | None = field(default=None, init=False, repr=False)
     _waiting: dict[bytes, asyncio.Future] = field(default_factory=dict, init=False, repr=False)
+    _own: set[bytes] = field(default_factory=set, init=False, repr=False)
 
     @property
     def connected(self) -> bool:
@@ -200,13 +203,27 @@ class StepLink:
             raise failed(self.url, exc, "link ") from None
         self._reader = asyncio.get_running_loop().create_task(self._read(self._ws))
 
-    def expect(self, key: bytes, waiter: asyncio.Future) -> None:
-        """Resolve ``waiter`` with this link's reply to the frame with ``key`` (see the class docstring)."""
+    def expect(self, key: bytes, waiter: asyncio.Future, own: bool = False) -> None:
+        """Resolve ``waiter`` with this link's reply to the frame with ``key``; ``own``: only this link answers it
+        (see the class docstring)."""
         self._waiting[key] = waiter
+        if own:
+            self._own.add(key)
 
     def forget(self, key: bytes) -> None:
         """Stop waiting for the reply to the frame with ``key`` here (another link answered it)."""
         self._waiting.pop(key, None)
+        self._own.discard(key)
+
+    async def send_text(self, text: str) -> bool:
+        """Send one text message (a reply link's ring grant); False when the link is not open or failed."""
+        if not self.connected:
+            return False
+        try:
+            await self._ws.send_str(text)
+        except (OSError, aiohttp.ClientError, RuntimeError):
+            return False
+        return True
 
     async def send(self, frame: bytes, waiter: asyncio.Future, timeout: float | None = None) -> None:
         """Send one step frame; ``waiter`` gets its reply. Without links the frame goes as ``POST /v1/step``
@@ -259,11 +276,13 @@ class StepLink:
                     continue
                 key, status, body = reply
                 waiter = self._waiting.pop(key, None)
+                own = key in self._own
+                self._own.discard(key)
                 if waiter is not None and not waiter.done():
-                    if self.replies is None or status == 200:
+                    if self.replies is None or status == 200 or own:
                         waiter.set_result((status, body, self.replies is not None))
                     continue
-                if self.replies is None and self.late is not None:
+                if self.late is not None:
                     self.late(key, status, body)
             error = ws.exception()
         except (OSError, aiohttp.ClientError) as exc:
@@ -272,12 +291,12 @@ class StepLink:
             self._lost(error or ConnectionResetError("link closed"))
 
     def _lost(self, error: BaseException) -> None:
-        """The connection ended: a step link's waiters fail (``hop_failed``), a reply link's are dropped."""
+        """The connection ended: a step link's waiters fail (``hop_failed``), a reply link's own too, its others are
+        dropped."""
         waiting, self._waiting = self._waiting, {}
-        if self.replies is not None:
-            return
-        for waiter in waiting.values():
-            if not waiter.done():
+        own, self._own = self._own, set()
+        for key, waiter in waiting.items():
+            if not waiter.done() and (self.replies is None or key in own):
                 waiter.set_exception(failed(self.url, error, "link "))
 
     async def close(self) -> None:

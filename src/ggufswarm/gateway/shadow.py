@@ -131,6 +131,7 @@ async def replay(rec: Recording, route: RemoteRoute, http: aiohttp.ClientSession
         rec.logprobs,
         http=http,
         commit=True,
+        ring=False,  # teacher-forced: every step is the recording's, sent as recorded
     )
     session.measured.keep_commits = True
     steps: list[int] = []

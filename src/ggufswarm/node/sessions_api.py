@@ -101,16 +101,24 @@ async def close_session(request: web.Request) -> web.Response:
 
 def next_hop_url(state: NodeState, next_hop) -> str | None:
     """A validated next_hop for this shard: None on the head, the next node's ``http(s)://HOST:PORT`` otherwise
-    (no path, query, fragment or user info: a node posts frames, with the swarm token, only to another node's
-    endpoints). ProtocolError bad_request otherwise."""
+    (``node_url``). ProtocolError bad_request otherwise."""
     if state.spec.head and next_hop:
         raise ProtocolError("bad_request", "this node holds the head stage; it takes no next_hop")
     if state.spec.head:
         return None
-    bad = not (isinstance(next_hop, str) and len(next_hop) <= MAX_URL_CHARS)
+    return node_url(
+        next_hop, f"layers {state.spec.start}:{state.spec.end} are not the last shard: next_hop (the next node)"
+    )
+
+
+def node_url(value, what: str) -> str:
+    """``value`` as another node's ``http(s)://HOST:PORT`` without a trailing slash (no path, query, fragment or user
+    info: a node posts frames, with the swarm token, only to another node's endpoints). ProtocolError bad_request
+    (its message starts with ``what``) otherwise."""
+    bad = not (isinstance(value, str) and len(value) <= MAX_URL_CHARS)
     if not bad:
         try:
-            parts = urlsplit(next_hop)
+            parts = urlsplit(value)
             bad = (
                 parts.scheme not in ("http", "https")
                 or not parts.hostname
@@ -120,19 +128,19 @@ def next_hop_url(state: NodeState, next_hop) -> str | None:
                 or parts.path not in ("", "/")
                 or parts.query
                 or parts.fragment
-                or "?" in next_hop
-                or "#" in next_hop
+                or "?" in value
+                or "#" in value
             )
         except ValueError:  # a port out of range or not a number
             bad = True
     if bad:
         raise ProtocolError(
             "bad_request",
-            f"layers {state.spec.start}:{state.spec.end} are not the last shard: "
-            f"next_hop must be the next node's http://HOST:PORT (no path, query "
-            f"or user info), got {next_hop!r}"[:MAX_MESSAGE_CHARS],
+            f"{what} must be a node's http://HOST:PORT (no path, query or user info), got {value!r}"[
+                :MAX_MESSAGE_CHARS
+            ],
         )
-    return next_hop.rstrip("/")
+    return value.rstrip("/")
 
 
 async def truncate_session(request: web.Request) -> web.Response:
@@ -241,6 +249,7 @@ __all__ = [
     "MAX_STEP",
     "close_session",
     "next_hop_url",
+    "node_url",
     "open_session",
     "renew_session",
     "restore_session",

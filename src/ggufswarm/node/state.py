@@ -149,6 +149,7 @@ class NodeState:
         # head: a client's reply link per session (GET /v1/link?replies=<session id>): each step's reply goes
         # there too, straight from the head, before it goes back along the route
         self.reply_links: dict[uuid.UUID, web.WebSocketResponse] = {}
+        self.rings: dict[uuid.UUID, object] = {}  # head: each session's ring grant (node/ring.py Grant)
         self.peers: set[str] = set()  # node URLs the tracker listed for this model (next_hop check), and when
         self.peers_at = 0.0
         self.accounting: dict | None = None  # the static part of the advertised accounting (advertise.py)
@@ -213,6 +214,12 @@ class NodeState:
             "ggufswarm_node_step_replays", "Retried steps answered without re-applying", registry=reg
         )
         self.errors = Counter("ggufswarm_node_errors", "Requests answered with an error", ["code"], registry=reg)
+        self.ring_steps = Counter(
+            "ggufswarm_node_ring_steps",
+            "Steps this head sent to its route's first node itself (ring decode), by how they ended",
+            ["result"],
+            registry=reg,
+        )
         for kind in STEP_KINDS:  # export the series before the first step
             for metric in (self.steps, self.step_seconds, self.busy_seconds, self.bytes_in, self.bytes_out):
                 metric.labels(kind)

@@ -22,6 +22,7 @@ from ..protocol.frame import FLAG_NO_SAMPLE, FLAG_REWIND, FLAG_VERIFY, WIRE_DTYP
 from ..protocol.http import JSON
 from ..protocol.link import encode_reply
 from ..runtime.session_state import Session, StepRecord
+from . import ring
 from .commit import input_digest, output_digest, step_commit
 from .lies import parse_lie
 from .link import reply_error
@@ -110,21 +111,32 @@ async def link(request: web.Request) -> web.StreamResponse:
 async def _reply_link(
     state: NodeState, ws: web.WebSocketResponse, request: web.Request, sid: uuid.UUID
 ) -> web.WebSocketResponse:
-    """Hold ``ws`` as session ``sid``'s reply link until the client closes it (messages from the client are
-    ignored), or the session is closed."""
+    """Hold ``ws`` as session ``sid``'s reply link until the client closes it, or the session is closed. The client's
+    text messages are ring grants (node/ring.py); a bad one is answered with its error (key NO_KEY) and changes
+    nothing."""
     await ws.prepare(request)
     old = state.reply_links.get(sid)
     state.reply_links[sid] = ws
+    ring.drop(state, sid)  # a grant is the link's: a new link starts without one
     if old is not None:
         await old.close()
     state.links_in.add(ws)
     try:
-        async for _msg in ws:
-            pass
+        async for msg in ws:
+            if msg.type != aiohttp.WSMsgType.TEXT or state.reply_links.get(sid) is not ws:
+                continue
+            try:
+                grant = await ring.parse_grant(state, msg.data)
+            except ProtocolError as exc:
+                await ws.send_bytes(encode_reply(b"", *state.error_reply(exc)))  # (key NO_KEY)
+                continue
+            if state.reply_links.get(sid) is ws:
+                state.rings[sid] = grant
     finally:
         state.links_in.discard(ws)
         if state.reply_links.get(sid) is ws:
             del state.reply_links[sid]
+            ring.drop(state, sid)
     return ws
 
 
@@ -215,8 +227,16 @@ async def _apply_session_frame(
             if state.spec.head:
                 if session.commit:
                     hop["commit"] = _commit(state, frame, body, record, record.out_digest)
-                reply = _record(record, _head_reply(record, hop), hop, t0)
+                answer = _head_reply(record, hop)
+                nxt = ring.next_frame(state, session, frame, record)
+                if nxt is not None:  # ring decode: the head sends the next step itself (node/ring.py)
+                    answer["ring"] = frame.step + 1
+                reply = _record(record, answer, hop, t0)
                 await _send_direct(state, frame, body, reply)
+                if nxt is not None:
+                    task = asyncio.ensure_future(_ring_push(state, session, nxt, state.rings[session.id].first))
+                    state.link_tasks.add(task)
+                    task.add_done_callback(state.link_tasks.discard)
                 return OK, reply
             sent = await _push(state, session, frame, record, kind)
             if session.commit:  # the frame is on its way: its digests and signature overlap the next hops' work
@@ -265,6 +285,28 @@ def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> Ste
         finally:
             lock.release()
     return asyncio.get_running_loop().run_in_executor(state.pool, state.store.apply, *args)
+
+
+async def _ring_push(state: NodeState, session: Session, nxt: bytes, first: str | None) -> None:
+    """Ring decode (node/ring.py): send the session's next step ``nxt`` to the route's first node ``first`` (None:
+    apply it here, a route of one node), and its reply, the route's (or the error that stopped it), to the client
+    on the session's reply link. The step's own reply from this head reaches the client before, as any step's."""
+    t0 = time.perf_counter()
+    try:
+        if first is None:
+            status, reply = await apply_frame(state, nxt, t0)
+        else:
+            sent, _ = await state.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1))
+            status, reply = await sent
+    except Exception as exc:
+        status, reply = state.error_reply(exc)
+    state.ring_steps.labels("ok" if status == OK else "failed").inc()
+    ws = state.reply_links.get(session.id)
+    if ws is not None and not ws.closed:
+        try:
+            await ws.send_bytes(encode_reply(nxt, status, reply))
+        except (ConnectionError, RuntimeError):
+            pass  # the client went away: the lease or its close frees the session
 
 
 def _commit(state: NodeState, frame: Frame, body: bytes, record: StepRecord, out: str | None) -> dict:

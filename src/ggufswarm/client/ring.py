@@ -1,0 +1,189 @@
+"""Ring decode, the client's side: the head sends a session's next decode step to the route's first node itself, and
+the client, off the critical path, reads the tokens as they are sampled (node/ring.py; docs/protocol.md "Ring
+decode").
+
+The client grants one step ahead: when it sends (or takes from the head) a sampling step numbered ``n``, it grants
+``n + 1`` on its reply link. The head's reply to step ``n`` then says ``"ring": n + 1`` when the head sent that step
+itself, with the token it sampled at the position after step ``n``. When the caller's next ``step`` is exactly that
+(the sampled token, one id, sampling), the session takes the head's step instead of sending one (``claim``): it
+reads the reply on the reply link. Anything else (a verify step, other ids, a truncation) first waits for the
+head's step and rolls every node back over it (``discard``): the caller sees what it would have seen without the
+ring, and a caller that stops costs the route at most one step. The frame is the one the client would have sent
+(byte for byte), so a client that lost its reply link sends it itself and the nodes answer from their record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..protocol import encode_tokens
+from ..protocol.link import frame_key
+from .transport import RouteError, StepLink
+
+if TYPE_CHECKING:
+    from .session import AsyncRouteSession
+
+REPLY_LINK_TIMEOUT_S = 5.0  # most seconds the head may take to open a reply link
+
+
+def result(task: asyncio.Task):
+    """A finished task's result; None when it was cancelled or failed."""
+    return None if task.cancelled() or task.exception() is not None else task.result()
+
+
+def open_replies(session: AsyncRouteSession, head: str) -> None:
+    """Open the session's reply link to ``head`` (after the first step, which opened the session everywhere): the
+    head's replies come straight to the client, one message after it sampled, not back through every hop, and the
+    ring's grants go on it (docs/protocol.md). Opened in the background and used once open (a later call takes
+    it): a head that does not answer never holds a step up."""
+    if session._replies_opening is None:
+
+        async def opening() -> StepLink | None:
+            link = StepLink(
+                session.http,
+                head,
+                min(session.route.timeout_s, REPLY_LINK_TIMEOUT_S),
+                session.route.token,
+                replies=session.id,
+                late=lambda key, status, body: reply_late(session, key, status, body),
+            )
+            try:
+                await link.connect()
+            except RouteError:
+                return None
+            return link if link.connected else None
+
+        session._replies_opening = asyncio.get_running_loop().create_task(opening())
+    elif session._replies_opening.done():
+        session._replies = result(session._replies_opening)
+        session._replies_opening = None
+        if session._replies is None:
+            session._no_replies.add(head)
+
+
+@dataclass(eq=False)
+class RingStep:
+    """A step the head sent itself: its number, position, the token it feeds, its frame (as the client would send
+    it) and that frame's key; ``reply``: the future of the head's reply ``(status, body, direct)``; ``t0``: when
+    the client learned of it (perf_counter s); ``late``: the route's reply to it, when that came before the claim."""
+
+    step: int
+    start: int
+    token: int
+    frame: bytes
+    key: bytes
+    reply: asyncio.Future
+    t0: float
+    late: tuple[int, bytes] | None = None
+
+    def takes(self, session: AsyncRouteSession, ids: list[int], sample: bool, verify: bool) -> bool:
+        """Whether the caller's next step ``ids`` is this one: the sampled token fed at the next position."""
+        return (
+            sample
+            and not verify
+            and not session._rewinding
+            and ids == [self.token]
+            and self.step == session.step_no + 1
+            and self.start == session.position
+        )
+
+
+async def grant(session: AsyncRouteSession, until: int, n_ids: int) -> None:
+    """Let the head send the session's steps up to number ``until`` itself (the step being sent, of ``n_ids`` ids,
+    is ``until - 1``): nothing when the session has no ring, no open reply link, granted that already, or the step
+    after would not fit its max_length."""
+    replies = session._replies
+    if (
+        not session.ring
+        or until <= session._granted
+        or replies is None
+        or not replies.connected
+        or session.position + n_ids + 1 > session.max_length
+    ):
+        return
+    hops = session.route.hops
+    first = None if len(hops) == 1 else hops[0].url
+    if await replies.send_text(json.dumps({"ring": {"until": until, "first": first}})):
+        session._granted = until
+
+
+def learn(session: AsyncRouteSession, reply: dict) -> None:
+    """After a step's ``reply`` (the session advanced past it): when the head sent the next step itself (``ring``),
+    expect its reply on the reply link (``session._ring``)."""
+    nxt, token = reply.get("ring"), reply.get("token")
+    replies = session._replies
+    if not session.ring or nxt != session.step_no + 1 or type(token) is not int or replies is None:
+        return
+    if not replies.connected:  # its reply is lost to us: the caller's step sends the same frame itself
+        return
+    frame = encode_tokens(session.id, nxt, session.position, [token])
+    key = frame_key(frame)
+    waiter = asyncio.get_running_loop().create_future()
+    waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # a step nobody takes may fail unread
+    early, session._early = session._early, None
+    if early is not None and early[0] == key:  # it came before we got here
+        waiter.set_result((early[1], early[2], True))
+    else:
+        replies.expect(key, waiter, own=True)
+    session._ring = RingStep(nxt, session.position, token, frame, key, waiter, time.perf_counter())
+
+
+def reply_late(session: AsyncRouteSession, key: bytes, status: int, body: bytes) -> None:
+    """A reply link's message nobody waited for: the route's reply to a head-sent step (kept until the step is claimed,
+    then its telemetry: ``session._late``), or a head-sent step's own reply that came before ``learn`` (kept for
+    it)."""
+    pending = session._ring
+    if pending is not None and key == pending.key:
+        pending.late = (status, body)
+    elif key in session._ring_claimed:
+        session._ring_claimed.discard(key)
+        session._late(key, status, body)
+    else:  # (a client-sent step's reply from the head after the route's, or after it was sent alone: nothing new)
+        session._early = (key, status, body)
+
+
+async def claim(
+    session: AsyncRouteSession, pending: RingStep, link: StepLink, timeout: float
+) -> tuple[int, bytes, bool]:
+    """Take the head-sent step ``pending`` as the caller's: its reply ``(status, body, direct)``. When the reply link
+    fails or no reply comes within ``timeout`` s, the same frame is sent on the step link (the nodes answer from
+    their record). RouteError as a step sent by the client."""
+    session.measured.ring_steps += 1
+    session._unacked[pending.key] = (pending.t0, 1, [h.url for h in session.route.hops], False, pending.start)
+    if pending.late is not None:  # the route's reply came first: its telemetry
+        session._late(pending.key, *pending.late)
+    else:
+        session._ring_claimed.add(pending.key)
+    try:
+        async with asyncio.timeout(timeout):
+            return await pending.reply
+    except (RouteError, TimeoutError):
+        if session._replies is not None:
+            session._replies.forget(pending.key)
+        session.measured.ring_steps -= 1
+        return await session._exchange(link, pending.frame, pending.key, timeout)
+
+
+async def discard(session: AsyncRouteSession, pending: RingStep, timeout: float) -> None:
+    """Undo the head-sent step ``pending`` the caller did not take: wait (up to ``timeout`` s) for it to end, then roll
+    every node back to the session's position with ``pending.step`` as their last step number (applied or not
+    there). RouteError when a node refuses the truncation."""
+    try:
+        async with asyncio.timeout(timeout):
+            await pending.reply
+    except (RouteError, TimeoutError):
+        pass
+    if session._replies is not None:
+        session._replies.forget(pending.key)
+    session.step_no = max(session.step_no, pending.step)
+    body = {"length": session.position, "step": session.step_no}
+    for hop in session.route.hops:
+        await session.call(hop.url, "POST", f"/v1/sessions/{session.id}/truncate", body, "truncate")
+    session.measured.ring_discarded += 1
+
+
+__all__ = ["RingStep", "claim", "discard", "grant", "learn", "open_replies", "reply_late", "result"]

@@ -1,0 +1,207 @@
+"""Ring decode (client/ring.py, node/ring.py): the head sends each next decode step to the route's first node itself.
+
+Each test compares a ring session with one whose client sends every step (``ring=False``) on the same nodes: the
+tokens must be the same, and the ring must have carried the decode steps (``ring_steps``). The route-repair case
+(a node SIGKILLed mid-stream, the gateway's ring sessions) is test_faults.py's kill suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from route_fixtures import cluster, health, tiny_split_route  # noqa: F401  (cluster: a shared fixture)
+from tinymodels import write_tiny_model
+
+from ggufswarm.client.generate import GenerationStats, agenerate, generate
+from ggufswarm.client.grammar import response_format_grammar
+from ggufswarm.client.route import RemoteRoute
+from ggufswarm.client.speculative import NgramDrafter
+from ggufswarm.protocol import encode_tokens
+from ggufswarm.protocol.link import NO_KEY, decode_reply
+from ggufswarm.runtime.sampling import SamplingParams
+
+PROMPT = "The capital of France is"
+N = 24  # tokens generated per run
+
+
+def run(urls: list[str], tokenizer, ids: list[int], sampling: SamplingParams, ring: bool, **kw):
+    """(tokens, text, telemetry) of one generation of N tokens on a fresh session of ``urls``."""
+    session = RemoteRoute(urls, 60.0).open(len(ids) + N + 8, sampling, ring=ring)
+    stats = GenerationStats()
+    try:
+        text = "".join(generate(session, tokenizer, ids, N, kw.get("stop"), stats, kw.get("drafter")))
+        telemetry = session.telemetry
+    finally:
+        session.close()
+    return stats.tokens, text, telemetry
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "grammar"])
+def test_ring_decode_gives_the_tokens_of_client_driven_steps(cluster, gemma, kind):
+    """Greedy, seeded sampling and grammar-constrained sampling (llama.cpp's grammar sampler at the head): the ring
+    session's tokens are the client-driven session's, and the head sent nearly every decode step itself."""
+    urls = [n.url for n in cluster]
+    ids = gemma.prompt_ids(PROMPT if kind != "grammar" else 'Reply with a JSON object: {"ok": true}.', chat=True)
+    json_object = response_format_grammar({"type": "json_object"})
+    sampling = {
+        "greedy": SamplingParams(temperature=0),
+        "seeded": SamplingParams(temperature=0.9, seed=5),
+        "grammar": SamplingParams(temperature=0.7, seed=3, penalize_from=len(ids), grammar=json_object),
+    }[kind]
+    want, want_text, plain = run(urls, gemma.tokenizer, ids, sampling, ring=False)
+    got, text, ring = run(urls, gemma.tokenizer, ids, sampling, ring=True)
+    assert got == want and text == want_text
+    assert plain.ring_steps == 0
+    # the reply link opens in the background after the first step: the ring carries the steps from then on
+    assert ring.ring_steps >= len(got) - 5, (ring.ring_steps, len(got))
+    assert len(ring.steps) == len(plain.steps)  # every step's per-hop numbers arrived, the ring's included
+    if kind == "grammar":  # (cut at N tokens: an object begun)
+        assert text.lstrip().startswith("{")
+
+
+def test_a_stop_string_ends_the_ring_and_the_session_goes_on_as_without_it(cluster, gemma):
+    """A stop string mid-stream: the same text. The head had already sent the next step; the session rolls it back
+    on every node (``ring_discarded``) when the caller does something else, and goes on with the tokens of a
+    session that never had the ring."""
+    urls = [n.url for n in cluster]
+    ids = gemma.prompt_ids(PROMPT, chat=True)
+    greedy = SamplingParams(temperature=0)
+    _, full, _ = run(urls, gemma.tokenizer, ids, greedy, ring=False)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    outs = []
+    for ring in (False, True):
+        session = RemoteRoute(urls, 60.0).open(len(ids) + N + 8, greedy, ring=ring)
+        try:
+            text = "".join(generate(session, gemma.tokenizer, ids, N, [stop]))
+            # neither is the sampled token: each time the step the head sent is undone
+            more = [session.step([7]), session.step([11])]
+            outs.append((text, more, session.telemetry.ring_discarded, session.telemetry.ring_steps))
+        finally:
+            session.close()
+    (text0, more0, _, _), (text1, more1, discarded, steps) = outs
+    assert text1 == text0 and stop not in text1 and full.startswith(text1) and more1 == more0
+    assert steps > 0 and discarded == 2
+
+
+def test_speculative_decoding_on_a_ring_session_sends_its_own_steps(cluster, gemma):
+    """A drafter's verify steps on a session opened with the ring: the first verify turns the ring off (undoing the
+    step the head had sent), and the tokens are plain greedy decoding's."""
+    urls = [n.url for n in cluster]
+    ids = gemma.prompt_ids("Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", chat=False)
+    greedy = SamplingParams(temperature=0)
+    want, _, _ = run(urls, gemma.tokenizer, ids, greedy, ring=False)
+    session = RemoteRoute(urls, 60.0).open(len(ids) + N + 8, greedy, ring=True)
+    stats = GenerationStats()
+    try:
+        list(generate(session, gemma.tokenizer, ids, N, None, stats, NgramDrafter(4)))
+        assert not session.session.ring and stats.verify_steps > 0
+    finally:
+        session.close()
+    assert stats.tokens == want
+
+
+def test_cancelling_a_ring_generation_frees_every_node_within_2_s(cluster, gemma):
+    """The task iterating a ring session's generation is cancelled mid-stream: within 2 s no node of the route
+    holds the session (the head sends at most the one step granted ahead)."""
+    urls = [n.url for n in cluster]
+    ids = gemma.prompt_ids(PROMPT, chat=True)
+    before = [health(u)["sessions"] for u in urls]
+
+    async def main() -> tuple[int, float]:
+        route = await RemoteRoute.connect(urls, 60.0)
+        stats = GenerationStats()
+        session = await route.aopen(len(ids) + 200, SamplingParams(temperature=0))
+
+        async def generation():
+            try:
+                async for _ in agenerate(session, gemma.tokenizer, ids, 190, stats=stats):
+                    pass
+            finally:
+                await session.close()
+
+        task = asyncio.create_task(generation())
+        while session.measured.ring_steps < 4:
+            await asyncio.sleep(0.005)
+        t0 = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return len(stats.tokens), t0
+
+    n, t0 = asyncio.run(main())
+    while [health(u)["sessions"] for u in urls] != before and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    assert [health(u)["sessions"] for u in urls] == before and time.monotonic() - t0 < 2.0
+    assert n < 190
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    model = str(write_tiny_model(tiny_dir / "ring-llama.gguf", "llama", n_layers=2))
+    with tiny_split_route(model, tiny_dir / "ring") as route:
+        yield route
+
+
+def test_a_route_of_one_node_loops_on_itself(tiny):
+    """One node holding every layer: the head sends each next step to itself; the tokens are the client-driven
+    ones."""
+    ids = [5 + (i * 11) % 300 for i in range(24)]
+    outs = []
+    for ring in (False, True):
+        session = RemoteRoute([tiny["whole"]]).open(64, SamplingParams(temperature=0), ring=ring)
+        try:
+            out = [session.step(ids)]
+            for _ in range(30):
+                out.append(session.step([out[-1]]))
+            outs.append((out, session.telemetry.ring_steps))
+        finally:
+            session.close()
+    assert outs[1][0] == outs[0][0] and outs[0][1] == 0 and outs[1][1] > 0
+
+
+def test_bad_grants_get_errors_and_the_head_keeps_serving(tiny):
+    """A reply link's text messages are grants: anything else, a ``first`` that is not a bare node URL, or a step
+    number out of range is answered with a 400 on the link (key NO_KEY) and changes nothing; a good grant makes the
+    head send the next step (``"ring"`` in its reply) to the named first node."""
+    first, head = tiny["first"], tiny["head"]
+    ids = [5 + (i * 7) % 300 for i in range(8)]
+
+    async def main():
+        route = await RemoteRoute.connect([first, head])
+        async with await route.aopen(64, SamplingParams(temperature=0), ring=False) as session:
+            await session.step(ids)  # opens the session everywhere
+            await session.step([9])  # the client opens its reply link now, in the background
+            await asyncio.sleep(0.5)
+            async with aiohttp.ClientSession() as http_:  # a reply link of ours replaces the client's
+                ws = await http_.ws_connect(f"{head.replace('http', 'ws')}/v1/link?replies={session.id}")
+                for bad in (
+                    "hello",
+                    json.dumps({"ring": {"until": -1, "first": first}}),
+                    json.dumps({"ring": {"until": 3, "first": "http://127.0.0.1:1/v1/step?x=1"}}),
+                    json.dumps({"ring": {"until": 3, "first": 5}}),
+                    "x" * 10000,
+                ):
+                    await ws.send_str(bad)
+                    key, status, body = decode_reply(await ws.receive_bytes(timeout=10))
+                    assert key == NO_KEY and status == 400 and json.loads(body)["error"]["code"] == "bad_request"
+                # a good grant: the client's next step (3) makes the head send step 4 itself
+                await ws.send_str(json.dumps({"ring": {"until": 4, "first": first}}))
+                await asyncio.sleep(0.2)
+                token = await session.step([11])  # a ring=False session: it does not take step 4
+                replies = []
+                while len(replies) < 3:  # step 3's own reply, step 4's own reply, step 4's route reply
+                    replies.append(decode_reply(await ws.receive_bytes(timeout=10)))
+                await ws.close()
+            frame4 = encode_tokens(session.id, 4, len(ids) + 2, [token])
+            assert [r[1] for r in replies] == [200, 200, 200]
+            assert json.loads(replies[0][2])["ring"] == 4 and {r[0] for r in replies[1:]} == {frame4[8:32]}
+            assert len(json.loads(replies[2][2])["hops"]) == 2  # the route's reply to the step the head sent
+
+    before = [health(u)["sessions"] for u in (first, head)]
+    asyncio.run(main())
+    assert [health(u)["sessions"] for u in (first, head)] == before  # closed: the ring's step kept nothing
+    assert health(head)["status"] == "ok"
