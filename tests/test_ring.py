@@ -205,3 +205,35 @@ def test_bad_grants_get_errors_and_the_head_keeps_serving(tiny):
     asyncio.run(main())
     assert [health(u)["sessions"] for u in (first, head)] == before  # closed: the ring's step kept nothing
     assert health(head)["status"] == "ok"
+
+
+def test_a_head_that_cannot_reach_the_first_node_is_no_dead_node(tiny, monkeypatch):
+    """The head's ring steps to the first node fail (it is on a network only the client reaches, say): the client
+    sends each such step itself, nodes answer from their records, the ring goes off for the session, nothing is
+    repaired and the tokens are the client-driven ones."""
+    from ggufswarm.node.link import HopLinks
+    from ggufswarm.protocol import ProtocolError
+
+    first, head = tiny["first"], tiny["head"]
+    send = HopLinks.send
+
+    async def unreachable(self, url, frame, timeout_s):
+        if url == first:  # only the head's ring steps go to the first node
+            raise ProtocolError("hop_failed", f"next hop {url} failed: no route to host", hop=url)
+        return await send(self, url, frame, timeout_s)
+
+    ids = [5 + (i * 13) % 300 for i in range(12)]
+    outs = []
+    for ring in (False, True):
+        if ring:
+            monkeypatch.setattr(HopLinks, "send", unreachable)
+        session = RemoteRoute([first, head]).open(64, SamplingParams(temperature=0), ring=ring, replan=lambda *a: 1 / 0)
+        try:
+            out = [session.step(ids)]
+            for _ in range(12):
+                out.append(session.step([out[-1]]))
+            outs.append((out, session.session.ring, session.telemetry.repairs, session.telemetry.ring_steps))
+        finally:
+            session.close()
+    (want, _, _, _), (got, still_on, repairs, steps) = outs
+    assert got == want and not still_on and repairs == [] and steps == 0

@@ -149,9 +149,12 @@ def reply_late(session: AsyncRouteSession, key: bytes, status: int, body: bytes)
 async def claim(
     session: AsyncRouteSession, pending: RingStep, link: StepLink, timeout: float
 ) -> tuple[int, bytes, bool]:
-    """Take the head-sent step ``pending`` as the caller's: its reply ``(status, body, direct)``. When the reply link
-    fails or no reply comes within ``timeout`` s, the same frame is sent on the step link (the nodes answer from
-    their record). RouteError as a step sent by the client."""
+    """Take the head-sent step ``pending`` as the caller's: its reply ``(status, body, direct)``. When the head
+    answers it with an error, the reply link fails or no reply comes within ``timeout`` s, the client sends the same
+    frame on its step link (nodes that applied it answer from their record): a node that is down fails that send
+    and the route is repaired, but a first node the head could not reach (another network) is not taken for
+    dead; the session's ring is off from then on. RouteError as a step sent by the client."""
+    first = session.route.hops[0].url
     session.measured.ring_steps += 1
     session._unacked[pending.key] = (pending.t0, 1, [h.url for h in session.route.hops], False, pending.start)
     if pending.late is not None:  # the route's reply came first: its telemetry
@@ -160,12 +163,27 @@ async def claim(
         session._ring_claimed.add(pending.key)
     try:
         async with asyncio.timeout(timeout):
-            return await pending.reply
+            status, body, direct = await pending.reply
+        if status == 200:
+            return status, body, direct
+        if _failed_hop(body) == first:  # the head could not send it to the first node
+            session.ring = False
     except (RouteError, TimeoutError):
-        if session._replies is not None:
-            session._replies.forget(pending.key)
-        session.measured.ring_steps -= 1
-        return await session._exchange(link, pending.frame, pending.key, timeout)
+        pass
+    if session._replies is not None:
+        session._replies.forget(pending.key)
+    session._ring_claimed.discard(pending.key)
+    session.measured.ring_steps -= 1
+    return await session._exchange(link, pending.frame, pending.key, timeout)
+
+
+def _failed_hop(body: bytes) -> str | None:
+    """The node an error reply names (``error.hop``), if any."""
+    try:
+        hop = json.loads(body)["error"].get("hop")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return hop if isinstance(hop, str) else None
 
 
 async def discard(session: AsyncRouteSession, pending: RingStep, timeout: float) -> None:

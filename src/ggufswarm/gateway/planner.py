@@ -251,7 +251,9 @@ class RoutePlanner:
                     code="context_length_exceeded",
                     param=prompt_param,
                 )
-            max_length = min(limit, len(ids) + max(max_tokens, 1))
+            # the prompt and every sampled token but the last: exactly what max_tokens needs (nothing more: the
+            # head's ring decode then never runs a step past the last token, client/ring.py grant)
+            max_length = min(limit, len(ids) + max(max_tokens - 1, 1))
 
             async def replan(exclude, span):  # repair: a replacement for a failed hop's span, from the tracker
                 for url in exclude:  # nodes this session saw fail: new sessions avoid them too
