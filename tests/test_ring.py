@@ -164,9 +164,11 @@ def test_a_route_of_one_node_loops_on_itself(tiny):
 
 
 def test_bad_grants_get_errors_and_the_head_keeps_serving(tiny):
-    """A reply link's text messages are grants: anything else, a ``first`` that is not a bare node URL, or a step
-    number out of range is answered with a 400 on the link (key NO_KEY) and changes nothing; a good grant makes the
-    head send the next step (``"ring"`` in its reply) to the named first node."""
+    """Only the client that opened the session holds its reply link (the key it gave the head; another node of the
+    route knows the session id, not the key: 401). The link's text messages are grants: anything else, binary
+    messages, a ``first`` that is not a bare node URL, a loop (``first`` null) on a head that does not embed, or a
+    step number out of range is answered with a 400 on the link (key NO_KEY) and changes nothing; a good grant makes
+    the head send the next step (``"ring"`` in its reply) to the named first node."""
     first, head = tiny["first"], tiny["head"]
     ids = [5 + (i * 7) % 300 for i in range(8)]
 
@@ -176,9 +178,18 @@ def test_bad_grants_get_errors_and_the_head_keeps_serving(tiny):
             await session.step(ids)  # opens the session everywhere
             await session.step([9])  # the client opens its reply link now, in the background
             await asyncio.sleep(0.5)
-            async with aiohttp.ClientSession() as http_:  # a reply link of ours replaces the client's
-                ws = await http_.ws_connect(f"{head.replace('http', 'ws')}/v1/link?replies={session.id}")
+            async with aiohttp.ClientSession() as http_:
+                url = f"{head.replace('http', 'ws')}/v1/link?replies={session.id}"
+                for key in ("", "&key=" + "0" * 32):  # another node of the route knows the id, not the key
+                    with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                        await http_.ws_connect(url + key)
+                    assert refused.value.status == 401
+                ws = await http_.ws_connect(f"{url}&key={session.reply_key}")  # (the client's: it replaces its own)
+                await ws.send_bytes(b"\x01" * 40)
+                key, status, body = decode_reply(await ws.receive_bytes(timeout=10))
+                assert key == NO_KEY and status == 400 and "text messages" in json.loads(body)["error"]["message"]
                 for bad in (
+                    json.dumps({"ring": {"until": 3, "first": None}}),  # a loop on a head that does not embed
                     "hello",
                     json.dumps({"ring": {"until": -1, "first": first}}),
                     json.dumps({"ring": {"until": 3, "first": "http://127.0.0.1:1/v1/step?x=1"}}),

@@ -241,6 +241,7 @@ def cmd_gateway(args) -> int:
             chat_template=chat_template,
             token=args.token,
             speculative=args.speculative,
+            ring=args.ring,
             draft_max=args.draft_max,
             draft_model=args.draft_model,
             draft_threads=args.draft_threads,

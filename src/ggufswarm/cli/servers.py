@@ -342,6 +342,15 @@ def add_gateway_parser(sub) -> argparse.ArgumentParser:
         help="nodes drop a request's session once idle this long: a gateway that dies frees its KV that "
         "soon (default 30; the gateway renews it while a step takes long)",
     )
+    w.add_argument(
+        "--no-ring",
+        dest="ring",
+        action="store_false",
+        help="send every decode step from the gateway (by default the route's head sends the next step to the "
+        "first node itself as soon as it sampled, the gateway granting it one step ahead: ring decode, one "
+        "network leg less per token; the tokens are the same either way; speculative requests always send their "
+        'own). docs/protocol.md, "Ring decode"',
+    )
     speculative_args(w)
     token_arg(w)
     w.add_argument(

@@ -52,6 +52,7 @@ async def open_on(session: AsyncRouteSession, hops: list[Hop], i: int, wait: boo
         "hop_timeout_s": session.route.hop_timeout_s * max(len(hops) - 1 - i, 1),
     }
     if hop.head:
+        body["reply_key"] = session.reply_key  # only the head: no other node of the route can take the reply link
         body["sampling"] = session.sampling.to_dict()
         body["top_logprobs"] = session.top_logprobs
         if session.logprobs:

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING
 
 from ..protocol import encode_tokens
 from ..protocol.link import frame_key
-from .transport import RouteError, StepLink
+from .transport import BANNED, RouteError, StepLink
 
 if TYPE_CHECKING:
     from .session import AsyncRouteSession
 
 REPLY_LINK_TIMEOUT_S = 5.0  # most seconds the head may take to open a reply link
+FINISH_WAIT_S = 1.0  # most seconds a closing session waits for the step the head sent (then releases anyway)
 
 
 def result(task: asyncio.Task):
@@ -49,6 +50,7 @@ def open_replies(session: AsyncRouteSession, head: str) -> None:
                 min(session.route.timeout_s, REPLY_LINK_TIMEOUT_S),
                 session.route.token,
                 replies=session.id,
+                key=session.reply_key,
                 late=lambda key, status, body: reply_late(session, key, status, body),
             )
             try:
@@ -161,20 +163,32 @@ async def claim(
         session._late(pending.key, *pending.late)
     else:
         session._ring_claimed.add(pending.key)
+    unreachable = False
+    if session._broken is not None:  # a late error of an earlier step, or a ban: repair first
+        broken, session._broken = session._broken, None
+        raise broken
+    session._waiter = pending.reply  # session.fail() fails it
     try:
         async with asyncio.timeout(timeout):
             status, body, direct = await pending.reply
         if status == 200:
             return status, body, direct
-        if _failed_hop(body) == first:  # the head could not send it to the first node
-            session.ring = False
-    except (RouteError, TimeoutError):
+        unreachable = _failed_hop(body) == first  # the head could not send it to the first node
+    except RouteError as exc:
+        if exc.late or exc.code == BANNED:  # (session.fail: the route is broken, not this link)
+            raise
+    except TimeoutError:
         pass
+    finally:
+        session._waiter = None
     if session._replies is not None:
         session._replies.forget(pending.key)
     session._ring_claimed.discard(pending.key)
     session.measured.ring_steps -= 1
-    return await session._exchange(link, pending.frame, pending.key, timeout)
+    answer = await session._exchange(link, pending.frame, pending.key, timeout)
+    if unreachable and answer[0] == 200:  # ... and we can: the head cannot reach it (a dead one fails ours too)
+        session.ring = False
+    return answer
 
 
 def _failed_hop(body: bytes) -> str | None:
@@ -184,6 +198,19 @@ def _failed_hop(body: bytes) -> str | None:
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     return hop if isinstance(hop, str) else None
+
+
+async def finish(session: AsyncRouteSession) -> None:
+    """At the session's close: wait (up to ``FINISH_WAIT_S``) for a head-sent step the caller did not take, so that
+    the nodes release the session after it rather than under it."""
+    pending, session._ring = session._ring, None
+    if pending is None:
+        return
+    try:
+        async with asyncio.timeout(FINISH_WAIT_S):
+            await pending.reply
+    except (RouteError, TimeoutError):
+        pass
 
 
 async def discard(session: AsyncRouteSession, pending: RingStep, timeout: float) -> None:
@@ -204,4 +231,4 @@ async def discard(session: AsyncRouteSession, pending: RingStep, timeout: float)
     session.measured.ring_discarded += 1
 
 
-__all__ = ["RingStep", "claim", "discard", "grant", "learn", "open_replies", "reply_late", "result"]
+__all__ = ["RingStep", "claim", "discard", "finish", "grant", "learn", "open_replies", "reply_late", "result"]

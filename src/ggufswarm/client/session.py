@@ -110,6 +110,7 @@ class AsyncRouteSession:
         """
         self.route = route
         self.id = uuid.UUID(bytes=os.urandom(16))  # 128 random bits: unguessable
+        self.reply_key = os.urandom(16).hex()  # given to the head only: its reply link is ours alone (client/ring.py)
         self.max_length = max_length
         self.sampling = (sampling or SamplingParams()).validate()
         self.wire_dtype = wire_dtype
@@ -506,6 +507,7 @@ class AsyncRouteSession:
             pass  # best effort: a node or connection gone (or, at shutdown, the aiohttp session closed) frees it
 
     async def _release(self) -> None:
+        await ring.finish(self)  # a step the head sent and nobody took: over before the release
         await self.telemetry()  # the route's replies to directly answered steps: their per-hop numbers
         await self.drop_links()
         if self._link is not None:

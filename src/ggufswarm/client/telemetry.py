@@ -56,7 +56,7 @@ class RouteTelemetry:
     prefix_tokens_restored: int = 0
     direct_replies: int = 0  # steps whose reply came straight from the head (its reply link)
     ring_steps: int = 0  # steps the head sent to the first node itself (ring decode: client/ring.py)
-    ring_discarded: int = 0  # head-sent steps the caller did not take (rolled back: a stop, a verify step)
+    ring_discarded: int = 0  # head-sent steps rolled back: the caller fed something else (a verify step, other ids)
     keep_commits: bool = False  # keep each step's commitments (``StepTiming.commits``): a session being audited
 
     def record(

@@ -146,7 +146,8 @@ class StepLink:
     message and its reply comes back as one (protocol/link.py). A reader task takes every reply and resolves
     the waiter registered for its frame key; a reply nobody waits for goes to ``late(key, status, body)``.
 
-    ``replies``: a session id makes this that session's *reply link* to the head (``?replies=``; it sends only
+    ``replies``: a session id makes this that session's *reply link* to the head (``?replies=``, with ``key``,
+    the session's reply key, as ``&key=``; it sends only
     ring grants, ``send_text``): it resolves a waiter shared with the step link only with a successful (200)
     reply, and one of its ``own`` (a ring step's, which only the head answers) with any. A node that answers the
     upgrade with 404/405 has no links: steps then go as ``POST /v1/step`` (``http_only``). ``token``: the swarm
@@ -160,6 +161,7 @@ class StepLink:
     timeout: float
     token: str | None = None
     replies: uuid.UUID | None = None
+    key: str | None = None  # a reply link's key (the session's reply_key)
     late: Callable[[bytes, int, bytes], None] | None = None
     http_only: bool = field(default=False, init=False)
     _ws: aiohttp.ClientWebSocketResponse | None = field(default=None, init=False, repr=False)
@@ -178,6 +180,8 @@ class StepLink:
         refuses the upgrade otherwise or cannot be reached within the link's timeout."""
         parts = urlsplit(self.url)
         path = "/v1/link" + (f"?replies={self.replies}" if self.replies is not None else "")
+        if self.replies is not None and self.key is not None:
+            path += f"&key={self.key}"
         try:
             async with asyncio.timeout(self.timeout):
                 self._ws = await self.http.ws_connect(

@@ -41,6 +41,7 @@ class GatewayConfig:
     # frees its KV that soon
     chat_template: str | None = None  # jinja2 chat template used instead of the GGUF's (``--chat-template-file``)
     speculative: str = "none"  # "ngram": prompt-lookup drafts verified by the route (client.speculative), or "none"
+    ring: bool = True  # ring decode: the head sends each next decode step itself (client/ring.py)
     draft_max: int = DEFAULT_DRAFT_MAX  # most tokens drafted per verify step (a request's speculative.n_max lowers it)
     draft_model: str | None = None  # speculative "draft": a small GGUF of the served model's vocabulary, run here
     draft_threads: int = 1  # its llama.cpp threads

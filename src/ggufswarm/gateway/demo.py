@@ -101,6 +101,12 @@ def telemetry_summary(t: dict) -> str:
             else ""
         ),
     ]
+    if t.get("ring_steps"):
+        decode = max(t["completion_tokens"] - 1, 1)
+        lines.append(
+            f"ring decode: the head sent {t['ring_steps']} of {decode} decode steps to the first node itself"
+            + (f" ({t['ring_discarded']} rolled back)" if t.get("ring_discarded") else "")
+        )
     spec = t.get("speculative") or {}
     if spec.get("method") not in (None, "none"):
         rate = f" ({100 * spec['acceptance']:.0f}%)" if spec.get("acceptance") is not None else ""

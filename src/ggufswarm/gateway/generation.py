@@ -193,7 +193,8 @@ async def run(
         tap = _LogprobTap(session, gw.tokenizer.eog_ids) if opts.logprobs else None
         drain = tap.drain if tap is not None else _no_entries
         drafter = drafter_for(gw, session, opts)
-        session.ring = drafter is None  # ring decode (client/ring.py); a speculative session sends its own steps
+        # ring decode (client/ring.py), unless --no-ring; a speculative session sends its own steps
+        session.ring = gw.config.ring and drafter is None
         try:
             async with aclosing(
                 agenerate(tap or session, gw.tokenizer, ids, budget, opts.stop, stats, drafter, opts.special)

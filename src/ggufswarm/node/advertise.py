@@ -193,10 +193,10 @@ async def deregister(state: NodeState) -> None:
     await asyncio.gather(*(one(t) for t in state.trackers))
 
 
-async def check_registered(state: NodeState, url: str | None) -> None:
-    """With a tracker or the DHT, a next_hop must be a node they list for this node's model (the list is cached
-    for ``PEERS_TTL_S`` and fetched again on a miss). ProtocolError next_hop_unknown (403) or tracker_unavailable
-    (503)."""
+async def check_registered(state: NodeState, url: str | None, what: str = "next_hop") -> None:
+    """With a tracker or the DHT, a next_hop (or ``what`` else a node sends frames to: a ring's first node) must be a
+    node they list for this node's model (the list is cached for ``PEERS_TTL_S`` and fetched again on a miss).
+    ProtocolError next_hop_unknown (403) or tracker_unavailable (503)."""
     if url is None or (state.tracker is None and state.directory is None):
         return
     now = time.monotonic()
@@ -212,11 +212,11 @@ async def check_registered(state: NodeState, url: str | None) -> None:
         state.peers_at = now
     except (TrackerError, DirectoryError, KeyError, TypeError) as exc:
         raise ProtocolError(
-            "tracker_unavailable", f"cannot check next_hop {url} with the tracker: {type(exc).__name__}"
+            "tracker_unavailable", f"cannot check {what} {url} with the tracker: {type(exc).__name__}"
         ) from None
     if url not in state.peers:
         raise ProtocolError(
-            "next_hop_unknown", f"next_hop {url} is not a node the tracker lists for model {model!r}; refused"
+            "next_hop_unknown", f"{what} {url} is not a node the tracker lists for model {model!r}; refused"
         )
 
 

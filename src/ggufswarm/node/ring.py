@@ -49,7 +49,11 @@ async def parse_grant(state: NodeState, text: str) -> Grant:
         )
     if first is not None:
         first = node_url(first, "the ring's first node")
-        await check_registered(state, first)
+        await check_registered(state, first, "the ring's first node")
+    elif not state.spec.embed:
+        raise ProtocolError(
+            "bad_request", 'a ring "first": null (loop on this node) needs a node that embeds: a route of one node'
+        )
     return Grant(until, first)
 
 

@@ -24,15 +24,19 @@ from .state import NODE, NodeState, json_response, parse_session_id
 MAX_STEP = 2**63 - 1  # step numbers are uint64 in a frame's header; JSON ones stay below 2**63
 MAX_TOP_LOGPROBS = 20
 MAX_URL_CHARS = 2048  # longest next_hop URL taken
+MAX_REPLY_KEY_CHARS = 128  # longest reply_key taken
 MAX_MESSAGE_CHARS = 300  # error messages quoting a client's value are cut to this
 SESSION_ID_BYTES = 16  # a session id the node picks: 128 random bits
 
 
 async def open_session(request: web.Request) -> web.Response:
     """``POST /v1/sessions`` {session_id, max_length, next_hop, sampling, wire_dtype, top_logprobs, logprobs,
-    lease_s, hop_timeout_s, model, commit} → 201; ``model`` (optional): the GGUF fingerprint the client expects, 409
-    ``model_mismatch`` when this node serves another model; ``commit`` (bool, default false): every step's hop
-    record carries this node's signed step commitment (node/commit.py; 400 bad_request for a non-bool)."""
+    lease_s, hop_timeout_s, model, commit, reply_key} → 201; ``model`` (optional): the GGUF fingerprint the client
+    expects, 409 ``model_mismatch`` when this node serves another model; ``commit`` (bool, default false): every
+    step's hop record carries this node's signed step commitment (node/commit.py; 400 bad_request for a non-bool);
+    ``reply_key`` (head, optional): the secret the session's reply link must present (``?key=``), so that only the
+    client that opened it (not another node of its route, which knows its id) gets its replies and grants its
+    ring."""
     state: NodeState = request.app[NODE]
     body = await read_json(request)
     sid = parse_session_id(body.get("session_id") or uuid.UUID(bytes=os.urandom(SESSION_ID_BYTES)))
@@ -45,6 +49,9 @@ async def open_session(request: web.Request) -> web.Response:
     n_logprobs = json_field(body, "top_logprobs", int, 0, min=0, max=MAX_TOP_LOGPROBS)
     want_logprob = json_field(body, "logprobs", bool, False)
     commit = json_field(body, "commit", bool, False)
+    reply_key = body.get("reply_key")
+    if reply_key is not None and not (isinstance(reply_key, str) and 16 <= len(reply_key) <= MAX_REPLY_KEY_CHARS):
+        raise ProtocolError("bad_request", f"reply_key must be a string of 16 to {MAX_REPLY_KEY_CHARS} characters")
     lease = json_field(body, "lease_s", float, None, positive=True, unit="seconds")
     hop_timeout = json_field(body, "hop_timeout_s", float, state.config.hop_timeout_s, positive=True, unit="seconds")
     model = body.get("model")
@@ -67,6 +74,7 @@ async def open_session(request: web.Request) -> web.Response:
     session.hop_timeout_s = float(hop_timeout)
     session.lease_s = lease
     session.commit = commit
+    session.reply_key = reply_key if state.spec.head else None
     state.readvertise()
     return json_response(
         {

@@ -8,6 +8,7 @@ own hop timings prepended (docs/protocol.md, "Steps" and "Links").
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -77,8 +78,12 @@ async def link(request: web.Request) -> web.StreamResponse:
     if "replies" in request.query:
         if not state.spec.head:
             raise ProtocolError("bad_request", "only the head sends replies: a reply link goes to the node with --head")
-        sid = state.store.get(parse_session_id(request.query["replies"])).id
-        return await _reply_link(state, ws, request, sid)
+        session = state.store.get(parse_session_id(request.query["replies"]))
+        if session.reply_key is not None and not hmac.compare_digest(
+            request.query.get("key", "").encode(), session.reply_key.encode()
+        ):
+            raise ProtocolError("unauthorized", "the session's reply link takes the key its client opened it with")
+        return await _reply_link(state, ws, request, session.id)
     await ws.prepare(request)
     state.links_in.add(ws)
     tasks = state.link_tasks  # strong references: the loop keeps only weak ones to running tasks
@@ -123,9 +128,14 @@ async def _reply_link(
     state.links_in.add(ws)
     try:
         async for msg in ws:
-            if msg.type != aiohttp.WSMsgType.TEXT or state.reply_links.get(sid) is not ws:
+            if (
+                msg.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY)
+                or state.reply_links.get(sid) is not ws
+            ):
                 continue
             try:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    raise ProtocolError("bad_request", "a reply link takes text messages (ring grants) only")
                 grant = await ring.parse_grant(state, msg.data)
             except ProtocolError as exc:
                 await ws.send_bytes(encode_reply(b"", *state.error_reply(exc)))  # (key NO_KEY)
@@ -300,7 +310,10 @@ async def _ring_push(state: NodeState, session: Session, nxt: bytes, first: str 
             status, reply = await sent
     except Exception as exc:
         status, reply = state.error_reply(exc)
-    state.ring_steps.labels("ok" if status == OK else "failed").inc()
+    closed = state.store.sessions.get(session.id) is not session  # closed meanwhile: nobody is waiting
+    state.ring_steps.labels("ok" if status == OK else "closed" if closed else "failed").inc()
+    if status != OK:  # a first node that fails once is not sent the next steps: the client sends them (or re-grants)
+        ring.drop(state, session.id)
     ws = state.reply_links.get(session.id)
     if ws is not None and not ws.closed:
         try:

@@ -86,6 +86,7 @@ class Session:
     n_logprobs: int = 0
     want_logprob: bool = False  # the head reports the sampled token's logprob with each sample
     commit: bool = False  # every step's hop record carries this node's signed step commitment (node/commit.py)
+    reply_key: str | None = None  # head: the secret a reply link must present (GET /v1/link?replies=&key=)
     history: list[int] = field(default_factory=list)  # token ids of every position held (sampler, snapshots)
     history_complete: bool = True  # False once a step arrived without its token ids
     snapshot_at: int = 0  # position of the last snapshot taken (tokens)
