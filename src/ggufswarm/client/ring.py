@@ -115,12 +115,12 @@ async def grant(session: AsyncRouteSession, until: int, n_ids: int) -> None:
 
 def learn(session: AsyncRouteSession, reply: dict) -> None:
     """After a step's ``reply`` (the session advanced past it): when the head sent the next step itself (``ring``),
-    expect its reply on the reply link (``session._ring``)."""
+    expect its reply on the reply link (``session._ring``), whether or not the session still wants the ring (that
+    step is on the nodes: the caller's next one takes it or undoes it). Without an open reply link its reply is lost
+    to us: the caller's step, if it is the same, sends the same frame itself."""
     nxt, token = reply.get("ring"), reply.get("token")
     replies = session._replies
-    if not session.ring or nxt != session.step_no + 1 or type(token) is not int or replies is None:
-        return
-    if not replies.connected:  # its reply is lost to us: the caller's step sends the same frame itself
+    if nxt != session.step_no + 1 or type(token) is not int or replies is None or not replies.connected:
         return
     frame = encode_tokens(session.id, nxt, session.position, [token])
     key = frame_key(frame)
@@ -157,7 +157,6 @@ async def claim(
     and the route is repaired, but a first node the head could not reach (another network) is not taken for
     dead; the session's ring is off from then on. RouteError as a step sent by the client."""
     first = session.route.hops[0].url
-    session.measured.ring_steps += 1
     session._unacked[pending.key] = (pending.t0, 1, [h.url for h in session.route.hops], False, pending.start)
     if pending.late is not None:  # the route's reply came first: its telemetry
         session._late(pending.key, *pending.late)
@@ -172,6 +171,7 @@ async def claim(
         async with asyncio.timeout(timeout):
             status, body, direct = await pending.reply
         if status == 200:
+            session.measured.ring_steps += 1
             return status, body, direct
         unreachable = _failed_hop(body) == first  # the head could not send it to the first node
     except RouteError as exc:
@@ -184,7 +184,6 @@ async def claim(
     if session._replies is not None:
         session._replies.forget(pending.key)
     session._ring_claimed.discard(pending.key)
-    session.measured.ring_steps -= 1
     answer = await session._exchange(link, pending.frame, pending.key, timeout)
     if unreachable and answer[0] == 200:  # ... and we can: the head cannot reach it (a dead one fails ours too)
         session.ring = False

@@ -146,10 +146,10 @@ class StepLink:
     message and its reply comes back as one (protocol/link.py). A reader task takes every reply and resolves
     the waiter registered for its frame key; a reply nobody waits for goes to ``late(key, status, body)``.
 
-    ``replies``: a session id makes this that session's *reply link* to the head (``?replies=``, with ``key``,
-    the session's reply key, as ``&key=``; it sends only
-    ring grants, ``send_text``): it resolves a waiter shared with the step link only with a successful (200)
-    reply, and one of its ``own`` (a ring step's, which only the head answers) with any. A node that answers the
+    ``replies``: a session id makes this that session's *reply link* to the head (``?replies=``, and ``key``, the
+    session's reply key, as ``&key=``; it sends only ring grants, ``send_text``): it resolves a waiter shared with
+    the step link only with a successful (200) reply, and one of its ``own`` (a ring step's, which only the head
+    answers) with any. A node that answers the
     upgrade with 404/405 has no links: steps then go as ``POST /v1/step`` (``http_only``). ``token``: the swarm
     token. Waiters resolve to ``(status, body, direct)``, ``direct`` true on a reply link; when the link fails,
     a step link's waiters and a reply link's own get RouteError ``hop_failed`` (a reply link's others are left to

@@ -38,7 +38,7 @@ async def parse_grant(state: NodeState, text: str) -> Grant:
     """The Grant in a reply link's text message ``text``; ProtocolError bad_request for a malformed one,
     next_hop_unknown (403) for a ``first`` the swarm's tracker or DHT does not list (the check a next_hop gets)."""
     try:
-        ring = json.loads(text[:MAX_GRANT_CHARS])["ring"] if len(text) <= MAX_GRANT_CHARS else None
+        ring = json.loads(text)["ring"] if len(text) <= MAX_GRANT_CHARS else None
         until, first = ring["until"], ring["first"]
     except (ValueError, TypeError, KeyError):
         until = first = None
@@ -57,11 +57,11 @@ async def parse_grant(state: NodeState, text: str) -> Grant:
     return Grant(until, first)
 
 
-def next_frame(state: NodeState, session: Session, frame: Frame, record: StepRecord) -> bytes | None:
-    """The frame of the session's next step when the head sends it itself: the token just sampled (``record.token``)
-    at the position after ``frame``'s, numbered ``frame.step + 1``, a sampling step with no other flag. None when
-    the session has no grant up to that step, no reply link, the step sampled nothing or was a verify step, or the
-    next step would not fit the session's max_length."""
+def next_frame(state: NodeState, session: Session, frame: Frame, record: StepRecord) -> tuple[bytes, str | None] | None:
+    """The session's next step when the head sends it itself: (its frame, the grant's first node: None for this one).
+    The frame holds the token just sampled (``record.token``) at the position after ``frame``'s, numbered
+    ``frame.step + 1``, a sampling step with no other flag. None when the session has no grant up to that step, no
+    reply link, the step sampled nothing or was a verify step, or the next step would not fit its max_length."""
     grant = state.rings.get(session.id)
     ws = state.reply_links.get(session.id)
     start = frame.start + frame.n_tokens
@@ -76,7 +76,7 @@ def next_frame(state: NodeState, session: Session, frame: Frame, record: StepRec
         or start + 1 > session.max_length
     ):
         return None
-    return encode_tokens(session.id, frame.step + 1, start, [int(record.token)])
+    return encode_tokens(session.id, frame.step + 1, start, [int(record.token)]), grant.first
 
 
 def drop(state: NodeState, sid: uuid.UUID) -> None:

@@ -243,8 +243,8 @@ async def _apply_session_frame(
                     answer["ring"] = frame.step + 1
                 reply = _record(record, answer, hop, t0)
                 await _send_direct(state, frame, body, reply)
-                if nxt is not None:
-                    task = asyncio.ensure_future(_ring_push(state, session, nxt, state.rings[session.id].first))
+                if nxt is not None:  # (the grant as it was when the token was sampled: the await may end it)
+                    task = asyncio.ensure_future(_ring_push(state, session, *nxt))
                     state.link_tasks.add(task)
                     task.add_done_callback(state.link_tasks.discard)
                 return OK, reply
