@@ -71,6 +71,17 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def dump_json(res: dict, args) -> None:
+    """``--json FILE`` of a bench script: ``res`` with the script's arguments under ``"args"``, as JSON to FILE
+    (``-``: stdout)."""
+    res["args"] = vars(args)
+    text = json.dumps(res, indent=1, default=str)
+    if args.json == "-":
+        print(text)
+    else:
+        Path(args.json).write_text(text)
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -52,6 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from bench_llamacpp import dump_json
 from natswarm import CLI, CLIENT, PUB, PY, Proc, node_ready, start_published
 
 TOKEN = "bench-nat-token"
@@ -432,12 +433,7 @@ def main() -> int:
         anchor.close()
     print(table(res, args, os.path.basename(model_path)))
     if args.json:
-        res["args"] = vars(args)
-        text = json.dumps(res, indent=1, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text)
+        dump_json(res, args)
     return 0
 
 

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import math
 import os
 import statistics
@@ -71,6 +70,7 @@ from bench_llamacpp import (
     TOOLS_BIN,
     LlamaSession,
     cpu_model,
+    dump_json,
     llama_bench,
     prompt_ids,
     rpc_bench_args,
@@ -349,12 +349,7 @@ def main() -> int:
     for line in targets(res, args.delay_ms):
         say(line)
     if args.json:
-        res["args"] = vars(args)
-        text = json.dumps(res, indent=1, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text)
+        dump_json(res, args)
     return 0
 
 
