@@ -106,6 +106,12 @@ def telemetry_summary(t: dict) -> str:
         lines.append(
             f"ring decode: the head sent {t['ring_steps']} of {decode} decode steps to the first node itself"
             + (f" ({t['ring_discarded']} rolled back)" if t.get("ring_discarded") else "")
+            + (
+                "; the client sent the others (the first while its reply link to the head opened, and any whose "
+                "grant had not reached the head when it sampled)"
+                if t["ring_steps"] < decode
+                else ""
+            )
         )
     spec = t.get("speculative") or {}
     if spec.get("method") not in (None, "none"):

@@ -198,7 +198,7 @@ class RoutePlanner:
             except TrackerError as exc:
                 # the tracker's reason, not its URL: API clients need not learn the swarm's addresses
                 refused = RouteError(
-                    f"no route with room for a session of {max_length} tokens: {exc.reason}",
+                    f"no route for a session of {max_length} tokens: {exc.reason}",
                     503,
                     "no_route",
                 )
