@@ -25,7 +25,7 @@ Numbers depend on an idle machine: run it alone. ``--quick`` only checks that it
 a few tokens, a 1K prompt).
 
 Usage: .venv/bin/python bench/bench_batching.py [--sessions 1,4,16,32] [--decode 64] [--prompt 64]
-       [--modes exact,exact3,throughput] [--long 4096] [--quick]
+       [--modes exact,exact3,throughput] [--long 4096 (0: none)] [--quick]
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=64, help="tokens each session decodes (default 64)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per session (default 64)")
     ap.add_argument("--modes", default="exact,exact3,throughput", help="node batching modes (default: all three)")
-    ap.add_argument("--long", type=int, default=4096, help="prompt tokens of the prefill run (default 4096)")
+    ap.add_argument("--long", type=int, default=4096, help="prompt tokens of the prefill run (4096; 0 skips it)")
     ap.add_argument("--quick", action="store_true", help="check that it works: 1,4 sessions, 8 tokens, 1K prefill")
     args = ap.parse_args()
     if args.quick:
@@ -372,6 +372,8 @@ def main() -> int:
                 line += f", {by_n[16]['tok_s'] / server[16]['tok_s']:.2f}x llama-server's 16 (target 0.8)"
             print(line)
 
+    if args.long <= 0:
+        return 0
     p = prefill_interference(path, ids, args.long, 16, modes[0])
     print(
         f"\n| decode of a running session | median step ms | largest step ms | its tokens |\n|---|---|---|---|\n"
