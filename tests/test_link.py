@@ -460,7 +460,8 @@ def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
                 raise RouteError(f"no node serves layers {span[0]}:{span[1]} any more", 503, "no_route")
             return spare
 
-        session = route.open(64, GREEDY, replan=replan)
+        # no ring decode: the node that loses the session below could otherwise have run the next step already
+        session = route.open(64, GREEDY, replan=replan, ring=False)
         try:
             token = session.step(PROMPT)
             http("DELETE", f"{tiny_route['head']}/v1/sessions/{session.id}")  # the head lost the session
@@ -568,7 +569,8 @@ def test_a_node_excluded_by_one_repair_can_replace_a_later_failure(tiny_route, t
             raise RouteError(f"no node serves layers {span[0]}:{span[1]} but those excluded", 503, "no_route")
 
         want = greedy([tiny_route["whole"]], n=4)
-        session = RemoteRoute([first, head]).open(64, GREEDY, replan=replan)
+        # no ring decode: the node that loses the session below could otherwise have run the next step already
+        session = RemoteRoute([first, head]).open(64, GREEDY, replan=replan, ring=False)
         try:
             out = [session.step(PROMPT)]
             for lost in (head, head2, None):
@@ -599,7 +601,8 @@ def test_with_no_spare_for_the_failed_span_the_whole_route_is_replanned(tiny_rou
         raise RouteError(f"no node serves layers {span[0]}:{span[1]}", 503, "no_route")
 
     want = greedy([whole], n=4)
-    session = RemoteRoute([first, head]).open(64, GREEDY, replan=replan)
+    # no ring decode: the node that loses the session below could otherwise have run the next step already
+    session = RemoteRoute([first, head]).open(64, GREEDY, replan=replan, ring=False)
     try:
         out = [session.step(PROMPT)]
         http("DELETE", f"{head}/v1/sessions/{session.id}")  # the head lost the session
@@ -641,7 +644,8 @@ def test_a_repair_onto_a_node_of_other_numerics_continues_coherently(tiny_route,
 
         n = 6
         want = greedy([first, head], n=n)
-        session = RemoteRoute([first, head]).open(64, GREEDY, replan=replan)
+        # no ring decode: the node that loses the session below could otherwise have run the next step already
+        session = RemoteRoute([first, head]).open(64, GREEDY, replan=replan, ring=False)
         try:
             out = [session.step(PROMPT), session.step([want[0]])]
             http("DELETE", f"{head}/v1/sessions/{session.id}")  # the head lost the session
