@@ -23,14 +23,19 @@ CLIENT = str(Path(__file__).with_name("nat_client.py"))
 
 
 class Proc:
-    """A process in the lab (``lab.popen``) with the swarm token in its environment, its stdout lines queued and
-    its stderr kept in ``tmp/NAME.err``, each line stamped with seconds since the start."""
+    """A process in the lab (``lab.popen``) with the swarm token (and ``env``) in its environment, run in ``cwd``
+    (default ``tmp``), its stdout lines queued and its stderr kept in ``tmp/NAME.err``, each line stamped with
+    seconds since the start."""
 
-    def __init__(self, lab, role: str, argv: list[str], name: str, tmp: Path, token: str):
+    def __init__(
+        self, lab, role: str, argv: list[str], name: str, tmp: Path, token: str, env: dict | None = None, cwd=None
+    ):
         self.name, self.err_path, self.t0 = name, tmp / f"{name}.err", time.monotonic()
         self.lines: queue.Queue = queue.Queue()
-        env = dict(os.environ, GGUFSWARM_TOKEN=token, PYTHONUNBUFFERED="1")
-        self.proc = lab.popen(role, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp)
+        env = dict(os.environ, GGUFSWARM_TOKEN=token, PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = lab.popen(
+            role, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd or tmp
+        )
         threading.Thread(target=self._pump, daemon=True).start()
         threading.Thread(target=self._pump_err, daemon=True).start()
 

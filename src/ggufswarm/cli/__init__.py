@@ -137,10 +137,25 @@ def _dht_contacts(text: str | None) -> tuple[str, ...] | None:
     return tuple(c.strip() for c in text.split(",") if c.strip() and c.strip() != "-")
 
 
+def _listen_where_reached(args) -> None:
+    """A node's ``--host`` (when not given: where it reaches the machines it was told of) and the one-line warning
+    when it, or its ``--public-host``, is loopback-only while one of them is on another machine."""
+    from ..net.addresses import LOOPBACK, listen_host_toward, loopback_warning
+
+    told = [args.tracker, *args.more_trackers, *(_dht_contacts(args.dht) or ()), *args.relays, args.cache]
+    if args.host is None:
+        args.host = listen_host_toward(told) or LOOPBACK
+    for value, flag in ((args.host, "--host"), (args.public_host, "--public-host")):
+        warning = loopback_warning(f"ggufswarm {args.command}", value, told, flag)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+
+
 def cmd_node(args) -> int:
     from ..node import NodeConfig, run_node
 
     _apply_link(args)
+    _listen_where_reached(args)
     if args.test_lie:  # before a fetch from the swarm: a typo fails at once
         from ..node.lies import parse_lie
 
@@ -262,9 +277,18 @@ def cmd_demo(args) -> int:
 
 
 def cmd_tracker(args) -> int:
+    from ..net.addresses import is_loopback
     from ..tracker.app import TrackerConfig
     from ..tracker.service import run_tracker
 
+    if args.relay and is_loopback(args.host) and args.public_host and not is_loopback(args.public_host):
+        print(
+            f"ggufswarm tracker: WARNING: --host {args.host} is loopback-only, but relayed nodes are announced at "
+            f"--public-host {args.public_host}: no other machine can reach this tracker or the nodes it relays "
+            "(give --host 0.0.0.0 or --host ADDR)",
+            file=sys.stderr,
+            flush=True,
+        )
     config = TrackerConfig(db=args.db, ttl_s=args.ttl, token=args.token, relay=args.relay, public_host=args.public_host)
     return run_tracker(config, args.host, args.port)
 
@@ -274,9 +298,18 @@ def cmd_publish(args) -> int:
     from pathlib import Path
 
     from ..artifact.default_model import model_name, resolve_model
+    from ..net.addresses import listen_host_toward, loopback_warning
+    from ..net.dht import parse_contact
     from ..net.invite import JoinLink, manifest_digest
     from ..swarm.publish import publish, seed_forever
 
+    if args.host is None:  # seed where the tracker is reached from: the peers it names this seeder to can connect
+        args.host = listen_host_toward([args.tracker])
+    warning = loopback_warning("ggufswarm publish", args.host, [args.tracker])
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    for contact in args.dht:
+        parse_contact(contact)  # ValueError naming a malformed one, before the model is indexed
     path = resolve_model(args.model)
     name = args.name or model_name(args.model, path)
     published = publish(path, args.tracker, name, Path(args.data_dir), args.web_seed, args.piece_size, token=args.token)
@@ -286,7 +319,9 @@ def cmd_publish(args) -> int:
         f"info-hash {published.info_hash}",
         flush=True,
     )
-    link = JoinLink(m.name, manifest_digest(json.loads(m.to_json())), trackers=(args.tracker,), secret=args.token)
+    link = JoinLink(
+        m.name, manifest_digest(json.loads(m.to_json())), tuple(args.dht), trackers=(args.tracker,), secret=args.token
+    )
     print(f"join link (nodes: ggufswarm join LINK; it carries the swarm token): {link.format()}", flush=True)
     if not args.no_seed:
         print("seeding; Ctrl-C stops", file=sys.stderr, flush=True)

@@ -106,7 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     u.add_argument("--no-seed", action="store_true", help="register and exit without seeding")
     u.add_argument(
-        "--host", default="127.0.0.1", help="address the seeding BitTorrent session listens on (default 127.0.0.1)"
+        "--host",
+        default=None,
+        help="address the seeding BitTorrent session listens on (default: the address this machine reaches "
+        "--tracker from, so that peers the tracker names it to can connect; 127.0.0.1 for a tracker on this machine)",
+    )
+    u.add_argument(
+        "--dht",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a DHT contact to put in the join link it prints: a node of the swarm started with --dht and "
+        "--torrent-port PORT on HOST (repeatable); joiners then find nodes without the tracker",
     )
 
     add_cache_parser(sub)

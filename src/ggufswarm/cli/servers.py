@@ -92,8 +92,16 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         help="with --tracker: when no new piece arrives for S seconds (its only seeder died, none is "
         "up yet), say so and ask the tracker for peers again; repeats while stalled (default 60)",
     )
-    host = "0.0.0.0" if command == "join" else "127.0.0.1"  # a joining node is dialled from other machines
-    n.add_argument("--host", default=host, help=f"address to listen on (default {host})")
+    if command == "join":  # a joining node is dialled from other machines (--reach auto finds the address)
+        n.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    else:
+        n.add_argument(
+            "--host",
+            default=None,
+            help="address to listen on (default: the address this machine reaches its --tracker, join link or "
+            "--cache from, so other machines can dial it; 127.0.0.1 when they are all on this machine or none is "
+            "given); 0.0.0.0 listens everywhere (then give --public-host)",
+        )
     n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
     backend_args(n)
     n.add_argument(
@@ -466,7 +474,11 @@ def add_tracker_parser(sub) -> argparse.ArgumentParser:
         metavar="PATH",
         help="SQLite file (default ./ggufswarm-tracker.sqlite)",
     )
-    t.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    t.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for nodes on other machines)",
+    )
     t.add_argument("--port", type=int, default=8470, help="TCP port (default 8470)")
     t.add_argument("--ttl", type=float, default=15.0, metavar="S", help="forget nodes silent this long (default 15)")
     t.add_argument(
@@ -495,7 +507,11 @@ def add_cache_parser(sub) -> argparse.ArgumentParser:
         "  ggufswarm node --layers 0:9 --embed --cache http://127.0.0.1:8475",
     )
     c.add_argument("--dir", required=True, metavar="PATH", help="directory for snapshots and their index (created)")
-    c.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    c.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for nodes on other machines)",
+    )
     c.add_argument("--port", type=int, default=8475, help="TCP port (default 8475; 0 = any free port)")
     c.add_argument(
         "--max-bytes",

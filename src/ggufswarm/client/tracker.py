@@ -96,6 +96,11 @@ class TrackerClient:
         """The advertisements of live nodes (of ``model``; None: all) (``GET /nodes``)."""
         return self.call("nodes", query={"model": model} if model is not None else None).get("nodes", [])
 
+    def peers(self, model: str, timeout_s: float | None = None) -> list[dict]:
+        """The BitTorrent peers of ``model``'s torrent as they announced themselves (``GET /peers``):
+        ``[{"ip", "port", "left"}]``, seeds (``left`` 0) first."""
+        return self.call("peers", query={"model": model}, timeout_s=timeout_s)["peers"]
+
     def route(self, query: dict, timeout_s: float | None = None) -> dict:
         """A planned route (``GET /route``; ``query``: model, max_length, exclude, start, end...)."""
         return self.call("route", query=query, timeout_s=timeout_s)

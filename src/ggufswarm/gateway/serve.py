@@ -3,7 +3,6 @@ serve the app in the foreground."""
 
 from __future__ import annotations
 
-import ipaddress
 import sys
 import time
 
@@ -12,22 +11,13 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..client.route import RemoteRoute
 from ..client.tracker import TrackerClient
 from ..client.transport import RouteError
+from ..net.addresses import is_loopback
 from ..protocol.http import run_server
 from .app import make_app
 from .config import GatewayConfig
 
 CHECK_HOP_TIMEOUT_S = 10.0  # check_route: most seconds one node may take to answer
 FINGERPRINT_SHOWN = 12  # hex digits of a model fingerprint an error names
-
-
-def loopback(host: str) -> bool:
-    """Whether ``host`` (an address or name to listen on) is only reachable from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_route(config: GatewayConfig, every_s: float = 2.0) -> RemoteRoute:
@@ -64,7 +54,7 @@ def check_route(config: GatewayConfig, every_s: float = 2.0) -> RemoteRoute:
 def run_gateway(config: GatewayConfig) -> int:
     """``ggufswarm gateway``: check the route (``--route``; see check_route), then serve until SIGINT/SIGTERM,
     printing one ready line to stdout."""
-    if not config.api_keys and not loopback(config.host):
+    if not config.api_keys and not is_loopback(config.host):
         print(
             f"ggufswarm gateway: WARNING: listening on {config.host} without --api-key: anyone who can reach "
             f"this port can generate (and hold KV cache on every node of the swarm); set --api-key",

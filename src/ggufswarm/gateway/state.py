@@ -172,15 +172,21 @@ class Gateway:
         from the tracker, or (``--join``, the tracker not answering) from a node the DHT lists, checked against the
         join link's model identity; the header's pieces from the torrent's peers, verified by BitTorrent. Raises
         TrackerError, DirectoryError (no source has the manifest), SwarmError."""
+        from ..net.addresses import listen_host_toward
         from ..swarm.shard_fetch import fetch_header
-
-        data_dir = Path(self.config.data_dir)
-        if self.discovery is None:
-            path, self.swarm = fetch_header(self.config.tracker, self.model_name, data_dir, token=self.config.token)
-            return path
         from ..swarm.torrent import Swarm
 
-        swarm = Swarm(self.config.host, 0, dht_bootstrap=list(self.config.dht))
+        data_dir = Path(self.config.data_dir)
+        # the header's pieces come from peers the tracker or the DHT names: the swarm session binds where those are
+        # reached from, whatever address the API listens on
+        peers_at = listen_host_toward([self.config.tracker, *self.config.more_trackers, *self.config.dht])
+        if self.discovery is None:
+            swarm = Swarm(peers_at or "127.0.0.1")
+            path, self.swarm = fetch_header(
+                self.config.tracker, self.model_name, data_dir, token=self.config.token, swarm=swarm
+            )
+            return path
+        swarm = Swarm(peers_at or self.config.host, 0, dht_bootstrap=list(self.config.dht))
         self.planner.model_name = self.model_name
         directory = self.planner.directory
         path, self.swarm = fetch_header(None, self.model_name, data_dir, directory=directory, swarm=swarm)

@@ -29,6 +29,7 @@ from ..artifact.accounting import shard_account
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.tracker import TrackerClient
+from ..net.addresses import WILDCARDS, is_loopback, source_address
 from ..net.reach import add_dialback_route, add_probe_route, skip_public_paths
 from ..net.relay import add_relay_routes
 from ..protocol import ProtocolError
@@ -216,7 +217,7 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     add_probe_route(app)
     add_dialback_route(app)  # any node can tell another whether it can be dialled (node/reach.py)
     if config.relay:
-        public = config.public_host or (config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1")
+        public = config.public_host or (config.host if config.host not in WILDCARDS else "127.0.0.1")
         state.relay_server = add_relay_routes(app, public, config.host, registry=state.registry)
         state.relay_server.hooks.append(partial(discovery.announce_relayed, state))
 
@@ -291,29 +292,14 @@ def _swarm_for(config: NodeConfig):
     """The node's libtorrent session (swarm.torrent.Swarm) when it joins a swarm beyond loopback: on ``--host``,
     with the DHT when ``config.dht`` is set (its ports mapped by node/reach.py when a dial-back fails); None for a
     plain tracker node on loopback (fetch_shard then makes its own, as before)."""
-    if config.dht is None and config.reach != "auto" and config.host in ("127.0.0.1", "localhost"):
+    if config.dht is None and config.reach != "auto" and is_loopback(config.host):
         return None
     from ..swarm.torrent import Swarm
 
     host = config.host
-    if host in ("0.0.0.0", "::") and config.dht:  # libtorrent runs no DHT on the loopback part of a wildcard bind:
-        host = _source_address(config.dht[0]) or host  # bind where the swarm's contacts are reached from
+    if host in WILDCARDS and config.dht:  # libtorrent runs no DHT on the loopback part of a wildcard bind:
+        host = source_address(config.dht[0]) or host  # bind where the swarm's contacts are reached from
     return Swarm(host, config.torrent_port, dht_bootstrap=config.dht)  # mapping: net.portmap, when needed
-
-
-def _source_address(contact: str) -> str | None:
-    """The local address this machine sends from to DHT contact ``"host:port"`` (its route's source; no packet is
-    sent); None when there is no route."""
-    from ..net.dht import parse_contact
-
-    host, port = parse_contact(contact)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((host, port))
-        except OSError:
-            return None
-        return probe.getsockname()[0]
 
 
 def run_node(config: NodeConfig) -> int:
@@ -329,7 +315,7 @@ def run_node(config: NodeConfig) -> int:
     fetched = None
     if config.port:
         _check_port(config.host, config.port)
-    if config.host in ("0.0.0.0", "::") and config.reach != "auto" and not config.public_host:
+    if config.host in WILDCARDS and config.reach != "auto" and not config.public_host:
         raise ValueError(f"--host {config.host} listens everywhere: say which address others dial (--public-host)")
     swarm = _swarm_for(config)
     discovery = directory = None

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..artifact.manifest import Manifest
 from ..client.tracker import TrackerClient
+from ..net.addresses import is_loopback
 from ..runtime.spec import ShardSpec
 from ..tracker.routing import Advertisement
-from .torrent import FetchStats, Swarm
+from .torrent import FetchStats, Swarm, pieces_for_ranges
 
 
 def shard_bytes(manifest: Manifest, start: int, end: int) -> int:
@@ -124,10 +127,83 @@ def fetch_shard(
     data_dir.mkdir(parents=True, exist_ok=True)
     swarm = swarm or Swarm()
     ranges = manifest.byte_ranges(spec.start, spec.end, spec.embed, spec.head)
-    stats = swarm.fetch(torrent, data_dir, ranges, peers, timeout=timeout, progress=progress, stall_s=stall_s)
+
+    def listed() -> tuple[list[dict], list[dict]]:
+        if directory is None:
+            client = TrackerClient(tracker, token, timeout_s=5.0)
+            return client.nodes(name), client.peers(name)
+        return _ask(directory)[1], []
+
+    describe = stall_reason(manifest, torrent, spec, listed)
+    stats = swarm.fetch(
+        torrent, data_dir, ranges, peers, timeout=timeout, progress=progress, stall_s=stall_s, on_stall=describe
+    )
     first = manifest.files[0]["name"]
     path = data_dir / first if len(manifest.files) == 1 else next(data_dir.glob(f"*/{first}"))
     return FetchedShard(path, spec, manifest, swarm, torrent, stats, found)
+
+
+def _spans(blocks: list[int]) -> str:
+    """Sorted block indices as half-open ranges: ``[6, 7, 8, 11]`` → ``"6:9, 11:12"``."""
+    out, start = [], None
+    for i, b in enumerate(blocks):
+        if start is None:
+            start = b
+        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
+            out.append(f"{start}:{b + 1}")
+            start = None
+    return ", ".join(out)
+
+
+def stall_reason(
+    manifest: Manifest, torrent: bytes, spec: ShardSpec, listed: Callable[[], tuple[list[dict], list[dict]]]
+) -> Callable[[list[int]], str]:
+    """``Swarm.fetch``'s ``on_stall`` for a shard: given the missing pieces no connected peer holds, a sentence
+    naming the layers they belong to and who should hold them — ``listed()`` returns ``(advertisements, peers)``
+    as a tracker lists them (``GET /nodes``, ``GET /peers``; the DHT lists nodes only) — marking each address that
+    is loopback-only (a publisher or node there listens where no other machine can reach it)."""
+    by_block: dict[int, set[int]] = {}
+
+    def pieces_of(block: int) -> set[int]:
+        if block not in by_block:
+            tensors = [t for t in manifest.tensors if t.layer == block]
+            by_block[block] = pieces_for_ranges(torrent, [(t.file, t.offset, t.offset + t.n_bytes) for t in tensors])
+        return by_block[block]
+
+    def describe(missing: list[int]) -> str:
+        if not missing:
+            return "The peers connected hold every missing piece but sent none."
+        gone = set(missing)
+        blocks = [b for b in range(spec.start, spec.end) if pieces_of(b) & gone]
+        what = f"layers {_spans(blocks)}" if blocks else "the embedding, output head or header"
+        try:
+            ads, peers = listed()
+        except (RuntimeError, OSError) as exc:  # TrackerError, DirectoryError
+            return f"No peer it reached holds {what}; who does could not be asked ({exc})."
+        lo, hi = (blocks[0], blocks[-1] + 1) if blocks else (spec.start, spec.end)
+        holders = []
+        for ad in ads:
+            a, b = ad.get("layers", (0, 0))
+            if a < hi and b > lo:
+                torrent_at = ((ad.get("extra") or {}).get("reach") or {}).get("torrent")
+                where = f"torrent {torrent_at}" if torrent_at else "no torrent address advertised"
+                flag = "; loopback-only" if is_loopback(urlsplit(str(ad.get("url"))).hostname) else ""
+                holders.append(f"node {ad.get('url')} (layers {a}:{b}, {ad.get('state')}, {where}{flag})")
+        for peer in peers:
+            if peer.get("left") == 0:
+                flag = " (loopback-only)" if is_loopback(str(peer.get("ip"))) else ""
+                holders.append(f"seed {peer.get('ip')}:{peer.get('port')}{flag}")
+        if not holders:
+            return f"No reachable peer holds {what}, and none is listed as holding them: is a node or publisher up?"
+        hint = ""
+        if any("loopback-only" in h for h in holders):
+            hint = (
+                " A publisher or node listening on loopback cannot be reached from another machine: restart it "
+                "without --host 127.0.0.1, or with --host ADDR."
+            )
+        return f"No peer it reached holds {what}; listed as holding them: {'; '.join(holders)}.{hint}"
+
+    return describe
 
 
 def torrent_peers(ads: list[dict]) -> list[tuple[str, int]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +165,7 @@ class Swarm:
         timeout: float = 600.0,
         progress: bool = True,
         stall_s: float = 60.0,
+        on_stall: Callable[[list[int]], str] | None = None,
     ) -> FetchStats:
         """Download only the pieces overlapping ``ranges`` into ``save_path`` (sparse files), verified.
 
@@ -171,8 +173,10 @@ class Swarm:
         bar on stderr when ``progress`` (bytes, and the peers connected). When no new piece arrives for
         ``stall_s`` seconds (the only seeder died, none is up yet) it logs a warning saying so and retries:
         re-announces to the tracker (which may know new seeders by then) and reconnects ``peers``; again
-        every ``stall_s`` while it stays stalled. Keeps seeding what it holds afterwards. Raises SwarmError
-        after ``timeout`` seconds in all, or on a storage error.
+        every ``stall_s`` while it stays stalled. ``on_stall(pieces)``, given the missing pieces that no connected
+        peer holds (sorted piece indices), returns what the warning adds about them (which layers they are, who
+        should hold them). Keeps seeding what it holds afterwards. Raises SwarmError after ``timeout`` seconds in
+        all, or on a storage error.
         """
         ti = lt.torrent_info(lt.bdecode(torrent))
         wanted = pieces_for_ranges(torrent, ranges)
@@ -222,15 +226,18 @@ class Swarm:
                 if done != last_done:
                     last_done, last_progress = done, now
                 elif now - last_progress > stall_s:
+                    why = "is a node holding these layers up?"
+                    if on_stall is not None:
+                        why = on_stall(self._unreachable(handle, wanted))
                     log.warning(
                         "fetch stalled: no new piece for %.0f s (%d/%d pieces, %d peers connected, %d of them "
-                        "seeds); retrying: asking the tracker for peers again (is a node holding these layers "
-                        "up?); giving up after %.0f s in all",
+                        "seeds). %s Retrying: asking the tracker for peers again; giving up after %.0f s in all",
                         now - last_progress,
                         len(have),
                         len(wanted),
                         st.num_peers,
                         st.num_seeds,
+                        why,
                         timeout,
                     )
                     self._ask_for_peers(handle, peers)
@@ -240,6 +247,15 @@ class Swarm:
             if bar is not None:
                 bar.close()
         return FetchStats(len(wanted), handle.status().total_payload_download, time.monotonic() - t0)
+
+    @staticmethod
+    def _unreachable(handle: lt.torrent_handle, wanted: set[int]) -> list[int]:
+        """The wanted pieces this session lacks and no connected peer has (sorted)."""
+        missing = {i for i in wanted if not handle.have_piece(i)}
+        for peer in handle.get_peer_info():
+            held = peer.pieces
+            missing = {i for i in missing if not (i < len(held) and held[i])}
+        return sorted(missing)
 
     def _ask_for_peers(self, handle: lt.torrent_handle, peers) -> None:
         """Re-announce to the trackers (and the DHT) and connect the given ``peers`` again."""

@@ -15,6 +15,7 @@ import libtorrent as lt
 from aiohttp import web
 
 from ..artifact.manifest import Manifest
+from ..net.addresses import is_loopback
 from ..net.identity import IdentityError, public_key
 from ..net.reach import add_dialback_route, add_probe_route, skip_public_paths
 from ..net.relay import add_relay_routes
@@ -178,13 +179,30 @@ def make_app(config: TrackerConfig) -> web.Application:
             return web.Response(body=lt.bencode({"failure reason": b"bad info_hash or port"}))
         ip = request.remote or "127.0.0.1"
         peers = registry.announce(info_hash, peer_id, ip, port, left, q.get("event", b"").decode("latin-1"))
+        local = is_loopback(ip)  # a peer that announced from loopback is reached on this machine only
         compact = b"".join(
-            socket.inet_aton(p_ip) + struct.pack(">H", p_port) for p_ip, p_port in peers if ":" not in p_ip
+            socket.inet_aton(p_ip) + struct.pack(">H", p_port)
+            for p_ip, p_port in peers
+            if ":" not in p_ip and (local or not is_loopback(p_ip))
         )
         return web.Response(
             body=lt.bencode({"interval": ANNOUNCE_INTERVAL_S, "min interval": 1, "peers": compact}),
             content_type="text/plain",
         )
+
+    async def swarm_peers(request: web.Request) -> web.Response:
+        """``GET /peers?model=NAME``: the BitTorrent peers of the model's torrent as they announced themselves here
+        (``{"peers": [{"ip", "port", "left"}]}``, seeds first: what a stalled fetch names); 404 unknown_model."""
+        name = request.query.get("model", "")
+        found = registry.manifest(name)
+        if not found:
+            raise ProtocolError("unknown_model", f"no model named {name!r} is published")
+        info = json.loads(found[0]).get("info_hash") or ""
+        try:
+            key = bytes.fromhex(info)
+        except ValueError:
+            key = b""
+        return web.json_response({"peers": registry.peers(key) if len(key) == 20 else []})
 
     async def route(request: web.Request) -> web.Response:
         model = request.query.get("model", "")
@@ -248,6 +266,7 @@ def make_app(config: TrackerConfig) -> web.Application:
             web.put("/manifests/{name}", put_manifest),
             web.get("/manifests/{name}", get_manifest),
             web.get("/announce", announce),
+            web.get("/peers", swarm_peers),
             web.get("/route", route),
             web.get("/models", models),
             web.get("/status.json", status_json),

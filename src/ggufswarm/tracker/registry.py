@@ -167,6 +167,16 @@ class Registry:
         )
         return [(r[0], r[1]) for r in rows]
 
+    def peers(self, info_hash: bytes, now: float | None = None) -> list[dict]:
+        """The live peers of a torrent as its announces gave them: ``[{"ip", "port", "left"}]`` (``left``: bytes
+        the peer still wants; 0 = a seed), seeds first."""
+        since = (now or time.time()) - max(self.ttl_s, 60.0) * 4
+        rows = self._q(
+            "SELECT ip, port, left_bytes FROM peers WHERE info_hash = ? AND last_seen >= ? ORDER BY left_bytes, ip",
+            (info_hash, since),
+        )
+        return [{"ip": r[0], "port": r[1], "left": r[2]} for r in rows]
+
     def close(self) -> None:
         """Close the database."""
         self._db.close()
