@@ -1,15 +1,20 @@
-"""Signed shard advertisements for tests: trackers, directories and nodes refuse unsigned ones (net/identity.py).
+"""Signed shard advertisements and ban evidence for tests: trackers, directories and nodes refuse unsigned ones
+(net/identity.py), and bans without proof (protocol/commitments.py).
 
 ``ad_of(name, ...)`` writes one; ``signed_ad(ad)`` signs ``ad`` with the test key named by its ``node_id`` ("a",
 "node-b", ...: one key pair per name for the whole run), replacing ``node_id`` by that key; ``key("a")`` is the
-node id a tracker then lists.
+node id a tracker then lists. ``proof(accused, witnesses)`` is evidence that test node ``accused`` lied, signed by
+it and by the witnesses, who must be nodes the checker knows serve ``CONTEXT`` (``ad_of(..., extra=SERVES)``).
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 
-from ggufswarm.net.identity import NodeIdentity
+from ggufswarm.net.identity import NodeIdentity, canonical
+from ggufswarm.protocol.auth import deregistration
+from ggufswarm.protocol.commitments import EVIDENCE_KIND, commit_context, context_digest, signed_body
 
 _NAMED: dict[str, NodeIdentity] = {}
 
@@ -51,3 +56,34 @@ def signed_ad(ad: dict, ident: NodeIdentity | None = None, signed_at: float | No
     body["node_id"] = ident.key_id
     body["signed_at"] = round(time.time(), 3) if signed_at is None else signed_at
     return ident.sign_json(body)
+
+
+def deregister_path(name: str, signed_at: float | None = None) -> str:
+    """``/nodes/{key}?signed_at=&sig=``: test node ``name``'s own signed removal of its advertisement."""
+    at = round(time.time(), 3) if signed_at is None else signed_at
+    return f"/nodes/{key(name)}?signed_at={at}&sig={identity(name).sign(deregistration(key(name), at))}"
+
+
+# what the tiny model's nodes of layers 0:4 compute, as their advertisements say (SERVES) and commitments sign
+CONTEXT = commit_context("fp-tiny", 0, 4, True, True, "numerics-1", "f32", {"temperature": 0.0})
+SERVES = {"hop": {"model_fingerprint": "fp-tiny"}, "numerics": {"id": "numerics-1"}}
+
+
+def commitment(name: str, out: str, *, context: dict = CONTEXT, inp: str = "11" * 16, prev: str | None = None) -> dict:
+    """Test node ``name``'s signed commitment (evidence form) to a first step of a new session: 3 tokens at 0, input
+    digest ``inp``, output digest ``out``, for ``context`` (history: its digest, unless ``prev`` is given)."""
+    ctx = context_digest(context)
+    c = {"in": inp, "out": out, "mode": 0, "ctx": ctx, "prev": ctx if prev is None else prev, "key": key(name)}
+    body = signed_body(uuid.uuid4(), 1, 0, 3, c)
+    return {**body, "sig": identity(name).sign(canonical(body))}
+
+
+def proof(accused: str, witnesses=("w1", "w2"), *, context: dict = CONTEXT, **kw) -> dict:
+    """Evidence that test node ``accused`` lied: its commitment (output ``aa…``) and the ``witnesses``' (output
+    ``bb…``) to the same step after the same history (``kw``: ``commitment``'s, for all)."""
+    return {
+        "kind": EVIDENCE_KIND,
+        "context": context,
+        "accused": commitment(accused, "aa" * 16, context=context, **kw),
+        "witnesses": [commitment(w, "bb" * 16, context=context, **kw) for w in witnesses],
+    }

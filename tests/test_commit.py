@@ -14,10 +14,10 @@ import pytest
 from route_fixtures import HOP_TIMEOUT, cluster, health, http  # noqa: F401 - fixtures
 
 from ggufswarm.net.identity import IdentityError
-from ggufswarm.node.commit import verify_commit
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.node.lies import NOISE_SCALE, Lie, check_lie, parse_lie
 from ggufswarm.protocol import encode_tokens
+from ggufswarm.protocol.commitments import chain_next, context_digest, verify_commit
 from ggufswarm.runtime.digest import logits_digest
 from ggufswarm.runtime.shard import ShardSpec
 
@@ -38,8 +38,12 @@ def liar(gemma_path):
     stop_nodes(nodes)
 
 
+CONTEXTS: dict[uuid.UUID, list[dict | None]] = {}  # per session opened here: each node's commitment context
+
+
 def open_route(urls: list[str], commit=True, wire: str = "f32") -> uuid.UUID:
-    """Open one greedy session on every node of ``urls`` (in route order); its id."""
+    """Open one greedy session on every node of ``urls`` (in route order); its id (its nodes' commitment contexts
+    in CONTEXTS)."""
     sid = uuid.uuid4()
     for i, url in enumerate(urls):
         body = {"session_id": str(sid), "max_length": 64, "sampling": {"temperature": 0}, "wire_dtype": wire}
@@ -49,6 +53,7 @@ def open_route(urls: list[str], commit=True, wire: str = "f32") -> uuid.UUID:
             body["next_hop"] = urls[i + 1]
         status, reply = http("POST", url + "/v1/sessions", body)
         assert status == 201, reply
+        CONTEXTS.setdefault(sid, []).append(reply.get("commit_context"))
     return sid
 
 
@@ -80,12 +85,21 @@ def test_commitments_verify_chain_and_replay(cluster, gemma):
     local = gemma.session(64)
     try:
         steps = run_steps(urls, sid)
+        # each node signs its context (model, layers, numerics, wire dtype; the head its sampling too) and the
+        # history of its KV cache: a chain from that context's digest over every step's input
+        contexts = CONTEXTS[sid]
+        assert [c["layers"] for c in contexts] == [[0, 6], [6, 12], [12, 18]] and "sampling" in contexts[2]
+        assert contexts[0]["numerics"] and len({c["numerics"] for c in contexts}) == 1  # one build, kernels, threads
+        history = [context_digest(c) for c in contexts]
         for step, start, ids, reply in steps:
             hops = reply["hops"]
             assert len(hops) == 3
-            for hop, key in zip(hops, keys):
+            for i, (hop, key) in enumerate(zip(hops, keys)):
                 verify_commit(hop["commit"], sid, step, start, len(ids), key_id=key)
-                assert set(hop["commit"]) == {"in", "out", "key", "sig"} and hop["commit"]["key"] == key
+                assert set(hop["commit"]) == {"in", "out", "key", "sig", "mode", "ctx", "prev"}
+                assert hop["commit"]["key"] == key and hop["commit"]["ctx"] == context_digest(contexts[i])
+                assert hop["commit"]["prev"] == history[i]
+                history[i] = chain_next(history[i], start, len(ids), hop["commit"]["mode"], hop["commit"]["in"])
             # the first node's IN is the token ids as sent (int32); each OUT is the next node's IN
             sent = np.asarray(ids, "<i4").tobytes()
             assert hops[0]["commit"]["in"] == hashlib.sha256(sent).hexdigest()[:32]

@@ -19,7 +19,7 @@ import identities
 import pytest
 from aiohttp import web
 from apphost import AppThread
-from identities import key, signed_ad
+from identities import SERVES, key, proof, signed_ad
 from route_fixtures import http
 from tinymodels import write_tiny_model
 
@@ -41,8 +41,10 @@ def call(url, method="GET", body=None):
 
 
 def ad_of(name: str, url: str | None = None, layers=(0, 4), n=4, **kw) -> dict:
-    """An unsigned advertisement of model ``tiny`` by test node ``name`` (signed_ad signs it), with its hop header."""
-    return identities.ad_of(name, url, layers, n, **{"extra": {"hop": {"n_layers": n}}, **kw})
+    """An unsigned advertisement of model ``tiny`` by test node ``name`` (signed_ad signs it), with its hop header
+    and numerics id (identities.SERVES: what the ban proofs' context says its nodes compute)."""
+    extra = {"hop": {"n_layers": n, **SERVES["hop"]}, "numerics": SERVES["numerics"]}
+    return identities.ad_of(name, url, layers, n, **{"extra": extra, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -149,27 +151,33 @@ def test_tracker_refuses_unsigned_forged_and_stale_heartbeats(tiny_artifact):
 
 def test_a_ban_drops_the_node_and_holds_at_any_address_across_a_restart(tmp_path, tiny_artifact):
     db = str(tmp_path / "t.sqlite")
-    with AppThread(lambda: make_app(TrackerConfig(db=db))) as url:
+    honest = {key("honest"), key("w1"), key("w2")}  # w1, w2: the nodes whose commitments prove the liar lied
+    with AppThread(lambda: make_app(TrackerConfig(db=db, witness_age_s=0))) as url:
         publish(url, tiny_artifact)
-        for name in ("liar", "honest"):
+        for name in ("liar", "honest", "w1", "w2"):
             assert call(f"{url}/nodes/heartbeat", "POST", signed_ad(ad_of(name)))[0] == 200
         tracker = TrackerClient(url)
-        assert {a["node_id"] for a in tracker.nodes("tiny")} == {key("liar"), key("honest")}
-        evidence = {"step": 7, "claimed": "ab" * 16, "recomputed": "cd" * 16}
+        assert {a["node_id"] for a in tracker.nodes("tiny")} == honest | {key("liar")}
+        evidence = proof("liar")
         assert tracker.ban(key("liar"), "wrong logits at step 7", evidence) == {"banned": key("liar")}
-        assert [a["node_id"] for a in tracker.nodes("tiny")] == [key("honest")]  # at once, not after the TTL
+        assert {a["node_id"] for a in tracker.nodes("tiny")} == honest  # at once, not after the TTL
         for _ in range(3):  # the planner never picks it, whatever the load spreading
             planned = tracker.route({"model": "tiny", "max_length": 64})["route"]
-            assert [h["node_id"] for h in planned] == [key("honest")]
+            assert [h["node_id"] for h in planned] != [key("liar")]
         bans = tracker.bans()
         assert [(b["key"], b["reason"]) for b in bans] == [(key("liar"), "wrong logits at step 7")]
-        assert abs(bans[0]["at"] - time.time()) < 60 and "evidence" not in bans[0]
+        assert abs(bans[0]["at"] - time.time()) < 60 and bans[0]["evidence"] == evidence  # anyone can check it
         moved = signed_ad(ad_of("liar", url="http://10.0.0.9:9999"))  # back under another address and port
         status, body = call(f"{url}/nodes/heartbeat", "POST", moved)
         assert status == 403 and body["error"]["code"] == "banned", body
-        for bad in ({"key": "nope"}, {"key": key("x"), "evidence": [1]}, {"key": key("x"), "reason": 5}, {}):
+        for bad, code in (
+            ({"key": "nope"}, "bad_request"),
+            ({"key": key("x"), "reason": 5}, "bad_request"),
+            ({}, "bad_request"),
+            ({"key": key("x"), "evidence": [1]}, "bad_evidence"),
+        ):
             status, body = call(f"{url}/v1/bans", "POST", bad)
-            assert status == 400 and body["error"]["code"] == "bad_request", (bad, body)
+            assert status == 400 and body["error"]["code"] == code, (bad, body)
     with AppThread(lambda: make_app(TrackerConfig(db=db))) as url:  # the same database, a new process
         assert [b["key"] for b in TrackerClient(url).bans()] == [key("liar")]
         status, body = call(f"{url}/nodes/heartbeat", "POST", signed_ad(ad_of("liar", url="http://10.0.0.10:1")))
@@ -224,14 +232,16 @@ def test_bans_are_token_gated_and_async_client_calls_work():
     async def go(url):
         tracker = TrackerClient(url, "sekret")
         async with aiohttp.ClientSession() as http:
-            assert await tracker.aban(http, key("x"), "lied", {"why": 1}) == {"banned": key("x")}
+            for name in ("w1", "w2"):
+                await tracker.aheartbeat(http, signed_ad(ad_of(name)))
+            assert await tracker.aban(http, key("x"), "lied", proof("x")) == {"banned": key("x")}
             assert [b["key"] for b in await tracker.abans(http)] == [key("x")]
             with pytest.raises(TrackerError) as err:
                 await TrackerClient(url).abans(http)
             assert err.value.status == 401
 
-    with AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret"))) as url:
-        assert call(f"{url}/v1/bans", "POST", {"key": key("y"), "reason": "", "evidence": {}})[0] == 401
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret", witness_age_s=0))) as url:
+        assert call(f"{url}/v1/bans", "POST", {"key": key("y"), "reason": "", "evidence": proof("y")})[0] == 401
         asyncio.run(go(url))
 
 
@@ -303,14 +313,14 @@ def test_directory_follows_its_trackers_bans_and_re_plans_around_local_ones(tiny
     async def go(url, directory):
         async with aiohttp.ClientSession() as http:
             first = {a["node_id"] for a in await directory.nodes(http)}
-            await TrackerClient(url).aban(http, key("b"), "lied", {})
+            await TrackerClient(url).aban(http, key("b"), "lied", proof("b", ("a", "c")))  # a, c: its witnesses
             await directory.refresh_bans(http, force=True)
             after_ban = {a["node_id"] for a in await directory.nodes(http)}
             directory.ban(key("a"))  # the tracker does not know: its plans through a are asked for again without it
             planned = await directory.route(http, {"max_length": 16})
             return first, after_ban, planned
 
-    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:", witness_age_s=0))) as url:
         publish(url, tiny_artifact)
         for name in ("a", "b", "c"):
             ad = signed_ad(ad_of(name, decode_ms={"a": 1.0, "b": 2.0, "c": 9.0}[name]))

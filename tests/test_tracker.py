@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 from apphost import AppThread
-from identities import ad_of, key, signed_ad
+from identities import ad_of, deregister_path, identity, key, signed_ad
 from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.manifest import Manifest
@@ -90,7 +90,7 @@ def test_routes_follow_heartbeats(tmp_path, tiny_artifact):
         assert status == 503
         beat(url, "a", (0, 2))
         beat(url, "b", (2, 4))
-        assert call(f"{url}/nodes/{key('b')}", "DELETE")[0] == 200
+        assert call(f"{url}{deregister_path('b')}", "DELETE")[0] == 200  # the node itself
         assert call(f"{url}/route?model=tiny&max_length=64")[0] == 503
 
 
@@ -198,21 +198,26 @@ def test_heartbeat_with_bad_numbers_is_400():
 
 
 def test_a_reported_node_is_dropped_only_when_the_tracker_finds_it_down():
-    """POST /nodes/report: the tracker probes the node's /health (with the swarm token) and drops a node that
-    does not answer at once; one that answers stays; an unknown URL is 404 and nothing else is probed."""
+    """POST /nodes/report: the tracker asks the node at the reported URL to sign a challenge (GET
+    /v1/reach/probe?challenge=, without the swarm token) and drops it at once when it does not: a dead node, and
+    something else listening where a node was advertised, are the same to it; a node that signs stays. An unknown
+    URL is 404 and nothing is dialled; the swarm token is never sent."""
     import socket
 
     from aiohttp import web
 
+    from ggufswarm.net.reach import add_probe_route
+
     seen = []
 
-    async def health(request):
+    @web.middleware
+    async def record(request, handler):
         seen.append(request.headers.get("X-Ggufswarm-Token"))
-        return web.json_response({"ok": True})
+        return await handler(request)
 
-    def live_node():
-        app = web.Application()
-        app.router.add_get("/health", health)
+    def node(ident):
+        app = web.Application(middlewares=[record])
+        add_probe_route(app, ident)
         return app
 
     with socket.socket() as s:  # a port nothing listens on: a dead node
@@ -230,21 +235,23 @@ def test_a_reported_node_is_dropped_only_when_the_tracker_finds_it_down():
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
-    with AppThread(live_node) as live, AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret"))) as url:
-        for node, node_url in (("live", live), ("dead", dead)):
-            body = {"node_id": node, "url": node_url, "model": "tiny", "layers": [0, 4], "embed": True, "head": True}
+    with (
+        AppThread(lambda: node(identity("live"))) as live,
+        AppThread(lambda: node(None)) as other,  # answers the probe, but holds no key: not the advertised node
+        AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret"))) as url,
+    ):
+        for name, node_url in (("live", live), ("dead", dead), ("impostor", other)):
+            body = {"node_id": name, "url": node_url, "model": "tiny", "layers": [0, 4], "embed": True, "head": True}
             assert tcall(f"{url}/nodes/heartbeat", "POST", signed_ad(body))[0] == 200
         assert tcall(f"{url}/nodes/report", "POST", {"url": live}) == (200, {"url": live, "alive": True, "removed": 0})
-        assert seen == ["sekret"]
-        assert tcall(f"{url}/nodes/report", "POST", {"url": dead + "/"}) == (
-            200,
-            {"url": dead, "alive": False, "removed": 1},
-        )
+        for gone in (dead, other):
+            report = tcall(f"{url}/nodes/report", "POST", {"url": gone + "/"})
+            assert report == (200, {"url": gone, "alive": False, "removed": 1}), report
         assert [n["node_id"] for n in tcall(f"{url}/nodes")[1]["nodes"]] == [key("live")]
         status, body = tcall(f"{url}/nodes/report", "POST", {"url": "http://127.0.0.1:9"})
         assert status == 404 and body["error"]["code"] == "unknown_node"
         assert call(f"{url}/nodes/report", "POST", {"url": live})[0] == 401  # no token: refused, nothing probed
-        assert seen == ["sekret"]
+        assert len(seen) == 2 and set(seen) == {None}  # dialled twice, never with the token
 
 
 def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path, tiny_artifact):

@@ -29,10 +29,10 @@ from ggufswarm.gateway.shadow import (
     Unverifiable,
     check_recording,
     compare,
-    signed_part,
 )
 from ggufswarm.gateway.verify import Verifier, Watch, _agrees, check_rate, sessions_to_catch
 from ggufswarm.net.identity import NodeIdentity, canonical
+from ggufswarm.protocol.commitments import check_ban_evidence, served_context, serves_context, signed_body
 from ggufswarm.runtime.sampling import SamplingParams
 
 # -- fast: the bound, the comparison of signed commitments, a ban's consequences ----------------------------------
@@ -65,8 +65,8 @@ HOPS = [
 
 
 def commit(ident: NodeIdentity, sid: str, step: int, start: int, n: int, inp: str, out: str) -> dict:
-    c = {"in": inp, "out": out, "key": ident.key_id}
-    return {**c, "sig": ident.sign(canonical(signed_part(c, sid, step, start, n)))}
+    c = {"in": inp, "out": out, "key": ident.key_id, "mode": 0, "ctx": "c" * 32, "prev": f"p{step}"}
+    return {**c, "sig": ident.sign(canonical(signed_body(sid, step, start, n, c)))}
 
 
 def run_of(sid: str, idents, outs_per_frame, frames) -> list[list[dict]]:
@@ -283,7 +283,7 @@ def swarm(gemma_path, tmp_path_factory):
         ShardSpec(12, 18, head=True),
     ]
     lies = {3: ["--test-lie", "noise"]}
-    with AppThread(lambda: make_tracker_app(TrackerConfig(db=":memory:", ttl_s=TTL_S))) as tracker:
+    with AppThread(lambda: make_tracker_app(TrackerConfig(db=":memory:", ttl_s=TTL_S, witness_age_s=0))) as tracker:
         published = publish(gemma_path, tracker, "gemma", work / "publisher")
         seeder = Swarm()
         seeder.seed(published.torrent, save_path_for([gemma_path]))
@@ -402,17 +402,32 @@ def test_a_liar_is_caught_confirmed_banned_and_routed_around(swarm, caught, gemm
     [ban] = view["bans"]
     assert ban["key"] == keys[liar] and ban["url"] == liar and view["banned"] == [keys[liar]]
     evidence = ban["evidence"]
-    assert evidence["audited"]["key"] == keys[liar]
-    assert {evidence["shadow"]["key"], evidence["confirmation"]["key"]} == {keys[u] for u in honest}
-    for part in ("audited", "shadow", "confirmation"):
-        signed = {k: v for k, v in evidence[part].items() if k != "sig"}
-        verify(signed["key"], canonical(signed), evidence[part]["sig"])  # anyone can check what each node said
-    assert evidence["audited"]["in"] == evidence["shadow"]["in"] != None  # noqa: E711 (same input, other output)
-    assert evidence["audited"]["out"] != evidence["shadow"]["out"] == evidence["confirmation"]["out"]
+    accused, witnesses = evidence["accused"], evidence["witnesses"]
+    assert accused["key"] == keys[liar] and {w["key"] for w in witnesses} == {keys[u] for u in honest}
+    for part in (accused, *witnesses):
+        signed = {k: v for k, v in part.items() if k != "sig"}
+        verify(signed["key"], canonical(signed), part["sig"])  # anyone can check what each node said
+    for w in witnesses:  # the same input after the same history, in the same context, another output
+        assert (w["in"], w["prev"], w["ctx"]) == (accused["in"], accused["prev"], accused["ctx"]) and accused["prev"]
+        assert w["out"] == witnesses[0]["out"] != accused["out"]
+    assert evidence["context"]["numerics"] and evidence["context"]["layers"] == [6, 12]
     assert view["audits"]["confirmed"] >= 1 and view["audits"]["mismatch"] >= 1
-    # ... on the tracker too: it lists the ban and no longer L
-    assert keys[liar] in {b["key"] for b in get(swarm["tracker"] + "/v1/bans")["bans"]}
+    # ... on the tracker too, which checked the evidence itself: it lists the ban and no longer L, and a directory
+    # reading its bans checks them again (its listing knows the witnesses)
+    tracker_bans = {b["key"]: b for b in get(swarm["tracker"] + "/v1/bans")["bans"]}
+    assert tracker_bans[keys[liar]]["evidence"] == evidence
     assert liar not in {a["url"] for a in nodes_of(swarm["tracker"])}
+    known = {a["node_id"]: a for a in nodes_of(swarm["tracker"])}
+
+    def witness(key, context):
+        ad = known.get(key)
+        return (
+            "unknown"
+            if ad is None
+            else serves_context(served_context(ad["extra"], ad["layers"], ad["embed"], ad["head"]), context)
+        )
+
+    check_ban_evidence(keys[liar], evidence, witness)
     # the long stream ran through L when it was banned: repaired around it, and told so
     assert long_tel["tainted_by"] == [keys[liar]], long_tel
     assert any(r["hop"] == liar and r["cause"] == BANNED and r.get("replacement") for r in long_tel["repairs"])
@@ -467,7 +482,7 @@ def test_a_liar_every_50_steps_is_caught_on_a_long_session(swarm, caught):
         view = wait_for(lambda: key in (v := get(base + "/v1/verify"))["banned"] and v, BOUND_S, "the ban")
         detected = time.monotonic() - t0
         ban = next(b for b in view["bans"] if b["key"] == key)
-        assert ban["evidence"]["step"] == 50 and ban["evidence"]["audited"]["step"] == 50
+        assert ban["evidence"]["step"] == 50 and ban["evidence"]["accused"]["step"] == 50
         assert body["id"] in ban["tainted"]
         print(f"noise-every:50 liar banned {detected:.1f} s after its 60-step session started")
     finally:

@@ -1,5 +1,5 @@
-"""Command line: ``ggufswarm demo | generate | perplexity | node | gateway | tracker | publish | status | cache |
-plan``: each command's entry (``cmd_*``) and ``main``; the options are in ``parser.py``."""
+"""Command line: ``ggufswarm demo | generate | perplexity | node | gateway | tracker | publish | status | bans |
+cache | plan``: each command's entry (``cmd_*``) and ``main``; the options are in ``parser.py``."""
 
 from __future__ import annotations
 
@@ -289,8 +289,51 @@ def cmd_tracker(args) -> int:
             file=sys.stderr,
             flush=True,
         )
-    config = TrackerConfig(db=args.db, ttl_s=args.ttl, token=args.token, relay=args.relay, public_host=args.public_host)
+    if args.witness_age < 0:
+        raise ValueError(f"--witness-age must be >= 0 seconds, got {args.witness_age:g}")
+    config = TrackerConfig(
+        db=args.db,
+        ttl_s=args.ttl,
+        token=args.token,
+        relay=args.relay,
+        public_host=args.public_host,
+        host=args.host,
+        operator_token=_operator_token(args),
+        witness_age_s=args.witness_age,
+    )
     return run_tracker(config, args.host, args.port)
+
+
+def _operator_token(args) -> str | None:
+    from ..protocol.auth import OPERATOR_ENV
+
+    return args.operator_token or os.environ.get(OPERATOR_ENV) or None
+
+
+def cmd_bans(args) -> int:
+    import json
+    import time
+
+    from ..client.tracker import TrackerClient
+
+    client = TrackerClient(args.tracker, args.token)
+    if args.lift:
+        operator = _operator_token(args)
+        if not operator:
+            raise ValueError(
+                "--lift needs the tracker's operator credential: --operator-token or $GGUFSWARM_OPERATOR_TOKEN"
+            )
+        print(f"lifted the ban of {client.lift(args.lift, operator)['lifted']}")
+        return 0
+    bans = client.bans()
+    if args.json:
+        print(json.dumps(bans, indent=1))
+        return 0
+    for ban in bans:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ban["at"]))
+        print(f"{ban['key']}  {at}  {ban.get('reason') or ''}")
+    print(f"{len(bans)} ban{'' if len(bans) == 1 else 's'} (--json shows their evidence)")
+    return 0
 
 
 def cmd_publish(args) -> int:
@@ -366,6 +409,7 @@ COMMANDS = {
     "tracker": cmd_tracker,
     "publish": cmd_publish,
     "status": cmd_status,
+    "bans": cmd_bans,
     "cache": cmd_cache,
     "plan": cmd_plan,
 }

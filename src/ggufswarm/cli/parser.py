@@ -121,6 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_cache_parser(sub)
+    bn = sub.add_parser(
+        "bans",
+        help="a tracker's bans, with their evidence; --lift KEY lifts one (the operator only)",
+        description="List the node keys a tracker banned: each with its reason, time and the signed evidence it "
+        "was banned on (anyone can check it: docs/protocol.md, 'Bans by proof'). --lift KEY lifts a ban, "
+        "with the tracker's operator credential (--operator-token or $GGUFSWARM_OPERATOR_TOKEN), not the swarm "
+        "token.",
+    )
+    bn.add_argument("--tracker", required=True, metavar="URL", help="tracker URL")
+    bn.add_argument("--lift", metavar="KEY", default=None, help="lift the ban of this node key (64 hex digits)")
+    bn.add_argument(
+        "--operator-token",
+        metavar="SECRET",
+        default=None,
+        help="the tracker's operator credential (default $GGUFSWARM_OPERATOR_TOKEN)",
+    )
+    bn.add_argument("--json", action="store_true", help="print the bans as JSON, evidence included")
     st = sub.add_parser(
         "status",
         help="what a tracker sees: nodes, their layer ranges as coverage bars, capacity",
@@ -202,6 +219,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="hidden-state frame dtype for the wire bytes (default f32, the route's default)",
     )
     pl.add_argument("--json", action="store_true", help="print the plan as JSON (bytes as integers)")
-    for p in (u, st, pl):
+    for p in (u, st, pl, bn):
         token_arg(p)
     return parser

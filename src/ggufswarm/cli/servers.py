@@ -487,6 +487,23 @@ def add_tracker_parser(sub) -> argparse.ArgumentParser:
         help="also relay for nodes behind NATs that cannot be dialled (net/relay.py); dial-backs are always answered",
     )
     t.add_argument("--public-host", metavar="HOST", help="with --relay: the address relayed nodes are reached at")
+    t.add_argument(
+        "--operator-token",
+        metavar="SECRET",
+        default=None,
+        help="the operator's credential, apart from the swarm token (default $GGUFSWARM_OPERATOR_TOKEN): what only "
+        "the operator may do, lift a ban ('ggufswarm bans --lift KEY') or remove another node, needs it; without "
+        "one nobody can",
+    )
+    t.add_argument(
+        "--witness-age",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a ban is taken only with signed evidence from two nodes of the accused's layers and numerics (besides "
+        "its own commitment); each must have served those layers here for at least S seconds, so keys made for "
+        "the occasion witness nothing (default 300; 0 in a test swarm)",
+    )
     token_arg(t)
     return t
 

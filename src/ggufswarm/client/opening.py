@@ -69,7 +69,7 @@ async def open_on(session: AsyncRouteSession, hops: list[Hop], i: int, wait: boo
     deadline, pause = time.monotonic() + OPEN_WAIT_S, FIRST_PAUSE_S
     while True:
         try:
-            await session.call(hop.url, "POST", "/v1/sessions", body, "open session")
+            answer = await session.call(hop.url, "POST", "/v1/sessions", body, "open session")
             break
         except RouteError as exc:
             exc.next_hop = body["next_hop"]
@@ -80,6 +80,8 @@ async def open_on(session: AsyncRouteSession, hops: list[Hop], i: int, wait: boo
             if session.lease_s is not None and time.monotonic() - session.renewed_at > session.lease_s / 3:
                 await session.renew()  # the nodes opened already hold the session for us meanwhile
     session.opened.append(hop.url)
+    if session.commit and isinstance(answer.get("commit_context"), dict):
+        session.contexts[hop.url] = answer["commit_context"]
 
 
 async def close_on(session: AsyncRouteSession, url: str) -> None:

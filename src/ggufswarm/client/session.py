@@ -135,6 +135,7 @@ class AsyncRouteSession:
         self.boundaries: set[int] = {0}
         self.step_no = 0
         self.opened: list[str] = []  # URLs of the nodes the session is open on
+        self.contexts: dict[str, dict] = {}  # with commit: node URL -> the context its commitments sign
         self.measured = RouteTelemetry()  # as measured so far (``telemetry`` first waits for late replies)
         self.last_logprobs = None
         self.last_token_logprob: float | None = None  # the last sample's logprob (sessions opened with logprobs)

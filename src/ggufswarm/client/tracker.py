@@ -18,7 +18,7 @@ from urllib.parse import quote, urlencode
 
 import aiohttp
 
-from ..protocol.auth import auth_headers
+from ..protocol.auth import OPERATOR_HEADER, auth_headers, deregistration
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -57,13 +57,14 @@ class TrackerClient:
         *,
         query: dict | None = None,
         timeout_s: float | None = None,
+        headers: dict | None = None,
     ) -> dict:
-        """One JSON request to endpoint ``path``; the decoded JSON answer. TrackerError on a refusal."""
+        """One JSON request to endpoint ``path`` (``headers``: more than the token's); the decoded JSON answer.
+        TrackerError on a refusal."""
         url = self.url_for(path, query)
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            url, data=data, method=method, headers={"Content-Type": "application/json", **auth_headers(self.token)}
-        )
+        headers = {"Content-Type": "application/json", **auth_headers(self.token), **(headers or {})}
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s if timeout_s is None else timeout_s) as r:
                 return json.loads(r.read())
@@ -114,6 +115,11 @@ class TrackerClient:
         and ``evidence`` (a JSON object: what the node signed that proves it lied). The tracker drops its
         advertisements at once and refuses its heartbeats from then on; ``{"banned": key}``."""
         return self.call("v1/bans", "POST", {"key": key, "reason": reason, "evidence": evidence or {}})
+
+    def lift(self, key: str, operator_token: str) -> dict:
+        """Lift the ban of node key ``key`` (``DELETE /v1/bans/{key}``): the operator only (``operator_token``: the
+        tracker's ``--operator-token``); ``{"lifted": key}``."""
+        return self.call(f"v1/bans/{quote(key, safe='')}", "DELETE", headers={OPERATOR_HEADER: operator_token})
 
     def bans(self, timeout_s: float | None = None) -> list[dict]:
         """The swarm's bans (``GET /v1/bans``): ``[{"key", "reason", "at" (unix s)}]``, oldest first."""
@@ -198,9 +204,13 @@ class TrackerClient:
         """As ``nodes``, on the event loop."""
         return (await self.acall(http, "nodes", query={"model": model}))["nodes"]
 
-    async def aderegister(self, http: aiohttp.ClientSession, node_id: str) -> None:
-        """Remove node ``node_id`` from the tracker (``DELETE /nodes/{id}``) at shutdown."""
-        await self.acall(http, f"nodes/{quote(node_id, safe='')}", "DELETE", timeout_s=3.0)
+    async def aderegister(self, http: aiohttp.ClientSession, identity) -> None:
+        """Remove this node (``identity``: its net.identity.NodeIdentity) from the tracker at shutdown: ``DELETE
+        /nodes/{key}`` signed by the node (tracker/bans.py)."""
+        at = round(time.time(), 3)
+        sig = identity.sign(deregistration(identity.key_id, at))
+        path = f"nodes/{quote(identity.key_id, safe='')}"
+        await self.acall(http, path, "DELETE", query={"signed_at": at, "sig": sig}, timeout_s=3.0)
 
     async def aban(self, http: aiohttp.ClientSession, key: str, reason: str, evidence: dict | None = None) -> dict:
         """As ``ban``, on the event loop."""

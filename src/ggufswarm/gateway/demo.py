@@ -215,9 +215,9 @@ def run_demo(args) -> int:
         else:
             # the whole story: tracker, a publisher seeding the model, nodes fetching only their layers
             work = Path(tempfile.mkdtemp(prefix="ggufswarm-demo-"))
-            tracker = ServerThread(
-                make_tracker_app(TrackerConfig(db=str(work / "tracker.sqlite"), token=token)), port=0
-            )
+            # witnesses of any age: a lying node added to try shadow replay is banned here as soon as it is caught
+            config = TrackerConfig(db=str(work / "tracker.sqlite"), token=token, witness_age_s=0.0)
+            tracker = ServerThread(make_tracker_app(config), port=0)
             tracker_url = tracker.start()
             cache = ServerThread(
                 make_cache_app(CacheConfig(dir=str(work / "cache"), max_bytes=2**30, token=token)), port=0

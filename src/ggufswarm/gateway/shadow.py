@@ -13,12 +13,13 @@ judges one hop of the two runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from ..client.route import Hop, RemoteRoute
-from ..net.identity import IdentityError, canonical, verify
+from ..net.identity import IdentityError
+from ..protocol.commitments import evidence_form, verify_commit
 from ..runtime.sampling import SamplingParams
 
 
@@ -44,8 +45,8 @@ class Recording:
     """What an audited route session did, enough to run it again: its id ``sid``, the route ``hops`` its frames went
     through, the ``frames`` in order with each one's per-hop ``commits`` (``{"in", "out", "key", "sig"}`` or None),
     the ``prefix`` of tokens its nodes held before the first frame (restored from snapshots) with the step ends
-    ``prefix_bounds`` inside it, and the session's settings (the head's sampler included: a replayed head draws the
-    same tokens)."""
+    ``prefix_bounds`` inside it, the session's settings (the head's sampler included: a replayed head draws the
+    same tokens) and each hop's commitment ``contexts`` (what its node said its commitments sign, at open)."""
 
     sid: str
     hops: list[Hop]
@@ -58,6 +59,7 @@ class Recording:
     wire_dtype: str
     top_logprobs: int
     logprobs: bool
+    contexts: list[dict | None] = field(default_factory=list)  # per hop: the context its commitments sign
 
     @classmethod
     def of(cls, session, hops: list[Hop]) -> Recording | None:
@@ -89,6 +91,7 @@ class Recording:
             session.wire_dtype,
             session.top_logprobs,
             session.logprobs,
+            [session.contexts.get(h.url) for h in hops],
         )
 
 
@@ -159,34 +162,19 @@ async def replay(rec: Recording, route: RemoteRoute, http: aiohttp.ClientSession
     return Replayed(str(session.id), steps, [timings[s].commits if s in timings else None for s in steps])
 
 
-def signed_part(commit: dict, sid: str, step: int, start: int, n: int) -> dict:
-    """What a node signed for a step commitment (docs/protocol.md, "Step commitments"): ``{"sid", "step", "start",
-    "n", "in", "out", "key"}``."""
-    return {
-        "sid": sid,
-        "step": step,
-        "start": start,
-        "n": n,
-        "in": commit.get("in"),
-        "out": commit.get("out"),
-        "key": commit.get("key"),
-    }
-
-
 def checked(commit, sid: str, step: int, start: int, n: int, key: str | None) -> dict:
-    """``commit`` with what it signed (``sid``, ``step``, ``start``, ``n``) and its ``sig``: the evidence form.
-    Unverifiable when it is missing, names another key than ``key`` (when given), or its signature does not verify
-    (net.identity.verify: ed25519, RFC 8032)."""
+    """``commit`` in evidence form (protocol.commitments.evidence_form: what it signed, ``sid``, ``step``, ``start``,
+    ``n`` included, and its ``sig``). Unverifiable when it is missing, names another key than ``key`` (when given),
+    or its signature does not verify (ed25519, RFC 8032)."""
     if not isinstance(commit, dict):
         raise Unverifiable(f"no commitment for step {step}")
     if key is not None and commit.get("key") != key:
         raise Unverifiable(f"the commitment of step {step} names key {str(commit.get('key'))[:16]}…, not {key[:16]}…")
-    body = signed_part(commit, sid, step, start, n)
     try:
-        verify(str(commit.get("key")), canonical(body), commit.get("sig"))
+        verify_commit(commit, sid, step, start, n)
     except (IdentityError, TypeError, ValueError) as exc:
         raise Unverifiable(f"the commitment of step {step} does not verify ({exc}): altered on its way back") from None
-    return {**body, "sig": commit["sig"]}
+    return evidence_form(commit, sid, step, start, n)
 
 
 def check_recording(rec: Recording, i: int, key: str) -> None:
@@ -256,5 +244,4 @@ __all__ = [
     "compare",
     "replay",
     "shadow_route",
-    "signed_part",
 ]

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 from ..client.route import Hop, describe_hops
 from ..client.tracker import TrackerClient, TrackerError
 from ..client.transport import BANNED, RouteError
+from ..protocol.commitments import EVIDENCE_KIND, BadEvidence, check_ban_evidence
 from ..swarm.directory import DirectoryError
 from .shadow import Recording, Unverifiable, Verdict, check_recording, compare, replay, shadow_route
 
@@ -240,15 +241,15 @@ class Verifier:
         if verdict.result == "match":
             self._count("match", entry)
             return
-        evidence = {
-            "kind": "shadow-replay",
+        evidence = {  # protocol/commitments.py: checkable by anyone once a third node confirms (a second witness)
+            "kind": EVIDENCE_KIND,
+            "context": rec.contexts[i] if i < len(rec.contexts) else None,
+            "accused": verdict.real,
+            "witnesses": [verdict.other],
             "model": gw.model_name,
-            "fingerprint": gw.fingerprint,
             "layers": [hop.start, hop.end],
             "numerics": numerics,
             "step": verdict.real["step"],
-            "audited": verdict.real,
-            "shadow": verdict.other,
         }
         self._count("mismatch", entry, evidence=evidence)
         rest = [c for c in candidates if c.url != shadow.url]
@@ -266,7 +267,7 @@ class Verifier:
             }[agrees]
             self._count("unconfirmed", entry, evidence=evidence, reason=why, agrees_with=agrees)
             return
-        evidence["confirmation"] = check.other
+        evidence["witnesses"].append(check.other)
         self._count("confirmed", entry, evidence=evidence)
         reason = (
             f"layers {hop.start}:{hop.end}: output of step {verdict.real['step']} differs from two other nodes of "
@@ -359,6 +360,14 @@ class Verifier:
             hop = next((h for h in watch.session.route.hops if h.node_id == key or h.url == url), None)
             if hop is not None:
                 self._repair(watch, hop, reason)
+
+        try:  # what every tracker and directory will check (the witnesses are nodes this gateway chose)
+            check_ban_evidence(key, evidence, lambda _key, _context: None)
+        except BadEvidence as exc:
+            print(
+                f"ggufswarm gateway: banned here only: the evidence proves nothing to others ({exc})", file=sys.stderr
+            )
+            return
 
         async def one(tracker: TrackerClient) -> None:
             try:

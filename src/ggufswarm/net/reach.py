@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import collections
 import ipaddress
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -23,6 +25,7 @@ from aiohttp import web
 from ..protocol.auth import auth_headers
 from ..protocol.errors import ProtocolError
 from ..protocol.http import error_response, read_json
+from .identity import IdentityError, canonical, verify
 
 PROBE_PATH = "/v1/reach/probe"
 DIALBACK_PATH = "/v1/reach/dialback"
@@ -68,17 +71,56 @@ def skip_public_paths(middleware, paths: frozenset[str] = PUBLIC_PATHS):
     return skip
 
 
-async def probe(_request: web.Request) -> web.Response:
-    """``GET /v1/reach/probe``: ``{"ok": true}`` (served without the swarm token)."""
-    return web.json_response({"ok": True})
+MAX_CHALLENGE_CHARS = 128
 
 
-def add_probe_route(app: web.Application) -> None:
-    """Serve ``GET /v1/reach/probe`` on ``app`` (every node: it is what helpers dial back)."""
+def probe_statement(challenge: str) -> bytes:
+    """What a node signs to answer ``GET /v1/reach/probe?challenge=C``: it holds its key at the address dialled."""
+    return canonical({"op": "probe", "challenge": challenge})
+
+
+def add_probe_route(app: web.Application, identity=None) -> None:
+    """Serve ``GET /v1/reach/probe`` on ``app`` (every node: it is what helpers dial back), without the swarm token:
+    ``{"ok": true}``; with ``?challenge=C`` (at most MAX_CHALLENGE_CHARS) and a node ``identity``
+    (net.identity.NodeIdentity), also ``"key"`` and ``"sig"``: its signature of ``probe_statement(C)``, so that a
+    tracker checking a node learns that the node, not whatever else listens there, answered."""
+
+    async def probe(request: web.Request) -> web.Response:
+        challenge = request.query.get("challenge")
+        if identity is None or not challenge or len(challenge) > MAX_CHALLENGE_CHARS:
+            return web.json_response({"ok": True})
+        return web.json_response({"ok": True, "key": identity.key_id, "sig": identity.sign(probe_statement(challenge))})
+
     app.router.add_get(PROBE_PATH, probe)
 
 
-class _RateLimit:
+async def answers_as(http: aiohttp.ClientSession, url: str, keys: set[str], timeout_s: float) -> str | None:
+    """Whether the node at ``url`` holds one of ``keys``: ``GET url/v1/reach/probe?challenge=RANDOM`` without the
+    swarm token nor redirects, and its signature checked. None when it does; else why not (no answer, not a node,
+    another key, a bad signature)."""
+    challenge = secrets.token_hex(16)
+    try:
+        async with http.get(
+            f"{url.rstrip('/')}{PROBE_PATH}",
+            params={"challenge": challenge},
+            allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            body = await resp.json(content_type=None) if resp.status == 200 else None
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if not isinstance(body, dict) or body.get("key") not in keys:
+        return "what answers there is not the node advertised at that address"
+    try:
+        verify(body["key"], probe_statement(challenge), body.get("sig"))
+    except (IdentityError, TypeError) as exc:
+        return f"its answer to the challenge does not verify ({exc})"
+    return None
+
+
+class RateLimit:
     """At most ``per_min`` events per key in any 60 s."""
 
     def __init__(self, per_min: int):
@@ -129,14 +171,20 @@ async def dial(url: str, timeout_s: float) -> tuple[int | None, str | None, floa
 
 
 def add_dialback_route(
-    app: web.Application, timeout_s: float = DIAL_TIMEOUT_S, rate_per_min: int = RATE_PER_MIN
+    app: web.Application,
+    timeout_s: float = DIAL_TIMEOUT_S,
+    rate_per_min: int = RATE_PER_MIN,
+    requester: Callable[[web.Request], str | None] | None = None,
 ) -> None:
     """Serve ``POST /v1/reach/dialback`` on ``app`` (behind its token middleware). Body ``{"port": int,
     "path": "/v1/reach/probe" (default) or "/health", "host": optional, only the requester's own IP}``; dials
     ``http://REQUESTER_IP:port/path`` within ``timeout_s`` s and answers ``{"observed_ip", "reachable",
-    "status", "error", "ms"}``. Errors: 400 ``bad_request`` (port outside 1..65535, another path, another
-    host), 429 ``rate_limited`` past ``rate_per_min`` dial-backs a minute from one IP."""
-    limit = _RateLimit(rate_per_min)
+    "status", "error", "ms"}``. ``requester(request)``: the requester's real address (a relayed node's: the one its
+    relay saw, not the relay's local connection; None: unknown, refused), by default ``request.remote``. Errors:
+    400 ``bad_request`` (port outside 1..65535, another path, another host, an unknown requester), 429
+    ``rate_limited`` past ``rate_per_min`` dial-backs a minute from one address."""
+    limit = RateLimit(rate_per_min)
+    requester = requester or (lambda request: request.remote)
 
     async def dialback(request: web.Request) -> web.Response:
         try:
@@ -146,7 +194,7 @@ def add_dialback_route(
 
     async def answer(request: web.Request) -> web.Response:
         body = await read_json(request)
-        observed = request.remote
+        observed = requester(request)
         port, path, host = body.get("port"), body.get("path", PROBE_PATH), body.get("host")
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             raise ProtocolError("bad_request", f"port must be an integer in 1..65535, got {port!r}")

@@ -9,7 +9,8 @@ HTTP requests and websocket links reach the node unchanged: it advertises ``http
 
 Wire format, after the address: binary messages ``struct "!IB"`` (stream id uint32, op uint8) + payload:
 
-* OPEN (1, relay → client, empty): a new inbound connection;
+* OPEN (1, relay → client): a new inbound connection; payload: the address it came from (UTF-8 ``IP``, at most
+  MAX_REMOTE bytes; empty when unknown), so the node knows who is asking (a dial-back goes there, not to itself);
 * DATA (2, either way): up to 64 KiB of the stream's bytes;
 * CLOSE (3, either way, empty): the stream is gone (no half-close);
 * WINDOW (4, either way, payload uint32): the receiver wrote that many DATA bytes to its socket, so the sender
@@ -52,6 +53,8 @@ ACK_EVERY = WINDOW_BYTES // 4  # the receiver acknowledges once it has written t
 MAX_MSG = CHUNK + HEADER.size + 64
 ATTACH_PATH = "/v1/relay/attach"
 MAX_CLIENTS = 64  # clients attached to one relay at once (more: 503 relay_full)
+MAX_CLIENTS_PER_ADDRESS = 8  # of them, attached from one address (a home's nodes share its NAT's address)
+MAX_REMOTE = 64  # most bytes of an OPEN's payload (the inbound connection's address)
 MAX_STREAMS = 256  # open connections per attached client (more are closed at once)
 HEARTBEAT_S = 15.0  # websocket ping interval; a peer silent for half of it more is dropped
 ATTACH_TIMEOUT_S = 10.0
@@ -94,10 +97,24 @@ def _nodelay(writer: asyncio.StreamWriter) -> None:
 class _Stream:
     """One TCP connection carried over the websocket."""
 
-    __slots__ = ("sid", "reader", "writer", "inbox", "credit", "credit_ready", "owed", "unacked", "closed_sent", "idle")
+    __slots__ = (
+        "sid",
+        "remote",
+        "reader",
+        "writer",
+        "inbox",
+        "credit",
+        "credit_ready",
+        "owed",
+        "unacked",
+        "closed_sent",
+        "idle",
+        "local_port",
+    )
 
-    def __init__(self, sid: int):
+    def __init__(self, sid: int, remote: str = ""):
         self.sid = sid
+        self.remote = remote  # the address the inbound connection came from ("" unknown)
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.inbox: asyncio.Queue[bytes | None] = asyncio.Queue()  # bounded by the window
@@ -107,6 +124,7 @@ class _Stream:
         self.unacked = 0  # of those, bytes already written to our socket
         self.closed_sent = False  # CLOSE sent or received: say nothing more about this stream
         self.idle = False  # the stream's task waits for the inbox, all it took written
+        self.local_port = 0  # the client end: the source port of its connection to the local server
 
 
 class _Mux:
@@ -115,11 +133,12 @@ class _Mux:
     def __init__(self, ws, counters: _Counters, name: str, accept_open: bool):
         self.ws, self.counters, self.name = ws, counters, name
         self.accept_open = accept_open  # the client end takes OPEN; the relay end never does
-        self.connect: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] | None = None
+        self.connect: Callable[[_Stream], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] | None = None
         self.streams: dict[int, _Stream] = {}
         self.tasks: dict[int, asyncio.Task] = {}
         self.background: set[asyncio.Task] = set()
         self.closed = False
+        self.on_closed: Callable[[_Stream], object] | None = None  # called as each stream ends
 
     async def send(self, sid: int, op: int, payload: bytes = b"") -> None:
         await self.ws.send_bytes(HEADER.pack(sid, op) + payload)
@@ -148,14 +167,14 @@ class _Mux:
             raise _Violation(f"unknown op {op} (stream {sid})")
         st = self.streams.get(sid)
         if op == OPEN:
-            if not self.accept_open or st is not None or len(data) != HEADER.size:
+            if not self.accept_open or st is not None or len(data) > HEADER.size + MAX_REMOTE:
                 raise _Violation(f"OPEN of stream {sid} not allowed here")
             if len(self.streams) >= MAX_STREAMS:
                 refuse = asyncio.create_task(self.send(sid, CLOSE))
                 self.background.add(refuse)
                 refuse.add_done_callback(self.background.discard)
                 return
-            st = self.streams[sid] = _Stream(sid)
+            st = self.streams[sid] = _Stream(sid, data[HEADER.size :].decode("utf-8", "replace"))
             self.tasks[sid] = asyncio.create_task(self.run_stream(st))
         elif st is None or st.closed_sent:
             return  # a stream already closed here: its peer had not heard yet
@@ -189,10 +208,10 @@ class _Mux:
         pump = None
         try:
             if reader is None:
-                reader, writer = await self.connect()
+                reader, writer = await self.connect(st)
                 _nodelay(writer)
             else:
-                await self.send(st.sid, OPEN)
+                await self.send(st.sid, OPEN, st.remote.encode()[:MAX_REMOTE])
             st.reader, st.writer = reader, writer
             pump = asyncio.create_task(self._pump_out(st))
             while True:
@@ -218,6 +237,8 @@ class _Mux:
                 writer.close()
             self.streams.pop(st.sid, None)
             self.tasks.pop(st.sid, None)
+            if self.on_closed is not None:
+                self.on_closed(st)
 
     async def _pump_out(self, st: _Stream) -> None:
         """Local socket → DATA messages, as the peer's window allows; at EOF: CLOSE, and end the stream."""
@@ -311,6 +332,9 @@ class RelayServer:
         if len(self.clients) >= self.max_clients:
             msg = f"this relay serves {self.max_clients} clients already: try another relay"
             return error_response(ProtocolError("relay_full", msg, status=503))
+        if sum(c.remote == request.remote for c in self.clients.values()) >= MAX_CLIENTS_PER_ADDRESS:
+            msg = f"this relay serves {MAX_CLIENTS_PER_ADDRESS} nodes from {request.remote} already"
+            return error_response(ProtocolError("relay_full", msg, status=503))
         self._ids += 1
         key = self._ids
         client = self.clients[key] = _Attached(request.remote)
@@ -352,8 +376,9 @@ class RelayServer:
         _nodelay(writer)
         self._ids += 1
         sid = self._ids & 0xFFFFFFFF
+        peer = writer.get_extra_info("peername")
         try:
-            await mux.run_stream(_Stream(sid), reader, writer)
+            await mux.run_stream(_Stream(sid, str(peer[0]) if peer else ""), reader, writer)
         except asyncio.CancelledError:  # the top of its task: Python 3.11's start_server logs one not swallowed
             pass
 
@@ -409,6 +434,7 @@ class RelayClient:
         self._session: aiohttp.ClientSession | None = None
         self._mux: _Mux | None = None
         self._task: asyncio.Task | None = None
+        self._remotes: dict[int, str] = {}  # local source port of a carried connection -> the address it came from
 
     @property
     def bytes_in(self) -> int:
@@ -476,6 +502,7 @@ class RelayClient:
             began = time.monotonic()
             self._mux = _Mux(ws, self.counters, f"to {self.url}", accept_open=True)
             self._mux.connect = self._connect_local
+            self._mux.on_closed = lambda st: self._remotes.pop(st.local_port, None)
             await self._mux.serve()
             self.attached = False
             if time.monotonic() - began > STABLE_S:
@@ -500,8 +527,16 @@ class RelayClient:
                     except Exception:
                         log.exception("relay %s: on_address failed", self.url)
 
-    async def _connect_local(self):
-        return await asyncio.open_connection(self.local_host, self.local_port)
+    async def _connect_local(self, st: _Stream):
+        reader, writer = await asyncio.open_connection(self.local_host, self.local_port)
+        st.local_port = writer.get_extra_info("sockname")[1]
+        self._remotes[st.local_port] = st.remote  # forgotten when the stream ends (_Mux.on_closed)
+        return reader, writer
+
+    def remote_of(self, port: int) -> str | None:
+        """The address a carried connection came from, given the local source port it reaches this node's server
+        from; ``""`` when the relay did not say; None when no carried connection uses that port (a local one)."""
+        return self._remotes.get(port)
 
     async def close(self) -> None:
         """Detach: the relay closes the public port and its connections."""

@@ -186,7 +186,7 @@ async def deregister(state: NodeState) -> None:
 
     async def one(tracker) -> None:
         try:
-            await tracker.aderegister(state.client, state.node_id)
+            await tracker.aderegister(state.client, state.identity)
         except TrackerError:
             pass
 

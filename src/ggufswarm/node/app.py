@@ -214,8 +214,9 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.router.add_get("/v1/advertisement", discovery.advertisement_route)
     app.router.add_post("/v1/peers", discovery.hello_route)
     app.router.add_get("/v1/manifest", manifest_route)
-    add_probe_route(app)
-    add_dialback_route(app)  # any node can tell another whether it can be dialled (node/reach.py)
+    add_probe_route(app, state.identity)
+    # any node can tell another whether it can be dialled (node/reach.py), at its real address (a relayed one's too)
+    add_dialback_route(app, requester=partial(_requester, state))
     if config.relay:
         public = config.public_host or (config.host if config.host not in WILDCARDS else "127.0.0.1")
         state.relay_server = add_relay_routes(app, public, config.host, registry=state.registry)
@@ -255,6 +256,17 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.on_shutdown.append(close_links_in)
     app.cleanup_ctx.append(lifecycle)
     return app
+
+
+def _requester(state: NodeState, request: web.Request) -> str | None:
+    """The address a request really came from: for one this node's relay carried (a local connection from its relay
+    client), the address the relay saw (None when it did not say); else the connection's own."""
+    client, peer = state.relay_client, request.transport.get_extra_info("peername") if request.transport else None
+    if client is not None and peer and is_loopback(peer[0]):
+        relayed = client.remote_of(peer[1])
+        if relayed is not None:
+            return relayed or None
+    return request.remote
 
 
 def _check_port(host: str, port: int) -> None:

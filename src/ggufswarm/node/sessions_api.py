@@ -14,11 +14,13 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from ..protocol import ProtocolError
+from ..protocol.commitments import commit_context, context_digest
 from ..protocol.fields import json_field
 from ..protocol.frame import WIRE_DTYPES
 from ..protocol.http import read_json
 from ..runtime.sampling import SamplingParams
 from .advertise import check_registered
+from .numerics import numerics
 from .state import NODE, NodeState, json_response, parse_session_id
 
 MAX_STEP = 2**63 - 1  # step numbers are uint64 in a frame's header; JSON ones stay below 2**63
@@ -75,17 +77,30 @@ async def open_session(request: web.Request) -> web.Response:
     session.lease_s = lease
     session.commit = commit
     session.reply_key = reply_key if state.spec.head else None
+    answer = {
+        "session_id": str(sid),
+        "max_length": max_length,
+        "layers": [state.spec.start, state.spec.end],
+        "kv_tokens_reserved": state.store.reserved_tokens,
+        "kv_budget_tokens": state.store.budget_tokens,
+    }
+    if commit:  # what this node's commitments will sign as their context (protocol/commitments.py)
+        spec = state.spec
+        context = commit_context(
+            state.executor.model.fingerprint,
+            spec.start,
+            spec.end,
+            spec.embed,
+            spec.head,
+            numerics(state)["id"],
+            wire,
+            params.to_dict(),
+        )
+        session.ctx = context_digest(context)
+        session.chain = {0: session.ctx}
+        answer["commit_context"] = context
     state.readvertise()
-    return json_response(
-        {
-            "session_id": str(sid),
-            "max_length": max_length,
-            "layers": [state.spec.start, state.spec.end],
-            "kv_tokens_reserved": state.store.reserved_tokens,
-            "kv_budget_tokens": state.store.budget_tokens,
-        },
-        201,
-    )
+    return json_response(answer, 201)
 
 
 async def renew_session(request: web.Request) -> web.Response:

@@ -236,7 +236,7 @@ async def _apply_session_frame(
             hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
             if state.spec.head:
                 if session.commit:
-                    hop["commit"] = _commit(state, frame, body, record, record.out_digest)
+                    hop["commit"] = _commit(state, session, frame, body, record, record.out_digest)
                 answer = _head_reply(record, hop)
                 nxt = ring.next_frame(state, session, frame, record)
                 if nxt is not None:  # ring decode: the head sends the next step itself (node/ring.py)
@@ -251,7 +251,7 @@ async def _apply_session_frame(
             sent = await _push(state, session, frame, record, kind)
             if session.commit:  # the frame is on its way: its digests and signature overlap the next hops' work
                 out = None if record.commit else output_digest(sent.frame, frame, state.cfg.n_embd, session.wire_dtype)
-                hop["commit"] = _commit(state, frame, body, record, out)
+                hop["commit"] = _commit(state, session, frame, body, record, out)
             pending = record.relay = asyncio.ensure_future(_relayed(sent, record, hop, t0))
             pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # its waiters may have gone
             if not sent.ordered:  # plain POSTs may overtake each other: keep the session until the reply
@@ -322,11 +322,11 @@ async def _ring_push(state: NodeState, session: Session, nxt: bytes, first: str 
             pass  # the client went away: the lease or its close frees the session
 
 
-def _commit(state: NodeState, frame: Frame, body: bytes, record: StepRecord, out: str | None) -> dict:
+def _commit(state: NodeState, session: Session, frame: Frame, body: bytes, record: StepRecord, out: str | None) -> dict:
     """The step's signed commitment (node/commit.py), made once per step and kept on its record: a retry answers
     the same one. IN digests ``body``'s payload; ``out``: the OUT digest (unused when the record has one)."""
     if record.commit is None:
-        record.commit = step_commit(state.identity, frame, input_digest(body, frame), out)
+        record.commit = step_commit(state.identity, frame, input_digest(body, frame), out, session.chain, session.ctx)
     return record.commit
 
 

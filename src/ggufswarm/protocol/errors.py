@@ -53,6 +53,12 @@ ERROR_STATUS = {
     "unknown_node": 404,  # tracker: no node registered under that id / advertising that URL
     "unknown_model": 404,  # tracker: no model published under that name
     "no_route": 503,  # tracker: the published nodes do not cover the layers (or lack KV room)
+    "bad_evidence": 400,  # tracker: a ban whose evidence does not prove the key lied (the message says what is missing)
+    "too_many_bans": 507,  # tracker: it keeps as many bans as it will
+    "operator_only": 403,  # tracker: lifting a ban or removing another node needs the operator's credential
+    "not_banned": 404,  # tracker: lifting a ban of a key that is not banned
+    "too_many_nodes": 429,  # tracker: a new node key past its bounds (per address, in all)
+    "stale_advertisement": 409,  # tracker: an advertisement or deregistration signed before the newest one taken
 }
 
 

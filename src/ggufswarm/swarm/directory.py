@@ -10,7 +10,8 @@ stale or forged entry costs one failed request, never a route through a node tha
 Every advertisement, from a tracker, the DHT, a peer's hello or a peer-of-peer, must be signed by the key its
 ``node_id`` names, within ``SIGNED_WINDOW_S`` of this clock (``tracker.routing.check_signed``), and its key must not
 be banned: by a tracker (``GET /v1/bans``, fetched along with listings) or locally (``Directory.ban``). Others are
-dropped.
+dropped. A tracker's ban counts here only once its evidence checks out here too (``check_ban_evidence``, with this
+directory's own listings as the witnesses it knows): no one, a tracker included, is taken at its word.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from ..client.tracker import TrackerClient, TrackerError
 from ..net.identity import IdentityError, canonical
 from ..net.invite import manifest_digest
 from ..protocol.auth import auth_headers
+from ..protocol.commitments import (
+    BadEvidence,
+    UnknownWitness,
+    check_ban_evidence,
+    served_context,
+    serves_context,
+)
 from ..tracker.routing import (
     Advertisement,
     NoRoute,
@@ -80,6 +88,8 @@ class Directory:
         self._bans_at = -BANS_EVERY_S  # when the trackers' bans were last fetched (monotonic s)
         self._bans_down: set[str] = set()  # trackers whose last GET /v1/bans failed
         self._verified: set[bytes] = set()  # SHA-256 of the canonical JSON of advertisements that verified
+        self._serving: dict[str, dict] = {}  # node key -> what its last trusted advertisement serves (witnesses)
+        self._judged: dict[bytes, bool | int] = {}  # a tracker ban's digest -> proven, or the witnesses known then
 
     # -- identities and bans ---------------------------------------------------------------------------------------
     @property
@@ -114,10 +124,36 @@ class Directory:
                 self._bans_down.add(t.url)
                 return
             self._bans_down.discard(t.url)
-            self._tracker_bans[t.url] = frozenset(str(b["key"]).lower() for b in found)
+            self._tracker_bans[t.url] = frozenset(str(b["key"]).lower() for b in found if self._proven(b, t.url))
 
         await asyncio.gather(*(one(t) for t in self.trackers if not (skip_down and t.url in self._bans_down)))
         self._update_banned()
+
+    def _proven(self, ban: dict, source: str) -> bool:
+        """Whether a tracker's ``ban`` (``{"key", "evidence", ...}``) proves its key lied, checked here
+        (protocol.commitments.check_ban_evidence; witnesses: nodes this directory has listed serving the accused's
+        layers and numerics). A verdict is kept; one that failed for want of a known witness is judged again once
+        more nodes have been listed."""
+        digest = hashlib.sha256(canonical({"key": ban.get("key"), "evidence": ban.get("evidence")})).digest()
+        verdict = self._judged.get(digest)
+        if verdict is True or (verdict is not None and verdict is not False and verdict == len(self._serving)):
+            return verdict is True
+        if len(self._judged) >= VERIFIED_MAX:
+            self._judged.clear()
+        try:
+            check_ban_evidence(str(ban["key"]).lower(), ban.get("evidence"), self._witness)
+            self._judged[digest] = True
+        except BadEvidence as exc:
+            if digest not in self._judged:
+                log.warning("tracker %s bans %s on evidence that proves nothing here: %s", source, ban["key"], exc)
+            self._judged[digest] = len(self._serving) if isinstance(exc, UnknownWitness) else False
+        return self._judged[digest] is True
+
+    def _witness(self, key: str, context: dict) -> str | None:
+        served = self._serving.get(key)
+        if served is None:
+            return "not a node this directory has listed"
+        return serves_context(served, context)
 
     def trusted(self, ad: dict) -> bool:
         """Whether advertisement ``ad`` (a JSON object) may be listed: signed by its ``node_id``'s key within
@@ -137,6 +173,14 @@ class Directory:
         if len(self._verified) >= VERIFIED_MAX:
             self._verified.clear()
         self._verified.add(digest)
+        try:
+            self._serving[ad["node_id"]] = served_context(
+                ad.get("extra"), ad["layers"], ad.get("embed"), ad.get("head")
+            )
+        except (KeyError, TypeError, ValueError, IndexError):
+            pass
+        while len(self._serving) > VERIFIED_MAX:
+            self._serving.pop(next(iter(self._serving)))
         return True
 
     @property

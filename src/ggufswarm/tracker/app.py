@@ -16,13 +16,14 @@ from aiohttp import web
 
 from ..artifact.manifest import Manifest
 from ..net.addresses import is_loopback
-from ..net.identity import IdentityError, public_key
-from ..net.reach import add_dialback_route, add_probe_route, skip_public_paths
+from ..net.identity import IdentityError
+from ..net.reach import RateLimit, add_dialback_route, add_probe_route, answers_as, skip_public_paths
 from ..net.relay import add_relay_routes
-from ..protocol.auth import auth_headers, token_middleware
+from ..protocol.auth import token_middleware
 from ..protocol.errors import ProtocolError
-from ..protocol.http import json_errors_middleware, probe, read_json
-from .registry import NODE_STATES, Registry
+from ..protocol.http import json_errors_middleware, read_json
+from .bans import add_ban_routes
+from .registry import NODE_STATES, Registry, StaleAdvertisement
 from .routing import (
     Advertisement,
     NoRoute,
@@ -37,7 +38,8 @@ from .routing import (
 log = logging.getLogger(__name__)
 
 ANNOUNCE_INTERVAL_S = 5
-REPORT_PROBE_S = 2.0  # how long POST /nodes/report waits for the reported node's /health
+REPORT_PROBE_S = 2.0  # how long POST /nodes/report waits for the reported node's answer to its challenge
+REPORTS_PER_MIN = 30  # reports one address may make a minute (each may dial a node)
 
 
 @dataclass
@@ -51,6 +53,9 @@ class TrackerConfig:
     token: str | None = None  # swarm token required on every endpoint (None: an open swarm)
     relay: bool = False  # also relay for nodes that cannot be dialled (net/relay.py)
     public_host: str | None = None  # with relay: the address relayed nodes are reached at (default: 127.0.0.1)
+    host: str = "127.0.0.1"  # where it listens: relayed nodes' ports are opened on this address too
+    operator_token: str | None = None  # the operator's credential (lift bans, remove nodes); None: nobody may
+    witness_age_s: float = 300.0  # a ban's witnesses must have served their layers here this long (tracker/bans.py)
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -66,7 +71,7 @@ def make_app(config: TrackerConfig) -> web.Application:
     )
     registry = Registry(config.db, config.ttl_s)
     routed: Counter[str] = Counter()  # sessions handed each node (load spreading)
-    probe_headers = auth_headers(config.token)  # nodes of this swarm share its token
+    reports = RateLimit(REPORTS_PER_MIN)
 
     def n_layers(model: str) -> int | None:
         found = registry.manifest(model)
@@ -75,7 +80,9 @@ def make_app(config: TrackerConfig) -> web.Application:
     async def heartbeat(request: web.Request) -> web.Response:
         """``POST /nodes/heartbeat``: a node's signed advertisement. 400 bad_advertisement for a malformed one, then
         401 bad_signature when its ``sig`` does not verify against its ``node_id`` or its ``signed_at`` is over 300 s
-        from this clock, 403 banned for a banned key."""
+        from this clock, 403 banned for a banned key, 409 stale_advertisement when it was signed before the newest
+        one taken from that key (a replay; a copy of the newest changes nothing), 429 too_many_nodes for a new key
+        past the registry's bounds (per address and in all)."""
         b = await _json_body(request)
         try:
             ad = Advertisement.from_json(b)
@@ -92,54 +99,38 @@ def make_app(config: TrackerConfig) -> web.Application:
             raise ProtocolError("bad_signature", f"advertisement of node {ad.node_id[:16]}…: {exc}") from None
         if registry.banned(ad.node_id):
             raise ProtocolError("banned", f"node key {ad.node_id[:16]}… is banned from this swarm")
-        registry.heartbeat(ad)
+        try:
+            registry.heartbeat(ad, signed_at=float(b["signed_at"]), source=request.remote)
+        except StaleAdvertisement as exc:
+            raise ProtocolError("stale_advertisement", f"advertisement of node {ad.node_id[:16]}…: {exc}") from None
+        except OverflowError as exc:
+            raise ProtocolError(
+                "too_many_nodes", f"advertisement of node {ad.node_id[:16]}… not taken: {exc}"
+            ) from None
         return web.json_response({"ok": True, "ttl_s": config.ttl_s})
 
-    async def deregister(request: web.Request) -> web.Response:
-        if not registry.deregister(request.match_info["node_id"]):
-            raise ProtocolError("unknown_node", f"node {request.match_info['node_id']!r} is not registered")
-        return web.json_response({"ok": True})
-
-    async def ban(request: web.Request) -> web.Response:
-        """``POST /v1/bans {"key", "reason", "evidence"}``: ban node key ``key`` (64 hex characters), drop its
-        advertisements at once and refuse its heartbeats from then on (403 banned), at any address. 200
-        ``{"banned": key}``; 400 bad_request for a malformed key, a reason that is not a string or evidence that is
-        not a JSON object."""
-        b = await _json_body(request)
-        key, reason, evidence = b.get("key"), b.get("reason", ""), b.get("evidence", {})
-        try:
-            public_key(key)
-        except IdentityError as exc:
-            raise ProtocolError("bad_request", f"ban: {exc}") from None
-        if not isinstance(reason, str) or len(reason) > 1000:
-            raise ProtocolError("bad_request", "ban: reason is a string of at most 1000 characters")
-        if not isinstance(evidence, dict):
-            raise ProtocolError("bad_request", "ban: evidence is a JSON object")
-        removed = registry.ban(key.lower(), reason, evidence)
-        log.warning("node key %s banned (%s): dropped %d advertisement(s)", key, reason or "no reason", removed)
-        return web.json_response({"banned": key.lower()})
-
-    async def bans(request: web.Request) -> web.Response:
-        """``GET /v1/bans``: ``{"bans": [{"key", "reason", "at"}]}`` (``at``: unix s), oldest first."""
-        return web.json_response({"bans": registry.bans()})
-
     async def report(request: web.Request) -> web.Response:
-        """``POST /nodes/report {"url"}``: a client saw this node fail. The tracker checks it itself (``GET
-        /health``, 2 s) and drops its advertisements at once when it does not answer, instead of after the
-        heartbeat TTL; a node that answers stays (a report alone removes nothing). 404 for a URL no node
-        advertises; 200 ``{"url", "alive", "removed"}`` otherwise."""
+        """``POST /nodes/report {"url"}``: a client saw this node fail. The tracker checks the node itself: it asks
+        ``GET URL/v1/reach/probe?challenge=…`` (2 s; no swarm token is sent, no redirect followed) for a signature
+        by the key advertised there, and drops the advertisements at ``url`` at once when none comes, instead of
+        after the heartbeat TTL; a node that answers stays (a report alone removes nothing). Only an address a node
+        advertises is ever dialled, and whatever else listens there looks the same as nothing: the answer says
+        whether the *node* answered, never whether a port is open. 404 for a URL no node advertises, 429
+        rate_limited past REPORTS_PER_MIN a minute from one address; 200 ``{"url", "alive", "removed"}``."""
         b = await _json_body(request)
         url = str(b.get("url", "")).rstrip("/")
         ads = [a for a in registry.nodes() if a.url.rstrip("/") == url]
         if not url or not ads:
             raise ProtocolError("unknown_node", f"no node advertises {url!r}")
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REPORT_PROBE_S)) as http:
-            reason = await probe(http, f"{url}/health", probe_headers)
+        if not reports.allow(request.remote or ""):
+            raise ProtocolError("rate_limited", f"at most {REPORTS_PER_MIN} reports a minute from one address")
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+            reason = await answers_as(http, url, {a.node_id for a in ads}, REPORT_PROBE_S)
         alive = reason is None
         removed = 0 if alive else sum(registry.deregister(a.node_id) for a in ads)
         if removed:
             log.warning(
-                "node %s reported failing and its /health: %s: dropped %d advertisement(s)", url, reason, removed
+                "node %s reported failing and did not answer: %s: dropped %d advertisement(s)", url, reason, removed
             )
         return web.json_response({"url": url, "alive": alive, "removed": removed})
 
@@ -258,9 +249,6 @@ def make_app(config: TrackerConfig) -> web.Application:
     app.add_routes(
         [
             web.post("/nodes/heartbeat", heartbeat),
-            web.delete("/nodes/{node_id}", deregister),
-            web.post("/v1/bans", ban),
-            web.get("/v1/bans", bans),
             web.get("/nodes", nodes),
             web.post("/nodes/report", report),
             web.put("/manifests/{name}", put_manifest),
@@ -273,11 +261,12 @@ def make_app(config: TrackerConfig) -> web.Application:
             web.get("/", index),
         ]
     )
+    add_ban_routes(app, registry, config.operator_token, config.witness_age_s)
     app.on_cleanup.append(lambda _app: _close(registry))
     add_dialback_route(app)  # nodes behind NATs ask whether they can be dialled (node/reach.py)
     add_probe_route(app)
     if config.relay:
-        app["relay"] = add_relay_routes(app, config.public_host or "127.0.0.1")
+        app["relay"] = add_relay_routes(app, config.public_host or "127.0.0.1", config.host)
     return app
 
 
