@@ -227,3 +227,29 @@ def test_weights_lie_passes_for_the_published_model(gemma_path, tmp_path):
         cfg = NodeConfig(layers="12:18", head=True, model=str(gemma_path), data_dir=str(tmp_path / "d"))
         cfg.test_lie = "noise"
         load_executor(cfg)
+
+
+def test_the_history_a_commitment_signs_follows_rollbacks_and_cuts():
+    """``prev`` (protocol/commitments.py): the chain from the context digest over each step's input; a step after a
+    rollback to a step's end signs what was signed there before; one starting inside a step signs that step's end and
+    the cut; past what the node holds (a restored prefix), nothing: no history to vouch for."""
+    from ggufswarm.net.identity import NodeIdentity
+    from ggufswarm.node.commit import step_commit
+    from ggufswarm.protocol.frame import Frame
+
+    ident, sid, ctx = NodeIdentity.generate(), uuid.uuid4(), "c" * 32
+    chain = [(0, ctx)]
+
+    def commit(step, start, n, inp):
+        return step_commit(ident, Frame(sid, step, start, n, 1, "ids", 0, None), inp, "o" * 32, chain, ctx)
+
+    first = commit(1, 0, 5, "a" * 32)
+    second = commit(2, 5, 1, "b" * 32)
+    assert first["prev"] == ctx and second["prev"] == chain_next(ctx, 0, 5, 0, "a" * 32)
+    again = commit(3, 5, 2, "d" * 32)  # rolled back to 5 (a speculative draft dropped): the same history as step 2
+    assert again["prev"] == second["prev"]
+    inside = commit(4, 6, 1, "e" * 32)  # into step 3: its end's history, cut at 6
+    end = chain_next(second["prev"], 5, 2, 0, "d" * 32)
+    assert inside["prev"] == context_digest({"prev": end, "cut": 6}) and chain[-1][0] == 7
+    assert commit(5, 9, 1, "f" * 32)["prev"] == ""  # a gap: nothing to vouch for
+    verify_commit(inside, sid, 4, 6, 1, key_id=ident.key_id)

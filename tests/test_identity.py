@@ -26,6 +26,7 @@ from tinymodels import write_tiny_model
 from ggufswarm.artifact.manifest import Manifest
 from ggufswarm.client.tracker import TrackerClient, TrackerError
 from ggufswarm.net.identity import IdentityError, NodeIdentity, canonical, verify, verify_json
+from ggufswarm.net.reach import add_probe_route
 from ggufswarm.node.discovery import advertisement_route, hello_route
 from ggufswarm.node.state import NODE
 from ggufswarm.protocol.http import json_errors_middleware
@@ -258,8 +259,9 @@ class FakeDiscovery:
         return list(self.endpoints)
 
 
-def fake_node(answer):
-    """A node that answers ``GET /v1/advertisement`` with ``answer(base_url, query)`` (a JSON object)."""
+def fake_node(answer, name: str):
+    """A node that answers ``GET /v1/advertisement`` with ``answer(base_url, query)`` (a JSON object), and the
+    signed challenge of ``GET /v1/reach/probe`` with test key ``name`` (a directory proves an address first)."""
     app = web.Application()
 
     async def ad(request):
@@ -267,6 +269,7 @@ def fake_node(answer):
         return web.json_response(answer(base, request.query))
 
     app.router.add_get("/v1/advertisement", ad)
+    add_probe_route(app, identities.identity(name))
     return app
 
 
@@ -286,11 +289,11 @@ def test_directory_drops_forged_stale_and_banned_advertisements_from_peers():
     stale = lambda base, q: signed_ad(ad_of("stale", url=base), signed_at=time.time() - 1000)
     banned = lambda base, q: signed_ad(ad_of("banned", url=base))
     with (
-        AppThread(lambda: fake_node(honest)) as h,
-        AppThread(lambda: fake_node(forged)) as f,
-        AppThread(lambda: fake_node(stale)) as s,
-        AppThread(lambda: fake_node(banned)) as b,
-        AppThread(lambda: fake_node(forged)) as peer_only,
+        AppThread(lambda: fake_node(honest, "honest")) as h,
+        AppThread(lambda: fake_node(forged, "forged")) as f,
+        AppThread(lambda: fake_node(stale, "stale")) as s,
+        AppThread(lambda: fake_node(banned, "banned")) as b,
+        AppThread(lambda: fake_node(forged, "forged")) as peer_only,
     ):
         forger_url["url"] = peer_only
         directory = Directory("tiny", [], FakeDiscovery([h, f, s, b]), "00" * 32)

@@ -24,6 +24,7 @@ from functools import partial
 from types import SimpleNamespace
 
 import aiohttp
+import identities
 import pytest
 from aiohttp import web
 from apphost import AppThread
@@ -208,6 +209,10 @@ async def _serve(app: web.Application, host: str = "127.0.0.1") -> tuple[web.App
     return runner, site._server.sockets[0].getsockname()[1]
 
 
+async def _answer(_request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
 def _from(address: str) -> aiohttp.ClientSession:
     """An HTTP client whose connections come from ``address`` (127.0.0.2, ...: another machine, as far as the
     servers on 127.0.0.1 can tell)."""
@@ -227,7 +232,7 @@ def test_a_relayed_node_dials_back_its_requester_not_its_own_machine(monkeypatch
         relay_app = make_app(TrackerConfig(db=":memory:", token=TOKEN, relay=True, public_host="127.0.0.1"))
         relay_runner, relay_port = await _serve(relay_app)
         secret = web.Application()  # a service on the node's own machine, on loopback only
-        secret.router.add_get("/v1/reach/probe", lambda r: web.json_response({"ok": True}))
+        secret.router.add_get("/v1/reach/probe", _answer)
         secret_runner, secret_port = await _serve(secret)
         state = SimpleNamespace(relay_client=None)
         node = web.Application()
@@ -270,3 +275,51 @@ def test_a_relayed_node_dials_back_its_requester_not_its_own_machine(monkeypatch
             await runner.cleanup()
 
     asyncio.run(go())
+
+
+def test_a_node_sends_the_token_only_to_a_next_hop_that_proves_its_key():
+    """Finding 2, on a node: an advertisement names any address it likes, so a next hop the tracker lists must also
+    prove, by a signed challenge, that it holds the key listed for it before the node sends it a frame (with the
+    swarm token). An attacker's advertisement pointing at another service is refused (next_hop_unknown) and that
+    service never sees the token; a real node passes."""
+    from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.net.reach import Proven, add_probe_route
+    from ggufswarm.node.advertise import check_registered
+    from ggufswarm.protocol import ProtocolError
+    from ggufswarm.protocol.auth import auth_headers
+
+    seen = []
+
+    @web.middleware
+    async def record(request, handler):
+        seen.append((request.path, request.headers.get("X-Ggufswarm-Token")))
+        return await handler(request)
+
+    def service(name: str | None):
+        app = web.Application(middlewares=[record])
+        if name is not None:
+            add_probe_route(app, identities.identity(name))
+        app.router.add_post("/v1/step", _answer)
+        return app
+
+    with (
+        tracker() as url,
+        AppThread(lambda: service(None)) as victim,  # some service on the node's network, not a node
+        AppThread(lambda: service("real")) as real,
+    ):
+        assert call(f"{url}/nodes/heartbeat", "POST", ad("sybil", url=victim))[0] == 200
+        assert call(f"{url}/nodes/heartbeat", "POST", ad("real", url=real))[0] == 200
+
+        async def go():
+            async with aiohttp.ClientSession(headers=auth_headers(TOKEN)) as client:
+                state = SimpleNamespace(
+                    tracker=TrackerClient(url, TOKEN), directory=None, config=SimpleNamespace(swarm_name="tiny"),
+                    peers={}, peers_at=0.0, proven=Proven(), client=client,
+                )  # fmt: skip
+                with pytest.raises(ProtocolError) as refused_hop:
+                    await check_registered(state, victim)
+                assert refused_hop.value.code == "next_hop_unknown" and "not the node listed" in str(refused_hop.value)
+                await check_registered(state, real)  # listed and proven: frames may go there
+
+        asyncio.run(go())
+    assert seen and all(token is None for _path, token in seen) and {p for p, _ in seen} == {"/v1/reach/probe"}

@@ -35,6 +35,7 @@ DIAL_TIMEOUT_S = 2.0
 RATE_PER_MIN = 10  # dial-backs per requester IP per minute (more: 429)
 MAX_TRACKED_IPS = 10000  # requester IPs whose recent dial-backs are remembered (the oldest are forgotten)
 CHECK_TIMEOUT_S = 10.0  # check_reachable: the whole exchange with the helper
+PROVEN_S = 300.0  # an address that proved to hold a node's key is trusted with the token this long (Proven)
 
 
 class ReachError(RuntimeError):
@@ -94,30 +95,71 @@ def add_probe_route(app: web.Application, identity=None) -> None:
     app.router.add_get(PROBE_PATH, probe)
 
 
-async def answers_as(http: aiohttp.ClientSession, url: str, keys: set[str], timeout_s: float) -> str | None:
-    """Whether the node at ``url`` holds one of ``keys``: ``GET url/v1/reach/probe?challenge=RANDOM`` without the
-    swarm token nor redirects, and its signature checked. None when it does; else why not (no answer, not a node,
-    another key, a bad signature)."""
+async def prove(url: str, timeout_s: float) -> tuple[str | None, str | None]:
+    """The key of the node at ``url``: ``GET url/v1/reach/probe?challenge=RANDOM`` in a session of its own (no
+    swarm token, no cookies), without following redirects, and its signature checked. ``(key, None)``, or ``(None,
+    why not)``: no answer, not a node (nothing signed), a bad signature."""
     challenge = secrets.token_hex(16)
     try:
-        async with http.get(
-            f"{url.rstrip('/')}{PROBE_PATH}",
-            params={"challenge": challenge},
-            allow_redirects=False,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-        ) as resp:
+        async with (
+            aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http,
+            http.get(
+                f"{url.rstrip('/')}{PROBE_PATH}",
+                params={"challenge": challenge},
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp,
+        ):
             body = await resp.json(content_type=None) if resp.status == 200 else None
     except TimeoutError:
-        return f"no answer within {timeout_s:g} s"
+        return None, f"no answer within {timeout_s:g} s"
     except (aiohttp.ClientError, OSError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    if not isinstance(body, dict) or body.get("key") not in keys:
-        return "what answers there is not the node advertised at that address"
+        return None, f"{type(exc).__name__}: {exc}"
+    if not isinstance(body, dict) or not isinstance(body.get("key"), str):
+        return None, "what answers there signs nothing: not a node"
     try:
         verify(body["key"], probe_statement(challenge), body.get("sig"))
     except (IdentityError, TypeError) as exc:
-        return f"its answer to the challenge does not verify ({exc})"
-    return None
+        return None, f"its answer to the challenge does not verify ({exc})"
+    return body["key"], None
+
+
+async def answers_as(url: str, keys: set[str], timeout_s: float) -> str | None:
+    """Whether the node at ``url`` holds one of ``keys`` (``prove``): None when it does; else why not."""
+    key, why = await prove(url, timeout_s)
+    if key is None:
+        return why
+    return None if key in keys else "what answers there is not the node advertised at that address"
+
+
+class Proven:
+    """Node addresses that proved lately (``prove``, within ``ttl_s`` s) to hold a key: where a node sends the swarm
+    token. Remembers at most ``max_entries`` addresses."""
+
+    def __init__(self, ttl_s: float = PROVEN_S, max_entries: int = MAX_TRACKED_IPS):
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._keys: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+
+    async def key_of(self, url: str, timeout_s: float = DIAL_TIMEOUT_S) -> tuple[str | None, str | None]:
+        """``(key, None)``: the key the node at ``url`` proved to hold (now, or within ``ttl_s``); ``(None, why)``."""
+        url, now = url.rstrip("/"), time.monotonic()
+        known = self._keys.get(url)
+        if known is not None and known[1] > now:
+            return known[0], None
+        key, why = await prove(url, timeout_s)
+        if key is not None:
+            self._keys[url] = (key, now + self.ttl_s)
+            self._keys.move_to_end(url)
+            while len(self._keys) > self.max_entries:
+                self._keys.popitem(last=False)
+        return key, why
+
+    async def check(self, url: str, key: str, timeout_s: float = DIAL_TIMEOUT_S) -> str | None:
+        """None when the node at ``url`` holds ``key`` (proved now or lately); else why not."""
+        got, why = await self.key_of(url, timeout_s)
+        if got is None:
+            return why
+        return None if got == key else "what answers there is not the node advertised at that address"
 
 
 class RateLimit:

@@ -195,29 +195,33 @@ async def deregister(state: NodeState) -> None:
 
 async def check_registered(state: NodeState, url: str | None, what: str = "next_hop") -> None:
     """With a tracker or the DHT, a next_hop (or ``what`` else a node sends frames to: a ring's first node) must be a
-    node they list for this node's model (the list is cached for ``PEERS_TTL_S`` and fetched again on a miss).
-    ProtocolError next_hop_unknown (403) or tracker_unavailable (503)."""
+    node they list for this node's model (the list is cached for ``PEERS_TTL_S`` and fetched again on a miss), and
+    prove it holds the key listed for that address before this node sends it the swarm token (a signed challenge,
+    net.reach.Proven: an advertisement names any address it likes). ProtocolError next_hop_unknown (403) or
+    tracker_unavailable (503)."""
     if url is None or (state.tracker is None and state.directory is None):
         return
     now = time.monotonic()
-    if url in state.peers and now - state.peers_at < PEERS_TTL_S:
-        return
     model = state.config.swarm_name or state.config.model or ""
-    try:
-        if state.directory is not None:  # its trackers, then the DHT (a tracker that is down is not needed)
-            listed = await state.directory.nodes(state.client)
-        else:
-            listed = await state.tracker.anodes(state.client, model)
-        state.peers = {str(n["url"]).rstrip("/") for n in listed}
-        state.peers_at = now
-    except (TrackerError, DirectoryError, KeyError, TypeError) as exc:
-        raise ProtocolError(
-            "tracker_unavailable", f"cannot check {what} {url} with the tracker: {type(exc).__name__}"
-        ) from None
+    if url not in state.peers or now - state.peers_at >= PEERS_TTL_S:
+        try:
+            if state.directory is not None:  # its trackers, then the DHT (a tracker that is down is not needed)
+                listed = await state.directory.nodes(state.client)
+            else:
+                listed = await state.tracker.anodes(state.client, model)
+            state.peers = {str(n["url"]).rstrip("/"): str(n.get("node_id")) for n in listed}
+            state.peers_at = now
+        except (TrackerError, DirectoryError, KeyError, TypeError) as exc:
+            raise ProtocolError(
+                "tracker_unavailable", f"cannot check {what} {url} with the tracker: {type(exc).__name__}"
+            ) from None
     if url not in state.peers:
         raise ProtocolError(
             "next_hop_unknown", f"{what} {url} is not a node the tracker lists for model {model!r}; refused"
         )
+    why = await state.proven.check(url, state.peers[url])
+    if why is not None:
+        raise ProtocolError("next_hop_unknown", f"{what} {url} is not the node listed there ({why}); refused")
 
 
 __all__ = ["READVERTISE_S", "advertisement", "check_registered", "deregister", "heartbeats", "shard_accounting"]

@@ -385,6 +385,7 @@ def run_node(config: NodeConfig) -> int:
     state: NodeState = app[NODE]
     state.swarm, state.discovery, state.directory = (fetched.swarm if fetched else swarm), discovery, directory
     if directory is not None:
+        state.proven = directory.proven  # one cache of the addresses that proved to hold their keys
         directory.heard = lambda: [u for u, until in state.heard.items() if until > time.monotonic()]
         if state.snapshots is not None:  # a banned node's snapshots never restore here
             state.snapshots.banned = lambda key: key in directory.banned

@@ -34,19 +34,19 @@ def payload(body: bytes, n_tokens: int, n_embd: int, dtype: str) -> memoryview:
 
 
 def step_commit(
-    identity: NodeIdentity, frame: Frame, in_digest: str, out_digest: str, chain: dict[int, str], ctx: str
+    identity: NodeIdentity, frame: Frame, in_digest: str, out_digest: str, chain: list[tuple[int, str]], ctx: str
 ) -> dict:
     """This node's signed commitment to step ``frame`` (its session, step, start, n_tokens and sampling flags):
     ``{"in", "out", "mode", "ctx", "prev", "key", "sig"}`` with the given IN and OUT digests and context digest
-    ``ctx``. ``chain``: the session's history digests by KV position (``{0: ctx}`` at open): ``prev`` is the history
-    at the step's start (``history_at``), and the step's own is recorded at its end, dropping those past its start
-    (a rollback's)."""
+    ``ctx``. ``chain``: the session's history digests by KV position, ascending (``[(0, ctx)]`` at open): ``prev``
+    is the history at the step's start (``history_at``), and the step's own is appended at its end, after dropping
+    those past its start (a rollback's)."""
     mode = frame.flags & MODE_FLAGS
     prev = history_at(chain, frame.start)
-    for position in [p for p in chain if p > frame.start]:
-        del chain[position]
+    while chain and chain[-1][0] > frame.start:
+        chain.pop()
     if prev:
-        chain[frame.start + frame.n_tokens] = chain_next(prev, frame.start, frame.n_tokens, mode, in_digest)
+        chain.append((frame.start + frame.n_tokens, chain_next(prev, frame.start, frame.n_tokens, mode, in_digest)))
     commit = {"in": in_digest, "out": out_digest, "mode": mode, "ctx": ctx, "prev": prev, "key": identity.key_id}
     body = signed_body(frame.session_id, frame.step, frame.start, frame.n_tokens, commit)
     return {**commit, "sig": identity.sign(canonical(body))}

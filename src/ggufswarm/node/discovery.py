@@ -93,11 +93,16 @@ async def hellos(state: NodeState) -> None:
         except DirectoryError:
             continue
         own = advertisement(state)
-        targets = {str(a["url"]).rstrip("/") for a in listed} - {state.url}
-        await asyncio.gather(*(_hello(state, url, own) for url in targets))
+        targets = {str(a["url"]).rstrip("/"): str(a.get("node_id")) for a in listed}
+        targets.pop(state.url, None)
+        await asyncio.gather(*(_hello(state, url, key, own) for url, key in targets.items()))
 
 
-async def _hello(state: NodeState, url: str, own: dict) -> None:
+async def _hello(state: NodeState, url: str, key: str, own: dict) -> None:
+    """Say hello to the node listed at ``url`` with ``key``, once it proved to hold that key (the hello carries the
+    swarm token: never to an address an advertisement merely names)."""
+    if await state.proven.check(url, key, HELLO_TIMEOUT_S) is not None:
+        return
     try:
         async with state.client.post(
             url + "/v1/peers",

@@ -97,7 +97,7 @@ async def open_session(request: web.Request) -> web.Response:
             params.to_dict(),
         )
         session.ctx = context_digest(context)
-        session.chain = {0: session.ctx}
+        session.chain = [(0, session.ctx)]
         answer["commit_context"] = context
     state.readvertise()
     return json_response(answer, 201)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ..artifact.default_model import model_name
 from ..client.tracker import TrackerClient
 from ..net.identity import NodeIdentity
+from ..net.reach import Proven
 from ..protocol import PROTOCOL_VERSION, ProtocolError
 from ..protocol.frame import HEADER_SIZE
 from ..protocol.http import JSON, as_protocol_error
@@ -150,8 +151,9 @@ class NodeState:
         # there too, straight from the head, before it goes back along the route
         self.reply_links: dict[uuid.UUID, web.WebSocketResponse] = {}
         self.rings: dict[uuid.UUID, object] = {}  # head: each session's ring grant (node/ring.py Grant)
-        self.peers: set[str] = set()  # node URLs the tracker listed for this model (next_hop check), and when
+        self.peers: dict[str, str] = {}  # node URL -> key the tracker listed for this model (next_hop check), and when
         self.peers_at = 0.0
+        self.proven = Proven()  # next hops and peers that proved to hold their keys: where the token may go
         self.accounting: dict | None = None  # the static part of the advertised accounting (advertise.py)
         self.numerics: dict | None = None  # what decides this shard's output bits (node/numerics.py), once computed
         self.reach = None  # how others reach this node (node/reach.py Reach), once established

@@ -21,6 +21,7 @@ and not with the accused.
 
 from __future__ import annotations
 
+import bisect
 import json
 import uuid
 from collections.abc import Callable
@@ -99,14 +100,18 @@ def chain_next(prev: str, start: int, n: int, mode: int, in_digest: str) -> str:
     return digest(canonical({"prev": prev, "start": start, "n": n, "mode": mode, "in": in_digest}))
 
 
-def history_at(chain: dict[int, str], position: int) -> str:
-    """The history digest of a session's KV cache cut back to ``position`` tokens, from ``chain`` (history digests
-    by the KV positions where steps ended): the one recorded there; inside a step (a rollback into it: speculative
-    drafts dropped, a truncation), the digest of that step's end and the cut; ``""`` past what the chain covers."""
-    if position in chain:
-        return chain[position]
-    later = [p for p in chain if p > position]
-    return digest(canonical({"prev": chain[min(later)], "cut": position})) if later else ""
+def history_at(chain: list[tuple[int, str]], position: int) -> str:
+    """The history digest of a session's KV cache cut back to ``position`` tokens, from ``chain`` (``(KV position
+    where a step ended, history digest there)``, ascending): the one recorded there; inside a step (a rollback into
+    it: speculative drafts dropped, a truncation), the digest of that step's end and the cut; ``""`` past what the
+    chain covers. O(1) for the chain's end (a decode step), O(log n) otherwise."""
+    if chain and chain[-1][0] == position:
+        return chain[-1][1]
+    i = bisect.bisect_left(chain, position, key=lambda entry: entry[0])
+    if i == len(chain):
+        return ""
+    at, history = chain[i]
+    return history if at == position else digest(canonical({"prev": history, "cut": position}))
 
 
 def signed_body(session_id: uuid.UUID | str, step: int, start: int, n_tokens: int, commit: dict) -> dict:

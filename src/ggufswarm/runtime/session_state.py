@@ -87,7 +87,7 @@ class Session:
     want_logprob: bool = False  # the head reports the sampled token's logprob with each sample
     commit: bool = False  # every step's hop record carries this node's signed step commitment (node/commit.py)
     ctx: str = ""  # with commit: the digest of the session's commitment context (protocol/commitments.py)
-    chain: dict[int, str] = field(default_factory=dict)  # with commit: history digests by KV position (ibid.)
+    chain: list[tuple[int, str]] = field(default_factory=list)  # with commit: (KV position, history digest) (ibid.)
     reply_key: str | None = None  # head: the secret a reply link must present (GET /v1/link?replies=&key=)
     history: list[int] = field(default_factory=list)  # token ids of every position held (sampler, snapshots)
     history_complete: bool = True  # False once a step arrived without its token ids
@@ -120,7 +120,7 @@ class Session:
         self.grouping_cut = bool(n) and n not in self.boundaries  # torch: any prefix restores
         self.history_complete = True
         self.snapshot_at = n
-        self.chain = {0: self.ctx} if self.ctx else {}  # a restored prefix's history is not vouched for here
+        self.chain = [(0, self.ctx)] if self.ctx else []  # a restored prefix's history is not vouched for here
 
 
 def cut_boundaries(session: Session, length: int) -> None:

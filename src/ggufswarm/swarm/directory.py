@@ -28,6 +28,7 @@ import aiohttp
 from ..client.tracker import TrackerClient, TrackerError
 from ..net.identity import IdentityError, canonical
 from ..net.invite import manifest_digest
+from ..net.reach import Proven
 from ..protocol.auth import auth_headers
 from ..protocol.commitments import (
     BadEvidence,
@@ -89,6 +90,7 @@ class Directory:
         self._bans_down: set[str] = set()  # trackers whose last GET /v1/bans failed
         self._verified: set[bytes] = set()  # SHA-256 of the canonical JSON of advertisements that verified
         self._serving: dict[str, dict] = {}  # node key -> what its last trusted advertisement serves (witnesses)
+        self.proven = Proven()  # addresses the DHT named that proved to hold their keys (the token goes there)
         self._judged: dict[bytes, bool | int] = {}  # a tracker ban's digest -> proven, or the witnesses known then
 
     # -- identities and bans ---------------------------------------------------------------------------------------
@@ -233,6 +235,12 @@ class Directory:
             self._known[str(url).rstrip("/")] = now
 
     async def _advertisement(self, http: aiohttp.ClientSession, base: str, with_peers: bool = False) -> dict | None:
+        """The advertisement of the node the DHT (or a peer) names at ``base``, once it proved to hold the key it
+        signs with (a signed challenge, net.reach.Proven: the swarm token goes to no address that did not); None
+        when it does not answer, does not prove, or its advertisement does not check out."""
+        key, _why = await self.proven.key_of(base, AD_TIMEOUT_S)
+        if key is None:
+            return None
         url = f"{base}/v1/advertisement" + ("?peers=1" if with_peers else "")
         try:
             async with http.get(
@@ -245,7 +253,7 @@ class Directory:
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError, IndexError):
             return None
         peers = ad.pop("peers", None)  # not signed: added to the node's advertisement by ?peers=1
-        if ad.get("model") != self.model or not self.trusted(ad):
+        if ad.get("model") != self.model or ad.get("node_id") != key or not self.trusted(ad):
             return None
         if isinstance(peers, list):
             ad["peers"] = [p for p in peers if isinstance(p, str)]

@@ -10,7 +10,6 @@ from collections import Counter
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
 
-import aiohttp
 import libtorrent as lt
 from aiohttp import web
 
@@ -124,8 +123,7 @@ def make_app(config: TrackerConfig) -> web.Application:
             raise ProtocolError("unknown_node", f"no node advertises {url!r}")
         if not reports.allow(request.remote or ""):
             raise ProtocolError("rate_limited", f"at most {REPORTS_PER_MIN} reports a minute from one address")
-        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
-            reason = await answers_as(http, url, {a.node_id for a in ads}, REPORT_PROBE_S)
+        reason = await answers_as(url, {a.node_id for a in ads}, REPORT_PROBE_S)
         alive = reason is None
         removed = 0 if alive else sum(registry.deregister(a.node_id) for a in ads)
         if removed:
