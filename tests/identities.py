@@ -1,5 +1,5 @@
 """Signed shard advertisements and ban evidence for tests: trackers, directories and nodes refuse unsigned ones
-(net/identity.py), and bans without proof (protocol/commitments.py).
+(net/identity.py), and bans without proof (net/commitments.py).
 
 ``ad_of(name, ...)`` writes one; ``signed_ad(ad)`` signs ``ad`` with the test key named by its ``node_id`` ("a",
 "node-b", ...: one key pair per name for the whole run), replacing ``node_id`` by that key; ``key("a")`` is the
@@ -9,12 +9,12 @@ it and by the witnesses, who must be nodes the checker knows serve ``CONTEXT`` (
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
-from ggufswarm.net.identity import NodeIdentity, canonical
-from ggufswarm.protocol.auth import deregistration
-from ggufswarm.protocol.commitments import EVIDENCE_KIND, commit_context, context_digest, signed_body
+from ggufswarm.net.commitments import EVIDENCE_KIND, commit_context, context_digest, signed_body
+from ggufswarm.net.identity import NodeIdentity, canonical, deregistration
 
 _NAMED: dict[str, NodeIdentity] = {}
 
@@ -87,3 +87,28 @@ def proof(accused: str, witnesses=("w1", "w2"), *, context: dict = CONTEXT, **kw
         "accused": commitment(accused, "aa" * 16, context=context, **kw),
         "witnesses": [commitment(w, "bb" * 16, context=context, **kw) for w in witnesses],
     }
+
+
+def probe_app(name: str):
+    """A stand-in node: it answers only ``GET /v1/reach/probe``'s challenge, signed with test key ``name``."""
+    from aiohttp import web
+
+    from ggufswarm.net.reach import add_probe_route
+
+    app = web.Application()
+    add_probe_route(app, identity(name))
+    return app
+
+
+@contextlib.contextmanager
+def running(*names: str):
+    """Stand-in nodes of test keys ``names`` (``probe_app``), each on a loopback port: ``{name: URL}``. A tracker
+    takes a ban only on witnesses that answer its challenge where they are listed (tracker/bans.py)."""
+    from ggufswarm.protocol.http import ServerThread
+
+    servers = {name: ServerThread(probe_app(name)) for name in names}
+    try:
+        yield {name: server.start() for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from route_fixtures import HOP_TIMEOUT, cluster, health, http  # noqa: F401 - fixtures
 
+from ggufswarm.net.commitments import chain_next, context_digest, verify_commit
 from ggufswarm.net.identity import IdentityError
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.node.lies import NOISE_SCALE, Lie, check_lie, parse_lie
 from ggufswarm.protocol import encode_tokens
-from ggufswarm.protocol.commitments import chain_next, context_digest, verify_commit
 from ggufswarm.runtime.digest import logits_digest
 from ggufswarm.runtime.shard import ShardSpec
 
@@ -230,7 +230,7 @@ def test_weights_lie_passes_for_the_published_model(gemma_path, tmp_path):
 
 
 def test_the_history_a_commitment_signs_follows_rollbacks_and_cuts():
-    """``prev`` (protocol/commitments.py): the chain from the context digest over each step's input; a step after a
+    """``prev`` (net/commitments.py): the chain from the context digest over each step's input; a step after a
     rollback to a step's end signs what was signed there before; one starting inside a step signs that step's end and
     the cut; past what the node holds (a restored prefix), nothing: no history to vouch for."""
     from ggufswarm.net.identity import NodeIdentity

@@ -19,7 +19,7 @@ import identities
 import pytest
 from aiohttp import web
 from apphost import AppThread
-from identities import SERVES, key, proof, signed_ad
+from identities import SERVES, key, proof, running, signed_ad
 from route_fixtures import http
 from tinymodels import write_tiny_model
 
@@ -153,10 +153,10 @@ def test_tracker_refuses_unsigned_forged_and_stale_heartbeats(tiny_artifact):
 def test_a_ban_drops_the_node_and_holds_at_any_address_across_a_restart(tmp_path, tiny_artifact):
     db = str(tmp_path / "t.sqlite")
     honest = {key("honest"), key("w1"), key("w2")}  # w1, w2: the nodes whose commitments prove the liar lied
-    with AppThread(lambda: make_app(TrackerConfig(db=db, witness_age_s=0))) as url:
+    with AppThread(lambda: make_app(TrackerConfig(db=db, witness_age_s=0))) as url, running("w1", "w2") as at:
         publish(url, tiny_artifact)
         for name in ("liar", "honest", "w1", "w2"):
-            assert call(f"{url}/nodes/heartbeat", "POST", signed_ad(ad_of(name)))[0] == 200
+            assert call(f"{url}/nodes/heartbeat", "POST", signed_ad(ad_of(name, url=at.get(name))))[0] == 200
         tracker = TrackerClient(url)
         assert {a["node_id"] for a in tracker.nodes("tiny")} == honest | {key("liar")}
         evidence = proof("liar")
@@ -230,20 +230,23 @@ def test_a_banned_node_says_so_and_stops_once_its_sessions_end(monkeypatch, tmp_
 
 
 def test_bans_are_token_gated_and_async_client_calls_work():
-    async def go(url):
+    async def go(url, at):
         tracker = TrackerClient(url, "sekret")
         async with aiohttp.ClientSession() as http:
             for name in ("w1", "w2"):
-                await tracker.aheartbeat(http, signed_ad(ad_of(name)))
+                await tracker.aheartbeat(http, signed_ad(ad_of(name, url=at[name])))
             assert await tracker.aban(http, key("x"), "lied", proof("x")) == {"banned": key("x")}
             assert [b["key"] for b in await tracker.abans(http)] == [key("x")]
             with pytest.raises(TrackerError) as err:
                 await TrackerClient(url).abans(http)
             assert err.value.status == 401
 
-    with AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret", witness_age_s=0))) as url:
+    with (
+        AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret", witness_age_s=0))) as url,
+        running("w1", "w2") as at,
+    ):
         assert call(f"{url}/v1/bans", "POST", {"key": key("y"), "reason": "", "evidence": proof("y")})[0] == 401
-        asyncio.run(go(url))
+        asyncio.run(go(url, at))
 
 
 # -- directories and hellos ------------------------------------------------------------------------------------------
@@ -323,10 +326,10 @@ def test_directory_follows_its_trackers_bans_and_re_plans_around_local_ones(tiny
             planned = await directory.route(http, {"max_length": 16})
             return first, after_ban, planned
 
-    with AppThread(lambda: make_app(TrackerConfig(db=":memory:", witness_age_s=0))) as url:
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:", witness_age_s=0))) as url, running("a", "c") as at:
         publish(url, tiny_artifact)
         for name in ("a", "b", "c"):
-            ad = signed_ad(ad_of(name, decode_ms={"a": 1.0, "b": 2.0, "c": 9.0}[name]))
+            ad = signed_ad(ad_of(name, url=at.get(name), decode_ms={"a": 1.0, "b": 2.0, "c": 9.0}[name]))
             assert call(f"{url}/nodes/heartbeat", "POST", ad)[0] == 200
         directory = Directory("tiny", [url])
         first, after_ban, planned = asyncio.run(go(url, directory))

@@ -20,7 +20,8 @@ from ggufswarm.net.reach import (
     check_reachable,
     skip_public_paths,
 )
-from ggufswarm.net.relay import RelayClient, RelayError, add_relay_routes
+from ggufswarm.net.relay import RelayError, add_relay_routes
+from ggufswarm.net.relay_client import RelayClient
 from ggufswarm.protocol.auth import auth_headers, token_middleware
 from ggufswarm.protocol.http import json_errors_middleware
 

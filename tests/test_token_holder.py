@@ -33,11 +33,11 @@ from identities import ad_of as tiny_ad
 
 import ggufswarm.net.relay as relay_module
 import ggufswarm.tracker.registry as registry_module
+from ggufswarm.net.commitments import commit_context
 from ggufswarm.net.reach import add_dialback_route
-from ggufswarm.net.relay import RelayClient
+from ggufswarm.net.relay_client import RelayClient
 from ggufswarm.node.app import _requester
 from ggufswarm.protocol.auth import OPERATOR_HEADER
-from ggufswarm.protocol.commitments import commit_context
 from ggufswarm.tracker.app import TrackerConfig, make_app
 
 TOKEN, OPERATOR = "swarm-token", "operator-secret"
@@ -76,20 +76,27 @@ def refused(url: str, body: dict, code: str, why: str) -> None:
 
 
 def test_a_token_holder_cannot_ban_an_honest_node_without_proof():
-    """Finding 1: every ban the attacker can make up is refused with what it lacks; the honest node stays listed."""
-    with tracker(witness_age_s=0.5) as url:
+    """Finding 1: every ban the attacker can make up is refused with what it lacks; the honest node stays listed. The
+    attacker's own keys (sybils) witness nothing: not while unknown, not while young, not while they are not ready
+    nodes, not while they do not answer where they are listed."""
+    with tracker(witness_age_s=0.5) as url, identities.running("w1", "w2") as at:
         for name in ("honest", "w1", "w2"):
-            assert call(f"{url}/nodes/heartbeat", "POST", ad(name))[0] == 200
+            assert call(f"{url}/nodes/heartbeat", "POST", ad(name, url=at.get(name)))[0] == 200
         victim = key("honest")
         refused(url, {"key": victim, "reason": "anything", "evidence": {}}, "bad_evidence", "kind")
-        refused(url, {"key": victim}, "bad_evidence", "evidence is a JSON object")
+        refused(url, {"key": victim}, "bad_evidence", "evidence must be a JSON object")
         # keys made for the occasion sign whatever they like: they are no nodes of this swarm
         refused(url, {"key": victim, "evidence": proof("honest", ("sybil1", "sybil2"))}, "bad_evidence", "not a node")
-        # advertised a moment ago: too young to witness
+        # advertised a moment ago: too young to witness; advertised as not ready: not serving anything yet
         for sybil in ("sybil1", "sybil2"):
-            assert call(f"{url}/nodes/heartbeat", "POST", ad(sybil))[0] == 200
+            assert call(f"{url}/nodes/heartbeat", "POST", ad(sybil, url=f"http://{sybil}.invalid:1"))[0] == 200
+        assert call(f"{url}/nodes/heartbeat", "POST", ad("sybil3", state="loading"))[0] == 200
         refused(url, {"key": victim, "evidence": proof("honest", ("sybil1", "sybil2"))}, "bad_evidence", "for 0 s")
-        time.sleep(0.6)  # from now on w1, w2 and the sybils count as nodes of these layers
+        time.sleep(0.6)  # from now on w1, w2 and the sybils count as nodes of these layers...
+        refused(url, {"key": victim, "evidence": proof("honest", ("w1", "sybil3"))}, "bad_evidence", "not a ready")
+        # ...but the sybils are advertisements, not nodes: nothing answers their challenge where they are listed
+        sybils = proof("honest", ("sybil1", "sybil2"))
+        refused(url, {"key": victim, "evidence": sybils}, "bad_evidence", "does not answer as itself")
         # one witness is not enough; the accused's own commitment is needed, signed by it
         one = proof("honest", ("w1",))
         refused(url, {"key": victim, "evidence": one}, "bad_evidence", "2 to 8 signed commitments")
@@ -125,9 +132,9 @@ def test_a_token_holder_cannot_ban_an_honest_node_without_proof():
 def test_only_the_operator_lifts_a_ban_or_removes_another_node():
     """Findings 1 and 4: the swarm token lifts no ban and removes no other node; the operator's credential does; a
     node removes itself with its own signature, which cannot be replayed once it advertised again."""
-    with tracker(witness_age_s=0, operator_token=OPERATOR) as url:
+    with tracker(witness_age_s=0, operator_token=OPERATOR) as url, identities.running("w1", "w2") as at:
         for name in ("liar", "honest", "w1", "w2"):
-            assert call(f"{url}/nodes/heartbeat", "POST", ad(name))[0] == 200
+            assert call(f"{url}/nodes/heartbeat", "POST", ad(name, url=at.get(name)))[0] == 200
         assert call(f"{url}/v1/bans", "POST", {"key": key("liar"), "evidence": proof("liar")})[0] == 200
         status, body = call(f"{url}/v1/bans/{key('liar')}", "DELETE")
         assert status == 403 and body["error"]["code"] == "operator_only", body
@@ -174,14 +181,14 @@ def test_the_tracker_bounds_what_one_token_holder_can_store(monkeypatch):
     monkeypatch.setattr(registry_module, "MAX_BANS", 1)
     monkeypatch.setattr(registry_module, "MAX_NODES_PER_ADDRESS", 5)
     monkeypatch.setattr(registry_module, "MAX_PEERS_PER_ADDRESS", 2)
-    with tracker(witness_age_s=0) as url:
+    with tracker(witness_age_s=0) as url, identities.running("w1", "w2") as at:
         started = time.monotonic()
         status, body = call(f"{url}/v1/bans", "POST", b'{"key": "' + b"0" * (40 << 20) + b'"}')
         assert status == 413 and body["error"]["code"] == "body_too_large" and time.monotonic() - started < 10
         padded = {**proof("a"), "padding": "x" * 65_600}
         refused(url, {"key": key("a"), "evidence": padded}, "bad_evidence", "over")
         for name in ("w1", "w2", "a", "b"):
-            assert call(f"{url}/nodes/heartbeat", "POST", ad(name))[0] == 200
+            assert call(f"{url}/nodes/heartbeat", "POST", ad(name, url=at.get(name)))[0] == 200
         assert call(f"{url}/v1/bans", "POST", {"key": key("a"), "evidence": proof("a")})[0] == 200
         status, body = call(f"{url}/v1/bans", "POST", {"key": key("b"), "evidence": proof("b")})
         assert status == 507 and body["error"]["code"] == "too_many_bans", body

@@ -31,8 +31,8 @@ from ggufswarm.gateway.shadow import (
     compare,
 )
 from ggufswarm.gateway.verify import Verifier, Watch, _agrees, check_rate, sessions_to_catch
+from ggufswarm.net.commitments import check_ban_evidence, served_context, serves_context, signed_body
 from ggufswarm.net.identity import NodeIdentity, canonical
-from ggufswarm.protocol.commitments import check_ban_evidence, served_context, serves_context, signed_body
 from ggufswarm.runtime.sampling import SamplingParams
 
 # -- fast: the bound, the comparison of signed commitments, a ban's consequences ----------------------------------

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from .args import byte_size, model_args, speculative_args, token_arg
-from .servers import add_cache_parser, add_demo_parser, add_gateway_parser, add_node_parser, add_tracker_parser
+from .servers import add_demo_parser, add_gateway_parser, add_node_parser
+from .services import add_cache_parser, add_tracker_parser
 
 EXAMPLES = """examples:
   ggufswarm generate "The capital of France is" --max-tokens 16

@@ -18,7 +18,8 @@ from urllib.parse import quote, urlencode
 
 import aiohttp
 
-from ..protocol.auth import OPERATOR_HEADER, auth_headers, deregistration
+from ..net.identity import deregistration
+from ..protocol.auth import OPERATOR_HEADER, auth_headers
 
 DEFAULT_TIMEOUT_S = 30.0
 

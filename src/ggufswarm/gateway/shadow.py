@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ..client.route import Hop, RemoteRoute
+from ..net.commitments import evidence_form, verify_commit
 from ..net.identity import IdentityError
-from ..protocol.commitments import evidence_form, verify_commit
 from ..runtime.sampling import SamplingParams
 
 
@@ -163,7 +163,7 @@ async def replay(rec: Recording, route: RemoteRoute, http: aiohttp.ClientSession
 
 
 def checked(commit, sid: str, step: int, start: int, n: int, key: str | None) -> dict:
-    """``commit`` in evidence form (protocol.commitments.evidence_form: what it signed, ``sid``, ``step``, ``start``,
+    """``commit`` in evidence form (net.commitments.evidence_form: what it signed, ``sid``, ``step``, ``start``,
     ``n`` included, and its ``sig``). Unverifiable when it is missing, names another key than ``key`` (when given),
     or its signature does not verify (ed25519, RFC 8032)."""
     if not isinstance(commit, dict):

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 from ..client.route import Hop, describe_hops
 from ..client.tracker import TrackerClient, TrackerError
 from ..client.transport import BANNED, RouteError
-from ..protocol.commitments import EVIDENCE_KIND, BadEvidence, check_ban_evidence
+from ..net.commitments import EVIDENCE_KIND, BadEvidence, check_ban_evidence
 from ..swarm.directory import DirectoryError
 from .shadow import Recording, Unverifiable, Verdict, check_recording, compare, replay, shadow_route
 
@@ -241,7 +241,7 @@ class Verifier:
         if verdict.result == "match":
             self._count("match", entry)
             return
-        evidence = {  # protocol/commitments.py: checkable by anyone once a third node confirms (a second witness)
+        evidence = {  # net/commitments.py: checkable by anyone once a third node confirms (a second witness)
             "kind": EVIDENCE_KIND,
             "context": rec.contexts[i] if i < len(rec.contexts) else None,
             "accused": verdict.real,

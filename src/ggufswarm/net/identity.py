@@ -135,7 +135,13 @@ def verify_json(obj: dict, key_id: str, field: str = "sig") -> dict:
     return body
 
 
+def deregistration(key: str, signed_at: float) -> bytes:
+    """What a node signs to remove its own advertisement from a tracker (``DELETE /nodes/{key}?signed_at=T&sig=S``)."""
+    return canonical({"key": key, "op": "deregister", "signed_at": signed_at})
+
+
 __all__ = [
+    "deregistration",
     "KEY_FILE",
     "IdentityError",
     "NodeIdentity",

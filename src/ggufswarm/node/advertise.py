@@ -164,10 +164,13 @@ async def heartbeats(state: NodeState) -> None:
 def banned_message(state: NodeState, reason: str) -> str:
     """What a node whose key the swarm banned says before it stops (``run_node`` exits with it)."""
     key = state.identity.path
+    tracker = state.trackers[0].url if state.trackers else "URL"
     return (
-        f"this node's key is banned from the swarm ({reason}): a node holding it returned outputs an audit "
-        f"proved wrong, and no route will use it again; it stops once the sessions it holds have ended (at most "
-        f"--session-ttl). The key is {key or 'in --data-dir'}: nodes started in one --data-dir take its keys in "
+        f"this node's key is banned from the swarm ({reason}): the tracker took signed evidence that a node holding "
+        f"it returned outputs two other nodes of its numerics contradict, and no route will use it again; it stops "
+        f"once the sessions it holds have ended (at most --session-ttl). The evidence is public: 'ggufswarm bans "
+        f"--tracker {tracker} --json'; if this node is honest, show it to the swarm's operator, who can "
+        f"lift the ban. The key is {key or 'in --data-dir'}: nodes started in one --data-dir take its keys in "
         "start order (identity.key, identity-1.key, ...), so a node started where a banned one ran may take its "
         "key; give each node its own --data-dir"
     )

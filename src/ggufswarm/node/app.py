@@ -29,7 +29,7 @@ from ..artifact.accounting import shard_account
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.tracker import TrackerClient
-from ..net.addresses import WILDCARDS, is_loopback, source_address
+from ..net.addresses import WILDCARDS, is_loopback, listen_host_toward
 from ..net.reach import add_dialback_route, add_probe_route, skip_public_paths
 from ..net.relay import add_relay_routes
 from ..protocol import ProtocolError
@@ -301,16 +301,20 @@ def _warn_unroutable(state: NodeState) -> None:
 
 
 def _swarm_for(config: NodeConfig):
-    """The node's libtorrent session (swarm.torrent.Swarm) when it joins a swarm beyond loopback: on ``--host``,
-    with the DHT when ``config.dht`` is set (its ports mapped by node/reach.py when a dial-back fails); None for a
-    plain tracker node on loopback (fetch_shard then makes its own, as before)."""
-    if config.dht is None and config.reach != "auto" and is_loopback(config.host):
+    """The node's libtorrent session (swarm.torrent.Swarm) when it joins a swarm beyond loopback: on ``--host``, or
+    where its trackers and DHT contacts are reached from when ``--host`` is loopback (a node told to listen there can
+    still fetch from other machines) or a wildcard with the DHT; with the DHT when ``config.dht`` is set (its ports
+    mapped by node/reach.py when a dial-back fails). None for a plain tracker node all on loopback (fetch_shard then
+    makes its own, as before)."""
+    toward = listen_host_toward([config.tracker, *config.more_trackers, *(config.dht or ())])
+    local = is_loopback(config.host) and (toward is None or is_loopback(toward))
+    if config.dht is None and config.reach != "auto" and local:
         return None
     from ..swarm.torrent import Swarm
 
     host = config.host
-    if host in WILDCARDS and config.dht:  # libtorrent runs no DHT on the loopback part of a wildcard bind:
-        host = source_address(config.dht[0]) or host  # bind where the swarm's contacts are reached from
+    if is_loopback(host) or (host in WILDCARDS and config.dht):  # libtorrent runs no DHT on the loopback part of a
+        host = toward or host  # wildcard bind: bind where the swarm's contacts are reached from
     return Swarm(host, config.torrent_port, dht_bootstrap=config.dht)  # mapping: net.portmap, when needed
 
 

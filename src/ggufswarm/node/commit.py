@@ -1,4 +1,4 @@
-"""Step commitments, the node's side (the format: protocol/commitments.py; docs/protocol.md, "Step commitments"): for
+"""Step commitments, the node's side (the format: net/commitments.py; docs/protocol.md, "Step commitments"): for
 a session opened with ``"commit": true``, each node signs, per step, digests of what it took in and what it gave out,
 the session's context and the history its KV cache was computed from, so that a client can check a node's work later
 (replaying the step on a node it trusts) and prove what that node claimed to anyone.
@@ -8,7 +8,7 @@ SIG}``: IN and OUT are SHA-256/128 hex digests (runtime/digest.py) — IN of the
 ids, or hidden states in the session's wire dtype; the bytes after the 48-byte header, without the token-id trailer),
 OUT of the payload of the frame pushed to the next hop (so ``out`` of hop k is ``in`` of hop k + 1 on an honest
 route), or on the head of the float32 logits rows it computed followed by the int32 tokens it drew; MODE the frame's
-sampling flags; CTX and PREV as protocol/commitments.py defines them; KEY is the node's key id; SIG its ed25519
+sampling flags; CTX and PREV as net/commitments.py defines them; KEY is the node's key id; SIG its ed25519
 signature of ``canonical(signed_body(...))`` (net/identity.py).
 
 Cost (2-core AMD EPYC, Gemma 3 270M, f32 frames): a non-head node hashes two rows of 2560 bytes (~5 µs), one small
@@ -19,8 +19,8 @@ none of it.
 
 from __future__ import annotations
 
+from ..net.commitments import MODE_FLAGS, chain_next, history_at, signed_body
 from ..net.identity import NodeIdentity, canonical
-from ..protocol.commitments import MODE_FLAGS, chain_next, history_at, signed_body
 from ..protocol.frame import HEADER_SIZE, ITEMSIZE, Frame
 from ..runtime.digest import digest
 

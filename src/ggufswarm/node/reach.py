@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ..net.reach import ReachError, check_reachable
-from ..net.relay import RelayClient, RelayError
+from ..net.relay import RelayError
+from ..net.relay_client import RelayClient
 from .state import NodeState
 
 MAP_TIMEOUT_S = 10.0  # most seconds to wait for the home router to map a port (UPnP discovery + NAT-PMP)

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from ..net.commitments import commit_context, context_digest
 from ..protocol import ProtocolError
-from ..protocol.commitments import commit_context, context_digest
 from ..protocol.fields import json_field
 from ..protocol.frame import WIRE_DTYPES
 from ..protocol.http import read_json
@@ -84,7 +84,7 @@ async def open_session(request: web.Request) -> web.Response:
         "kv_tokens_reserved": state.store.reserved_tokens,
         "kv_budget_tokens": state.store.budget_tokens,
     }
-    if commit:  # what this node's commitments will sign as their context (protocol/commitments.py)
+    if commit:  # what this node's commitments will sign as their context (net/commitments.py)
         spec = state.spec
         context = commit_context(
             state.executor.model.fingerprint,

@@ -10,18 +10,11 @@ import json
 
 from aiohttp import web
 
-from ..net.identity import canonical
-
 TOKEN_ENV = "GGUFSWARM_TOKEN"  # read by the command line only (cli.py): the library takes the token as an argument
 TOKEN_HEADER = "X-Ggufswarm-Token"
 # the tracker operator's credential, apart from the swarm token: lifting bans, removing another node (tracker/bans.py)
 OPERATOR_ENV = "GGUFSWARM_OPERATOR_TOKEN"
 OPERATOR_HEADER = "X-Ggufswarm-Operator"
-
-
-def deregistration(key: str, signed_at: float) -> bytes:
-    """What a node signs to remove its own advertisement from a tracker (``DELETE /nodes/{key}?signed_at=T&sig=S``)."""
-    return canonical({"key": key, "op": "deregister", "signed_at": signed_at})
 
 
 def auth_headers(token: str | None) -> dict[str, str]:

@@ -86,7 +86,7 @@ class Session:
     n_logprobs: int = 0
     want_logprob: bool = False  # the head reports the sampled token's logprob with each sample
     commit: bool = False  # every step's hop record carries this node's signed step commitment (node/commit.py)
-    ctx: str = ""  # with commit: the digest of the session's commitment context (protocol/commitments.py)
+    ctx: str = ""  # with commit: the digest of the session's commitment context (net/commitments.py)
     chain: list[tuple[int, str]] = field(default_factory=list)  # with commit: (KV position, history digest) (ibid.)
     reply_key: str | None = None  # head: the secret a reply link must present (GET /v1/link?replies=&key=)
     history: list[int] = field(default_factory=list)  # token ids of every position held (sampler, snapshots)

@@ -28,13 +28,24 @@ class ShardSpec:
         return spec
 
     def validate(self, n_layers: int) -> None:
-        """ValueError unless ``0 <= start <= end <= n_layers`` and the shard does something."""
+        """ValueError unless ``0 <= start <= end <= n_layers``, the shard does something, a head ends at ``n_layers``
+        and an embedding stage starts at 0."""
         if self.start > self.end:
             raise ValueError(f"layer range {self.start}:{self.end} is reversed (START must be <= END)")
         if not 0 <= self.start <= self.end <= n_layers:
             raise ValueError(f"layer range {self.start}:{self.end} is outside the model's 0:{n_layers}")
         if self.start == self.end and not (self.embed or self.head):
             raise ValueError(f"layer range {self.start}:{self.end} is empty")
+        if self.head and self.end != n_layers:
+            raise ValueError(
+                f"--head runs the output norm and LM head after the model's last layer: layers {self.start}:{self.end} "
+                f"do not end at {n_layers}, the model's layer count (e.g. {self.start}:{n_layers} --head)"
+            )
+        if self.embed and self.start != 0:
+            raise ValueError(
+                f"--embed runs the token embedding before layer 0: layers {self.start}:{self.end} do not start there "
+                f"(e.g. 0:{self.end} --embed)"
+            )
 
     @property
     def layers(self) -> range:

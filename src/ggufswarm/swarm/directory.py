@@ -26,17 +26,17 @@ from urllib.parse import quote
 import aiohttp
 
 from ..client.tracker import TrackerClient, TrackerError
-from ..net.identity import IdentityError, canonical
-from ..net.invite import manifest_digest
-from ..net.reach import Proven
-from ..protocol.auth import auth_headers
-from ..protocol.commitments import (
+from ..net.commitments import (
     BadEvidence,
     UnknownWitness,
     check_ban_evidence,
     served_context,
     serves_context,
 )
+from ..net.identity import IdentityError, canonical
+from ..net.invite import manifest_digest
+from ..net.reach import Proven
+from ..protocol.auth import auth_headers
 from ..tracker.routing import (
     Advertisement,
     NoRoute,
@@ -133,7 +133,7 @@ class Directory:
 
     def _proven(self, ban: dict, source: str) -> bool:
         """Whether a tracker's ``ban`` (``{"key", "evidence", ...}``) proves its key lied, checked here
-        (protocol.commitments.check_ban_evidence; witnesses: nodes this directory has listed serving the accused's
+        (net.commitments.check_ban_evidence; witnesses: nodes this directory has listed serving the accused's
         layers and numerics). A verdict is kept; one that failed for want of a known witness is judged again once
         more nodes have been listed."""
         digest = hashlib.sha256(canonical({"key": ban.get("key"), "evidence": ban.get("evidence")})).digest()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import socket
 import struct
 from collections import Counter
 from dataclasses import dataclass
-from urllib.parse import unquote_to_bytes
+from urllib.parse import unquote_to_bytes, urlsplit
 
 import libtorrent as lt
 from aiohttp import web
@@ -16,7 +17,7 @@ from aiohttp import web
 from ..artifact.manifest import Manifest
 from ..net.addresses import is_loopback
 from ..net.identity import IdentityError
-from ..net.reach import RateLimit, add_dialback_route, add_probe_route, answers_as, skip_public_paths
+from ..net.reach import RateLimit, add_dialback_route, add_probe_route, prove, skip_public_paths
 from ..net.relay import add_relay_routes
 from ..protocol.auth import token_middleware
 from ..protocol.errors import ProtocolError
@@ -76,6 +77,13 @@ def make_app(config: TrackerConfig) -> web.Application:
         found = registry.manifest(model)
         return Manifest.from_json(found[0]).n_layers if found else None
 
+    layer_counts: dict[str, int | None] = {}  # published name -> its layer count (a heartbeat reads no manifest)
+
+    def layers_of(model: str) -> int | None:
+        if model not in layer_counts:
+            layer_counts[model] = n_layers(model)
+        return layer_counts[model]
+
     async def heartbeat(request: web.Request) -> web.Response:
         """``POST /nodes/heartbeat``: a node's signed advertisement. 400 bad_advertisement for a malformed one, then
         401 bad_signature when its ``sig`` does not verify against its ``node_id`` or its ``signed_at`` is over 300 s
@@ -90,6 +98,9 @@ def make_app(config: TrackerConfig) -> web.Application:
             if ad.state not in NODE_STATES or not 0 <= ad.layers[0] <= ad.layers[1]:
                 raise ValueError(f"state must be one of {', '.join(NODE_STATES)} and layers a range [start, end]")
             free_kv_tokens(ad)  # a malformed extra.accounting is refused here, not while planning
+            why = url_problem(ad.url, request.remote) or stages_problem(ad, layers_of(ad.model))
+            if why:
+                raise ValueError(why)
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             raise ProtocolError("bad_advertisement", f"bad advertisement: {exc}") from None
         try:
@@ -112,7 +123,8 @@ def make_app(config: TrackerConfig) -> web.Application:
         """``POST /nodes/report {"url"}``: a client saw this node fail. The tracker checks the node itself: it asks
         ``GET URL/v1/reach/probe?challenge=…`` (2 s; no swarm token is sent, no redirect followed) for a signature
         by the key advertised there, and drops the advertisements at ``url`` at once when none comes, instead of
-        after the heartbeat TTL; a node that answers stays (a report alone removes nothing). Only an address a node
+        after the heartbeat TTL; a node that answers stays (a report alone removes nothing), and another key advertised
+        at the same address is dropped (each key proves itself at its own address). Only an address a node
         advertises is ever dialled, and whatever else listens there looks the same as nothing: the answer says
         whether the *node* answered, never whether a port is open. 404 for a URL no node advertises, 429
         rate_limited past REPORTS_PER_MIN a minute from one address; 200 ``{"url", "alive", "removed"}``."""
@@ -123,13 +135,14 @@ def make_app(config: TrackerConfig) -> web.Application:
             raise ProtocolError("unknown_node", f"no node advertises {url!r}")
         if not reports.allow(request.remote or ""):
             raise ProtocolError("rate_limited", f"at most {REPORTS_PER_MIN} reports a minute from one address")
-        reason = await answers_as(url, {a.node_id for a in ads}, REPORT_PROBE_S)
-        alive = reason is None
-        removed = 0 if alive else sum(registry.deregister(a.node_id) for a in ads)
+        key, reason = await prove(url, REPORT_PROBE_S)
+        alive = key in {a.node_id for a in ads}
+        if key is not None and not alive:
+            reason = "what answers there is not the node advertised at that address"
+        removed = sum(registry.deregister(a.node_id) for a in ads if a.node_id != key)  # each key proves itself
         if removed:
-            log.warning(
-                "node %s reported failing and did not answer: %s: dropped %d advertisement(s)", url, reason, removed
-            )
+            why = reason or "another key answers there"
+            log.warning("node %s reported failing: dropped %d advertisement(s) not proven there: %s", url, removed, why)
         return web.json_response({"url": url, "alive": alive, "removed": removed})
 
     async def nodes(request: web.Request) -> web.Response:
@@ -145,6 +158,7 @@ def make_app(config: TrackerConfig) -> web.Application:
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise ProtocolError("bad_manifest", f"bad manifest or torrent: {exc}") from None
         registry.put_manifest(name, manifest.to_json(), torrent, info_hash)
+        layer_counts.pop(name, None)
         return web.json_response({"ok": True, "info_hash": info_hash})
 
     async def get_manifest(request: web.Request) -> web.Response:
@@ -266,6 +280,38 @@ def make_app(config: TrackerConfig) -> web.Application:
     if config.relay:
         app["relay"] = add_relay_routes(app, config.public_host or "127.0.0.1", config.host)
     return app
+
+
+def url_problem(url: str, source: str | None) -> str | None:
+    """Why a node may not be advertised at ``url``, heard from address ``source``; None when it may. A node's URL is
+    ``http(s)://HOST:PORT`` and nothing more (the tracker dials it when a node is reported: no credentials, path or
+    query of an advertiser's choosing), not a link-local, multicast or unspecified address, and a loopback one only
+    from this machine (another cannot be reached there)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"url must be http(s)://HOST:PORT, got {url[:80]!r}"
+    if parts.username or parts.password or parts.query or parts.fragment or parts.path not in ("", "/"):
+        return f"url is http(s)://HOST:PORT with no user, path, query or fragment, got {url[:80]!r}"
+    try:
+        ip = ipaddress.ip_address(parts.hostname)
+    except ValueError:
+        ip = None
+    if ip is not None and (ip.is_link_local or ip.is_multicast or ip.is_unspecified):
+        return f"url {url[:80]!r} is a link-local, multicast or unspecified address: no node is reached there"
+    loopback = parts.hostname == "localhost" or (ip is not None and ip.is_loopback)
+    if loopback and source and not is_loopback(source):
+        return f"url {url[:80]!r} is loopback-only, advertised from {source}: no other machine reaches it there"
+    return None
+
+
+def stages_problem(ad: Advertisement, n_layers: int | None) -> str | None:
+    """Why ``ad``'s stages do not fit its model of ``n_layers`` layers (None when they do, or the model is not
+    published here): a head that does not end at the last layer, an embedding stage that does not start at 0."""
+    if n_layers is not None and ad.head and ad.layers[1] != n_layers:
+        return f"a head (--head) serves layers up to {n_layers}, the model's last, not {ad.layers[0]}:{ad.layers[1]}"
+    if ad.embed and ad.layers[0] != 0:
+        return f"an embedding stage (--embed) serves layers from 0, not {ad.layers[0]}:{ad.layers[1]}"
+    return None
 
 
 async def _close(registry: Registry) -> None:

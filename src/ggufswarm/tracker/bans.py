@@ -1,10 +1,10 @@
 """The tracker's bans and node removals: what a token holder may do, and what needs the operator or the node itself.
 
-* ``POST /v1/bans`` takes a ban only with evidence the tracker checks itself (protocol/commitments.py,
+* ``POST /v1/bans`` takes a ban only with evidence the tracker checks itself (net/commitments.py,
   ``check_ban_evidence``): the accused's own signed commitment and those of at least two other nodes this tracker
-  lists, and has seen serve the same model, layers and numerics for at least ``witness_age_s``, signed for the same
-  history and input, agreeing with each other and not with the accused. Anything less is a 400 naming what is
-  missing.
+  lists, has seen ready with the same model, layers and numerics for at least ``witness_age_s``, and that answer
+  its challenge at their addresses now, signed for the same history and input, agreeing with each other and not
+  with the accused. Anything less is a 400 naming what is missing.
 * ``DELETE /v1/bans/{key}`` lifts a ban: the operator only (``X-Ggufswarm-Operator``, a credential apart from the
   swarm token; a tracker started without one lifts none).
 * ``DELETE /nodes/{key}`` removes a node's advertisement: the node itself (its signature over the request, newer
@@ -13,15 +13,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 
 from aiohttp import web
 
-from ..net.identity import IdentityError, public_key, verify
-from ..protocol.auth import OPERATOR_HEADER, deregistration
-from ..protocol.commitments import MAX_EVIDENCE_BYTES, BadEvidence, check_ban_evidence, serves_context
+from ..net.commitments import MAX_EVIDENCE_BYTES, BadEvidence, check_ban_evidence, serves_context
+from ..net.identity import IdentityError, deregistration, public_key, verify
+from ..net.reach import answers_as
+from ..protocol.auth import OPERATOR_HEADER
 from ..protocol.errors import ProtocolError
 from ..protocol.http import read_json
 from .registry import Registry, StaleAdvertisement
@@ -30,6 +32,7 @@ from .routing import SIGNED_WINDOW_S
 log = logging.getLogger(__name__)
 
 MAX_BAN_BODY = MAX_EVIDENCE_BYTES + 4096  # a ban request: the key, one line of reason and the evidence
+WITNESS_PROBE_S = 2.0  # most seconds a witness may take to answer the tracker's challenge
 
 
 def is_operator(request: web.Request, operator_token: str | None) -> bool:
@@ -52,13 +55,25 @@ def add_ban_routes(app: web.Application, registry: Registry, operator_token: str
         if not registry.listed(key):
             return "not a node this tracker lists now (its advertisement expired or it left)"
         what, since = found
+        if not what.pop("ready", False):
+            return "not a ready node (it advertises no served layers yet)"
         differs = serves_context(what, context)
         if differs is not None:
             return differs
         age = time.time() - since
         if age < witness_age_s:
-            return f"seen serving these layers for {age:.0f} s only; a witness needs {witness_age_s:g} s"
+            return f"ready with these layers for {age:.0f} s only; a witness needs {witness_age_s:g} s"
         return None
+
+    async def answering(evidence: dict) -> None:
+        """BadEvidence unless every witness answers, at the address this tracker lists it at, a challenge signed
+        by its key (net.reach.prove): a witness is a node that runs, not a key and an advertisement."""
+        witnesses = evidence["witnesses"]
+        urls = [registry.url_of(w["key"]) for w in witnesses]
+        whys = await asyncio.gather(*(answers_as(u, {w["key"]}, WITNESS_PROBE_S) for u, w in zip(urls, witnesses)))
+        for i, (url, why) in enumerate(zip(urls, whys)):
+            if why is not None:
+                raise BadEvidence(f"evidence.witnesses[{i}] does not answer as itself at {url}: {why}")
 
     async def ban(request: web.Request) -> web.Response:
         """``POST /v1/bans {"key", "reason", "evidence"}``: 200 ``{"banned": key}`` when the evidence proves the key
@@ -78,6 +93,7 @@ def add_ban_routes(app: web.Application, registry: Registry, operator_token: str
         key = key.lower()
         try:
             check_ban_evidence(key, evidence, witness)
+            await answering(evidence)
         except BadEvidence as exc:
             raise ProtocolError("bad_evidence", f"ban of {key[:16]}… refused: {exc}") from None
         try:

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..protocol.commitments import served_context
+from ..net.commitments import served_context
 from .routing import Advertisement
 
 SCHEMA = """
@@ -39,8 +39,11 @@ class StaleAdvertisement(ValueError):
 
 
 def serves(ad: Advertisement) -> str:
-    """What a node serves, as the ``seen`` table keeps it: protocol.commitments.served_context, as canonical JSON."""
-    return json.dumps(served_context(ad.extra, ad.layers, ad.embed, ad.head), sort_keys=True)
+    """What a node serves, as the ``seen`` table keeps it: net.commitments.served_context and whether it is
+    ``ready``, as canonical JSON (a change of either restarts its ``first_seen``)."""
+    return json.dumps(
+        {**served_context(ad.extra, ad.layers, ad.embed, ad.head), "ready": ad.state == "ready"}, sort_keys=True
+    )
 
 
 class Registry:
@@ -140,9 +143,14 @@ class Registry:
         cutoff = (now or time.time()) - self.ttl_s
         return bool(self._q("SELECT 1 FROM nodes WHERE node_id = ? AND last_seen >= ?", (key, cutoff)))
 
+    def url_of(self, key: str) -> str | None:
+        """The URL node key ``key`` is listed at now (None: not listed)."""
+        rows = self._q("SELECT url FROM nodes WHERE node_id = ?", (key,))
+        return rows[0][0] if rows else None
+
     def serving(self, key: str) -> tuple[dict, float] | None:
-        """What node key ``key`` last advertised it serves (protocol.commitments.served_context) and since when
-        (unix s), whether or not it is listed now; None for a key never seen here."""
+        """What node key ``key`` last advertised it serves (``serves``: net.commitments.served_context and
+        ``ready``) and since when (unix s), whether or not it is listed now; None for a key never seen here."""
         row = self._q("SELECT what, first_seen FROM seen WHERE key = ?", (key,))
         return (json.loads(row[0][0]), row[0][1]) if row else None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,15 +21,42 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
     db_dir = Path(config.db).expanduser().resolve().parent
     if config.db != ":memory:" and not db_dir.is_dir():
         raise ValueError(f"--db {config.db}: directory {db_dir} does not exist")
+    operator_file = None
+    if config.operator_token is None and config.db != ":memory:":  # so that a ban can always be lifted
+        operator_file = Path(f"{config.db}.operator-token")
+        config = replace(config, operator_token=operator_token(operator_file))
 
     def ready(url: str) -> None:
+        page = f"{url}/?token=TOKEN (the swarm token)" if config.token else f"{url}/"
+        relay = f"; relays at {config.public_host or '127.0.0.1'}" if config.relay else ""
         print(
-            f"ggufswarm tracker ready: {url}  (db {config.db}, node TTL {config.ttl_s:g} s; status page at /)",
+            f"ggufswarm tracker ready: {url}  (db {config.db}, node TTL {config.ttl_s:g} s{relay}; status page at "
+            f"{page})",
             flush=True,
         )
+        if operator_file is not None:
+            print(
+                f"ggufswarm tracker: the operator's credential (lift bans, remove nodes) is in {operator_file}: "
+                f'ggufswarm bans --tracker {url} --lift KEY --operator-token "$(cat {operator_file})"',
+                flush=True,
+            )
 
     run_server(make_app(config), host, port, ready)
     return 0
+
+
+def operator_token(path: Path) -> str:
+    """The operator's credential kept in ``path`` (made, 128 random bits, readable by its owner only, when absent)."""
+    import secrets
+
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        token = secrets.token_hex(16)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token
 
 
 def status_text(tracker: str, token: str | None = None) -> str:

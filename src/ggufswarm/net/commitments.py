@@ -26,9 +26,9 @@ import json
 import uuid
 from collections.abc import Callable
 
-from ..net.identity import IdentityError, canonical, public_key, verify
+from ..protocol.frame import FLAG_NO_SAMPLE, FLAG_VERIFY
 from ..runtime.digest import digest
-from .frame import FLAG_NO_SAMPLE, FLAG_VERIFY
+from .identity import IdentityError, canonical, public_key, verify
 
 COMMIT_FIELDS = ("in", "out", "key", "sig", "ctx", "prev")  # string fields of a hop record's ``commit``
 MODE_FLAGS = FLAG_NO_SAMPLE | FLAG_VERIFY  # the frame flags a commitment signs (they decide a head's output)
@@ -182,7 +182,7 @@ def check_ban_evidence(key: str, evidence, witness: Callable[[str, dict], str | 
     knowledge: None when it knows ``key`` as a node serving that context's model, layers and numerics, else why not
     (a key that signs is free to make; a node of the swarm is not)."""
     if not isinstance(evidence, dict):
-        raise BadEvidence("evidence is a JSON object")
+        raise BadEvidence("evidence must be a JSON object: the signed step commitments that prove the key lied")
     if len(canonical(evidence)) > MAX_EVIDENCE_BYTES:
         raise BadEvidence(f"evidence is over {MAX_EVIDENCE_BYTES} bytes")
     if evidence.get("kind") != EVIDENCE_KIND:
