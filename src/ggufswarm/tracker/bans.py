@@ -22,7 +22,7 @@ from aiohttp import web
 
 from ..net.commitments import MAX_EVIDENCE_BYTES, BadEvidence, check_ban_evidence, serves_context
 from ..net.identity import IdentityError, deregistration, public_key, verify
-from ..net.reach import answers_as
+from ..net.reach import RateLimit, answers_as
 from ..protocol.auth import OPERATOR_HEADER
 from ..protocol.errors import ProtocolError
 from ..protocol.http import read_json
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_BAN_BODY = MAX_EVIDENCE_BYTES + 4096  # a ban request: the key, one line of reason and the evidence
 WITNESS_PROBE_S = 2.0  # most seconds a witness may take to answer the tracker's challenge
+BANS_PER_MIN = 30  # bans whose witnesses the tracker dials, a minute from one address
 
 
 def is_operator(request: web.Request, operator_token: str | None) -> bool:
@@ -43,6 +44,8 @@ def is_operator(request: web.Request, operator_token: str | None) -> bool:
 
 def add_ban_routes(app: web.Application, registry: Registry, operator_token: str | None, witness_age_s: float) -> None:
     """The routes of the module docstring on the tracker's ``app``."""
+
+    probes = RateLimit(BANS_PER_MIN)
 
     def witness(key: str, context: dict) -> str | None:
         """None when this tracker lists ``key`` now, has seen it serve the context's model, layers, stages and
@@ -93,6 +96,8 @@ def add_ban_routes(app: web.Application, registry: Registry, operator_token: str
         key = key.lower()
         try:
             check_ban_evidence(key, evidence, witness)
+            if not probes.allow(request.remote or ""):  # each ban that gets this far dials its witnesses
+                raise ProtocolError("rate_limited", f"at most {BANS_PER_MIN} bans a minute from one address")
             await answering(evidence)
         except BadEvidence as exc:
             raise ProtocolError("bad_evidence", f"ban of {key[:16]}… refused: {exc}") from None
