@@ -35,9 +35,10 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
             flush=True,
         )
         if operator_file is not None:
+            reached = url.replace("//0.0.0.0:", "//HOST:").replace("//[::]:", "//HOST:")  # a wildcard: its address
             print(
                 f"ggufswarm tracker: the operator's credential (lift bans, remove nodes) is in {operator_file}: "
-                f'ggufswarm bans --tracker {url} --lift KEY --operator-token "$(cat {operator_file})"',
+                f'ggufswarm bans --tracker {reached} --lift KEY --operator-token "$(cat {operator_file})"',
                 flush=True,
             )
 
