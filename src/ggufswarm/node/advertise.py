@@ -136,6 +136,11 @@ async def heartbeats(state: NodeState) -> None:
                     print(f"ggufswarm node: {state.banned}", file=sys.stderr, flush=True)
                     asyncio.get_running_loop().create_task(_stop_when_idle(state))
                 return None
+            if exc.status == 400 and not state.refused:  # what it advertises is wrong: it can never be listed
+                state.refused = f"the tracker {tracker.url} refuses this node's advertisement ({exc.reason}); stopping"
+                print(f"ggufswarm node: {state.refused}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return None
             return warn(tracker, exc)
         except (TypeError, ValueError) as exc:
             return warn(tracker, exc)
@@ -170,9 +175,9 @@ def banned_message(state: NodeState, reason: str) -> str:
         f"it returned outputs two other nodes of its numerics contradict, and no route will use it again; it stops "
         f"once the sessions it holds have ended (at most --session-ttl). The evidence is public: 'ggufswarm bans "
         f"--tracker {tracker} --json'; if this node is honest, show it to the swarm's operator, who can "
-        f"lift the ban. The key is {key or 'in --data-dir'}: nodes started in one --data-dir take its keys in "
-        "start order (identity.key, identity-1.key, ...), so a node started where a banned one ran may take its "
-        "key; give each node its own --data-dir"
+        f"lift the ban (then start it again). The key is {key or 'in --data-dir'}: nodes started in one --data-dir "
+        "take its keys in start order (identity.key, identity-1.key, ...), so a node started where a banned one ran "
+        "may take its key; give each node its own --data-dir"
     )
 
 

@@ -437,6 +437,8 @@ def run_node(config: NodeConfig) -> int:
         print("ggufswarm node: stopped", file=sys.stderr, flush=True)
         if state.banned:
             return 3
+        if state.refused:
+            return 1
     finally:
         if discovery is not None:
             discovery.close()

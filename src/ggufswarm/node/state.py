@@ -135,6 +135,7 @@ class NodeState:
                 executor.batch_group = group
             self.batcher = StepBatcher(self.store, self.pool)
         self.banned: str | None = None  # why it stopped: a tracker refused its key as banned (advertise.heartbeats)
+        self.refused: str | None = None  # why it stopped: a tracker refused its advertisement as malformed (ibid.)
         self.active_sessions = 0  # sessions with a step in flight here (their stepping > 0)
         # link messages read but not yet started: the steps of several sessions that arrived while the shard computed
         # (one loop iteration reads them all, their tasks then start one after another; see steps.apply)

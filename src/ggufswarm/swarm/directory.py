@@ -334,9 +334,11 @@ class Directory:
         }
 
     async def _tracker_route(self, http: aiohttp.ClientSession, t: TrackerClient, query: dict) -> dict:
-        """Tracker ``t``'s plan for ``query``, whose every hop is ``trusted``: a plan through a node whose
-        advertisement does not verify or whose key is banned here is asked for again without it (ROUTE_TRIES
-        plans at most). TrackerError as ``acall``, or 503 when no plan it makes avoids such nodes."""
+        """Tracker ``t``'s plan for ``query``, whose every hop is ``trusted`` and proved to hold its key where it is
+        listed (``proven``: the swarm token goes to no address an advertisement merely names): a plan through a node
+        whose advertisement does not verify, whose key is banned here or that does not prove its key is asked for
+        again without it (ROUTE_TRIES plans at most). TrackerError as ``acall``, or 503 when no plan it makes
+        avoids such nodes."""
         exclude = [u for u in str(query.get("exclude", "")).split(",") if u]
         for _ in range(ROUTE_TRIES):
             asked = {**query, "model": self.model} | ({"exclude": ",".join(exclude)} if exclude else {})
@@ -345,14 +347,17 @@ class Directory:
             if not isinstance(hops, list):
                 raise TrackerError(f"tracker {t.url}: GET /route answered no route", 502, "not a route")
             bad = [str(a.get("url", "")) if isinstance(a, dict) else "" for a in hops if not self.trusted(a)]
+            if not bad:  # a route's nodes get the swarm token: each must hold, where it is listed, the key listed
+                whys = await asyncio.gather(*(self.proven.check(str(a["url"]), str(a["node_id"])) for a in hops))
+                bad = [str(a["url"]) for a, why in zip(hops, whys) if why is not None]
             if not bad:
                 return planned
             exclude += [u for u in bad if u]
         raise TrackerError(
-            f"tracker {t.url}: no_route: its routes go through nodes that are banned or whose advertisements do not "
-            "verify",
+            f"tracker {t.url}: no_route: its routes go through nodes that are banned, whose advertisements do not "
+            "verify, or that do not answer as themselves",
             503,
-            "no route avoids nodes that are banned or whose advertisements do not verify",
+            "no route avoids nodes that are banned, whose advertisements do not verify or that do not answer",
         )
 
     async def manifest(self, http: aiohttp.ClientSession) -> dict:

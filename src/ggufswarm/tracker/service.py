@@ -27,7 +27,8 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
         config = replace(config, operator_token=operator_token(operator_file))
 
     def ready(url: str) -> None:
-        page = f"{url}/?token=TOKEN (the swarm token)" if config.token else f"{url}/"
+        reached = url.replace("//0.0.0.0:", "//HOST:").replace("//[::]:", "//HOST:")  # a wildcard: its address
+        page = f"{reached}/?token=TOKEN (the swarm token)" if config.token else f"{reached}/"
         relay = f"; relays at {config.public_host or '127.0.0.1'}" if config.relay else ""
         print(
             f"ggufswarm tracker ready: {url}  (db {config.db}, node TTL {config.ttl_s:g} s{relay}; status page at "
@@ -35,7 +36,6 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
             flush=True,
         )
         if operator_file is not None:
-            reached = url.replace("//0.0.0.0:", "//HOST:").replace("//[::]:", "//HOST:")  # a wildcard: its address
             print(
                 f"ggufswarm tracker: the operator's credential (lift bans, remove nodes) is in {operator_file}: "
                 f'ggufswarm bans --tracker {reached} --lift KEY --operator-token "$(cat {operator_file})"',
