@@ -12,6 +12,7 @@ import asyncio
 import gc
 import json
 import time
+import urllib.request
 from types import SimpleNamespace
 
 import aiohttp
@@ -229,6 +230,39 @@ def test_a_banned_node_says_so_and_stops_once_its_sessions_end(monkeypatch, tmp_
     assert str(ident.path) in err and "own --data-dir" in err and "banned and idle; stopping" in err
 
 
+def test_a_node_whose_advertisement_is_refused_says_so_and_stops(monkeypatch, tmp_path, capsys):
+    """A tracker answering a node's heartbeat with 400 (its advertisement can never be listed: a loopback URL from
+    another machine, a head short of the last layer): the node says so once, naming the tracker's reason, and stops
+    (run_node exits 1) instead of serving unlisted."""
+    from ggufswarm.node import advertise
+
+    kills = []
+    monkeypatch.setattr(advertise, "advertisement", lambda state: {})
+    monkeypatch.setattr(advertise.os, "kill", lambda pid, sig: kills.append(sig))
+    why = "bad advertisement: url 'http://127.0.0.1:1' is loopback-only, advertised from 10.0.0.9"
+
+    class Refusing:
+        url = "http://tracker"
+
+        async def aheartbeat(self, client, ad):
+            raise TrackerError(f"tracker: 400 {why}", 400, why)
+
+    state = SimpleNamespace(
+        config=SimpleNamespace(heartbeat_s=0.02), url="http://node", client=None, trackers=[Refusing()],
+        banned=None, refused=None,
+    )  # fmt: skip
+
+    async def run():
+        task = asyncio.create_task(advertise.heartbeats(state))
+        await asyncio.sleep(0.2)
+        task.cancel()
+
+    asyncio.run(run())
+    err = capsys.readouterr().err
+    assert kills and state.refused and err.count("refuses this node's advertisement") == 1, err
+    assert "loopback-only" in err and "stopping" in err
+
+
 def test_bans_are_token_gated_and_async_client_calls_work():
     async def go(url, at):
         tracker = TrackerClient(url, "sekret")
@@ -383,3 +417,42 @@ def test_a_node_refuses_unsigned_forged_and_banned_hellos_and_stops_passing_on_b
         check_signed(body)
         directory.ban(key("peer"))  # banned since its hello: no longer passed on
         assert call(f"{url}/v1/advertisement?peers=1")[1]["peers"] == ["http://other:1"]
+
+
+def test_a_planned_route_goes_only_through_nodes_that_prove_their_keys(tiny_artifact):
+    """A gateway's directory sends the swarm token only to nodes that sign its challenge with the key listed for
+    them: a tracker's plan through an advertisement naming some other service (or a key that is not the one
+    answering there) is asked for again without it, and that service never sees the token."""
+    seen = []
+
+    @web.middleware
+    async def record(request, handler):
+        seen.append(request.headers.get("X-Ggufswarm-Token"))
+        return await handler(request)
+
+    other = lambda: web.Application(middlewares=[record])
+
+    async def go(url, directory):
+        async with aiohttp.ClientSession(headers={"X-Ggufswarm-Token": "sekret"}) as http:
+            return [await directory.route(http, {"max_length": 16}) for _ in range(3)]
+
+    with (
+        AppThread(lambda: make_app(TrackerConfig(db=":memory:", token="sekret"))) as url,
+        AppThread(other) as service,
+        running("real") as at,
+    ):
+        headers = {"X-Ggufswarm-Token": "sekret"}
+        body = json.dumps(
+            {"manifest": json.loads(tiny_artifact[1].to_json()), "torrent_hex": make_torrent([tiny_artifact[0]]).hex()}
+        ).encode()
+        req = urllib.request.Request(
+            f"{url}/manifests/tiny", body, {**headers, "Content-Type": "application/json"}, method="PUT"
+        )
+        assert urllib.request.urlopen(req, timeout=10).status == 200
+        for name, where, ms in (("fast-fake", service, 0.01), ("real", at["real"], 5.0)):
+            ad = json.dumps(signed_ad(ad_of(name, url=where, decode_ms=ms))).encode()
+            req = urllib.request.Request(f"{url}/nodes/heartbeat", ad, {**headers, "Content-Type": "application/json"})
+            assert urllib.request.urlopen(req, timeout=10).status == 200
+        routes = asyncio.run(go(url, Directory("tiny", [url], token="sekret")))
+    assert all([h["node_id"] for h in r["route"]] == [key("real")] for r in routes), routes
+    assert seen and set(seen) == {None}  # asked to prove itself (without the token), never sent a frame or the token

@@ -330,3 +330,42 @@ def test_a_node_sends_the_token_only_to_a_next_hop_that_proves_its_key():
 
         asyncio.run(go())
     assert seen and all(token is None for _path, token in seen) and {p for p, _ in seen} == {"/v1/reach/probe"}
+
+
+def test_an_advertisement_names_no_other_service():
+    """Finding 2, at the source: the tracker dials advertised addresses (reports, a ban's witnesses), so one may
+    only be ``http(s)://HOST[:PORT]``: no other scheme, credentials, path, query or fragment, no link-local or
+    multicast address, and a loopback one only from the tracker's own machine, in whatever spelling of an IP a
+    resolver reads."""
+    from ggufswarm.tracker.app import url_problem
+
+    remote = "10.0.0.9"
+    for url in ("http://10.0.0.5:8471", "https://node.example:443", "http://node-b:5", "http://[2001:db8::1]:80/"):
+        assert url_problem(url, remote) is None, url
+    for url, why in (
+        ("file:///etc/passwd", "http(s)://HOST:PORT"),
+        ("gopher://10.0.0.5:70", "http(s)://HOST:PORT"),
+        ("http://10.0.0.5:99999", "http(s)://HOST:PORT"),
+        ("http://user:pw@10.0.0.5:1", "no user, path"),
+        ("http://10.0.0.5:1/path?x=", "no user, path"),
+        ("http://10.0.0.5:1#x", "no user, path"),
+        ("http://169.254.169.254:80", "link-local"),
+        ("http://[::ffff:169.254.169.254]:80", "link-local"),
+        ("http://[fe80::1]:80", "link-local"),
+        ("http://0.0.0.0:8475", "unspecified"),
+        ("http://224.0.0.1:80", "multicast"),
+        ("http://127.0.0.1:8475", "loopback-only"),
+        ("http://localhost:8475", "loopback-only"),
+        ("http://[::1]:8475", "loopback-only"),
+        ("http://[::ffff:127.0.0.1]:8475", "loopback-only"),
+        ("http://127.1:8475", "loopback-only"),
+        ("http://0x7f000001:8475", "loopback-only"),
+        ("http://2130706433:8475", "loopback-only"),
+    ):
+        said = url_problem(url, remote)
+        assert said is not None and why in said, (url, said)
+    assert url_problem("http://127.0.0.1:8475", "127.0.0.1") is None  # a node on the tracker's own machine
+    with tracker() as url:
+        status, body = call(f"{url}/nodes/heartbeat", "POST", ad("odd", url="http://user:pw@10.0.0.5:1"))
+        assert status == 400 and body["error"]["code"] == "bad_advertisement", body
+        assert key("odd") not in listed(url)
