@@ -9,6 +9,8 @@ from ggufswarm.net.addresses import is_loopback, listen_host_toward, loopback_wa
 def test_loopback_names_and_addresses():
     assert is_loopback("127.0.0.1") and is_loopback("127.8.9.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback(None)
+    for spelled in ("127.1", "0x7f000001", "2130706433", "::ffff:127.0.0.1"):  # what a resolver reads as 127.0.0.1
+        assert is_loopback(spelled), spelled
 
 
 def test_a_part_told_only_of_this_machine_stays_on_loopback():

@@ -28,16 +28,29 @@ def _host_port(target: str) -> tuple[str, int]:
     return host, int(port) if port.isdigit() else 80
 
 
+def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address ``host`` spells, in any form a resolver takes (``127.1``, ``0x7f000001``, ``2130706433``), an
+    IPv4-mapped IPv6 address as its IPv4 one; None for a name (nothing is resolved)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(host))  # (a name that is not a number raises)
+        except OSError:
+            return None
+    return (ip.ipv4_mapped or ip) if ip.version == 6 else ip
+
+
 def is_loopback(host: str | None) -> bool:
-    """True for ``localhost``, 127.0.0.0/8 and ::1 (a name is resolved: one that resolves only to loopback is)."""
+    """True for ``localhost``, 127.0.0.0/8 and ::1 in any spelling (``ip_of``); a name is resolved: one that
+    resolves only to loopback is."""
     if not host:
         return False
     if host == "localhost":
         return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
+    ip = ip_of(host)
+    if ip is not None:
+        return ip.is_loopback
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except OSError:
@@ -93,4 +106,4 @@ def loopback_warning(part: str, listen: str | None, targets, flag: str = "--host
     )
 
 
-__all__ = ["LOOPBACK", "WILDCARDS", "is_loopback", "listen_host_toward", "loopback_warning", "source_address"]
+__all__ = ["LOOPBACK", "WILDCARDS", "ip_of", "is_loopback", "listen_host_toward", "loopback_warning", "source_address"]

@@ -126,19 +126,19 @@ class Directory:
                 self._bans_down.add(t.url)
                 return
             self._bans_down.discard(t.url)
-            self._tracker_bans[t.url] = frozenset(str(b["key"]).lower() for b in found if self._proven(b, t.url))
+            self._tracker_bans[t.url] = frozenset(str(b["key"]).lower() for b in found if self._ban_holds(b, t.url))
 
         await asyncio.gather(*(one(t) for t in self.trackers if not (skip_down and t.url in self._bans_down)))
         self._update_banned()
 
-    def _proven(self, ban: dict, source: str) -> bool:
+    def _ban_holds(self, ban: dict, source: str) -> bool:
         """Whether a tracker's ``ban`` (``{"key", "evidence", ...}``) proves its key lied, checked here
         (net.commitments.check_ban_evidence; witnesses: nodes this directory has listed serving the accused's
         layers and numerics). A verdict is kept; one that failed for want of a known witness is judged again once
         more nodes have been listed."""
         digest = hashlib.sha256(canonical({"key": ban.get("key"), "evidence": ban.get("evidence")})).digest()
-        verdict = self._judged.get(digest)
-        if verdict is True or (verdict is not None and verdict is not False and verdict == len(self._serving)):
+        verdict = self._judged.get(digest)  # True / False: judged; a count: the witnesses known when one was missing
+        if verdict is True or verdict is False or verdict == len(self._serving):
             return verdict is True
         if len(self._judged) >= VERIFIED_MAX:
             self._judged.clear()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import socket
@@ -15,7 +14,7 @@ import libtorrent as lt
 from aiohttp import web
 
 from ..artifact.manifest import Manifest
-from ..net.addresses import is_loopback
+from ..net.addresses import ip_of, is_loopback
 from ..net.identity import IdentityError
 from ..net.reach import RateLimit, add_dialback_route, add_probe_route, prove, skip_public_paths
 from ..net.relay import add_relay_routes
@@ -296,26 +295,13 @@ def url_problem(url: str, source: str | None) -> str | None:
         return f"url must be http(s)://HOST:PORT, got {url[:80]!r}"
     if parts.username or parts.password or parts.query or parts.fragment or parts.path not in ("", "/"):
         return f"url is http(s)://HOST:PORT with no user, path, query or fragment, got {url[:80]!r}"
-    ip = _address(parts.hostname)
+    ip = ip_of(parts.hostname)
     if ip is not None and (ip.is_link_local or ip.is_multicast or ip.is_unspecified):
         return f"url {url[:80]!r} is a link-local, multicast or unspecified address: no node is reached there"
     loopback = parts.hostname == "localhost" or (ip is not None and ip.is_loopback)
     if loopback and source and not is_loopback(source):
         return f"url {url[:80]!r} is loopback-only, advertised from {source}: no other machine reaches it there"
     return None
-
-
-def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The IP address ``host`` spells, in any form a resolver takes (``127.1``, ``0x7f000001``, ``2130706433``), an
-    IPv4-mapped IPv6 address as its IPv4 one; None for a name."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        try:
-            return ipaddress.IPv4Address(socket.inet_aton(host))  # (a name that is not a number raises)
-        except OSError:
-            return None
-    return ip.ipv4_mapped or ip if ip.version == 6 else ip
 
 
 def stages_problem(ad: Advertisement, n_layers: int | None) -> str | None:
