@@ -61,6 +61,9 @@ BANS_EVERY_S = 5.0  # the trackers' bans are fetched again, with a listing or a 
 BANS_TIMEOUT_S = 2.0  # most seconds one tracker's GET /v1/bans may take
 VERIFIED_MAX = 4096  # advertisements whose signature verified, remembered (by digest) so they are not verified again
 ROUTE_TRIES = 3  # tracker plans asked for at most, each avoiding the hops of the last that did not verify
+REPORT_EVERY_S = 30.0  # a node that failed to prove its key is reported to a tracker at most this often (s)
+REPORT_TIMEOUT_S = 10.0  # POST /nodes/report: how long the tracker may take to check the reported node (s)
+MAX_REPORTED = 1024  # node URLs whose last report time is remembered
 
 
 class DirectoryError(RuntimeError):
@@ -91,6 +94,8 @@ class Directory:
         self._verified: set[bytes] = set()  # SHA-256 of the canonical JSON of advertisements that verified
         self._serving: dict[str, dict] = {}  # node key -> what its last trusted advertisement serves (witnesses)
         self.proven = Proven()  # addresses the DHT named that proved to hold their keys (the token goes there)
+        self._reported: dict[str, float] = {}  # node URL -> when it was last reported to a tracker (monotonic s)
+        self._reports: set[asyncio.Task] = set()  # reports under way (kept referenced until done)
         self._judged: dict[bytes, bool | int] = {}  # a tracker ban's digest -> proven, or the witnesses known then
 
     # -- identities and bans ---------------------------------------------------------------------------------------
@@ -350,6 +355,8 @@ class Directory:
             if not bad:  # a route's nodes get the swarm token: each must hold, where it is listed, the key listed
                 whys = await asyncio.gather(*(self.proven.check(str(a["url"]), str(a["node_id"])) for a in hops))
                 bad = [str(a["url"]) for a, why in zip(hops, whys) if why is not None]
+                for url in bad:  # it listed a node that is down or not itself: it can drop it now, not at its TTL
+                    self._report(http, t, url)
             if not bad:
                 return planned
             exclude += [u for u in bad if u]
@@ -359,6 +366,26 @@ class Directory:
             503,
             "no route avoids nodes that are banned, whose advertisements do not verify or that do not answer",
         )
+
+    def _report(self, http: aiohttp.ClientSession, t: TrackerClient, url: str) -> None:
+        """Report ``url`` to tracker ``t`` (``POST /nodes/report``, in the background, once per REPORT_EVERY_S):
+        the tracker checks the node itself and drops it when it does not prove its key there."""
+        now = time.monotonic()
+        if now - self._reported.get(url, -REPORT_EVERY_S) < REPORT_EVERY_S:
+            return
+        self._reported[url] = now
+        while len(self._reported) > MAX_REPORTED:
+            self._reported.pop(next(iter(self._reported)))
+
+        async def report() -> None:
+            try:
+                await t.acall(http, "nodes/report", "POST", {"url": url}, timeout_s=REPORT_TIMEOUT_S)
+            except TrackerError as exc:  # best effort: its TTL still runs out
+                log.info("reporting node %s to tracker %s failed: %s", url, t.url, exc.reason)
+
+        task = asyncio.get_running_loop().create_task(report())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     async def manifest(self, http: aiohttp.ClientSession) -> dict:
         """``{"manifest": ..., "torrent_hex": ...}`` of this model: from a tracker, else from a node the DHT lists
