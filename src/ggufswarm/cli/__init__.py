@@ -182,6 +182,8 @@ def cmd_node(args) -> int:
             dtype=args.dtype,
             backend=args.backend,
             threads=args.threads,
+            gpu=args.gpu,
+            gpu_blocks=args.gpu_blocks,
             ctx_size=args.ctx_size,
             max_sessions=args.max_sessions,
             batching=args.batching,

@@ -105,6 +105,22 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
     n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
     backend_args(n)
     n.add_argument(
+        "--gpu",
+        default="auto",
+        metavar="auto|none|DEVICE",
+        help="llama.cpp backend: where this node's blocks, their KV cache and (on the head) the LM head run. "
+        "auto (default): the first GPU llama.cpp sees, as many blocks as fit in its free memory, the rest on "
+        "the CPU (said in one line at start); none: the CPU; DEVICE: that GPU, by llama.cpp's name (CUDA0, "
+        "Vulkan0, ROCm0, Metal). make setup builds the GPU backend the machine has (GGUFSWARM_GPU chooses)",
+    )
+    n.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with a GPU: put only the range's last N blocks on it (default: as many as fit)",
+    )
+    n.add_argument(
         "--ctx-size",
         type=int,
         default=8192,

@@ -99,6 +99,8 @@ def advertisement(state: NodeState) -> dict:
             "reach": state.reach.to_json() if state.reach is not None else {"path": "direct"},
             # what decides the bits of this shard's outputs: a client replays its steps where this is equal
             "numerics": numerics(state),
+            # the device its blocks run on (llama.cpp; runtime/llamacpp/devices.py Placement): the planner's view
+            "placement": h["placement"],
         },
         "signed_at": round(time.time(), 3),
     }

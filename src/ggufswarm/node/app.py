@@ -93,6 +93,8 @@ def load_executor(config: NodeConfig):
         config=model_cfg,
         dtype=config.dtype,
         threads=config.threads,
+        gpu=config.gpu,
+        gpu_blocks=config.gpu_blocks,
         max_length=per_session,
         max_sessions=config.max_sessions,
         cache_dir=Path(config.data_dir) / "shards",
@@ -318,6 +320,30 @@ def _swarm_for(config: NodeConfig):
     return Swarm(host, config.torrent_port, dht_bootstrap=config.dht)  # mapping: net.portmap, when needed
 
 
+def _say_placement(state: NodeState) -> None:
+    """One line at start on where the blocks run when a GPU was asked for (``--gpu``): on it, split, or on the
+    CPU and why (no GPU, none of them fits): a GPU is never given up silently."""
+    placement = getattr(state.executor, "placement", None)
+    if placement is None or state.config.gpu == "none":
+        return
+    if placement.gpu_blocks:
+        line = placement.summary()
+        if placement.cpu_blocks and state.config.gpu_blocks is None:
+            line += " (the rest did not fit in its free memory; --gpu-blocks N sets how many go there)"
+    elif state.executor.device is None:
+        from ..runtime.llamacpp.devices import why_no_gpu
+
+        line = f"--gpu {state.config.gpu}: no GPU found, all blocks run on the CPU. {why_no_gpu()}"
+    else:
+        d = state.executor.device
+        line = (
+            f"{d.name} ({d.description}) has {d.free_bytes / 2**20:.0f} MiB free, not enough for one block with "
+            f"its KV cache: all blocks run on the CPU (--gpu-blocks N forces N there; --ctx-size or --max-sessions "
+            "smaller needs less KV)"
+        )
+    print(f"ggufswarm node: {line}", file=sys.stderr, flush=True)
+
+
 def run_node(config: NodeConfig) -> int:
     """``ggufswarm node``: load the shard, serve it, print one ready line to stdout; exit 0 on SIGINT/SIGTERM.
 
@@ -401,6 +427,7 @@ def run_node(config: NodeConfig) -> int:
         state.manifest_answer = fetched.answer
     spec = state.spec
     _warn_unroutable(state)
+    _say_placement(state)
     failed: list[BaseException] = []
 
     def say_ready(url: str) -> None:

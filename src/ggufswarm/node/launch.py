@@ -75,10 +75,12 @@ def start_nodes(
     stderr=None,
     per_node=None,
     token: str | None = None,
+    per_node_env=None,
 ) -> list[NodeProcess]:
     """Start one node per spec (in parallel) and wait for each one's ready line.
 
-    ``per_node(i) -> list[str]``: extra arguments for node ``i`` only (e.g. its own data directory).
+    ``per_node(i) -> list[str]``: extra arguments for node ``i`` only (e.g. its own data directory);
+    ``per_node_env(i) -> dict``: environment variables for node ``i`` only (e.g. ``GGML_VK_VISIBLE_DEVICES``).
     ``token``: the swarm token, given to the node commands in their environment (``$GGUFSWARM_TOKEN``, which the
     command line reads: not on their command line, where any local user could read it); otherwise they inherit
     this process's environment as it is.
@@ -97,7 +99,7 @@ def start_nodes(
             stderr=stderr,
             stdin=subprocess.DEVNULL,
             text=True,
-            env=env,
+            env=env | (per_node_env(i) if per_node_env else {}),
         )
         nodes.append(NodeProcess("", spec, proc))
 

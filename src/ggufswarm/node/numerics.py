@@ -6,10 +6,10 @@ process, of the same ``id`` and expects equal digests.
 digest of the canonical JSON of the rest, net/identity.py ``canonical``); ``weights`` the model's GGUF fingerprint
 (SHA-256 of its headers); ``cpu`` the CPU features the compute library was built with, which select its kernels.
 On llama.cpp also ``llama_cpp`` (``{"python", "ggml", "commit", "patches"}``: the llama-cpp-python version, ggml's
-version and source commit, and the patches of ggufswarm's queue the loaded libllama carries), ``offload`` (a build
-that can run layers on a GPU), ``threads``, ``n_ubatch`` and ``batching`` (``"exact"``, or ``"throughput"``:
-``--batching throughput``, where a step's bits depend on the other sessions batched with it). On torch also
-``torch`` (its version) and ``dtype`` (the compute dtype).
+version and source commit, and the patches of ggufswarm's queue the loaded libllama carries), ``device`` (the GPU
+the shard's blocks run on and which of them; None on the CPU), ``threads``, ``n_ubatch`` and ``batching``
+(``"exact"``, or ``"throughput"``: ``--batching throughput``, where a step's bits depend on the other sessions
+batched with it). On torch also ``torch`` (its version) and ``dtype`` (the compute dtype).
 
 What changes the bits, measured here (2-core AMD EPYC with AVX-512, the bundled llama.cpp, Gemma 3 270M Q4_K_M;
 shard 0:6 +embed fed a 700-token prefill of fixed random ids then 8 one-token decode steps, its outputs fed to
@@ -87,11 +87,22 @@ def _llama_cpp(state: NodeState) -> dict:
             "patches": [name for name in PATCH_MARKERS if applied(name)],
         },
         "cpu": llama_cpp_cpu_features(L.llama_print_system_info().decode(errors="replace")),
-        "offload": bool(L.llama_supports_gpu_offload()),
+        # the device the blocks run on: another device, backend or split computes other bits
+        "device": _device(executor),
         "threads": getattr(executor, "threads", None),
         "n_ubatch": getattr(executor, "n_ubatch", None),
         "batching": state.config.batching,
     }
+
+
+def _device(executor) -> dict | None:
+    """None on the CPU, else ``{"backend", "name", "description", "gpu_blocks"}`` of the GPU the shard's blocks
+    run on (the device's description names its driver where ggml's backend does: ``llvmpipe (LLVM 15.0.6, 256
+    bits)``)."""
+    p = getattr(executor, "placement", None)
+    if p is None or not p.gpu_blocks:
+        return None
+    return {"backend": p.backend, "name": p.device, "description": p.description, "gpu_blocks": p.gpu_blocks}
 
 
 def _torch(state: NodeState) -> dict:

@@ -50,6 +50,8 @@ class NodeConfig:
     dtype: str = "float32"  # torch backend's compute dtype
     backend: str = DEFAULT_BACKEND  # "llama.cpp" or "torch" (runtime.backends)
     threads: int | None = None  # llama.cpp decode/batch threads (None: all cores)
+    gpu: str = "none"  # llama.cpp: auto | none | a device name (runtime/llamacpp/devices.py); the CLI's default: auto
+    gpu_blocks: int | None = None  # llama.cpp with a GPU: the range's last N blocks there (None: as many as fit)
     ctx_size: int = 8192  # llama.cpp: KV cells per session = the longest session (tokens)
     max_sessions: int = 4  # llama.cpp: sessions at once (sequence ids of the context)
     batching: str = "exact"  # llama.cpp: BATCHING_MODES
@@ -292,6 +294,8 @@ class NodeState:
             "n_embd": self.cfg.n_embd,
             "n_vocab": self.cfg.n_vocab,
             "backend": self.executor.backend,
+            # llama.cpp: where the blocks run and the buffers llama.cpp allocated on each device
+            "placement": self.executor.placement_now() if hasattr(self.executor, "placement_now") else None,
             "max_length": self.max_session_tokens,
             "layers": [self.spec.start, self.spec.end],
             "embed": self.spec.embed,

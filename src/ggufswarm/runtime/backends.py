@@ -119,6 +119,8 @@ def load_shard(
     cache_dir: str | os.PathLike | None = None,
     state_checkpoints: int = 4,
     kv_unified: bool = False,
+    gpu: str = "none",
+    gpu_blocks: int | None = None,
 ):
     """Load one shard of ``model`` on ``backend``.
 
@@ -129,7 +131,9 @@ def load_shard(
     position's logits (perplexity). ``cache_dir``: where llama.cpp's derived shard GGUFs go.
     ``state_checkpoints``: llama.cpp shards that truncate only to exact states (recurrent blocks, deepseek4):
     states kept per session (``LlamaCppShard`` ``checkpoints``). ``kv_unified``: llama.cpp keeps all sessions'
-    cells in one KV stream (any sessions batch together; not bitwise their runs alone).
+    cells in one KV stream (any sessions batch together; not bitwise their runs alone). ``gpu``/``gpu_blocks``:
+    llama.cpp's device for the shard's last ``gpu_blocks`` blocks (``LlamaCppShard``); the torch backend takes
+    only ``none``.
     Raises ValueError (bad spec, unsupported architecture) or the backend's load errors.
     """
     if check_backend(backend) == "torch":
@@ -140,6 +144,8 @@ def load_shard(
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
         if dtype not in dtypes:
             raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
+        if gpu not in ("none", "auto"):
+            raise ValueError(f"--gpu {gpu}: the torch backend runs on the CPU (use --backend llama.cpp for a GPU)")
         return ShardExecutor(model, spec, dtypes[dtype], config)
     from .llamacpp.backend import LlamaCppShard
 
@@ -153,6 +159,8 @@ def load_shard(
         cache_dir=cache_dir,
         checkpoints=state_checkpoints,
         kv_unified=kv_unified,
+        gpu=gpu,
+        gpu_blocks=gpu_blocks,
     )
 
 

@@ -4,6 +4,7 @@ shard's last block output out of llama.cpp's graph."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -54,11 +55,28 @@ class GraphTap(ctypes.Structure):
 
 @L.llama_log_callback
 def _log_errors_only(level: int, text: bytes, user_data) -> None:
-    """llama.cpp's log, errors only (and their continuation lines), to stderr."""
+    """llama.cpp's log, errors only (and their continuation lines), to stderr; every line also to the list
+    ``capture_log`` holds open."""
+    line = text.decode("utf-8", errors="replace")
+    captured = _log_state.get("capture")
+    if captured is not None:
+        captured.append(line)
     if level != _LOG_CONT:
         _log_state["error"] = level == _LOG_ERROR
     if _log_state["error"]:
-        sys.stderr.write(text.decode("utf-8", errors="replace"))
+        sys.stderr.write(line)
+
+
+@contextlib.contextmanager
+def capture_log():
+    """Every line llama.cpp logs while the block runs (any level), as a list of strings (callers serialise)."""
+    ensure_backend()
+    lines: list[str] = []
+    _log_state["capture"] = lines
+    try:
+        yield lines
+    finally:
+        _log_state["capture"] = None
 
 
 def ensure_backend() -> None:

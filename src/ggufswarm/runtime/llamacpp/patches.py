@@ -20,6 +20,9 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0004-split-sources": b"split.sources.block_offset",
     "0005-batch-invariant-decode": b"LLAMA_BATCH_INVARIANT",
 }
+# patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
+# check): the Vulkan backend with older Vulkan headers
+BUILD_ONLY: frozenset[str] = frozenset({"0006-vulkan-older-headers"})
 # a patch needs the ones it builds on
 REQUIRES: dict[str, tuple[str, ...]] = {
     "0002-deepseek4-layer-range": ("0001-embedding-length-in",),
@@ -57,4 +60,4 @@ def require_patch(name: str, what: str) -> None:
         )
 
 
-__all__ = ["PATCH_MARKERS", "applied", "libllama_path", "require_patch"]
+__all__ = ["BUILD_ONLY", "PATCH_MARKERS", "applied", "libllama_path", "require_patch"]

@@ -1,0 +1,255 @@
+"""The compute devices llama.cpp sees (ggml's backend device registry, ``ggml-backend.h``) and the one a node's
+layers run on: ``ggufswarm node --gpu auto|none|DEVICE``.
+
+A device is what ggml registers: ``CPU`` always; ``CUDA0``, ``Vulkan0``, ``ROCm0``, ``Metal`` when the wheel was
+built with that backend (scripts/build_llama_cpp_python.sh) and the machine has one. ggml-vulkan lists only
+discrete and integrated GPUs unless ``GGML_VK_VISIBLE_DEVICES`` names a device (Mesa's lavapipe, a software Vulkan
+device on the CPU, is listed only then: tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...artifact.accounting import shard_account
+from ..spec import ShardSpec
+from . import ffi
+from .errors import LlamaCppError
+from .ffi import ensure_backend
+from .patches import libllama_path
+
+# enum ggml_backend_dev_type (ggml-backend.h)
+DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+FIT_MARGIN_BYTES = 512 << 20  # device memory left free by gpu_fit beyond weights and KV: compute buffers, driver
+# "<func>: <buffer type> <what> buffer size = <MiB> MiB" (src/llama-model.cpp, llama-kv-cache.cpp, llama-context.cpp,
+# llama-memory-recurrent.cpp: llama.cpp's own report of each buffer it allocates)
+BUFFER_LINE = re.compile(r"^\w+:\s+(\S+)\s+(model|KV|compute|output|RS|DSV4 \w+ state) buffer size =\s+([\d.]+) MiB")
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Device:
+    """One ggml backend device. ``name``: ggml's (``Vulkan0``, ``CUDA0``); ``backend``: its registry's
+    (``Vulkan``, ``CUDA``); ``kind``: cpu | gpu | igpu | accel | meta; ``free_bytes``/``total_bytes``: its memory
+    as the backend reports it when asked (bytes); ``handle``: the ``ggml_backend_dev_t``."""
+
+    name: str
+    description: str
+    backend: str
+    kind: str
+    free_bytes: int
+    total_bytes: int
+    handle: int
+
+    def to_json(self) -> dict:
+        """``{"name", "description", "backend", "kind", "free_bytes", "total_bytes"}``."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "backend": self.backend,
+            "kind": self.kind,
+            "free_bytes": self.free_bytes,
+            "total_bytes": self.total_bytes,
+        }
+
+
+@functools.cache
+def _ggml() -> ctypes.CDLL:
+    """libggml (the backend registry) of the llama.cpp llama-cpp-python loaded."""
+    lib = ctypes.CDLL(str(Path(libllama_path()).parent / "libggml.so"))
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    for name, res, args in (
+        ("ggml_backend_dev_count", sz, []),
+        ("ggml_backend_dev_get", vp, [sz]),
+        ("ggml_backend_dev_name", ctypes.c_char_p, [vp]),
+        ("ggml_backend_dev_description", ctypes.c_char_p, [vp]),
+        ("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]),
+        ("ggml_backend_dev_type", ctypes.c_int, [vp]),
+        ("ggml_backend_dev_backend_reg", vp, [vp]),
+        ("ggml_backend_reg_name", ctypes.c_char_p, [vp]),
+    ):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def _device(lib: ctypes.CDLL, handle: int) -> Device:
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    lib.ggml_backend_dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
+    reg = lib.ggml_backend_dev_backend_reg(handle)
+    return Device(
+        name=(lib.ggml_backend_dev_name(handle) or b"").decode(errors="replace"),
+        description=(lib.ggml_backend_dev_description(handle) or b"").decode(errors="replace"),
+        backend=(lib.ggml_backend_reg_name(reg) or b"").decode(errors="replace") if reg else "",
+        kind=DEVICE_TYPES.get(lib.ggml_backend_dev_type(handle), "unknown"),
+        free_bytes=free.value,
+        total_bytes=total.value,
+        handle=handle,
+    )
+
+
+def devices() -> list[Device]:
+    """Every device ggml registered, CPU included, with its memory now (free bytes change as processes use it)."""
+    ensure_backend()
+    lib = _ggml()
+    return [_device(lib, lib.ggml_backend_dev_get(i)) for i in range(lib.ggml_backend_dev_count())]
+
+
+def gpus() -> list[Device]:
+    """The devices a node's layers can be offloaded to (discrete or integrated GPUs)."""
+    return [d for d in devices() if d.kind in ("gpu", "igpu")]
+
+
+def choose(gpu: str) -> Device | None:
+    """The device ``--gpu`` names: ``none`` → None (CPU); ``auto`` → the first GPU, or None when there is none
+    (the CPU: a machine without a GPU is not an error); a device name (``Vulkan0``, ``CUDA1``; case-insensitive) →
+    that device. Raises LlamaCppError for a name no device has, saying which there are and why a build may have
+    none (a wheel built without that backend, a software device not made visible)."""
+    want = gpu.strip()
+    if want.lower() == "none":
+        return None
+    found = gpus()
+    if want.lower() == "auto":
+        return found[0] if found else None
+    for d in found:
+        if d.name.lower() == want.lower():
+            return d
+    listed = ", ".join(f"{d.name} ({d.description})" for d in found) or "none"
+    raise LlamaCppError(f"--gpu {want}: no such GPU; this llama.cpp sees {listed}. {why_no_gpu()}")
+
+
+def why_no_gpu() -> str:
+    """One sentence on what this build can offload to: the GPU backends the loaded llama.cpp has, or none."""
+    regs = sorted(_gpu_registries())
+    if not regs:
+        return (
+            "The installed llama.cpp was built without a GPU backend: make setup builds CUDA, Vulkan, HIP or Metal "
+            "when their toolkit is installed (GGUFSWARM_GPU=cuda|vulkan|hip|metal chooses)."
+        )
+    found = [f"{d.name} ({d.description})" for d in gpus()]
+    return (
+        f"Its GPU backends: {', '.join(regs)}; the GPUs they see: {', '.join(found) or 'none'} (is the driver "
+        "installed? a software Vulkan device, lavapipe, is listed only when GGML_VK_VISIBLE_DEVICES names it)."
+    )
+
+
+def _gpu_registries() -> set[str]:
+    lib = ctypes.CDLL(str(Path(libllama_path()).parent / "libggml.so"))
+    count, get = lib.ggml_backend_reg_count, lib.ggml_backend_reg_get
+    count.restype, get.restype, get.argtypes = ctypes.c_size_t, ctypes.c_void_p, [ctypes.c_size_t]
+    names = {(_ggml().ggml_backend_reg_name(get(i)) or b"").decode() for i in range(count())}
+    return names - {"CPU", "BLAS", "RPC", ""}
+
+
+def gpu_fit(model, spec: ShardSpec, free_bytes: int, kv_cells: int, n_ubatch: int) -> int:
+    """How many of ``spec``'s last blocks fit in ``free_bytes`` of device memory: each costs its encoded weights
+    plus ``kv_cells`` tokens of its KV cache (``artifact.accounting``); the head's output norm and LM head go with
+    any block; FIT_MARGIN_BYTES plus ``n_ubatch`` rows of the widest activation stay free for llama.cpp's
+    compute buffers. llama.cpp offloads the *last* blocks (``n_gpu_layers``, src/llama-model.cpp), so the count
+    grows from the end. An estimate made before loading; ``Placement`` reports what llama.cpp then allocated."""
+    left = free_bytes - FIT_MARGIN_BYTES
+    if spec.head:
+        out = shard_account(model, spec.end, spec.end, head=True)
+        left -= out.weight_bytes + n_ubatch * out.n_embd * 4
+    fit = 0
+    for block in range(spec.end - 1, spec.start - 1, -1):
+        acct = shard_account(model, block, block + 1)
+        cost = acct.weight_bytes + kv_cells * acct.kv_bytes_per_token + acct.state_bytes_per_session
+        if cost > left:
+            break
+        left -= cost
+        fit += 1
+    return fit
+
+
+_REPORT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def buffer_report() -> Iterator[list[tuple[str, str, int]]]:
+    """Collect llama.cpp's buffer report while a model or context is created in the block: a list, filled on
+    exit, of ``(buffer type, what, bytes)`` (``("Vulkan0", "model", 95551488)``; ``what``: model, KV, compute,
+    output, RS). Its log prints the sizes in MiB with two decimals: each is exact to ±5 KiB."""
+    found: list[tuple[str, str, int]] = []
+    with _REPORT_LOCK, ffi.capture_log() as lines:
+        yield found
+    for line in "".join(lines).splitlines():
+        m = BUFFER_LINE.match(line.strip())
+        if m:
+            found.append((m.group(1), m.group(2), round(float(m.group(3)) * MIB)))
+
+
+@dataclass
+class Placement:
+    """Where a llama.cpp shard's layers run and what llama.cpp allocated for it (``/health``, the
+    advertisement's ``extra.placement``). ``device``: ggml's name of the GPU (``Vulkan0``) or ``CPU``;
+    ``gpu_blocks``/``cpu_blocks``: absolute block indices on each; ``output_on_gpu``: the head's output norm and
+    LM head; ``buffers``: llama.cpp's buffers ``{buffer type: {what: bytes}}`` (``{"Vulkan0": {"model": ...,
+    "KV": ..., "compute": ...}, "CPU_Mapped": {"model": ...}}``); ``device_bytes``: those on the GPU;
+    ``total_bytes``/``free_bytes``: the GPU's memory when the shard was loaded."""
+
+    device: str
+    description: str = ""
+    backend: str = "CPU"
+    gpu_blocks: list[int] = field(default_factory=list)
+    cpu_blocks: list[int] = field(default_factory=list)
+    output_on_gpu: bool = False
+    buffers: dict[str, dict[str, int]] = field(default_factory=dict)
+    device_bytes: int = 0
+    total_bytes: int = 0
+    free_bytes: int = 0
+
+    @classmethod
+    def of(cls, device: Device | None, gpu_blocks: int, spec: ShardSpec, report: list) -> Placement:
+        """The placement of ``spec`` with its last ``gpu_blocks`` blocks on ``device`` (None: the CPU), with
+        llama.cpp's ``buffer_report``."""
+        buffers: dict[str, dict[str, int]] = {}
+        for buft, what, size in report:
+            buffers.setdefault(buft, {})
+            buffers[buft][what] = buffers[buft].get(what, 0) + size
+        split = spec.end - gpu_blocks
+        on = device is not None and gpu_blocks > 0
+        return cls(
+            device=device.name if on else "CPU",
+            description=device.description if on else "",
+            backend=device.backend if on else "CPU",
+            gpu_blocks=list(range(split, spec.end)) if on else [],
+            cpu_blocks=list(range(spec.start, split)) if on else list(range(spec.start, spec.end)),
+            output_on_gpu=on and spec.head,
+            buffers=buffers,
+            device_bytes=sum(sum(v.values()) for k, v in buffers.items() if on and k == device.name),
+            total_bytes=device.total_bytes if on else 0,
+            free_bytes=device.free_bytes if on else 0,
+        )
+
+    def summary(self) -> str:
+        """One line: where the blocks run (``blocks 6-11 on Vulkan0 (llvmpipe ...), 0 on the CPU; 98.3 MiB
+        there``)."""
+        if not self.gpu_blocks:
+            return f"all {len(self.cpu_blocks)} blocks on the CPU"
+        where = f"blocks {self.gpu_blocks[0]}-{self.gpu_blocks[-1]} on {self.device} ({self.description})"
+        cpu = f"{self.cpu_blocks[0]}-{self.cpu_blocks[-1]} on the CPU" if self.cpu_blocks else "none on the CPU"
+        out = ", with the output head" if self.output_on_gpu else ""
+        return f"{where}{out}, {cpu}; llama.cpp allocated {self.device_bytes / MIB:.1f} MiB there"
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+__all__ = [
+    "DEVICE_TYPES",
+    "Device",
+    "Placement",
+    "buffer_report",
+    "choose",
+    "devices",
+    "gpu_fit",
+    "gpus",
+    "why_no_gpu",
+]

@@ -1,0 +1,197 @@
+"""GPU nodes on a machine without a GPU: llama.cpp's Vulkan backend on Mesa's lavapipe (a software Vulkan device).
+
+The wheel holds the Vulkan backend beside the CPU one when `make setup` found the Vulkan toolchain (`make test`
+installs it: Debian's mesa-vulkan-drivers, libvulkan-dev, glslc, spirv-headers). ggml-vulkan lists lavapipe only
+when ``GGML_VK_VISIBLE_DEVICES`` names it, so every GPU run is a process started with it (a node, or
+tests/gpu_reference.py for llama.cpp's own run); this process never sees a GPU. A tiny random-weight model keeps
+lavapipe's first-use shader compilation short.
+
+Without a Vulkan-capable wheel the tests skip, unless GGUFSWARM_REQUIRE_GPU_TESTS=1 (`make test` sets it where it
+built one), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tinymodels import write_tiny_model
+
+from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.protocol.http import ServerThread
+from ggufswarm.runtime.shard import ShardSpec
+
+N_LAYERS = 6
+CUTS = [2, 4]
+LAVAPIPE = {"GGML_VK_VISIBLE_DEVICES": "0"}  # the only Vulkan device on these machines
+PROMPT = "the a of and to in is it"
+GEMMA_PROMPT = "The capital of France is"
+N_DECODE = 8
+HERE = Path(__file__).parent
+
+
+def _vulkan_wheel() -> str | None:
+    """Why the GPU path cannot run here, or None: the loaded llama.cpp must have the Vulkan backend and lavapipe
+    must be a Vulkan device (asked in a child process: this one must not see it)."""
+    probe = (
+        "from ggufswarm.runtime.llamacpp import devices as d; "
+        "print([x.name for x in d.gpus() if x.backend == 'Vulkan'])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=os.environ | LAVAPIPE)
+    if out.returncode != 0:
+        return f"the Vulkan probe failed: {out.stderr[-500:]}"
+    if "Vulkan0" not in out.stdout:
+        return "the installed llama.cpp has no Vulkan backend, or no Vulkan device is installed (make test builds it)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def vulkan():
+    why = _vulkan_wheel()
+    if why is not None:
+        if os.environ.get("GGUFSWARM_REQUIRE_GPU_TESTS") == "1":
+            pytest.fail(f"GGUFSWARM_REQUIRE_GPU_TESTS=1 but {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("gpu")
+    return write_tiny_model(d / "llama-q.gguf", "llama", quant=True, n_layers=N_LAYERS, seed=7)
+
+
+def gpu_reference(
+    model: Path, out: Path, gpu_blocks: int, ids: list[int], n_layers: int = N_LAYERS, **extra
+) -> tuple[dict, dict]:
+    """Run tests/gpu_reference.py in a child process that sees lavapipe; its arrays and its JSON."""
+    cmd = [
+        sys.executable,
+        str(HERE / "gpu_reference.py"),
+        str(model),
+        str(out),
+        "--ids",
+        ",".join(map(str, ids)),
+        "--n-decode",
+        str(N_DECODE),
+        "--gpu-blocks",
+        str(gpu_blocks),
+        "--n-layers",
+        str(n_layers),
+    ]
+    for k, v in extra.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | LAVAPIPE, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    arrays = np.load(out)
+    return {k: arrays[k] for k in arrays.files}, json.loads(out.with_suffix(".json").read_text())
+
+
+def prompt_ids(model: Path) -> list[int]:
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.client.tokenizer import Tokenizer
+
+    return Tokenizer(str(model), GGUFModelFile(model).metadata).encode(PROMPT)
+
+
+def test_a_head_shard_on_lavapipe_is_llama_cpp_with_the_same_blocks_there(vulkan, tiny, tmp_path):
+    """A 3-shard chain whose last shard (2 blocks, the output head) runs on the Vulkan device gives, bitwise, the
+    prefill logits and greedy decode logits of llama.cpp's whole model with its last 2 blocks and head there (its
+    CPU blocks kept as a CPU-only run keeps them: gpu_reference.py); two runs give the same bits; the placement
+    says where each block went, and llama.cpp's buffers there are what the accounting the fit uses predicts."""
+    from ggufswarm.artifact.accounting import shard_account
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+
+    ids = prompt_ids(tiny)
+    got, meta = gpu_reference(tiny, tmp_path / "ref.npz", N_LAYERS - CUTS[-1], ids, cuts=",".join(map(str, CUTS)))
+    assert got["prefill"].shape == got["chain_prefill"].shape
+    assert np.array_equal(got["chain_prefill"], got["prefill"]), np.abs(got["chain_prefill"] - got["prefill"]).max()
+    assert np.array_equal(got["chain_decode"], got["decode"]), np.abs(got["chain_decode"] - got["decode"]).max()
+    assert np.array_equal(got["chain2_prefill"], got["chain_prefill"]) and np.array_equal(
+        got["chain2_decode"], got["chain_decode"]
+    )
+    cpu0, cpu1, head = meta["placement"]
+    assert cpu0["device"] == cpu1["device"] == "CPU" and not cpu0["gpu_blocks"] and "Vulkan0" not in cpu0["buffers"]
+    assert head["device"] == "Vulkan0" and head["gpu_blocks"] == [4, 5] and head["output_on_gpu"]
+    assert "llvmpipe" in head["description"]
+    on_device = head["buffers"]["Vulkan0"]
+    assert head["device_bytes"] == sum(on_device.values()) and on_device["compute"] > 0
+    # llama.cpp's own report (MiB with 2 decimals: ±5 KiB each) against the header accounting gpu_fit counts with
+    acct = shard_account(GGUFModelFile(tiny), 4, 6, head=True)
+    assert abs(on_device["KV"] - acct.kv_bytes_per_token * 512) <= 5 << 10
+    assert 0.95 * acct.weight_bytes <= on_device["model"] <= acct.weight_bytes + (5 << 10)
+
+
+def test_gpu_fit_counts_blocks_from_the_end_within_free_memory(tiny):
+    """gpu_fit: all blocks with room to spare, none below its margin, and in between as many of the range's last
+    blocks as their weights and KV leave room for (the head's output first)."""
+    from ggufswarm.artifact.accounting import shard_account
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.runtime.llamacpp.devices import FIT_MARGIN_BYTES, gpu_fit
+
+    file, spec = GGUFModelFile(tiny), ShardSpec(2, 6, head=True)
+    out = shard_account(file, 6, 6, head=True)
+    fixed = FIT_MARGIN_BYTES + out.weight_bytes + 512 * out.n_embd * 4
+    block = [shard_account(file, b, b + 1) for b in range(2, 6)]
+    cost = [a.weight_bytes + 1024 * a.kv_bytes_per_token for a in block]
+    assert gpu_fit(file, spec, 1 << 40, 1024, 512) == 4
+    assert gpu_fit(file, spec, FIT_MARGIN_BYTES, 1024, 512) == 0
+    assert gpu_fit(file, spec, fixed + cost[3] + cost[2], 1024, 512) == 2
+    assert gpu_fit(file, spec, fixed + cost[3] + cost[2] - 1, 1024, 512) == 1
+
+
+def complete(base: str, prompt: str, max_tokens: int) -> str:
+    req = urllib.request.Request(
+        f"{base}/v1/completions",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode(),
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_a_route_with_its_head_on_lavapipe_streams_llama_cpp_s_text(vulkan, gemma_path, tmp_path):
+    """Gemma 3 270M on three node processes through the gateway, the last (blocks 12:18 +head) on the Vulkan
+    device: the greedy text is llama.cpp's own with those blocks on that device; its /health says so; the same
+    route with that node on the CPU (--gpu none) gives llama.cpp's CPU text."""
+    from ggufswarm.gateway import GatewayConfig, make_app
+
+    _, gpu_meta = gpu_reference(gemma_path, tmp_path / "gpu.npz", 6, [2], n_layers=18, prompt=GEMMA_PROMPT)
+    _, cpu_meta = gpu_reference(gemma_path, tmp_path / "cpu.npz", 0, [2], n_layers=18, prompt=GEMMA_PROMPT)
+    specs = [ShardSpec(0, 6, embed=True), ShardSpec(6, 12), ShardSpec(12, 18, head=True)]
+    for gpu, want in (("Vulkan0", gpu_meta["text"]), ("none", cpu_meta["text"])):
+        nodes = start_nodes(
+            specs,
+            str(gemma_path),
+            threads=1,
+            extra=["--ctx-size", "512", "--max-sessions", "2", "--data-dir", str(tmp_path / "data")],
+            per_node=lambda i, gpu=gpu: ["--gpu", gpu if i == 2 else "none"],
+            per_node_env=lambda i: LAVAPIPE if i == 2 else {},
+            timeout=600,
+        )
+        server = ServerThread(make_app(GatewayConfig([n.url for n in nodes], model=str(gemma_path))))
+        try:
+            base = server.start()
+            assert complete(base, GEMMA_PROMPT, N_DECODE) == want, gpu
+            placement = health(nodes[2].url)["placement"]
+            if gpu == "none":
+                assert placement["device"] == "CPU" and placement["cpu_blocks"] == list(range(12, 18))
+            else:
+                assert placement["device"] == "Vulkan0" and placement["gpu_blocks"] == list(range(12, 18))
+                assert placement["output_on_gpu"] and placement["buffers"]["Vulkan0"]["model"] > 0
+            assert health(nodes[0].url)["placement"]["device"] == "CPU"
+        finally:
+            server.stop()
+            stop_nodes(nodes)
+    assert gpu_meta["text"] and cpu_meta["text"]
