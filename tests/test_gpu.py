@@ -129,20 +129,23 @@ def test_a_head_shard_on_lavapipe_is_llama_cpp_with_the_same_blocks_there(vulkan
 
 def test_gpu_fit_counts_blocks_from_the_end_within_free_memory(tiny):
     """gpu_fit: all blocks with room to spare, none below its margin, and in between as many of the range's last
-    blocks as their weights and KV leave room for (the head's output first)."""
-    from ggufswarm.artifact.accounting import shard_account
+    blocks as their weights and KV leave room for (the head's output first); plan with a GPU prints the same."""
+    from ggufswarm.artifact.accounting import HeaderAccounts
     from ggufswarm.artifact.gguf_file import GGUFModelFile
-    from ggufswarm.runtime.llamacpp.devices import FIT_MARGIN_BYTES, gpu_fit
+    from ggufswarm.artifact.planning import FIT_MARGIN_BYTES, place, plan_text
+    from ggufswarm.runtime.llamacpp.devices import gpu_fit
 
     file, spec = GGUFModelFile(tiny), ShardSpec(2, 6, head=True)
-    out = shard_account(file, 6, 6, head=True)
-    fixed = FIT_MARGIN_BYTES + out.weight_bytes + 512 * out.n_embd * 4
-    block = [shard_account(file, b, b + 1) for b in range(2, 6)]
-    cost = [a.weight_bytes + 1024 * a.kv_bytes_per_token for a in block]
-    assert gpu_fit(file, spec, 1 << 40, 1024, 512) == 4
-    assert gpu_fit(file, spec, FIT_MARGIN_BYTES, 1024, 512) == 0
-    assert gpu_fit(file, spec, fixed + cost[3] + cost[2], 1024, 512) == 2
-    assert gpu_fit(file, spec, fixed + cost[3] + cost[2] - 1, 1024, 512) == 1
+    acc = HeaderAccounts.from_model(file)
+    fixed = FIT_MARGIN_BYTES + acc.head_bytes + 512 * acc.n_embd * 4
+    cost = [b.weight_bytes + 2 * 512 * b.kv_bytes_per_token for b in acc.layers]
+    assert gpu_fit(file, spec, 1 << 40, 512, 2, 512) == 4
+    assert gpu_fit(file, spec, FIT_MARGIN_BYTES, 512, 2, 512) == 0
+    assert gpu_fit(file, spec, fixed + cost[5] + cost[4], 512, 2, 512) == 2
+    assert gpu_fit(file, spec, fixed + cost[5] + cost[4] - 1, 512, 2, 512) == 1
+    plan = place(acc, 1 << 30, 512, sessions=2, gpu_memory=fixed + cost[5] + cost[4])
+    assert [n.gpu_blocks for n in plan.nodes] == [(4, 5)]
+    assert "4:6 +head (2 of 6)" in plan_text(acc, plan, "tiny")
 
 
 def complete(base: str, prompt: str, max_tokens: int) -> str:

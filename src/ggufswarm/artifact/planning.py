@@ -22,6 +22,37 @@ from .accounting import (
 )
 from .gguf_file import GGUFError, GGUFModelFile
 
+FIT_MARGIN_BYTES = 512 << 20  # device memory device_blocks leaves free beyond weights and KV: compute buffers, driver
+
+
+def device_blocks(
+    acc: HeaderAccounts,
+    start: int,
+    end: int,
+    head: bool,
+    device_bytes: int,
+    context: int,
+    sessions: int = 1,
+    n_ubatch: int = 512,
+) -> int:
+    """How many of blocks ``[start, end)``'s last blocks fit in ``device_bytes`` of GPU memory, as llama.cpp
+    offloads them (the last N, ``n_gpu_layers``, src/llama-model.cpp): each costs its encoded weights plus the KV
+    cache of ``sessions`` sessions of ``context`` tokens and their recurrent state; a head's output norm and LM
+    head (``head_bytes``, and ``n_ubatch`` rows of logits-sized activations) go first; FIT_MARGIN_BYTES stay free
+    for llama.cpp's compute buffers and the driver. An estimate from the header: a node reports what llama.cpp then
+    allocated (runtime/llamacpp/devices.py ``Placement``)."""
+    left = device_bytes - FIT_MARGIN_BYTES
+    if head:
+        left -= acc.head_bytes + n_ubatch * acc.n_embd * 4
+    fit = 0
+    for layer in reversed(acc.layers[start:end]):
+        cost = layer.weight_bytes + sessions * (context * layer.kv_bytes_per_token + layer.state_bytes_per_session)
+        if cost > left:
+            break
+        left -= cost
+        fit += 1
+    return fit
+
 
 class PlanError(ValueError):
     """No placement exists (one block alone exceeds a node's memory, too few nodes) or bad parameters."""
@@ -31,11 +62,13 @@ class PlanError(ValueError):
 class NodePlan:
     """One node of a placement: its shard's account, the bytes it holds with ``sessions`` sessions of the
     planned context (``used_bytes``), and the longest context (tokens) one session could have on it given its
-    memory (``max_context``; None when its blocks keep no per-token KV)."""
+    memory (``max_context``; None when its blocks keep no per-token KV); ``gpu_blocks``: the blocks a GPU of the
+    planned ``gpu_memory`` holds (``device_blocks``: the range's last ones; empty without a GPU)."""
 
     shard: ShardAccount
     used_bytes: int
     max_context: int | None
+    gpu_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +86,7 @@ class Placement:
     trained_context: int | None
     wire_dtype: str
     wire_bytes_per_token: int
+    gpu_memory: int | None = None
 
 
 def _check(node_memory: int, context: int, sessions: int, n_nodes: int | None) -> None:
@@ -73,13 +107,16 @@ def place(
     n_nodes: int | None = None,
     sessions: int = 1,
     wire_dtype: str = "f32",
+    gpu_memory: int | None = None,
 ) -> Placement:
     """Cut blocks ``0 .. acc.n_layers - 1`` into contiguous shards for nodes of ``node_memory`` bytes, each
     holding ``sessions`` sessions of ``context`` tokens.
 
     Without ``n_nodes``: the fewest nodes (greedy: each node takes blocks while they fit, the first with
     the embedding, the last with the head). With ``n_nodes``: exactly that many (or fewer when blocks run
-    out), balanced so the fullest node is as empty as possible (binary search on the bound).
+    out), balanced so the fullest node is as empty as possible (binary search on the bound). With
+    ``gpu_memory`` (bytes of GPU memory per node), each node's last blocks that fit there are its ``gpu_blocks``
+    (``device_blocks``; the cut itself is by ``node_memory``).
     Raises PlanError when a block with its stage does not fit a node, or ``n_nodes`` nodes cannot hold
     the model.
     """
@@ -153,7 +190,8 @@ def place(
         shard = acc.shard(s, e, embed=s == 0, head=e == n, wire_dtype=wire_dtype)
         room = node_memory - shard.weight_bytes - sessions * shard.state_bytes_per_session
         max_ctx = None if shard.kv_bytes_per_token == 0 else max(room, 0) // (sessions * shard.kv_bytes_per_token)
-        nodes.append(NodePlan(shard, cost(s, e), max_ctx))
+        on_gpu = device_blocks(acc, s, e, e == n, gpu_memory, context, sessions) if gpu_memory else 0
+        nodes.append(NodePlan(shard, cost(s, e), max_ctx, tuple(range(e - on_gpu, e))))
     limits = [p.max_context for p in nodes if p.max_context is not None]
     trained = acc.metadata.get(f"{acc.arch}.context_length")
     trained = int(trained) if trained else None
@@ -162,7 +200,15 @@ def place(
         session_context = trained if session_context is None else min(session_context, trained)
     hop = FRAME_HEADER_BYTES + acc.boundary_bytes_per_token(wire_dtype) + TRAILER_BYTES_PER_TOKEN
     return Placement(
-        node_memory, context, sessions, nodes, session_context, trained, wire_dtype, hop * (len(nodes) - 1)
+        node_memory,
+        context,
+        sessions,
+        nodes,
+        session_context,
+        trained,
+        wire_dtype,
+        hop * (len(nodes) - 1),
+        gpu_memory,
     )
 
 
@@ -226,10 +272,25 @@ def plan_json(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
         else {
             **{k: v for k, v in asdict(placement).items() if k != "nodes"},
             "nodes": [
-                {**p.shard.to_json(), "used_bytes": p.used_bytes, "max_context": p.max_context} for p in placement.nodes
+                {
+                    **p.shard.to_json(),
+                    "used_bytes": p.used_bytes,
+                    "max_context": p.max_context,
+                    "gpu_blocks": list(p.gpu_blocks),
+                }
+                for p in placement.nodes
             ],
         },
     }
+
+
+def _blocks(node: NodePlan) -> str:
+    """Which of a node's blocks a GPU holds: ``12:18 +head``, ``15:18 +head (3 of 6)``, ``none``."""
+    if not node.gpu_blocks:
+        return "none"
+    span = f"{node.gpu_blocks[0]}:{node.gpu_blocks[-1] + 1}" + (" +head" if node.shard.head else "")
+    total = node.shard.layers[1] - node.shard.layers[0]
+    return span if len(node.gpu_blocks) == total else f"{span} ({len(node.gpu_blocks)} of {total})"
 
 
 def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> str:
@@ -274,9 +335,11 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
     p = placement
     lines += [
         "",
-        f"placement: nodes of {human_bytes(p.node_memory)}, {p.sessions} session(s) of {p.context:,} tokens "
-        f"each (weights + KV + state; compute buffers not counted)",
-        f"{'node':>4}  {'layers':<9} {'stages':<11} {'weights':>11} {'KV+state':>11} {'used':>11} {'max context':>12}",
+        f"placement: nodes of {human_bytes(p.node_memory)}"
+        + (f" with a GPU of {human_bytes(p.gpu_memory)}" if p.gpu_memory else "")
+        + f", {p.sessions} session(s) of {p.context:,} tokens each (weights + KV + state; compute buffers not counted)",
+        f"{'node':>4}  {'layers':<9} {'stages':<11} {'weights':>11} {'KV+state':>11} {'used':>11} {'max context':>12}"
+        + ("  on the GPU" if p.gpu_memory else ""),
     ]
     for i, node in enumerate(p.nodes, 1):
         s = node.shard
@@ -286,7 +349,7 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
         lines.append(
             f"{i:>4}  {s.layers[0]}:{s.layers[1]:<{8 - len(str(s.layers[0]))}} {stages:<11} "
             f"{human_bytes(s.weight_bytes):>11} {human_bytes(sessions_bytes):>11} {human_bytes(node.used_bytes):>11} "
-            f"{ctx:>12}"
+            f"{ctx:>12}" + (f"  {_blocks(node)}" if p.gpu_memory else "")
         )
     ctx = "unbounded by memory" if p.session_context is None else f"{p.session_context:,} tokens"
     trained = f" (trained context {p.trained_context:,})" if p.trained_context else ""
@@ -300,4 +363,15 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
     return "\n".join(lines)
 
 
-__all__ = ["NodePlan", "PlanError", "Placement", "human_bytes", "local_accounts", "place", "plan_json", "plan_text"]
+__all__ = [
+    "FIT_MARGIN_BYTES",
+    "device_blocks",
+    "NodePlan",
+    "PlanError",
+    "Placement",
+    "human_bytes",
+    "local_accounts",
+    "place",
+    "plan_json",
+    "plan_text",
+]

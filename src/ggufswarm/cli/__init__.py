@@ -396,7 +396,8 @@ def cmd_plan(args) -> int:
         args.context = min(int(trained), MAX_CONTEXT) if trained else MAX_CONTEXT
     placement = None
     if args.node_memory is not None:
-        placement = place(acc, args.node_memory, args.context, args.nodes, args.sessions, args.wire_dtype)
+        memory, gpu = args.node_memory
+        placement = place(acc, memory, args.context, args.nodes, args.sessions, args.wire_dtype, gpu)
     print(json.dumps(plan_json(acc, placement, source), indent=1) if args.json else plan_text(acc, placement, source))
     return 0
 

@@ -53,6 +53,18 @@ def backend_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def node_memory(text: str) -> tuple[int, int | None]:
+    """``SIZE`` or ``SIZE,gpu=SIZE`` (``64GiB,gpu=24GiB``): a node's memory and its GPU's, in bytes."""
+    main, _, rest = text.partition(",")
+    gpu = None
+    if rest:
+        key, _, value = rest.partition("=")
+        if key.strip().lower() != "gpu" or not value:
+            raise argparse.ArgumentTypeError(f"expected SIZE or SIZE,gpu=SIZE (e.g. 64GiB,gpu=24GiB), got {text!r}")
+        gpu = byte_size(value)
+    return byte_size(main), gpu
+
+
 def byte_size(text: str) -> int:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?", text.strip().upper())
     if not m or float(m.group(1)) <= 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .args import byte_size, model_args, speculative_args, token_arg
+from .args import model_args, node_memory, speculative_args, token_arg
 from .servers import add_demo_parser, add_gateway_parser, add_node_parser
 from .services import add_cache_parser, add_tracker_parser
 
@@ -185,11 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument(
         "--node-memory",
-        type=byte_size,
+        type=node_memory,
         default=None,
-        metavar="SIZE",
+        metavar="SIZE[,gpu=SIZE]",
         help="memory of each node for weights + KV + state, e.g. 24GiB, 48G, 512M (K/M/G/T are "
-        "powers of 1024); without it only the per-block table is printed",
+        "powers of 1024), and its GPU's: 64GiB,gpu=24GiB also prints which of each node's blocks the GPU "
+        "holds (its last ones, as a node with --gpu auto places them); without it only the per-block table is "
+        "printed",
     )
     pl.add_argument(
         "--context",

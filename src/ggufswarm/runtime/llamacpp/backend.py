@@ -179,7 +179,7 @@ class LlamaCppShard:
         if self.device is None:
             self.gpu_blocks = 0
         elif gpu_blocks is None:
-            self.gpu_blocks = devices.gpu_fit(model, spec, self.device.free_bytes, per_session * n_seq_max, n_ubatch)
+            self.gpu_blocks = devices.gpu_fit(model, spec, self.device.free_bytes, per_session, n_seq_max, n_ubatch)
         else:
             self.gpu_blocks = max(0, min(int(gpu_blocks), n_blocks))
         # patch 0005's batch-invariant kernels are the CPU's: on a GPU a session's step runs alone (exact mode), and

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...artifact.accounting import shard_account
+from ...artifact.accounting import HeaderAccounts
+from ...artifact.planning import device_blocks
 from ..spec import ShardSpec
 from . import ffi
 from .errors import LlamaCppError
@@ -26,7 +27,6 @@ from .patches import libllama_path
 
 # enum ggml_backend_dev_type (ggml-backend.h)
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
-FIT_MARGIN_BYTES = 512 << 20  # device memory left free by gpu_fit beyond weights and KV: compute buffers, driver
 # "<func>: <buffer type> <what> buffer size = <MiB> MiB" (src/llama-model.cpp, llama-kv-cache.cpp, llama-context.cpp,
 # llama-memory-recurrent.cpp: llama.cpp's own report of each buffer it allocates)
 BUFFER_LINE = re.compile(r"^\w+:\s+(\S+)\s+(model|KV|compute|output|RS|DSV4 \w+ state) buffer size =\s+([\d.]+) MiB")
@@ -147,25 +147,12 @@ def _gpu_registries() -> set[str]:
     return names - {"CPU", "BLAS", "RPC", ""}
 
 
-def gpu_fit(model, spec: ShardSpec, free_bytes: int, kv_cells: int, n_ubatch: int) -> int:
-    """How many of ``spec``'s last blocks fit in ``free_bytes`` of device memory: each costs its encoded weights
-    plus ``kv_cells`` tokens of its KV cache (``artifact.accounting``); the head's output norm and LM head go with
-    any block; FIT_MARGIN_BYTES plus ``n_ubatch`` rows of the widest activation stay free for llama.cpp's
-    compute buffers. llama.cpp offloads the *last* blocks (``n_gpu_layers``, src/llama-model.cpp), so the count
-    grows from the end. An estimate made before loading; ``Placement`` reports what llama.cpp then allocated."""
-    left = free_bytes - FIT_MARGIN_BYTES
-    if spec.head:
-        out = shard_account(model, spec.end, spec.end, head=True)
-        left -= out.weight_bytes + n_ubatch * out.n_embd * 4
-    fit = 0
-    for block in range(spec.end - 1, spec.start - 1, -1):
-        acct = shard_account(model, block, block + 1)
-        cost = acct.weight_bytes + kv_cells * acct.kv_bytes_per_token + acct.state_bytes_per_session
-        if cost > left:
-            break
-        left -= cost
-        fit += 1
-    return fit
+def gpu_fit(model, spec: ShardSpec, free_bytes: int, tokens: int, sessions: int, n_ubatch: int) -> int:
+    """How many of ``spec``'s last blocks fit in ``free_bytes`` of device memory with ``sessions`` sessions of
+    ``tokens`` KV cells each: ``artifact.planning.device_blocks`` on the model's header, the formula
+    ``plan --node-memory SIZE,gpu=SIZE`` uses."""
+    acc = HeaderAccounts.from_model(model)
+    return device_blocks(acc, spec.start, spec.end, spec.head, free_bytes, tokens, sessions, n_ubatch)
 
 
 _REPORT_LOCK = threading.Lock()
