@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from route_fixtures import http
 from tinymodels import write_tiny_model
 
 from ggufswarm.node.launch import start_nodes, stop_nodes
@@ -148,6 +149,48 @@ def test_gpu_fit_counts_blocks_from_the_end_within_free_memory(tiny):
     assert "4:6 +head (2 of 6)" in plan_text(acc, plan, "tiny")
 
 
+FIT_PROBE = """
+import json, sys
+from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.runtime.llamacpp import devices
+from ggufswarm.runtime.llamacpp.backend import LlamaCppShard
+from ggufswarm.runtime.shard import ShardSpec
+free = devices.gpus()[0].free_bytes
+shard = LlamaCppShard(GGUFModelFile(sys.argv[1]), ShardSpec(0, 6, embed=True, head=True), n_ctx_seq=131072,
+                      n_seq_max=4, threads=1, cache_dir=sys.argv[2], gpu="auto")
+print(json.dumps({"free": free, "placement": shard.placement.to_json()}))
+"""
+
+
+def test_a_node_holds_on_its_gpu_the_blocks_plan_gives_it(vulkan, tmp_path):
+    """With KV for 4 sessions of 128K tokens a GPU of lavapipe's 2 GiB holds only some of a range's blocks: the
+    node puts there exactly the blocks ``plan --node-memory ...,gpu=FREE`` lists, the rest on the CPU, and
+    llama.cpp's KV buffer on the device is the planned KV of those blocks."""
+    from ggufswarm.artifact.accounting import HeaderAccounts
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.artifact.planning import place
+
+    model = write_tiny_model(tmp_path / "long.gguf", "llama", quant=True, n_layers=N_LAYERS, context_length=131072)
+    done = subprocess.run(
+        [sys.executable, "-c", FIT_PROBE, str(model), str(tmp_path / "shards")],
+        capture_output=True,
+        text=True,
+        env=os.environ | LAVAPIPE,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    acc = HeaderAccounts.from_model(GGUFModelFile(model))
+    plan = place(acc, 1 << 40, 131072, sessions=4, gpu_memory=got["free"])
+    (node,) = plan.nodes
+    placement = got["placement"]
+    assert 0 < len(node.gpu_blocks) < N_LAYERS, node.gpu_blocks  # a partial fit, or the test proves nothing
+    assert placement["gpu_blocks"] == list(node.gpu_blocks)
+    assert placement["cpu_blocks"] == list(range(N_LAYERS - len(node.gpu_blocks)))
+    planned_kv = 4 * 131072 * sum(acc.layers[b].kv_bytes_per_token for b in node.gpu_blocks)
+    assert abs(placement["buffers"]["Vulkan0"]["KV"] - planned_kv) <= 5 << 10
+
+
 def complete(base: str, prompt: str, max_tokens: int) -> str:
     req = urllib.request.Request(
         f"{base}/v1/completions",
@@ -194,6 +237,13 @@ def test_a_route_with_its_head_on_lavapipe_streams_llama_cpp_s_text(vulkan, gemm
                 assert placement["device"] == "Vulkan0" and placement["gpu_blocks"] == list(range(12, 18))
                 assert placement["output_on_gpu"] and placement["buffers"]["Vulkan0"]["model"] > 0
             assert health(nodes[0].url)["placement"]["device"] == "CPU"
+            if gpu != "none":  # its KV is allocated at start: a session past --max-sessions is refused, not run
+                opened = [http("POST", f"{nodes[2].url}/v1/sessions", {"max_length": 64}) for _ in range(3)]
+                assert [status for status, _ in opened] == [201, 201, 429], opened
+                assert opened[2][1]["error"]["code"] == "kv_budget_full", opened[2]
+                for status, body in opened[:2]:
+                    http("DELETE", f"{nodes[2].url}/v1/sessions/{body['session_id']}")
+                assert complete(base, GEMMA_PROMPT, N_DECODE) == want
         finally:
             server.stop()
             stop_nodes(nodes)
