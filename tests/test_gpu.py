@@ -191,6 +191,27 @@ def test_a_node_holds_on_its_gpu_the_blocks_plan_gives_it(vulkan, tmp_path):
     assert abs(placement["buffers"]["Vulkan0"]["KV"] - planned_kv) <= 5 << 10
 
 
+def test_layers_auto_takes_what_the_gpu_holds(vulkan):
+    """``--layers auto`` without ``--memory-budget``: on a node with a GPU, 3/4 of the GPU's free memory less the
+    fit's margin (said in one line); without one (this process sees none), 8192 MiB; ``--memory-budget`` wins."""
+    from ggufswarm.artifact.planning import FIT_MARGIN_BYTES
+    from ggufswarm.node.app import layers_budget
+    from ggufswarm.node.state import NodeConfig
+
+    probe = (
+        "from ggufswarm.node.app import layers_budget; from ggufswarm.node.state import NodeConfig; "
+        "from ggufswarm.runtime.llamacpp.devices import gpus; "
+        "print(gpus()[0].free_bytes, layers_budget(NodeConfig(layers='auto', gpu='auto')))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=os.environ | LAVAPIPE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    free, budget = map(int, done.stdout.split())
+    assert budget == int((free - FIT_MARGIN_BYTES) * 0.75)
+    assert "--layers auto: Vulkan0" in done.stderr and "MiB of layers" in done.stderr
+    assert layers_budget(NodeConfig(layers="auto", gpu="auto")) == 8192 << 20
+    assert layers_budget(NodeConfig(layers="auto", gpu="auto", memory_budget_mb=100)) == 100 << 20
+
+
 def complete(base: str, prompt: str, max_tokens: int) -> str:
     req = urllib.request.Request(
         f"{base}/v1/completions",
@@ -241,7 +262,7 @@ def test_a_route_with_its_head_on_lavapipe_streams_llama_cpp_s_text(vulkan, gemm
                 opened = [http("POST", f"{nodes[2].url}/v1/sessions", {"max_length": 64}) for _ in range(3)]
                 assert [status for status, _ in opened] == [201, 201, 429], opened
                 assert opened[2][1]["error"]["code"] == "kv_budget_full", opened[2]
-                for status, body in opened[:2]:
+                for _, body in opened[:2]:
                     http("DELETE", f"{nodes[2].url}/v1/sessions/{body['session_id']}")
                 assert complete(base, GEMMA_PROMPT, N_DECODE) == want
         finally:

@@ -73,9 +73,10 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
     n.add_argument(
         "--memory-budget",
         type=float,
-        default=8192.0,
+        default=None,
         metavar="MB",
-        help="with --layers auto: the most MiB of weights to take, embedding and LM head included (default 8192)",
+        help="with --layers auto: the most MiB of weights to take, embedding and LM head included (default: "
+        "with a GPU (--gpu), 3/4 of its free memory less 512 MiB, the rest for their KV cache; else 8192)",
     )
     n.add_argument(
         "--fetch-timeout",

@@ -320,6 +320,35 @@ def _swarm_for(config: NodeConfig):
     return Swarm(host, config.torrent_port, dht_bootstrap=config.dht)  # mapping: net.portmap, when needed
 
 
+DEFAULT_LAYERS_BUDGET_MB = 8192.0  # --layers auto without a GPU or --memory-budget: MiB of weights to take
+GPU_WEIGHTS_SHARE = 0.75  # --layers auto with a GPU: the share of its free memory (less the fit's margin) for weights
+
+
+def layers_budget(config: NodeConfig) -> int:
+    """Bytes of weights ``--layers auto`` may take: ``--memory-budget``; else, on a llama.cpp node with a GPU
+    (``--gpu``), GPU_WEIGHTS_SHARE of the device's free memory less ``artifact.planning.FIT_MARGIN_BYTES`` (the
+    rest for the blocks' KV cache: the node then places on it what fits, the rest on the CPU), said in one line;
+    else DEFAULT_LAYERS_BUDGET_MB. Raises LlamaCppError for a ``--gpu`` device that does not exist."""
+    if config.memory_budget_mb is not None:
+        return int(config.memory_budget_mb * BYTES_PER_MIB)
+    if config.layers == "auto" and config.backend == "llama.cpp" and config.gpu != "none":
+        from ..artifact.planning import FIT_MARGIN_BYTES
+        from ..runtime.llamacpp.devices import choose
+
+        device = choose(config.gpu)
+        if device is not None:
+            budget = max(int((device.free_bytes - FIT_MARGIN_BYTES) * GPU_WEIGHTS_SHARE), 0)
+            print(
+                f"ggufswarm node: --layers auto: {device.name} ({device.description}) has "
+                f"{device.free_bytes / BYTES_PER_MIB:.0f} MiB free: taking up to {budget / BYTES_PER_MIB:.0f} MiB "
+                "of layers (weights; the rest of it for their KV cache; --memory-budget MB sets it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return budget
+    return int(DEFAULT_LAYERS_BUDGET_MB * BYTES_PER_MIB)
+
+
 def _say_placement(state: NodeState) -> None:
     """One line at start on where the blocks run when a GPU was asked for (``--gpu``): on it, split, or on the
     CPU and why (no GPU, none of them fits): a GPU is never given up silently."""
@@ -385,7 +414,7 @@ def run_node(config: NodeConfig) -> int:
             config.embed,
             config.head,
             Path(config.data_dir),
-            budget_bytes=int(config.memory_budget_mb * BYTES_PER_MIB),
+            budget_bytes=layers_budget(config),
             timeout=config.fetch_timeout_s,
             stall_s=config.fetch_stall_s,
             token=config.token,

@@ -67,7 +67,7 @@ class NodeConfig:
     data_dir: str = "ggufswarm-data"  # where swarm-fetched shards are stored (sparse files)
     heartbeat_s: float = 5.0
     swarm_name: str | None = None  # the published name advertised to the tracker (set after a fetch)
-    memory_budget_mb: float = 8192.0  # with layers "auto": most MiB of block weights (encoded) to take on
+    memory_budget_mb: float | None = None  # layers "auto": most MiB of weights to take (None: node.app.layers_budget)
     fetch_timeout_s: float = 1800.0  # with a tracker: the shard fetch fails after this long in all
     fetch_stall_s: float = 60.0  # with a tracker: warn and retry when the fetch gets no piece this long
     token: str | None = None  # swarm token: required on every endpoint, sent to tracker, hops, cache
