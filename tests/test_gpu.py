@@ -245,6 +245,7 @@ def health(url: str) -> dict:
         return json.loads(r.read())
 
 
+@pytest.mark.slow
 def test_a_route_with_its_head_on_lavapipe_streams_llama_cpp_s_text(vulkan, gemma_path, tmp_path):
     """Gemma 3 270M on three node processes through the gateway, the last (blocks 12:18 +head) on the Vulkan
     device: the greedy text is llama.cpp's own with those blocks on that device; its /health says so; the same
@@ -286,3 +287,70 @@ def test_a_route_with_its_head_on_lavapipe_streams_llama_cpp_s_text(vulkan, gemm
             server.stop()
             stop_nodes(nodes)
     assert gpu_meta["text"] and cpu_meta["text"]
+
+
+@pytest.mark.slow
+def test_a_session_repaired_onto_a_gpu_head_continues(vulkan, gemma_path, tmp_path):
+    """A CPU route through a tracker loses its head mid-answer; the gateway repairs the session onto a spare head
+    on the Vulkan device (it fetched its layers from the swarm like any node), and the answer goes on: the text
+    streamed before the kill stays, the rest comes from the GPU head, which the final telemetry names. From the
+    repair on, the tokens are the GPU's (docs/gpu.md: its logits differ from the CPU's), as after a repair onto a
+    node of another CPU kind."""
+    import threading
+    import time
+
+    from apphost import AppThread
+    from test_faults import stream
+
+    from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.gateway import GatewayConfig, make_app
+    from ggufswarm.gateway.app import GATEWAY
+    from ggufswarm.swarm.publish import publish
+    from ggufswarm.swarm.torrent import Swarm, save_path_for
+    from ggufswarm.tracker.app import TrackerConfig
+    from ggufswarm.tracker.app import make_app as make_tracker_app
+
+    specs = [ShardSpec(0, 6, embed=True), ShardSpec(6, 12), ShardSpec(12, 18, head=True), ShardSpec(12, 18, head=True)]
+    with AppThread(lambda: make_tracker_app(TrackerConfig(db=":memory:", ttl_s=30))) as tracker:
+        published = publish(gemma_path, tracker, "gemma", tmp_path / "publisher")
+        seeder = Swarm()
+        seeder.seed(published.torrent, save_path_for([gemma_path]))
+        nodes, gateway = [], None
+        try:
+            nodes = start_nodes(
+                specs,
+                "gemma",
+                threads=1,
+                timeout=600,
+                # lavapipe compiles a shader on its first use of it (seconds to a minute): a long hop timeout
+                extra=["--tracker", tracker, "--hop-timeout", "300", "--ctx-size", "512", "--max-sessions", "2"],
+                per_node=lambda i: ["--data-dir", str(tmp_path / f"node{i}"), "--gpu", "Vulkan0" if i == 3 else "none"],
+                per_node_env=lambda i: LAVAPIPE if i == 3 else {},
+            )
+            cpu_head, gpu_head = nodes[2], nodes[3]
+            deadline = time.monotonic() + 60
+            while len(TrackerClient(tracker).nodes("gemma")) < len(nodes):
+                assert time.monotonic() < deadline, "the nodes did not all advertise"
+                time.sleep(0.2)
+            gateway = ServerThread(
+                make_app(GatewayConfig([], model="gemma", tracker=tracker, hop_timeout_s=300, data_dir=str(tmp_path)))
+            )
+            base = gateway.start()
+            gateway.app[GATEWAY].suspect(gpu_head.url)  # the first plan takes the CPU head
+            seen = []
+
+            def kill_at(i):
+                seen.append(i)
+                if i == 6:
+                    threading.Thread(target=cpu_head.kill).start()
+
+            text, telemetry = stream(base, GEMMA_PROMPT, kill_at, max_tokens=20)
+            assert telemetry["repairs"], telemetry
+            assert telemetry["route"][-1]["node"] == gpu_head.url, telemetry["route"]
+            assert health(gpu_head.url)["placement"]["device"] == "Vulkan0"
+            assert len(seen) >= 7 and text.strip()
+        finally:
+            if gateway is not None:
+                gateway.stop()
+            stop_nodes(nodes)
+            seeder.close()
