@@ -274,7 +274,10 @@ def test_a_route_with_its_head_on_lavapipe_streams_llama_cpp_s_text(vulkan, gemm
                 assert placement["device"] == "CPU" and placement["cpu_blocks"] == list(range(12, 18))
             else:
                 assert placement["device"] == "Vulkan0" and placement["gpu_blocks"] == list(range(12, 18))
-                assert placement["output_on_gpu"] and placement["buffers"]["Vulkan0"]["model"] > 0
+                assert placement["buffers"]["Vulkan0"]["model"] > 0
+                # Gemma's tied 170 MiB LM head is more than one lavapipe storage buffer (128 MiB): llama.cpp keeps it
+                # on the CPU, and the placement says so
+                assert not placement["output_on_gpu"] and placement["buffers"]["CPU_Mapped"]["model"] > 150 << 20
             assert health(nodes[0].url)["placement"]["device"] == "CPU"
             if gpu != "none":  # its KV is allocated at start: a session past --max-sessions is refused, not run
                 opened = [http("POST", f"{nodes[2].url}/v1/sessions", {"max_length": 64}) for _ in range(3)]

@@ -59,9 +59,14 @@ def node_memory(text: str) -> tuple[int, int | None]:
     gpu = None
     if rest:
         key, _, value = rest.partition("=")
-        if key.strip().lower() != "gpu" or not value:
+        if key.strip().lower() != "gpu" or not value or "," in value:
             raise argparse.ArgumentTypeError(f"expected SIZE or SIZE,gpu=SIZE (e.g. 64GiB,gpu=24GiB), got {text!r}")
-        gpu = byte_size(value)
+        try:
+            gpu = byte_size(value)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"the GPU's size {value!r} in {text!r} is not a size (e.g. 24GiB)"
+            ) from None
     return byte_size(main), gpu
 
 

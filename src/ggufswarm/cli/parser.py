@@ -190,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE[,gpu=SIZE]",
         help="memory of each node for weights + KV + state, e.g. 24GiB, 48G, 512M (K/M/G/T are "
         "powers of 1024), and its GPU's: 64GiB,gpu=24GiB also prints which of each node's blocks the GPU "
-        "holds (its last ones, as a node with --gpu auto places them); without it only the per-block table is "
-        "printed",
+        "holds (its last ones, as a node with --gpu auto places them; the cut itself is by the first SIZE, "
+        "which holds all of a node's weights as its mapped file); without it only the per-block table is printed",
     )
     pl.add_argument(
         "--context",

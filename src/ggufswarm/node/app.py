@@ -79,6 +79,11 @@ def load_executor(config: NodeConfig):
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if config.state_checkpoints < 0:
         raise ValueError(f"--state-checkpoints must be at least 0, got {config.state_checkpoints}")
+    if config.gpu_blocks is not None and (config.gpu_blocks < 0 or config.gpu == "none"):
+        raise ValueError(
+            f"--gpu-blocks {config.gpu_blocks}: "
+            + ("must be at least 0" if config.gpu_blocks < 0 else "needs a GPU (--gpu auto or a device name)")
+        )
     per_session = min(config.ctx_size, model_cfg.max_length, max(config.kv_budget_tokens // config.max_sessions, 1))
     if config.kv_budget_mb is not None:  # the sessions' cells of a backend that allocates them up front
         per_token = max(shard_account(file, spec.start, spec.end).kv_bytes_per_token, 1)
@@ -103,6 +108,10 @@ def load_executor(config: NodeConfig):
     )
     if source is not file:  # --test-lie weights:PATH: the shard passes itself off as the published model's
         executor.model = file
+    if getattr(executor, "gpu_blocks", 0):  # compile the GPU's kernels now, not in a session's first hop
+        t0 = time.perf_counter()
+        executor.warm_up()
+        executor.warm_up_s = time.perf_counter() - t0
     return executor
 
 
@@ -355,14 +364,24 @@ def _say_placement(state: NodeState) -> None:
     placement = getattr(state.executor, "placement", None)
     if placement is None or state.config.gpu == "none":
         return
+    asked = state.config.gpu_blocks
     if placement.gpu_blocks:
         line = placement.summary()
-        if placement.cpu_blocks and state.config.gpu_blocks is None:
+        if placement.cpu_blocks and asked is None:
             line += " (the rest did not fit in its free memory; --gpu-blocks N sets how many go there)"
+        if asked is not None and asked > len(placement.gpu_blocks):
+            line += f" (--gpu-blocks {asked}: the range has {len(placement.gpu_blocks)})"
+        if state.spec.head and not placement.output_on_gpu:
+            line += "; the output head stays on the CPU (llama.cpp could not place it on the device)"
+        warm = getattr(state.executor, "warm_up_s", None)
+        if warm is not None:
+            line += f"; warmed up in {warm:.1f} s"
     elif state.executor.device is None:
         from ..runtime.llamacpp.devices import why_no_gpu
 
         line = f"--gpu {state.config.gpu}: no GPU found, all blocks run on the CPU. {why_no_gpu()}"
+    elif asked == 0:
+        line = f"--gpu-blocks 0: all blocks run on the CPU, none on {state.executor.device.name}"
     else:
         d = state.executor.device
         line = (

@@ -31,7 +31,7 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
-from ...artifact.accounting import shard_account
+from ...artifact.accounting import HeaderAccounts, shard_account
 from ...artifact.gguf_file import GGUFModelFile
 from ..kv import ContextOverflow, TokenOutOfRange, check_max_length
 from ..spec import ShardSpec
@@ -48,6 +48,7 @@ MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
 STATE_FORMAT = "llama.cpp-seq-state-v1"
 MAX_VERIFY_TOKENS = 16  # most tokens of a speculative verify step (all rows' logits) a head takes
 KV_STREAM_ROUNDING = 256  # llama.cpp rounds a KV stream's cells up to a multiple of this
+WARM_UP_TOKENS = 64  # positions of the throw-away prefill warm_up runs (then one decode step)
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,9 @@ class LlamaCppShard:
         cparams.op_offload = self.gpu_blocks > 0
         with devices.buffer_report() as context_report:
             self._ctx = L.llama_init_from_model(self._model, cparams)
-        self.placement = devices.Placement.of(self.device, self.gpu_blocks, spec, report + context_report)
+        self.placement = devices.Placement.of(
+            self.device, self.gpu_blocks, spec, report + context_report, HeaderAccounts.from_model(model)
+        )
         # on a GPU (no batch invariance, above) its kernels may round by batch size: in exact mode a session's step
         # runs alone there
         self.batch_group = batch.default_batch_group(self.kv_unified, self.batch_invariant)
@@ -294,6 +297,27 @@ class LlamaCppShard:
         return self._lock
 
     # -- accounting ----------------------------------------------------------------------------
+    def warm_up(self, tokens: int = WARM_UP_TOKENS) -> None:
+        """Run a throw-away session's prefill of ``tokens`` positions and one decode step, then free it: a GPU
+        backend compiles or loads its kernels for those shapes now (Vulkan's shaders: a minute on a software
+        device the first time), not during a session's first steps, where a hop timeout would end it. As
+        llama.cpp's own tools warm up (common/common.cpp). Changes no other session."""
+        n = max(1, min(int(tokens), self.n_batch, self.n_ctx_seq - 1))
+        kv = self.new_session(n + 1)
+        try:
+            if self.takes_tokens or self.embedding is not None:
+                first = np.zeros(n, dtype=np.int64)
+                step = np.zeros(1, dtype=np.int64)
+            else:
+                first = np.zeros((n, self.cfg.n_embd), dtype=np.float32)
+                step = np.zeros((1, self.cfg.n_embd), dtype=np.float32)
+            ids = {"token_ids": np.zeros(n, dtype=np.int32)} if self.needs_token_ids else {}
+            self.forward(kv, first, logits="last", **ids)
+            ids = {"token_ids": np.zeros(1, dtype=np.int32)} if self.needs_token_ids else {}
+            self.forward(kv, step, logits="last", **ids)
+        finally:
+            kv.close()
+
     def placement_now(self) -> dict:
         """``placement`` as JSON, with the GPU's ``free_bytes``/``total_bytes`` as its backend reports them now."""
         out = self.placement.to_json()

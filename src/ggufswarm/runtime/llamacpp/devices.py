@@ -109,8 +109,8 @@ def gpus() -> list[Device]:
 def choose(gpu: str) -> Device | None:
     """The device ``--gpu`` names: ``none`` → None (CPU); ``auto`` → the first GPU, or None when there is none
     (the CPU: a machine without a GPU is not an error); a device name (``Vulkan0``, ``CUDA1``; case-insensitive) →
-    that device. Raises LlamaCppError for a name no device has, saying which there are and why a build may have
-    none (a wheel built without that backend, a software device not made visible)."""
+    that device. Raises LlamaCppError for a name no device has, saying which there are, or that this build has
+    no backend of that kind and how to get one."""
     want = gpu.strip()
     if want.lower() == "none":
         return None
@@ -120,8 +120,16 @@ def choose(gpu: str) -> Device | None:
     for d in found:
         if d.name.lower() == want.lower():
             return d
-    listed = ", ".join(f"{d.name} ({d.description})" for d in found) or "none"
-    raise LlamaCppError(f"--gpu {want}: no such GPU; this llama.cpp sees {listed}. {why_no_gpu()}")
+    kind = re.sub(r"\d+$", "", want)
+    regs = _gpu_registries()
+    if kind and kind.lower() not in {r.lower() for r in regs} | {d.name.rstrip("0123456789").lower() for d in found}:
+        have = f"only {', '.join(sorted(regs))}" if regs else "no GPU backend"
+        raise LlamaCppError(
+            f"--gpu {want}: this llama.cpp build has {have}, no {kind} backend; make setup builds the one the "
+            f"machine has (GGUFSWARM_GPU=cuda|vulkan|hip|metal chooses)"
+        )
+    listed = ", ".join(f"{d.name} ({d.description})" for d in found)
+    raise LlamaCppError(f"--gpu {want}: no such GPU; this llama.cpp sees {listed or 'none'}. {why_no_gpu()}")
 
 
 def why_no_gpu() -> str:
@@ -132,10 +140,11 @@ def why_no_gpu() -> str:
             "The installed llama.cpp was built without a GPU backend: make setup builds CUDA, Vulkan, HIP or Metal "
             "when their toolkit is installed (GGUFSWARM_GPU=cuda|vulkan|hip|metal chooses)."
         )
-    found = [f"{d.name} ({d.description})" for d in gpus()]
+    if gpus():
+        return f"Its GPU backends: {', '.join(regs)}."
     return (
-        f"Its GPU backends: {', '.join(regs)}; the GPUs they see: {', '.join(found) or 'none'} (is the driver "
-        "installed? a software Vulkan device, lavapipe, is listed only when GGML_VK_VISIBLE_DEVICES names it)."
+        f"Its GPU backends ({', '.join(regs)}) see no GPU: is its driver installed? (A software Vulkan device, "
+        "lavapipe, is listed only when GGML_VK_VISIBLE_DEVICES names it.)"
     )
 
 
@@ -153,6 +162,13 @@ def gpu_fit(model, spec: ShardSpec, free_bytes: int, tokens: int, sessions: int,
     ``plan --node-memory SIZE,gpu=SIZE`` uses."""
     acc = HeaderAccounts.from_model(model)
     return device_blocks(acc, spec.start, spec.end, spec.head, free_bytes, tokens, sessions, n_ubatch)
+
+
+def _holds_output(on_device: dict, gpu_blocks: int, spec: ShardSpec, acc: HeaderAccounts | None) -> bool:
+    if acc is None:
+        return True
+    blocks = sum(layer.weight_bytes for layer in acc.layers[spec.end - gpu_blocks : spec.end])
+    return on_device.get("model", 0) >= blocks + acc.head_bytes // 2
 
 
 _REPORT_LOCK = threading.Lock()
@@ -193,9 +209,14 @@ class Placement:
     free_bytes: int = 0
 
     @classmethod
-    def of(cls, device: Device | None, gpu_blocks: int, spec: ShardSpec, report: list) -> Placement:
+    def of(
+        cls, device: Device | None, gpu_blocks: int, spec: ShardSpec, report: list, acc: HeaderAccounts | None = None
+    ) -> Placement:
         """The placement of ``spec`` with its last ``gpu_blocks`` blocks on ``device`` (None: the CPU), with
-        llama.cpp's ``buffer_report``."""
+        llama.cpp's ``buffer_report``. ``output_on_gpu`` is read from that report when ``acc`` (the model's
+        header accounting) is given: llama.cpp keeps an output head on the CPU when the device cannot hold it as
+        one buffer (lavapipe's storage buffers end at 128 MiB; Gemma's tied 170 MiB head stays on the CPU), so the
+        device's model buffer must hold the blocks' weights and most of the head's."""
         buffers: dict[str, dict[str, int]] = {}
         for buft, what, size in report:
             buffers.setdefault(buft, {})
@@ -208,7 +229,7 @@ class Placement:
             backend=device.backend if on else "CPU",
             gpu_blocks=list(range(split, spec.end)) if on else [],
             cpu_blocks=list(range(spec.start, split)) if on else list(range(spec.start, spec.end)),
-            output_on_gpu=on and spec.head,
+            output_on_gpu=on and spec.head and _holds_output(buffers.get(device.name, {}), gpu_blocks, spec, acc),
             buffers=buffers,
             device_bytes=sum(sum(v.values()) for k, v in buffers.items() if on and k == device.name),
             total_bytes=device.total_bytes if on else 0,
