@@ -212,11 +212,11 @@ def test_layers_auto_takes_what_the_gpu_holds(vulkan):
     """``--layers auto`` without ``--memory-budget``: on a node with a GPU, 3/4 of the GPU's free memory less the
     fit's margin (said in one line); without one (this process sees none), 8192 MiB; ``--memory-budget`` wins."""
     from ggufswarm.artifact.planning import FIT_MARGIN_BYTES
-    from ggufswarm.node.app import layers_budget
+    from ggufswarm.node.placement import layers_budget
     from ggufswarm.node.state import NodeConfig
 
     probe = (
-        "from ggufswarm.node.app import layers_budget; from ggufswarm.node.state import NodeConfig; "
+        "from ggufswarm.node.placement import layers_budget; from ggufswarm.node.state import NodeConfig; "
         "from ggufswarm.runtime.llamacpp.devices import gpus; "
         "print(gpus()[0].free_bytes, layers_budget(NodeConfig(layers='auto', gpu='auto')))"
     )

@@ -279,6 +279,15 @@ class NodeState:
         GGUF file name without its extension (artifact.default_model.model_name)."""
         return self.config.swarm_name or model_name(self.config.model, self.executor.model.path)
 
+    def placement(self) -> dict | None:
+        """Where a llama.cpp shard's blocks run, with its GPU's memory now (runtime/llamacpp/devices.py); None on
+        the torch backend."""
+        if getattr(self.executor, "placement", None) is None:
+            return None
+        from ..runtime.llamacpp.devices import placement_now
+
+        return placement_now(self.executor)
+
     def health(self) -> dict:
         """The ``/health`` body: shard, model shape, limits and counters."""
         s = self.store
@@ -295,7 +304,7 @@ class NodeState:
             "n_vocab": self.cfg.n_vocab,
             "backend": self.executor.backend,
             # llama.cpp: where the blocks run and the buffers llama.cpp allocated on each device
-            "placement": self.executor.placement_now() if hasattr(self.executor, "placement_now") else None,
+            "placement": self.placement(),
             "max_length": self.max_session_tokens,
             "layers": [self.spec.start, self.spec.end],
             "embed": self.spec.embed,

@@ -31,7 +31,7 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
-from ...artifact.accounting import HeaderAccounts, shard_account
+from ...artifact.accounting import shard_account
 from ...artifact.gguf_file import GGUFModelFile
 from ..kv import ContextOverflow, TokenOutOfRange, check_max_length
 from ..spec import ShardSpec
@@ -48,7 +48,6 @@ MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
 STATE_FORMAT = "llama.cpp-seq-state-v1"
 MAX_VERIFY_TOKENS = 16  # most tokens of a speculative verify step (all rows' logits) a head takes
 KV_STREAM_ROUNDING = 256  # llama.cpp rounds a KV stream's cells up to a multiple of this
-WARM_UP_TOKENS = 64  # positions of the throw-away prefill warm_up runs (then one decode step)
 
 
 @dataclass(frozen=True)
@@ -103,12 +102,9 @@ class LlamaCppShard:
     ``kv_unified``: all sessions' cells in one KV stream (any sessions batch together, not bitwise; docs/protocol.md,
     "Throughput mode"), a session still holding at most ``n_ctx_seq`` of them; ``in_place``: load the layers from
     the model's own files (a shard header and the model files, llama.cpp patch 0004; default when the loaded
-    libllama has it) or from a derived copy (``derive.shard_paths``). ``gpu``: the device the blocks, their KV
-    cache and (on the head) the output norm and LM head run on, through llama.cpp's offload (``n_gpu_layers``):
-    ``none`` (default: the CPU), ``auto`` (the first GPU llama.cpp sees, else the CPU) or a device name
-    (``devices.choose``); ``gpu_blocks``: how many of the range's last blocks go there (None: as many as fit in its
-    free memory, ``gpu_fit``; the rest run on the CPU). ``placement`` says where each block landed and what
-    llama.cpp allocated on each device (its own buffer report).
+    libllama has it) or from a derived copy (``derive.shard_paths``). ``gpu`` / ``gpu_blocks``: the GPU the range's
+    last blocks (as many as fit when None), their KV and the LM head run on (``devices.offload``: ``none``, ``auto``
+    or a device name); ``placement``: where each block landed and llama.cpp's buffers (docs/gpu.md).
 
     Raises UnsupportedShard (architecture/range), LlamaCppError (llama.cpp refused the file or
     the context), ValueError (bad parameters).
@@ -173,16 +169,8 @@ class LlamaCppShard:
         )
         self.checkpoints = max(0, int(checkpoints))
 
-        # per session KV cells as the context below allocates them (for the offload fit)
         per_session = -(-n_ctx_seq // KV_STREAM_ROUNDING) * KV_STREAM_ROUNDING if kv_unified else n_ctx_seq
-        self.device = devices.choose(gpu)
-        n_blocks = spec.end - spec.start
-        if self.device is None:
-            self.gpu_blocks = 0
-        elif gpu_blocks is None:
-            self.gpu_blocks = devices.gpu_fit(model, spec, self.device.free_bytes, per_session, n_seq_max, n_ubatch)
-        else:
-            self.gpu_blocks = max(0, min(int(gpu_blocks), n_blocks))
+        self.device, self.gpu_blocks = devices.offload(model, spec, gpu, gpu_blocks, per_session, n_seq_max, n_ubatch)
         # patch 0005's batch-invariant kernels are the CPU's: on a GPU a session's step runs alone (exact mode), and
         # no spare stream is kept for batch.compact
         self.batch_invariant = batch.enable_batch_invariance() and not kv_unified and not self.gpu_blocks
@@ -190,21 +178,8 @@ class LlamaCppShard:
         n_streams = n_seq_max + (self.spare_seq is not None)
         mparams = L.llama_model_default_params()
         mparams.use_mmap = True
-        # the devices llama.cpp may offload to: the chosen one, or none at all (an empty list: not even a large
-        # prompt's matmuls go to a GPU, op_offload); the last gpu_blocks blocks (and the output past them) go there
-        self._devices = (ctypes.c_void_p * 2)(self.device.handle if self.device and self.gpu_blocks else None, None)
-        mparams.devices = ctypes.addressof(self._devices)
-        mparams.split_mode = L.LLAMA_SPLIT_MODE_NONE
-        mparams.main_gpu = 0
-        # n_gpu_layers counts the output layer as one past the last block and offloads the last N of them all
-        # (src/llama-model.cpp, load_tensors): the head's output norm and LM head go with any block
-        mparams.n_gpu_layers = self.gpu_blocks + 1 if self.gpu_blocks else 0
-        with devices.buffer_report() as report:
-            if len(self.paths) == 1:
-                self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
-            else:
-                names = (ctypes.c_char_p * len(self.paths))(*[str(p).encode() for p in self.paths])
-                self._model = L.llama_model_load_from_splits(names, len(self.paths), mparams)
+        self._devices = devices.set_offload(mparams, self.device, self.gpu_blocks)
+        self._model, report = devices.load_model(self.paths, mparams)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {self.path} (see its error above)")
         rules = rules_for(model.architecture)
@@ -219,10 +194,8 @@ class LlamaCppShard:
         # the graph reads each token's id with its hidden states (hash-routed blocks): forward(token_ids=...)
         self.needs_token_ids = rules.token_ids and not self.takes_tokens
         cparams = L.llama_context_default_params()
-        # unified KV (per_session above): every session may hold its n_ctx_seq rounded up as llama.cpp rounds a
-        # stream's; a decode ubatch of several sessions gives each its bits alone (patch 0005, read by libllama
-        # when the context is created, CPU kernels only), so all may share it; one more stream: batch.compact's
-        # spare for swapping two sessions
+        # unified KV: each session's n_ctx_seq rounded as llama.cpp rounds a stream's (per_session); patch 0005 (CPU
+        # only): sessions may share a decode ubatch, bitwise; one more stream: batch.compact's spare
         cparams.n_ctx = per_session * n_streams
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(n_ubatch, n_batch)
@@ -246,13 +219,9 @@ class LlamaCppShard:
         cparams.op_offload = self.gpu_blocks > 0
         with devices.buffer_report() as context_report:
             self._ctx = L.llama_init_from_model(self._model, cparams)
-        self.placement = devices.Placement.of(
-            self.device, self.gpu_blocks, spec, report + context_report, HeaderAccounts.from_model(model)
-        )
-        # on a GPU (no batch invariance, above) its kernels may round by batch size: in exact mode a session's step
-        # runs alone there
+        self.placement = devices.Placement.of(self.device, self.gpu_blocks, spec, report + context_report, model)
         self.batch_group = batch.default_batch_group(self.kv_unified, self.batch_invariant)
-        if self.gpu_blocks and not self.kv_unified:
+        if self.gpu_blocks and not self.kv_unified:  # a GPU's kernels round by batch shape: each step alone
             self.batch_group = 1
         if not self._ctx:
             L.llama_model_free(self._model)
@@ -297,36 +266,6 @@ class LlamaCppShard:
         return self._lock
 
     # -- accounting ----------------------------------------------------------------------------
-    def warm_up(self, tokens: int = WARM_UP_TOKENS) -> None:
-        """Run a throw-away session's prefill of ``tokens`` positions and one decode step, then free it: a GPU
-        backend compiles or loads its kernels for those shapes now (Vulkan's shaders: a minute on a software
-        device the first time), not during a session's first steps, where a hop timeout would end it. As
-        llama.cpp's own tools warm up (common/common.cpp). Changes no other session."""
-        n = max(1, min(int(tokens), self.n_batch, self.n_ctx_seq - 1))
-        kv = self.new_session(n + 1)
-        try:
-            if self.takes_tokens or self.embedding is not None:
-                first = np.zeros(n, dtype=np.int64)
-                step = np.zeros(1, dtype=np.int64)
-            else:
-                first = np.zeros((n, self.cfg.n_embd), dtype=np.float32)
-                step = np.zeros((1, self.cfg.n_embd), dtype=np.float32)
-            ids = {"token_ids": np.zeros(n, dtype=np.int32)} if self.needs_token_ids else {}
-            self.forward(kv, first, logits="last", **ids)
-            ids = {"token_ids": np.zeros(1, dtype=np.int32)} if self.needs_token_ids else {}
-            self.forward(kv, step, logits="last", **ids)
-        finally:
-            kv.close()
-
-    def placement_now(self) -> dict:
-        """``placement`` as JSON, with the GPU's ``free_bytes``/``total_bytes`` as its backend reports them now."""
-        out = self.placement.to_json()
-        if self.placement.gpu_blocks and self.device is not None:
-            now = next((d for d in devices.devices() if d.handle == self.device.handle), None)
-            if now is not None:
-                out["free_bytes"], out["total_bytes"] = now.free_bytes, now.total_bytes
-        return out
-
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token costs on this shard (all its layers, keys and values, f16)."""
         return self._kv_bytes

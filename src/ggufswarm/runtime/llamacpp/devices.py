@@ -17,6 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import llama_cpp as L
+import numpy as np
+
 from ...artifact.accounting import HeaderAccounts
 from ...artifact.planning import device_blocks
 from ..spec import ShardSpec
@@ -31,6 +34,7 @@ DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 # llama-memory-recurrent.cpp: llama.cpp's own report of each buffer it allocates)
 BUFFER_LINE = re.compile(r"^\w+:\s+(\S+)\s+(model|KV|compute|output|RS|DSV4 \w+ state) buffer size =\s+([\d.]+) MiB")
 MIB = 1 << 20
+WARM_UP_TOKENS = 64  # positions of the throw-away prefill warm_up runs (then one decode step)
 
 
 @dataclass(frozen=True)
@@ -164,11 +168,79 @@ def gpu_fit(model, spec: ShardSpec, free_bytes: int, tokens: int, sessions: int,
     return device_blocks(acc, spec.start, spec.end, spec.head, free_bytes, tokens, sessions, n_ubatch)
 
 
-def _holds_output(on_device: dict, gpu_blocks: int, spec: ShardSpec, acc: HeaderAccounts | None) -> bool:
-    if acc is None:
+def _holds_output(on_device: dict, gpu_blocks: int, spec: ShardSpec, model) -> bool:
+    if model is None:
         return True
+    acc = HeaderAccounts.from_model(model)
     blocks = sum(layer.weight_bytes for layer in acc.layers[spec.end - gpu_blocks : spec.end])
     return on_device.get("model", 0) >= blocks + acc.head_bytes // 2
+
+
+def offload(model, spec: ShardSpec, gpu: str, gpu_blocks: int | None, tokens: int, sessions: int, n_ubatch: int):
+    """``(device, blocks)``: the device ``--gpu`` names (``choose``; None: the CPU) and how many of ``spec``'s last
+    blocks go there: ``gpu_blocks`` (clamped to the range), or as many as fit (``gpu_fit``) with ``sessions``
+    sessions of ``tokens`` KV cells each."""
+    device = choose(gpu)
+    if device is None:
+        return None, 0
+    if gpu_blocks is None:
+        return device, gpu_fit(model, spec, device.free_bytes, tokens, sessions, n_ubatch)
+    return device, max(0, min(int(gpu_blocks), spec.end - spec.start))
+
+
+def set_offload(mparams, device: Device | None, blocks: int):
+    """Set ``llama_model_params`` ``mparams`` to put the last ``blocks`` blocks (and the output past them) on
+    ``device``, and nothing on any other device (an empty device list: not even a large prompt's matmuls go to a
+    GPU, op_offload). ``n_gpu_layers`` counts the output layer as one past the last block and offloads the last N
+    of them all (src/llama-model.cpp, load_tensors). Returns the device array, which must outlive the load."""
+    array = (ctypes.c_void_p * 2)(device.handle if device is not None and blocks else None, None)
+    mparams.devices = ctypes.addressof(array)
+    mparams.split_mode = L.LLAMA_SPLIT_MODE_NONE
+    mparams.main_gpu = 0
+    mparams.n_gpu_layers = blocks + 1 if blocks else 0
+    return array
+
+
+def load_model(paths: list, mparams):
+    """``(llama_model *, buffer report)``: llama.cpp's load of a shard's files ``paths`` (one file, or a split set:
+    ``llama_model_load_from_splits``) with ``mparams``, and the buffers it reported (``buffer_report``); the
+    pointer is NULL when llama.cpp refused (its error is in its log)."""
+    with buffer_report() as report:
+        if len(paths) == 1:
+            model = L.llama_model_load_from_file(str(paths[0]).encode(), mparams)
+        else:
+            names = (ctypes.c_char_p * len(paths))(*[str(p).encode() for p in paths])
+            model = L.llama_model_load_from_splits(names, len(paths), mparams)
+    return model, report
+
+
+def warm_up(shard, tokens: int = WARM_UP_TOKENS) -> None:
+    """Run a throw-away session of llama.cpp shard ``shard``: a prefill of ``tokens`` positions and one decode step,
+    then free it. A GPU backend compiles or loads its kernels for those shapes now (Vulkan's shaders: a minute on a
+    software device the first time), not in a session's first steps, where a hop timeout would end it; as
+    llama.cpp's own tools warm up (common/common.cpp). Changes no other session."""
+    n = max(1, min(int(tokens), shard.n_batch, shard.n_ctx_seq - 1))
+    kv = shard.new_session(n + 1)
+    try:
+        for rows in (n, 1):
+            if shard.takes_tokens or shard.embedding is not None:
+                x = np.zeros(rows, dtype=np.int64)
+            else:
+                x = np.zeros((rows, shard.cfg.n_embd), dtype=np.float32)
+            ids = {"token_ids": np.zeros(rows, dtype=np.int32)} if shard.needs_token_ids else {}
+            shard.forward(kv, x, logits="last", **ids)
+    finally:
+        kv.close()
+
+
+def placement_now(shard) -> dict:
+    """``shard.placement`` as JSON, with the GPU's ``free_bytes``/``total_bytes`` as its backend reports them now."""
+    out = shard.placement.to_json()
+    if shard.placement.gpu_blocks and shard.device is not None:
+        now = next((d for d in devices() if d.handle == shard.device.handle), None)
+        if now is not None:
+            out["free_bytes"], out["total_bytes"] = now.free_bytes, now.total_bytes
+    return out
 
 
 _REPORT_LOCK = threading.Lock()
@@ -209,12 +281,10 @@ class Placement:
     free_bytes: int = 0
 
     @classmethod
-    def of(
-        cls, device: Device | None, gpu_blocks: int, spec: ShardSpec, report: list, acc: HeaderAccounts | None = None
-    ) -> Placement:
+    def of(cls, device: Device | None, gpu_blocks: int, spec: ShardSpec, report: list, model=None) -> Placement:
         """The placement of ``spec`` with its last ``gpu_blocks`` blocks on ``device`` (None: the CPU), with
-        llama.cpp's ``buffer_report``. ``output_on_gpu`` is read from that report when ``acc`` (the model's
-        header accounting) is given: llama.cpp keeps an output head on the CPU when the device cannot hold it as
+        llama.cpp's ``buffer_report``. ``output_on_gpu`` is read from that report when ``model`` (its
+        ``GGUFModelFile``) is given: llama.cpp keeps an output head on the CPU when the device cannot hold it as
         one buffer (lavapipe's storage buffers end at 128 MiB; Gemma's tied 170 MiB head stays on the CPU), so the
         device's model buffer must hold the blocks' weights and most of the head's."""
         buffers: dict[str, dict[str, int]] = {}
@@ -229,7 +299,7 @@ class Placement:
             backend=device.backend if on else "CPU",
             gpu_blocks=list(range(split, spec.end)) if on else [],
             cpu_blocks=list(range(spec.start, split)) if on else list(range(spec.start, spec.end)),
-            output_on_gpu=on and spec.head and _holds_output(buffers.get(device.name, {}), gpu_blocks, spec, acc),
+            output_on_gpu=on and spec.head and _holds_output(buffers.get(device.name, {}), gpu_blocks, spec, model),
             buffers=buffers,
             device_bytes=sum(sum(v.values()) for k, v in buffers.items() if on and k == device.name),
             total_bytes=device.total_bytes if on else 0,
@@ -259,5 +329,10 @@ __all__ = [
     "devices",
     "gpu_fit",
     "gpus",
+    "load_model",
+    "offload",
+    "placement_now",
+    "set_offload",
+    "warm_up",
     "why_no_gpu",
 ]
