@@ -40,9 +40,9 @@ gpu_backend() {
            exit 2 ;;
     esac
     # nvcc alone is not enough: a CUDA toolkit without an NVIDIA GPU (a build box, a CI image) builds for nothing
-    if command -v nvcc >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then echo cuda
+    if command -v nvcc >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep '^GPU' >/dev/null; then echo cuda
     elif command -v glslc >/dev/null 2>&1 && [ -f /usr/include/vulkan/vulkan.hpp ] \
-        && { ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so '; }; then echo vulkan
+        && { "$(command -v ldconfig || echo /sbin/ldconfig)" -p 2>/dev/null | grep 'libvulkan\.so ' >/dev/null; }; then echo vulkan
     elif command -v hipcc >/dev/null 2>&1; then echo hip
     elif [ "$(uname -s)" = Darwin ]; then echo metal
     else echo none
