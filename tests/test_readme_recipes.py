@@ -226,7 +226,7 @@ def test_a_network_by_hand_on_a_lan(lab, tmp_path, reference_text):
         assert answer["text"] == reference_text
         hops = [h["node"] for h in answer["telemetry"]["route"]]
         assert hops and all(h in done["nodes"] for h in hops), (hops, done["nodes"])
-        assert "WARNING" not in done["stderr"] and "stalled" not in done["stderr"], done["stderr"]
+        assert "WARNING" not in done["stderr"] and "fetch stalled" not in done["stderr"], done["stderr"]
         assert lab.escaped_packets() == dict.fromkeys(lab.ns, 0)
     finally:
         done["machines"].close()
