@@ -248,3 +248,53 @@ def test_a_head_that_cannot_reach_the_first_node_is_no_dead_node(tiny, monkeypat
             session.close()
     (want, _, _, _), (got, still_on, repairs, steps) = outs
     assert got == want and not still_on and repairs == [] and steps == 0
+
+
+def test_steps_after_a_route_change_are_numbered_past_every_step_granted_to_the_head(tiny):
+    """A repair (a node replaced mid-stream) drops the session's links while the head may still be sending the step
+    it was granted: the steps after it get numbers past that grant, so no reply of the head's step is taken for a
+    new step's (the same frame key) and the nodes refuse that step as stale. Here the repair's own moves (drop the
+    links, rewind every node to 0 and relink, replay the history) run on an unchanged route: the tokens after it are
+    those of a session never repaired."""
+    from ggufswarm.client import repair
+
+    first, head = tiny["first"], tiny["head"]
+    ids = [5 + (i * 17) % 300 for i in range(10)]
+
+    async def main(repair_at: int | None) -> tuple[list[int], list[int]]:
+        route = await RemoteRoute.connect([first, head])
+        numbers = []
+        async with await route.aopen(64, SamplingParams(temperature=0), ring=True) as session:
+            out = [await session.step(ids)]
+            for i in range(12):
+                if i == repair_at:
+                    granted = session._granted
+                    assert granted > session.step_no  # the head may send the next step itself
+                    await session.drop_links()
+                    numbers.append(session.step_no - granted)
+                    await repair.rewind(session, route.hops, {}, 0, relink=True)
+                    history = list(session.tokens)
+                    del session.tokens[:]
+                    session.boundaries = {0}
+                    assert await session.step(history) == out[-1]  # the replay samples the same token again
+                out.append(await session.step([out[-1]]))
+            assert (await session.telemetry()).ring_steps > 0
+        return out, numbers
+
+    plain, _ = asyncio.run(main(None))
+    repaired, numbers = asyncio.run(main(6))
+    assert repaired == plain and numbers and numbers[0] >= 0
+
+
+def test_a_reply_that_is_not_the_routes_is_not_recorded_as_its_per_hop_numbers():
+    """The head's own reply to a step (one hop's numbers) is never taken as the route's (one per node): recorded, it
+    would stand for every hop of the step, and the summary would read numbers that are not there."""
+    from ggufswarm.client.telemetry import RouteTelemetry
+
+    hop = {"compute_ms": 1.0, "handle_ms": 1.5, "bytes_in": 20, "kv_tokens": 4}
+    urls = ["http://a:1", "http://b:2"]
+    measured = RouteTelemetry()
+    measured.record({"token": 3, "hops": [hop]}, 5.0, 1, urls)
+    assert measured.steps == []
+    measured.record({"token": 3, "hops": [hop, dict(hop, compute_ms=2.0)]}, 5.0, 1, urls)
+    assert [s.compute_ms for s in measured.steps] == [[1.0, 2.0]]

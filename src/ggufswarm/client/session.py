@@ -432,7 +432,8 @@ class AsyncRouteSession:
 
     async def drop_links(self) -> None:
         """Close the reply link (one still opening is closed once open) and the step link unless it goes to the
-        route's first node still, and forget the replies they were to bring (a repair changed the route)."""
+        route's first node still, and forget the replies they were to bring (a repair changed the route). The next
+        step is numbered after every step granted to the head (ring decode)."""
         replies, self._replies = self._replies, None
         if replies is not None:
             await replies.close()
@@ -448,6 +449,10 @@ class AsyncRouteSession:
         self._unacked.clear()
         self._broken = None
         self._ring = self._early = None
+        # the head may have sent steps up to the last grant itself, and may still be sending one: the steps after a
+        # repair are numbered past them, so no reply of theirs is taken for a new step's (same frame key) and every
+        # node refuses them as stale once its step counter is set (repair.rewind)
+        self.step_no = max(self.step_no, self._granted)
         self._granted = 0
         self._ring_claimed.clear()
 

@@ -71,8 +71,11 @@ class RouteTelemetry:
     ) -> None:
         """One StepTiming from a reply that came back along the route (``hops``: each node's numbers, ms, and its
         ``commit`` when it sent one, kept with ``keep_commits``) and its round trip ``rtt`` (ms): a hop's network
-        time is what its caller waited beyond its handling. ``step``: the step's number."""
-        hops = reply["hops"]
+        time is what its caller waited beyond its handling. ``step``: the step's number. A reply whose ``hops`` do
+        not number one per URL of ``urls`` (the route the step was sent on) is not one of that route's: ignored."""
+        hops = reply.get("hops")
+        if not isinstance(hops, list) or len(hops) != len(urls):
+            return
         network, waited = [], []
         outer = rtt
         for hop in hops:

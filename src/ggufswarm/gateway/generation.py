@@ -5,6 +5,7 @@ Cancelling the task (the client went away) stops it at once and closes the sessi
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 from contextlib import aclosing
@@ -18,6 +19,8 @@ from ..runtime.sampling import SamplingParams
 from .errors import CLIENT_GONE, GatewayError, RequestError, as_gateway_error, route_failure, say_repaired
 from .params import EOG_BIAS, RequestOptions
 from .state import Gateway
+
+log = logging.getLogger(__name__)
 
 SEED_BITS = 62  # a request without a seed gets a random one this wide (SamplingParams.seed)
 
@@ -217,7 +220,10 @@ async def run(
     except Exception as exc:
         if session is not None:
             say_repaired(session.repairs)
-        emit(Failed(failure(gw, exc, session), stats.completion_tokens))
+        err = failure(gw, exc, session)
+        if err.code == "internal":  # a bug: its traceback, to find it by
+            log.error("a generation failed after %d tokens", stats.completion_tokens, exc_info=exc)
+        emit(Failed(err, stats.completion_tokens))
     finally:
         if session is not None:
             try:
