@@ -7,14 +7,19 @@ seconds of start-up. The check is on the node process itself: whether any PyTorc
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tinymodels import write_tiny_model
 
 from ggufswarm.cache.snapshot import STATE_DTYPE, Shard, decode_snapshot, encode_snapshot
 from ggufswarm.client.route import RemoteRoute
 from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.runtime.llamacpp import patches
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.spec import ShardSpec
 
@@ -61,3 +66,105 @@ def test_llama_cpp_state_snapshot_roundtrip_without_torch():
     snap = decode_snapshot(encode_snapshot(shard, [5, 6, 7, 8], [], [], state=state, boundaries=[3, 4], node="n1"))
     assert (snap.shard, snap.state, snap.boundaries, snap.node) == (shard, state, [3, 4], "n1")
     assert snap.tokens.dtype == np.int64 and snap.tokens.tolist() == [5, 6, 7, 8]
+
+
+# -- KV memory as sessions use it (llama.cpp patch 0007, node/memory.py) ------------------------------------------
+
+CONTEXT = 65536  # the tiny model's context: a paged node's default --ctx-size
+KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # 4 layers x (K, V) x 2 KV heads x 64 dims x f16
+
+
+def rss(pid: int) -> int:
+    """VmRSS of process ``pid`` (bytes)."""
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def call(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode() if body is not None else None, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def kv_allocated(url: str) -> int:
+    """Bytes of llama.cpp's KV buffers on the node (``/health`` placement)."""
+    return sum(b.get("KV", 0) for b in call("GET", url + "/health")[1]["placement"]["buffers"].values())
+
+
+@pytest.fixture(scope="module")
+def paged(tiny_dir):
+    """Three llama.cpp nodes of one tiny model (4 layers, a 64K context), whole model each: ``fixed`` with
+    --ctx-size 256 (the control), ``paged`` with the defaults, ``budget`` with a 6 MiB KV budget (3072 tokens)."""
+    assert patches.applied("0007-kv-give-back-unused-cells"), "make setup builds llama.cpp with the patch queue"
+    path = write_tiny_model(tiny_dir / "paged-llama.gguf", "llama", n_layers=4, context_length=CONTEXT)
+    extra = {0: ["--ctx-size", "256"], 1: [], 2: ["--kv-budget-mb", "6"]}
+    nodes = start_nodes(
+        [ShardSpec(0, 4, embed=True, head=True)] * 3,
+        str(path),
+        threads=1,
+        extra=["--max-sessions", "8", "--gpu", "none"],
+        per_node=lambda i: extra[i],
+    )
+    try:
+        yield dict(zip(("fixed", "paged", "budget"), nodes))
+    finally:
+        stop_nodes(nodes)
+
+
+def test_kv_memory_is_resident_only_as_sessions_use_it(paged):
+    """A paged node offers the model's whole context to each of its 9 KV streams (1.1 GiB of KV cells in all), yet
+    its RSS is that of a node with 256 cells per stream; one session of 32K tokens (the only one: it may take almost
+    all of the node's context) makes the node resident by about the KV it holds, and closing it gives that back."""
+    fixed, node = paged["fixed"], paged["paged"]
+    h = call("GET", node.url + "/health")[1]
+    assert h["max_length"] == CONTEXT and h["kv_bytes_per_token"] == KV_BYTES_PER_TOKEN
+    extra_kv = kv_allocated(node.url) - kv_allocated(fixed.url)
+    assert extra_kv >= 9 * (CONTEXT - 256) * KV_BYTES_PER_TOKEN * 0.99
+    assert rss(node.proc.pid) - rss(fixed.proc.pid) < extra_kv / 20
+
+    n = 32768
+    held = n * KV_BYTES_PER_TOKEN  # 64 MiB
+    before = rss(node.proc.pid)
+    session = RemoteRoute([node.url], 60.0).open(CONTEXT - 16, SamplingParams(temperature=0), ring=False)
+    try:
+        step = session.route.max_step_tokens
+        ids = [5 + (i * 7) % 300 for i in range(n)]
+        for lo in range(0, n, step):
+            session.step(ids[lo : lo + step], sample=lo + step >= n)
+        assert call("GET", node.url + "/health")[1]["kv_tokens_held"] == n
+        during = rss(node.proc.pid)
+        assert during - before >= 0.75 * held
+    finally:
+        session.close()
+    assert during - rss(node.proc.pid) >= 0.75 * held  # the session's cells went back to the OS
+
+
+def test_a_session_that_does_not_fit_the_budget_is_refused_with_the_numbers_and_others_go_on(paged):
+    """A node's sessions reserve its KV budget (6 MiB here: 3072 tokens) at open: one that does not fit is refused
+    with kv_budget_full (429) and the numbers, the open one decodes on, and once it is closed a single session may
+    reserve almost the whole budget (a paged node has no 1/--max-sessions cap)."""
+    url = paged["budget"].url
+    h = call("GET", url + "/health")[1]
+    assert h["kv_budget_tokens"] == 6 * 2**20 // KV_BYTES_PER_TOKEN == h["max_length"] == 3072
+    route = RemoteRoute([url], 60.0)
+    first = route.open(2000, SamplingParams(temperature=0))
+    try:
+        token = first.step(list(range(5, 105)))
+        status, body = call("POST", url + "/v1/sessions", {"max_length": 2000})
+        assert status == 429 and body["error"]["code"] == "kv_budget_full"
+        assert "1072 of 3072 tokens free" in body["error"]["message"], body
+        for _ in range(3):
+            token = first.step([token])
+        assert first.position == 103
+    finally:
+        first.close()
+    long = route.open(3000, SamplingParams(temperature=0))
+    try:
+        assert long.step([5 + i % 300 for i in range(2000)]) is not None
+    finally:
+        long.close()
+    assert call("GET", url + "/health")[1]["status"] == "ok"

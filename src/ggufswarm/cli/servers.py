@@ -124,19 +124,21 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
     n.add_argument(
         "--ctx-size",
         type=int,
-        default=8192,
+        default=None,
         metavar="TOKENS",
-        help="the longest session this node takes (capped by the model's context); llama.cpp "
-        "backend: KV cells per session, allocated up front for --max-sessions; default 8192",
+        help="the longest session this node takes (capped by the model's context and the KV budget). "
+        "Default: the model's context on a llama.cpp node whose KV cache is in host memory (its pages "
+        "are resident only as sessions use them: ggufswarm's llama.cpp patch 0007), else 8192 (a GPU's "
+        "KV cache, or llama.cpp without the patch, is allocated up front for --max-sessions)",
     )
     n.add_argument(
         "--max-sessions",
         type=int,
         default=4,
         metavar="N",
-        help="llama.cpp backend: sessions held at once (default 4); KV memory = N x --ctx-size x "
-        "this shard's KV bytes per token. Both backends: one session reserves at most 1/N of "
-        "the KV budget, so no single request takes all of it",
+        help="llama.cpp backend: sessions held at once (default 4). KV memory: what the sessions hold, "
+        "up to the KV budget (KV in host memory, patch 0007); else N x --ctx-size x this shard's KV "
+        "bytes per token allocated up front, and one session reserves at most 1/N of the budget",
     )
     n.add_argument(
         "--batching",
@@ -172,7 +174,8 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="MB",
-        help="cap the KV budget in MiB too (converted with this shard's bytes per token)",
+        help="cap the KV budget in MiB too (converted with this shard's bytes per token). Default on a "
+        "llama.cpp node with its KV cache in host memory: half the memory available when it starts",
     )
     n.add_argument(
         "--session-ttl",

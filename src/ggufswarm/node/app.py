@@ -40,6 +40,7 @@ from ..runtime.spec import ShardSpec
 from . import discovery, sessions_api, steps
 from .advertise import deregister, heartbeats
 from .lies import check_lie, parse_lie
+from .memory import session_cells, with_kv_defaults
 from .placement import layers_budget, say_placement, warm_up
 from .reach import UnreachableError, establish
 from .state import BATCHING_MODES, BYTES_PER_MIB, NODE, NodeConfig, NodeState, json_response
@@ -56,10 +57,9 @@ REAPER_MIN_PERIOD_S, REAPER_MAX_PERIOD_S = 0.05, 1.0  # leases may be a few seco
 def load_executor(config: NodeConfig):
     """Load the shard named by ``config`` on its backend (reads only its tensors): a ``ShardBackend``.
 
-    ``max_sessions`` sessions of ``ctx_size`` KV cells each (capped by the model's context and by
-    ``kv_budget_tokens`` / ``kv_budget_mb``; a backend that sizes its sessions up front, llama.cpp, allocates that;
-    its derived shard GGUF is written under ``data_dir/shards``). Raises GGUFError / ValueError (an unsupported
-    architecture included).
+    ``max_sessions`` sessions of node.memory.session_cells KV cells each (llama.cpp: one stream each, resident
+    as used where the node is paged, node/memory.py; its derived shard GGUF is written under ``data_dir/shards``).
+    Raises GGUFError / ValueError (an unsupported architecture included).
     """
     file = GGUFModelFile(resolve_model(config.model))
     model_cfg = model_config(file, config.backend)
@@ -75,7 +75,7 @@ def load_executor(config: NodeConfig):
         )
     if config.batching not in BATCHING_MODES:
         raise ValueError(f"--batching must be one of {', '.join(BATCHING_MODES)}, got {config.batching!r}")
-    for flag, value in (("--max-sessions", config.max_sessions), ("--ctx-size", config.ctx_size)):
+    for flag, value in (("--max-sessions", config.max_sessions), ("--ctx-size", config.ctx_size or 1)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if config.state_checkpoints < 0:
@@ -85,12 +85,9 @@ def load_executor(config: NodeConfig):
             f"--gpu-blocks {config.gpu_blocks}: "
             + ("must be at least 0" if config.gpu_blocks < 0 else "needs a GPU (--gpu auto or a device name)")
         )
-    per_session = min(config.ctx_size, model_cfg.max_length, max(config.kv_budget_tokens // config.max_sessions, 1))
-    if config.kv_budget_mb is not None:  # the sessions' cells of a backend that allocates them up front
-        per_token = max(shard_account(file, spec.start, spec.end).kv_bytes_per_token, 1)
-        per_session = max(
-            1, min(per_session, int(config.kv_budget_mb * BYTES_PER_MIB) // per_token // config.max_sessions)
-        )
+    per_session = session_cells(
+        config, model_cfg.max_length, shard_account(file, spec.start, spec.end).kv_bytes_per_token
+    )
     source = lie.weights(file) if lie is not None else file
     executor = load_shard(
         source,
@@ -199,6 +196,7 @@ async def _watch_parent(parent: int) -> None:
 def make_app(config: NodeConfig, executor=None) -> web.Application:
     """The node's aiohttp app; loads the shard unless ``executor`` (a ``ShardBackend``) is given. Raises as
     load_executor."""
+    config = with_kv_defaults(config)
     state = NodeState(config, executor or load_executor(config))
     # bodies: one frame of max_step_tokens f32 rows, or a JSON restore
     app = web.Application(

@@ -31,6 +31,7 @@ NODE = web.AppKey("node", object)  # the app's NodeState
 BATCHING_MODES = ("exact", "throughput")
 STEP_KINDS = ("prefill", "decode")  # the ``kind`` label of the step metrics
 BYTES_PER_MIB = 2**20
+DEFAULT_CTX_SIZE = 8192  # --ctx-size (tokens) where the KV cache is allocated as sized (node/memory.py)
 # frame body bytes per token beyond its f32 hidden state row: the token-id trailer (int32)
 TOKEN_ID_BYTES = 4
 F32_BYTES = 4
@@ -52,7 +53,7 @@ class NodeConfig:
     threads: int | None = None  # llama.cpp decode/batch threads (None: all cores)
     gpu: str = "none"  # llama.cpp: auto | none | a device name (runtime/llamacpp/devices.py); the CLI's default: auto
     gpu_blocks: int | None = None  # llama.cpp with a GPU: the range's last N blocks there (None: as many as fit)
-    ctx_size: int = 8192  # llama.cpp: KV cells per session = the longest session (tokens)
+    ctx_size: int | None = None  # the longest session (tokens; None: node.memory.session_cells' default)
     max_sessions: int = 4  # llama.cpp: sessions at once (sequence ids of the context)
     batching: str = "exact"  # llama.cpp: BATCHING_MODES
     batch_group: int | None = None  # llama.cpp: most sessions per shared ubatch (None: the mode's default)
@@ -109,12 +110,12 @@ class NodeState:
         if config.kv_budget_mb is not None:
             per_token = max(self.store.kv_bytes_per_token(), 1)
             self.store.budget_tokens = min(budget, int(config.kv_budget_mb * BYTES_PER_MIB) // per_token)
-        # The longest session one open may reserve, so that no single request (a huge max_tokens) takes the whole
-        # KV budget: one sequence's cells where the backend has them (llama.cpp: --ctx-size, at most 1/--max-sessions
-        # of the budget, see app.load_executor), else the same rule over the token budget.
+        # The longest session one open may reserve: one sequence's cells where the backend has them (llama.cpp:
+        # node.memory.session_cells: up to the whole budget where its KV is paged, else at most 1/--max-sessions of
+        # it, so that no single request takes all the KV allocated), else that last rule over the token budget.
         cap = executor.n_ctx_seq
         if cap is None:
-            cap = min(config.ctx_size, max(self.store.budget_tokens // config.max_sessions, 1))
+            cap = min(config.ctx_size or DEFAULT_CTX_SIZE, max(self.store.budget_tokens // config.max_sessions, 1))
         self.store.max_session_tokens = self.max_session_tokens = min(self.cfg.max_length, cap)
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="shard")
         # a shard whose steps serialize on one lock (llama.cpp: one context) runs idle decode steps inline (steps.py)

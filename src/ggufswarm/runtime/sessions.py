@@ -90,8 +90,8 @@ class SessionStore:
         if self.max_session_tokens is not None and max_length > self.max_session_tokens:
             raise AdmissionRefused(
                 f"max_length {max_length} exceeds the longest session this node holds, "
-                f"{self.max_session_tokens} tokens (node --ctx-size, and 1/--max-sessions of "
-                f"its KV budget of {self.budget_tokens})",
+                f"{self.max_session_tokens} tokens (its --ctx-size, within its KV budget of {self.budget_tokens} "
+                "tokens and its memory)",
                 "kv_budget_too_small",
             )
         if self.executor.spec.head:

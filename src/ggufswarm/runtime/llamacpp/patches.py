@@ -19,6 +19,7 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0003-hidden-state-input": b"a layer range sets embedding_length_in",
     "0004-split-sources": b"split.sources.block_offset",
     "0005-batch-invariant-decode": b"LLAMA_BATCH_INVARIANT",
+    "0007-kv-give-back-unused-cells": b"gave back the memory of cells",
 }
 # patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
 # check): the Vulkan backend with older Vulkan headers

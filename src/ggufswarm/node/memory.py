@@ -1,0 +1,93 @@
+"""How much KV cache a node offers and how long one session may be (docs/memory.md).
+
+A llama.cpp node's KV cache is one context of ``--max-sessions`` + 1 streams (the spare one is exact batching's) of
+``n_ctx_seq`` cells each. With llama.cpp patch 0007 and the cache in host memory (no GPU blocks), those streams are
+address space only: a page becomes resident when a session writes a cell in it, and goes back to the OS when the
+cells are freed (a session closed, truncated or moved). Such a node is **paged**: each stream may be as long as the
+model's context (a session may take the whole budget), and the budget, not the streams, bounds what its sessions
+reserve together (``SessionStore``: each session reserves its ``max_length`` at open; one that does not fit is
+refused with ``kv_budget_full`` and the numbers). Without the patch, or with the cache on a GPU, the streams are
+allocated as sized: ``--ctx-size`` defaults to DEFAULT_CTX_SIZE and one session to 1/``--max-sessions`` of the budget.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .state import BYTES_PER_MIB, DEFAULT_CTX_SIZE, NodeConfig
+
+KV_MEMORY_SHARE = 0.5  # a paged node's default KV budget: this share of the memory available at its start
+ADDRESS_SPACE_SHARE = 0.5  # a paged node's streams together: at most this share of the machine's RAM (overcommit)
+PAGED_PATCH = "0007-kv-give-back-unused-cells"
+
+
+def meminfo(field: str) -> int | None:
+    """``/proc/meminfo``'s ``field`` (MemAvailable, MemTotal) in bytes; None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (bytes; ``/proc/self/statm``); None where there is none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def kv_paged(config: NodeConfig) -> bool:
+    """Whether this node's KV memory is resident only as its sessions use it: the llama.cpp backend with patch 0007
+    (PAGED_PATCH) and its cache in host memory (``--gpu none``, or no GPU found), on Linux."""
+    if config.backend != "llama.cpp" or meminfo("MemTotal") is None:
+        return False
+    from ..runtime.llamacpp import patches
+
+    if not patches.applied(PAGED_PATCH):
+        return False
+    if config.gpu == "none":
+        return True
+    from ..runtime.llamacpp.devices import choose
+
+    return choose(config.gpu) is None  # LlamaCppError for a device that does not exist: as the load would
+
+
+def with_kv_defaults(config: NodeConfig) -> NodeConfig:
+    """``config`` with a paged node's default KV budget: ``--kv-budget-mb`` unset becomes KV_MEMORY_SHARE of the
+    memory available now (``/proc/meminfo`` MemAvailable). Other nodes' configs are returned as they are."""
+    from dataclasses import replace
+
+    if config.kv_budget_mb is not None or not kv_paged(config):
+        return config
+    available = meminfo("MemAvailable") or 0
+    return replace(config, kv_budget_mb=max(available * KV_MEMORY_SHARE / BYTES_PER_MIB, 1.0))
+
+
+def session_cells(config: NodeConfig, max_length: int, kv_bytes_per_token: int) -> int:
+    """KV cells of each of a llama.cpp node's streams: the longest session it takes (tokens).
+
+    ``max_length``: the model's context; ``kv_bytes_per_token``: the shard's (all its layers, keys and values).
+    Paged (kv_paged): ``--ctx-size`` or the model's context, within the budget (``--kv-budget``,
+    ``--kv-budget-mb``) and such that all ``--max-sessions`` + 1 streams take at most ADDRESS_SPACE_SHARE of the
+    RAM in address space. Otherwise ``--ctx-size`` or DEFAULT_CTX_SIZE, within the model's context and
+    1/``--max-sessions`` of the budget (the cells are allocated: one session may not take them all)."""
+    per_token = max(kv_bytes_per_token, 1)
+    budget = config.kv_budget_tokens
+    if config.kv_budget_mb is not None:
+        budget = min(budget, int(config.kv_budget_mb * BYTES_PER_MIB) // per_token)
+    if kv_paged(config):
+        streams = config.max_sessions + 1
+        space = int((meminfo("MemTotal") or 0) * ADDRESS_SPACE_SHARE) // (streams * per_token)
+        cells = min(config.ctx_size or max_length, max_length, budget, space)
+    else:
+        cells = min(config.ctx_size or DEFAULT_CTX_SIZE, max_length, budget // config.max_sessions)
+    return max(cells, 1)
+
+
+__all__ = ["DEFAULT_CTX_SIZE", "kv_paged", "meminfo", "rss_bytes", "session_cells", "with_kv_defaults"]
