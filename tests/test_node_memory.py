@@ -8,6 +8,7 @@ seconds of start-up. The check is on the node process itself: whether any PyTorc
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -97,20 +98,21 @@ def kv_allocated(url: str) -> int:
 
 @pytest.fixture(scope="module")
 def paged(tiny_dir):
-    """Three llama.cpp nodes of one tiny model (4 layers, a 64K context), whole model each: ``fixed`` with
-    --ctx-size 256 (the control), ``paged`` with the defaults, ``budget`` with a 6 MiB KV budget (3072 tokens)."""
+    """Four llama.cpp nodes of one tiny model (4 layers, a 64K context), whole model each, ``--gpu none`` but the
+    last: ``fixed`` with --ctx-size 256 (the control), ``paged`` with the defaults, ``budget`` with a 6 MiB KV
+    budget (3072 tokens), ``auto`` as ``fixed`` with ``--gpu auto``."""
     assert patches.applied("0007-kv-give-back-unused-cells"), "make setup builds llama.cpp with the patch queue"
     path = write_tiny_model(tiny_dir / "paged-llama.gguf", "llama", n_layers=4, context_length=CONTEXT)
-    extra = {0: ["--ctx-size", "256"], 1: [], 2: ["--kv-budget-mb", "6"]}
+    extra = {0: ["--ctx-size", "256"], 1: [], 2: ["--kv-budget-mb", "6"], 3: ["--ctx-size", "256", "--gpu", "auto"]}
     nodes = start_nodes(
-        [ShardSpec(0, 4, embed=True, head=True)] * 3,
+        [ShardSpec(0, 4, embed=True, head=True)] * 4,
         str(path),
         threads=1,
         extra=["--max-sessions", "8", "--gpu", "none"],
         per_node=lambda i: extra[i],
     )
     try:
-        yield dict(zip(("fixed", "paged", "budget"), nodes))
+        yield dict(zip(("fixed", "paged", "budget", "auto"), nodes))
     finally:
         stop_nodes(nodes)
 
@@ -168,3 +170,22 @@ def test_a_session_that_does_not_fit_the_budget_is_refused_with_the_numbers_and_
     finally:
         long.close()
     assert call("GET", url + "/health")[1]["status"] == "ok"
+
+
+def gpu_drivers(pid: int) -> set[str]:
+    """Vulkan drivers (and the LLVM Mesa's load) mapped into process ``pid``."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split()[-1] for line in maps if "libvulkan_" in line or "libLLVM" in line}
+
+
+def test_a_node_told_gpu_none_loads_no_gpu_driver(paged):
+    """``--gpu none``: the node's Vulkan backend finds no driver to load (node.memory.skip_gpu_drivers), where a
+    ``--gpu auto`` node (the control) loads the machine's to list its devices. Without a Vulkan driver on the machine
+    the control loads none and there is nothing to see: skipped, unless GGUFSWARM_REQUIRE_GPU_TESTS=1 (`make test`
+    sets it where it built the Vulkan backend and installed Mesa's drivers)."""
+    if not gpu_drivers(paged["auto"].proc.pid):
+        if os.environ.get("GGUFSWARM_REQUIRE_GPU_TESTS") == "1":
+            pytest.fail("GGUFSWARM_REQUIRE_GPU_TESTS=1 but a --gpu auto node loaded no Vulkan driver")
+        pytest.skip("no Vulkan driver loaded by a --gpu auto node on this machine")
+    for name in ("fixed", "paged", "budget"):
+        assert gpu_drivers(paged[name].proc.pid) == set(), name

@@ -19,6 +19,16 @@ from .state import BYTES_PER_MIB, DEFAULT_CTX_SIZE, NodeConfig
 KV_MEMORY_SHARE = 0.5  # a paged node's default KV budget: this share of the memory available at its start
 ADDRESS_SPACE_SHARE = 0.5  # a paged node's streams together: at most this share of the machine's RAM (overcommit)
 PAGED_PATCH = "0007-kv-give-back-unused-cells"
+NO_VULKAN_DRIVER = "/nonexistent/ggufswarm-gpu-none.json"  # a driver manifest path that does not exist
+
+
+def skip_gpu_drivers() -> None:
+    """``--gpu none``: point the Vulkan loader at no driver (``VK_DRIVER_FILES``, and ``VK_ICD_FILENAMES`` for older
+    loaders; a value the user set is kept) before llama.cpp starts, so that ggml's Vulkan backend finds no device
+    without loading any: Mesa's drivers load LLVM, about 55 MiB of a node's RSS, only to list devices a CPU node does
+    not use. For the node's own process (its environment is its children's too), before llama.cpp is loaded."""
+    for var in ("VK_DRIVER_FILES", "VK_ICD_FILENAMES"):
+        os.environ.setdefault(var, NO_VULKAN_DRIVER)
 
 
 def meminfo(field: str) -> int | None:
@@ -90,4 +100,4 @@ def session_cells(config: NodeConfig, max_length: int, kv_bytes_per_token: int) 
     return max(cells, 1)
 
 
-__all__ = ["DEFAULT_CTX_SIZE", "kv_paged", "meminfo", "rss_bytes", "session_cells", "with_kv_defaults"]
+__all__ = ["kv_paged", "meminfo", "rss_bytes", "session_cells", "skip_gpu_drivers", "with_kv_defaults"]

@@ -291,6 +291,8 @@ class NodeState:
 
     def health(self) -> dict:
         """The ``/health`` body: shard, model shape, limits and counters."""
+        from .memory import rss_bytes
+
         s = self.store
         return {
             "status": "ok",
@@ -319,6 +321,7 @@ class NodeState:
             "kv_tokens_reserved": s.reserved_tokens,
             "kv_tokens_held": s.held_tokens,
             "kv_bytes_per_token": s.kv_bytes_per_token(),
+            "rss_bytes": rss_bytes(),  # the node process's resident memory (docs/memory.md)
             **self.totals(),
             "cache": self.config.cache,
             "snapshots": self.snapshots.counters if self.snapshots else None,
