@@ -141,12 +141,13 @@ def test_long_prompt_greedy_equals_generate(gateway, cluster, gemma, long_prompt
 @pytest.mark.slow
 def test_an_8k_token_prompt_works_with_default_settings(gateway, cluster, gemma, reference_text):
     """Nodes started without --ctx-size hold an ~8K-token prompt (the default was 4096: a 400
-    context_length_exceeded), and its 2048-token prefill chunks get hop timeouts scaled to their size
-    (a fixed one gave 504): the answer comes, counted in full."""
+    context_length_exceeded; their KV cache paged, llama.cpp patch 0007, they offer the model's whole context, 32K),
+    and its 2048-token prefill chunks get hop timeouts scaled to their size (a fixed one gave 504): the answer comes,
+    counted in full."""
     prompt = ((reference_text + "\n\n") * 4)[:-1200]
     n = len(gemma.prompt_ids(prompt))
     assert 7800 < n <= 8192 - 2, n
-    assert {http("GET", node.url + "/health")[1]["max_length"] for node in cluster} == {8192}
+    assert {http("GET", node.url + "/health")[1]["max_length"] for node in cluster} == {32768}
     status, out = http(
         "POST", gateway + "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=600
     )
