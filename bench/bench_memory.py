@@ -1,15 +1,15 @@
 """Node memory benchmark: what each node of a 3-node route holds, idle and with sessions, in one run.
 
-Per node and scenario (0 sessions; 1, 4 and 16 sessions of --short tokens each; one session of --long tokens), the
-table gives:
+Per node and scenario (0 sessions; 1, 4 and 16 sessions of --short tokens each; one session of --long tokens, within
+the model's context), the table gives:
 
 * **RSS**: the node process's resident memory (``/proc/PID/status`` VmRSS);
 * **shard**: the bytes of its range's tensors (``artifact.accounting``: its blocks, the token embedding on the
   first node, the output norm and matrix on the head), read in place from the model file: mapped pages;
 * **KV held**: the tokens its sessions hold times its KV bytes per token (``/health`` kv_tokens_held,
   kv_bytes_per_token): the KV memory the sessions use;
-* **KV allocated**: llama.cpp's KV buffers (``--max-sessions`` + 1 streams of ``--ctx-size`` cells): what was
-  resident from the start before llama.cpp patch 0007, address space only since;
+* **KV allocated**: llama.cpp's KV buffers (``--max-sessions`` + 1 streams of ``--ctx-size`` cells; 32 sessions
+  here): what was resident from the start before llama.cpp patch 0007, address space only since;
 * **compute**: llama.cpp's compute buffers (they grow with the ubatch);
 * **other**: RSS - shard - KV held - compute (can be below 0: a mapped page nobody read is not resident, as the
   rows of the token embedding no prompt used).
@@ -17,7 +17,9 @@ table gives:
 The goal (issue 39): an idle node's RSS at most its shard + 120 MiB; with sessions at most shard + KV held +
 compute + 120 MiB. The sessions are opened together and each prefilled (greedy, one sampled token); the row is read
 while they are open, then they are closed and the next scenario starts, so a last "idle again" row shows whether
-the memory went back.
+the memory went back. ``--waves SECONDS`` then opens and closes 32 sessions at a time for that long (issue 39: 10
+minutes) and prints each node's RSS after the first and the last wave. A second table, when llama.cpp's tools are
+built (``make llamacpp-tools``), gives llama.cpp's own ``rpc-server`` holding the same layers.
 
     .venv/bin/python bench/bench_memory.py                       # Gemma 3 270M (the default model)
     .venv/bin/python bench/bench_memory.py --model PATH --long 32768
@@ -144,18 +146,36 @@ def rpc_rows(path: str, specs, tokens: list[int], threads: int) -> list[tuple]:
     return out
 
 
+async def waves(nodes, seconds: float, count: int, tokens: int) -> list[list[int]]:
+    """Waves of ``count`` sessions (opened together, each prefilled with ``tokens`` tokens and decoded 8 more, then
+    closed) for ``seconds``: each node's RSS after each wave."""
+    urls, out = [n.url for n in nodes], []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sessions = await open_and_prefill(urls, count, tokens)
+        for s in sessions:
+            token = 5  # (any token: memory does not depend on which)
+            for _ in range(8):
+                token = await s.step([token])
+        for s in sessions:
+            await s.close()
+        out.append([rss_bytes(n.proc.pid) for n in nodes])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF path or smollm2 (default: the default model)")
     ap.add_argument("--short", type=int, default=512, help="tokens of each short session (default 512)")
     ap.add_argument("--long", type=int, default=32768, help="tokens of the long session (default 32768)")
     ap.add_argument("--threads", type=int, default=1, help="threads per node (default 1)")
+    ap.add_argument("--waves", type=float, default=0, help="then waves of 32 sessions for this many seconds (RSS)")
     a = ap.parse_args()
     path = str(resolve_model(a.model))
     file = GGUFModelFile(path)
     specs = even_split(model_config(file, "llama.cpp").n_layers, 3)
     shard_bytes = [shard_account(file, s.start, s.end, s.embed, s.head).weight_bytes for s in specs]
-    extra = ["--gpu", "none", "--max-sessions", "16"]  # the rest as a node's defaults
+    extra = ["--gpu", "none", "--max-sessions", "32"]  # the rest as a node's defaults
     nodes = start_nodes(specs, path, a.threads, extra, timeout=600)
     rows = []
     try:
@@ -167,10 +187,11 @@ def main() -> int:
         rows += asyncio.run(scenario(nodes, 1, long, f"1 x {long}", shard_bytes))
         time.sleep(1.0)
         rows += row(nodes, "idle again", shard_bytes)
+        rss_waves = asyncio.run(waves(nodes, a.waves, 32, a.short)) if a.waves > 0 else []
     finally:
         stop_nodes(nodes)
     rpc = rpc_rows(path, specs, [a.short, long], a.threads)
-    print(f"\nmodel {path}; 3 nodes, {a.threads} thread(s) each, --max-sessions 16, defaults otherwise\n")
+    print(f"\nmodel {path}; 3 nodes, {a.threads} thread(s) each, --max-sessions 32, defaults otherwise\n")
     print("| sessions | node | RSS MiB | shard MiB | KV held MiB | KV allocated MiB | compute MiB | other MiB | goal |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, layers, rss, weights, kv_held, kv_alloc, compute in rows:
@@ -181,6 +202,13 @@ def main() -> int:
             f"{kv_alloc / MIB:.0f} | {compute / MIB:.0f} | {other / MIB:.0f} | "
             f"{'met' if rss <= bound else 'missed'} (≤ {bound / MIB:.0f}) |"
         )
+    if rss_waves:
+        print(f"\n{len(rss_waves)} waves of 32 sessions of {a.short} tokens (+8 decoded) in {a.waves:g} s: RSS MiB\n")
+        print("| node | after wave 1 | after the last | most |")
+        print("|---|---|---|---|")
+        for i, s in enumerate(specs):
+            col = [w[i] / MIB for w in rss_waves]
+            print(f"| {s.start}:{s.end} | {col[0]:.0f} | {col[-1]:.0f} | {max(col):.0f} |")
     if rpc:
         print("\nllama.cpp's rpc-server holding the same layers (peak RSS while llama-bench prefills into them)\n")
         print("| tokens | node | rpc-server RSS MiB | ggufswarm node RSS MiB (same tokens) |")

@@ -113,9 +113,12 @@ class NodeState:
         # The longest session one open may reserve: one sequence's cells where the backend has them (llama.cpp:
         # node.memory.session_cells: up to the whole budget where its KV is paged, else at most 1/--max-sessions of
         # it, so that no single request takes all the KV allocated), else that last rule over the token budget.
+        # Never more than the budget (a session that could never open is then a 400 at the gateway, not a 503 here)
+        # nor than --ctx-size (llama.cpp rounds a stream's cells up to a multiple of 256).
         cap = executor.n_ctx_seq
         if cap is None:
             cap = min(config.ctx_size or DEFAULT_CTX_SIZE, max(self.store.budget_tokens // config.max_sessions, 1))
+        cap = min(cap, config.ctx_size or cap, self.store.budget_tokens)
         self.store.max_session_tokens = self.max_session_tokens = min(self.cfg.max_length, cap)
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="shard")
         # a shard whose steps serialize on one lock (llama.cpp: one context) runs idle decode steps inline (steps.py)
