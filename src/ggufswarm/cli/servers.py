@@ -197,8 +197,8 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         type=int,
         default=4096,
         metavar="N",
-        help="most tokens one frame may carry, at most the backend's batch (llama.cpp: 2048); larger gets "
-        "413, and clients send longer prompts in chunks of it (default 4096)",
+        help="most tokens one frame may carry; larger gets 413, and clients send longer prompts in chunks of "
+        "it. Default 4096, capped by the backend's batch: 2048 on llama.cpp (its /health says which)",
     )
     n.add_argument("--workers", type=int, default=4, help="threads running steps of different sessions (default 4)")
     n.add_argument("--exit-with-parent", action="store_true", help="exit when the parent process dies")

@@ -31,6 +31,19 @@ def skip_gpu_drivers() -> None:
         os.environ.setdefault(var, NO_VULKAN_DRIVER)
 
 
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere): after a node's
+    last session closed, the frames of a long prefill (megabytes each) may otherwise stay resident as free heap."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def meminfo(field: str) -> int | None:
     """``/proc/meminfo``'s ``field`` (MemAvailable, MemTotal) in bytes; None where there is none (not Linux)."""
     try:
@@ -100,4 +113,4 @@ def session_cells(config: NodeConfig, max_length: int, kv_bytes_per_token: int) 
     return max(cells, 1)
 
 
-__all__ = ["kv_paged", "meminfo", "rss_bytes", "session_cells", "skip_gpu_drivers", "with_kv_defaults"]
+__all__ = ["kv_paged", "meminfo", "rss_bytes", "session_cells", "skip_gpu_drivers", "trim_heap", "with_kv_defaults"]
