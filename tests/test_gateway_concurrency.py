@@ -35,7 +35,7 @@ def tiny_route(tmp_path_factory):
         [ShardSpec(0, 1, embed=True), ShardSpec(1, 2, head=True)],
         model,
         threads=1,
-        extra=["--max-sessions", str(N_STREAMS), "--ctx-size", "64"],
+        extra=["--max-sessions", str(N_STREAMS), "--ctx-size", "256"],
         per_node=lambda i: ["--data-dir", str(work / f"node{i}")],
     )
     yield model, nodes
