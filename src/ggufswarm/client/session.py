@@ -431,9 +431,8 @@ class AsyncRouteSession:
             self._broken = exc
 
     async def drop_links(self) -> None:
-        """Close the reply link (one still opening is closed once open) and the step link unless it goes to the
-        route's first node still, and forget the replies they were to bring (a repair changed the route). The next
-        step is numbered after every step granted to the head (ring decode)."""
+        """Close the reply link (one still opening: once open) and the step link unless it goes to the route's first
+        node still; forget their replies to come (a repair changed the route); number new steps past any granted."""
         replies, self._replies = self._replies, None
         if replies is not None:
             await replies.close()
@@ -449,9 +448,7 @@ class AsyncRouteSession:
         self._unacked.clear()
         self._broken = None
         self._ring = self._early = None
-        # the head may have sent steps up to the last grant itself, and may still be sending one: the steps after a
-        # repair are numbered past them, so no reply of theirs is taken for a new step's (same frame key) and every
-        # node refuses them as stale once its step counter is set (repair.rewind)
+        # the head may still be sending a step it was granted: new steps are numbered past it (no shared frame key)
         self.step_no = max(self.step_no, self._granted)
         self._granted = 0
         self._ring_claimed.clear()
