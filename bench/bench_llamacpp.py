@@ -349,25 +349,34 @@ def rpc_bench_args(threads: int, addrs: list[str]) -> list[str]:
     return ["-t", str(threads), "-fa", "1", "--rpc", ",".join(addrs), "-ngl", "99", "-ts", RPC_SPLIT]
 
 
+@contextlib.contextmanager
+def peak_rss(servers: list[subprocess.Popen]):
+    """Sample each process's RSS every 50 ms while the block runs; yields the list of peaks (bytes), final on exit."""
+    peak, done = [0] * len(servers), threading.Event()
+    procs = [psutil.Process(p.pid) for p in servers]
+
+    def sample():
+        while not done.is_set():
+            for i, p in enumerate(procs):
+                try:
+                    peak[i] = max(peak[i], p.memory_info().rss)
+                except psutil.Error:
+                    pass
+            done.wait(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        sampler.join()
+
+
 def bench_rpc(f: GGUFModelFile, n_prefill: int, n_decode: int, threads: int, env: dict, reps: int) -> dict:
     """llama-bench over 3 rpc-server processes; peak RSS of each server while it runs."""
     with rpc_servers(threads, env) as (servers, addrs):
-        peak = [0, 0, 0]
-        done = threading.Event()
-
-        def sample():
-            procs = [psutil.Process(p.pid) for p in servers]
-            while not done.is_set():
-                for i, p in enumerate(procs):
-                    try:
-                        peak[i] = max(peak[i], p.memory_info().rss)
-                    except psutil.Error:
-                        pass
-                done.wait(0.05)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
+        with peak_rss(servers) as peak:
             out, err = llama_bench(
                 str(f.path),
                 [
@@ -384,9 +393,6 @@ def bench_rpc(f: GGUFModelFile, n_prefill: int, n_decode: int, threads: int, env
                 reps,
                 n_prefill,
             )
-        finally:
-            done.set()
-            sampler.join()
         out["layout"] = rpc_layout(err)
         specs = [ShardSpec(0, 6, embed=True), ShardSpec(6, 12), ShardSpec(12, 18, head=True)]
         out["mem"] = [(r, shard_bytes(f, s, embed_in_shard=False)) for r, s in zip(peak, specs)]

@@ -32,7 +32,6 @@ import asyncio
 import json
 import os
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -110,8 +109,7 @@ def rpc_rows(path: str, specs, tokens: list[int], threads: int) -> list[tuple]:
     """llama.cpp's own: 3 ``rpc-server`` processes holding the route's cut (llama-bench ``--rpc``, ``-ts`` as the
     route, flash attention), each one's peak RSS while llama-bench prefills ``n`` tokens (its context: exactly
     those), for each ``n`` of ``tokens``; nothing (a line says so) without the tools (``make llamacpp-tools``)."""
-    import psutil
-    from bench_llamacpp import TOOLS_BIN, llama_bench, rpc_servers
+    from bench_llamacpp import TOOLS_BIN, llama_bench, peak_rss, rpc_servers
 
     if not all((TOOLS_BIN / b).is_file() for b in ("llama-bench", "rpc-server")):
         print(
@@ -121,28 +119,10 @@ def rpc_rows(path: str, specs, tokens: list[int], threads: int) -> list[tuple]:
     split = "/".join(str(s.end - s.start + s.head) for s in specs)  # the head's server holds the output too
     out = []
     for n in tokens:
-        with rpc_servers(threads, dict(os.environ)) as (servers, addrs):
-            peak, done = [0] * len(servers), threading.Event()
-            procs = [psutil.Process(p.pid) for p in servers]
-
-            def sample(procs=procs, peak=peak, done=done):
-                while not done.is_set():
-                    for i, p in enumerate(procs):
-                        try:
-                            peak[i] = max(peak[i], p.memory_info().rss)
-                        except psutil.Error:
-                            pass
-                    done.wait(0.05)
-
-            sampler = threading.Thread(target=sample, daemon=True)
-            sampler.start()
-            try:
-                args = ["-t", str(threads), "-fa", "1", "--rpc", ",".join(addrs), "-ngl", "99", "-ts", split]
-                llama_bench(path, args + ["-p", str(n), "-n", "0"], dict(os.environ), 1)
-            finally:
-                done.set()
-                sampler.join()
-            out += [(f"1 x {n}", f"{s.start}:{s.end}", rss) for s, rss in zip(specs, peak)]
+        with rpc_servers(threads, dict(os.environ)) as (servers, addrs), peak_rss(servers) as peak:
+            args = ["-t", str(threads), "-fa", "1", "--rpc", ",".join(addrs), "-ngl", "99", "-ts", split]
+            llama_bench(path, args + ["-p", str(n), "-n", "0"], dict(os.environ), 1)
+        out += [(f"1 x {n}", f"{s.start}:{s.end}", rss) for s, rss in zip(specs, peak)]
     return out
 
 
