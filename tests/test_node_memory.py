@@ -189,3 +189,46 @@ def test_a_node_told_gpu_none_loads_no_gpu_driver(paged):
         pytest.skip("no Vulkan driver loaded by a --gpu auto node on this machine")
     for name in ("fixed", "paged", "budget"):
         assert gpu_drivers(paged[name].proc.pid) == set(), name
+
+
+def test_a_long_metadata_array_reads_as_its_list_kept_packed(tmp_path):
+    """A vocabulary-sized array (over ``PACKED_ARRAY_MIN`` items) reads back item for item as written (strings with
+    multi-byte UTF-8 and the empty string, floats, ints), compares equal to its list, slices to lists, and writes
+    back through ``gguf``'s writer unchanged; short arrays stay plain lists."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    from ggufswarm.artifact.gguf_file import PACKED_ARRAY_MIN, GGUFModelFile, PackedArray
+
+    n = PACKED_ARRAY_MIN + 5
+    tokens = [f"tok{i}" if i % 7 else f"ü€{i}\n" for i in range(n)]
+    tokens[3] = ""
+    scores = [float(np.float32(i / 3)) for i in range(n)]
+    types = [i % 6 for i in range(n)]
+
+    def write(path, toks, scs, tys):
+        w = GGUFWriter(str(path), "llama")
+        w.add_key_value("tokenizer.ggml.tokens", toks, GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
+        w.add_key_value("tokenizer.ggml.scores", scs, GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
+        w.add_key_value("tokenizer.ggml.token_type", tys, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+        w.add_key_value("llama.short", [1, 2, 3], GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    write(tmp_path / "a.gguf", tokens, scores, types)
+    md = GGUFModelFile(tmp_path / "a.gguf").metadata
+    got = md["tokenizer.ggml.tokens"]
+    assert isinstance(got, PackedArray) and isinstance(md["tokenizer.ggml.scores"], PackedArray)
+    assert md["llama.short"] == [1, 2, 3] and isinstance(md["llama.short"], list)
+    assert len(got) == n and list(got) == tokens and got == tokens and tokens == got
+    assert got[-1] == tokens[-1] and got[3] == "" and got[7] == "ü€7\n" and got[10:13] == tokens[10:13]
+    assert md["tokenizer.ggml.scores"].tolist() == scores and md["tokenizer.ggml.token_type"] == types
+    assert got != tokens[:-1] + ["other"]
+    with pytest.raises(IndexError):
+        got[n]
+    # written back through gguf's writer (a head shard's derived header copies the vocabulary)
+    write(tmp_path / "b.gguf", got, md["tokenizer.ggml.scores"], md["tokenizer.ggml.token_type"])
+    again = GGUFModelFile(tmp_path / "b.gguf").metadata
+    assert again["tokenizer.ggml.tokens"] == got and again["tokenizer.ggml.scores"] == scores
+    assert again["tokenizer.ggml.token_type"] == md["tokenizer.ggml.token_type"]

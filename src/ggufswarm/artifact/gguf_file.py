@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,66 @@ class TensorInfo:
         return None
 
 
+PACKED_ARRAY_MIN = 4096  # arrays with more items than this are kept packed (a vocabulary), not as Python lists
+
+
+class PackedArray(Sequence):
+    """A long GGUF metadata array kept in its encoded form: a read-only ``Sequence`` of ``str`` or numbers.
+
+    A vocabulary as a Python list costs one object per token: Gemma 3's 262144 tokens, scores and types took
+    ~37 MiB of every process that opened the model (docs/memory.md). Kept packed it is the header's bytes of the
+    array plus two ``int64`` offsets per string (~6 MiB). Items are decoded when read; a slice is a ``list``.
+    ``==`` compares items with any sequence; ``tolist()`` gives the plain list.
+    """
+
+    __hash__ = None  # type: ignore[assignment]  # (a list is not hashable either)
+
+    def __init__(self, values: np.ndarray | None = None, blob: bytes = b"", starts=None, ends=None):
+        self._values = values  # numbers: [n] of the array's dtype
+        self._blob, self._starts, self._ends = blob, starts, ends  # strings: utf-8 bytes [starts[i]:ends[i]]
+
+    def __len__(self) -> int:
+        return len(self._values) if self._values is not None else len(self._starts)
+
+    def _item(self, i: int):
+        if self._values is not None:
+            return self._values[i].item()
+        return self._blob[self._starts[i] : self._ends[i]].decode("utf-8", errors="replace")
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._item(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for {n} items")
+        return self._item(i % n)
+
+    def __iter__(self):
+        return (self._item(i) for i in range(len(self)))
+
+    def tolist(self) -> list:
+        return self._values.tolist() if self._values is not None else list(self)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, PackedArray) and (self._values is None) == (other._values is None):
+            if self._values is not None:
+                return bool(np.array_equal(self._values, other._values))
+            return (
+                len(self) == len(other)
+                and np.array_equal(self._ends - self._starts, other._ends - other._starts)
+                and all(
+                    self._blob[a:b] == other._blob[c:d]
+                    for a, b, c, d in zip(self._starts, self._ends, other._starts, other._ends)
+                )
+            )
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"PackedArray({len(self)} items: {self[:3]}...)"
+
+
 class _Cursor:
     def __init__(self, data: bytes, path: Path):
         self.data, self.pos, self.path = data, 0, path
@@ -92,19 +153,36 @@ class _Cursor:
         n = self.scalar(GGUFValueType.UINT64)
         return self.take(n).decode("utf-8", errors="replace")
 
+    def packed_strings(self, count: int) -> PackedArray:
+        """``count`` length-prefixed strings as one PackedArray over a copy of their bytes."""
+        first, starts, ends = self.pos, np.empty(count, np.int64), np.empty(count, np.int64)
+        unpack, data, pos = struct.Struct("<Q").unpack_from, self.data, self.pos
+        for i in range(count):
+            if pos + 8 > len(data):
+                raise EOFError
+            n = unpack(data, pos)[0]
+            starts[i], pos = pos + 8, pos + 8 + n
+            ends[i] = pos
+        if pos > len(data):
+            raise EOFError
+        self.pos = pos
+        return PackedArray(blob=bytes(data[first:pos]), starts=starts - first, ends=ends - first)
+
     def value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
             item_type = GGUFValueType(self.scalar(GGUFValueType.UINT32))
             count = self.scalar(GGUFValueType.UINT64)
+            if item_type == GGUFValueType.STRING and count > PACKED_ARRAY_MIN:
+                return self.packed_strings(count)
             if item_type == GGUFValueType.STRING:
                 return [self.string() for _ in range(count)]
             if item_type == GGUFValueType.ARRAY:
                 return [self.value(item_type) for _ in range(count)]
             dtype = np.dtype(_SCALAR_FORMATS[item_type])
             arr = np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype)
-            return arr.tolist()
+            return PackedArray(arr.copy()) if count > PACKED_ARRAY_MIN else arr.tolist()
         return self.scalar(vtype)
 
 
