@@ -32,8 +32,8 @@ from ggufswarm.cache.app import make_app as make_cache_app
 from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.client.tracker import TrackerClient
 from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.shard import ShardSpec, even_split
 from ggufswarm.swarm.publish import publish
 from ggufswarm.swarm.torrent import Swarm, save_path_for

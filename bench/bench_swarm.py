@@ -22,8 +22,8 @@ def main():
     from ggufswarm.artifact.default_model import resolve_model
     from ggufswarm.artifact.manifest import Manifest
     from ggufswarm.client.route import RemoteRoute
+    from ggufswarm.net.http import ServerThread
     from ggufswarm.node.launch import start_nodes, stop_nodes
-    from ggufswarm.protocol.http import ServerThread
     from ggufswarm.runtime.sampling import SamplingParams
     from ggufswarm.runtime.shard import ShardSpec
     from ggufswarm.swarm.publish import publish

@@ -42,8 +42,8 @@ from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.gateway.app import GATEWAY
 from ggufswarm.gateway.verify import sessions_to_catch
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.shard import ShardSpec, even_split
 from ggufswarm.swarm.publish import publish
 from ggufswarm.swarm.torrent import Swarm, save_path_for

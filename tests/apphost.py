@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ggufswarm.protocol.http import ServerThread
+from ggufswarm.net.http import ServerThread
 
 
 @contextlib.contextmanager

@@ -104,7 +104,7 @@ def probe_app(name: str):
 def running(*names: str):
     """Stand-in nodes of test keys ``names`` (``probe_app``), each on a loopback port: ``{name: URL}``. A tracker
     takes a ban only on witnesses that answer its challenge where they are listed (tracker/bans.py)."""
-    from ggufswarm.protocol.http import ServerThread
+    from ggufswarm.net.http import ServerThread
 
     servers = {name: ServerThread(probe_app(name)) for name in names}
     try:

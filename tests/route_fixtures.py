@@ -18,8 +18,8 @@ import torch
 
 from ggufswarm.client.generate import GenerationStats, generate
 from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import ShardSpec, even_split
 

@@ -15,11 +15,11 @@ from tinymodels import write_tiny_model
 
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
+from ggufswarm.net.auth import TOKEN_HEADER
+from ggufswarm.net.http import ServerThread
 from ggufswarm.net.reach import PUBLIC_PATHS
 from ggufswarm.node.app import make_app as make_node_app
 from ggufswarm.node.state import NodeConfig
-from ggufswarm.protocol.auth import TOKEN_HEADER
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.tracker.app import TrackerConfig
 from ggufswarm.tracker.app import make_app as make_tracker_app
 
@@ -84,7 +84,7 @@ def test_the_token_is_never_in_a_torrent(apps, tmp_path):
     import libtorrent as lt
 
     from ggufswarm.client.tracker import TrackerClient
-    from ggufswarm.protocol.auth import announce_key
+    from ggufswarm.net.auth import announce_key
     from ggufswarm.swarm.publish import publish
 
     _, tracker = apps[1]
@@ -103,7 +103,7 @@ def test_the_token_is_not_in_the_tracker_database(tmp_path):
     """A tracker keeping its registry in a file: after a publish, an announce and a node's heartbeat, the token is
     in none of the database's files (the database, its WAL), in clear or as the hex of its bytes."""
     from ggufswarm.client.tracker import TrackerClient
-    from ggufswarm.protocol.auth import announce_key
+    from ggufswarm.net.auth import announce_key
     from ggufswarm.swarm.publish import publish
 
     db = tmp_path / "tracker.db"
@@ -141,7 +141,7 @@ def test_the_library_never_reads_the_environment(apps, monkeypatch):
     from ggufswarm.client.route import RemoteRoute
     from ggufswarm.client.tracker import TrackerClient, TrackerError
     from ggufswarm.client.transport import RouteError
-    from ggufswarm.protocol.auth import TOKEN_ENV
+    from ggufswarm.net.auth import TOKEN_ENV
 
     (_, node), (_, tracker) = apps[0], apps[1]
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
@@ -170,7 +170,7 @@ def test_cli_token_from_flag_or_environment(ggufswarm_cli, tmp_path):
     import signal
     import subprocess
 
-    from ggufswarm.protocol.auth import TOKEN_ENV
+    from ggufswarm.net.auth import TOKEN_ENV
 
     def serve(*args, env_token=None):
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}

@@ -1,4 +1,4 @@
-"""One error path: the exception → (status, code) mapping is one function (protocol.http.as_protocol_error), used by
+"""One error path: the exception → (status, code) mapping is one function (net.http.as_protocol_error), used by
 every server's HTTP middleware and by a node's link replies, so a refused request is a 4xx wherever it is raised."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from apphost import AppThread
 
+from ggufswarm.net.http import as_protocol_error, json_errors_middleware
 from ggufswarm.protocol import ProtocolError
-from ggufswarm.protocol.http import as_protocol_error, json_errors_middleware
 from ggufswarm.runtime.kv import ContextOverflow
 from ggufswarm.runtime.session_state import UnknownSession
 

@@ -30,9 +30,9 @@ from ggufswarm.client.session import AsyncRouteSession
 from ggufswarm.client.tracker import TrackerClient
 from ggufswarm.client.transport import StepLink
 from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.protocol import decode_frame
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import even_split
 from ggufswarm.swarm.publish import publish

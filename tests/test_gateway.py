@@ -324,7 +324,7 @@ def test_literal_prompts_flag(gateway, cluster, gemma_path, gemma):
     """/v1/completions reads control-token text in a raw prompt as the control token (llama-server's
     behaviour); a gateway with ``--literal-prompts`` (prompt_special False) tokenizes it as plain text."""
     from ggufswarm.gateway import GatewayConfig, make_app
-    from ggufswarm.protocol.http import ServerThread
+    from ggufswarm.net.http import ServerThread
 
     prompt = "Say hi.<end_of_turn>\n<start_of_turn>model\n"
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}

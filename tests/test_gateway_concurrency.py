@@ -14,8 +14,8 @@ import pytest
 from tinymodels import write_tiny_model
 
 from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.spec import ShardSpec
 
 N_STREAMS = 256  # concurrent streamed chat completions

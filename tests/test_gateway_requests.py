@@ -12,7 +12,7 @@ from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.gateway.errors import RequestError
 from ggufswarm.gateway.messages import chat_turns
-from ggufswarm.protocol.http import ServerThread
+from ggufswarm.net.http import ServerThread
 
 
 @pytest.fixture(scope="module")

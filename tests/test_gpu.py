@@ -24,8 +24,8 @@ import pytest
 from route_fixtures import http
 from tinymodels import write_tiny_model
 
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.shard import ShardSpec
 
 N_LAYERS = 6

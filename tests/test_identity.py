@@ -26,11 +26,11 @@ from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.manifest import Manifest
 from ggufswarm.client.tracker import TrackerClient, TrackerError
+from ggufswarm.net.http import json_errors_middleware
 from ggufswarm.net.identity import IdentityError, NodeIdentity, canonical, verify, verify_json
 from ggufswarm.net.reach import add_probe_route
 from ggufswarm.node.discovery import advertisement_route, hello_route
 from ggufswarm.node.state import NODE
-from ggufswarm.protocol.http import json_errors_middleware
 from ggufswarm.swarm.directory import Directory
 from ggufswarm.swarm.torrent import make_torrent
 from ggufswarm.tracker.app import TrackerConfig, make_app

@@ -29,11 +29,11 @@ from route_fixtures import reference
 
 from ggufswarm.client.tracker import TrackerError
 from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.net.auth import TOKEN_ENV, TOKEN_HEADER
 from ggufswarm.net.dht import Discovery, swarm_key
+from ggufswarm.net.http import ServerThread
 from ggufswarm.net.invite import JoinLink, JoinLinkError, manifest_digest
 from ggufswarm.node.launch import NodeProcess, start_nodes, stop_nodes
-from ggufswarm.protocol.auth import TOKEN_ENV, TOKEN_HEADER
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.shard import ShardSpec
 from ggufswarm.swarm.directory import Directory, DirectoryError
 from ggufswarm.swarm.publish import publish

@@ -743,7 +743,7 @@ def test_a_gateway_given_only_a_route_serves_the_route_s_model(tiny_route, tmp_p
     ``--model`` the nodes don't serve, the start-up check and every request say which models differ."""
     from ggufswarm.gateway import GatewayConfig, make_app
     from ggufswarm.gateway.serve import check_route
-    from ggufswarm.protocol.http import ServerThread
+    from ggufswarm.net.http import ServerThread
 
     urls = [tiny_route["first"], tiny_route["head"]]
     assert check_route(GatewayConfig(route=urls)).model == http("GET", urls[0] + "/health")[1]["model_fingerprint"]

@@ -147,7 +147,7 @@ def test_qwen3next_truncates_only_to_exact_state_checkpoints(tiny_dir, tmp_path)
     nothing. The accounting's ``state_bytes_per_session`` (what a node advertises) is llama.cpp's own state size:
     a serialized sequence is that plus the attention KV and 12 bytes of cell metadata per token, plus a header."""
     from ggufswarm.artifact.accounting import shard_account
-    from ggufswarm.protocol.http import as_protocol_error
+    from ggufswarm.net.http import as_protocol_error
     from ggufswarm.runtime.llamacpp.errors import StateNotAtPosition
 
     path = write_tiny_moe_model(tiny_dir / "bitwise-qwen3next.gguf", "qwen3next", n_layers=9)

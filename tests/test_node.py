@@ -17,9 +17,9 @@ from route_fixtures import HOP_TIMEOUT, cluster, greedy_prompts, health, http, l
 from ggufswarm.client.route import RemoteRoute
 from ggufswarm.client.transport import RouteError, StepLink
 from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.protocol import decode_frame, encode_hidden, encode_tokens
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import ShardSpec
 

@@ -176,7 +176,7 @@ def test_non_head_node_re_pushes_a_recorded_step_after_its_next_hop_failed(route
 @pytest.fixture(scope="module")
 def gateway(route, model):
     from ggufswarm.gateway import GatewayConfig, make_app
-    from ggufswarm.protocol.http import ServerThread
+    from ggufswarm.net.http import ServerThread
 
     server = ServerThread(make_app(GatewayConfig([route["whole"]], model=model)))
     yield server.start()
@@ -574,7 +574,7 @@ def test_corrupt_snapshot_is_a_miss_and_the_node_computes(model, tmp_path):
 
 
 def test_json_depth_counts_nesting_not_brackets_in_strings():
-    from ggufswarm.protocol.http import MAX_JSON_DEPTH, json_depth
+    from ggufswarm.net.http import MAX_JSON_DEPTH, json_depth
 
     assert json_depth('{"a": [1, {"b": []}]}') == 4
     in_strings = '{"a": "' + "[" * (3 * MAX_JSON_DEPTH) + '", "b": "\\"[{"}'

@@ -305,7 +305,7 @@ def announced_peers(lab: NetLab, role: str, tracker: str, info_hash: str, token:
     """The peer addresses a BitTorrent announce from ``role`` gets back from ``tracker``."""
     code = (
         "import sys, urllib.parse as p, urllib.request as u, libtorrent as lt, socket\n"
-        "from ggufswarm.protocol.auth import announce_key\n"
+        "from ggufswarm.net.auth import announce_key\n"
         "q = {'info_hash': bytes.fromhex(sys.argv[2]), 'peer_id': b'-XX0000-' + b'0' * 12, 'port': 6999, 'left': 1,\n"
         "     'swarm_key': announce_key(sys.argv[3])}\n"
         "body = lt.bdecode(u.urlopen(sys.argv[1] + '/announce?' + p.urlencode(q), timeout=10).read())\n"

@@ -12,6 +12,8 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from ggufswarm.net.auth import auth_headers, token_middleware
+from ggufswarm.net.http import json_errors_middleware
 from ggufswarm.net.reach import (
     PROBE_PATH,
     ReachError,
@@ -22,8 +24,6 @@ from ggufswarm.net.reach import (
 )
 from ggufswarm.net.relay import RelayError, add_relay_routes
 from ggufswarm.net.relay_client import RelayClient
-from ggufswarm.protocol.auth import auth_headers, token_middleware
-from ggufswarm.protocol.http import json_errors_middleware
 
 TOKEN = "relay-test-token"
 BIG = os.urandom(32 * 2**20)

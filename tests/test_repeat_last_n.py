@@ -12,9 +12,9 @@ from tinymodels import write_tiny_model
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node.app import make_app as make_node_app
 from ggufswarm.node.state import NodeConfig
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
 from ggufswarm.runtime.sampling import Sampler, SamplingParams
 

@@ -15,9 +15,9 @@ import pytest
 from route_fixtures import http
 from tinymodels import write_tiny_model
 
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node import NodeConfig, make_app
 from ggufswarm.protocol.frame import encode_tokens
-from ggufswarm.protocol.http import ServerThread
 
 TTL_S = 0.6
 

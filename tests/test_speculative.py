@@ -19,8 +19,8 @@ from ggufswarm.client.generate import GenerationStats, generate
 from ggufswarm.client.route import RemoteRoute
 from ggufswarm.client.speculative import NgramDrafter, speculate
 from ggufswarm.gateway import GatewayConfig, make_app
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import even_split
 

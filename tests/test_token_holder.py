@@ -33,11 +33,11 @@ from identities import ad_of as tiny_ad
 
 import ggufswarm.net.relay as relay_module
 import ggufswarm.tracker.registry as registry_module
+from ggufswarm.net.auth import OPERATOR_HEADER
 from ggufswarm.net.commitments import commit_context
 from ggufswarm.net.reach import add_dialback_route
 from ggufswarm.net.relay_client import RelayClient
 from ggufswarm.node.app import _requester
-from ggufswarm.protocol.auth import OPERATOR_HEADER
 from ggufswarm.tracker.app import TrackerConfig, make_app
 
 TOKEN, OPERATOR = "swarm-token", "operator-secret"
@@ -289,10 +289,10 @@ def test_a_node_sends_the_token_only_to_a_next_hop_that_proves_its_key():
     swarm token). An attacker's advertisement pointing at another service is refused (next_hop_unknown) and that
     service never sees the token; a real node passes."""
     from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.net.auth import auth_headers
     from ggufswarm.net.reach import Proven, add_probe_route
     from ggufswarm.node.advertise import check_registered
     from ggufswarm.protocol import ProtocolError
-    from ggufswarm.protocol.auth import auth_headers
 
     seen = []
 

@@ -24,8 +24,8 @@ from ggufswarm.client.tools import (
 )
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.gateway.messages import chat_turns
+from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.protocol.http import ServerThread
 from ggufswarm.runtime.sampling import Sampler, SamplingParams
 from ggufswarm.runtime.shard import even_split
 

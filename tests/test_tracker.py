@@ -260,7 +260,7 @@ def test_a_tracker_gateway_s_health_asks_its_tracker(tmp_path, tiny_artifact):
     the tracker when the tracker refuses its token or is gone."""
     from ggufswarm.gateway import GatewayConfig
     from ggufswarm.gateway import make_app as make_gateway_app
-    from ggufswarm.protocol.http import ServerThread
+    from ggufswarm.net.http import ServerThread
 
     tracker_server = ServerThread(make_app(TrackerConfig(db=":memory:", token="sekret")))
     tracker = tracker_server.start()

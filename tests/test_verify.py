@@ -266,8 +266,8 @@ def wait_for(predicate, timeout: float, what: str):
 def swarm(gemma_path, tmp_path_factory):
     """Tracker, seeder, P (0:6 +embed), H1, H2, L (6:12; L with --test-lie noise), head (12:18), a verifying gateway.
     ``keys``: node key by URL; ``gw``: the gateway's Gateway object (tests steer routes with its suspects)."""
+    from ggufswarm.net.http import ServerThread
     from ggufswarm.node.launch import start_nodes, stop_nodes
-    from ggufswarm.protocol.http import ServerThread
     from ggufswarm.runtime.shard import ShardSpec
     from ggufswarm.swarm.publish import publish
     from ggufswarm.swarm.torrent import Swarm, save_path_for

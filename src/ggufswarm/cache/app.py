@@ -19,9 +19,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from ..artifact.accounting import MAX_CONTEXT
-from ..protocol.auth import token_middleware
+from ..net.auth import token_middleware
+from ..net.http import json_errors_middleware, read_json
 from ..protocol.errors import ProtocolError
-from ..protocol.http import json_errors_middleware, read_json
 from ..protocol.snapshots import SHA_HEADER
 from .snapshot import KV_DTYPES, STATE_DTYPE, Shard, valid_scope
 from .store import SnapshotStore, SnapshotTooLarge
@@ -131,7 +131,7 @@ def make_app(config: CacheConfig) -> web.Application:
     """The cache server's aiohttp app over a SnapshotStore in ``config.dir``. Raises OSError for a bad dir.
 
     Handlers raise their errors (ProtocolError, the store's typed errors); the shared middleware answers each
-    with its JSON error (protocol/http.py)."""
+    with its JSON error (net/http.py)."""
     store = SnapshotStore(config.dir, config.max_bytes)
     app = web.Application(
         client_max_size=config.max_upload_bytes, middlewares=[token_middleware(config.token), json_errors_middleware()]
@@ -168,7 +168,7 @@ def make_app(config: CacheConfig) -> web.Application:
 
 def run_cache(config: CacheConfig, host: str, port: int) -> int:
     """``ggufswarm cache``: serve until SIGINT/SIGTERM, printing one ready line to stdout."""
-    from ..protocol.http import run_server
+    from ..net.http import run_server
 
     app = make_app(config)
     store = app[STORE]

@@ -311,7 +311,7 @@ def cmd_tracker(args) -> int:
 
 
 def _operator_token(args) -> str | None:
-    from ..protocol.auth import OPERATOR_ENV
+    from ..net.auth import OPERATOR_ENV
 
     return args.operator_token or os.environ.get(OPERATOR_ENV) or None
 
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(threads)
     if hasattr(args, "token"):  # the only place the environment is read: everything else is given the token
-        from ..protocol.auth import TOKEN_ENV
+        from ..net.auth import TOKEN_ENV
 
         args.token = args.token or os.environ.get(TOKEN_ENV) or None
     from ..artifact.gguf_file import GGUFError

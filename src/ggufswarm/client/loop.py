@@ -2,7 +2,7 @@
 
 ``run(coro)`` submits a coroutine to it and waits; ``shared_http()`` is the aiohttp session every blocking route
 session shares (one connection pool per process). The loop thread is a daemon started on first use; uvloop's
-loop when installed (as the servers', protocol/http.py), asyncio's otherwise.
+loop when installed (as the servers', net/http.py), asyncio's otherwise.
 """
 
 from __future__ import annotations

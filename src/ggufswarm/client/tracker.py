@@ -18,8 +18,8 @@ from urllib.parse import quote, urlencode
 
 import aiohttp
 
+from ..net.auth import OPERATOR_HEADER, auth_headers
 from ..net.identity import deregistration
-from ..protocol.auth import OPERATOR_HEADER, auth_headers
 
 DEFAULT_TIMEOUT_S = 30.0
 

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from ..protocol.auth import auth_headers
+from ..net.auth import auth_headers
 from ..protocol.link import decode_reply, frame_key
 
 JSON = "application/json"

@@ -20,9 +20,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, tool_request
 from ..client.tracker import TrackerError
-from ..protocol.auth import auth_headers
+from ..net.auth import auth_headers
+from ..net.http import json_errors_middleware, probe, probe_json, read_json
 from ..protocol.errors import ProtocolError
-from ..protocol.http import json_errors_middleware, probe, probe_json, read_json
 from .config import GatewayConfig
 from .errors import CLIENT_GONE, FIXED_ROUTE_HINT, JSON, RequestError, error_response, say_failed
 from .generation import Done, Event, Failed, Generation
@@ -38,7 +38,7 @@ DISCONNECT_POLL_S = 0.5  # a non-streamed request looks this often whether its c
 
 
 async def read_body(request: web.Request) -> dict:
-    """The request's JSON object (protocol/http.py read_json: size, depth, charset limits; ProtocolError 400 / 413
+    """The request's JSON object (net/http.py read_json: size, depth, charset limits; ProtocolError 400 / 413
     otherwise); RequestError (400) for a lone UTF-16 surrogate in a string."""
     body = await read_json(request)
     try:  # JSON may escape a lone UTF-16 surrogate ("\\ud800"): no text can hold it, no tokenizer can take it
@@ -215,7 +215,7 @@ async def health(request: web.Request) -> web.Response:
     [{"url", "ok"}]}`` (a tracker gateway: ``"tracker": {"ok"}`` instead of ``route`` and ``nodes``; its address
     is not shown) when all answer 200 and (tracker) the model has a complete chain of ready nodes (a gateway of
     every model: some model has); else ``503 {"status": "degraded", ..., "reason"}``, each failed probe with its
-    ``error`` (protocol.http.probe: connection refused, timeout, HTTP status) and ``reason`` one line naming
+    ``error`` (net.http.probe: connection refused, timeout, HTTP status) and ``reason`` one line naming
     what failed (for a fixed route: that the gateway cannot replace a node, and what to do). Both carry ``verify``
     (``Verifier.health``: audit rate, audits by result, banned node keys). Answers within about HEALTH_PROBE_S;
     needs no API key."""

@@ -20,10 +20,10 @@ from ..artifact.gguf_file import GGUFModelFile
 from ..cache.app import CacheConfig
 from ..cache.app import make_app as make_cache_app
 from ..client.tokenizer import media_marker_ids
+from ..net.auth import TOKEN_ENV
+from ..net.http import ServerThread
 from ..net.invite import JoinLink, manifest_digest
 from ..node.launch import start_nodes, stop_nodes
-from ..protocol.auth import TOKEN_ENV
-from ..protocol.http import ServerThread
 from ..runtime.backends import model_config
 from ..runtime.spec import even_split
 from ..swarm.publish import publish

@@ -9,8 +9,8 @@ import sys
 from aiohttp import web
 
 from ..client.transport import REPAIRABLE, RouteError
+from ..net.http import as_protocol_error
 from ..protocol.errors import ProtocolError
-from ..protocol.http import as_protocol_error
 
 JSON = "application/json"
 # what a gateway without a tracker can and cannot do about a failed node (its error answers and its /health say it)
@@ -66,7 +66,7 @@ def route_failure(exc: RouteError, fixed_route: bool, telemetry: dict | None = N
 
 def as_gateway_error(exc: BaseException, telemetry: dict | None = None) -> GatewayError:
     """``exc`` as a GatewayError: itself, a RouteError's route_failure (as on a gateway with a tracker), anything
-    else with the code and status protocol.http.as_protocol_error maps it to (the mapping every server uses)."""
+    else with the code and status net.http.as_protocol_error maps it to (the mapping every server uses)."""
     if isinstance(exc, GatewayError):
         if telemetry is not None and exc.telemetry is None:
             exc.telemetry = telemetry
@@ -85,7 +85,7 @@ def error_object(err: ProtocolError) -> dict:
 
 def error_response(err: ProtocolError, headers: dict | None = None) -> web.Response:
     """The error answer of ``err``: ``{"error": error_object, "telemetry"?}`` with its status (the renderer of
-    protocol.http.json_errors_middleware for the gateway)."""
+    net.http.json_errors_middleware for the gateway)."""
     body = {"error": error_object(err)}
     if getattr(err, "telemetry", None):
         body["telemetry"] = err.telemetry

@@ -12,7 +12,7 @@ from ..client.route import RemoteRoute
 from ..client.tracker import TrackerClient
 from ..client.transport import RouteError
 from ..net.addresses import is_loopback
-from ..protocol.http import run_server
+from ..net.http import run_server
 from .app import make_app
 from .config import GatewayConfig
 

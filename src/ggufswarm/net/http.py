@@ -21,7 +21,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from .errors import ERROR_STATUS, ProtocolError, error_body
+from ..protocol.errors import ERROR_STATUS, ProtocolError, error_body
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from ..protocol.auth import auth_headers
 from ..protocol.errors import ProtocolError
-from ..protocol.http import error_response, read_json
+from .auth import auth_headers
+from .http import error_response, read_json
 from .identity import IdentityError, canonical, verify
 
 PROBE_PATH = "/v1/reach/probe"
@@ -60,7 +60,7 @@ class Reachability:
 
 
 def skip_public_paths(middleware, paths: frozenset[str] = PUBLIC_PATHS):
-    """``middleware`` (e.g. ``protocol.auth.token_middleware(token)``) for every path except ``paths``, which
+    """``middleware`` (e.g. ``net.auth.token_middleware(token)``) for every path except ``paths``, which
     are served without it."""
 
     @web.middleware

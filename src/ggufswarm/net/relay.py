@@ -36,7 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from ..protocol.errors import ProtocolError
-from ..protocol.http import error_response
+from .http import error_response
 
 log = logging.getLogger(__name__)
 

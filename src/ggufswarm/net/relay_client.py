@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from ..protocol.auth import auth_headers
+from .auth import auth_headers
 from .relay import (
     ATTACH_PATH,
     ATTACH_TIMEOUT_S,

@@ -30,11 +30,11 @@ from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.tracker import TrackerClient
 from ..net.addresses import WILDCARDS, is_loopback, listen_host_toward
+from ..net.auth import auth_headers, token_middleware
+from ..net.http import json_errors_middleware, run_server
 from ..net.reach import add_dialback_route, add_probe_route, skip_public_paths
 from ..net.relay import add_relay_routes
 from ..protocol import ProtocolError
-from ..protocol.auth import auth_headers, token_middleware
-from ..protocol.http import json_errors_middleware, run_server
 from ..runtime.backends import load_shard, model_config
 from ..runtime.spec import ShardSpec
 from . import discovery, sessions_api, steps

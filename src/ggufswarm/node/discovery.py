@@ -14,10 +14,10 @@ import weakref
 import aiohttp
 from aiohttp import web
 
+from ..net.auth import auth_headers
+from ..net.http import read_json
 from ..net.identity import IdentityError
 from ..protocol import ProtocolError
-from ..protocol.auth import auth_headers
-from ..protocol.http import read_json
 from ..swarm.directory import DirectoryError
 from ..tracker.routing import Advertisement, check_signed
 from .advertise import advertisement

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..protocol.auth import TOKEN_ENV
+from ..net.auth import TOKEN_ENV
 from ..runtime.spec import ShardSpec
 
 

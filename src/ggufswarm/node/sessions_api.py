@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from ..net.commitments import commit_context, context_digest
+from ..net.http import read_json
 from ..protocol import ProtocolError
 from ..protocol.fields import json_field
 from ..protocol.frame import WIRE_DTYPES
-from ..protocol.http import read_json
 from ..runtime.sampling import SamplingParams
 from .advertise import check_registered
 from .numerics import numerics

@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..artifact.default_model import model_name
 from ..client.tracker import TrackerClient
+from ..net.http import JSON, as_protocol_error
 from ..net.identity import NodeIdentity
 from ..net.reach import Proven
 from ..protocol import PROTOCOL_VERSION, ProtocolError
 from ..protocol.frame import HEADER_SIZE
-from ..protocol.http import JSON, as_protocol_error
 from ..runtime.backends import DEFAULT_BACKEND, ShardBackend
 from ..runtime.sessions import SessionStore
 from .link import HopLinks
@@ -341,7 +341,7 @@ class NodeState:
         }
 
     def error_reply(self, exc: BaseException) -> tuple[int, bytes]:
-        """(HTTP status, JSON error body) answering ``exc`` on a link (protocol.http.as_protocol_error, the mapping
+        """(HTTP status, JSON error body) answering ``exc`` on a link (net.http.as_protocol_error, the mapping
         the HTTP middleware uses too), counted in the node's error metric."""
         err = as_protocol_error(exc)
         self.count_error(err)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from ..net.http import JSON
 from ..protocol import Frame, ProtocolError, decode_frame, encode_hidden
 from ..protocol.frame import FLAG_NO_SAMPLE, FLAG_REWIND, FLAG_VERIFY, WIRE_DTYPES, step_timeout_s
-from ..protocol.http import JSON
 from ..protocol.link import encode_reply
 from ..runtime.session_state import Session, StepRecord
 from . import ring

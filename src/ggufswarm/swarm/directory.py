@@ -26,6 +26,7 @@ from urllib.parse import quote
 import aiohttp
 
 from ..client.tracker import TrackerClient, TrackerError
+from ..net.auth import auth_headers
 from ..net.commitments import (
     BadEvidence,
     UnknownWitness,
@@ -36,7 +37,6 @@ from ..net.commitments import (
 from ..net.identity import IdentityError, canonical
 from ..net.invite import manifest_digest
 from ..net.reach import Proven
-from ..protocol.auth import auth_headers
 from ..tracker.routing import (
     Advertisement,
     NoRoute,

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..artifact.gguf_file import split_paths
 from ..artifact.manifest import Manifest
 from ..client.tracker import TrackerClient
-from ..protocol.auth import announce_key
+from ..net.auth import announce_key
 from .torrent import DEFAULT_PIECE_SIZE, Swarm, info_hash, make_torrent, save_path_for
 
 

@@ -20,12 +20,12 @@ import time
 
 from aiohttp import web
 
+from ..net.auth import OPERATOR_HEADER
 from ..net.commitments import MAX_EVIDENCE_BYTES, BadEvidence, check_ban_evidence, serves_context
+from ..net.http import read_json
 from ..net.identity import IdentityError, deregistration, public_key, verify
 from ..net.reach import RateLimit, answers_as
-from ..protocol.auth import OPERATOR_HEADER
 from ..protocol.errors import ProtocolError
-from ..protocol.http import read_json
 from .registry import Registry, StaleAdvertisement
 from .routing import SIGNED_WINDOW_S
 

@@ -16,7 +16,7 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
 
     Raises ValueError when the database's directory does not exist, OSError when the port is taken.
     """
-    from ..protocol.http import run_server
+    from ..net.http import run_server
 
     db_dir = Path(config.db).expanduser().resolve().parent
     if config.db != ":memory:" and not db_dir.is_dir():
