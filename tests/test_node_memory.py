@@ -20,6 +20,7 @@ from tinymodels import write_tiny_model
 from ggufswarm.cache.snapshot import STATE_DTYPE, Shard, decode_snapshot, encode_snapshot
 from ggufswarm.client.route import RemoteRoute
 from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.node.memory import no_gpu_to_look_for
 from ggufswarm.runtime.llamacpp import patches
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.spec import ShardSpec
@@ -99,20 +100,23 @@ def kv_allocated(url: str) -> int:
 @pytest.fixture(scope="module")
 def paged(tiny_dir):
     """Four llama.cpp nodes of one tiny model (4 layers, a 64K context), whole model each, ``--gpu none`` but the
-    last: ``fixed`` with --ctx-size 256 (the control), ``paged`` with the defaults, ``budget`` with a 6 MiB KV
-    budget (3072 tokens), ``auto`` as ``fixed`` with ``--gpu auto``."""
+    last two: ``fixed`` with --ctx-size 256 (the control), ``paged`` with the defaults, ``budget`` with a 6 MiB KV
+    budget (3072 tokens), ``auto`` as ``fixed`` with ``--gpu auto``, ``listing`` as ``auto`` with
+    ``GGML_VK_VISIBLE_DEVICES=0`` (the user lists Vulkan devices: lavapipe where there is no GPU)."""
     assert patches.applied("0007-kv-give-back-unused-cells"), "make setup builds llama.cpp with the patch queue"
     path = write_tiny_model(tiny_dir / "paged-llama.gguf", "llama", n_layers=4, context_length=CONTEXT)
-    extra = {0: ["--ctx-size", "256"], 1: [], 2: ["--kv-budget-mb", "6"], 3: ["--ctx-size", "256", "--gpu", "auto"]}
+    auto = ["--ctx-size", "256", "--gpu", "auto"]
+    extra = {0: ["--ctx-size", "256"], 1: [], 2: ["--kv-budget-mb", "6"], 3: auto, 4: auto}
     nodes = start_nodes(
-        [ShardSpec(0, 4, embed=True, head=True)] * 4,
+        [ShardSpec(0, 4, embed=True, head=True)] * 5,
         str(path),
         threads=1,
         extra=["--max-sessions", "8", "--gpu", "none"],
         per_node=lambda i: extra[i],
+        per_node_env=lambda i: {"GGML_VK_VISIBLE_DEVICES": "0"} if i == 4 else {},
     )
     try:
-        yield dict(zip(("fixed", "paged", "budget", "auto"), nodes))
+        yield dict(zip(("fixed", "paged", "budget", "auto", "listing"), nodes))
     finally:
         stop_nodes(nodes)
 
@@ -178,17 +182,22 @@ def gpu_drivers(pid: int) -> set[str]:
     return {line.split()[-1] for line in maps if "libvulkan_" in line or "libLLVM" in line}
 
 
-def test_a_node_told_gpu_none_loads_no_gpu_driver(paged):
-    """``--gpu none``: the node's Vulkan backend finds no driver to load (node.memory.skip_gpu_drivers), where a
-    ``--gpu auto`` node (the control) loads the machine's to list its devices. Without a Vulkan driver on the machine
-    the control loads none and there is nothing to see: skipped, unless GGUFSWARM_REQUIRE_GPU_TESTS=1 (`make test`
-    sets it where it built the Vulkan backend and installed Mesa's drivers)."""
-    if not gpu_drivers(paged["auto"].proc.pid):
+def test_a_node_with_no_gpu_to_use_loads_no_gpu_driver(paged):
+    """``--gpu none``, and ``--gpu auto`` on a machine with no GPU device file: the node's Vulkan backend finds no
+    driver to load (node.memory.no_gpu_to_look_for, skip_gpu_drivers), where a node listing Vulkan devices (the
+    control) loads the machine's. Without a Vulkan driver on the machine the control loads none and there is nothing
+    to see: skipped, unless GGUFSWARM_REQUIRE_GPU_TESTS=1 (`make test` sets it where it built the Vulkan backend and
+    installed Mesa's drivers)."""
+    if not gpu_drivers(paged["listing"].proc.pid):
         if os.environ.get("GGUFSWARM_REQUIRE_GPU_TESTS") == "1":
-            pytest.fail("GGUFSWARM_REQUIRE_GPU_TESTS=1 but a --gpu auto node loaded no Vulkan driver")
-        pytest.skip("no Vulkan driver loaded by a --gpu auto node on this machine")
+            pytest.fail("GGUFSWARM_REQUIRE_GPU_TESTS=1 but a node listing Vulkan devices loaded no Vulkan driver")
+        pytest.skip("no Vulkan driver loaded by a node listing Vulkan devices on this machine")
     for name in ("fixed", "paged", "budget"):
         assert gpu_drivers(paged[name].proc.pid) == set(), name
+    if no_gpu_to_look_for("auto"):  # (this machine has no GPU device file)
+        assert gpu_drivers(paged["auto"].proc.pid) == set()
+    else:
+        assert gpu_drivers(paged["auto"].proc.pid), "a --gpu auto node on a machine with a GPU looks for it"
 
 
 def test_a_long_metadata_array_reads_as_its_list_kept_packed(tmp_path):

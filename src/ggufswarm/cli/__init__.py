@@ -171,10 +171,11 @@ def cmd_node(args) -> int:
         )
     if args.cache is not None and not args.cache.startswith(("http://", "https://")):
         raise ValueError(f"--cache must be the cache server's http:// URL, got {args.cache!r}")
-    if args.gpu == "none" and args.backend == "llama.cpp":
-        from ..node.memory import skip_gpu_drivers
+    if args.backend == "llama.cpp":
+        from ..node.memory import no_gpu_to_look_for, skip_gpu_drivers
 
-        skip_gpu_drivers()
+        if no_gpu_to_look_for(args.gpu.lower()):
+            skip_gpu_drivers()
     return run_node(
         NodeConfig(
             layers=args.layers,

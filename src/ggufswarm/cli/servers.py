@@ -111,7 +111,8 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         metavar="auto|none|DEVICE",
         help="llama.cpp backend: where this node's blocks, their KV cache and (on the head) the LM head run. "
         "auto (default): the first GPU llama.cpp sees, as many blocks as fit in its free memory, the rest on "
-        "the CPU (said in one line at start); none: the CPU; DEVICE: that GPU, by llama.cpp's name (CUDA0, "
+        "the CPU (said in one line at start; a machine with no GPU device file loads no GPU driver); none: the CPU, "
+        "no GPU driver loaded (Mesa's take ~55 MiB); DEVICE: that GPU, by llama.cpp's name (CUDA0, "
         "Vulkan0, ROCm0, Metal). make setup builds the GPU backend the machine has (GGUFSWARM_GPU chooses)",
     )
     n.add_argument(

@@ -12,7 +12,9 @@ allocated as sized: ``--ctx-size`` defaults to DEFAULT_CTX_SIZE and one session 
 
 from __future__ import annotations
 
+import glob
 import os
+import sys
 
 from .state import BYTES_PER_MIB, DEFAULT_CTX_SIZE, NodeConfig
 
@@ -20,10 +22,25 @@ KV_MEMORY_SHARE = 0.5  # a paged node's default KV budget: this share of the mem
 ADDRESS_SPACE_SHARE = 0.5  # a paged node's streams together: at most this share of the machine's RAM (overcommit)
 PAGED_PATCH = "0007-kv-give-back-unused-cells"
 NO_VULKAN_DRIVER = "/nonexistent/ggufswarm-gpu-none.json"  # a driver manifest path that does not exist
+# device files through which a GPU's driver is reached on Linux: DRM render nodes (Mesa's AMD, Intel, ... drivers),
+# NVIDIA's, AMD ROCm's, WSL's GPU
+GPU_DEVICE_FILES = ("/dev/dri/renderD*", "/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+
+
+def no_gpu_to_look_for(gpu: str) -> bool:
+    """Whether a llama.cpp node given ``--gpu gpu`` can skip loading the machine's Vulkan drivers: ``none``, or
+    ``auto`` on a Linux machine with none of GPU_DEVICE_FILES (no GPU a driver could reach; Mesa's software
+    lavapipe is then all it would find, which ``auto`` never picks) and no ``GGML_VK_VISIBLE_DEVICES`` (the user
+    listing Vulkan devices, lavapipe included)."""
+    if gpu == "none":
+        return True
+    if gpu != "auto" or not sys.platform.startswith("linux") or "GGML_VK_VISIBLE_DEVICES" in os.environ:
+        return False
+    return not any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
 
 
 def skip_gpu_drivers() -> None:
-    """``--gpu none``: point the Vulkan loader at no driver (``VK_DRIVER_FILES``, and ``VK_ICD_FILENAMES`` for older
+    """``--gpu none`` (or ``auto`` with no GPU: ``no_gpu_to_look_for``): point the Vulkan loader at no driver (``VK_DRIVER_FILES``, and ``VK_ICD_FILENAMES`` for older
     loaders; a value the user set is kept) before llama.cpp starts, so that ggml's Vulkan backend finds no device
     without loading any: Mesa's drivers load LLVM, about 55 MiB of a node's RSS, only to list devices a CPU node does
     not use. For the node's own process (its environment is its children's too), before llama.cpp is loaded."""
@@ -113,4 +130,13 @@ def session_cells(config: NodeConfig, max_length: int, kv_bytes_per_token: int) 
     return max(cells, 1)
 
 
-__all__ = ["kv_paged", "meminfo", "rss_bytes", "session_cells", "skip_gpu_drivers", "trim_heap", "with_kv_defaults"]
+__all__ = [
+    "kv_paged",
+    "meminfo",
+    "no_gpu_to_look_for",
+    "rss_bytes",
+    "session_cells",
+    "skip_gpu_drivers",
+    "trim_heap",
+    "with_kv_defaults",
+]
