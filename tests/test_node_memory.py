@@ -103,7 +103,8 @@ def paged(tiny_dir):
     last two: ``fixed`` with --ctx-size 256 (the control), ``paged`` with the defaults, ``budget`` with a 6 MiB KV
     budget (3072 tokens), ``auto`` as ``fixed`` with ``--gpu auto``, ``listing`` as ``auto`` with
     ``GGML_VK_VISIBLE_DEVICES=0`` (the user lists Vulkan devices: lavapipe where there is no GPU)."""
-    assert patches.applied("0007-kv-give-back-unused-cells"), "make setup builds llama.cpp with the patch queue"
+    for patch in ("0007-kv-give-back-unused-cells", "0008-kv-cell-metadata-on-demand"):
+        assert patches.applied(patch), "make setup builds llama.cpp with the patch queue"
     path = write_tiny_model(tiny_dir / "paged-llama.gguf", "llama", n_layers=4, context_length=CONTEXT)
     auto = ["--ctx-size", "256", "--gpu", "auto"]
     extra = {0: ["--ctx-size", "256"], 1: [], 2: ["--kv-budget-mb", "6"], 3: auto, 4: auto}
@@ -123,14 +124,17 @@ def paged(tiny_dir):
 
 def test_kv_memory_is_resident_only_as_sessions_use_it(paged):
     """A paged node offers the model's whole context to each of its 9 KV streams (1.1 GiB of KV cells in all), yet
-    its RSS is that of a node with 256 cells per stream; one session of 32K tokens (the only one: it may take almost
-    all of the node's context) makes the node resident by about the KV it holds, and closing it gives that back."""
+    its RSS is that of a node with 256 cells per stream (the cells' K/V: patch 0007; their metadata: 0008); one
+    session of 32K tokens (the only one: it may take almost all of the node's context) makes the node resident by
+    about the KV it holds, and closing it gives that back."""
     fixed, node = paged["fixed"], paged["paged"]
     h = call("GET", node.url + "/health")[1]
     assert h["max_length"] == CONTEXT and h["kv_bytes_per_token"] == KV_BYTES_PER_TOKEN
     extra_kv = kv_allocated(node.url) - kv_allocated(fixed.url)
     assert extra_kv >= 9 * (CONTEXT - 256) * KV_BYTES_PER_TOKEN * 0.99
     assert rss(node.proc.pid) - rss(fixed.proc.pid) < extra_kv / 20
+    # patch 0008: nor does the cells' metadata (52 bytes a cell: 29 MiB for these 9 x 64K cells when written whole)
+    assert rss(node.proc.pid) - rss(fixed.proc.pid) < 12 * 2**20
 
     n = 32768
     held = n * KV_BYTES_PER_TOKEN  # 64 MiB
