@@ -168,6 +168,27 @@ def test_store_admission_control(middle_shard):
     assert store.kv_bytes_per_token() == 1 * 1 * 256 * 2 * 4
 
 
+def test_store_refuses_a_session_the_machine_has_no_memory_for(middle_shard):
+    """A paged node's store (node.memory.watch_memory) counts what its open sessions may still write, the new
+    session's max_length and its buffers' margin against the memory available now: within the budget, a session
+    that would not fit in memory is refused as kv_budget_full with the numbers; where the memory is unknown, only the
+    budget counts."""
+    store = SessionStore(middle_shard, budget_tokens=1000, ttl_s=60)
+    per_token, mib = store.kv_bytes_per_token(), 1 << 20
+    available = [mib + 700 * per_token]
+    store.memory_available, store.memory_margin_bytes = (lambda: available[0]), mib
+    a = store.open(uuid.uuid4(), 600)  # 600 tokens not yet written + 1 MiB margin: fits
+    with pytest.raises(AdmissionRefused) as e:
+        store.open(uuid.uuid4(), 200)  # 800 tokens may be written: not in 700 tokens' memory
+    assert e.value.code == "kv_budget_full" and "memory full" in str(e.value)
+    assert "may still take 2 MiB" in str(e.value) and "needs 0 MiB" in str(e.value), str(e.value)
+    assert store.get(a.id) is a and store.reserved_tokens == 600  # the open session is untouched
+    assert store.free_tokens() == 100  # what the advertisement offers: 700 tokens' memory, 600 promised
+    available[0] = None  # unknown (not Linux): the budget alone
+    store.open(uuid.uuid4(), 400)
+    assert store.reserved_tokens == 1000
+
+
 def test_store_idle_expiry(middle_shard):
     store = SessionStore(middle_shard, budget_tokens=1000, ttl_s=10)
     s = store.open(uuid.uuid4(), 1000)

@@ -69,7 +69,7 @@ def shard_accounting(state: NodeState) -> dict:
     return {
         **static,
         "kv_bytes_per_token": per_token,
-        "free_bytes": max(store.budget_tokens - store.reserved_tokens, 0) * per_token + free_state,
+        "free_bytes": store.free_tokens() * per_token + free_state,
         "free_sessions": free_sessions,
         "max_length": state.max_session_tokens,
     }
@@ -89,7 +89,7 @@ def advertisement(state: NodeState) -> dict:
         "embed": state.spec.embed,
         "head": state.spec.head,
         "state": "ready",
-        "free_kv_tokens": state.store.budget_tokens - state.store.reserved_tokens,
+        "free_kv_tokens": state.store.free_tokens(),
         "decode_ms": round(_claimed_ms(state), 3),
         # what a client needs to use this node in a route (client.route.Hop), so it need not ask /health
         "extra": {

@@ -40,7 +40,7 @@ from ..runtime.spec import ShardSpec
 from . import discovery, sessions_api, steps
 from .advertise import deregister, heartbeats
 from .lies import check_lie, parse_lie
-from .memory import session_cells, with_kv_defaults
+from .memory import session_cells, watch_memory, with_kv_defaults
 from .placement import layers_budget, say_placement, warm_up
 from .reach import UnreachableError, establish
 from .state import BATCHING_MODES, BYTES_PER_MIB, NODE, NodeConfig, NodeState, json_response
@@ -198,6 +198,7 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     load_executor."""
     config = with_kv_defaults(config)
     state = NodeState(config, executor or load_executor(config))
+    watch_memory(config, state.store, state.executor)
     # bodies: one frame of max_step_tokens f32 rows, or a JSON restore
     app = web.Application(
         client_max_size=max(state.max_body, MAX_RESTORE_BODY) + BODY_HEADROOM,

@@ -110,6 +110,18 @@ def with_kv_defaults(config: NodeConfig) -> NodeConfig:
     return replace(config, kv_budget_mb=max(available * KV_MEMORY_SHARE / BYTES_PER_MIB, 1.0))
 
 
+def watch_memory(config: NodeConfig, store, executor) -> None:
+    """On a paged node (kv_paged), make ``store`` (a runtime.sessions.SessionStore) check each session against the
+    memory the machine has available when it opens (``/proc/meminfo`` MemAvailable), with llama.cpp's compute and
+    output buffers (``executor.placement``, bytes) as the margin they may still take: a session that would not fit
+    is refused (``kv_budget_full``), never admitted and killed for memory later. Other nodes: nothing."""
+    if not kv_paged(config):
+        return
+    buffers = getattr(getattr(executor, "placement", None), "buffers", None) or {}
+    store.memory_margin_bytes = sum(b.get("compute", 0) + b.get("output", 0) for b in buffers.values())
+    store.memory_available = lambda: meminfo("MemAvailable")
+
+
 def session_cells(config: NodeConfig, max_length: int, kv_bytes_per_token: int) -> int:
     """KV cells of each of a llama.cpp node's streams: the longest session it takes (tokens).
 
@@ -139,5 +151,6 @@ __all__ = [
     "session_cells",
     "skip_gpu_drivers",
     "trim_heap",
+    "watch_memory",
     "with_kv_defaults",
 ]

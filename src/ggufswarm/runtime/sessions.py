@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
@@ -43,6 +44,10 @@ class SessionStore:
         self.executor = executor
         self.budget_tokens = budget_tokens
         self.max_session_tokens: int | None = None  # the longest one session may reserve (None: the budget)
+        # where KV memory becomes resident only as it is written (a paged node): bytes the machine has available now
+        # (None: unknown), and bytes its buffers may still take besides (see open)
+        self.memory_available: Callable[[], int | None] | None = None
+        self.memory_margin_bytes = 0
         self.ttl_s = ttl_s
         self.sessions: dict[uuid.UUID, Session] = {}
         self._lock = threading.Lock()
@@ -57,6 +62,22 @@ class SessionStore:
     def held_tokens(self) -> int:
         """Tokens actually held in KV caches."""
         return sum(s.kv.length for s in list(self.sessions.values()))
+
+    def free_tokens(self) -> int:
+        """Tokens a new session could reserve now (the advertisement's): the budget's unreserved ones, and where
+        memory is watched no more than the memory available holds beyond what is committed (``_memory``)."""
+        free = max(self.budget_tokens - self.reserved_tokens, 0)
+        if memory := self._memory():
+            free = min(free, max(memory[0] - memory[1], 0) // max(self.kv_bytes_per_token(), 1))
+        return free
+
+    def _memory(self) -> tuple[int, int] | None:
+        """Where memory is watched (``memory_available``): (bytes available on the machine, bytes committed: KV the
+        open sessions may still write, their reserved tokens not yet held, + ``memory_margin_bytes``); else None."""
+        if (available := self.memory_available() if self.memory_available else None) is None:
+            return None
+        pending = max(self.reserved_tokens - self.held_tokens, 0) * self.kv_bytes_per_token()
+        return available, pending + self.memory_margin_bytes
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token costs on this shard (all its layers, keys and values)."""
@@ -111,6 +132,7 @@ class SessionStore:
                     f"KV budget full: {free} of {self.budget_tokens} tokens free, session asks "
                     f"max_length {max_length}; retry later or ask for less"
                 )
+            self._check_memory_locked(max_length)
             try:
                 kv = self.executor.new_session(max_length)
             except RuntimeError as exc:  # llama.cpp: no free sequence slot, or max_length over its cells
@@ -120,6 +142,19 @@ class SessionStore:
             session = Session(session_id, kv, max_length, next_hop, wire_dtype, sampler, n_logprobs, logprobs)
             self.sessions[session_id] = session
         return session
+
+    def _check_memory_locked(self, max_length: int) -> None:
+        """AdmissionRefused("kv_budget_full") where memory is watched and ``max_length`` tokens of KV do not fit in
+        the memory available beside what is committed: the budget was a share of the memory available when the node
+        started, and other processes may have taken it since."""
+        if memory := self._memory():
+            need = max_length * self.kv_bytes_per_token()
+            if memory[1] + need > memory[0]:
+                raise AdmissionRefused(
+                    f"memory full: the machine has {memory[0] >> 20} MiB available, this node's open sessions and "
+                    f"buffers may still take {memory[1] >> 20} MiB, and max_length {max_length} needs {need >> 20} "
+                    "MiB; retry later or ask for less"
+                )
 
     def get(self, session_id: uuid.UUID) -> Session:
         """The open session; UnknownSession when never opened, closed or expired."""
