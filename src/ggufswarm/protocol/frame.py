@@ -26,7 +26,6 @@ import struct
 import uuid
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from .errors import ProtocolError
@@ -40,13 +39,22 @@ HEADER_SIZE = HEADER.size  # 48
 @dataclass(frozen=True)
 class WireDtype:
     """How one wire dtype travels: ``code`` (the header's dtype byte), ``numpy`` (the little-endian numpy dtype
-    of the payload's values; bf16 travels as its raw 16 bits, ``<u2``), ``cast`` (the numpy dtype float32 hidden
-    states are rounded to before encoding — round to nearest even; bf16 through ``ml_dtypes``; None for ids,
-    which are sent as given), ``itemsize`` (bytes per value)."""
+    of the payload's values; bf16 travels as its raw 16 bits, ``<u2``), ``cast_name`` / ``cast`` (the numpy dtype
+    float32 hidden states are rounded to before encoding — round to nearest even; bf16 through ``ml_dtypes``,
+    imported when first used: 8 MiB of a node's memory otherwise; None for ids, which are sent as given),
+    ``itemsize`` (bytes per value)."""
 
     code: int
     numpy: str
-    cast: type | None
+    cast_name: str | None
+
+    @property
+    def cast(self) -> type | None:
+        if self.cast_name == "bfloat16":
+            import ml_dtypes
+
+            return ml_dtypes.bfloat16
+        return None if self.cast_name is None else np.dtype(self.cast_name).type
 
     @property
     def itemsize(self) -> int:
@@ -56,14 +64,14 @@ class WireDtype:
 # The one table of wire dtypes; every other mapping (codes, names, sizes, the hidden-state dtypes) derives from it.
 DTYPES = {
     "ids": WireDtype(1, "<i4", None),
-    "f16": WireDtype(2, "<f2", np.float16),
-    "bf16": WireDtype(3, "<u2", ml_dtypes.bfloat16),
-    "f32": WireDtype(4, "<f4", np.float32),
+    "f16": WireDtype(2, "<f2", "float16"),
+    "bf16": WireDtype(3, "<u2", "bfloat16"),
+    "f32": WireDtype(4, "<f4", "float32"),
 }
 DTYPE_CODES = {name: d.code for name, d in DTYPES.items()}
 DTYPE_NAMES = {d.code: name for name, d in DTYPES.items()}
 ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
-WIRE_DTYPES = tuple(name for name, d in DTYPES.items() if d.cast is not None)  # hidden states: f16, bf16, f32
+WIRE_DTYPES = tuple(name for name, d in DTYPES.items() if d.cast_name is not None)  # hidden states: f16, bf16, f32
 FLAG_TOKEN_IDS = 1
 FLAG_NO_SAMPLE = 2
 FLAG_VERIFY = 4  # speculative decoding: the head samples at every position and replies ``tokens`` (one per token)
