@@ -21,6 +21,7 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0005-batch-invariant-decode": b"LLAMA_BATCH_INVARIANT",
     "0007-kv-give-back-unused-cells": b"gave back the memory of cells",
     "0008-kv-cell-metadata-on-demand": b"resident as cells are used",
+    "0009-unmap-unused-gaps": b"unmapped the gaps between",
 }
 # patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
 # check): the Vulkan backend with older Vulkan headers
