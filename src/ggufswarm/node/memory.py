@@ -16,12 +16,12 @@ import glob
 import os
 import sys
 
+from ..runtime.llamacpp import NO_VULKAN_DRIVER
 from .state import BYTES_PER_MIB, DEFAULT_CTX_SIZE, NodeConfig
 
 KV_MEMORY_SHARE = 0.5  # a paged node's default KV budget: this share of the memory available at its start
 ADDRESS_SPACE_SHARE = 0.5  # a paged node's streams together: at most this share of the machine's RAM (overcommit)
 PAGED_PATCH = "0007-kv-give-back-unused-cells"
-NO_VULKAN_DRIVER = "/nonexistent/ggufswarm-gpu-none.json"  # a driver manifest path that does not exist
 # device files through which a GPU's driver is reached on Linux: DRM render nodes (Mesa's AMD, Intel, ... drivers),
 # NVIDIA's, AMD ROCm's, WSL's GPU
 GPU_DEVICE_FILES = ("/dev/dri/renderD*", "/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import re
 import threading
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import numpy as np
 from ...artifact.accounting import HeaderAccounts
 from ...artifact.planning import device_blocks
 from ..spec import ShardSpec
-from . import ffi
+from . import NO_VULKAN_DRIVER, ffi
 from .errors import LlamaCppError
 from .ffi import ensure_backend
 from .patches import libllama_path
@@ -139,6 +140,11 @@ def choose(gpu: str) -> Device | None:
 def why_no_gpu() -> str:
     """One sentence on what this build can offload to: the GPU backends the loaded llama.cpp has, or none."""
     regs = sorted(_gpu_registries())
+    if os.environ.get("VK_DRIVER_FILES") == NO_VULKAN_DRIVER:  # (node.memory.skip_gpu_drivers)
+        return (
+            "This machine has no GPU device file (/dev/dri/renderD*, /dev/nvidia*, /dev/kfd, /dev/dxg): no GPU "
+            "driver was loaded."
+        )
     if not regs:
         return (
             "The installed llama.cpp was built without a GPU backend: make setup builds CUDA, Vulkan, HIP or Metal "
