@@ -113,14 +113,7 @@ class PackedArray(Sequence):
         if isinstance(other, PackedArray) and (self._values is None) == (other._values is None):
             if self._values is not None:
                 return bool(np.array_equal(self._values, other._values))
-            return (
-                len(self) == len(other)
-                and np.array_equal(self._ends - self._starts, other._ends - other._starts)
-                and all(
-                    self._blob[a:b] == other._blob[c:d]
-                    for a, b, c, d in zip(self._starts, self._ends, other._starts, other._ends)
-                )
-            )
+            return self._blob == other._blob  # (the length-prefixed strings as the header holds them)
         if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))
         return NotImplemented
