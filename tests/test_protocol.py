@@ -189,6 +189,36 @@ def test_store_refuses_a_session_the_machine_has_no_memory_for(middle_shard):
     assert store.reserved_tokens == 1000
 
 
+def test_a_session_the_machine_no_longer_has_memory_for_is_evicted_with_its_reason(middle_shard):
+    """When other processes take the memory a paged node's admitted sessions may still write, the node evicts idle
+    sessions, the one with the most KV still to write first, until what is committed fits again (and no more): an
+    evicted session's next step is refused as unknown_session saying why, the others step on untouched."""
+    from ggufswarm.node.memory import evict_for_memory
+
+    store = SessionStore(middle_shard, budget_tokens=1000, ttl_s=60)
+    per_token = store.kv_bytes_per_token()
+    available = [1000 * per_token]
+    store.memory_available = lambda: available[0]
+    short, long_, busy = (store.open(uuid.uuid4(), n) for n in (100, 500, 300))
+    busy.busy = 1  # in the middle of a step: never evicted
+    store.apply(short, 1, 1, 0, torch.randn(3, N_EMBD), None)
+    assert evict_for_memory(store) == []  # 897 tokens may still be written, 1000 tokens' memory: fits
+    available[0] = 600 * per_token  # another process took memory
+    lines = evict_for_memory(store)
+    assert len(lines) == 1 and f"evicted session {long_.id} (0 of 500 tokens held)" in lines[0], lines
+    with pytest.raises(UnknownSession) as e:
+        store.get(long_.id)
+    assert "was evicted: the machine's memory no longer holds it" in str(e.value)
+    assert store.get(short.id) is short and store.get(busy.id) is busy  # untouched
+    rec = store.apply(short, 2, 2, 3, torch.randn(1, N_EMBD), None)
+    assert rec.output.shape == (1, N_EMBD) and short.length == 4
+    available[0] = 10 * per_token  # only the busy session is left to evict, and it is busy: the short one goes
+    assert [str(short.id) in line for line in evict_for_memory(store)] == [True]
+    assert list(store.sessions) == [busy.id]
+    store.memory_available = None  # memory not watched: nothing is evicted
+    assert evict_for_memory(store) == []
+
+
 def test_store_idle_expiry(middle_shard):
     store = SessionStore(middle_shard, budget_tokens=1000, ttl_s=10)
     s = store.open(uuid.uuid4(), 1000)

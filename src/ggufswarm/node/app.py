@@ -40,7 +40,7 @@ from ..runtime.spec import ShardSpec
 from . import discovery, sessions_api, steps
 from .advertise import deregister, heartbeats
 from .lies import check_lie, parse_lie
-from .memory import session_cells, watch_memory, with_kv_defaults
+from .memory import evict_for_memory, session_cells, watch_memory, with_kv_defaults
 from .placement import layers_budget, say_placement, warm_up
 from .reach import UnreachableError, establish
 from .state import BATCHING_MODES, BYTES_PER_MIB, NODE, NodeConfig, NodeState, json_response
@@ -173,7 +173,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _reaper(state: NodeState) -> None:
-    """Drop sessions idle past their lease or the TTL, every ``period`` s. A wake-up later than that by more than
+    """Drop sessions idle past their lease or the TTL, and those the machine's memory no longer holds
+    (memory.evict_for_memory), every ``period`` s. A wake-up later than that by more than
     half a period means the loop was stalled: that time is credited to every session (SessionStore.credit_stall)."""
     period = max(REAPER_MIN_PERIOD_S, min(state.store.ttl_s / 4, REAPER_MAX_PERIOD_S))
     last = time.monotonic()
@@ -183,7 +184,11 @@ async def _reaper(state: NodeState) -> None:
         late, last = now - last - period, now
         if late > period / 2:
             state.store.credit_stall(late)
-        if state.store.expire():
+        evicted = evict_for_memory(state.store)
+        for line in evicted:
+            print(f"ggufswarm node: {line}", file=sys.stderr, flush=True)
+            state.evictions.inc()
+        if state.store.expire() or evicted:
             state.readvertise()
 
 

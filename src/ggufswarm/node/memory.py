@@ -17,6 +17,7 @@ import os
 import sys
 
 from ..runtime.llamacpp import NO_VULKAN_DRIVER
+from ..runtime.session_state import UnknownSession
 from .state import BYTES_PER_MIB, DEFAULT_CTX_SIZE, NodeConfig
 
 KV_MEMORY_SHARE = 0.5  # a paged node's default KV budget: this share of the memory available at its start
@@ -122,6 +123,36 @@ def watch_memory(config: NodeConfig, store, executor) -> None:
     store.memory_available = lambda: meminfo("MemAvailable")
 
 
+def evict_for_memory(store) -> list[str]:
+    """Where ``store`` watches memory (``watch_memory``) and the machine's available memory no longer holds what the
+    node has committed (the KV its open sessions may still write up to their ``max_length``, and its buffers'
+    margin): other processes took memory after the sessions were admitted. Evicts idle sessions, the one with the
+    most KV still to write first, until it does: each is closed, its KV freed, and its next step is refused with
+    ``unknown_session`` saying why (a client repairs its route: docs/protocol.md, "Route repair"). Returns a line per
+    eviction, for the node's log; none where memory is not watched or suffices."""
+    if (memory := store.memory()) is None:
+        return []
+    available, committed = memory
+    per_token = max(store.kv_bytes_per_token(), 1)
+    idle = [s for s in list(store.sessions.values()) if not s.busy and not s.stepping]
+    lines = []
+    for session in sorted(idle, key=lambda s: s.kv.length - s.max_length):
+        if committed <= available:
+            break
+        held, pending = session.kv.length, max(session.max_length - session.kv.length, 0) * per_token
+        reason = (
+            f"the machine's memory no longer holds it: {available >> 20} MiB available, while this node's sessions "
+            f"and buffers may still take {committed >> 20} MiB"
+        )
+        try:
+            store.evict(session.id, reason)
+        except UnknownSession:  # closed meanwhile
+            continue
+        committed, available = committed - pending, available + held * per_token  # its KV is freed too
+        lines.append(f"evicted session {session.id} ({held} of {session.max_length} tokens held): {reason}")
+    return lines
+
+
 def session_cells(config: NodeConfig, max_length: int, kv_bytes_per_token: int) -> int:
     """KV cells of each of a llama.cpp node's streams: the longest session it takes (tokens).
 
@@ -144,6 +175,7 @@ def session_cells(config: NodeConfig, max_length: int, kv_bytes_per_token: int) 
 
 
 __all__ = [
+    "evict_for_memory",
     "kv_paged",
     "meminfo",
     "no_gpu_to_look_for",

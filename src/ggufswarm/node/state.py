@@ -223,6 +223,11 @@ class NodeState:
             "ggufswarm_node_step_replays", "Retried steps answered without re-applying", registry=reg
         )
         self.errors = Counter("ggufswarm_node_errors", "Requests answered with an error", ["code"], registry=reg)
+        self.evictions = Counter(
+            "ggufswarm_node_sessions_evicted",
+            "Sessions evicted because the machine's memory no longer held them",
+            registry=reg,
+        )
         self.ring_steps = Counter(
             "ggufswarm_node_ring_steps",
             "Steps this head sent to its route's first node itself (ring decode), by how they ended",

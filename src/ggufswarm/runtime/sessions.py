@@ -1,7 +1,5 @@
 """Session store of one node: route sessions over one ShardExecutor, with KV budget, idle expiry and step dedup.
-
-Thread-safe bookkeeping; the caller serializes the steps of one session (``Session.lock`` is free
-for it to use) and may run different sessions' steps concurrently.
+Thread-safe bookkeeping; the caller serializes the steps of one session (``Session.lock``), not of different ones.
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ from .session_state import (
     cut_boundaries,
 )
 
+MAX_EVICTED = 1024  # evicted sessions whose reason a node remembers
+
 
 def _free(session: Session) -> None:
     """Release a dropped session's KV now (a llama.cpp sequence id and its cells; torch frees on GC)."""
@@ -33,12 +33,9 @@ def _free(session: Session) -> None:
 
 
 class SessionStore:
-    """Sessions of one shard (any backend, see ``runtime.backends``) with a KV budget in tokens
-    (each session reserves its ``max_length``).
-
-    ``budget_tokens``: the most tokens all open sessions may reserve together; ``ttl_s``: idle
-    seconds after which a session is dropped (by ``expire``, also tried before refusing an open).
-    """
+    """Sessions of one shard (any backend, see ``runtime.backends``) with a KV budget in tokens: ``budget_tokens``,
+    the most all open sessions may reserve together (each its ``max_length``); ``ttl_s``: idle seconds after which a
+    session is dropped (by ``expire``, also tried before refusing an open)."""
 
     def __init__(self, executor, budget_tokens: int, ttl_s: float = 300.0):
         self.executor = executor
@@ -50,6 +47,7 @@ class SessionStore:
         self.memory_margin_bytes = 0
         self.ttl_s = ttl_s
         self.sessions: dict[uuid.UUID, Session] = {}
+        self.evicted: dict[uuid.UUID, str] = {}  # why each of the last MAX_EVICTED sessions evicted (``evict``) went
         self._lock = threading.Lock()
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -65,13 +63,13 @@ class SessionStore:
 
     def free_tokens(self) -> int:
         """Tokens a new session could reserve now (the advertisement's): the budget's unreserved ones, and where
-        memory is watched no more than the memory available holds beyond what is committed (``_memory``)."""
+        memory is watched no more than the memory available holds beyond what is committed (``memory``)."""
         free = max(self.budget_tokens - self.reserved_tokens, 0)
-        if memory := self._memory():
+        if memory := self.memory():
             free = min(free, max(memory[0] - memory[1], 0) // max(self.kv_bytes_per_token(), 1))
         return free
 
-    def _memory(self) -> tuple[int, int] | None:
+    def memory(self) -> tuple[int, int] | None:
         """Where memory is watched (``memory_available``): (bytes available on the machine, bytes committed: KV the
         open sessions may still write, their reserved tokens not yet held, + ``memory_margin_bytes``); else None."""
         if (available := self.memory_available() if self.memory_available else None) is None:
@@ -97,11 +95,9 @@ class SessionStore:
         likely tokens and, with ``logprobs``, the sampled token's logprob come with each sample.
 
         Raises ContextOverflow (max_length out of 1..model limit), SessionError("session_exists"),
-        AdmissionRefused("kv_budget_too_small") when max_length alone exceeds the budget or
-        ``max_session_tokens`` (the longest session one open may reserve, when set), or
-        AdmissionRefused("kv_budget_full") when other sessions hold the budget (after expiring idle ones),
-        ValueError for a ``logit_bias`` token id outside the vocabulary, or a ``grammar`` the head cannot use.
-        """
+        AdmissionRefused: "kv_budget_too_small" (max_length over the budget or ``max_session_tokens``),
+        "kv_budget_full" (other sessions hold the budget or the memory; after expiring idle ones); ValueError for a
+        ``logit_bias`` token outside the vocabulary, or a ``grammar`` the head cannot use."""
         check_max_length(max_length, self.executor.cfg.max_length)
         if max_length > self.budget_tokens:
             raise AdmissionRefused(
@@ -145,9 +141,8 @@ class SessionStore:
 
     def _check_memory_locked(self, max_length: int) -> None:
         """AdmissionRefused("kv_budget_full") where memory is watched and ``max_length`` tokens of KV do not fit in
-        the memory available beside what is committed: the budget was a share of the memory available when the node
-        started, and other processes may have taken it since."""
-        if memory := self._memory():
+        the memory available beside what is committed (other processes may have taken memory since the start)."""
+        if memory := self.memory():
             need = max_length * self.kv_bytes_per_token()
             if memory[1] + need > memory[0]:
                 raise AdmissionRefused(
@@ -160,7 +155,7 @@ class SessionStore:
         """The open session; UnknownSession when never opened, closed or expired."""
         session = self.sessions.get(session_id)
         if session is None:
-            raise UnknownSession(f"unknown session {session_id} (never opened on this node, closed, or expired)")
+            raise UnknownSession(self._gone(session_id))
         session.last_used = time.monotonic()
         return session
 
@@ -169,15 +164,25 @@ class SessionStore:
         with self._lock:
             session = self.sessions.pop(session_id, None)
         if session is None:
-            raise UnknownSession(f"unknown session {session_id} (never opened on this node, closed, or expired)")
+            raise UnknownSession(self._gone(session_id))
         _free(session)
         return session
 
+    def evict(self, session_id: uuid.UUID, reason: str) -> None:
+        """Close an open session for ``reason``: its next step raises UnknownSession saying it. UnknownSession."""
+        self.close(session_id)
+        self.evicted[session_id] = reason
+        while len(self.evicted) > MAX_EVICTED:
+            del self.evicted[next(iter(self.evicted))]
+
+    def _gone(self, session_id: uuid.UUID) -> str:
+        if reason := self.evicted.get(session_id):
+            return f"session {session_id} was evicted: {reason}"
+        return f"unknown session {session_id} (never opened on this node, closed, or expired)"
+
     def credit_stall(self, seconds: float) -> None:
-        """Time the node could not serve (its event loop stalled ``seconds``: CPU starvation, a long blocking call)
-        is no client's idle time: every session's idle clock moves on by it. A step that arrived during the stall
-        waits in the socket; without this, the reaper, which runs first when the loop resumes, would drop the
-        session of a client that was not idle at all."""
+        """Time the node's event loop stalled (``seconds``) is no client's idle time: every idle clock moves on by
+        it, or the reaper, first to run after a stall, would drop sessions whose steps wait in the socket."""
         if seconds > 0:
             with self._lock:
                 for s in self.sessions.values():
@@ -241,17 +246,11 @@ class SessionStore:
     def replay(
         session: Session, step: int, digest: int, start: int, n_tokens: int, rewind: bool = False
     ) -> StepRecord | None:
-        """Check a step number against the last one applied.
-
-        Returns None for the next step (``last.step + 1``) at the right position: apply it. With ``rewind``
-        (speculative decoding: the previous step verified drafted tokens, some rejected) the right position is
-        anywhere after the previous step's first token, up to the tokens held (``last.start < start <= held``);
-        ``apply`` drops the tokens from ``start`` on first.
-        Returns the last StepRecord for an identical retry (same step number and digest): do not apply.
+        """Check a step number against the last one applied: None for the next step (``last.step + 1``) at the
+        right position (with ``rewind``, speculative decoding: ``last.start < start <= held``, ``apply`` drops the
+        rejected drafts first); the last StepRecord for an identical retry (same number and digest: do not apply).
         Raises StepConflict for a conflicting retry, an older step, a gap, or a wrong start position, and
-        ContextOverflow when the next step would end past the session's ``max_length`` (checked here, before a rewind
-        drops the previous step's drafts, so that a refused step changes nothing).
-        """
+        ContextOverflow when the step would end past ``max_length`` (before a rewind drops anything)."""
         last = session.last
         expected = 1 if last is None else last.step + 1
         if step == expected:
