@@ -1,21 +1,11 @@
 """llama.cpp shard backend: one layer range run by llama.cpp's own graphs and kernels over its C API.
 
-One llama.cpp context per shard; every route session is one sequence id in it (``n_seq_max``
-sessions at most), each with its own KV stream of ``n_ctx_seq`` cells (llama.cpp's non-unified
-KV, as llama-server's default): a session's attention never sees another's cells, so interleaved
-sessions compute exactly what each would alone, and the node's KV budget is
-``n_seq_max * n_ctx_seq`` tokens. Hidden states enter through ``llama_batch.embd`` (float32
-``[n_tokens, n_embd]``); a non-head shard's output is its last block's ``l_out-{n-1}`` tensor,
-copied out by a compiled eval callback (``ffi.graph_tap``) that then stops the graph before the
-output norm and LM head. The head shard returns llama.cpp's logits. Truncation is
-``llama_memory_seq_rm``; snapshots are ``llama_state_seq_get_data`` / ``llama_state_seq_set_data``;
-shards that cannot truncate partway keep exact-state checkpoints (``seq.py``).
-
-The same context, batch splitting (``n_ubatch``) and thread count as llama.cpp's own full-model
-run give bitwise-equal results: the tests compare 3-shard chains with ``llama_cpp.Llama``.
-Several sessions' decode steps share one ``llama_decode`` through ``forward_batch`` (``batch.py``);
-``kv_unified=True`` (the node's throughput mode) puts every session's cells in one KV stream so that any
-sessions can share a ubatch, no longer bitwise (docs/protocol.md, "How a node schedules steps").
+One context per shard; each route session is one sequence id with its own KV stream (non-unified KV, as
+llama-server's default), so interleaved sessions compute exactly what each would alone. Hidden states enter through
+``llama_batch.embd`` (float32 ``[n_tokens, n_embd]``); a non-head shard's output is its last block's ``l_out-{n-1}``,
+copied out by a compiled eval callback (``ffi.graph_tap``); the head returns llama.cpp's logits. The same context,
+ubatch and threads as llama.cpp's own full-model run give bitwise-equal results (docs/design.md, "Backends";
+``kv_unified=True``, the throughput mode, is not bitwise: docs/protocol.md, "How a node schedules steps").
 """
 
 from __future__ import annotations
@@ -154,7 +144,6 @@ class LlamaCppShard:
         cache_dir = Path(cache_dir or Path.home() / ".cache" / "ggufswarm" / "shards")
         # The whole model with its head runs from the original file and takes token ids directly.
         self.takes_tokens = spec.embed and spec.head
-        # the shard's header and the model's own files (read in place, patch 0004), or one derived copy
         self.paths = shard_paths(model, spec.start, spec.end, spec.head, cache_dir, in_place)
         self.path = self.paths[0]
         self.embedding = TokenEmbedding(model) if spec.embed and not spec.head else None
@@ -168,7 +157,6 @@ class LlamaCppShard:
             bool(recr and any(recr[spec.start : spec.end])) or rules_for(model.architecture).exact_states
         )
         self.checkpoints = max(0, int(checkpoints))
-
         per_session = -(-n_ctx_seq // KV_STREAM_ROUNDING) * KV_STREAM_ROUNDING if kv_unified else n_ctx_seq
         self.device, self.gpu_blocks = devices.offload(model, spec, gpu, gpu_blocks, per_session, n_seq_max, n_ubatch)
         # patch 0005's batch-invariant kernels are the CPU's: on a GPU a session's step runs alone (exact mode), and
@@ -179,6 +167,7 @@ class LlamaCppShard:
         mparams = L.llama_model_default_params()
         mparams.use_mmap = True
         self._devices = devices.set_offload(mparams, self.device, self.gpu_blocks)
+        self._vocab_model = None  # vocab(): the model file's vocabulary, loaded for a grammar
         self._model, report = devices.load_model(self.paths, mparams)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {self.path} (see its error above)")
@@ -272,8 +261,17 @@ class LlamaCppShard:
 
     # -- sessions ------------------------------------------------------------------------------
     def vocab(self):
-        """llama.cpp's vocabulary of this shard's model (``llama_vocab *``; a head shard carries the real one)."""
-        return L.llama_model_get_vocab(self._model)
+        """The model's ``llama_vocab *`` (a grammar's); a range's file has none (derive.py): loaded on first use."""
+        own = L.llama_model_get_vocab(self._model)
+        if L.llama_vocab_type(own) != L.LLAMA_VOCAB_TYPE_NONE:
+            return own
+        if self._vocab_model is None:
+            params = L.llama_model_default_params()
+            params.vocab_only = True
+            self._vocab_model = L.llama_model_load_from_file(str(self.model.path).encode(), params)
+            if not self._vocab_model:
+                raise LlamaCppError(f"llama.cpp could not load the vocabulary of {self.model.path}")
+        return L.llama_model_get_vocab(self._vocab_model)
 
     def new_session(self, max_length: int) -> SeqKV:
         """A new sequence id for a session.
@@ -499,6 +497,8 @@ class LlamaCppShard:
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)
+            if self._vocab_model is not None:
+                L.llama_model_free(self._vocab_model)
             self._ctx = None
 
     def __del__(self):

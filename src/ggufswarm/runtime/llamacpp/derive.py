@@ -96,7 +96,7 @@ def shard_metadata(
         vtype, item = model.metadata_types[key]
         if key.startswith("split."):
             continue
-        if not head and key.startswith("tokenizer."):
+        if key.startswith("tokenizer."):  # llama.cpp's vocabulary costs 150 bytes a token; the head's grammar loads it
             continue
         if (
             key.startswith(f"{arch}.")
@@ -139,10 +139,9 @@ def shard_metadata(
         out[f"{arch}.attention.recurrent_layers"] = (recr[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
     for key, (value, vtype) in extra.items():
         out[key] = (value, vtype, GGUFValueType.UINT32 if vtype == GGUFValueType.ARRAY else None)
-    if not head:
-        out["tokenizer.ggml.model"] = ("none", GGUFValueType.STRING, None)
-        # a graph that reads token ids (hash routing) checks them against the vocabulary size: keep the real one
-        out[f"{arch}.vocab_size"] = (n_vocab(model) if rules.token_ids else 1, GGUFValueType.UINT32, None)
+    out["tokenizer.ggml.model"] = ("none", GGUFValueType.STRING, None)
+    # the head's logits and a graph that reads token ids (hash routing) need the vocabulary's size
+    out[f"{arch}.vocab_size"] = (n_vocab(model) if head or rules.token_ids else 1, GGUFValueType.UINT32, None)
     return out
 
 
@@ -341,7 +340,7 @@ class TokenEmbedding:
 
 def shard_file_name(model: GGUFModelFile, start: int, end: int, head: bool) -> str:
     """A name that identifies the derived file: model fingerprint, range, head stage, format version."""
-    return f"{model.fingerprint[:16]}-{start}-{end}{'-head' if head else ''}-v2.gguf"
+    return f"{model.fingerprint[:16]}-{start}-{end}{'-head' if head else ''}-v3.gguf"
 
 
 def shard_paths(
