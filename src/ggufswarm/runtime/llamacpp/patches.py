@@ -4,7 +4,8 @@
 applied to its ``vendor/llama.cpp`` (``scripts/build_llama_cpp_python.sh``). A user's own llama-cpp-python has
 none of them: the architectures that need one then run only as whole models, and a node asked for a layer range
 of them says so in one line. Each patch leaves a string in libllama that this module looks for (the GGUF key or
-message the patch adds), so the check reads the library file once and loads nothing.
+message the patch adds; a patch of ggml's, in libggml-base beside it), so the check reads the library files once
+and loads nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0007-kv-give-back-unused-cells": b"gave back the memory of cells",
     "0008-kv-cell-metadata-on-demand": b"resident as cells are used",
     "0009-unmap-unused-gaps": b"unmapped the gaps between",
+    "0010-cpu-buffer-clear-gives-pages-back": b"by giving its pages back to the OS as zeros",  # in libggml-base
 }
 # patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
 # check): the Vulkan backend with older Vulkan headers
@@ -42,7 +44,10 @@ def libllama_path() -> Path:
 
 @functools.cache
 def _library_bytes(path: str) -> bytes:
-    return Path(path).read_bytes()
+    """The bytes of libllama at ``path`` and of the libggml-base beside it, where there is one."""
+    lib = Path(path)
+    ggml_base = min(lib.parent.glob("libggml-base.*"), default=None)
+    return lib.read_bytes() + (ggml_base.read_bytes() if ggml_base is not None else b"")
 
 
 def applied(name: str) -> bool:
