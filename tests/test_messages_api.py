@@ -204,6 +204,56 @@ def test_count_tokens_is_the_chat_prompt(client, gateway):
     assert counted.input_tokens == ref["usage"]["prompt_tokens"]
 
 
+def test_what_claude_code_sends_is_taken(tool_gateway):
+    """Claude Code's request shapes (seen from its 2.1 CLI): a system message mid-conversation, thinking and
+    context_management that clears thinking (no effect), cache_control on blocks, thinking blocks sent back,
+    tool_result content as text blocks: counted as the equivalent chat prompt."""
+    client = anthropic.Anthropic(base_url=tool_gateway, api_key="none", max_retries=0, timeout=120)
+    model = health(tool_gateway)["model"]
+    call = {"type": "tool_use", "id": "toolu_1", "name": TOOL["name"], "input": {"city": "Paris"}}
+    ours = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather?", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"}, call]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]}
+            ],
+        },
+    ]
+    counted = client.messages.count_tokens(
+        model=model,
+        messages=ours,
+        tools=[TOOL],
+        thinking={"type": "adaptive"},
+        output_config={"effort": "high"},
+        extra_body={"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}},
+    )
+    args = json.dumps(call["input"])
+    theirs = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": TOOL["name"], "arguments": args}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+    ]
+    ref = chat(tool_gateway, messages=theirs, tools=[CHAT_TOOL], max_tokens=1)
+    assert counted.input_tokens == ref["usage"]["prompt_tokens"]
+    edits = {"edits": [{"type": "clear_tool_uses_20250919"}]}  # would change the prompt: refused
+    status, out = http(
+        "POST",
+        tool_gateway + "/v1/messages/count_tokens",
+        {"model": model, "messages": ours, "context_management": edits},
+    )
+    assert status == 400 and "context_management" in out["error"]["message"], out
+
+
 def test_errors_in_anthropics_shape(client, gateway, gemma_path):
     """Missing max_tokens, an image block, an unknown parameter, an unknown model, a bad API key: Anthropic's
     ``{"type": "error", "error": {"type", "message"}}`` with the matching status. Chat keeps OpenAI's shape."""

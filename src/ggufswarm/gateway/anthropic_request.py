@@ -17,7 +17,6 @@ TEXT_JOIN = "\n\n"  # between the text blocks of one turn (and of ``system``), a
 REFUSED = {
     "container": "code execution containers are not implemented",
     "mcp_servers": "MCP connectors are not implemented",
-    "context_management": "server-side context editing is not implemented",
 }
 
 
@@ -101,7 +100,9 @@ ContentBlock = Annotated[
 
 
 class Message(_Strict):
-    role: Literal["user", "assistant"]
+    """A turn: ``user``, ``assistant``, or ``system`` (a system message mid-conversation, text only)."""
+
+    role: Literal["user", "assistant", "system"]
     content: Annotated[list[ContentBlock], BeforeValidator(_blocks)]
 
 
@@ -180,6 +181,20 @@ class OutputConfig(_Strict):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
+class ClearThinking(BaseModel):
+    """A context edit that clears earlier thinking blocks: nothing to do (they are dropped anyway)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["clear_thinking_20251015"]
+
+
+class ContextManagement(_Strict):
+    """Server-side context editing: only clearing thinking is accepted (no effect); an edit that would change
+    the prompt (clearing tool uses) is refused."""
+
+    edits: list[ClearThinking] = []
+
+
 class Metadata(_Strict):
     user_id: str | None = None
 
@@ -189,8 +204,8 @@ class CountTokensRequest(_Strict):
 
     Honoured: ``model``, ``messages``, ``system``, ``tools``, ``tool_choice``, ``output_config.format``. Accepted
     with no effect: ``cache_control`` (anywhere), ``thinking`` (the model does not think aloud: no thinking
-    blocks), ``output_config.effort``, ``speed``, ``inference_geo``, text ``citations``, ``is_error``, thinking
-    blocks in the history."""
+    blocks), ``context_management`` that only clears thinking, ``output_config.effort``, ``speed``,
+    ``inference_geo``, text ``citations``, ``is_error``, thinking blocks in the history."""
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -202,6 +217,7 @@ class CountTokensRequest(_Strict):
     cache_control: CacheControl | None = None
     speed: Literal["standard", "fast"] | None = None
     inference_geo: str | None = None
+    context_management: ContextManagement | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -294,6 +310,11 @@ def _chat_messages(req: CountTokensRequest) -> list[dict]:
         out.append({"role": "system", "content": _text(req.system, "system")})
     for i, m in enumerate(req.messages):
         where, text = f"messages[{i}].content", []
+        if m.role == "system":
+            if any(not isinstance(b, (TextBlock, MediaBlock)) for b in m.content):
+                raise RequestError(f"{where}: a system message holds text blocks only", param="messages")
+            add({"role": "system", "content": _text(m.content, where)})
+            continue
         if m.role == "assistant":
             calls = [
                 {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
