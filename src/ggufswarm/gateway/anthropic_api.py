@@ -179,8 +179,8 @@ class MessageReply:
                 return None
             if not isinstance(args, dict):
                 return None
-            out.append({"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": call["function"]["name"]})
-            out[-1]["input"] = args
+            name, call_id = call["function"]["name"], "toolu_" + secrets.token_hex(12)
+            out.append({"type": "tool_use", "id": call_id, "name": name, "input": args})
         return out
 
     def content(self, text: str) -> tuple[list[dict], bool]:
