@@ -1,5 +1,5 @@
-"""aiohttp app of the gateway: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, and the
-verifier's ``/v1/verify`` and ``/metrics`` (gateway/verify.py).
+"""aiohttp app of the gateway: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, the
+verifier's ``/v1/verify`` and ``/metrics`` (gateway/verify.py), and Anthropic's ``/v1/messages`` (anthropic_api.py).
 
 Each request gets its own route session (KV on every node), run by ``generation.Generation``; concurrent requests
 proceed concurrently. The final stream chunk and the non-streamed body carry ``usage`` and a ``telemetry`` object
@@ -298,14 +298,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 def api_key_middleware(keys: tuple[str, ...]):
     """With API keys configured, ``/v1/*`` answers 401 (OpenAI's ``invalid_api_key``) without a valid
-    ``Authorization: Bearer KEY``; ``/health`` stays open."""
+    ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (Anthropic's header); ``/health`` stays open."""
 
     @web.middleware
     async def check(request: web.Request, handler):
         if keys and request.path.startswith("/v1/"):
-            scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
-            given = given.strip().encode() if scheme.lower() == "bearer" else b""
-            if not any(hmac.compare_digest(given, k.encode()) for k in keys):
+            scheme, _, bearer = request.headers.get("Authorization", "").strip().partition(" ")
+            given = [bearer.strip().encode() if scheme.lower() == "bearer" else b""]
+            given.append(request.headers.get("x-api-key", "").strip().encode())
+            if not any(hmac.compare_digest(g, k.encode()) for g in given if g for k in keys):
                 raise RequestError("missing or invalid API key", 401, "invalid_api_key")
         return await handler(request)
 
@@ -321,10 +322,15 @@ def make_app(config: GatewayConfig) -> web.Application:
     gw = Gateway(config)
     errors = json_errors_middleware(on_error=_say_failed, render=error_response)  # outermost: sees every error
     keys = api_key_middleware(tuple(config.api_keys))
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors, keys])
+    from . import anthropic_api  # (it imports this module's helpers)
+
+    anthropic_errors = anthropic_api.errors_middleware()  # /v1/messages*: Anthropic's error shape
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors, anthropic_errors, keys])
     app[GATEWAY] = gw
     app.router.add_post(CHAT_PATH, chat_completions)
     app.router.add_post(COMPLETIONS_PATH, completions)
+    app.router.add_post(anthropic_api.MESSAGES_PATH, anthropic_api.messages)
+    app.router.add_post(anthropic_api.COUNT_TOKENS_PATH, anthropic_api.count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
