@@ -29,6 +29,8 @@ from .generation import Done, Event, Failed, Generation
 from .messages import chat_turns
 from .params import CHAT_PATH, COMPLETIONS_PATH, parse_params
 from .render import SSE_HEADERS, Reply, write_stream
+from .responses import create_response, delete_response, get_response, list_input_items
+from .responses_request import RESPONSES_PATH
 from .state import Gateway
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -325,6 +327,10 @@ def make_app(config: GatewayConfig) -> web.Application:
     app[GATEWAY] = gw
     app.router.add_post(CHAT_PATH, chat_completions)
     app.router.add_post(COMPLETIONS_PATH, completions)
+    app.router.add_post(RESPONSES_PATH, create_response)
+    app.router.add_get(RESPONSES_PATH + "/{response_id}", get_response)
+    app.router.add_delete(RESPONSES_PATH + "/{response_id}", delete_response)
+    app.router.add_get(RESPONSES_PATH + "/{response_id}/input_items", list_input_items)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
