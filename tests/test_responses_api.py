@@ -20,6 +20,8 @@ from route_fixtures import HOP_TIMEOUT, cluster, gateway, http  # noqa: F401 - f
 
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.gateway.app import GATEWAY
+from ggufswarm.gateway.responses_request import chat_messages, parse_request
+from ggufswarm.gateway.responses_store import ResponseStore
 from ggufswarm.net.http import ServerThread
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen2.5-tools.jinja").read_text(encoding="utf-8")
@@ -340,3 +342,67 @@ def test_client_leaving_mid_stream_closes_the_session(gateway, cluster):
     while any(http("GET", n.url + "/health")[1]["sessions"] for n in cluster):
         assert time.monotonic() < deadline, "route session left open after the client disconnected"
         time.sleep(0.2)
+
+
+def test_what_codex_sends_is_accepted():
+    """Codex CLI's request shape (logged from codex exec 0.171): ``namespace`` tools (their functions offered as
+    function tools), a ``web_search`` tool (accepted, never offered), ``client_metadata``, ``reasoning`` and
+    ``include``; a ``function_call`` item of a namespaced function keeps its ``namespace``."""
+    body = {
+        "model": "m",
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {
+                "type": "function_call",
+                "call_id": "call_1",
+                "name": "close_agent",
+                "namespace": "agents",
+                "arguments": "{}",
+            },
+            {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+        ],
+        "tools": [
+            {"type": "function", "name": "exec_command", "description": "Run", "strict": False, "parameters": {}},
+            {
+                "type": "namespace",
+                "name": "agents",
+                "description": "Sub-agents",
+                "tools": [{"type": "function", "name": "close_agent", "strict": False, "parameters": {}}],
+            },
+            {"type": "web_search", "external_web_access": False},
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "k",
+        "client_metadata": {"session_id": "s"},
+    }
+    req = parse_request(body)
+    chat = req.chat_body()
+    assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command", "close_agent"]
+    assert req.namespaces() == {"close_agent": "agents"}
+    messages = chat_messages(req.instructions, req.items())
+    assert [m["role"] for m in messages] == ["developer", "user", "assistant", "tool"]
+    only_search = parse_request({"input": "hi", "tools": [{"type": "web_search"}], "tool_choice": "auto"})
+    assert "tools" not in only_search.chat_body() and "tool_choice" not in only_search.chat_body()
+
+
+def test_the_store_is_bounded_and_private():
+    now = [0.0]
+    store = ResponseStore(max_count=2, max_bytes=4000, max_age_s=10, clock=lambda: now[0])
+
+    def put(owner, rid, size=10):
+        return store.put(owner, {"id": rid, "pad": "x" * size}, [], [], [1, 2, 3])
+
+    assert put("a", "r1") and put("a", "r2") and store.get("b", "r1") is None
+    assert store.get("a", "r1") is not None  # r1 used last: r2 goes first
+    assert put("a", "r3") and store.get("a", "r2") is None and len(store) == 2
+    assert not put("a", "big", 5000) and store.get("a", "big") is None  # over the whole budget: not stored
+    assert put("a", "r4", 3940) and len(store) == 1 and store.nbytes <= 4000  # bytes: the others evicted
+    now[0] = 11.0
+    assert store.get("a", "r4") is None and store.nbytes == 0  # aged out
+    assert put("a", "r5") and store.delete("a", "r5") and not store.delete("a", "r5")

@@ -61,10 +61,13 @@ def message_item(text: str, status: str = "completed", item_id: str | None = Non
     }
 
 
-def call_item(call: dict, status: str = "completed", arguments: str | None = None) -> dict:
-    """An output ``function_call`` item of a parsed call (client.tools.parse_tool_calls's shape)."""
+def call_item(
+    call: dict, status: str = "completed", arguments: str | None = None, namespace: str | None = None
+) -> dict:
+    """An output ``function_call`` item of a parsed call (client.tools.parse_tool_calls's shape); ``namespace``:
+    that of the called function, when it came in a namespace tool."""
     fn = call["function"]
-    return {
+    item = {
         "type": "function_call",
         "id": "fc_" + call["id"].removeprefix("call_"),
         "call_id": call["id"],
@@ -72,6 +75,9 @@ def call_item(call: dict, status: str = "completed", arguments: str | None = Non
         "arguments": fn["arguments"] if arguments is None else arguments,
         "status": status,
     }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 class ResponseReply:
@@ -81,6 +87,10 @@ class ResponseReply:
         self.id, self.created_at = _new_id("resp_"), int(time.time())
         self.req, self.opts, self.tools = req, opts, tools
         self.model_name = model_name
+        self.namespaces = req.namespaces()
+
+    def call_item(self, call: dict, status: str = "completed", arguments: str | None = None) -> dict:
+        return call_item(call, status, arguments, self.namespaces.get(call["function"]["name"]))
 
     def object(self, status: str, output: list[dict], done: Done | None = None, error: dict | None = None) -> dict:
         """The response object: ``status`` ``in_progress`` / ``completed`` / ``incomplete`` / ``failed``;
@@ -207,7 +217,7 @@ def _output(reply: ResponseReply, text: str, done: Done) -> list[dict]:
     made = reply.calls(made)
     status = reply.status(done)
     out = [message_item(content or "", status)] if content or not made else []
-    return out + [call_item(c) for c in made]
+    return out + [reply.call_item(c) for c in made]
 
 
 async def _whole(request: web.Request, generation: Generation, reply: ResponseReply, keep) -> web.Response:
@@ -323,13 +333,13 @@ async def _finish(events: _Events, reply: ResponseReply, message, held, done: Do
     output = [await message.done(status)] if message.item is not None else []
     for call in made:
         index = len(output)
-        item = call_item(call, "in_progress", "")
+        item = reply.call_item(call, "in_progress", "")
         await events.send("response.output_item.added", output_index=index, item=item)
         where = {"item_id": item["id"], "output_index": index}
         args = call["function"]["arguments"]
         await events.send("response.function_call_arguments.delta", **where, delta=args)
         await events.send("response.function_call_arguments.done", **where, name=item["name"], arguments=args)
-        output.append(call_item(call))
+        output.append(reply.call_item(call))
         await events.send("response.output_item.done", output_index=index, item=output[-1])
     response = reply.object(status, output, done)
     keep(response, done)

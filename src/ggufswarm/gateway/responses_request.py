@@ -89,6 +89,7 @@ class FunctionCallItem(_Strict):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
@@ -126,7 +127,30 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-Tool = _tagged((FunctionTool, "function"))
+class NamespaceTool(_Strict):
+    """Function tools grouped under ``name``: offered to the model as plain function tools (their names unique
+    across the request); a call to one reports its ``namespace``."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[_tagged((FunctionTool, "function"))]
+
+
+class WebSearchTool(BaseModel):
+    """A hosted tool OpenAI runs (``web_search``, ``web_search_preview``): accepted, never offered to the model
+    (this gateway runs no hosted tool), so never called."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["web_search", "web_search_preview"]
+
+
+Tool = _tagged(
+    (FunctionTool, "function"),
+    (NamespaceTool, "namespace"),
+    (WebSearchTool, "web_search"),
+    (WebSearchTool, "web_search_preview"),
+)
 
 
 class ToolChoiceFunction(_Strict):
@@ -175,11 +199,13 @@ class StreamOptions(_Strict):
 class ResponseRequest(_Strict):
     """The body of ``POST /v1/responses``. Honoured: ``model``, ``input``, ``instructions`` (a system message
     before the input; not carried over by ``previous_response_id``, as OpenAI), ``max_output_tokens``,
-    ``temperature``, ``top_p``, ``tools`` (function tools), ``tool_choice``, ``parallel_tool_calls``,
-    ``max_tool_calls``, ``text.format``, ``stream``, ``store``, ``previous_response_id``, ``metadata``.
-    Accepted, no effect: ``user``, ``safety_identifier``, ``prompt_cache_key``, ``service_tier``, ``reasoning``,
-    ``text.verbosity``, ``stream_options.include_obfuscation``, ``include`` of ``reasoning.encrypted_content``,
-    ``truncation: "disabled"``, ``top_logprobs: 0``, ``background: false``. Anything else is refused (400)."""
+    ``temperature``, ``top_p``, ``tools`` (function tools, and ``namespace`` tools' functions), ``tool_choice``,
+    ``parallel_tool_calls``, ``max_tool_calls``, ``text.format``, ``stream``, ``store``, ``previous_response_id``,
+    ``metadata``. Accepted, no effect: ``web_search`` tools (never offered: no hosted tool runs here),
+    ``client_metadata`` (Codex CLI's), ``user``, ``safety_identifier``, ``prompt_cache_key``, ``service_tier``,
+    ``reasoning``, ``text.verbosity``, ``stream_options.include_obfuscation``, ``include`` of
+    ``reasoning.encrypted_content``, ``truncation: "disabled"``, ``top_logprobs: 0``, ``background: false``.
+    Anything else is refused (400)."""
 
     model: str | None = None
     input: str | list[InputItem] | None = None
@@ -197,6 +223,7 @@ class ResponseRequest(_Strict):
     store: bool | None = None
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    client_metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -229,6 +256,17 @@ class ResponseRequest(_Strict):
             return [{"type": "message", "role": "user", "content": self.input}]
         return [item.model_dump(by_alias=True, exclude_none=True) for item in self.input]
 
+    def functions(self) -> list[FunctionTool]:
+        """The function tools offered to the model: ``tools``' functions, those of each namespace after them."""
+        tools = self.tools or []
+        return [t for t in tools if isinstance(t, FunctionTool)] + [
+            f for t in tools if isinstance(t, NamespaceTool) for f in t.tools
+        ]
+
+    def namespaces(self) -> dict[str, str]:
+        """{function name: its namespace} of the namespaced functions."""
+        return {f.name: t.name for t in self.tools or [] if isinstance(t, NamespaceTool) for f in t.tools}
+
     def chat_body(self) -> dict:
         """The chat completions body of the same sampling, tools and output format (params.parse_params and
         client.tools.tool_request check it), without ``messages``."""
@@ -239,13 +277,14 @@ class ResponseRequest(_Strict):
             "stream": self.stream,
             "parallel_tool_calls": self.parallel_tool_calls,
         }
-        if self.tools is not None:
+        functions = self.functions()
+        if functions:
             body["tools"] = [
-                {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools
+                {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in functions
             ]
         if isinstance(self.tool_choice, ToolChoiceFunction):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
-        else:
+        elif functions or self.tool_choice not in ("auto", "none"):  # no function: "auto" / "none" mean nothing
             body["tool_choice"] = self.tool_choice
         fmt = self.text.format if self.text is not None else None
         if isinstance(fmt, FormatJSONSchema):
@@ -308,6 +347,9 @@ _LABELS = {
     "output_text",
     "refusal",
     "function",
+    "namespace",
+    "web_search",
+    "web_search_preview",
     "text",
     "json_object",
     "json_schema",
