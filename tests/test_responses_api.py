@@ -299,7 +299,7 @@ def test_get_delete_and_owners(keyed):
     "extra, param",
     [
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]}, None),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": "hi", "tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0]"),
         ({"input": "hi", "truncation": "auto"}, "truncation"),
         ({"input": "hi", "temperature": 3}, "temperature"),
         ({"input": "hi", "max_output_tokens": "8"}, "max_output_tokens"),
