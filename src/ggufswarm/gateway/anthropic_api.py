@@ -15,9 +15,9 @@ from ..client.tools import ToolCallStream, ToolError, ToolRequest, parse_tool_ca
 from ..net.http import json_errors_middleware
 from ..protocol.errors import ProtocolError
 from .anthropic_request import CountTokensRequest, MessagesRequest, parse_request, renamed, to_chat
-from .app import gateway_for, next_while_connected, read_body
 from .errors import CLIENT_GONE, JSON, RequestError, say_failed
 from .generation import Delta, Done, Failed, Generation
+from .intake import gateway_for, next_while_connected, read_body
 from .messages import chat_turns
 from .params import RequestOptions, parse_params
 from .render import SSE_HEADERS

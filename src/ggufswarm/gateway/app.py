@@ -21,48 +21,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, tool_request
 from ..client.tracker import TrackerError
 from ..net.auth import auth_headers
-from ..net.http import json_errors_middleware, probe, probe_json, read_json
+from ..net.http import json_errors_middleware, probe, probe_json
 from ..protocol.errors import ProtocolError
+from . import anthropic_api
 from .config import GatewayConfig
 from .errors import CLIENT_GONE, FIXED_ROUTE_HINT, JSON, RequestError, error_response, say_failed
-from .generation import Done, Event, Failed, Generation
+from .generation import Done, Failed, Generation
+from .intake import GATEWAY, gateway_for, next_while_connected, read_body
 from .messages import chat_turns
 from .params import CHAT_PATH, COMPLETIONS_PATH, parse_params
 from .render import SSE_HEADERS, Reply, write_stream
+from .responses import create_response, delete_response, get_response, list_input_items
+from .responses_request import RESPONSES_PATH
 from .state import Gateway
 
-GATEWAY = web.AppKey("gateway", Gateway)
 HEALTH_PROBE_S = 2.0  # GET /health: how long it waits for each node's (or the tracker's) answer, in seconds
 MAX_BODY_BYTES = 16 * 2**20  # largest request body taken (a long prompt)
-DISCONNECT_POLL_S = 0.5  # a non-streamed request looks this often whether its client is still there
-
-
-async def read_body(request: web.Request) -> dict:
-    """The request's JSON object (net/http.py read_json: size, depth, charset limits; ProtocolError 400 / 413
-    otherwise); RequestError (400) for a lone UTF-16 surrogate in a string."""
-    body = await read_json(request)
-    try:  # JSON may escape a lone UTF-16 surrogate ("\\ud800"): no text can hold it, no tokenizer can take it
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise RequestError(
-            f"body holds a lone UTF-16 surrogate (\\u{ord(exc.object[exc.start]):04x}), which is not "
-            f"text; send valid Unicode"
-        ) from None
-    return body
-
-
-async def gateway_for(request: web.Request, body: dict) -> Gateway:
-    """The gateway of the model ``body`` asks for: a gateway serving every model loads it on first use
-    (Gateway.for_model); one serving one model refuses any other name with 404 ``model_not_found`` (as OpenAI)."""
-    gw = request.app[GATEWAY]
-    name = body.get("model")
-    if gw.every_model:
-        return await asyncio.get_running_loop().run_in_executor(gw.pool, gw.for_model, name)
-    if name is not None and name != gw.model_name:
-        raise RequestError(
-            f"model {name!r} is not served here; this gateway serves {gw.model_name!r}", 404, "model_not_found", "model"
-        )
-    return gw
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -129,19 +103,6 @@ async def complete(
         return await whole_answer(request, generation, reply, tools)
     finally:
         generation.cancel()  # no-op when finished; stops the generation when the client left mid-stream
-
-
-async def next_while_connected(request: web.Request, generation: Generation) -> Event:
-    """The generation's next event; ConnectionResetError when the client hangs up first. (aiohttp does not cancel
-    a handler whose client hung up: this looks for it while waiting, so a non-streamed request whose client left
-    stops its generation, freeing its KV on every node, within DISCONNECT_POLL_S.)"""
-    while True:
-        if request.transport is None or request.transport.is_closing():
-            raise ConnectionResetError("the client went away")
-        try:
-            return await asyncio.wait_for(generation.next(), DISCONNECT_POLL_S)
-        except TimeoutError:
-            pass
 
 
 async def stream_answer(
@@ -322,8 +283,6 @@ def make_app(config: GatewayConfig) -> web.Application:
     gw = Gateway(config)
     errors = json_errors_middleware(on_error=_say_failed, render=error_response)  # outermost: sees every error
     keys = api_key_middleware(tuple(config.api_keys))
-    from . import anthropic_api  # (it imports this module's helpers)
-
     anthropic_errors = anthropic_api.errors_middleware()  # /v1/messages*: Anthropic's error shape
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors, anthropic_errors, keys])
     app[GATEWAY] = gw
@@ -331,6 +290,10 @@ def make_app(config: GatewayConfig) -> web.Application:
     app.router.add_post(COMPLETIONS_PATH, completions)
     app.router.add_post(anthropic_api.MESSAGES_PATH, anthropic_api.messages)
     app.router.add_post(anthropic_api.COUNT_TOKENS_PATH, anthropic_api.count_tokens)
+    app.router.add_post(RESPONSES_PATH, create_response)
+    app.router.add_get(RESPONSES_PATH + "/{response_id}", get_response)
+    app.router.add_delete(RESPONSES_PATH + "/{response_id}", delete_response)
+    app.router.add_get(RESPONSES_PATH + "/{response_id}/input_items", list_input_items)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)

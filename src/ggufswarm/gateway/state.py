@@ -25,6 +25,7 @@ from ..swarm.directory import DirectoryError
 from .config import GatewayConfig
 from .errors import RequestError
 from .planner import NodeTimings, RoutePlanner, Suspects
+from .responses_store import ResponseStore
 from .verify import Verifier
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,12 @@ class Gateway:
             # a fixed --route has no other node to replay a hop on: it does not verify (nor ask for commitments)
             rate = config.verify_rate if config.tracker or config.dht else 0.0
             self.verifier = Verifier(rate, trackers, config.token, config.session_lease_s)
+            self.responses = ResponseStore()  # /v1/responses with store: true (gateway/responses_store.py)
         else:  # one model of a gateway serving every model: the pool, what failed lately and the bans are shared
             self.pool, self.suspects, self.created = parent.pool, parent.suspects, parent.created
             self.timings = parent.timings
             self.verifier = parent.verifier
+            self.responses = parent.responses
         # --join with DHT contacts: routes planned from the DHT when no tracker answers (swarm.directory)
         self.discovery = parent.discovery if parent is not None else self._discovery(config)
         self.planner = RoutePlanner(config, self.suspects, self.model_name, None, self.discovery)
