@@ -23,15 +23,20 @@ def _modules():
 def _imports(path: Path, parts: tuple[str, ...]):
     """Absolute dotted names (within ggufswarm: ``ggufswarm.x.y``) that the module at ``path`` imports, anywhere
     in it (a function-local import is a dependency too)."""
-    package = ("ggufswarm", *parts[:-1]) if parts[-1] != "__init__" else ("ggufswarm", *parts[:-1])
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = list(package[: len(package) - (node.level - 1)]) if node.level else []
-            module = ".".join(base + ([node.module] if node.module else []))
-            yield module
-            yield from (f"{module}.{a.name}" for a in node.names)  # `from . import x` names a module
+        yield from _imports_of(node, parts)
+
+
+def _imports_of(node: ast.AST, parts: tuple[str, ...]):
+    """The absolute dotted names one import statement ``node`` of the module ``parts`` names (none for another node)."""
+    package = ("ggufswarm", *parts[:-1])
+    if isinstance(node, ast.Import):
+        yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        base = list(package[: len(package) - (node.level - 1)]) if node.level else []
+        module = ".".join(base + ([node.module] if node.module else []))
+        yield module
+        yield from (f"{module}.{a.name}" for a in node.names)  # `from . import x` names a module
 
 
 def _package_graph() -> dict[str, set[str]]:
@@ -75,6 +80,88 @@ def test_packages_import_each_other_without_a_cycle():
 def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) is None
+
+
+# module import cycles inside a package that remain (issue 40: the route session owning its ring and repair; the
+# architecture table and its range checks): the test fails on any other cycle, and on one of these once it is gone
+KNOWN_MODULE_CYCLES = [
+    ["client.blocking", "client.opening", "client.repair", "client.route", "client.session"],
+    ["runtime.llamacpp.archs", "runtime.llamacpp.range_checks"],
+]
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (for annotations only: never run)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the modules of its own package it imports when run (``client.ring`` -> ``client.session``)."""
+    names = {".".join(p for p in parts if p != "__init__"): (path, parts) for path, parts in _modules()}
+    graph: dict[str, set[str]] = {}
+    for name, (path, parts) in names.items():
+        if parts[-1] == "__init__":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_only(tree)
+        own = name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if id(node) in skip or not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            for dep in _imports_of(node, parts):
+                dep = dep.removeprefix("ggufswarm.")
+                while dep and dep not in names:
+                    dep = dep.rpartition(".")[0]
+                if dep and dep != name and dep.rpartition(".")[0] == own and names[dep][1][-1] != "__init__":
+                    graph.setdefault(name, set()).add(dep)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one node, each sorted (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                out.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_modules_inside_a_package_import_each_other_without_a_cycle():
+    """A module imports the modules of its own package without a circle (a function-level import counts: it runs;
+    one under ``if TYPE_CHECKING:`` does not), but for KNOWN_MODULE_CYCLES, which the test also sees are still there
+    (a fixed one comes off the list)."""
+    graph = _module_graph()
+    assert {"client.session", "gateway.app"} <= set(graph)  # read at all
+    assert _cycles(graph) == sorted(KNOWN_MODULE_CYCLES)
+
+
+def test_the_module_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) == []
 
 
 def test_the_bottom_layers_make_no_network_calls():

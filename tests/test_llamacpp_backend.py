@@ -592,7 +592,7 @@ def test_torch_bias_and_penalties_equal_llama_cpp_samplers(settings):
     samplers' logits (LlamaCppSampler.adjust), to float32 rounding, and both heads then draw the same greedy
     token; presence/frequency penalties count only the tokens from ``penalize_from`` on."""
     from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
-    from ggufswarm.runtime.sampling import Sampler
+    from ggufswarm.runtime.torch_sampling import Sampler
 
     gen = torch.Generator().manual_seed(5)
     history = torch.randint(0, 60, (14,), generator=gen).tolist() + [4, 4, 4, 11]
@@ -627,7 +627,7 @@ def test_grammar_draws_follow_the_schema_and_rebuild_from_the_history(gemma):
 
     from ggufswarm.client.grammar import response_format_grammar
     from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
-    from ggufswarm.runtime.sampling import Sampler
+    from ggufswarm.runtime.torch_sampling import Sampler
 
     schema = {
         "type": "object",

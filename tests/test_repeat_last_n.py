@@ -16,7 +16,8 @@ from ggufswarm.net.http import ServerThread
 from ggufswarm.node.app import make_app as make_node_app
 from ggufswarm.node.state import NodeConfig
 from ggufswarm.runtime.llamacpp.sampling import LlamaCppSampler
-from ggufswarm.runtime.sampling import Sampler, SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
+from ggufswarm.runtime.torch_sampling import Sampler
 
 
 @pytest.mark.parametrize("sampler", [Sampler, LlamaCppSampler], ids=["torch", "llama.cpp"])

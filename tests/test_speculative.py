@@ -258,7 +258,7 @@ def test_model_drafter_follows_the_history():
     feeds what is new: its KV holds exactly the history and the drafts fed after it."""
     from ggufswarm.artifact.default_model import smollm2_path
     from ggufswarm.artifact.gguf_file import GGUFModelFile
-    from ggufswarm.client.speculative import DraftModel
+    from ggufswarm.client.draft_model import DraftModel
 
     draft = DraftModel("smollm2", GGUFModelFile(smollm2_path()).metadata, max_length=256, sessions=2)
     tok = draft.model.tokenizer

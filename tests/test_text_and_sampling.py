@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ggufswarm.client.tokenizer import TextStream
-from ggufswarm.runtime.sampling import Sampler, SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
+from ggufswarm.runtime.torch_sampling import Sampler
 
 
 class FakeVocab:

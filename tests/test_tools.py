@@ -26,8 +26,9 @@ from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.gateway.messages import chat_turns
 from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
-from ggufswarm.runtime.sampling import Sampler, SamplingParams
+from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import even_split
+from ggufswarm.runtime.torch_sampling import Sampler
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen2.5-tools.jinja").read_text(encoding="utf-8")
 WEATHER = {

@@ -58,7 +58,7 @@ def cmd_generate(args) -> int:
 
         drafter = NgramDrafter(min(args.draft_max, session.max_verify_tokens - 1))
     elif args.speculative == "draft":
-        from ..client.speculative import DraftModel
+        from ..client.draft_model import DraftModel
 
         drafter = DraftModel(
             args.draft_model,

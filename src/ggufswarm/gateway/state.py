@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -17,7 +18,7 @@ from ..artifact.default_model import model_name, resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.route import fetch_model_headers
 from ..client.session import releases_done
-from ..client.speculative import METHODS, DraftModel, check_draft_max
+from ..client.speculative import METHODS, check_draft_max
 from ..client.tokenizer import Tokenizer
 from ..client.tracker import TrackerClient, TrackerError
 from ..client.transport import new_http_session
@@ -27,6 +28,9 @@ from .errors import RequestError
 from .planner import NodeTimings, RoutePlanner, Suspects
 from .responses_store import ResponseStore
 from .verify import Verifier
+
+if TYPE_CHECKING:
+    from ..client.draft_model import DraftModel
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +227,8 @@ class Gateway:
         self.model_name = self.model_name or model_name(self.config.model, file.path)
         self.planner.model_name, self.planner.fingerprint = self.model_name, self.fingerprint
         if self.config.speculative == "draft" and self.draft is None:  # ValueError: another vocabulary
+            from ..client.draft_model import DraftModel  # (loads llama.cpp: only with --draft-model)
+
             self.draft = DraftModel(
                 self.config.draft_model,
                 file.metadata,

@@ -75,15 +75,6 @@ def meminfo(field: str) -> int | None:
     return None
 
 
-def rss_bytes() -> int | None:
-    """This process's resident memory (bytes; ``/proc/self/statm``); None where there is none."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def kv_paged(config: NodeConfig) -> bool:
     """Whether this node's KV memory is resident only as its sessions use it: the llama.cpp backend with patch 0007
     (PAGED_PATCH) and its cache in host memory (``--gpu none``, or no GPU found), on Linux."""
@@ -179,7 +170,6 @@ __all__ = [
     "kv_paged",
     "meminfo",
     "no_gpu_to_look_for",
-    "rss_bytes",
     "session_cells",
     "skip_gpu_drivers",
     "trim_heap",

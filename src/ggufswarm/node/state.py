@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -85,6 +86,15 @@ class NodeConfig:
     relays: tuple[str, ...] = ()  # relays (node or tracker URLs) this node may attach to when it cannot be dialled
     torrent_port: int = 0  # the BitTorrent/DHT port (TCP + UDP; 0: any) — the DHT contact a join link gives
     test_lie: str | None = None  # testing only: this node lies (node/lies.py: noise, noise-every:N, weights:PATH)
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (bytes; ``/proc/self/statm``); None where there is none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class NodeState:
@@ -299,8 +309,6 @@ class NodeState:
 
     def health(self) -> dict:
         """The ``/health`` body: shard, model shape, limits and counters."""
-        from .memory import rss_bytes
-
         s = self.store
         return {
             "status": "ok",

@@ -2,7 +2,7 @@
 
 The samplers themselves belong to the backends: a llama.cpp head draws with llama.cpp's sampler chain
 (``runtime/llamacpp/sampling.py``), a torch head with its PyTorch re-implementation of that chain
-(``runtime/torch_sampling.py``, ``Sampler``; also importable from here).
+(``runtime/torch_sampling.py``, ``Sampler``).
 """
 
 from __future__ import annotations
@@ -196,12 +196,3 @@ def token_logprobs(logits, token: int | None, n: int) -> tuple[float | None, lis
         ids = ids[np.lexsort((ids, -logp[ids]))]
         top = [(int(i), float(logp[i])) for i in ids]
     return (float(logp[token]) if token is not None else None), top
-
-
-def __getattr__(name: str):
-    """``Sampler``, the torch backend's sampler, imported on first use (it needs torch; nothing else here does)."""
-    if name == "Sampler":
-        from .torch_sampling import Sampler
-
-        return Sampler
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
