@@ -30,7 +30,7 @@ from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
 from ggufswarm.client.tokenizer import Tokenizer
-from ggufswarm.client.tracker import TrackerClient
+from ggufswarm.directory.trackers import TrackerClient
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes

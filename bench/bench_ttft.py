@@ -79,7 +79,7 @@ def main() -> int:
     from ggufswarm.artifact.default_model import default_model_path
     from ggufswarm.cache.app import CacheConfig
     from ggufswarm.cache.app import make_app as make_cache_app
-    from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.directory.trackers import TrackerClient
     from ggufswarm.gateway import GatewayConfig, make_app
     from ggufswarm.net.http import ServerThread
     from ggufswarm.node.launch import start_nodes, stop_nodes

@@ -83,7 +83,7 @@ def test_the_token_is_never_in_a_torrent(apps, tmp_path):
     token is not in the .torrent, the manifest the tracker serves, or the tracker's database."""
     import libtorrent as lt
 
-    from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.directory.trackers import TrackerClient
     from ggufswarm.net.auth import announce_key
     from ggufswarm.swarm.publish import publish
 
@@ -102,7 +102,7 @@ def test_the_token_is_never_in_a_torrent(apps, tmp_path):
 def test_the_token_is_not_in_the_tracker_database(tmp_path):
     """A tracker keeping its registry in a file: after a publish, an announce and a node's heartbeat, the token is
     in none of the database's files (the database, its WAL), in clear or as the hex of its bytes."""
-    from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.directory.trackers import TrackerClient
     from ggufswarm.net.auth import announce_key
     from ggufswarm.swarm.publish import publish
 
@@ -139,8 +139,8 @@ def test_the_library_never_reads_the_environment(apps, monkeypatch):
     """Only the command line reads ``$GGUFSWARM_TOKEN``: an in-process client or config given no token sends
     none (401 from a private swarm) even with the variable set, and one given the token gets through."""
     from ggufswarm.client.route import RemoteRoute
-    from ggufswarm.client.tracker import TrackerClient, TrackerError
     from ggufswarm.client.transport import RouteError
+    from ggufswarm.directory.trackers import TrackerClient, TrackerError
     from ggufswarm.net.auth import TOKEN_ENV
 
     (_, node), (_, tracker) = apps[0], apps[1]

@@ -27,8 +27,8 @@ from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
 from ggufswarm.client.generate import generate
 from ggufswarm.client.session import AsyncRouteSession
-from ggufswarm.client.tracker import TrackerClient
 from ggufswarm.client.transport import StepLink
+from ggufswarm.directory.trackers import TrackerClient
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes
@@ -441,7 +441,7 @@ def test_new_requests_plan_around_a_dead_node_the_tracker_still_lists(swarm, cap
     again without it, and completes; the gateway reports the node, and the tracker, finding it down, drops it
     then, before its TTL (it logs that). On a loaded machine the request may outlast the TTL (3 s here): then
     the report finds the node already gone (404)."""
-    from ggufswarm.client.tracker import TrackerError
+    from ggufswarm.directory.trackers import TrackerError
     from ggufswarm.gateway.app import GATEWAY
 
     answers = []  # (reported URL, the tracker's answer or its TrackerError)

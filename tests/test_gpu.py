@@ -305,7 +305,7 @@ def test_a_session_repaired_onto_a_gpu_head_continues(vulkan, gemma_path, tmp_pa
     from apphost import AppThread
     from test_faults import stream
 
-    from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.directory.trackers import TrackerClient
     from ggufswarm.gateway import GatewayConfig, make_app
     from ggufswarm.gateway.app import GATEWAY
     from ggufswarm.swarm.publish import publish

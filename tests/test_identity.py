@@ -25,16 +25,16 @@ from route_fixtures import http
 from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.manifest import Manifest
-from ggufswarm.client.tracker import TrackerClient, TrackerError
+from ggufswarm.directory.lookup import Directory
+from ggufswarm.directory.routing import check_signed
+from ggufswarm.directory.trackers import TrackerClient, TrackerError
 from ggufswarm.net.http import json_errors_middleware
 from ggufswarm.net.identity import IdentityError, NodeIdentity, canonical, verify, verify_json
 from ggufswarm.net.reach import add_probe_route
 from ggufswarm.node.discovery import advertisement_route, hello_route
 from ggufswarm.node.state import NODE
-from ggufswarm.swarm.directory import Directory
 from ggufswarm.swarm.torrent import make_torrent
 from ggufswarm.tracker.app import TrackerConfig, make_app
-from ggufswarm.tracker.routing import check_signed
 
 
 def call(url, method="GET", body=None):

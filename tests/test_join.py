@@ -27,7 +27,8 @@ import aiohttp
 import pytest
 from route_fixtures import reference
 
-from ggufswarm.client.tracker import TrackerError
+from ggufswarm.directory.lookup import Directory, DirectoryError
+from ggufswarm.directory.trackers import TrackerError
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.net.auth import TOKEN_ENV, TOKEN_HEADER
 from ggufswarm.net.dht import Discovery, swarm_key
@@ -35,7 +36,6 @@ from ggufswarm.net.http import ServerThread
 from ggufswarm.net.invite import JoinLink, JoinLinkError, manifest_digest
 from ggufswarm.node.launch import NodeProcess, start_nodes, stop_nodes
 from ggufswarm.runtime.shard import ShardSpec
-from ggufswarm.swarm.directory import Directory, DirectoryError
 from ggufswarm.swarm.publish import publish
 from ggufswarm.swarm.torrent import Swarm, save_path_for
 from ggufswarm.tracker.app import TrackerConfig
@@ -269,7 +269,7 @@ def test_directory_refuses_a_manifest_other_than_the_links(swarm, tmp_path):
     from a node the DHT lists (``GET /v1/manifest``) alike; the right id accepts both."""
     from apphost import AppThread
 
-    from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.directory.trackers import TrackerClient
 
     wrong = "0" * 64
     status, answer = http_json(swarm.live[0] + "/v1/manifest", token=TOKEN)

@@ -77,6 +77,29 @@ def test_packages_import_each_other_without_a_cycle():
     assert find_cycle(graph) is None, "package import cycle: " + " -> ".join(find_cycle(graph))
 
 
+def _design_order() -> list[str]:
+    """The packages in the order docs/design.md's "Parts" table lists them, bottom up."""
+    text = (SRC.parents[1] / "docs" / "design.md").read_text()
+    table = text[text.index("## Parts") :].split("\n## ")[0]
+    return [m.group(1) for m in re.finditer(r"^\| ([a-z]+) \|", table, re.M) if m.group(1) != "package"]
+
+
+def test_each_package_imports_only_those_below_it_in_the_design():
+    """docs/design.md lists the packages bottom up: each imports only packages listed before it (the layering the
+    design describes is the code's), and every package is listed."""
+    order, graph = _design_order(), _package_graph()
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    assert set(order) == packages, (sorted(packages - set(order)), sorted(set(order) - packages))
+    upward = [
+        f"{pkg} imports {dep}"
+        for pkg, deps in graph.items()
+        if pkg in order
+        for dep in deps
+        if order.index(dep) > order.index(pkg)
+    ]
+    assert not upward, f"imports against docs/design.md's order {order}: {upward}"
+
+
 def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ggufswarm.tracker.routing import Advertisement, NoRoute, plan_route
+from ggufswarm.directory.routing import Advertisement, NoRoute, plan_route
 
 
 def ad(node, start, end, *, ms=10.0, kv=10_000, state="ready", n=18):
@@ -81,7 +81,7 @@ def test_a_node_that_has_not_decoded_counts_at_the_median_per_layer_time():
 
 def test_measured_time_overrides_a_faster_claim():
     """A node claiming 0.01 ms that a client measured at 40 ms per step is planned at 40 ms (placement sanity)."""
-    from ggufswarm.tracker.routing import parse_measured
+    from ggufswarm.directory.routing import parse_measured
 
     ads = [ad("a", 0, 6, ms=6.0), ad("honest", 6, 12, ms=6.0), ad("claims", 6, 12, ms=0.01), ad("c", 12, 18, ms=6.0)]
     assert ids(plan_route(ads, 18, 1024)) == ["a", "claims", "c"]
@@ -145,7 +145,7 @@ def test_mla_and_recurrent_shards_admitted_from_advertised_bytes():
     """An MLA shard (30 layers × 576-element f16 latent = 34,560 B/token) with 4.5 GiB free and a recurrent
     shard (KV 0 B/token, 64 MiB of state per session): a 128K session needs 4.22 GiB on the first, fits;
     131072 tokens is the most a session can have on the route, the recurrent shard never limits the length."""
-    from ggufswarm.tracker.routing import UNBOUNDED, free_kv_tokens, route_context, route_wire_bytes_per_token
+    from ggufswarm.directory.routing import UNBOUNDED, free_kv_tokens, route_context, route_wire_bytes_per_token
 
     mla = acc_ad("mla", 0, 30, kv=30 * 576 * 2, free=int(4.5 * GiB))
     recurrent = acc_ad("rec", 30, 61, kv=0, state=64 * 2**20, free=256 * 2**20)
@@ -162,7 +162,7 @@ def test_mla_and_recurrent_shards_admitted_from_advertised_bytes():
 def test_recurrent_shard_refused_when_its_state_does_not_fit():
     """A recurrent shard with less free memory than one session's state, or no free session slot, admits
     nothing, whatever the length; another replica with room is picked instead."""
-    from ggufswarm.tracker.routing import free_kv_tokens
+    from ggufswarm.directory.routing import free_kv_tokens
 
     mla = acc_ad("mla", 0, 30, kv=34_560, free=8 * GiB)
     full = acc_ad("rec-full", 30, 61, kv=0, state=64 * 2**20, free=32 * 2**20, ms=1.0)
@@ -177,7 +177,7 @@ def test_recurrent_shard_refused_when_its_state_does_not_fit():
 def test_advertised_bytes_pick_the_replica_with_room_and_cap_at_max_length():
     """Two MLA replicas of layers 0:30: the faster one has room for 1,000 tokens only (bytes), so a 4,096-token
     session goes to the slower one; an advertised max_length caps the context whatever the bytes."""
-    from ggufswarm.tracker.routing import free_kv_tokens
+    from ggufswarm.directory.routing import free_kv_tokens
 
     small = acc_ad("fast-small", 0, 30, kv=34_560, free=34_560 * 1000, ms=1.0)
     big = acc_ad("slow-big", 0, 30, kv=34_560, free=GiB, ms=30.0, max_length=8192)
@@ -190,7 +190,7 @@ def test_advertised_bytes_pick_the_replica_with_room_and_cap_at_max_length():
 
 
 def test_malformed_accounting_is_a_value_error():
-    from ggufswarm.tracker.routing import free_kv_tokens
+    from ggufswarm.directory.routing import free_kv_tokens
 
     with pytest.raises(ValueError, match="kv_bytes_per_token"):
         free_kv_tokens(acc_ad("x", 0, 61, kv=-1, free=1))

@@ -245,8 +245,8 @@ def test_a_stalled_fetch_says_so_and_completes_once_a_seeder_appears(tiny_dir, t
 def test_auto_layers_pick_the_least_covered_range(artifact):
     """``--layers auto``: a range on the swarm's existing cuts that fits the budget (blocks + embedding/head bytes),
     the least covered first, so the node can replace or chain with the others; else a window as wide as fits."""
+    from ggufswarm.directory.routing import Advertisement
     from ggufswarm.swarm.shard_fetch import choose_layers, shard_bytes
-    from ggufswarm.tracker.routing import Advertisement
 
     manifest, _ = artifact
     n = manifest.n_layers

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from apphost import AppThread
 
-from ggufswarm.client.tracker import TrackerClient
+from ggufswarm.directory.trackers import TrackerClient
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.net.http import ServerThread
 from ggufswarm.node.launch import start_nodes, stop_nodes

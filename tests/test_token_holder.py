@@ -288,7 +288,7 @@ def test_a_node_sends_the_token_only_to_a_next_hop_that_proves_its_key():
     prove, by a signed challenge, that it holds the key listed for it before the node sends it a frame (with the
     swarm token). An attacker's advertisement pointing at another service is refused (next_hop_unknown) and that
     service never sees the token; a real node passes."""
-    from ggufswarm.client.tracker import TrackerClient
+    from ggufswarm.directory.trackers import TrackerClient
     from ggufswarm.net.auth import auth_headers
     from ggufswarm.net.reach import Proven, add_probe_route
     from ggufswarm.node.advertise import check_registered

@@ -14,10 +14,10 @@ from identities import ad_of, deregister_path, identity, key, signed_ad
 from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.manifest import Manifest
+from ggufswarm.directory.routing import Advertisement
 from ggufswarm.swarm.torrent import Swarm, make_torrent
 from ggufswarm.tracker.app import TrackerConfig, make_app
 from ggufswarm.tracker.registry import Registry
-from ggufswarm.tracker.routing import Advertisement
 
 
 def call(url, method="GET", body=None):

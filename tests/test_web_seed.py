@@ -18,7 +18,7 @@ from tinymodels import write_tiny_model
 
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.artifact.manifest import Manifest
-from ggufswarm.client.tracker import TrackerClient
+from ggufswarm.directory.trackers import TrackerClient
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import ShardSpec
 from ggufswarm.tracker.app import TrackerConfig

@@ -321,7 +321,7 @@ def cmd_bans(args) -> int:
     import json
     import time
 
-    from ..client.tracker import TrackerClient
+    from ..directory.trackers import TrackerClient
 
     client = TrackerClient(args.tracker, args.token)
     if args.lift:

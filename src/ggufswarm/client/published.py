@@ -14,8 +14,8 @@ from ..artifact.default_model import MODEL_ALIASES
 from ..artifact.gguf_file import GGUFModelFile
 from ..artifact.manifest import Manifest
 from ..artifact.planning import PlanError, human_bytes, local_accounts
+from ..directory.trackers import TrackerClient
 from ..net.auth import auth_headers
-from .tracker import TrackerClient
 
 HEADER_TIMEOUT_S = 30.0  # seconds for one node's answer with the model's first header
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..client.tools import ToolCallStream, ToolError, ToolRequest, tool_request
-from ..client.tracker import TrackerError
+from ..directory.trackers import TrackerError
 from ..net.auth import auth_headers
 from ..net.http import json_errors_middleware, probe, probe_json
 from ..protocol.errors import ProtocolError

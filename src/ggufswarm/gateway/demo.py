@@ -139,7 +139,7 @@ def _interrupt(signum, frame):
 
 def wait_servable(tracker_url: str, name: str, timeout: float, token: str | None = None) -> None:
     """Wait until the tracker can route ``name`` end to end (nodes advertise right after they listen)."""
-    from ..client.tracker import TrackerClient
+    from ..directory.trackers import TrackerClient
 
     deadline = time.monotonic() + timeout
     while name not in TrackerClient(tracker_url, token).models():

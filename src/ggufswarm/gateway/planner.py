@@ -13,10 +13,10 @@ import aiohttp
 
 from ..artifact.accounting import MAX_CONTEXT
 from ..client.route import Hop, RemoteRoute
-from ..client.tracker import TrackerClient, TrackerError
 from ..client.transport import REPAIRABLE, RouteError
+from ..directory.lookup import Directory
+from ..directory.trackers import TrackerClient, TrackerError
 from ..runtime.sampling import SamplingParams
-from ..swarm.directory import Directory
 from .config import GatewayConfig
 from .errors import RequestError
 from .params import RequestOptions
@@ -138,7 +138,7 @@ class RoutePlanner:
 
     @property
     def directory(self) -> Directory:
-        """Where this model's nodes are listed: the tracker, then the DHT (swarm.directory)."""
+        """Where this model's nodes are listed: the tracker, then the DHT (directory.lookup)."""
         if self._directory is None or self._directory.model != self.model_name:
             self._directory = Directory(
                 self.model_name or "",

@@ -9,8 +9,8 @@ import time
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.route import RemoteRoute
-from ..client.tracker import TrackerClient
 from ..client.transport import RouteError
+from ..directory.trackers import TrackerClient
 from ..net.addresses import is_loopback
 from ..net.http import run_server
 from .app import make_app

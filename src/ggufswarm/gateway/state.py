@@ -20,9 +20,9 @@ from ..client.route import fetch_model_headers
 from ..client.session import releases_done
 from ..client.speculative import METHODS, check_draft_max
 from ..client.tokenizer import Tokenizer
-from ..client.tracker import TrackerClient, TrackerError
 from ..client.transport import new_http_session
-from ..swarm.directory import DirectoryError
+from ..directory.lookup import DirectoryError
+from ..directory.trackers import TrackerClient, TrackerError
 from .config import GatewayConfig
 from .errors import RequestError
 from .planner import NodeTimings, RoutePlanner, Suspects
@@ -81,7 +81,7 @@ class Gateway:
             self.timings = parent.timings
             self.verifier = parent.verifier
             self.responses = parent.responses
-        # --join with DHT contacts: routes planned from the DHT when no tracker answers (swarm.directory)
+        # --join with DHT contacts: routes planned from the DHT when no tracker answers (directory.lookup)
         self.discovery = parent.discovery if parent is not None else self._discovery(config)
         self.planner = RoutePlanner(config, self.suspects, self.model_name, None, self.discovery)
         self.planner.timings = self.timings

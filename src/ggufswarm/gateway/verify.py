@@ -30,10 +30,10 @@ from dataclasses import dataclass, field, replace
 from prometheus_client import CollectorRegistry, Counter
 
 from ..client.route import Hop, describe_hops
-from ..client.tracker import TrackerClient, TrackerError
 from ..client.transport import BANNED, RouteError
+from ..directory.lookup import DirectoryError
+from ..directory.trackers import TrackerClient, TrackerError
 from ..net.commitments import EVIDENCE_KIND, BadEvidence, check_ban_evidence
-from ..swarm.directory import DirectoryError
 from .shadow import Recording, Unverifiable, Verdict, check_recording, compare, replay, shadow_route
 
 log = logging.getLogger(__name__)

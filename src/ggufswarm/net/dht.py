@@ -374,7 +374,7 @@ class Discovery:
             log.debug("DHT: %s", alert.message())
         elif isinstance(alert, (lt.tracker_error_alert, lt.portmap_error_alert)):
             # a tracker that is down (the DHT carries on without it) or a home without a port-mapping router: the
-            # commands say what that means once (node/reach.py, client/tracker.py), not on every re-announce
+            # commands say what that means once (node/reach.py, directory/trackers.py), not on every re-announce
             log.debug("libtorrent: %s", alert.message())
         elif alert.category() & lt.alert_category.error:
             log.warning("libtorrent: %s", alert.message())

@@ -29,6 +29,14 @@ class JoinLinkError(ValueError):
     """A join link that cannot be used (the message says which part is wrong)."""
 
 
+def info_hash(torrent: bytes) -> str:
+    """Hex v1 info-hash (SHA-1) of a bencoded torrent, as trackers key it (libtorrent, loaded on first use): the
+    manifest names its torrent by it."""
+    import libtorrent as lt
+
+    return str(lt.torrent_info(lt.bdecode(torrent)).info_hashes().v1)
+
+
 def manifest_digest(manifest: dict) -> str:
     """The model's identity in a swarm: hex SHA-256 of the manifest's canonical JSON (sorted keys, no spaces)."""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -100,4 +108,4 @@ class JoinLink:
         )
 
 
-__all__ = ["JoinLink", "JoinLinkError", "manifest_digest"]
+__all__ = ["JoinLink", "JoinLinkError", "info_hash", "manifest_digest"]

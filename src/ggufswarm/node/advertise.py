@@ -1,7 +1,7 @@
 """A node and its tracker: the shard advertisement (free KV, decode time, the shard's accounting in bytes), the
 heartbeat loop that sends it, deregistering at shutdown, and the check that a next hop is a node the tracker lists.
 
-Every call goes through ``client.tracker.TrackerClient`` (``NodeState.tracker``) on the node's own aiohttp session.
+Every call goes through ``directory.trackers.TrackerClient`` (``NodeState.tracker``) on the node's own aiohttp session.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import signal
 import sys
 import time
 
-from ..client.tracker import TrackerError
+from ..directory.lookup import DirectoryError
+from ..directory.trackers import TrackerError
 from ..protocol import ProtocolError
-from ..swarm.directory import DirectoryError
 from .lies import parse_lie
 from .numerics import numerics
 from .state import F32_BYTES, NodeState

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..artifact.accounting import shard_account
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
-from ..client.tracker import TrackerClient
+from ..directory.trackers import TrackerClient
 from ..net.addresses import WILDCARDS, is_loopback, listen_host_toward
 from ..net.auth import auth_headers, token_middleware
 from ..net.http import json_errors_middleware, run_server
@@ -354,7 +354,7 @@ def run_node(config: NodeConfig) -> int:
 
         discovery = Discovery(swarm.session, list(config.dht or ()), reannounce_s=REANNOUNCE_S)
     if config.dht is not None:
-        from ..swarm.directory import Directory
+        from ..directory.lookup import Directory
 
         trackers = [u for u in (config.tracker, *config.more_trackers) if u]
         directory = Directory(name, trackers, discovery, config.model_id, config.token)

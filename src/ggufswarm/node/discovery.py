@@ -14,12 +14,12 @@ import weakref
 import aiohttp
 from aiohttp import web
 
+from ..directory.lookup import DirectoryError
+from ..directory.routing import Advertisement, check_signed
 from ..net.auth import auth_headers
 from ..net.http import read_json
 from ..net.identity import IdentityError
 from ..protocol import ProtocolError
-from ..swarm.directory import DirectoryError
-from ..tracker.routing import Advertisement, check_signed
 from .advertise import advertisement
 from .state import NODE, NodeState, json_response
 
@@ -40,7 +40,7 @@ async def advertisement_route(request: web.Request) -> web.Response:
     if not state.url:
         raise ProtocolError("not_ready", "this node does not know its public address yet")
     body = advertisement(state)
-    if request.query.get("peers"):  # the peers that said hello lately (swarm.directory reads them too)
+    if request.query.get("peers"):  # the peers that said hello lately (directory.lookup reads them too)
         now, keys = time.monotonic(), HEARD_KEYS.get(state, {})
         banned = state.directory.banned if state.directory is not None else frozenset()
         body["peers"] = [u for u, until in state.heard.items() if until > now and keys.get(u) not in banned]

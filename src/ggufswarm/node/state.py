@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..artifact.default_model import model_name
-from ..client.tracker import TrackerClient
+from ..directory.trackers import TrackerClient
 from ..net.http import JSON, as_protocol_error
 from ..net.identity import NodeIdentity
 from ..net.reach import Proven
@@ -176,7 +176,7 @@ class NodeState:
         self.reach = None  # how others reach this node (node/reach.py Reach), once established
         self.swarm = None  # the libtorrent session seeding this shard (swarm.torrent.Swarm), when fetched
         self.discovery = None  # its DHT (net.dht.Discovery), with config.dht
-        self.directory = None  # the trackers and the DHT (swarm.directory.Directory), with either
+        self.directory = None  # the trackers and the DHT (directory.lookup.Directory), with either
         self.manifest_answer: dict | None = None  # {"manifest", "torrent_hex"} this shard was fetched with
         self.relay_server = None  # with config.relay (net.relay.RelayServer)
         self.relay_client = None  # when this node is reached through a relay (net.relay.RelayClient)

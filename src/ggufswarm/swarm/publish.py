@@ -11,9 +11,10 @@ from pathlib import Path
 
 from ..artifact.gguf_file import split_paths
 from ..artifact.manifest import Manifest
-from ..client.tracker import TrackerClient
+from ..directory.trackers import TrackerClient
 from ..net.auth import announce_key
-from .torrent import DEFAULT_PIECE_SIZE, Swarm, info_hash, make_torrent, save_path_for
+from ..net.invite import info_hash
+from .torrent import DEFAULT_PIECE_SIZE, Swarm, make_torrent, save_path_for
 
 
 @dataclass

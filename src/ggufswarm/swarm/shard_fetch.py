@@ -9,10 +9,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..artifact.manifest import Manifest
-from ..client.tracker import TrackerClient
+from ..directory.routing import Advertisement
+from ..directory.trackers import TrackerClient
 from ..net.addresses import is_loopback
 from ..runtime.spec import ShardSpec
-from ..tracker.routing import Advertisement
 from .torrent import FetchStats, Swarm, pieces_for_ranges
 
 
@@ -95,7 +95,7 @@ def fetch_shard(
     ``timeout``: seconds in all; ``stall_s``: seconds without a new piece before it warns and retries
     (``Swarm.fetch``). ``token``: the swarm token, for the tracker.
 
-    ``directory`` (a ``swarm.directory.Directory``: trackers and the DHT) replaces ``tracker``: the manifest then
+    ``directory`` (a ``directory.lookup.Directory``: trackers and the DHT) replaces ``tracker``: the manifest then
     comes from a tracker or, when none answers, from a node the DHT lists (checked against the model's identity),
     and the torrent's peers from the DHT and the nodes' advertisements. ``swarm``: the libtorrent session to fetch
     in (a node's, with its DHT and port mapping); a new loopback one by default. ``stages_follow``: a ``START:END``
@@ -223,7 +223,7 @@ def _ask(directory) -> tuple[dict, list[dict]]:
     import aiohttp
 
     from ..client import loop
-    from .directory import DirectoryError
+    from ..directory.lookup import DirectoryError
 
     async def both():
         async with aiohttp.ClientSession() as http:

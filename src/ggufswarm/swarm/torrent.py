@@ -15,6 +15,8 @@ from pathlib import Path
 
 import libtorrent as lt
 
+from ..net.invite import info_hash
+
 log = logging.getLogger(__name__)
 
 NO_PEER_RETRY_S = 5.0  # a fetch with no peer connected asks for peers again this often (s)
@@ -55,11 +57,6 @@ def make_torrent(
 def save_path_for(paths: list[Path]) -> Path:
     """The libtorrent ``save_path`` under which ``paths`` are laid out as make_torrent names them."""
     return paths[0].parent if len(paths) == 1 else paths[0].parent.parent
-
-
-def info_hash(torrent: bytes) -> str:
-    """Hex v1 info-hash (SHA-1) of a bencoded torrent, as trackers key it."""
-    return str(lt.torrent_info(lt.bdecode(torrent)).info_hashes().v1)
 
 
 def pieces_for_ranges(torrent: bytes, ranges: list[tuple[int, int, int]]) -> set[int]:

@@ -14,16 +14,7 @@ import libtorrent as lt
 from aiohttp import web
 
 from ..artifact.manifest import Manifest
-from ..net.addresses import ip_of, is_loopback
-from ..net.auth import token_middleware
-from ..net.http import json_errors_middleware, read_json
-from ..net.identity import IdentityError
-from ..net.reach import RateLimit, add_dialback_route, add_probe_route, prove, skip_public_paths
-from ..net.relay import add_relay_routes
-from ..protocol.errors import ProtocolError
-from .bans import add_ban_routes
-from .registry import NODE_STATES, Registry, StaleAdvertisement
-from .routing import (
+from ..directory.routing import (
     Advertisement,
     NoRoute,
     check_signed,
@@ -33,6 +24,15 @@ from .routing import (
     route_context,
     route_wire_bytes_per_token,
 )
+from ..net.addresses import ip_of, is_loopback
+from ..net.auth import token_middleware
+from ..net.http import json_errors_middleware, read_json
+from ..net.identity import IdentityError
+from ..net.reach import RateLimit, add_dialback_route, add_probe_route, prove, skip_public_paths
+from ..net.relay import add_relay_routes
+from ..protocol.errors import ProtocolError
+from .bans import add_ban_routes
+from .registry import NODE_STATES, Registry, StaleAdvertisement
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ import time
 
 from aiohttp import web
 
+from ..directory.routing import SIGNED_WINDOW_S
 from ..net.auth import OPERATOR_HEADER
 from ..net.commitments import MAX_EVIDENCE_BYTES, BadEvidence, check_ban_evidence, serves_context
 from ..net.http import read_json
@@ -27,7 +28,6 @@ from ..net.identity import IdentityError, deregistration, public_key, verify
 from ..net.reach import RateLimit, answers_as
 from ..protocol.errors import ProtocolError
 from .registry import Registry, StaleAdvertisement
-from .routing import SIGNED_WINDOW_S
 
 log = logging.getLogger(__name__)
 

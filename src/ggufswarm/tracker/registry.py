@@ -8,8 +8,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..directory.routing import Advertisement
 from ..net.commitments import served_context
-from .routing import Advertisement
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (

@@ -6,9 +6,9 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from ..client.tracker import TrackerClient
+from ..directory.routing import Advertisement, NoRoute, gaps, plan_route
+from ..directory.trackers import TrackerClient
 from .app import TrackerConfig, coverage_bar, make_app
-from .routing import Advertisement, NoRoute, gaps, plan_route
 
 
 def run_tracker(config: TrackerConfig, host: str, port: int) -> int:

@@ -4,11 +4,11 @@ A gateway plans routes and a node checks its next hops through a ``Directory``. 
 registry is fresh to a heartbeat); when none answers, or there is none, the directory asks the DHT for the
 endpoints announced under the model's key (``net.dht.swarm_key``), reads each one's advertisement over the
 authenticated API (``GET /v1/advertisement``) and plans with the same pure function the tracker uses
-(``tracker.routing.plan_route``). A DHT entry is only a hint: every endpoint is contacted before it is listed, so a
+(``directory.routing.plan_route``). A DHT entry is only a hint: every endpoint is contacted before it is listed, so a
 stale or forged entry costs one failed request, never a route through a node that is not there.
 
 Every advertisement, from a tracker, the DHT, a peer's hello or a peer-of-peer, must be signed by the key its
-``node_id`` names, within ``SIGNED_WINDOW_S`` of this clock (``tracker.routing.check_signed``), and its key must not
+``node_id`` names, within ``SIGNED_WINDOW_S`` of this clock (``directory.routing.check_signed``), and its key must not
 be banned: by a tracker (``GET /v1/bans``, fetched along with listings) or locally (``Directory.ban``). Others are
 dropped. A tracker's ban counts here only once its evidence checks out here too (``check_ban_evidence``, with this
 directory's own listings as the witnesses it knows): no one, a tracker included, is taken at its word.
@@ -25,7 +25,6 @@ from urllib.parse import quote
 
 import aiohttp
 
-from ..client.tracker import TrackerClient, TrackerError
 from ..net.auth import auth_headers
 from ..net.commitments import (
     BadEvidence,
@@ -35,9 +34,9 @@ from ..net.commitments import (
     serves_context,
 )
 from ..net.identity import IdentityError, canonical
-from ..net.invite import manifest_digest
+from ..net.invite import info_hash, manifest_digest
 from ..net.reach import Proven
-from ..tracker.routing import (
+from .routing import (
     Advertisement,
     NoRoute,
     check_signed,
@@ -47,6 +46,7 @@ from ..tracker.routing import (
     route_context,
     route_wire_bytes_per_token,
 )
+from .trackers import TrackerClient, TrackerError
 
 log = logging.getLogger(__name__)
 
@@ -418,9 +418,7 @@ class Directory:
             raise ValueError(f"{source}: not a manifest answer")
         if self.model_id is not None and manifest_digest(found["manifest"]) != self.model_id:
             raise ValueError(f"{source}: its manifest of {self.model} is not the one the join link names; refused")
-        from .torrent import info_hash  # the torrent must be the manifest's: its pieces are what BitTorrent checks
-
-        try:
+        try:  # the torrent must be the manifest's: its pieces are what BitTorrent checks
             same = info_hash(bytes.fromhex(found["torrent_hex"])) == found["manifest"].get("info_hash")
         except (ValueError, RuntimeError, AttributeError):
             same = False
