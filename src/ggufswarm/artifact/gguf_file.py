@@ -75,9 +75,9 @@ PACKED_ARRAY_MIN = 4096  # arrays with more items than this are kept packed (a v
 class PackedArray(Sequence):
     """A long GGUF metadata array kept in its encoded form: a read-only ``Sequence`` of ``str`` or numbers.
 
-    A vocabulary as a Python list costs one object per token: Gemma 3's 262144 tokens, scores and types took
-    ~37 MiB of every process that opened the model (docs/memory.md). Kept packed it is the header's bytes of the
-    array plus two ``int64`` offsets per string (~6 MiB). Items are decoded when read; a slice is a ``list``.
+    A vocabulary as a Python list costs one object per token (what that cost: docs/memory.md, "The parts"). Kept
+    packed it is the header's bytes of the array plus two ``int64`` offsets per string. Items are decoded when
+    read; a slice is a ``list``.
     ``==`` compares items with any sequence; ``tolist()`` gives the plain list.
     """
 

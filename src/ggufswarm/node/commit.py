@@ -1,21 +1,7 @@
-"""Step commitments, the node's side (the format: net/commitments.py; docs/protocol.md, "Step commitments"): for
-a session opened with ``"commit": true``, each node signs, per step, digests of what it took in and what it gave out,
-the session's context and the history its KV cache was computed from, so that a client can check a node's work later
-(replaying the step on a node it trusts) and prove what that node claimed to anyone.
-
-A hop record's ``commit`` is ``{"in": IN, "out": OUT, "mode": MODE, "ctx": CTX, "prev": PREV, "key": KEY, "sig":
-SIG}``: IN and OUT are SHA-256/128 hex digests (runtime/digest.py) — IN of the step frame's payload as received (token
-ids, or hidden states in the session's wire dtype; the bytes after the 48-byte header, without the token-id trailer),
-OUT of the payload of the frame pushed to the next hop (so ``out`` of hop k is ``in`` of hop k + 1 on an honest
-route), or on the head of the float32 logits rows it computed followed by the int32 tokens it drew; MODE the frame's
-sampling flags; CTX and PREV as net/commitments.py defines them; KEY is the node's key id; SIG its ed25519
-signature of ``canonical(signed_body(...))`` (net/identity.py).
-
-Cost (2-core AMD EPYC, Gemma 3 270M, f32 frames): a non-head node hashes two rows of 2560 bytes (~5 µs), one small
-JSON object for its history chain, and signs (~40 µs), after its frame is already on its way to the next hop; the
-head hashes 1 MiB of logits per drawn row (~0.6 ms) and signs before it answers. A session without ``commit`` runs
-none of it.
-"""
+"""Step commitments, the node's side: for a session opened with ``"commit": true`` each node signs, per step,
+digests of what it took in and gave out, the session's context and the history its KV cache was computed from, so
+that a client can check its work later and prove what it claimed to anyone. The format is net/commitments.py's;
+the fields, what is hashed and what it costs: docs/protocol.md, "Step commitments"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """How a node is found without a tracker: its advertisement over the API, its DHT announces (and those it makes for
 the nodes it relays), and hellos to the peers it knows (``POST /v1/peers``), so that a node that joined a moment ago
-is listed by its peers before its DHT announce has spread (libtorrent's announce waits out dead nodes' timeouts:
-~18 s in a small DHT where nodes just died, measured).
-"""
+is listed by its peers before its DHT announce has spread (docs/protocol.md, "Discovery without a tracker")."""
 
 from __future__ import annotations
 

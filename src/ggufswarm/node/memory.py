@@ -43,8 +43,8 @@ def no_gpu_to_look_for(gpu: str) -> bool:
 def skip_gpu_drivers() -> None:
     """``--gpu none`` (or ``auto`` with no GPU: ``no_gpu_to_look_for``): point the Vulkan loader at no driver
     (``VK_DRIVER_FILES``, and ``VK_ICD_FILENAMES`` for older loaders; a value the user set is kept) before llama.cpp
-    starts, so that ggml's Vulkan backend finds no device without loading any: Mesa's drivers load LLVM, about
-    55 MiB of a node's RSS, only to list devices a CPU node does not use.
+    starts, so that ggml's Vulkan backend finds no device without loading any (what Mesa's drivers would cost:
+    docs/memory.md, "The parts").
     For the node's own process (its environment is its children's too), before llama.cpp is loaded."""
     for var in ("VK_DRIVER_FILES", "VK_ICD_FILENAMES"):
         os.environ.setdefault(var, NO_VULKAN_DRIVER)

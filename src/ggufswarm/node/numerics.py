@@ -1,33 +1,7 @@
 """A node's numerics fingerprint (advertisement ``extra.numerics``): everything that decides the bits of its shard's
 outputs, so that a client verifying a node's step commitments (node/commit.py) replays them on a node, or in a
-process, of the same ``id`` and expects equal digests.
-
-``{"id", "backend", "weights", "cpu", ...}``: ``id`` is 16 hex characters (the first 16 of the SHA-256/128 hex
-digest of the canonical JSON of the rest, net/identity.py ``canonical``); ``weights`` the model's GGUF fingerprint
-(SHA-256 of its headers); ``cpu`` the CPU features the compute library was built with, which select its kernels.
-On llama.cpp also ``llama_cpp`` (``{"python", "ggml", "commit", "patches"}``: the llama-cpp-python version, ggml's
-version and source commit, and the patches of ggufswarm's queue the loaded libllama carries), ``device`` (the GPU
-the shard's blocks run on and which of them; None on the CPU), ``threads``, ``n_ubatch`` and ``batching``
-(``"exact"``, or ``"throughput"``: ``--batching throughput``, where a step's bits depend on the other sessions
-batched with it). On torch also ``torch`` (its version) and ``dtype`` (the compute dtype).
-
-What changes the bits, measured here (2-core AMD EPYC with AVX-512, the bundled llama.cpp, Gemma 3 270M Q4_K_M;
-shard 0:6 +embed fed a 700-token prefill of fixed random ids then 8 one-token decode steps, its outputs fed to
-6:12 and to 12:18 +head under each setting; each output compared bitwise, blake2b of the float32 rows):
-
-* threads (1 vs 2) — CHANGE: prefill rows were equal, but every decode step once the session held 256 or more
-  tokens differed (a 255-token history: equal; 256, 300, 511, 512, 1024: different), as did a 1-token ubatch over
-  512+ cells; llama.cpp's attention splits the KV cells among the threads. On both 6:12 and the head's logits.
-* n_ubatch — CHANGES: with 128 instead of 512, rows 512-699 of the 700-token prefill differed (rows 0-511 were
-  equal), and so did every later step; 256 vs 512 happened to be equal. The node always uses 512; it is in the
-  fingerprint in case that changes.
-* process — NO change: two runs in separate processes gave identical digests for every step.
-* n_ctx per session (2048 vs 8192), n_seq_max (1 vs 4), n_batch (1024 vs 2048), kv_unified with one session — NO
-  change. They are left out.
-* torch backend, threads 1 vs 2 on a 300-token prefill of 6:12 — NO change (float32; left out).
-* Not measured (no second CPU kind or build here): the CPU feature set and the llama.cpp build, which pick
-  different kernels (AVX2 vs AVX-512 dot products round differently): included on principle.
-"""
+process, of the same ``id`` and expects equal digests. The fields, and which settings were measured to change the
+bits: docs/protocol.md, "Numerics fingerprint"."""
 
 from __future__ import annotations
 

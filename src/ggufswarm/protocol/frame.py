@@ -41,7 +41,7 @@ class WireDtype:
     """How one wire dtype travels: ``code`` (the header's dtype byte), ``numpy`` (the little-endian numpy dtype
     of the payload's values; bf16 travels as its raw 16 bits, ``<u2``), ``cast_name`` / ``cast`` (the numpy dtype
     float32 hidden states are rounded to before encoding — round to nearest even; bf16 through ``ml_dtypes``,
-    imported when first used: 8 MiB of a node's memory otherwise; None for ids, which are sent as given),
+    imported when first used, docs/memory.md; None for ids, which are sent as given),
     ``itemsize`` (bytes per value)."""
 
     code: int

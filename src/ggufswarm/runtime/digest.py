@@ -1,11 +1,7 @@
 """Digests of what a step takes in and gives out, for step commitments (docs/protocol.md, "Step commitments").
 
 Every digest is SHA-256 truncated to its first 16 bytes (``hashlib.sha256(data).hexdigest()[:32]``), written as
-32 lowercase hex characters. SHA-256 rather than BLAKE2b because CPUs with SHA extensions (AMD Zen, Intel Ice Lake
-and later) hash it in hardware: on a 2-core AMD EPYC (Python 3.11's hashlib, OpenSSL) one float32 row of Gemma 3
-270M's logits (262144 × 4 bytes, 1 MiB) took 0.60 ms with SHA-256 and 1.3–1.6 ms with BLAKE2b-128; one f16 hidden
-row (1280 bytes) takes a few µs either way. A head's commitment costs about 0.6 ms per drawn row.
-"""
+32 lowercase hex characters. Why SHA-256 and what it costs: docs/protocol.md, "Step commitments" ("Why SHA-256")."""
 
 from __future__ import annotations
 
