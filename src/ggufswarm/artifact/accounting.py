@@ -1,52 +1,9 @@
 """Memory and wire accounting of a GGUF model's shards from its header alone (metadata + tensor table).
 
-Nothing here loads a weight or names an architecture's rules: every number comes from GGUF metadata
-keys (``{arch}.attention.*``, ``{arch}.ssm.*``, ...; ``arch`` only prefixes the key names) and from the
-tensor table (names and encoded sizes). A node computes its shard's numbers with this module and
-advertises them; the tracker and ``ggufswarm plan`` work from the numbers alone.
-
-Per block (``LayerAccount``), the quantities and their sources in llama.cpp:
-
-* ``weight_bytes``: the encoded bytes of the block's ``blk.N.*`` tensors (the tensor table).
-* ``kv_bytes_per_token``: bytes one more token of context costs in llama.cpp's KV cache, with its
-  default f16 cache types (``KV_ELEMENT_BYTES``). ``src/llama-kv-cache.cpp`` (``llama_kv_cache``
-  constructor) allocates per layer and per cell ``n_embd_k_gqa(il) + n_embd_v_gqa(il)`` elements,
-  ``n_embd_k_gqa = n_head_kv(il) * n_embd_head_k(il)`` (``src/llama-hparams.cpp``), with the
-  ``*_swa`` head lengths on sliding-window layers. MLA layers (``attention.kv_lora_rank`` present)
-  keep only K, the compressed latent ``kv_lora_rank + rope.dimension_count`` (``is_mla``: no V
-  tensor). Layers with a DSA indexer (``attention.indexer.key_length``, and ``blk.N.indexer*`` tensors
-  when the table has names) also cache one indexer key of that length per token
-  (``src/llama-memory-hybrid-idx.cpp``). In a model with ``attention.compress_ratios`` every cache is
-  K-only (``dsv4_make_k_only`` in ``src/llama-kv-cache-dsv4.cpp``); a block with ratio ``r > 1`` keeps
-  the raw K rows, one compressed K row per ``r`` tokens and as many indexer rows (``dsv4_comp_size``):
-  ``row + ceil(row / r) + ceil(indexer / r)`` bytes per token, plus a fixed compressor state per session
-  (``llama_dsv4_comp_state``; the overlap factor is inferred from the block having an indexer, an
-  approximation). Recurrent layers and layers with no KV heads cost 0, and so do the last
-  ``attention.shared_kv_layers`` blocks (Gemma 4 E2B/E4B: they attend with an earlier block's cache, the
-  ``reuse`` map of ``create_memory`` in ``src/llama-model.cpp``).
-* Sliding-window layers count the **full** per-token KV: ggufswarm's llama.cpp backend creates its
-  context with ``swa_full = true`` (so truncation for route repair is exact), and the torch backend
-  keeps every position too. Nothing is saved by the window.
-* ``state_bytes_per_session``: the fixed recurrent state one session holds, in llama.cpp's f32
-  (``STATE_ELEMENT_BYTES``): ``n_embd_r() + n_embd_s()`` elements per recurrent layer
-  (``src/llama-hparams.cpp``; allocated in ``src/llama-memory-recurrent.cpp``): Mamba-style / gated
-  delta net (``ssm.*``): ``(conv_kernel - 1) * (inner_size + 2 * group_count * state_size)`` +
-  ``state_size * inner_size``; RWKV (``wkv.head_size``): ``token_shift_count * n_embd`` +
-  ``n_embd * head_size``; short convolutions (``shortconv.l_cache``): ``n_embd * (l_cache - 1)``.
-  Compressed-attention layers also hold their raw sliding window (``attention.sliding_window`` rows
-  of the uncompressed size) per session. Pure attention layers: 0.
-
-Which blocks are recurrent: ``attention.recurrent_layers`` (per-layer flags) when present; else, with
-``ssm.*`` metadata, ``full_attention_interval`` (a block is recurrent unless ``(i + 1) % interval == 0``,
-as ``src/models/qwen3next.cpp`` / ``qwen35*.cpp``); else a block whose tensors are recurrent ones
-(``ssm_*``, ``time_mix_*``, ``shortconv.*``) and no attention projections, or one with 0 KV heads when
-the model has recurrent metadata (Jamba-style per-layer ``head_count_kv``).
-
-The **boundary** is the hidden state a shard hands the next one: ``n_embd`` values per token (times
-``hyper_connection.count`` where the residual stream is widened), times the wire dtype's element size
-(``WIRE_ELEMENT_BYTES``; f32 is the default frame dtype, see
-``docs/protocol.md``, "Frames"). A frame adds 48 header bytes and 4 bytes of token id per token.
-"""
+Nothing here loads a weight or names an architecture's rules: every number comes from GGUF metadata keys and the
+tensor table. A node computes its shard's numbers with this module and advertises them; the tracker and
+``ggufswarm plan`` work from the numbers alone. What each number counts, and where llama.cpp computes it:
+docs/protocol.md, "Shard accounting" ("How a block is counted")."""
 
 from __future__ import annotations
 
@@ -221,7 +178,7 @@ class HeaderAccounts:
         if not self._has_recurrent_metadata():
             return False
         interval = self._get("full_attention_interval")
-        if interval:
+        if interval:  # src/models/qwen3next.cpp, qwen35*.cpp
             return il < self.n_layers and (il + 1) % int(interval) != 0
         recurrent_tensors = any(m in n for n in names for m in _RECURRENT_MARKERS)
         attention_tensors = any(m in n for n in names for m in _ATTENTION_MARKERS)
@@ -234,7 +191,8 @@ class HeaderAccounts:
         return self._per_layer("attention.head_count_kv", il, n_head)
 
     def _state_elements(self) -> int:
-        """``n_embd_r() + n_embd_s()`` of one recurrent layer (src/llama-hparams.cpp)."""
+        """``n_embd_r() + n_embd_s()`` of one recurrent layer (src/llama-hparams.cpp; allocated in
+        src/llama-memory-recurrent.cpp)."""
         head_size = int(self._get("wkv.head_size", 0) or 0)
         if head_size:
             return int(self._get("token_shift_count", 2)) * self.n_embd + self.n_embd * head_size
@@ -248,6 +206,8 @@ class HeaderAccounts:
         return max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state) + d_state * d_inner
 
     def _layer(self, il: int, weight: int, names: set[str]) -> LayerAccount:
+        # KV per token: n_embd_k_gqa + n_embd_v_gqa per cell (src/llama-kv-cache.cpp llama_kv_cache constructor,
+        # src/llama-hparams.cpp); a shared-KV block: the reuse map of create_memory (src/llama-model.cpp)
         if self._is_recurrent(il, names):
             return LayerAccount(il, "recurrent", weight, 0, self._state_elements() * STATE_ELEMENT_BYTES)
         n_kv = self._n_head_kv(il)
@@ -275,7 +235,7 @@ class HeaderAccounts:
             )
             k_elems, v_elems, kind = n_kv * k, 0 if compressed_model else n_kv * v, "attention"
         row = (k_elems + v_elems) * KV_ELEMENT_BYTES
-        idx_elems = int(self._get("attention.indexer.key_length", 0) or 0)
+        idx_elems = int(self._get("attention.indexer.key_length", 0) or 0)  # src/llama-memory-hybrid-idx.cpp
         shared_indexer = False
         if idx_elems and names and not any(".indexer" in n for n in names):
             idx_elems = 0  # this block has no indexer of its own (the tensor table says)
@@ -283,7 +243,7 @@ class HeaderAccounts:
         ratio = int(ratios[il]) if compressed_model and il < len(ratios) else 0
         if ratio > 1:
             # raw rows of every position (swa_full), one compressed K row per `ratio` tokens, and as many indexer
-            # rows; per session the compressor's kv + score state (src/llama-kv-cache-dsv4.cpp,
+            # rows (dsv4_comp_size); per session the compressor's kv + score state (src/llama-kv-cache-dsv4.cpp,
             # llama_dsv4_comp_state: overlapping, 2 * ratio rows of twice the width, where the block has an indexer)
             overlap = 2 if idx_elems else 1
             per_token = row + math.ceil(row / ratio) + math.ceil(idx_elems * KV_ELEMENT_BYTES / ratio)

@@ -1,7 +1,7 @@
 """What each llama.cpp architecture needs to run as a layer range: ``ArchRules`` per architecture (``ARCH_RULES``),
 the range checks some of them make, and the architectures that run only as the whole model (``WHOLE_ONLY``, with
-the llama.cpp change that would lift each). ``derive.py`` writes shard GGUFs by these rules; its module docstring
-says what the rules do and where in llama.cpp each comes from.
+the llama.cpp change that would lift each). ``derive.py`` writes shard GGUFs by these rules; what the rules do and
+where in llama.cpp each comes from: docs/design.md, "A llama.cpp shard file".
 """
 
 from __future__ import annotations

@@ -1,50 +1,7 @@
 """Derived shard GGUFs: blocks ``[a, b)`` of a model renumbered from 0, metadata fixed so llama.cpp runs them as it
-would inside the whole model.
-
-llama.cpp builds a model's graph from ``{arch}.block_count`` and per-layer hyperparameters that
-it either reads from arrays or computes from the *absolute* layer index (the sliding-window
-pattern, leading dense blocks, MTP/nextn blocks). A shard file therefore has to say explicitly
-what each of its layers was in the whole model. The rules live in ``archs.ARCH_RULES``, one entry per
-architecture, taken from llama.cpp's ``src/models/<arch>.cpp`` (``load_arch_hparams``) and
-``src/llama-hparams.cpp`` (``set_swa_pattern``) as bundled with llama-cpp-python 0.3.36:
-
-* every ``{arch}.*`` array with one entry per block is sliced to ``[a, b)``;
-* ``sliding_window_pattern`` is written as a per-layer bool array (llama.cpp accepts an array;
-  its default pattern counts from the shard's own layer 0, which is wrong for most ``a``);
-* ``leading_dense_block_count`` becomes ``max(0, lead - a)``;
-* hybrid recurrent models (``qwen3next``: gated delta-net blocks between full-attention ones) get
-  ``attention.recurrent_layers`` as a per-layer bool array: without it llama.cpp recomputes which blocks are
-  recurrent from ``full_attention_interval`` and the shard's own block numbers
-  (``src/models/qwen3next.cpp``: block ``i`` is recurrent unless ``(i + 1) % interval == 0``);
-* MTP/nextn blocks (the last ``nextn_predict_layers`` blocks) are dropped: no shard serves them;
-* ``glm-dsa``'s indexer types (which blocks have their own DSA lightning indexer) are written for the
-  shard's range (llama.cpp defaults them from the shard's own block 0 otherwise), and a range must start
-  at a full-indexer block (a shared one reuses the previous block's top-k, which cannot cross a cut);
-* global tensors no block of the range loads are left out (llama.cpp refuses a file with an unused tensor): Gemma 4's
-  ``rope_freqs``, which only its full-attention blocks use (``src/models/gemma4.cpp``);
-* heuristics llama.cpp applies to the layer count are resolved from the whole model and written
-  out, or the range is refused when llama.cpp cannot be told (Gemma 3 27B's attention scale);
-* rules a graph computes from the block index (no-RoPE every 4th block, MoE every n-th) are checked to give the
-  range's blocks what they get in the whole model, or the range is refused (``_same_flags``);
-* a shard past block 0 gets ``embedding_scale`` 0 (``build_inp_embd`` scales ``batch.embd`` too,
-  ``src/llama-graph.cpp``) and zeros for the learned positions the graph adds to its input (``ArchRules.embd_add``);
-  a range must start at a block with attention heads where ``head_count`` is per block (llama.cpp reads the head
-  sizes only when a file's block 0 has heads);
-* an architecture whose graph misreads hidden-state input (scales or normalizes it as token embeddings, takes it
-  for media, or needs more than one vector per token across a cut) runs only as the whole model, the reason naming
-  the llama.cpp change that would lift it (``ArchRules.embd_input``, ``WHOLE_ONLY``).
-
-``tests/zoo.py`` runs llama.cpp's architecture zoo (``tests/test-llama-archs``) through these rules: every
-architecture with an entry is bitwise equal to llama.cpp's whole model as shard chains, or refused with its reason
-(``docs/architectures.md``).
-
-A shard without the head stage carries a one-token vocabulary (tokenizer model ``none``, a zero
-one-row embedding and output): it receives hidden states through ``llama_batch.embd`` and never
-sees token ids, so the 262144-row embedding and the LM head stay out of its memory. The
-embedding lookup of the first shard runs in numpy (``embed_tokens``), which is bit-exact with
-ggml's ``get_rows`` (both dequantize with ggml's block formats) plus the per-architecture input
-scale llama.cpp applies to token input only (``ArchRules.token_scale``).
-"""
+would inside the whole model (the rules per architecture: archs.py, from llama.cpp's ``src/models/<arch>.cpp``
+``load_arch_hparams`` and ``src/llama-hparams.cpp`` ``set_swa_pattern``, llama-cpp-python 0.3.36). What the rules
+do, and why a shard without the head carries a one-token vocabulary: docs/design.md, "A llama.cpp shard file"."""
 
 from __future__ import annotations
 
