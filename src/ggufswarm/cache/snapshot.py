@@ -1,25 +1,9 @@
 """Prefix KV snapshots: one shard's KV cache at a position, as a safetensors blob, and its content addresses.
 
-A snapshot holds, for the token prefix ``tokens[0:n]`` and the layers ``[start, end)`` of one model
-(named by its GGUF header fingerprint) in one KV dtype:
-
-* ``tokens``: int32 ``[n]``;
-* torch backend: ``k.{i}``, ``v.{i}`` for ``i`` in ``0..end-start-1``: ``[n, n_head_kv, head_dim]`` and
-  ``[n, n_head_kv, v_dim]`` in the KV dtype (``float32``, ``bfloat16``, ``float16``); ``v_dim`` is ``head_dim``
-  except for MLA (deepseek2), whose keys are the latent ``[n, 1, kv_lora_rank + rope_dim]`` and values empty
-  (``v_dim`` 0);
-* llama.cpp backend (dtype ``llama.cpp-f16``): ``state``, uint8 ``[bytes]``: the sequence's KV cells as
-  ``llama_state_seq_get_data`` writes them (llama.cpp's own format; only a llama.cpp shard of the same
-  model and layers restores it, and the dtype in the key keeps the backends apart);
-* ``boundaries`` (optional), int32 ``[k]``: the positions where the steps that computed the KV ended
-  (llama.cpp's numerics depend on that grouping: its nodes restore only up to one of these);
-* metadata ``format``, ``model``, ``layers`` (``"start:end"``), ``dtype``, ``n_tokens``.
-
-Attention is causal, so the KV of positions ``< m`` depends only on ``tokens[0:m]``: a snapshot of
-``n`` tokens serves every prefix ``m <= n`` of its tokens. The cache indexes a snapshot under the
-hash of each whole block of ``BLOCK_TOKENS`` tokens it holds (a hash chain, as vLLM's automatic prefix
-caching does), so one lookup finds the longest cached prefix of any token sequence.
-"""
+A snapshot holds the KV of the layers ``[start, end)`` of one model for a token prefix, in one KV dtype (llama.cpp
+nodes: the sequence's state as llama.cpp writes it). Attention is causal, so one snapshot serves every prefix of
+its tokens; the cache indexes it under a hash chain of its ``BLOCK_TOKENS``-token blocks (as vLLM's automatic
+prefix caching does). The blob's tensors and metadata: docs/protocol.md, "Snapshots and route repair"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """Ring decode, the client's side: the head sends a session's next decode step to the route's first node itself, and
-the client, off the critical path, reads the tokens as they are sampled (node/ring.py; docs/protocol.md "Ring
-decode").
+the client, off the critical path, reads the tokens as they are sampled (node/ring.py).
 
-The client grants one step ahead: when it sends (or takes from the head) a sampling step numbered ``n``, it grants
-``n + 1`` on its reply link. The head's reply to step ``n`` then says ``"ring": n + 1`` when the head sent that step
-itself, with the token it sampled at the position after step ``n``. When the caller's next ``step`` is exactly that
-(the sampled token, one id, sampling), the session takes the head's step instead of sending one (``claim``): it
-reads the reply on the reply link. Anything else (a verify step, other ids, a truncation) first waits for the
-head's step and rolls every node back over it (``discard``): the caller sees what it would have seen without the
-ring, and a caller that stops costs the route at most one step. The frame is the one the client would have sent
-(byte for byte), so a client that lost its reply link sends it itself and the nodes answer from their record.
-"""
+The client grants one step ahead, takes the head's step when the caller's next step is exactly it (``claim``), and
+otherwise waits for it and rolls every node back over it (``discard``), so the caller sees what it would have seen
+without the ring. The grants, the step and its replies: docs/protocol.md, "Ring decode"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,11 @@
 """Speculative decoding across a route: draft tokens on the client, verify them in one step through the route.
 
-A decode step costs one trip through every node of the route, however many tokens it carries: over a WAN the
-round trip, not the compute, bounds tok/s. Speculation sends the last sampled token together with ``k`` drafted
-tokens as one ``(k + 1)``-token *verify* step (frame flag ``FLAG_VERIFY``): the head samples after **every**
-position, exactly as it would have in ``k + 1`` one-token steps (same logits rows, same history prefix, the draw
-keyed by the same position), and replies with those ``k + 1`` tokens. The client keeps the longest prefix of
-drafts that equals the head's samples plus the head's next sample (1 to ``k + 1`` tokens per step) and the route
-drops the rejected drafts' KV at the next step (``FLAG_REWIND``: the next frame starts at the accepted position).
-
-Because each sample is what the non-speculative run draws at that position, the output is the same tokens —
-greedy or sampled (draws are keyed by ``(seed, position)``, so a drafted token is kept exactly when the
-draw there yields it; for a deterministic drafter that accepts with probability ``p(token)``, the acceptance
-rate of the standard accept/reject rule, and the result is not only distributed as the plain run but equal to
-it). What can differ is the floating point of the verify step itself: on the llama.cpp backend a step of 4 or
-more tokens goes through ggml's batched kernels (repacked Q4_K / Q8_0 weights multiply 4 rows at a time),
-whose rounding differs from a one-token step's; steps of at most 3 tokens compute bitwise the rows of
-one-token steps on the models measured here (docs/protocol.md, "Speculative decoding"). Hence the default
-``draft_max`` of 2.
-
-Drafting is prompt lookup (``NgramDrafter``): the most recent earlier occurrence of the last n tokens of the
-history (n from 3 down to 1) proposes the tokens that followed it. It costs nothing, and pays off on code,
-quoted or repetitive text and chat answers that reuse the question's words. Or a small model of the same
-vocabulary run in this process (client/draft_model.py): its greedy continuation.
-"""
+The last sampled token and ``k`` drafts go as one ``(k + 1)``-token verify step (``FLAG_VERIFY``); the head samples
+after every position as one-token steps would, the client keeps the drafts the head's samples agree with, and the
+next step drops the rest (``FLAG_REWIND``). The output is plain decoding's, token for token, while the verify step
+computes the rows bitwise (hence the default ``draft_max`` of 2). Drafting is prompt lookup (``NgramDrafter``) or a
+small model of the same vocabulary (client/draft_model.py). Why, and what was measured: docs/protocol.md,
+"Speculative decoding"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Function calling: OpenAI ``tools`` / ``tool_choice`` checked, a tool-call grammar, tool calls parsed back.
 
 Sources: the OpenAI API reference (Chat Completions: ``tools``, ``tool_choice``, ``message.tool_calls``, the
-streamed ``delta.tool_calls``) and the Hermes function-calling format that Qwen 2.5 / Hermes chat templates
-teach the model: each call is ``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``
-(https://github.com/NousResearch/Hermes-Function-Calling). The format is detected from the chat template:
-a template that mentions ``<tool_call>`` uses it; a template that renders ``tools`` some other way (Llama 3.1's
-``{"name": ..., "parameters": ...}``, Mistral's ``[TOOL_CALLS]``) is refused (ToolError), as is one that
-renders no tools at all.
-
-Constrained decoding (``tool_choice`` ``"required"`` or a named function) is a GBNF grammar made by
-llama-cpp-python's JSON-schema converter (``llama_cpp.llama_grammar.SchemaConverter``, as ``response_format``
-in client.grammar): the answer is exactly one call in the template's format whose ``arguments`` follow the
-tool's ``parameters`` schema.
-"""
+streamed ``delta.tool_calls``) and the Hermes function-calling format of Qwen 2.5 / Hermes chat templates
+(https://github.com/NousResearch/Hermes-Function-Calling), the one format taken. The constrained grammar comes from
+llama-cpp-python's JSON-schema converter (``llama_cpp.llama_grammar.SchemaConverter``, as client.grammar). Which
+templates are refused, and how calls stream: docs/protocol.md, "Parameters"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Where a swarm's nodes are listed: its trackers (any number) and the BitTorrent DHT, behind one interface.
 
-A gateway plans routes and a node checks its next hops through a ``Directory``. Trackers answer first (their
-registry is fresh to a heartbeat); when none answers, or there is none, the directory asks the DHT for the
-endpoints announced under the model's key (``net.dht.swarm_key``), reads each one's advertisement over the
-authenticated API (``GET /v1/advertisement``) and plans with the same pure function the tracker uses
-(``directory.routing.plan_route``). A DHT entry is only a hint: every endpoint is contacted before it is listed, so a
-stale or forged entry costs one failed request, never a route through a node that is not there.
-
-Every advertisement, from a tracker, the DHT, a peer's hello or a peer-of-peer, must be signed by the key its
-``node_id`` names, within ``SIGNED_WINDOW_S`` of this clock (``directory.routing.check_signed``), and its key must not
-be banned: by a tracker (``GET /v1/bans``, fetched along with listings) or locally (``Directory.ban``). Others are
-dropped. A tracker's ban counts here only once its evidence checks out here too (``check_ban_evidence``, with this
-directory's own listings as the witnesses it knows): no one, a tracker included, is taken at its word.
-"""
+A gateway plans routes and a node checks its next hops through a ``Directory``: trackers first; when none answers,
+the endpoints the DHT holds under the model's key, each contacted over the authenticated API before it is listed,
+and routes planned with the tracker's own ``directory.routing.plan_route``. Every advertisement must be signed by its
+``node_id``'s key, recent and of a key not banned (a tracker's ban counts once its evidence checks out here).
+The listing, its timeouts and what is verified: docs/protocol.md, "Discovery without a tracker"."""
 
 from __future__ import annotations
 

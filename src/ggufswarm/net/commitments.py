@@ -1,23 +1,10 @@
 """Step commitments and the ban proof built from them (docs/protocol.md, "Step commitments", "Bans by proof").
 
-A node that serves a session opened with ``commit`` signs, for each step, what it took in and what it gave out. The
-signed object (``signed_body``) is ``{"sid", "step", "start", "n", "mode", "in", "out", "key", "ctx", "prev"}``:
-
-* ``in`` / ``out``: SHA-256/128 digests of the step's input payload and of its output (runtime/digest.py);
-* ``mode``: the frame flags that decide a head's output (``FLAG_NO_SAMPLE | FLAG_VERIFY``);
-* ``ctx``: the digest of the session's *context* (``commit_context``): the model's GGUF fingerprint, the layer range
-  and stages, the node's numerics id (node/numerics.py: what decides its bits), the wire dtype and, on the head, the
-  sampling settings;
-* ``prev``: the digest of everything the session's KV cache was computed from before this step: a chain that starts
-  at ``ctx`` (position 0) and takes each step's ``start``, ``n``, ``mode`` and ``in`` (``chain_next``); ``""`` when the
-  node cannot vouch for it (a prefix restored from a snapshot made elsewhere, a truncation inside a step).
-
-Two nodes that sign the same ``ctx``, ``prev``, ``start``, ``n``, ``mode`` and ``in`` computed from the same inputs in
-the same steps on the same numerics, so an honest pair signs the same ``out``. That is what makes a ban checkable by
-anyone, trusting no one (``check_ban_evidence``): the accused's own signed commitment, and those of at least two
-other nodes of that numerics and range, signed for the same context, history and input, agreeing with each other
-and not with the accused.
-"""
+A node serving a session opened with ``commit`` signs, per step, digests of its input and output, the session's
+context (``commit_context``) and the chain of everything its KV cache was computed from (``chain_next``). Two
+honest nodes that sign the same context, history and input sign the same output, so a ban is checkable by anyone,
+trusting no one (``check_ban_evidence``): the accused's own commitment against those of at least two other nodes
+of its numerics and range."""
 
 from __future__ import annotations
 

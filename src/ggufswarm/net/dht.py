@@ -1,20 +1,10 @@
 """Finding nodes without a tracker: announce and look up node endpoints on a private BitTorrent DHT (BEP 5).
 
-Nodes announce their public HTTP port under a key derived from the model's identity (``swarm_key``); gateways
-and nodes look the key up. libtorrent's DHT does the work: ``session.dht_announce`` (a get_peers traversal,
-then announce_peer to the closest nodes that answered) and ``session.dht_get_peers`` (a get_peers traversal
-whose ``values`` come back as ``dht_get_peers_reply_alert``; its end is read from ``post_dht_stats``).
-The DHT is private: it bootstraps only from the contacts the user gives (a join link), never from libtorrent's
-built-in public router, and the rules that drop nodes sharing an IP, a /24, or a private/loopback address are
-relaxed so it works on loopback, on a test /24 and behind NATs.
-
-What the DHT stores is the *source address* the storing node saw (a NAT's public IP) with the announced port.
-Entries live 30 min in libtorrent's storage after the last announce (not configurable), so a lookup can
-return endpoints of nodes that are gone: consumers must verify each endpoint by contacting it.
-
-Alerts: ``Discovery`` owns the only alert pump of its session (one background thread doing
-``wait_for_alert`` + ``pop_alerts``). Anything else that wants that session's alerts must ``subscribe``.
-"""
+Nodes announce their HTTP port under a key derived from the model's identity (``swarm_key``); gateways and nodes
+look it up, with libtorrent's ``dht_announce`` and ``dht_get_peers``. The DHT bootstraps only from the contacts a join
+link gives, with the public DHT's per-IP rules relaxed; an entry may outlive its node, so consumers contact each
+endpoint before trusting it. ``Discovery`` owns its session's only alert pump: anything else that wants that
+session's alerts must ``subscribe``. Settings and why: docs/protocol.md, "Discovery without a tracker"."""
 
 from __future__ import annotations
 

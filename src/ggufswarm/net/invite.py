@@ -1,18 +1,9 @@
 """Join links: one string that lets a new node or gateway join a swarm (its model, how to find peers, its secret).
 
-A link looks like ``ggufswarm://join?v=1&model=NAME&id=DIGEST&dht=HOST:PORT,...&tracker=URL&relay=URL&secret=S``:
-
-* ``model``: the published model name; ``id``: the model's identity, the SHA-256 of its manifest
-  (``manifest_digest``), which names the swarm's DHT key (``net.dht.swarm_key``) and lets a joiner check a manifest
-  a peer hands it (the manifest carries the torrent's info-hash, whose pieces are verified by BitTorrent);
-* ``dht``: DHT bootstrap contacts (UDP ``host:port`` of nodes already in the swarm) — the only DHT contacts a node
-  uses, never a public router;
-* ``tracker``: zero or more tracker URLs (optional: the DHT alone is enough); ``relay``: zero or more relays an
-  unreachable node may attach to; ``cache``: the snapshot cache the swarm's nodes use (a joined node then restores a
-  repaired session's KV instead of recomputing it);
-* ``secret``: the swarm token (the link is as secret as the token: share it like a password).
-Like a magnet link, it is plain URL syntax (RFC 3986 query, ``urllib.parse``).
-"""
+``ggufswarm://join?v=1&model=NAME&id=DIGEST&dht=HOST:PORT,...&tracker=URL&relay=URL&cache=URL&secret=S``, plain URL
+syntax like a magnet link (RFC 3986 query, ``urllib.parse``). ``id`` is the SHA-256 of the model's manifest
+(``manifest_digest``): it names the swarm's DHT key and checks any manifest a peer hands out. The link is as secret
+as the token it carries. The fields: docs/protocol.md, "Join links"."""
 
 from __future__ import annotations
 
@@ -51,7 +42,7 @@ def _endpoint(text: str) -> str:
 
 @dataclass(frozen=True)
 class JoinLink:
-    """The parts of a join link (see the module docstring)."""
+    """The parts of a join link (docs/protocol.md, "Join links")."""
 
     model: str
     model_id: str

@@ -1,26 +1,10 @@
 """Relaying TCP over one websocket, so that a node behind NAT can be reached (like a TURN or frp tunnel).
 
 A reachable process runs a relay server (``add_relay_routes``); an unreachable node runs a ``RelayClient``
-(net/relay_client.py) that keeps ONE outbound websocket to it (``GET /v1/relay/attach``, authenticated by the app's
-token middleware). For each attached client the relay listens on a fresh TCP port of its own host and tells the
-client that public address (first, text message ``{"host", "port"}``). Every TCP connection opened to that port
-becomes a stream multiplexed over the websocket; the client connects it to its local HTTP port and pipes bytes
-both ways, so HTTP requests and websocket links reach the node unchanged: it advertises ``http://HOST:PORT``.
-
-Wire format, after the address: binary messages ``struct "!IB"`` (stream id uint32, op uint8) + payload:
-
-* OPEN (1, relay → client): a new inbound connection; payload: the address it came from (UTF-8 ``IP``, at most
-  MAX_REMOTE bytes; empty when unknown), so the node knows who is asking (a dial-back goes there, not to itself);
-* DATA (2, either way): up to 64 KiB of the stream's bytes;
-* CLOSE (3, either way, empty): the stream is gone (no half-close);
-* WINDOW (4, either way, payload uint32): the receiver wrote that many DATA bytes to its socket, so the sender
-  may send that many more. Each side sends at most WINDOW_BYTES unacknowledged per stream: a slow reader holds
-  back its own stream, never the websocket's other streams.
-
-A malformed message (too short, unknown op, OPEN sent to the relay, a duplicate OPEN, DATA past the window)
-closes the whole attachment (websocket close code 1002) with a logged reason; the relay serves its other
-clients on.
-"""
+(net/relay_client.py) that keeps one outbound websocket to it. The relay listens on a port of its own host for each
+attached node and carries every TCP connection to that port as a stream over the websocket (OPEN, DATA, CLOSE,
+WINDOW messages, flow-controlled per stream), so HTTP requests and links reach the node unchanged. The wire format
+and limits: docs/protocol.md, "Relays"."""
 
 from __future__ import annotations
 

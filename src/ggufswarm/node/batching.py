@@ -1,19 +1,10 @@
 """Cross-session step scheduler of a llama.cpp node: steps of different sessions that arrive while the shard is
 busy run together, and long prefills yield to decode steps between their ubatches.
 
-No waiting window: a step that finds the shard idle starts at once (a lone session's decode step runs inline on
-the event loop, as before batching). Steps that arrive while the shard computes are queued; when it is done the
-scheduler starts the next job:
-
-* all queued decode steps (one token each; at most one per session, the session lock sees to that) as one
-  ``SessionStore.apply_batch`` (one ``llama_decode``, several sequence ids), or
-* one piece (``n_ubatch`` tokens, 512) of the oldest queued prefill (``SessionStore.apply_chunked``).
-
-When both wait, they alternate (a prefill piece after every decode batch), so a running session's decode gap
-while another session prefills is about one piece plus one decode batch, and a prefill is never starved.
-A prefill piece never shares a ``llama_decode`` with other sessions: llama.cpp's split of a multi-sequence batch
-(``split_equal``) would change the prefill's ubatches, and with them its numerics.
-"""
+No waiting window: a step that finds the shard idle starts at once. Queued decode steps run as one batch
+(``SessionStore.apply_batch``), the oldest queued prefill one ``n_ubatch`` piece at a time
+(``SessionStore.apply_chunked``), alternating when both wait. Why, and what stays bitwise: docs/protocol.md,
+"How a node schedules steps"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """Testing only: a node that lies (``ggufswarm node --test-lie KIND``), to test that clients catch one.
 
-Kinds (``parse_lie``):
-
-* ``noise`` — every step's output hidden states ``[n_tokens, n_embd]`` get Gaussian noise before they are sent on:
-  per row, standard deviation ``NOISE_SCALE`` (0.05) × the row's root mean square, drawn from a generator seeded by
-  (session id, step number), so a retried step sends the same noisy rows. The node's own KV cache stays honest.
-* ``noise-every:N`` — the same on the steps whose number is a multiple of N (``step % N == 0``) only.
-* ``weights:PATH`` — the shard is computed from the GGUF at PATH (e.g. another quantization of the same model)
-  while the node advertises, serves and checks the published model's header and fingerprint as its own.
-* ``slow:MS`` — computes honestly but MS milliseconds slower per step (a slow machine), while it advertises a
-  decode time of ``CLAIMED_MS`` and reports its real compute time in step replies: a false claim of speed, which
-  route planning must not believe over what clients measure.
-
-A liar's step commitments are honest about what it did (node/commit.py): OUT digests the noisy rows it pushed.
-The noise kinds change what a node sends on, so they need a node that is not the head (ValueError there).
-"""
+Kinds (``parse_lie``): ``noise`` (Gaussian noise of ``NOISE_SCALE`` × each row's RMS on the hidden states it sends
+on, seeded by session and step), ``noise-every:N``, ``weights:PATH`` (another GGUF computes the shard while the node
+claims the published one) and ``slow:MS`` (honest but slower, advertising a decode time of ``CLAIMED_MS``). A
+liar's step commitments are honest about what it did; the noise kinds need a node that is not the head. Details:
+docs/protocol.md, "Lying nodes, for tests"."""
 
 from __future__ import annotations
 

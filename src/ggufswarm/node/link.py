@@ -1,16 +1,9 @@
 """Hop links: one WebSocket from a node to each next hop, carrying the step frames of every session.
 
-``POST /v1/step`` costs a whole HTTP request per frame (request objects, header parsing and middleware on both
-sides). A link sends the same frame bytes as one binary WebSocket message (``GET /v1/link`` on the next hop) and
-gets one binary message back, so a decode token pays far less per hop (both measured in bench/bench_llamacpp.py).
-
-Reply messages are protocol/link.py's (docs/protocol.md, "Links"): the answered frame's key (session id and step
-number: the replies to different sessions may come in any order), the HTTP status, then the JSON body
-``POST /v1/step`` would answer.
-
-A next hop without ``/v1/link`` (an older node, a test double) is remembered and reached by
-``POST /v1/step`` instead.
-"""
+A link sends each frame as one binary WebSocket message (``GET /v1/link`` on the next hop) instead of a whole
+``POST /v1/step`` request, and gets one binary reply (protocol/link.py). A next hop without ``/v1/link`` (an older
+node, a test double) is remembered and reached by ``POST /v1/step`` instead. The reply format and what a link
+saves: docs/protocol.md, "Links"; docs/design.md, "Measured choices"."""
 
 from __future__ import annotations
 

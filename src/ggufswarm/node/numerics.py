@@ -90,7 +90,8 @@ def _torch(state: NodeState) -> dict:
 
 
 def numerics(state: NodeState) -> dict:
-    """This node's numerics fingerprint (module docstring), computed once and kept on ``state.numerics``."""
+    """This node's numerics fingerprint (docs/protocol.md, "Numerics fingerprint"), computed once and kept on
+    ``state.numerics``."""
     if state.numerics is None:
         backend = getattr(state.executor, "backend", "unknown")
         model = getattr(state.executor, "model", None)

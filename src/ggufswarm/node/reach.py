@@ -1,15 +1,9 @@
 """How a node is reached from outside its home network, decided once it listens: a dial-back check, a port mapping
 on the home router (UPnP IGD / NAT-PMP, through libtorrent), or a relay — and the address it advertises for each.
 
-``--reach direct`` (the default) advertises ``--public-host`` (or ``--host``) as it is, as before. ``--reach auto``:
-
-1. ask a helper (the tracker, a relay, or a node the DHT lists) to dial this node's port back
-   (``net.reach``): reachable → ``direct``, at the address the helper saw;
-2. else ask the home router to forward the port (libtorrent's port mapping, which also maps the BitTorrent port)
-   and dial back again → ``mapped``, at the router's public address and the mapped port;
-3. else attach to a relay (``--relay-via`` or the join link's ``relay=``; ``net.relay``) → ``relayed``, at the
-   relay's address: every HTTP request and link to this node is carried over one outbound websocket.
-"""
+``--reach direct`` (the default) advertises ``--public-host`` (or ``--host``) as it is. ``--reach auto`` tries, in
+order, a dial-back (``direct``), a port mapping and a dial-back (``mapped``), then a relay (``relayed``): see
+docs/protocol.md, "Reaching nodes behind NATs"."""
 
 from __future__ import annotations
 
@@ -87,8 +81,8 @@ async def map_port(state: NodeState, port: int) -> int | None:
 
 
 async def establish(state: NodeState, local_url: str) -> Reach:
-    """How this node is reached (see the module docstring); ``local_url``: where it listens. Raises
-    UnreachableError with ``--reach auto`` when neither a dial-back, a mapping nor a relay works."""
+    """How this node is reached (docs/protocol.md, "Reaching nodes behind NATs"); ``local_url``: where it listens.
+    Raises UnreachableError with ``--reach auto`` when neither a dial-back, a mapping nor a relay works."""
     cfg = state.config
     port = urlsplit(local_url).port
     torrent_port = state.swarm.port if state.swarm is not None else None

@@ -1,23 +1,8 @@
-"""Hidden-state frames: a 48-byte little-endian header plus a raw ``[n_tokens, n_embd]`` tensor (or token ids).
+"""Hidden-state frames: a 48-byte little-endian header plus a raw ``[n_tokens, n_embd]`` tensor (or token ids),
+and an optional int32 token-id trailer.
 
-Layout (docs/protocol.md is the normative spec)::
-
-    off size field
-      0   4  magic        b"GSWF"
-      4   1  version      PROTOCOL_VERSION
-      5   1  dtype        1 = int32 token ids, 2 = f16, 3 = bf16, 4 = f32
-      6   1  flags        bit 0: int32 token-id trailer follows the tensor; bit 1: do not sample;
-                         bit 2: verify (sample every position); bit 3: rewind into the previous step
-      7   1  scale_exp    int8; value = stored * 2**scale_exp (f16 range extension)
-      8  16  session id   UUID bytes
-     24   8  step         uint64, 1 for the first step of a session
-     32   4  start        uint32, position of the first token
-     36   4  n_tokens     uint32
-     40   4  n_embd       uint32 (0 for token ids)
-     44   4  reserved     0
-     48   …  payload      n_tokens * n_embd * itemsize bytes (token ids: n_tokens * 4)
-      …   …  trailer      n_tokens * 4 bytes of int32 token ids when flag bit 0 is set
-"""
+The header: magic ``GSWF``, version, dtype, flags, ``scale_exp``, session id, step, start, ``n_tokens``, ``n_embd``,
+reserved. docs/protocol.md, "Frames", is the normative layout."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """The tracker's bans and node removals: what a token holder may do, and what needs the operator or the node itself.
 
-* ``POST /v1/bans`` takes a ban only with evidence the tracker checks itself (net/commitments.py,
-  ``check_ban_evidence``): the accused's own signed commitment and those of at least two other nodes this tracker
-  lists, has seen ready with the same model, layers and numerics for at least ``witness_age_s``, and that answer
-  its challenge at their addresses now, signed for the same history and input, agreeing with each other and not
-  with the accused. Anything less is a 400 naming what is missing.
-* ``DELETE /v1/bans/{key}`` lifts a ban: the operator only (``X-Ggufswarm-Operator``, a credential apart from the
-  swarm token; a tracker started without one lifts none).
-* ``DELETE /nodes/{key}`` removes a node's advertisement: the node itself (its signature over the request, newer
-  than its last advertisement, so a copied one cannot be replayed) or the operator.
-"""
+``POST /v1/bans`` takes a ban only with evidence the tracker checks itself (``check_ban_evidence``);
+``DELETE /v1/bans/{key}`` is the operator's; ``DELETE /nodes/{key}`` the node's own (signed) or the operator's.
+The rules: docs/protocol.md, "Node identities and bans"."""
 
 from __future__ import annotations
 
@@ -80,9 +73,9 @@ def add_ban_routes(app: web.Application, registry: Registry, operator_token: str
 
     async def ban(request: web.Request) -> web.Response:
         """``POST /v1/bans {"key", "reason", "evidence"}``: 200 ``{"banned": key}`` when the evidence proves the key
-        lied (module docstring): its advertisements are dropped at once and its heartbeats refused from then on (403
-        banned), at any address. 400 bad_request for a malformed key or reason, bad_evidence naming what the
-        evidence lacks; 413 for a body over MAX_BAN_BODY; 507 too_many_bans past the registry's bound."""
+        lied (docs/protocol.md, "Bans by proof"): its advertisements are dropped at once and its heartbeats refused
+        from then on (403 banned), at any address. 400 bad_request for a malformed key or reason, bad_evidence naming
+        what the evidence lacks; 413 for a body over MAX_BAN_BODY; 507 too_many_bans past the registry's bound."""
         if (request.content_length or 0) > MAX_BAN_BODY:
             raise ProtocolError("body_too_large", f"a ban request is at most {MAX_BAN_BODY} bytes")
         b = await read_json(request, code="bad_json")

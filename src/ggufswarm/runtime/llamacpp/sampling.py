@@ -1,16 +1,10 @@
 """Sampling at a llama.cpp head through llama.cpp's own sampler chain (``src/llama-sampling.cpp``).
 
 The chain is the one llama.cpp and llama-cpp-python build by default (``common/sampling.cpp``,
-``Llama._init_sampler``): logit bias → penalties → top-k → top-p → min-p → temperature → dist. So a draw
-equals llama.cpp's draw for the same logits, settings and dist seed. The dist seed of each draw is
-derived from the session seed and the position (``draw_seed``), not from a running RNG, so a
-route repair that hands the session to a new head continues with the same tokens.
-
-Constrained decoding (``SamplingParams.grammar``) uses llama.cpp's grammar sampler as llama.cpp's
-``common_sampler_sample`` does: draw with the chain; if the grammar rejects that token, apply the grammar to
-the logits and draw again. The grammar's state is the tokens generated so far (``history[penalize_from:]``),
-so a replacement head after a route repair rebuilds it from the replayed history.
-"""
+``Llama._init_sampler``), so a draw equals llama.cpp's for the same logits, settings and dist seed. Each draw's seed
+comes from the session seed and the position (``draw_seed``), and a grammar's state from the tokens generated, so a
+replacement head after a route repair continues with the same tokens. Grammars are applied as llama.cpp's
+``common_sampler_sample`` does (docs/protocol.md, "Parameters")."""
 
 from __future__ import annotations
 

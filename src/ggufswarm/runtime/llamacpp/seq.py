@@ -1,18 +1,10 @@
 """One session's KV cache on a llama.cpp shard (a sequence id of the shard's context), with the exact-state
 checkpoints that let a shard llama.cpp cannot truncate partway roll back to positions it saved.
 
-Recurrent shards (hybrid models such as ``qwen3next``: a layer range holding gated delta-net blocks) keep a
-fixed-size state per session that llama.cpp cannot roll back partway (``llama_memory_seq_rm`` returns false for
-any cut but "all"); so does ``deepseek4``'s compressed cache (``llama_kv_cache_dsv4::seq_rm``). Such a shard
-(``exact_states_only``) truncates only to 0, to the current length, or to an exact position it holds a *state
-checkpoint* of: the session's full sequence state (attention KV + recurrent state) copied whenever it is
-serialized (``LlamaCppShard.state_bytes``: at the node's snapshot positions, ``node/snapshots.py``) or loaded
-(``LlamaCppShard.load_state``: a restore from the cache). The last ``checkpoints`` of them are kept per session
-(host memory the node's KV advertisement does not count). Any other truncation raises ``StateNotAtPosition``
-(protocol code ``state_not_at_position``, 409) naming the positions it can return to; route repair and prefix
-reuse then fall back to recomputing from 0. Every node of a route snapshots at the same positions, and a
-repaired route restores only a cache snapshot's position, so the survivors normally hold it.
-"""
+Recurrent shards and ``deepseek4``'s compressed cache cannot roll back partway (``llama_memory_seq_rm`` fails,
+``llama_kv_cache_dsv4::seq_rm``): such a shard (``exact_states_only``) truncates only to 0, to its length or to a
+*state checkpoint*; anything else raises ``StateNotAtPosition``. docs/protocol.md, "Snapshots and route repair"
+("Recurrent shards")."""
 
 from __future__ import annotations
 
