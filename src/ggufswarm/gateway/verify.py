@@ -1,19 +1,10 @@
 """The gateway's verifier: audit route sessions by shadow replay, ban a node caught lying, repair around it.
 
-With ``--verify-rate R > 0`` every session opens with step commitments on all its hops (so no node can tell which
-sessions are audited), and each (session, hop) pair is audited with probability R. An audited session's frames and
-commitments are kept (``AsyncRouteSession.sent``, ``StepTiming.commits``); when it ends, a background worker replays
-it on the same route with the audited hop served by another node of the same numerics id (``extra.numerics.id``)
-and compares (gateway/shadow.py). A mismatch is replayed once more on a third such node: when the third agrees with
-the first replay and not with the audited node, the node is a confirmed liar: its key is banned here
-(``Directory.ban``: no route is planned through it again) and on every tracker (``POST /v1/bans`` with the signed
-evidence), every live session through it is repaired around it with its whole history replayed on honest nodes,
-and the answers that passed through it are listed as tainted (``GET /v1/verify``). A single unconfirmed mismatch
-never bans. Nothing of this runs with R = 0: sessions open without commitments.
-
-Bound (docs/protocol.md, "Verification by shadow replay"): a node that corrupts every step is missed by N sessions
-through it with probability (1 - R)^N, so ``sessions_to_catch(R)`` = ceil(ln(1e-6) / ln(1 - R)) sessions (684 at
-R = 0.02) catch it with probability 1 - 1e-6; one lying every K-th step is only seen by sessions of K steps or more.
+With ``--verify-rate R > 0`` every session opens with step commitments on all its hops, and each (session, hop) is
+audited with probability R: replayed when it ends with the hop served by another node of the same numerics id
+(gateway/shadow.py), a mismatch confirmed on a third, the liar banned here and on every tracker, its live sessions
+repaired and its answers listed as tainted (``GET /v1/verify``). How, and the bound ``sessions_to_catch(R)``:
+docs/protocol.md, "Verification by shadow replay".
 """
 
 from __future__ import annotations
