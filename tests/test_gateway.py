@@ -303,13 +303,13 @@ def completion_with(url, body):
     [
         ("/v1/completions", b"{oops", None),
         ("/v1/completions", {"prompt": 5}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 9}, "n"),
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "stop": [1, 2]}, "stop"),
         ("/v1/completions", {"prompt": "x " * 40000, "max_tokens": 4}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
     ],
 )
 def test_bad_requests(gateway, path, body, param):

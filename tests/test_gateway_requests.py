@@ -261,7 +261,8 @@ MSGS = [{"role": "user", "content": "Hi"}]
 @pytest.mark.parametrize(
     "path,extra,param",
     [
-        (COMP, {"n": 2}, "n"),
+        (COMP, {"n": 9}, "n"),  # past MAX_CHOICES
+        (CHAT, {"n": 0}, "n"),
         (COMP, {"best_of": 2}, "best_of"),
         (COMP, {"suffix": " world"}, "suffix"),  # Gemma 3 270M has no fill-in-the-middle tokens
         (COMP, {"echo": True, "logprobs": 2}, "echo"),
@@ -413,3 +414,86 @@ def test_a_model_can_be_retrieved_by_id(gateway):
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("no-such-model")
     assert err.value.body["code"] == "model_not_found"
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "messages,param",
+    [
+        ([], "messages"),
+        ({"role": "user", "content": "Hi"}, "messages"),
+        (["Hi"], "messages[0]"),
+        ([{"content": "Hi"}], "messages[0].role"),
+        ([*MSGS, {"role": "wizard", "content": "Hi"}], "messages[1].role"),
+        ([*MSGS, {"role": 3, "content": "Hi"}], "messages[1].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": {"text": "Hi"}}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]}], "messages[0].content[1]"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0]"),
+        ([*MSGS, {"role": "assistant"}], "messages[1].content"),
+        ([*MSGS, {"role": "assistant", "content": None}], "messages[1].content"),
+        ([*MSGS, {"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}], "messages[1].tool_calls[0]"),
+        (
+            [*MSGS, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "1"}],
+            "messages[2].tool_call_id",
+        ),
+        ([*MSGS, {"role": "tool", "tool_call_id": 7, "content": "1"}], "messages[1].tool_call_id"),
+        ([{"role": "user", "content": "Hi", "name": 1}], "messages[0].name"),
+    ],
+)
+def test_malformed_messages_are_400_naming_the_field(gateway, messages, param):
+    status, body = post(gateway + CHAT, {"messages": messages, "max_tokens": 2})
+    assert status == 400, body
+    assert body["error"]["param"] == param and body["error"]["message"], body
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": None}],  # llama-server takes a null content as empty text
+        [*MSGS, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "c1", "content": "1"}],
+        [*MSGS, {"role": "assistant", "content": "", "tool_calls": []}],
+        [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, *MSGS],
+    ],
+)
+def test_messages_llama_server_takes_pass_validation(gateway, messages):
+    status, body = post(gateway + CHAT, {"messages": messages, "max_tokens": 2})
+    assert 500 <= status < 600 and "127.0.0.1:9" in body["error"]["message"], body
+
+
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        (CHAT, {"n": 8, "seed": 2**63 - 1, "timings_per_token": True}),
+        (COMP, {"n": 2, "grammar": 'root ::= "a" | "b"'}),
+        (CHAT, {"response_format": {"type": "json_object", "schema": {"type": "object"}}}),
+        (CHAT, {"response_format": {"type": "json_schema", "schema": {"type": "string", "maxLength": 4}}}),
+        (CHAT, {"response_format": {"type": "json_schema"}}),
+        (CHAT, {"grammar": "", "response_format": {"type": "text"}}),
+    ],
+)
+def test_new_parameters_pass_validation(gateway, path, extra):
+    base = {"messages": MSGS} if path == CHAT else {"prompt": "Hi"}
+    status, body = post(gateway + path, {**base, "max_tokens": 2, **extra})
+    assert 500 <= status < 600 and "127.0.0.1:9" in body["error"]["message"], body
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"grammar": "root ::= ("}, "grammar"),
+        ({"grammar": ["root ::= x"]}, "grammar"),
+        ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar"),
+        ({"timings_per_token": "yes"}, "timings_per_token"),
+        ({"n": 1.5}, "n"),
+        ({"response_format": {"type": "json_object", "schema": 3}}, "response_format"),
+        ({"response_format": {"type": "text", "schema": {}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "schema": {}, "json_schema": {"schema": {}}}}, "response_format"),
+    ],
+)
+def test_new_parameters_refused_naming_them(gateway, extra, param):
+    status, body = post(gateway + CHAT, {"messages": MSGS, "max_tokens": 2, **extra})
+    assert status == 400 and body["error"]["param"] == param, body

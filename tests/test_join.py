@@ -480,7 +480,7 @@ def test_a_node_joins_without_tracker_and_replaces_a_killed_one(swarm, gemma, gg
     http_json(f"{swarm.gateway_url}/health", timeout=30)  # its DHT listing, reused for CACHE_S, now holds B too
     b.kill()  # SIGKILL: no goodbye; the DHT still holds its announce
     swarm.live = [a.url, c_url]
-    # The gateway plans without the tracker now: the DHT, the nodes it listed before (swarm.directory's known
+    # The gateway plans without the tracker now: the DHT, the nodes it listed before (directory.lookup's known
     # set: a lookup right after a node died can come back short) and their peers' hellos. The next completion
     # already routes A -> the new node: should its plan still take B from the listing just made, A refuses B
     # (next_hop_unknown: A's own listing no longer has it) and the gateway plans again without B.

@@ -229,7 +229,7 @@ def test_chat_content_parts_are_the_plain_string(gateway):
         gateway + "/v1/chat/completions",
         {**base, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]},
     )
-    assert status == 400 and body["error"]["param"] == "messages"
+    assert status == 400 and body["error"]["param"] == "messages[0].content[1]"
 
 
 # -- the tracker and the cache under a bounded fuzzer ------------------------------------------------------------

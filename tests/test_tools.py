@@ -250,7 +250,7 @@ def test_bad_tool_requests_are_400_naming_the_parameter(client):
     bad_history = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=bad_history, max_tokens=2)
-    assert err.value.body["param"] == "messages"
+    assert err.value.body["param"] == "messages[1].tool_calls[0]"
 
 
 def test_parse_hermes_tool_calls():

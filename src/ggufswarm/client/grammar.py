@@ -133,44 +133,57 @@ def _check(schema, where: str, defs: dict) -> None:
 
 
 def response_format_grammar(response_format) -> str:
-    """The GBNF grammar (root rule ``root``) of an OpenAI ``response_format``: "" for ``{"type": "text"}`` or None;
-    any JSON object for ``{"type": "json_object"}``; the schema's grammar for ``{"type": "json_schema",
-    "json_schema": {"name", "schema", "strict", "description"}}``. Raises SchemaNotEnforceable (a ValueError)
-    for anything else, a schema over MAX_SCHEMA_BYTES, or one using keywords the grammar would not enforce
-    (``minimum``, ``oneOf``, ``uniqueItems``, ...)."""
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+    """The GBNF grammar (root rule ``root``) of an OpenAI ``response_format``, in every form llama-server takes:
+    "" for ``{"type": "text"}`` or None; any JSON object for ``{"type": "json_object"}``; the schema's grammar
+    for ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`` and for
+    llama-server's shorthands ``{"type": "json_object", "schema": {...}}`` and ``{"type": "json_schema",
+    "schema": {...}}`` (a ``json_schema`` type with no schema at all: any JSON object, as llama-server). Raises
+    SchemaNotEnforceable (a ValueError) for anything else, a schema over MAX_SCHEMA_BYTES, or one using keywords
+    the grammar would not enforce (``minimum``, ``oneOf``, ``uniqueItems``, ...)."""
+    from llama_cpp.llama_grammar import JSON_GBNF
 
     if response_format is None:
         return ""
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
         raise SchemaNotEnforceable('response_format must be an object with a "type"')
     kind = response_format["type"]
-    extra = set(response_format) - {"type", "json_schema"}
-    if extra or (kind != "json_schema" and "json_schema" in response_format):
-        raise SchemaNotEnforceable(f"response_format: unexpected {', '.join(sorted(extra or {'json_schema'}))}")
+    allowed = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema", "schema"}}
+    if kind not in allowed:
+        raise SchemaNotEnforceable(f"response_format type {kind!r} is not supported (text, json_object, json_schema)")
+    extra = set(response_format) - allowed[kind]
+    if extra:
+        raise SchemaNotEnforceable(f"response_format: unexpected {', '.join(sorted(extra))} for type {kind!r}")
     if kind == "text":
         return ""
-    if kind == "json_object":
+    if "schema" in response_format:  # llama-server's shorthand: the schema beside the type
+        if "json_schema" in response_format:
+            raise SchemaNotEnforceable("response_format: give the schema once (json_schema.schema or schema)")
+        return _schema_grammar(response_format["schema"], "response_format.schema")
+    if kind == "json_object" or response_format.get("json_schema") is None:
         return JSON_GBNF
-    if kind != "json_schema":
-        raise SchemaNotEnforceable(f"response_format type {kind!r} is not supported (text, json_object, json_schema)")
-    spec = response_format.get("json_schema")
+    spec = response_format["json_schema"]
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
         raise SchemaNotEnforceable('response_format.json_schema must be {"name": ..., "schema": {...}}')
     unknown = set(spec) - {"name", "schema", "strict", "description"}
     if unknown:
         raise SchemaNotEnforceable(f"response_format.json_schema: unexpected {', '.join(sorted(unknown))}")
-    schema = spec.get("schema", {})
+    return _schema_grammar(spec.get("schema", {}), "response_format.json_schema.schema")
+
+
+def _schema_grammar(schema, where: str) -> str:
+    """The grammar of JSON schema ``schema`` (named ``where`` in errors); SchemaNotEnforceable as above."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    if not isinstance(schema, dict):
+        raise SchemaNotEnforceable(f"{where} must be an object (a JSON schema)")
     text = json.dumps(schema)
     if len(text) > MAX_SCHEMA_BYTES:
-        raise SchemaNotEnforceable(f"response_format.json_schema.schema is over {MAX_SCHEMA_BYTES} bytes")
+        raise SchemaNotEnforceable(f"{where} is over {MAX_SCHEMA_BYTES} bytes")
     _check(schema, "#", schema)
     try:
         return json_schema_to_gbnf(text)
     except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise SchemaNotEnforceable(
-            f"response_format.json_schema.schema cannot be turned into a grammar: {exc or type(exc).__name__}"
-        ) from None
+        raise SchemaNotEnforceable(f"{where} cannot be turned into a grammar: {exc or type(exc).__name__}") from None
 
 
 __all__ = ["MAX_SCHEMA_BYTES", "SchemaNotEnforceable", "response_format_grammar"]

@@ -101,6 +101,20 @@ class Tokenizer:
         self.chat_template = metadata.get("tokenizer.chat_template")
         self.builtin_template = BUILTIN_CHAT_TEMPLATES.get(metadata.get("general.architecture"), "chatml")
 
+    def grammar_parses(self, grammar: str) -> bool:
+        """Whether llama.cpp's GBNF parser takes ``grammar`` (root rule ``root``) over this vocabulary: what a head's
+        grammar sampler will be built from (its parse errors on stderr are silenced)."""
+        import llama_cpp
+
+        with _quiet_stderr():
+            sampler = llama_cpp.llama_sampler_init_grammar(
+                llama_cpp.llama_model_get_vocab(self._llm.model), grammar.encode(), b"root"
+            )
+        if not sampler:
+            return False
+        llama_cpp.llama_sampler_free(sampler)
+        return True
+
     def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of ``text``; ``special`` parses control tokens such as ``<start_of_turn>``.
 

@@ -18,7 +18,7 @@ from .anthropic_request import CountTokensRequest, MessagesRequest, parse_reques
 from .errors import CLIENT_GONE, JSON, RequestError, say_failed
 from .generation import Delta, Done, Failed, Generation
 from .intake import gateway_for, next_while_connected, read_body
-from .messages import chat_turns
+from .messages import converted_turns
 from .params import RequestOptions, parse_params
 from .render import SSE_HEADERS
 from .state import Gateway
@@ -78,7 +78,7 @@ async def _prepare(request: web.Request, kind: type[CountTokensRequest]):
     chat = to_chat(req)
     gw = await gateway_for(request, chat)
     template = gw.tokenizer.chat_template
-    turns = chat_turns(chat["messages"], template)
+    turns = converted_turns(chat["messages"], template)
     try:
         tools = tool_request(chat, template)
     except ToolError as exc:

@@ -1,9 +1,10 @@
 """aiohttp app of the gateway: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, the
 verifier's ``/v1/verify`` and ``/metrics`` (gateway/verify.py), and Anthropic's ``/v1/messages`` (anthropic_api.py).
 
-Each request gets its own route session (KV on every node), run by ``generation.Generation``; concurrent requests
-proceed concurrently. The final stream chunk and the non-streamed body carry ``usage`` and a ``telemetry`` object
-(docs/protocol.md, "Generation telemetry"). Handlers raise typed errors (errors.RequestError, GatewayError); one
+Each choice of a request (``n``) gets its own route session (KV on every node), run by ``generation.Generation``
+(``choices.Choices``: all at once); concurrent requests proceed concurrently. The final stream chunk and the
+non-streamed body carry ``usage``, llama-server's ``timings`` and a ``telemetry`` object (docs/protocol.md,
+"Generation telemetry"). Handlers raise typed errors (errors.RequestError, GatewayError); one
 middleware answers them in OpenAI's shape, and a request that fails with a 5xx (an error answer, or a stream's
 error event) leaves one line on stderr (errors.say_failed), as does each route repair that worked.
 """
@@ -18,15 +19,16 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..client.tools import ToolCallStream, ToolError, ToolRequest, tool_request
+from ..client.tools import ToolError, ToolRequest, tool_request
 from ..directory.trackers import TrackerError
 from ..net.auth import auth_headers
 from ..net.http import json_errors_middleware, probe, probe_json
 from ..protocol.errors import ProtocolError
 from . import anthropic_api
+from .choices import Choices
 from .config import GatewayConfig
 from .errors import CLIENT_GONE, FIXED_ROUTE_HINT, JSON, RequestError, error_response, say_failed
-from .generation import Done, Failed, Generation
+from .generation import Delta, Done, Failed
 from .intake import GATEWAY, gateway_for, next_while_connected, read_body
 from .messages import chat_turns
 from .params import CHAT_PATH, COMPLETIONS_PATH, parse_params
@@ -85,58 +87,67 @@ async def complete(
     prompt: str | None = None,
     tools: ToolRequest | None = None,
 ) -> web.StreamResponse:
-    """Generate the completion of prompt ``ids`` and answer it, streamed (SSE) or whole. RequestError for a bad
-    parameter; the route's failure before the answer starts is raised (an error answer), after it an SSE error
-    event; a client that goes away stops the generation (its session closes on every node)."""
-    opts = parse_params(body, gw.config.default_max_tokens, chat, gw.tokenizer.n_vocab, gw.tokenizer.has_fim, tools)
+    """Generate the ``n`` completions of prompt ``ids`` (choices.Choices: at once, each its own route session) and
+    answer them, streamed (SSE) or whole. RequestError for a bad parameter; a route's failure before the answer
+    starts is raised (an error answer), after it an SSE error event; a client that goes away stops every choice
+    (its session closes on every node)."""
+    opts = parse_params(
+        body,
+        gw.config.default_max_tokens,
+        chat,
+        gw.tokenizer.n_vocab,
+        gw.tokenizer.has_fim,
+        tools,
+        grammar_parses=gw.tokenizer.grammar_parses,
+    )
     reply = Reply(gw.model_name, gw.tokenizer, chat, opts, prompt if opts.echo else None)
-    generation = Generation(gw, ids, opts, "messages" if chat else "prompt", reply.id)
+    choices = Choices(gw, ids, opts, "messages" if chat else "prompt", reply.id)
     try:
         try:
-            first = await next_while_connected(request, generation)
+            failed = await choices.opened(lambda source: next_while_connected(request, source))
         except ConnectionResetError:
             return web.Response(status=CLIENT_GONE)
-        if isinstance(first, Failed):
-            raise first.error
+        if failed is not None:
+            raise failed.error
         if opts.stream:
-            return await stream_answer(request, generation, reply, tools)
-        return await whole_answer(request, generation, reply, tools)
+            return await stream_answer(request, choices, reply, tools)
+        return await whole_answer(request, choices, reply, tools)
     finally:
-        generation.cancel()  # no-op when finished; stops the generation when the client left mid-stream
+        choices.cancel()  # no-op when finished; stops the generations when the client left mid-stream
 
 
 async def stream_answer(
-    request: web.Request, generation: Generation, reply: Reply, tools: ToolRequest | None
+    request: web.Request, choices: Choices, reply: Reply, tools: ToolRequest | None
 ) -> web.StreamResponse:
     """The SSE answer (render.write_stream); a client that went away ends it quietly."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
     try:
-        await write_stream(
-            resp, request, generation.next, reply, ToolCallStream() if tools is not None else None, tools
-        )
+        await write_stream(resp, request, choices.next, reply, tools)
     except ConnectionResetError:
-        pass  # the client left; complete() stops the generation
+        pass  # the client left; complete() stops the generations
     return resp
 
 
-async def whole_answer(
-    request: web.Request, generation: Generation, reply: Reply, tools: ToolRequest | None
-) -> web.Response:
-    """The non-streamed answer (Reply.body) once the generation is done; its failure raised (an error answer)."""
-    parts, entries = [reply.echo or ""], []
-    while True:
+async def whole_answer(request: web.Request, choices: Choices, reply: Reply, tools: ToolRequest | None) -> web.Response:
+    """The non-streamed answer (Reply.body) once every choice is done; a failure raised (an error answer)."""
+    parts = [[reply.echo or ""] for _ in range(choices.n)]
+    entries: list[list] = [[] for _ in range(choices.n)]
+    dones: dict[int, Done] = {}
+    while len(dones) < choices.n:
         try:
-            event = await next_while_connected(request, generation)
+            index, event = await next_while_connected(request, choices)
         except ConnectionResetError:
-            return web.Response(status=CLIENT_GONE)  # nobody reads it; complete() stops the generation
+            return web.Response(status=CLIENT_GONE)  # nobody reads it; complete() stops the generations
         if isinstance(event, Failed):
             raise event.error
         if isinstance(event, Done):
-            return web.Response(
-                body=json.dumps(reply.body("".join(parts), entries, event, tools)).encode(), content_type=JSON
-            )
-        parts.append(event.text)
-        entries += event.entries
+            dones[index] = event
+        elif isinstance(event, Delta):
+            parts[index].append(event.text)
+            entries[index] += event.entries
+    ordered = [dones[i] for i in range(choices.n)]
+    made = [reply.choice(i, "".join(parts[i]), entries[i], ordered[i], tools) for i in range(choices.n)]
+    return web.Response(body=json.dumps(reply.body(made, ordered)).encode(), content_type=JSON)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -9,7 +9,7 @@ import logging
 import secrets
 import threading
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..client.contract import SessionWrapper
 from ..client.generate import GenerationStats, agenerate
@@ -19,6 +19,7 @@ from ..runtime.sampling import SamplingParams
 from .errors import CLIENT_GONE, GatewayError, RequestError, as_gateway_error, route_failure, say_repaired
 from .params import EOG_BIAS, RequestOptions
 from .state import Gateway
+from .timings import Clock
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +39,22 @@ class Opened:
 @dataclass(frozen=True, slots=True)
 class Delta:
     """New completion ``text`` (possibly empty) and the logprob ``entries`` of the tokens behind it (empty unless
-    the request asked for logprobs; end-of-generation tokens have none)."""
+    the request asked for logprobs; end-of-generation tokens have none); ``timings``: llama-server's timings
+    object then (timings.Clock)."""
 
     text: str
     entries: list[LogprobEntry]
+    timings: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """The generation ended: its ``stats`` (tokens, finish reason) and ``telemetry`` object."""
+    """The generation ended: its ``stats`` (tokens, finish reason), ``telemetry`` object and llama-server's
+    ``timings`` object (timings.Clock)."""
 
     stats: GenerationStats
     telemetry: dict
+    timings: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +192,7 @@ async def run(
     session is closed on every node before it returns, also when cancelled, and then handed to the verifier (its
     audits run in the background; ``response_id``: the answer's id, listed should a node of its route be banned)."""
     session, stats, watch = None, GenerationStats(), None
+    clock = Clock(stats)
     try:
         session, max_length = await gw.planner.open(gw.http, ids, request_sampling(gw, ids, opts), opts, prompt_param)
         watch = gw.verifier.watch(session, response_id)
@@ -203,15 +209,16 @@ async def run(
                 agenerate(tap or session, gw.tokenizer, ids, budget, opts.stop, stats, drafter, opts.special)
             ) as deltas:
                 async for text in deltas:
-                    emit(Delta(text, drain()))
+                    emit(Delta(text, drain(), clock.read()))
         finally:
             if isinstance(drafter, _SerialDrafter):  # waits for a draft in flight: off the loop
                 await asyncio.to_thread(drafter.close)
         rest = drain()  # tokens whose text was held back (a stop string) or empty
+        timings = clock.read()
         if rest:
-            emit(Delta("", rest))
+            emit(Delta("", rest, timings))
         say_repaired(session.repairs)  # before the answer ends: its reader may look for the line
-        emit(Done(stats, await telemetry(gw, session, stats, watch)))
+        emit(Done(stats, await telemetry(gw, session, stats, watch), timings))
     except asyncio.CancelledError:
         if session is not None:
             say_repaired(session.repairs)

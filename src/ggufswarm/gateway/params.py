@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..artifact.accounting import MAX_CONTEXT
 from ..client.grammar import SchemaNotEnforceable, response_format_grammar
 from ..client.speculative import MAX_DRAFT
 from ..client.tools import ToolRequest
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import MAX_GRAMMAR_CHARS, SamplingParams
 from .errors import RequestError
 
 CHAT_PATH = "/v1/chat/completions"
@@ -19,6 +20,7 @@ MAX_STOP_STRINGS = 16  # entries of one request's ``stop``
 MAX_TOP_LOGPROBS_CHAT = 20  # OpenAI's bounds of top_logprobs (chat) and logprobs (completions)
 MAX_TOP_LOGPROBS_COMPLETION = 5
 INT32_MAX = 2**31 - 1
+MAX_CHOICES = 8  # n: choices of one request, each its own route session (KV on every node)
 
 
 def _number(body: dict, name: str, default, lo=None, hi=None, kind=float):
@@ -98,6 +100,8 @@ _COMMON_PARAMS = frozenset(
         "ignore_eos",
         "speculative.n_max",
         "skip_special_tokens",
+        "grammar",
+        "timings_per_token",
     }
 )
 CHAT_PARAMS = _COMMON_PARAMS | {
@@ -121,7 +125,9 @@ class RequestOptions:
     ``logprobs``: report the sampled tokens' logprobs; ``top_logprobs``: that many most likely alternatives per
     token (chat 0..20, completions 0..5); ``include_usage``: a final stream chunk with empty ``choices`` and
     ``usage``; ``echo``: the completion's text starts with the prompt; ``ignore_eos``: end-of-generation tokens
-    are never drawn (llama-server's extension; ``Gateway.run`` adds their logit bias).
+    are never drawn (llama-server's extension; ``Gateway.run`` adds their logit bias); ``n``: choices, each its
+    own route session (choice i's seed: ``choice_seed``); ``timings_per_token``: every stream chunk carries
+    llama-server's ``timings`` object (llama-server's extension; the final chunk and a whole body always do).
     """
 
     params: SamplingParams
@@ -135,6 +141,17 @@ class RequestOptions:
     ignore_eos: bool = False
     special: bool = False  # vLLM's skip_special_tokens false: control tokens and media markers rendered as text
     draft_max: int | None = None  # llama-server's speculative.n_max: at most this many drafts per step (0: none)
+    n: int = 1
+    timings_per_token: bool = False
+
+
+SEED_SPACE = 2**63  # SamplingParams.seed's range
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request asking for ``seed``: ``(seed + index) mod 2^63`` (choice 0 keeps
+    the request's seed, so n = 1 draws as before); None (each choice draws its own random seed) without one."""
+    return None if seed is None else (seed + index) % SEED_SPACE
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -202,6 +219,7 @@ def parse_params(
     n_vocab: int | None = None,
     fim: bool = False,
     tools: ToolRequest | None = None,
+    grammar_parses: Callable[[str], bool] | None = None,
 ) -> RequestOptions:
     """The checked options of an OpenAI request body for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``.
 
@@ -211,15 +229,17 @@ def parse_params(
     bounds ``logit_bias``'s token ids; ``fim``: the model has fill-in-the-middle tokens (``suffix`` is still
     refused: not implemented); ``tools``: the request's checked tools (client.tools.tool_request, which checks
     ``tools`` / ``tool_choice`` / ``functions`` / ``function_call``): a forced call's grammar becomes
-    ``params.grammar``. Raises RequestError (400, ``param`` naming the parameter) for a parameter that is
-    unknown, of the wrong type, out of range, or not implemented (``n``/``best_of`` > 1, ``suffix``, a
+    ``params.grammar``; ``grammar`` (llama-server's extension, a GBNF string with a ``root`` rule, both endpoints)
+    too, checked by ``grammar_parses`` (Tokenizer.grammar_parses) when given. ``n`` is 1..MAX_CHOICES. Raises
+    RequestError (400, ``param`` naming the parameter) for a parameter that is unknown, of the wrong type, out of
+    range, or not implemented (``best_of`` > 1, ``suffix``, a grammar that does not parse, ``grammar`` with
+    ``response_format`` or with tools, a
     ``response_format`` schema constrained decoding cannot enforce (client.grammar), ``response_format`` other
     than text with tools offered, ``echo`` with ``logprobs``, a llama-server sampler other than the ones above).
     ``response_format`` json_object / json_schema become ``params.grammar``.
     """
     _check_known(body, chat)
-    if _number(body, "n", 1, 1, None, int) != 1:
-        raise RequestError("only n = 1 is supported", param="n")
+    n = _number(body, "n", 1, 1, MAX_CHOICES, int)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 0, None, int)
     d = SamplingParams()
@@ -255,8 +275,10 @@ def parse_params(
     stream = _flag(body, "stream")
     skip_special = body.get("skip_special_tokens") is None or _flag(body, "skip_special_tokens")
     opts = RequestOptions(
-        params, max_tokens, stop, stream, ignore_eos=_flag(body, "ignore_eos"), special=not skip_special
+        params, max_tokens, stop, stream, ignore_eos=_flag(body, "ignore_eos"), special=not skip_special, n=n
     )
+    opts.timings_per_token = _flag(body, "timings_per_token")
+    grammar = _grammar(body, grammar_parses)
     if body.get("speculative.n_max") is not None:
         opts.draft_max = _number(body, "speculative.n_max", 0, 0, MAX_DRAFT, int)
     stream_options = body.get("stream_options")
@@ -283,10 +305,22 @@ def parse_params(
             if not opts.logprobs:
                 raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         try:  # constrained decoding: the head's llama.cpp grammar sampler
-            grammar = response_format_grammar(body.get("response_format"))
+            json_grammar = response_format_grammar(body.get("response_format"))
         except SchemaNotEnforceable as exc:
             raise RequestError(str(exc), param="response_format") from None
+        if grammar and body.get("response_format") is not None:  # llama-server: json_schema and grammar refused
+            raise RequestError(
+                "grammar and response_format together: give one constraint (a GBNF grammar or a JSON format)",
+                param="grammar",
+            )
         if grammar and tools is not None:
+            raise RequestError(
+                "grammar together with tools is not supported: tool calls have their own grammar; drop one "
+                '(or send tool_choice: "none")',
+                param="grammar",
+            )
+        grammar = grammar or json_grammar
+        if json_grammar and tools is not None:
             raise RequestError(
                 "response_format (json_object / json_schema) together with tools is not supported: "
                 "the answer would have to be a tool call and JSON at once; drop one (or send "
@@ -295,9 +329,9 @@ def parse_params(
             )
         if tools is not None and tools.grammar:  # tool_choice "required" / a named function: one forced call
             grammar = tools.grammar
-        if grammar:
-            opts.params = replace(opts.params, grammar=grammar)
-    else:
+    if grammar:
+        opts.params = replace(opts.params, grammar=grammar)
+    if not chat:
         if body.get("logprobs") is not None:
             opts.logprobs = True
             opts.top_logprobs = _number(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS_COMPLETION, int)
@@ -321,3 +355,20 @@ def parse_params(
             )
             raise RequestError(f"suffix is not supported: {why}", param="suffix")
     return opts
+
+
+def _grammar(body: dict, parses: Callable[[str], bool] | None) -> str:
+    """``grammar`` (llama-server's extension) checked: a GBNF string with a ``root`` rule that llama.cpp parses
+    (``parses``); "" when absent, null or empty."""
+    grammar = body.get("grammar")
+    if grammar is None or grammar == "":
+        return ""
+    if not isinstance(grammar, str) or len(grammar) > MAX_GRAMMAR_CHARS:
+        raise RequestError(f"grammar must be a GBNF string of at most {MAX_GRAMMAR_CHARS} characters", param="grammar")
+    if parses is not None and not parses(grammar):
+        raise RequestError(
+            "grammar does not parse: llama.cpp's GBNF parser refused it (it needs a rule named root, and every rule "
+            "it uses defined)",
+            param="grammar",
+        )
+    return grammar

@@ -14,8 +14,9 @@ from ..client.generate import GenerationStats
 from ..client.tokenizer import Tokenizer
 from ..client.tools import ToolCallStream, ToolRequest, parse_tool_calls
 from .errors import error_object, say_failed
-from .generation import Delta, Done, Event, LogprobEntry
+from .generation import Delta, Done, Event, Failed, LogprobEntry
 from .params import RequestOptions
+from .timings import combined
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -76,9 +77,25 @@ def usage(stats: GenerationStats) -> dict:
     }
 
 
+def total_usage(dones: list[Done]) -> dict:
+    """``usage`` of a request's choices: the prompt counted once, the completion tokens of every choice summed."""
+    out = usage(dones[0].stats)
+    out["completion_tokens"] = sum(d.stats.completion_tokens for d in dones)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out
+
+
+def total_telemetry(dones: list[Done]) -> dict:
+    """``telemetry`` of a request's choices: choice 0's; with n > 1 also ``choices``, every choice's own."""
+    if len(dones) == 1:
+        return dones[0].telemetry
+    return {**dones[0].telemetry, "choices": [d.telemetry for d in dones]}
+
+
 class Reply:
     """The response objects of one request to ``/v1/chat/completions`` (``chat``) or ``/v1/completions``: one
-    ``id`` and ``created`` for all of them. ``echo``: the prompt, when the completion starts with it."""
+    ``id`` and ``created`` for all of them, ``opts.n`` choices. ``echo``: the prompt, when each completion
+    starts with it."""
 
     def __init__(
         self, model_name: str, tokenizer: Tokenizer, chat: bool, opts: RequestOptions, echo: str | None = None
@@ -87,27 +104,36 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:ID_HEX]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self._logprobs = LogprobsRenderer(tokenizer, len(echo) if echo else 0)
+        self._logprobs = [LogprobsRenderer(tokenizer, len(echo) if echo else 0) for _ in range(opts.n)]
 
-    def logprobs(self, entries: list[LogprobEntry]) -> dict | None:
-        """The ``logprobs`` of a choice (None when the request did not ask for them)."""
+    def logprobs(self, entries: list[LogprobEntry], index: int = 0) -> dict | None:
+        """The ``logprobs`` of choice ``index`` (None when the request did not ask for them)."""
         if not self.opts.logprobs:
             return None
-        return self._logprobs.chat(entries) if self.chat else self._logprobs.completion(entries)
+        renderer = self._logprobs[index]
+        return renderer.chat(entries) if self.chat else renderer.completion(entries)
 
     def chunk(
-        self, text: str | None, finish: str | None = None, first: bool = False, entries=None, tool_calls=None
+        self,
+        text: str | None,
+        finish: str | None = None,
+        first: bool = False,
+        entries=None,
+        tool_calls=None,
+        index: int = 0,
+        timings: dict | None = None,
     ) -> dict:
-        """One stream chunk: ``text`` (chat: the first chunk's delta is the assistant role), its logprob
-        ``entries``, the ``finish`` reason of the last, a chat's ``tool_calls``."""
-        lp = self.logprobs(entries) if entries else None
+        """One stream chunk of choice ``index``: ``text`` (chat: the first chunk's delta is ``{"role":
+        "assistant", "content": null}``, as llama-server and OpenAI), its logprob ``entries``, the ``finish``
+        reason of the last, a chat's ``tool_calls``, llama-server's ``timings`` object when given."""
+        lp = self.logprobs(entries, index) if entries else None
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            delta = {"role": "assistant", "content": None} if first else ({"content": text} if text else {})
             if tool_calls:  # OpenAI's streamed shape: each call whole, with its index
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
         out = {
             "id": self.id,
             "object": self.object + ".chunk" if self.chat else self.object,
@@ -117,47 +143,64 @@ class Reply:
         }
         if self.opts.include_usage:  # OpenAI: every chunk but the last has "usage": null
             out["usage"] = None
+        if timings is not None:
+            out["timings"] = timings
         return out
 
-    def body(self, text: str, entries: list[LogprobEntry], done: Done, tools: ToolRequest | None) -> dict:
-        """The non-streamed answer: the whole ``text`` (chat: tool calls parsed out of it when ``tools`` were
-        offered), its logprobs, ``usage`` and ``telemetry``."""
-        finish = done.stats.finish_reason
-        if self.chat:
-            message = {"role": "assistant", "content": text}
-            if tools is not None:
-                message["content"], made = parse_tool_calls(text)
-                if made:
-                    message["tool_calls"], finish = tools.calls(made), "tool_calls"
-            choice = {"index": 0, "message": message, "logprobs": self.logprobs(entries), "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs(entries), "finish_reason": finish}
+    def choice(self, index: int, text: str, entries: list[LogprobEntry], done: Done, tools: ToolRequest | None):
+        """Choice ``index`` of the non-streamed answer: the whole ``text`` (chat: tool calls parsed out of it when
+        ``tools`` were offered) and its logprobs."""
+        finish, lp = done.stats.finish_reason, self.logprobs(entries, index)
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        if tools is not None:
+            message["content"], made = parse_tool_calls(text)
+            if made:
+                message["tool_calls"], finish = tools.calls(made), "tool_calls"
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
+
+    def body(self, choices: list[dict], dones: list[Done]) -> dict:
+        """The non-streamed answer: its ``choices`` (Reply.choice, by index), ``usage`` (total_usage),
+        ``telemetry`` (total_telemetry) and llama-server's ``timings`` (timings.combined)."""
         return {
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.model_name,
-            "choices": [choice],
-            "usage": usage(done.stats),
-            "telemetry": done.telemetry,
+            "choices": choices,
+            "usage": total_usage(dones),
+            "telemetry": total_telemetry(dones),
+            "timings": combined([d.timings for d in dones]),
         }
 
-    def last_chunks(self, done: Done, calls: ToolCallStream | None, tools: ToolRequest | None) -> list[dict]:
-        """The chunks that end a stream: held-back text and tool calls (``calls``), the final chunk with its
-        finish reason, then the usage chunk when asked for; the last carries ``telemetry``."""
+    def last_chunks(self, index: int, done: Done, calls: ToolCallStream | None, tools: ToolRequest | None):
+        """The chunks that end choice ``index``'s stream: held-back text and tool calls (``calls``), then its
+        final chunk with its finish reason and ``timings``."""
         out, finish = [], done.stats.finish_reason
         if calls is not None:
             content, made = calls.finish()
             if content:
-                out.append(self.chunk(content))
+                out.append(self.chunk(content, index=index))
             if made:
-                out.append(self.chunk(None, tool_calls=tools.calls(made)))
+                out.append(self.chunk(None, tool_calls=tools.calls(made), index=index))
                 finish = "tool_calls"
-        out.append(self.chunk(None, finish))
-        if self.opts.include_usage:  # OpenAI: one more chunk, with no choices, carries the usage
-            out.append({**self.chunk(None), "choices": [], "usage": usage(done.stats)})
-        out[-1]["telemetry"] = done.telemetry
+        out.append(self.chunk(None, finish, index=index, timings=done.timings))
         return out
+
+    def end_chunks(self, dones: list[Done]) -> list[dict]:
+        """What follows the last choice's final chunk: the usage chunk (no choices; ``usage`` and ``timings``)
+        when asked for."""
+        if not self.opts.include_usage:  # OpenAI: one more chunk, with no choices, carries the usage
+            return []
+        return [
+            {
+                **self.chunk(None),
+                "choices": [],
+                "usage": total_usage(dones),
+                "timings": combined([d.timings for d in dones]),
+            }
+        ]
 
 
 def error_event(err, tokens: int) -> dict:
@@ -175,32 +218,49 @@ def error_event(err, tokens: int) -> dict:
 async def write_stream(
     resp: web.StreamResponse,
     request: web.Request,
-    next_event: Callable[[], Awaitable[Event]],
+    next_event: Callable[[], Awaitable[tuple[int, Event]]],
     reply: Reply,
-    calls: ToolCallStream | None = None,
     tools: ToolRequest | None = None,
 ) -> None:
-    """Write SSE chunks from the generation's events until Done (last_chunks, ``[DONE]``) or Failed (error_event).
-    With ``calls`` (tools offered), text that may be a tool call is held back and sent at the end as one
-    ``delta.tool_calls`` chunk (finish_reason ``tool_calls``), or as content when it was none. ConnectionResetError
-    when the client went away."""
+    """Write SSE chunks from the choices' events (``next_event``: ``(index, event)``, choices.Choices.next) until
+    every choice is Done (each choice's last_chunks as it ends; end_chunks, ``telemetry`` on the very last chunk,
+    ``[DONE]``) or one Failed (error_event). With ``tools`` offered, each choice's text that may be a tool call is
+    held back and sent at its end as one ``delta.tool_calls`` chunk (finish_reason ``tool_calls``), or as content
+    when it was none. Every chunk carries ``timings`` with ``opts.timings_per_token``. ConnectionResetError when
+    the client went away."""
     await resp.prepare(request)
-    if reply.chat:
-        await resp.write(sse(reply.chunk(None, first=True)))
-    if reply.echo:
-        await resp.write(sse(reply.chunk(reply.echo)))
+    n, per_token = reply.opts.n, reply.opts.timings_per_token
+    calls = [ToolCallStream() if tools is not None else None for _ in range(n)]
+    dones: dict[int, Done] = {}
+    started: set[int] = set()
     while True:
-        event = await next_event()
+        index, event = await next_event()
+        if isinstance(event, (Delta, Done)) and index not in started:  # as llama-server: with the first token
+            started.add(index)
+            timings = event.timings if per_token else None
+            if reply.chat:
+                await resp.write(sse(reply.chunk(None, first=True, index=index, timings=timings)))
+            if reply.echo:
+                await resp.write(sse(reply.chunk(reply.echo, index=index, timings=timings)))
         if isinstance(event, Delta):
-            text = calls.push(event.text) if calls is not None else event.text
-            if calls is None or text or event.entries:
-                await resp.write(sse(reply.chunk(text, entries=event.entries)))
+            held = calls[index]
+            text = held.push(event.text) if held is not None else event.text
+            if held is None or text or event.entries:
+                timings = event.timings if per_token else None
+                await resp.write(sse(reply.chunk(text, entries=event.entries, index=index, timings=timings)))
         elif isinstance(event, Done):
-            for chunk in reply.last_chunks(event, calls, tools):
+            dones[index] = event
+            chunks = reply.last_chunks(index, event, calls[index], tools)
+            if len(dones) == n:
+                ordered = [dones[i] for i in range(n)]
+                chunks += reply.end_chunks(ordered)
+                chunks[-1]["telemetry"] = total_telemetry(ordered)
+            for chunk in chunks:
                 await resp.write(sse(chunk))
-            await resp.write(SSE_DONE)
-            break
-        else:
+            if len(dones) == n:
+                await resp.write(SSE_DONE)
+                break
+        elif isinstance(event, Failed):
             await resp.write(sse(error_event(event.error, event.tokens)))
             break
     await resp.write_eof()

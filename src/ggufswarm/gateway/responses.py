@@ -17,7 +17,7 @@ from ..client.tools import tool_request as checked_tools
 from .errors import CLIENT_GONE, JSON, RequestError
 from .generation import Delta, Done, Failed, Generation
 from .intake import GATEWAY, gateway_for, next_while_connected, read_body
-from .messages import chat_turns
+from .messages import converted_turns
 from .params import parse_params
 from .render import SSE_HEADERS, error_event
 from .responses_request import ResponseRequest, chat_error, chat_messages, parse_request
@@ -167,7 +167,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     template = gw.tokenizer.chat_template
     chat = req.chat_body()
     try:
-        turns = chat_turns(chat_messages(req.instructions, conversation), template)
+        turns = converted_turns(chat_messages(req.instructions, conversation), template)
         tools = checked_tools(chat, template)
     except RequestError as exc:
         raise chat_error(exc) from None
