@@ -128,6 +128,22 @@ def llama_cpp_greedy_tokens(path, prompts_ids: list[list[int]], n: int, threads:
     return out
 
 
+def sse(url: str, path: str, body: dict) -> tuple[list[dict], list[str]]:
+    """POST a streamed request; (parsed chunks, raw data lines). Asserts it ends with data: [DONE]."""
+    req = urllib.request.Request(
+        url + path,
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        lines = [line.decode().strip() for line in resp if line.strip()]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]], lines
+
+
 def http(method: str, url: str, body: bytes | dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
     """One HTTP request; (status, parsed JSON body). dict bodies are sent as JSON, bytes as octet-stream."""
     headers = {}

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 
 import jsonschema
 import openai
 import pytest
-from route_fixtures import cluster, gateway, http  # noqa: F401 - fixtures
+from route_fixtures import cluster, gateway, http, sse  # noqa: F401 - fixtures
 
 from ggufswarm.gateway.params import choice_seed
 
@@ -23,20 +22,6 @@ OK_SCHEMA = {
     "required": ["ok"],
     "additionalProperties": False,
 }
-
-
-def sse(url: str, path: str, body: dict) -> tuple[list[dict], list[str]]:
-    """POST a streamed request; (parsed chunks, raw data lines), asserting it ends with ``data: [DONE]``."""
-    req = urllib.request.Request(
-        url + path,
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        lines = [line.decode().strip() for line in resp if line.strip()]
-    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
-    return [json.loads(line[6:]) for line in lines[:-1]], lines
 
 
 def post(url: str, path: str, body: dict) -> dict:

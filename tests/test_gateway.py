@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -13,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from route_fixtures import cluster, gateway, http, one_thread, reference  # noqa: F401 - fixtures
+from route_fixtures import cluster, gateway, http, one_thread, reference, sse  # noqa: F401 - fixtures
 
 from ggufswarm.client.generate import generate
 from ggufswarm.runtime.sampling import SamplingParams
@@ -29,22 +28,6 @@ def long_prompt(reference_text, gemma):
     n = len(gemma.prompt_ids(text))
     assert 600 < n < 1000, n
     return text
-
-
-def sse(url: str, path: str, body: dict) -> tuple[list[dict], list[str]]:
-    """POST a streamed request; (parsed chunks, raw data lines). Asserts it ends with data: [DONE]."""
-    req = urllib.request.Request(
-        url + path,
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        assert resp.headers["Content-Type"].startswith("text/event-stream")
-        lines = [line.decode().strip() for line in resp if line.strip()]
-    assert all(line.startswith("data: ") for line in lines)
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[6:]) for line in lines[:-1]], lines
 
 
 def completion(url: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, dict, str]:

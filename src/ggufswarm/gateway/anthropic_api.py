@@ -17,7 +17,7 @@ from ..protocol.errors import ProtocolError
 from .anthropic_request import CountTokensRequest, MessagesRequest, parse_request, renamed, to_chat
 from .errors import CLIENT_GONE, JSON, RequestError, say_failed
 from .generation import Delta, Done, Failed, Generation
-from .intake import gateway_for, next_while_connected, read_body
+from .intake import answer, gateway_for, next_while_connected, read_body
 from .messages import converted_turns
 from .params import RequestOptions, parse_params
 from .render import SSE_HEADERS
@@ -110,23 +110,16 @@ async def messages(request: web.Request) -> web.StreamResponse:
         raise renamed(exc) from None
     reply = MessageReply(gw, opts, len(ids), tools)
     generation = Generation(gw, ids, opts, "messages", reply.id)
-    try:
+
+    async def streamed() -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
         try:
-            first = await next_while_connected(request, generation)
+            await reply.stream(resp, request, generation)
         except ConnectionResetError:
-            return web.Response(status=CLIENT_GONE)
-        if isinstance(first, Failed):
-            raise first.error
-        if opts.stream:
-            resp = web.StreamResponse(headers=SSE_HEADERS)
-            try:
-                await reply.stream(resp, request, generation)
-            except ConnectionResetError:
-                pass  # the client left; the generation stops below
-            return resp
-        return await reply.whole(request, generation)
-    finally:
-        generation.cancel()  # no-op when finished
+            pass  # the client left; answer() stops the generation
+        return resp
+
+    return await answer(request, generation, opts.stream, streamed, lambda: reply.whole(request, generation))
 
 
 def event(name: str, data: dict) -> bytes:

@@ -9,8 +9,8 @@ import json
 from aiohttp import web
 
 from ..net.http import read_json
-from .errors import RequestError
-from .generation import Event, Generation
+from .errors import CLIENT_GONE, RequestError
+from .generation import Event, Failed, Generation
 from .state import Gateway
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -58,4 +58,21 @@ async def next_while_connected(request: web.Request, generation: Generation) -> 
             pass
 
 
-__all__ = ["DISCONNECT_POLL_S", "GATEWAY", "gateway_for", "next_while_connected", "read_body"]
+async def answer(request: web.Request, generation: Generation, stream: bool, streamed, whole) -> web.StreamResponse:
+    """Run ``generation`` for ``request`` and answer it: ``streamed()`` (SSE) when ``stream``, else ``whole()``, each
+    a coroutine function returning the response, called once the first event came. The route's failure before the
+    answer starts is raised (an error answer); a client gone first gets no answer (CLIENT_GONE); the generation is
+    cancelled on the way out (a no-op when it finished; it stops one whose client left mid-stream)."""
+    try:
+        try:
+            first = await next_while_connected(request, generation)
+        except ConnectionResetError:
+            return web.Response(status=CLIENT_GONE)
+        if isinstance(first, Failed):
+            raise first.error
+        return await (streamed() if stream else whole())
+    finally:
+        generation.cancel()
+
+
+__all__ = ["DISCONNECT_POLL_S", "GATEWAY", "answer", "gateway_for", "next_while_connected", "read_body"]

@@ -16,7 +16,7 @@ from ..client.tools import ToolCallStream, ToolError, ToolRequest, parse_tool_ca
 from ..client.tools import tool_request as checked_tools
 from .errors import CLIENT_GONE, JSON, RequestError
 from .generation import Delta, Done, Failed, Generation
-from .intake import GATEWAY, gateway_for, next_while_connected, read_body
+from .intake import GATEWAY, answer, gateway_for, next_while_connected, read_body
 from .messages import converted_turns
 from .params import parse_params
 from .render import SSE_HEADERS, error_event
@@ -191,18 +191,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             root.responses.put(owner, response, own, conversation + response["output"], ids + list(done.stats.tokens))
 
     generation = Generation(gw, ids, opts, "input", reply.id)
-    try:
-        try:
-            first = await next_while_connected(request, generation)
-        except ConnectionResetError:
-            return web.Response(status=CLIENT_GONE)
-        if isinstance(first, Failed):
-            raise first.error
-        if opts.stream:
-            return await _stream(request, generation, reply, keep)
-        return await _whole(request, generation, reply, keep)
-    finally:
-        generation.cancel()  # no-op when finished; stops the generation when the client left
+    return await answer(
+        request,
+        generation,
+        opts.stream,
+        lambda: _stream(request, generation, reply, keep),
+        lambda: _whole(request, generation, reply, keep),
+    )
 
 
 def _output(reply: ResponseReply, text: str, done: Done) -> list[dict]:
