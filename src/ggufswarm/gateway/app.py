@@ -31,7 +31,8 @@ from .errors import CLIENT_GONE, FIXED_ROUTE_HINT, JSON, RequestError, error_res
 from .generation import Delta, Done, Failed
 from .intake import GATEWAY, gateway_for, next_while_connected, read_body
 from .messages import chat_turns
-from .params import CHAT_PATH, COMPLETIONS_PATH, parse_params
+from .openai_request import CHAT_PATH, COMPLETIONS_PATH, ChatCompletionRequest, OpenAIRequest, parse_request
+from .params import parse_params
 from .render import SSE_HEADERS, Reply, write_stream
 from .responses import create_response, delete_response, get_response, list_input_items
 from .responses_request import RESPONSES_PATH
@@ -45,7 +46,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (OpenAI): messages rendered with the GGUF chat template."""
     body = await read_body(request)
     gw = await gateway_for(request, body)
-    turns = chat_turns(body.get("messages"), gw.tokenizer.chat_template)
+    req = parse_request(body, chat=True)
+    turns = chat_turns(req.messages, gw.tokenizer.chat_template)
     try:
         tools = tool_request(body, gw.tokenizer.chat_template)
     except ToolError as exc:
@@ -56,18 +58,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
     except ValueError as exc:
         raise RequestError(str(exc), param="messages") from None
-    return await complete(request, gw, ids, body, chat=True, tools=tools)
+    return await complete(request, gw, ids, req, tools=tools)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` (OpenAI): a plain ``prompt`` string (or a list holding one)."""
     body = await read_body(request)
     gw = await gateway_for(request, body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise RequestError("prompt must be a string", param="prompt")
+    req = parse_request(body, chat=False)
+    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
     ids = await asyncio.get_running_loop().run_in_executor(  # off the event loop, as for chat
         gw.pool, lambda: gw.tokenizer.encode(prompt, special=gw.config.prompt_special)
     )
@@ -75,15 +74,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise RequestError(
             "prompt is empty and this model adds no BOS token: give at least one token of text", param="prompt"
         )
-    return await complete(request, gw, ids, body, chat=False, prompt=prompt)
+    return await complete(request, gw, ids, req, prompt=prompt)
 
 
 async def complete(
     request: web.Request,
     gw: Gateway,
     ids: list[int],
-    body: dict,
-    chat: bool,
+    req: OpenAIRequest,
     prompt: str | None = None,
     tools: ToolRequest | None = None,
 ) -> web.StreamResponse:
@@ -91,8 +89,9 @@ async def complete(
     answer them, streamed (SSE) or whole. RequestError for a bad parameter; a route's failure before the answer
     starts is raised (an error answer), after it an SSE error event; a client that goes away stops every choice
     (its session closes on every node)."""
+    chat = isinstance(req, ChatCompletionRequest)
     opts = parse_params(
-        body,
+        req,
         gw.config.default_max_tokens,
         chat,
         gw.tokenizer.n_vocab,
