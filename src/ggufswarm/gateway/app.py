@@ -1,5 +1,6 @@
 """aiohttp app of the gateway: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, the
-verifier's ``/v1/verify`` and ``/metrics`` (gateway/verify.py), and Anthropic's ``/v1/messages`` (anthropic_api.py).
+verifier's ``/v1/verify`` and ``/metrics`` (gateway/verify.py), Anthropic's ``/v1/messages`` (anthropic_api.py) and
+``/openapi.json`` (openapi.py: the document of the typed request models that check the bodies).
 
 Each choice of a request (``n``) gets its own route session (KV on every node), run by ``generation.Generation``
 (``choices.Choices``: all at once); concurrent requests proceed concurrently. The final stream chunk and the
@@ -32,6 +33,7 @@ from .generation import Delta, Done, Failed
 from .intake import GATEWAY, gateway_for, next_while_connected, read_body
 from .messages import chat_turns
 from .openai_request import CHAT_PATH, COMPLETIONS_PATH, ChatCompletionRequest, OpenAIRequest, parse_request
+from .openapi import OPENAPI_PATH, openapi_json
 from .params import parse_params
 from .render import SSE_HEADERS, Reply, write_stream
 from .responses import create_response, delete_response, get_response, list_input_items
@@ -309,6 +311,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/verify", verify)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get(OPENAPI_PATH, openapi_json)
 
     async def lifecycle(app):
         await gw.start()

@@ -109,38 +109,38 @@ class NamedToolChoice(BaseModel):
 # -- checked here --
 
 
-class StreamOptions(_Strict):
+class ChatStreamOptions(_Strict):
     include_usage: bool | None = Field(False, description="a final chunk with usage and empty choices")
     include_obfuscation: bool | None = _no_effect()
 
 
-class JSONSchemaFormat(_Strict):
+class ChatJSONSchema(_Strict):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class FormatText(_Strict):
+class ChatFormatText(_Strict):
     type: Literal["text"]
 
 
-class FormatJSONObject(_Strict):
+class ChatFormatJSONObject(_Strict):
     """Any JSON object; with ``schema`` (llama-server's shorthand), one following it."""
 
     type: Literal["json_object"]
     schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
-class FormatJSONSchema(_Strict):
+class ChatFormatJSONSchema(_Strict):
     """JSON following ``json_schema.schema`` (or ``schema``, llama-server's shorthand; neither: any object)."""
 
     type: Literal["json_schema"]
-    json_schema: JSONSchemaFormat | None = None
+    json_schema: ChatJSONSchema | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
-ResponseFormat = Annotated[FormatText | FormatJSONObject | FormatJSONSchema, Field(discriminator="type")]
+ResponseFormat = Annotated[ChatFormatText | ChatFormatJSONObject | ChatFormatJSONSchema, Field(discriminator="type")]
 TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
 Bias = Annotated[float, Field(ge=-100, le=100)]
 StopString = Annotated[str, Field(min_length=1)]
@@ -154,7 +154,7 @@ class _Common(_Strict):
     max_completion_tokens: int | None = Field(None, ge=0, description="OpenAI's newer max_tokens (wins)")
     n: int | None = Field(1, ge=1, le=MAX_CHOICES, description="choices, each its own route session")
     stream: bool | None = False
-    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    stream_options: ChatStreamOptions | None = Field(None, description="only with stream: true")
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     temperature: float | None = Field(_D.temperature, ge=0, le=2)
     top_p: float | None = Field(_D.top_p, gt=0, le=1)
