@@ -187,6 +187,7 @@ class _Common(_Strict):
     safety_identifier: str | None = _no_effect()
     prompt_cache_key: str | None = _no_effect()
     cache_prompt: bool | None = _no_effect()
+    parallel_tool_calls: bool | None = Field(None, description="chat with tools: false reports the first call only")
     # llama-server samplers not implemented here: taken only at the value that turns them off ...
     typical_p: float | None = _off(1.0)
     mirostat: int | None = _off(0)
@@ -217,7 +218,6 @@ class ChatCompletionRequest(_Common):
     response_format: ResponseFormat | None = Field(None, description="constrained decoding; not with tools")
     tools: SkipValidation[list[ToolSpec]] | None = None
     tool_choice: SkipValidation[Literal["none", "auto", "required"] | NamedToolChoice] | None = None
-    parallel_tool_calls: bool | None = None
     functions: SkipValidation[list[dict[str, Any]]] | None = Field(
         None, description="refused: deprecated function calling (send tools)"
     )
