@@ -58,7 +58,7 @@ class ToolUseBlock(_Strict):
 
 
 def _blocks(value):
-    """A string content is one text block (Anthropic's shorthand)."""
+    """A string content is one text block (Anthropic's shorthand; the JSON Schema says both forms)."""
     if isinstance(value, str):
         return [{"type": "text", "text": value}]
     if not isinstance(value, list):
@@ -75,7 +75,7 @@ class ToolResultBlock(_Strict):
 
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: Annotated[list[ResultContent], BeforeValidator(_blocks)] = []
+    content: Annotated[list[ResultContent], BeforeValidator(_blocks, str | list[ResultContent])] = []
     is_error: bool | None = None
     cache_control: CacheControl | None = None
 
@@ -103,7 +103,7 @@ class Message(_Strict):
     """A turn: ``user``, ``assistant``, or ``system`` (a system message mid-conversation, text only)."""
 
     role: Literal["user", "assistant", "system"]
-    content: Annotated[list[ContentBlock], BeforeValidator(_blocks)]
+    content: Annotated[list[ContentBlock], BeforeValidator(_blocks, str | list[ContentBlock])]
 
 
 class Tool(_Strict):
@@ -209,7 +209,7 @@ class CountTokensRequest(_Strict):
 
     model: str
     messages: list[Message] = Field(min_length=1)
-    system: Annotated[list[TextBlock], BeforeValidator(_blocks)] | None = None
+    system: Annotated[list[TextBlock], BeforeValidator(_blocks, str | list[TextBlock])] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None

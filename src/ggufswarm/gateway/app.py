@@ -1,5 +1,6 @@
 """aiohttp app of the gateway: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, the
-verifier's ``/v1/verify`` and ``/metrics`` (gateway/verify.py), and Anthropic's ``/v1/messages`` (anthropic_api.py).
+verifier's ``/v1/verify`` and ``/metrics`` (gateway/verify.py), Anthropic's ``/v1/messages`` (anthropic_api.py) and
+``/openapi.json`` (openapi.py: the document of the typed request models that check the bodies).
 
 Each choice of a request (``n``) gets its own route session (KV on every node), run by ``generation.Generation``
 (``choices.Choices``: all at once); concurrent requests proceed concurrently. The final stream chunk and the
@@ -31,7 +32,9 @@ from .errors import CLIENT_GONE, FIXED_ROUTE_HINT, JSON, RequestError, error_res
 from .generation import Delta, Done, Failed
 from .intake import GATEWAY, gateway_for, next_while_connected, read_body
 from .messages import chat_turns
-from .params import CHAT_PATH, COMPLETIONS_PATH, parse_params
+from .openai_request import CHAT_PATH, COMPLETIONS_PATH, ChatCompletionRequest, OpenAIRequest, parse_request
+from .openapi import OPENAPI_PATH, openapi_json
+from .params import parse_params
 from .render import SSE_HEADERS, Reply, write_stream
 from .responses import create_response, delete_response, get_response, list_input_items
 from .responses_request import RESPONSES_PATH
@@ -45,7 +48,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (OpenAI): messages rendered with the GGUF chat template."""
     body = await read_body(request)
     gw = await gateway_for(request, body)
-    turns = chat_turns(body.get("messages"), gw.tokenizer.chat_template)
+    req = parse_request(body, chat=True)
+    turns = chat_turns(req.messages, gw.tokenizer.chat_template)
     try:
         tools = tool_request(body, gw.tokenizer.chat_template)
     except ToolError as exc:
@@ -56,18 +60,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
     except ValueError as exc:
         raise RequestError(str(exc), param="messages") from None
-    return await complete(request, gw, ids, body, chat=True, tools=tools)
+    return await complete(request, gw, ids, req, tools=tools)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` (OpenAI): a plain ``prompt`` string (or a list holding one)."""
     body = await read_body(request)
     gw = await gateway_for(request, body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise RequestError("prompt must be a string", param="prompt")
+    req = parse_request(body, chat=False)
+    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
     ids = await asyncio.get_running_loop().run_in_executor(  # off the event loop, as for chat
         gw.pool, lambda: gw.tokenizer.encode(prompt, special=gw.config.prompt_special)
     )
@@ -75,15 +76,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise RequestError(
             "prompt is empty and this model adds no BOS token: give at least one token of text", param="prompt"
         )
-    return await complete(request, gw, ids, body, chat=False, prompt=prompt)
+    return await complete(request, gw, ids, req, prompt=prompt)
 
 
 async def complete(
     request: web.Request,
     gw: Gateway,
     ids: list[int],
-    body: dict,
-    chat: bool,
+    req: OpenAIRequest,
     prompt: str | None = None,
     tools: ToolRequest | None = None,
 ) -> web.StreamResponse:
@@ -91,8 +91,9 @@ async def complete(
     answer them, streamed (SSE) or whole. RequestError for a bad parameter; a route's failure before the answer
     starts is raised (an error answer), after it an SSE error event; a client that goes away stops every choice
     (its session closes on every node)."""
+    chat = isinstance(req, ChatCompletionRequest)
     opts = parse_params(
-        body,
+        req,
         gw.config.default_max_tokens,
         chat,
         gw.tokenizer.n_vocab,
@@ -310,6 +311,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/verify", verify)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get(OPENAPI_PATH, openapi_json)
 
     async def lifecycle(app):
         await gw.start()

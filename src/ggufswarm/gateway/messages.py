@@ -8,8 +8,7 @@ import json
 
 from ..client.tools import new_call_id
 from .errors import RequestError
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+from .openai_request import CHAT_ROLES
 
 
 def message_text(content, where: str = "messages") -> str:
@@ -85,8 +84,8 @@ def chat_turns(messages, template: str | None) -> list[dict]:
     (not a non-empty list), ``messages[i]`` (not an object), ``messages[i].role`` (missing, or not one of
     CHAT_ROLES), ``messages[i].content`` (missing, as llama-server: only an assistant turn that makes tool calls
     may omit it; ``null`` is empty text; not a string or a list of text parts), ``messages[i].content[j]``,
-    ``messages[i].tool_calls[j]``, ``messages[i].tool_call_id`` (a ``tool`` message needs one, a string),
-    ``messages[i].name`` (not a string).
+    ``messages[i].tool_calls[j]``, ``messages[i].tool_call_id`` (not a string; a ``tool`` message may omit it, as
+    llama-server: the chat template decides), ``messages[i].name`` (not a string).
     """
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", param="messages")
@@ -118,12 +117,8 @@ def chat_turns(messages, template: str | None) -> list[dict]:
             called.update((c["id"], c["function"]["name"]) for c in turn["tool_calls"])
         if role == "tool":
             call_id, name = m.get("tool_call_id"), m.get("name")
-            if not call_id:
-                raise RequestError(
-                    f"{at} (tool) has no tool_call_id: a tool message answers the call with that id",
-                    param=f"{at}.tool_call_id",
-                )
-            turn["tool_call_id"] = call_id
+            if call_id:  # optional, as llama-server: the chat template decides what it needs
+                turn["tool_call_id"] = call_id
             if name or called.get(call_id):
                 turn["name"] = name or called[call_id]
         elif isinstance(m.get("name"), str):

@@ -180,7 +180,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:
         raise RequestError(str(exc), param="input") from None
     try:
-        opts = parse_params(chat, gw.config.default_max_tokens, True, gw.tokenizer.n_vocab, gw.tokenizer.has_fim, tools)
+        opts = parse_params(
+            {**chat, "messages": turns},
+            gw.config.default_max_tokens,
+            True,
+            gw.tokenizer.n_vocab,
+            gw.tokenizer.has_fim,
+            tools,
+        )
     except RequestError as exc:
         raise chat_error(exc) from None
     reply = ResponseReply(gw.model_name, req, opts, tools)
