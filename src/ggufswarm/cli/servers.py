@@ -297,9 +297,11 @@ def add_gateway_parser(sub) -> argparse.ArgumentParser:
     """Add ``ggufswarm gateway`` to the subparsers ``sub``; its parser."""
     w = sub.add_parser(
         "gateway",
-        help="OpenAI-compatible API over a route of nodes",
-        description="Serve /v1/chat/completions, /v1/completions and /v1/models over a route of "
-        "nodes: given by hand (--route; first node has --embed, last --head), or planned "
+        help="OpenAI- and Anthropic-compatible API over a route of nodes",
+        description="Serve OpenAI's /v1/chat/completions, /v1/completions, /v1/responses and /v1/models, and "
+        "Anthropic's /v1/messages and /v1/messages/count_tokens (an Anthropic SDK's base_url is the gateway's "
+        "URL without /v1), with their request schemas at /openapi.json, over a route of nodes: given by hand "
+        "(--route; first node has --embed, last --head), or planned "
         "per session by a tracker (--tracker), which also repairs routes whose nodes "
         "fail. Streaming (SSE) and non-streamed; the body (the stream's last chunk) carries "
         "a telemetry object, and usage (a stream: with stream_options.include_usage). "
@@ -328,8 +330,8 @@ def add_gateway_parser(sub) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: open API: anyone who "
-        "reaches the port can generate; the gateway warns when it listens beyond loopback without one)",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/* (repeatable; default: open API: "
+        "anyone who reaches the port can generate; the gateway warns when it listens beyond loopback without one)",
     )
     w.add_argument(
         "--literal-prompts",

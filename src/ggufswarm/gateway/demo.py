@@ -341,8 +341,12 @@ def run_demo(args) -> int:
         if args.serve:
             print(base, flush=True)
             print(
-                "ggufswarm demo: the OpenAI API is open (any API key works; `ggufswarm gateway --api-key KEY` "
-                "requires one); the swarm token below is for nodes, not for API clients",
+                f"ggufswarm demo: that is the OpenAI API's base URL (chat completions, completions, responses); "
+                f"Anthropic's Messages API is at {base.removesuffix('/v1')} (an Anthropic SDK's base_url). The API is "
+                "open (any API key works; `ggufswarm gateway --api-key KEY` requires one); the swarm token below is "
+                "for nodes, not for API clients. For function calling with a model whose template renders no tools, "
+                "run a gateway of your own with --join LINK --chat-template-file FILE (tests/data/qwen2.5-tools.jinja "
+                "renders them for SmolLM2)",
                 file=sys.stderr,
                 flush=True,
             )
