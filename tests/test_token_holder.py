@@ -247,7 +247,7 @@ def test_a_relayed_node_dials_back_its_requester_not_its_own_machine(monkeypatch
         async with aiohttp.ClientSession() as http:
             state.relay_client = RelayClient(f"http://127.0.0.1:{relay_port}", node_port, TOKEN)
             host, public = await state.relay_client.start(http)
-            listener = next(iter(relay_app["relay"].clients.values())).listener
+            listener = next(iter(relay_app[relay_module.RELAY].clients.values())).listener
             assert listener.sockets[0].getsockname()[0] == "127.0.0.1"  # where the tracker listens, not 0.0.0.0
             try:
                 async with _from("127.0.0.2") as attacker, _from("127.0.0.3") as other:

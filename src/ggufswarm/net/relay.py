@@ -373,6 +373,9 @@ class RelayServer:
                 await client.mux.ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"relay shutting down")
 
 
+RELAY = web.AppKey("relay", RelayServer)  # the RelayServer of an app made a relay by add_relay_routes
+
+
 def add_relay_routes(app: web.Application, public_host: str, bind_host: str = "0.0.0.0", registry=None) -> RelayServer:
     """Make ``app`` a relay: ``GET /v1/relay/attach`` (behind the app's token middleware) and closing every
     attachment when the app shuts down. ``public_host``: the host name or IP clients are told to advertise;

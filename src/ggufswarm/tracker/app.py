@@ -29,7 +29,7 @@ from ..net.auth import token_middleware
 from ..net.http import json_errors_middleware, read_json
 from ..net.identity import IdentityError
 from ..net.reach import RateLimit, add_dialback_route, add_probe_route, prove, skip_public_paths
-from ..net.relay import add_relay_routes
+from ..net.relay import RELAY, add_relay_routes
 from ..protocol.errors import ProtocolError
 from .bans import add_ban_routes
 from .registry import NODE_STATES, Registry, StaleAdvertisement
@@ -277,7 +277,7 @@ def make_app(config: TrackerConfig) -> web.Application:
     add_dialback_route(app)  # nodes behind NATs ask whether they can be dialled (node/reach.py)
     add_probe_route(app)
     if config.relay:
-        app["relay"] = add_relay_routes(app, config.public_host or "127.0.0.1", config.host)
+        app[RELAY] = add_relay_routes(app, config.public_host or "127.0.0.1", config.host)
     return app
 
 
