@@ -80,3 +80,28 @@ def test_deepseek4_route_gives_llama_cpp_tokens_and_survives_a_sigkill(tmp_path)
                 assert health(node.url)["status"] == "ok"
         finally:
             stop_nodes(nodes)
+
+
+def test_deepseek4_chained_shards_in_one_process_give_the_whole_models_tokens(tmp_path):
+    """``generate --split`` on DeepSeek-V4 (issue 42, item 3): chained in-process shards cut at every block
+    boundary, one at a time and all at once, pass each step's token ids to the shards whose hash-routed blocks read
+    them, and give the greedy tokens of llama.cpp's whole model (the original file, one shard)."""
+    from ggufswarm.client.local import LocalModel
+    from ggufswarm.runtime.sampling import SamplingParams
+
+    model = write_tiny_deepseek4_model(
+        tmp_path / "deepseek4.gguf", compress_ratios=[0, 0, 4, 128, 4, 128], hash_layers=3
+    )
+    prompt = [5 + (i * 7) % 200 for i in range(40)]
+
+    def greedy(split):
+        local = LocalModel.load(str(model), split=split, backend="llama.cpp", threads=1, max_length=256)
+        session = local.session(200, SamplingParams(temperature=0))
+        out = [session.step(prompt)]
+        for _ in range(16):
+            out.append(session.step([out[-1]]))
+        return out
+
+    whole = greedy(None)
+    for split in ([1], [2], [3], [4], [5], [1, 2, 3, 4, 5]):
+        assert greedy(split) == whole, split

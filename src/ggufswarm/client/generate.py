@@ -37,7 +37,8 @@ class LocalSession:
         torch tensor from a torch one)."""
         x = np.asarray(token_ids, dtype=np.int64)
         for shard, kv in zip(self.shards, self.kvs):
-            x = shard.forward(kv, x, logits="all" if all_positions else "last")
+            extra = {"token_ids": token_ids} if getattr(shard, "needs_token_ids", False) else {}  # hash routing
+            x = shard.forward(kv, x, logits="all" if all_positions else "last", **extra)
         return x
 
     @property
