@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
+import urllib.request
 from http.client import HTTPConnection
 from pathlib import Path
 
@@ -286,6 +288,14 @@ def test_get_delete_and_owners(keyed):
     assert err.value.body["param"] == "previous_response_id"
     status, body = http("DELETE", keyed[1] + f"/v1/responses/{made.id}")  # no key at all: 401
     assert status == 401
+    for key, found in ((KEYS[0], 200), (KEYS[1], 404)):  # Anthropic's header names the same owner as Bearer
+        req = urllib.request.Request(keyed[1] + f"/v1/responses/{made.id}", headers={"x-api-key": key})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        assert status == found, key
     deleted = a.responses.delete(made.id)  # (the SDK returns nothing; its body checked below on another)
     assert deleted is None
     with pytest.raises(openai.NotFoundError):

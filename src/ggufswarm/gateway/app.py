@@ -30,7 +30,7 @@ from .choices import Choices
 from .config import GatewayConfig
 from .errors import CLIENT_GONE, FIXED_ROUTE_HINT, JSON, RequestError, error_response, say_failed
 from .generation import Delta, Done, Failed
-from .intake import GATEWAY, gateway_for, next_while_connected, read_body
+from .intake import API_KEY, GATEWAY, gateway_for, next_while_connected, read_body
 from .messages import chat_turns
 from .openai_request import CHAT_PATH, COMPLETIONS_PATH, ChatCompletionRequest, OpenAIRequest, parse_request
 from .openapi import OPENAPI_PATH, openapi_json
@@ -279,8 +279,10 @@ def api_key_middleware(keys: tuple[str, ...]):
             scheme, _, bearer = request.headers.get("Authorization", "").strip().partition(" ")
             given = [bearer.strip().encode() if scheme.lower() == "bearer" else b""]
             given.append(request.headers.get("x-api-key", "").strip().encode())
-            if not any(hmac.compare_digest(g, k.encode()) for g in given if g for k in keys):
+            matched = [k for g in given if g for k in keys if hmac.compare_digest(g, k.encode())]
+            if not matched:
                 raise RequestError("missing or invalid API key", 401, "invalid_api_key")
+            request[API_KEY] = matched[0]  # whose stored responses it may read (responses.py)
         return await handler(request)
 
     return check

@@ -14,6 +14,7 @@ from .generation import Event, Failed, Generation
 from .state import Gateway
 
 GATEWAY = web.AppKey("gateway", Gateway)
+API_KEY = web.RequestKey("api_key", str)  # the API key a request was let in with (app.api_key_middleware)
 DISCONNECT_POLL_S = 0.5  # a non-streamed request looks this often whether its client is still there
 
 
@@ -75,4 +76,4 @@ async def answer(request: web.Request, generation: Generation, stream: bool, str
         generation.cancel()
 
 
-__all__ = ["DISCONNECT_POLL_S", "GATEWAY", "answer", "gateway_for", "next_while_connected", "read_body"]
+__all__ = ["API_KEY", "DISCONNECT_POLL_S", "GATEWAY", "answer", "gateway_for", "next_while_connected", "read_body"]

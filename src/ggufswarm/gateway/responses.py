@@ -16,7 +16,7 @@ from ..client.tools import ToolCallStream, ToolError, ToolRequest, parse_tool_ca
 from ..client.tools import tool_request as checked_tools
 from .errors import CLIENT_GONE, JSON, RequestError
 from .generation import Delta, Done, Failed, Generation
-from .intake import GATEWAY, answer, gateway_for, next_while_connected, read_body
+from .intake import API_KEY, GATEWAY, answer, gateway_for, next_while_connected, read_body
 from .messages import converted_turns
 from .params import parse_params
 from .render import SSE_HEADERS, error_event
@@ -33,11 +33,9 @@ def _new_id(prefix: str) -> str:
 
 
 def _owner(request: web.Request, gw: Gateway) -> str:
-    """The store's owner of ``request``: its API key (checked by app.api_key_middleware) when keys are set."""
-    if not gw.config.api_keys:
-        return owner_key(None)
-    _, _, given = request.headers.get("Authorization", "").strip().partition(" ")
-    return owner_key(given.strip())
+    """The store's owner of ``request``: the API key app.api_key_middleware let it in with (either header) when
+    keys are set."""
+    return owner_key(request.get(API_KEY) if gw.config.api_keys else None)
 
 
 def _not_found(response_id: str, param: str | None = None) -> RequestError:
