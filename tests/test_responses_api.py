@@ -348,7 +348,7 @@ def test_client_leaving_mid_stream_closes_the_session(gateway, cluster):
     assert resp.readline() == b"event: response.created\n"
     assert http("GET", cluster[0].url + "/health")[1]["sessions"] == 1
     conn.close()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # a bound, not a timing: a busy machine may be slow to notice
     while any(http("GET", n.url + "/health")[1]["sessions"] for n in cluster):
         assert time.monotonic() < deadline, "route session left open after the client disconnected"
         time.sleep(0.2)

@@ -208,8 +208,12 @@ async def run(
             async with aclosing(
                 agenerate(tap or session, gw.tokenizer, ids, budget, opts.stop, stats, drafter, opts.special)
             ) as deltas:
-                async for text in deltas:
-                    emit(Delta(text, drain(), clock.read()))
+                async for text in deltas:  # the timings object only where each chunk carries it
+                    if opts.timings_per_token:
+                        emit(Delta(text, drain(), clock.read()))
+                    else:
+                        clock.seen()
+                        emit(Delta(text, drain()))
         finally:
             if isinstance(drafter, _SerialDrafter):  # waits for a draft in flight: off the loop
                 await asyncio.to_thread(drafter.close)

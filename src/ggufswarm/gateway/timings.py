@@ -17,14 +17,19 @@ class Clock:
         self.stats = stats
         self._first: float | None = None  # time.perf_counter() when the first token was seen
 
+    def seen(self) -> float:
+        """Note the time of the first token once it is there (call at each token); ``time.perf_counter()`` now."""
+        now = time.perf_counter()
+        if self._first is None and self.stats.completion_tokens:
+            self._first = now
+        return now
+
     def read(self) -> dict:
         """``{"prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n", "predicted_ms",
         "predicted_per_token_ms", "predicted_per_second"}`` now (ms, tokens per second; a rate whose divisor is
         not known yet is 0, as llama-server)."""
-        now = time.perf_counter()
+        now = self.seen()
         n = self.stats.completion_tokens
-        if n and self._first is None:
-            self._first = now
         predicted_ms = (now - self._first) * 1e3 if self._first is not None else 0.0
         prompt_n, prompt_ms = self.stats.prompt_tokens, self.stats.ttft_ms
         steps = max(n - 1, 0)  # decode steps after the first token
