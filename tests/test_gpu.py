@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -280,6 +281,9 @@ def test_a_route_with_its_head_on_lavapipe_streams_llama_cpp_s_text(vulkan, gemm
                 assert not placement["output_on_gpu"] and placement["buffers"]["CPU_Mapped"]["model"] > 150 << 20
             assert health(nodes[0].url)["placement"]["device"] == "CPU"
             if gpu != "none":  # its KV is allocated at start: a session past --max-sessions is refused, not run
+                deadline = time.monotonic() + 60  # the gateway closes the answer's session after the last chunk
+                while health(nodes[2].url)["sessions"] and time.monotonic() < deadline:
+                    time.sleep(0.1)
                 opened = [http("POST", f"{nodes[2].url}/v1/sessions", {"max_length": 64}) for _ in range(3)]
                 assert [status for status, _ in opened] == [201, 201, 429], opened
                 assert opened[2][1]["error"]["code"] == "kv_budget_full", opened[2]
@@ -300,7 +304,6 @@ def test_a_session_repaired_onto_a_gpu_head_continues(vulkan, gemma_path, tmp_pa
     repair on, the tokens are the GPU's (docs/gpu.md: its logits differ from the CPU's), as after a repair onto a
     node of another CPU kind."""
     import threading
-    import time
 
     from apphost import AppThread
     from test_faults import stream
