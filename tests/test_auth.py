@@ -139,9 +139,9 @@ def test_the_library_never_reads_the_environment(apps, monkeypatch):
     """Only the command line reads ``$GGUFSWARM_TOKEN``: an in-process client or config given no token sends
     none (401 from a private swarm) even with the variable set, and one given the token gets through."""
     from ggufswarm.client.route import RemoteRoute
-    from ggufswarm.client.transport import RouteError
     from ggufswarm.directory.trackers import TrackerClient, TrackerError
     from ggufswarm.net.auth import TOKEN_ENV
+    from ggufswarm.protocol.errors import RouteError
 
     (_, node), (_, tracker) = apps[0], apps[1]
     monkeypatch.setenv(TOKEN_ENV, TOKEN)

@@ -27,10 +27,10 @@ from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
 from ggufswarm.client.generate import generate
 from ggufswarm.client.session import AsyncRouteSession
-from ggufswarm.client.transport import StepLink
 from ggufswarm.directory.trackers import TrackerClient
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.net.http import ServerThread
+from ggufswarm.net.link import FrameLink
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.protocol import decode_frame
 from ggufswarm.runtime.sampling import SamplingParams
@@ -158,7 +158,7 @@ def repair_log(monkeypatch):
     as "do not sample" frames while that repair's replay ran, counted at the wire."""
     log = []
     replaying = {}  # session id -> the entry of the repair whose replay is running
-    repair, send = AsyncRouteSession.repair, StepLink.send
+    repair, send = AsyncRouteSession.repair, FrameLink.send
 
     async def spy_repair(self, exc):
         entry = {"history": len(self.tokens), "boundaries": set(self.boundaries), "replayed": 0}
@@ -182,7 +182,7 @@ def repair_log(monkeypatch):
         return await send(self, frame, waiter, timeout)
 
     monkeypatch.setattr(AsyncRouteSession, "repair", spy_repair)
-    monkeypatch.setattr(StepLink, "send", spy_send)
+    monkeypatch.setattr(FrameLink, "send", spy_send)
     return log
 
 

@@ -57,13 +57,12 @@ from tinymodels import N_VOCAB, write_tiny_model
 
 from ggufswarm.client.local import LocalModel
 from ggufswarm.client.route import RemoteRoute
-from ggufswarm.client.transport import RouteError
 from ggufswarm.net.auth import TOKEN_HEADER
 from ggufswarm.net.reach import PUBLIC_PATHS
 from ggufswarm.node.app import make_app
 from ggufswarm.node.launch import NodeProcess, start_nodes, stop_nodes
 from ggufswarm.node.state import NODE, NodeConfig
-from ggufswarm.protocol.errors import ERROR_STATUS
+from ggufswarm.protocol.errors import ERROR_STATUS, RouteError
 from ggufswarm.protocol.frame import HEADER, HEADER_SIZE, MAGIC, encode_hidden, encode_tokens
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import ShardSpec

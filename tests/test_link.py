@@ -17,7 +17,7 @@ from route_fixtures import http, open_greedy, tiny_split_route
 from tinymodels import write_tiny_model
 
 from ggufswarm.client.route import RemoteRoute
-from ggufswarm.client.transport import StepLink
+from ggufswarm.net.link import FrameLink
 from ggufswarm.node.app import make_app as make_node_app
 from ggufswarm.node.state import NodeConfig
 from ggufswarm.protocol import decode_frame, encode_tokens
@@ -241,9 +241,9 @@ def test_next_hop_without_links_gets_plain_posts(tiny_route):
         http("DELETE", f"{tiny_route['first']}/v1/sessions/{sid}")
 
         # The client's own step link falls back the same way when the first node has no links.
-        async def client_link() -> StepLink:
+        async def client_link() -> FrameLink:
             async with aiohttp.ClientSession() as client:
-                link = StepLink(client, fake, 5.0)
+                link = FrameLink(client, fake, 5.0)
                 try:
                     for i in range(2):
                         status, body = await link.step(encode_tokens(sid, i + 1, i, [3]))
@@ -433,7 +433,7 @@ def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
     error), then the one that finds no replacement left."""
     from dataclasses import replace
 
-    from ggufswarm.client.transport import RouteError
+    from ggufswarm.protocol.errors import RouteError
 
     async def opened(request):
         return web.json_response({"session_id": (await request.json())["session_id"]}, status=201)
@@ -457,7 +457,7 @@ def test_a_repair_that_fails_halfway_is_recorded(tiny_route):
 
         def replan(exclude, span):
             if fake in exclude:
-                raise RouteError(f"no node serves layers {span[0]}:{span[1]} any more", 503, "no_route")
+                raise RouteError("no_route", f"no node serves layers {span[0]}:{span[1]} any more", 503)
             return spare
 
         # no ring decode: the node that loses the session below could otherwise have run the next step already
@@ -482,7 +482,7 @@ def test_a_repair_whose_replay_fails_halfway_records_the_tokens_it_replayed(tiny
     (back to the first head, healthy again) replays the whole history; the text is unchanged."""
     from dataclasses import replace
 
-    from ggufswarm.client.transport import RouteError
+    from ggufswarm.protocol.errors import RouteError
 
     steps = []
 
@@ -526,7 +526,7 @@ def test_a_repair_whose_replay_fails_halfway_records_the_tokens_it_replayed(tiny
                 return spare
             if head not in exclude:
                 return RemoteRoute([head], 30.0, part=True)
-            raise RouteError(f"no node serves layers {span[0]}:{span[1]} but those excluded", 503, "no_route")
+            raise RouteError("no_route", f"no node serves layers {span[0]}:{span[1]} but those excluded", 503)
 
         want = greedy([tiny_route["whole"]], n=4)
         # no ring decode: the head would have sent the 4th step itself before it lost the session
@@ -551,7 +551,7 @@ def test_a_repair_whose_replay_fails_halfway_records_the_tokens_it_replayed(tiny
 def test_a_node_excluded_by_one_repair_can_replace_a_later_failure(tiny_route, tiny_dir):
     """The head fails (the session moves to a second head), then the second head fails too: the session goes
     back to the first head, which serves again, instead of ending with no_replacement; the text is unchanged."""
-    from ggufswarm.client.transport import RouteError
+    from ggufswarm.protocol.errors import RouteError
 
     first, head = tiny_route["first"], tiny_route["head"]
     with AppThread(
@@ -566,7 +566,7 @@ def test_a_node_excluded_by_one_repair_can_replace_a_later_failure(tiny_route, t
             for url in (head, head2):
                 if url not in exclude:
                     return RemoteRoute([url], 30.0, part=True)
-            raise RouteError(f"no node serves layers {span[0]}:{span[1]} but those excluded", 503, "no_route")
+            raise RouteError("no_route", f"no node serves layers {span[0]}:{span[1]} but those excluded", 503)
 
         want = greedy([tiny_route["whole"]], n=4)
         # no ring decode: the node that loses the session below could otherwise have run the next step already
@@ -589,7 +589,7 @@ def test_with_no_spare_for_the_failed_span_the_whole_route_is_replanned(tiny_rou
     whole route onto it (replaced_layers: all of them), releases the session on the first node, which the new
     route leaves out, and the text is unchanged (f32 frames). With no plan for either, the error is the one for
     the failed layers."""
-    from ggufswarm.client.transport import RouteError
+    from ggufswarm.protocol.errors import RouteError
 
     first, head, whole = tiny_route["first"], tiny_route["head"], tiny_route["whole"]
     asked = []
@@ -598,7 +598,7 @@ def test_with_no_spare_for_the_failed_span_the_whole_route_is_replanned(tiny_rou
         asked.append((set(exclude), span))
         if span == (0, 2) and whole not in exclude:
             return RemoteRoute([whole], 30.0, part=True)
-        raise RouteError(f"no node serves layers {span[0]}:{span[1]}", 503, "no_route")
+        raise RouteError("no_route", f"no node serves layers {span[0]}:{span[1]}", 503)
 
     want = greedy([whole], n=4)
     # no ring decode: the node that loses the session below could otherwise have run the next step already

@@ -15,11 +15,12 @@ import torch
 from route_fixtures import HOP_TIMEOUT, cluster, greedy_prompts, health, http, llama_cpp_greedy_tokens, reference  # noqa: F401 - fixtures
 
 from ggufswarm.client.route import RemoteRoute
-from ggufswarm.client.transport import RouteError, StepLink
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.net.http import ServerThread
+from ggufswarm.net.link import FrameLink
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.protocol import decode_frame, encode_hidden, encode_tokens
+from ggufswarm.protocol.errors import RouteError
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.shard import ShardSpec
 
@@ -123,7 +124,7 @@ def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma,
         session = route.open(64, sampling, wire_dtype="f32")
         replies = []  # per step sent: (tokens in it, the token the head answered), read at the wire
 
-        def spy(link, frame, waiter, timeout=None, send=StepLink.send, replies=replies, sid=session.id):
+        def spy(link, frame, waiter, timeout=None, send=FrameLink.send, replies=replies, sid=session.id):
             header = decode_frame(frame)
             if header.session_id == sid:
                 waiter.add_done_callback(
@@ -131,7 +132,7 @@ def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma,
                 )
             return send(link, frame, waiter, timeout)
 
-        monkeypatch.setattr(StepLink, "send", spy)
+        monkeypatch.setattr(FrameLink, "send", spy)
         tokens = [session.step(ids)]
         # the prompt went as ceil(len / chunk) steps; every one but the last answered token null (no draw)
         n_chunks = -(-len(ids) // chunk)
@@ -715,7 +716,8 @@ def _torch_head_checks(route, gemma):
 def test_a_later_node_s_error_names_that_node_first():
     """A step error a later node caused (its ``hop`` in the error body) reads "step N: node B (via node A): ...";
     an error of the node answered reads "step N on node A: ..."; a malformed ``hop`` falls back to the node."""
-    from ggufswarm.client.transport import RouteError, check_reply
+    from ggufswarm.client.transport import check_reply
+    from ggufswarm.protocol.errors import RouteError
 
     def message(err: dict) -> tuple[str, str]:
         with pytest.raises(RouteError) as caught:

@@ -222,22 +222,22 @@ def test_a_head_that_cannot_reach_the_first_node_is_no_dead_node(tiny, monkeypat
     """The head's ring steps to the first node fail (it is on a network only the client reaches, say): the client
     sends each such step itself, nodes answer from their records, the ring goes off for the session, nothing is
     repaired and the tokens are the client-driven ones."""
-    from ggufswarm.node.link import HopLinks
-    from ggufswarm.protocol import ProtocolError
+    from ggufswarm.net.link import LinkPool
+    from ggufswarm.protocol.errors import RouteError
 
     first, head = tiny["first"], tiny["head"]
-    send = HopLinks.send
+    send = LinkPool.send
 
     async def unreachable(self, url, frame, timeout_s):
         if url == first:  # only the head's ring steps go to the first node
-            raise ProtocolError("hop_failed", f"next hop {url} failed: no route to host", hop=url)
+            raise RouteError("hop_failed", f"node {url} failed: no route to host", 502, url)
         return await send(self, url, frame, timeout_s)
 
     ids = [5 + (i * 13) % 300 for i in range(12)]
     outs = []
     for ring in (False, True):
         if ring:
-            monkeypatch.setattr(HopLinks, "send", unreachable)
+            monkeypatch.setattr(LinkPool, "send", unreachable)
         session = RemoteRoute([first, head]).open(64, SamplingParams(temperature=0), ring=ring, replan=lambda *a: 1 / 0)
         try:
             out = [session.step(ids)]

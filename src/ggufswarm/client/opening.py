@@ -8,8 +8,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from ..protocol.errors import RouteError
 from .route import Hop
-from .transport import RouteError
 
 if TYPE_CHECKING:
     from .session import AsyncRouteSession

@@ -13,9 +13,10 @@ import inspect
 import time
 from typing import TYPE_CHECKING
 
+from ..protocol.errors import RouteError
 from . import opening
 from .route import Hop, RemoteRoute
-from .transport import BANNED, RouteError
+from .transport import BANNED
 
 if TYPE_CHECKING:
     from .session import AsyncRouteSession
@@ -165,9 +166,9 @@ async def repair_route(session: AsyncRouteSession, excluded: set[str], exc: Rout
     except RouteError as err:
         session.measured.repairs.append(_entry(failed, exc, t0, replacement=None, error=str(err)[:MESSAGE_CHARS]))
         raise RouteError(
+            "no_replacement",
             f"node {failed.url} (layers {failed.start}:{failed.end}) failed ({exc}); no replacement: {err}",
             503,
-            "no_replacement",
             failed.url,
         ) from None
     replaced = [h for h in old.hops if span[0] <= h.start and h.end <= span[1]]  # failed alone, or every hop

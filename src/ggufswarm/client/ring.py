@@ -13,9 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..net.link import FrameLink
 from ..protocol import encode_tokens
+from ..protocol.errors import RouteError
 from ..protocol.link import frame_key
-from .transport import BANNED, RouteError, StepLink
+from .transport import BANNED
 
 if TYPE_CHECKING:
     from .session import AsyncRouteSession
@@ -36,8 +38,8 @@ def open_replies(session: AsyncRouteSession, head: str) -> None:
     it): a head that does not answer never holds a step up."""
     if session._replies_opening is None:
 
-        async def opening() -> StepLink | None:
-            link = StepLink(
+        async def opening() -> FrameLink | None:
+            link = FrameLink(
                 session.http,
                 head,
                 min(session.route.timeout_s, REPLY_LINK_TIMEOUT_S),
@@ -142,7 +144,7 @@ def reply_late(session: AsyncRouteSession, key: bytes, status: int, body: bytes)
 
 
 async def claim(
-    session: AsyncRouteSession, pending: RingStep, link: StepLink, timeout: float
+    session: AsyncRouteSession, pending: RingStep, link: FrameLink, timeout: float
 ) -> tuple[int, bytes, bool]:
     """Take the head-sent step ``pending`` as the caller's: its reply ``(status, body, direct)``. When the head
     answers it with an error, the reply link fails or no reply comes within ``timeout`` s, the client sends the same

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import aiohttp
 
+from ..net.link import check_url, request
 from . import loop
-from .transport import call, check_reply, check_url, new_http_session, request
+from .transport import call, check_reply, new_http_session
 
 HEALTH_TIMEOUT_S = 10.0  # most seconds a node's /health may take when a route is described
 HEADER_TIMEOUT_S = 30.0  # default seconds per request of a model-header download

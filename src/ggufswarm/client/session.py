@@ -1,7 +1,5 @@
 """The route session on a loop: open a session on every node, step frames through the first, repair, renew, close.
-
-``AsyncRouteSession`` is the one implementation; client/blocking.py runs it for blocking callers.
-"""
+``AsyncRouteSession`` is the one implementation; client/blocking.py runs it for blocking callers."""
 
 from __future__ import annotations
 
@@ -13,14 +11,16 @@ import uuid
 
 import aiohttp
 
+from ..net.link import FrameLink, request, timed_out
 from ..protocol import encode_tokens, step_timeout_s
+from ..protocol.errors import RouteError
 from ..protocol.link import frame_key
 from ..protocol.snapshots import BLOCK_TOKENS
 from ..runtime.sampling import SamplingParams
 from . import opening, repair, ring
 from .route import RemoteRoute
 from .telemetry import RouteTelemetry
-from .transport import REPAIRABLE, RouteError, StepLink, call, check_reply, new_http_session, request, timed_out
+from .transport import REPAIRABLE, call, check_reply, new_http_session
 
 LATE_WAIT_S = 1.0  # how long reading the telemetry waits for the route's replies to directly answered steps
 RENEW_TIMEOUT_S = 10.0  # most seconds one lease renewal by the keeper may take
@@ -47,7 +47,7 @@ def _release_done(task: asyncio.Task) -> None:
 
 class AsyncRouteSession:
     """A session on a route of HTTP nodes, on the caller's event loop. ``step`` sends one frame to the first node
-    over a WebSocket (StepLink); the nodes push it along the route and the head's sampled token comes back, on
+    over a WebSocket (FrameLink); the nodes push it along the route and the head's sampled token comes back, on
     the session's reply link to the head once it is open (one message from the head, not one per hop back).
 
     Steps are numbered from 1; a step whose connection drops is sent once more with the same number
@@ -148,8 +148,8 @@ class AsyncRouteSession:
         self._step_since: float | None = None  # time.monotonic() when the step in flight started
         self._keeper: asyncio.Task | None = None
         self._closed = False
-        self._link: StepLink | None = None  # to the first node
-        self._replies: StepLink | None = None  # the reply link to the head, opened after the first step
+        self._link: FrameLink | None = None  # to the first node
+        self._replies: FrameLink | None = None  # the reply link to the head, opened after the first step
         self._replies_opening: asyncio.Task | None = None  # opened off the step path
         self._no_replies: set[str] = set()  # heads that gave no reply link
         # steps in flight or answered on the reply link whose reply along the route (per-hop telemetry) is still
@@ -261,10 +261,10 @@ class AsyncRouteSession:
         samples = self.last_tokens
         if not isinstance(samples, list) or len(samples) != len(token_ids):
             raise RouteError(
+                "bad_route",
                 f"head {self.route.hops[-1].url} answered a verify step of {len(token_ids)} tokens "
                 f"with {samples!r}: it does not do speculative decoding",
                 502,
-                "bad_route",
                 self.route.hops[-1].url,
             )
         return samples
@@ -330,7 +330,7 @@ class AsyncRouteSession:
         if link is None or link.url != first.url:
             if link is not None:
                 await link.close()
-            link = self._link = StepLink(self.http, first.url, self.route.timeout_s, self.route.token, late=self._late)
+            link = self._link = FrameLink(self.http, first.url, self.route.timeout_s, self.route.token, late=self._late)
         elif self._replies is None and (head is not first or self.ring) and not link.http_only:
             if head.url not in self._no_replies:
                 ring.open_replies(self, head.url)
@@ -374,7 +374,7 @@ class AsyncRouteSession:
         ring.learn(self, reply)
         return reply["token"]
 
-    async def _exchange(self, link: StepLink, frame: bytes, key: bytes, timeout: float) -> tuple[int, bytes, bool]:
+    async def _exchange(self, link: FrameLink, frame: bytes, key: bytes, timeout: float) -> tuple[int, bytes, bool]:
         """Send ``frame`` on ``link`` and wait for the first of its reply there and the head's on the reply link:
         (status, body, whether the reply came on the reply link). RouteError ``hop_timeout`` (the link is closed)
         or ``hop_failed``, or the late error of an earlier step (the route is broken)."""

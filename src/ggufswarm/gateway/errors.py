@@ -8,9 +8,9 @@ import sys
 
 from aiohttp import web
 
-from ..client.transport import REPAIRABLE, RouteError
+from ..client.transport import REPAIRABLE
 from ..net.http import as_protocol_error
-from ..protocol.errors import ProtocolError
+from ..protocol.errors import ProtocolError, RouteError
 
 JSON = "application/json"
 # what a gateway without a tracker can and cannot do about a failed node (its error answers and its /health say it)

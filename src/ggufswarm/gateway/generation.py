@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from ..client.contract import SessionWrapper
 from ..client.generate import GenerationStats, agenerate
 from ..client.speculative import NgramDrafter
-from ..client.transport import RouteError
+from ..protocol.errors import RouteError
 from ..runtime.sampling import SamplingParams
 from .errors import CLIENT_GONE, GatewayError, RequestError, as_gateway_error, route_failure, say_repaired
 from .params import EOG_BIAS, RequestOptions

@@ -13,9 +13,10 @@ import aiohttp
 
 from ..artifact.accounting import MAX_CONTEXT
 from ..client.route import Hop, RemoteRoute
-from ..client.transport import REPAIRABLE, RouteError
+from ..client.transport import REPAIRABLE
 from ..directory.lookup import Directory
 from ..directory.trackers import TrackerClient, TrackerError
+from ..protocol.errors import RouteError
 from ..runtime.sampling import SamplingParams
 from .config import GatewayConfig
 from .errors import RequestError
@@ -197,14 +198,10 @@ class RoutePlanner:
                 )
             except TrackerError as exc:
                 # the tracker's reason, not its URL: API clients need not learn the swarm's addresses
-                refused = RouteError(
-                    f"no route for a session of {max_length} tokens: {exc.reason}",
-                    503,
-                    "no_route",
-                )
+                refused = RouteError("no_route", f"no route for a session of {max_length} tokens: {exc.reason}", 503)
             except ValueError as exc:
                 raise RouteError(
-                    f"bad route from the tracker: {exc} (this gateway's model: {self.model_name})", 502, "bad_route"
+                    "bad_route", f"bad route from the tracker: {exc} (this gateway's model: {self.model_name})", 502
                 ) from None
         raise refused
 
@@ -223,7 +220,7 @@ class RoutePlanner:
                     )
                 except ValueError as exc:
                     raise RouteError(
-                        f"bad route: {exc} (this gateway's model: {self.model_name})", 502, "bad_route"
+                        "bad_route", f"bad route: {exc} (this gateway's model: {self.model_name})", 502
                     ) from None
             return self._fixed
 

@@ -9,10 +9,10 @@ import time
 from ..artifact.default_model import resolve_model
 from ..artifact.gguf_file import GGUFModelFile
 from ..client.route import RemoteRoute
-from ..client.transport import RouteError
 from ..directory.trackers import TrackerClient
 from ..net.addresses import is_loopback
 from ..net.http import run_server
+from ..protocol.errors import RouteError
 from .app import make_app
 from .config import GatewayConfig
 

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field, replace
 from prometheus_client import CollectorRegistry, Counter
 
 from ..client.route import Hop, describe_hops
-from ..client.transport import BANNED, RouteError
+from ..client.transport import BANNED
 from ..directory.lookup import DirectoryError
 from ..directory.trackers import TrackerClient, TrackerError
 from ..net.commitments import EVIDENCE_KIND, BadEvidence, check_ban_evidence
+from ..protocol.errors import RouteError
 from .shadow import Recording, Unverifiable, Verdict, check_recording, compare, replay, shadow_route
 
 log = logging.getLogger(__name__)
@@ -374,7 +375,7 @@ class Verifier:
         if hop.node_id and taint:
             watch.tainted.add(hop.node_id)
             watch.keys.add(hop.node_id)
-        watch.session.fail(RouteError(f"node {hop.url} is banned: {reason}", 502, BANNED, hop.url))
+        watch.session.fail(RouteError(BANNED, f"node {hop.url} is banned: {reason}", 502, hop.url))
 
     # -- what it shows -----------------------------------------------------------------------------------------------
     def health(self) -> dict:

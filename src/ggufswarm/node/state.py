@@ -18,12 +18,12 @@ from ..artifact.default_model import model_name
 from ..directory.trackers import TrackerClient
 from ..net.http import JSON, as_protocol_error
 from ..net.identity import NodeIdentity
+from ..net.link import LinkPool
 from ..net.reach import Proven
 from ..protocol import PROTOCOL_VERSION, ProtocolError
 from ..protocol.frame import HEADER_SIZE
 from ..runtime.backends import DEFAULT_BACKEND, ShardBackend
 from ..runtime.sessions import SessionStore
-from .link import HopLinks
 
 NODE = web.AppKey("node", object)  # the app's NodeState
 # --batching: "exact" (default) keeps every session's result bitwise its run alone (one llama.cpp KV stream per
@@ -161,7 +161,7 @@ class NodeState:
         # the swarm's trackers (the first one also fetched the shard); heartbeats go to all of them
         self.trackers = [TrackerClient(u, config.token) for u in (config.tracker, *config.more_trackers) if u]
         self.tracker = self.trackers[0] if self.trackers else None
-        self.links = HopLinks(lambda: self.client)  # to next hops (node/link.py)
+        self.links = LinkPool(lambda: self.client)  # to next hops (net/link.py)
         self.links_in: set[web.WebSocketResponse] = set()  # from previous hops
         self.link_tasks: set[asyncio.Task] = set()  # frames from links being applied
         # head: a client's reply link per session (GET /v1/link?replies=<session id>): each step's reply goes

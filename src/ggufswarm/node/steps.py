@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from ..net.http import JSON
+from ..net.link import reply_error
 from ..protocol import Frame, ProtocolError, decode_frame, encode_hidden
 from ..protocol.frame import FLAG_NO_SAMPLE, FLAG_REWIND, FLAG_VERIFY, WIRE_DTYPES, step_timeout_s
 from ..protocol.link import encode_reply
@@ -26,7 +27,6 @@ from ..runtime.session_state import Session, StepRecord
 from . import ring
 from .commit import input_digest, output_digest, step_commit
 from .lies import parse_lie
-from .link import reply_error
 from .state import NODE, NodeState, parse_session_id
 
 # bytes a frame or link message may exceed max_body by before it is refused unread (aiohttp's own framing slack)
@@ -307,7 +307,7 @@ async def _ring_push(state: NodeState, session: Session, nxt: bytes, first: str 
             status, reply = await apply_frame(state, nxt, t0)
         else:
             sent, _ = await state.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1))
-            status, reply = await sent
+            status, reply, _ = await sent
     except Exception as exc:
         status, reply = state.error_reply(exc)
     closed = state.store.sessions.get(session.id) is not session  # closed meanwhile: nobody is waiting
@@ -354,7 +354,7 @@ def _head_reply(record: StepRecord, hop: dict) -> dict:
 @dataclass
 class _Sent:
     """A step pushed to the next hop ``url`` at ``t_push`` (perf_counter s); ``reply``: the future of its
-    (status, body); ``ordered``: it went over a link, so later steps of the session reach the hop after it;
+    (status, body, direct); ``ordered``: it went over a link, so later steps of the session reach the hop after it;
     ``frame``: the frame's bytes."""
 
     url: str
@@ -383,7 +383,7 @@ async def _relayed(sent: _Sent, record: StepRecord, hop: dict, t0: float) -> byt
     """The reply to a pushed step: the next hop's parsed reply with ``hop`` (this node's timings, ``push_ms``
     added) first in its ``hops``, recorded (_record). ProtocolError naming the hop on any failure: the hop's
     own error passed on, hop_failed or hop_timeout."""
-    status, body = await sent.reply
+    status, body, _ = await sent.reply
     if status != OK:
         raise reply_error(body, status, sent.url)
     try:

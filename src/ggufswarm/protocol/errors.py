@@ -77,6 +77,19 @@ class ProtocolError(Exception):
         return error_body(self.code, self.message, self.hop)
 
 
+class RouteError(ProtocolError):
+    """A node of a route failed or refused, as its caller sees it (a client, or a node pushing to its next hop):
+    ``hop`` names that node (the message does too), ``status`` is passed on. ``late``: it came back along the route
+    for an earlier step the head had already answered (the route is broken; the step now waiting was not lost on
+    its own connection, so it is not resent as is); ``next_hop``: at an open, the URL of the node ``hop`` was asked
+    to pass steps on to (``next_hop_unknown`` refuses that one, not ``hop``)."""
+
+    def __init__(self, code: str, message: str, status: int | None = None, hop: str | None = None):
+        super().__init__(code, message, status, hop)
+        self.late = False
+        self.next_hop: str | None = None
+
+
 def error_body(code: str, message: str, hop: str | None = None) -> bytes:
     """``{"error": {"code": code, "message": message}}`` as UTF-8 JSON bytes; ``hop``: the failed node's URL."""
     err = {"code": code, "message": message}
