@@ -101,6 +101,11 @@ def render(verdicts: list, tool_note: str, seconds: float) -> str:
         "with its own tiny models (31B and 26B-A4B layouts: bitwise in layer ranges of two blocks or more; E2B/E4B, "
         "with per-layer token embeddings or shared KV, as the whole model only).",
         "",
+        "Which ranges a node refuses (the *why* column) is decided by the cut rules, from the GGUF header alone "
+        "(`src/ggufswarm/artifact/cut_rules.py`, each architecture's own checks in `cut_checks.py`): `ggufswarm plan` "
+        "places shards by them and a node checks its range by them at start, so every range `plan` places is one the "
+        "node accepts (`tests/test_cut_rules.py` checks it over this zoo on 2, 3 and 4 nodes).",
+        "",
         f"**{c['bitwise_archs']} of {c['decoder_archs']} decoder architectures run as layer ranges, bitwise "
         f"({100 * c['bitwise_share']:.1f} %)**; {len(refused)} run only as the whole model; "
         f"{c['not_decoder_archs']} are not decoders. Files: {c['files']} ("

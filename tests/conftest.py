@@ -98,6 +98,21 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def zoo_dir() -> Path:
+    """llama.cpp's architecture zoo (tests/zoo.py), written once per machine: ``$GGUFSWARM_TEST_ZOO_DIR``, else by the
+    test-llama-archs of the kept wheel build tree into ``~/.cache/ggufswarm/zoo/<key>/``."""
+    import zoo
+
+    written = os.environ.get("GGUFSWARM_TEST_ZOO_DIR")
+    if written:
+        return Path(written)
+    tool, why = zoo.find_tool()
+    if tool is None:  # make setup keeps the build tree it comes from: its absence is a failure, not a skip
+        pytest.fail(f"no test-llama-archs to write the zoo with: {why}")
+    return zoo.write_zoo(tool)
+
+
+@pytest.fixture(scope="session")
 def ggufswarm_cli():
     """Command prefix that runs the ggufswarm CLI of this checkout."""
     return [sys.executable, "-m", "ggufswarm.cli"]

@@ -107,11 +107,10 @@ def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) is None
 
 
-# module import cycles inside a package that remain (issue 40: the route session owning its ring and repair; the
-# architecture table and its range checks): the test fails on any other cycle, and on one of these once it is gone
+# module import cycles inside a package that remain (issue 40: the route session owning its ring and repair): the
+# test fails on any other cycle, and on one of these once it is gone
 KNOWN_MODULE_CYCLES = [
     ["client.blocking", "client.opening", "client.repair", "client.route", "client.session"],
-    ["runtime.llamacpp.archs", "runtime.llamacpp.range_checks"],
 ]
 
 

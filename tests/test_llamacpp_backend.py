@@ -302,9 +302,9 @@ def accepts_range(file, acc, a: int, b: int) -> bool:
 
 @pytest.mark.parametrize("arch", ["qwen3next", "glm-dsa", "deepseek2"])
 def test_plan_cut_rules_are_the_backends(arch, tiny_dir):
-    """The header accounting's cut rules (``range_problem``, from block kinds and the tensor table only: what ``plan``
-    places with) accept exactly the layer ranges the llama.cpp backend derives shards for, on every range of the
-    tiny hybrid and DSA models (and of a model without such rules)."""
+    """The header accounting's cut rules (``range_problem``, from the header alone: what ``plan`` places with, the
+    node's own ``artifact.cut_rules``) accept exactly the layer ranges the llama.cpp backend derives shards for, on
+    every range of the tiny hybrid and DSA models (and of a model without such rules)."""
     from ggufswarm.artifact.accounting import HeaderAccounts
 
     path = write_tiny_moe_model(tiny_dir / f"cuts-{arch}.gguf", arch, n_layers=9 if arch == "qwen3next" else 8)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 import zoo
@@ -23,18 +22,7 @@ BITWISE_TARGET = 0.90
 
 
 @pytest.fixture(scope="module")
-def zoo_dir() -> Path:
-    written = os.environ.get("GGUFSWARM_TEST_ZOO_DIR")
-    if written:
-        return Path(written)
-    tool, why = zoo.find_tool()
-    if tool is None:  # make setup keeps the build tree it comes from: its absence is a failure, not a skip
-        pytest.fail(f"no test-llama-archs to write the zoo with: {why}")
-    return zoo.write_zoo(tool)
-
-
-@pytest.fixture(scope="module")
-def verdicts(zoo_dir) -> list[zoo.Verdict]:
+def verdicts(zoo_dir) -> list[zoo.Verdict]:  # (zoo_dir: conftest.py)
     files = zoo.zoo_files(zoo_dir)
     assert len(files) >= 50, f"{zoo_dir} holds {len(files)} zoo files; test-llama-archs writes over 100"
     t0 = time.monotonic()

@@ -316,7 +316,10 @@ def probe(
             verdict.kind, verdict.detail = "not-a-decoder", why
             return verdict
         if try_defaults and arch not in ARCH_RULES:
+            from ggufswarm.artifact.cut_rules import CUT_RULES, CutRules
+
             ARCH_RULES[arch] = ArchRules()
+            CUT_RULES[arch] = CutRules()
         verdict.n_layers = n_model_layers(file)
         ids = np.random.default_rng(SEED).integers(0, n_vocab(file), n_prompt).tolist()
         files = [file]

@@ -1,9 +1,9 @@
 """Memory and wire accounting of a GGUF model's shards from its header alone (metadata + tensor table).
 
-Nothing here loads a weight or names an architecture's rules: every number comes from GGUF metadata keys and the
-tensor table. A node computes its shard's numbers with this module and advertises them; the tracker and
-``ggufswarm plan`` work from the numbers alone. What each number counts, and where llama.cpp computes it:
-docs/protocol.md, "Shard accounting" ("How a block is counted")."""
+Nothing here loads a weight: every number comes from GGUF metadata keys and the tensor table (which ranges can be a
+shard: the node's own cut rules, ``cut_rules``). A node computes its shard's numbers with this module and advertises
+them; the tracker and ``ggufswarm plan`` work from the numbers alone. What each number counts, and where llama.cpp
+computes it: docs/protocol.md, "Shard accounting" ("How a block is counted")."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from .cut_rules import DEFAULT_SWA_PERIOD, Header
+from .cut_rules import range_problem as cut_problem
 
 MAX_CONTEXT = 131072  # product hard cap on a session's max_length (128K tokens)
 KV_ELEMENT_BYTES = 2  # f16: llama.cpp's default type_k / type_v (common/common.h)
@@ -38,12 +41,6 @@ _ATTENTION_MARKERS = (".attn_q.", ".attn_k.", ".attn_qkv.", ".attn_kv_a_mqa.", "
 class AccountingError(ValueError):
     """The header lacks what the accounting needs (no ``general.architecture``, no ``block_count``,
     no ``embedding_length``)."""
-
-
-# llama.cpp's sliding-window period for architectures that set it in code when the GGUF has no
-# attention.sliding_window_pattern (src/llama-model.cpp load_hparams: set_swa_pattern); layer il is sliding-window
-# unless il % period == period - 1. The llama.cpp backend's derivation rules take theirs from here.
-DEFAULT_SWA_PERIOD = {"gemma3": 6, "gpt-oss": 2}
 
 
 @dataclass(frozen=True)
@@ -138,12 +135,8 @@ class HeaderAccounts:
             else:
                 self.other_block_bytes += int(n_bytes)
         self.layers = [self._layer(il, block_bytes[il], names[il]) for il in range(self.n_blocks)]
-        self._recurrent_prefix = [0]  # recurrent blocks among the first i (range_problem)
-        for b in self.layers:
-            self._recurrent_prefix.append(self._recurrent_prefix[-1] + (b.kind == "recurrent"))
-        self._swa_prefix = [0]  # sliding-window blocks among the first i (range_problem)
-        for il in range(self.n_blocks):
-            self._swa_prefix.append(self._swa_prefix[-1] + self._is_swa(il))
+        self.cuts = Header(metadata)  # the cut rules' view of the header (range_problem)
+        self._problems: dict[tuple[int, int], str | None] = {}
 
     # -- metadata helpers ------------------------------------------------------------------------
     def _get(self, key: str, default: Any = None) -> Any:
@@ -254,43 +247,13 @@ class HeaderAccounts:
         return LayerAccount(il, kind, weight, row + idx_elems * KV_ELEMENT_BYTES, 0, not shared_indexer)
 
     def range_problem(self, start: int, end: int) -> str | None:
-        """Why blocks ``[start, end)`` cannot be one shard (None: they can), from the blocks' kinds alone: a shard
-        starts at a block with ``cut_before``, and in a model mixing recurrent and other blocks it holds at least
-        one of each (llama.cpp's hybrid memory aborts on a graph with only one kind); in a model with sliding-window
-        layers it holds one of them (is_swa_any); in a model with ``attention.shared_kv_layers`` (Gemma 4) it has two
-        blocks or more, and it is the whole model where that count or ``embedding_length_per_layer_input`` is
-        non-zero (E2B/E4B)."""
-        if start < self.n_layers and not self.layers[start].cut_before:
-            return f"block {start} reuses an earlier block's result (a shard cannot start there)"
-        recurrent = self._recurrent_prefix
-        n = min(end, self.n_layers)
-        hybrid = 0 < recurrent[self.n_layers] < self.n_layers
-        if hybrid and recurrent[n] - recurrent[start] in (0, n - start):
-            return (
-                f"blocks {start}:{end} are all of one kind in a hybrid model (a shard needs a recurrent and an "
-                f"attention block)"
-            )
-        swa = self._swa_prefix
-        if swa[self.n_blocks] and n > start and swa[n] == swa[start]:
-            return (
-                f"blocks {start}:{end} hold no sliding-window layer (llama.cpp's memory for a model with "
-                f"sliding-window attention asserts one in every shard: is_swa_any)"
-            )
-        shared_kv = self._get("attention.shared_kv_layers")
-        if shared_kv is not None and not (start == 0 and end >= self.n_layers):
-            # the KV-sharing layout of Gemma 4 (src/models/gemma4.cpp, src/llama-model.cpp create_memory)
-            if int(shared_kv) or int(self._get("embedding_length_per_layer_input", 0) or 0):
-                return (
-                    "per-layer token embeddings or shared-KV layers (E2B/E4B-style): only the whole model runs "
-                    "(every block's per-layer input comes from the token ids; shared-KV blocks find their cache "
-                    "by the layer count)"
-                )
-            if end - start < 2:
-                return (
-                    f"blocks {start}:{end} are one block in a model with KV-layer sharing metadata (llama.cpp "
-                    f"asserts at least two KV layers per file: n_layer_kv_from_start >= 2)"
-                )
-        return None
+        """Why blocks ``[start, end)`` (the head with the last block) cannot be one shard (None: they can): the cut
+        rules a node checks at start (``cut_rules.range_problem``, from the header alone), so every range ``plan``
+        places is one the node accepts."""
+        key = (start, end)
+        if key not in self._problems:
+            self._problems[key] = cut_problem(self.cuts, start, end)
+        return self._problems[key]
 
     # -- shards ----------------------------------------------------------------------------------
     @property

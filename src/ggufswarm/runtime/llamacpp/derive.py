@@ -13,9 +13,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
+from ...artifact.cut_rules import Header, range_problem
 from ...artifact.gguf_file import GGUFModelFile, dequantize_q8_0
 from ..kv import TokenOutOfRange
-from .archs import recurrent_layers, rules_for, swa_layers
+from .archs import rules_for
 from .errors import UnsupportedShard
 from .range_checks import n_model_layers
 
@@ -25,29 +26,23 @@ def shard_metadata(
 ) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
     """Metadata of the shard GGUF for blocks ``[start, end)``: key → (value, type, array item type).
 
-    Raises UnsupportedShard for an architecture outside ``ARCH_RULES`` or a range llama.cpp cannot run.
+    Raises UnsupportedShard for an architecture outside ``ARCH_RULES``, a range the cut rules refuse
+    (``artifact.cut_rules.range_problem``: the node's start-up check, the same ``plan`` places by), or one that needs a
+    llama.cpp patch the loaded libllama lacks.
     """
     arch = model.architecture
     rules = rules_for(arch)
     n_blocks = int(model.metadata[f"{arch}.block_count"])
-    if not 0 <= start < end <= n_model_layers(model):
-        raise UnsupportedShard(f"layer range {start}:{end} is outside the model's 0:{n_model_layers(model)}")
-    whole = start == 0 and end == n_model_layers(model) and head
-    if rules.embd_input and not whole:
-        raise UnsupportedShard(f"{arch}: only the whole model runs on the llama.cpp backend: {rules.embd_input}")
+    cuts = Header(model.metadata)
+    problem = range_problem(cuts, start, end, head)  # the cut rules: the ranges ``plan`` places are the ones accepted
+    if problem:
+        raise UnsupportedShard(problem)
+    whole = start == 0 and end == cuts.n_layers and head
     if rules.patch and not whole:
         from .patches import require_patch
 
         require_patch(rules.patch, f"a layer range of {arch}")
     extra = rules.check(model, start, end) if rules.check else {}
-    heads = model.metadata.get(f"{arch}.attention.head_count")
-    if isinstance(heads, list) and int(heads[start]) == 0 and int(heads[0]) > 0:
-        raise UnsupportedShard(
-            f"{arch}: block {start} has no attention heads, and llama.cpp reads the head sizes "
-            f"(attention.key_length, value_length, rope.dimension_count) only when a file's block 0 "
-            f"has some (src/llama-model.cpp load_hparams: if (hparams.n_head() > 0)); a layer range "
-            f"must start at a block with attention heads"
-        )
     out: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {}
     for key, value in model.metadata.items():
         vtype, item = model.metadata_types[key]
@@ -76,22 +71,14 @@ def shard_metadata(
     if rules.leading_dense and f"{arch}.leading_dense_block_count" in model.metadata:
         lead = int(model.metadata[f"{arch}.leading_dense_block_count"])
         out[f"{arch}.leading_dense_block_count"] = (max(0, lead - start), GGUFValueType.UINT32, None)
-    swa = swa_layers(model, rules)
+    swa = cuts.swa
     if swa is not None and any(swa) and not any(swa[start:end]):
-        if not rules.swa_optional:
-            raise UnsupportedShard(
-                f"{arch}: layer range {start}:{end} holds no sliding-window layer, and llama.cpp's "
-                f"memory for a model with sliding-window attention asserts one (src/llama-model.cpp "
-                f"create_memory: is_swa_any); widen the range (sliding-window layers: "
-                f"{', '.join(str(i) for i, w in enumerate(swa) if w)}), or a llama.cpp change: "
-                f"create_memory building a plain KV cache when no block is sliding-window"
-            )
-        # llama.cpp then builds a plain model (a plain KV cache): the range's full-attention blocks compute as in the
-        # whole model
+        # (an architecture whose SWA is optional: range_problem let it through) llama.cpp then builds a plain model (a
+        # plain KV cache): the range's full-attention blocks compute as in the whole model
         out[f"{arch}.attention.sliding_window"] = (0, GGUFValueType.UINT32, None)
     if swa is not None:
         out[f"{arch}.attention.sliding_window_pattern"] = (swa[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
-    recr = recurrent_layers(model)
+    recr = cuts.recurrent
     if recr is not None:
         out[f"{arch}.attention.recurrent_layers"] = (recr[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
     for key, (value, vtype) in extra.items():

@@ -1,0 +1,174 @@
+"""One source of the cut rules (issue 42, item 4): whatever ``plan`` places, the node accepts at start.
+
+``ggufswarm plan`` places by ``HeaderAccounts.range_problem``; a llama.cpp node checks its range at start in
+``derive.shard_metadata`` (what ``LlamaCppShard`` runs before it writes or loads anything). Both call
+``artifact.cut_rules.range_problem``. Over llama.cpp's whole architecture zoo (``tests/zoo.py``; each file and a copy
+stretched to 8 blocks, ``zoo.stretch``) every range ``place`` produces on 2, 3 and 4 nodes is accepted by the node's
+check, and on every range the two refuse alike, with the same reason. Synthetic headers show rules the planner used
+to lack (a node refused what ``plan`` placed, or ``plan`` refused what a node runs). No llama.cpp model is loaded:
+the node's check reads the header (the patch check, which reads the loaded libllama, is the one part left out).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import zoo
+from gguf import GGMLQuantizationType as Q
+from test_plan import write_header_only
+
+from ggufswarm.artifact.accounting import HeaderAccounts
+from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.artifact.planning import PlanError, place
+from ggufswarm.runtime.llamacpp import patches
+from ggufswarm.runtime.llamacpp.derive import shard_metadata
+from ggufswarm.runtime.llamacpp.errors import UnsupportedShard
+
+NODE_COUNTS = (2, 3, 4)
+
+
+@pytest.fixture(autouse=True)
+def _every_patch(monkeypatch):
+    """The node's check without its patch requirement: whether the loaded libllama carries patch 0002/0003 is the
+    machine's, not the model's, and ``plan`` cannot know it (``archs.ArchRules.patch``)."""
+    monkeypatch.setattr(patches, "require_patch", lambda name, what: None)
+
+
+def node_refusal(file: GGUFModelFile, a: int, b: int, n: int) -> str | None:
+    """The node's start-up check of blocks ``[a, b)`` (the head with the last block): its UnsupportedShard message, or
+    None when it accepts the range."""
+    try:
+        shard_metadata(file, a, b, head=b == n)
+    except UnsupportedShard as exc:
+        return str(exc)
+    return None
+
+
+def check_agreement(file: GGUFModelFile) -> tuple[list[tuple[int, int]], int, int]:
+    """Assert that ``plan`` and the node agree on ``file``: on every range, and on every range ``place`` produces on
+    2, 3 and 4 nodes. Returns the placements' ranges, how many ranges both refuse, and how many placements had two
+    nodes or more."""
+    acc = HeaderAccounts.from_model(file)
+    n = acc.n_layers
+    refused = 0
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            node, planner = node_refusal(file, a, b, n), acc.range_problem(a, b)
+            assert node == planner, (file.path.name, a, b)  # both None, or the same reason
+            refused += node is not None
+    placed, split = [], 0
+    memory = acc.shard(0, n, embed=True, head=True).weight_bytes + (1 << 20)  # the whole model fits one node
+    for k in NODE_COUNTS:
+        try:
+            nodes = place(acc, memory, 1, n_nodes=k).nodes
+        except PlanError as exc:
+            # plan refuses every placement: the node refuses every range (the whole model included)
+            whole = node_refusal(file, 0, n, n)
+            assert whole is not None and whole in str(exc), (file.path.name, k, str(exc))
+            assert all(node_refusal(file, a, b, n) for a in range(n) for b in range(a + 1, n + 1)), file.path.name
+            continue
+        ranges = [p.shard.layers for p in nodes]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n and len(ranges) <= k, (file.path.name, ranges)
+        assert all(x[1] == y[0] for x, y in zip(ranges, ranges[1:])), (file.path.name, ranges)
+        for a, b in ranges:
+            assert node_refusal(file, a, b, n) is None, (file.path.name, k, (a, b))
+        placed += ranges
+        split += len(ranges) > 1
+    return placed, refused, split
+
+
+def test_plan_places_only_what_the_node_accepts_over_the_zoo(zoo_dir, tmp_path):
+    """Every zoo file (and its copy stretched to 8 blocks, where it has no MTP blocks): every range ``place`` produces
+    on 2, 3 and 4 nodes passes the node's start-up check; on every range, plan and node refuse alike and say the same
+    reason. (The zoo must exercise both sides: some ranges refused, some placements split over nodes.)"""
+    files = zoo.zoo_files(zoo_dir)
+    assert len(files) >= 50, f"{zoo_dir} holds {len(files)} zoo files; test-llama-archs writes over 100"
+    refused = split = 0
+    archs_checked = set()
+    for path in files:
+        file = GGUFModelFile(path)
+        models = [file]
+        acc = HeaderAccounts.from_model(file)
+        if acc.n_blocks == acc.n_layers:  # (zoo.stretch takes no model with MTP blocks)
+            models.append(GGUFModelFile(zoo.stretch(file, tmp_path / path.name)))
+        for model in models:
+            _, r, s = check_agreement(model)
+            refused += r
+            split += s
+        archs_checked.add(file.architecture)
+    assert len(archs_checked) >= 50
+    assert refused > 0 and split > 0, (refused, split)
+
+
+# -- rules the planner lacked, on synthetic header-only GGUFs (test_plan.write_header_only) ----------------------------
+
+
+def synthetic(path: Path, arch: str, n: int = 8, **kv) -> GGUFModelFile:
+    """A header-only ``arch`` GGUF of ``n`` equal blocks (n_embd 64, 4 heads), with extra metadata ``kv``."""
+    d = 64
+    tensors = [("token_embd.weight", (128, d), Q.F32), ("output_norm.weight", (d,), Q.F32)]
+    tensors += [("output.weight", (128, d), Q.F32)]
+    for i in range(n):
+        tensors += [(f"blk.{i}.attn_q.weight", (d, d), Q.F32), (f"blk.{i}.ffn_up.weight", (4 * d, d), Q.F32)]
+    base = {"block_count": n, "embedding_length": d, "attention.head_count": 4, "context_length": 256}
+    write_header_only(path, arch, base | kv, tensors)
+    return GGUFModelFile(path, header_only=True)
+
+
+def test_minimax_m3_leading_dense_blocks(tmp_path):
+    """minimax-m3: a range holding only leading dense-attention blocks aborts llama.cpp (its MSA inputs are never
+    used), which the block kinds do not show: plan used to place 0:2 of 8 blocks on 4 nodes. Now the first node
+    takes a sparse block too, and the node accepts every range plan places."""
+    file = synthetic(tmp_path / "m3.gguf", "minimax-m3", leading_dense_block_count=3)
+    acc = HeaderAccounts.from_model(file)
+    for b in (1, 2, 3):
+        assert "only leading dense-attention blocks" in acc.range_problem(0, b)
+    assert acc.range_problem(0, 4) is None
+    placed, refused, split = check_agreement(file)
+    assert refused == sum(1 for a in range(8) for b in range(a + 1, 4))  # the ranges inside blocks 0..2
+    assert split == len(NODE_COUNTS)
+    assert all(b > 3 for a, b in placed if a == 0)  # no placement's first node holds only blocks 0..2
+
+
+def test_llama4_moe_step_and_no_rope_blocks(tmp_path):
+    """llama4: llama.cpp counts the MoE block of every interleave_moe_layer_step, and the no-RoPE block of every 4
+    (chunked attention), from a file's block 0; a range that shifts either is refused by the node, and plan (which
+    used to cut anywhere) places around both: every placed range starts where both patterns keep their phase."""
+    file = synthetic(tmp_path / "llama4.gguf", "llama4", interleave_moe_layer_step=2, **{"attention.sliding_window": 8})
+    acc = HeaderAccounts.from_model(file)
+    assert "MoE block of every interleave_moe_layer_step" in acc.range_problem(1, 2)
+    assert "no-RoPE block" in acc.range_problem(2, 4)
+    placed, refused, split = check_agreement(file)
+    assert refused and split
+    for a, b in placed:
+        assert a % 2 == 0 and (a % 4 == 0 or b - a < 4 - a % 4), (a, b)  # whole-model phases (llama4.cpp)
+
+
+def test_optional_sliding_window_ranges_are_placed(tmp_path):
+    """olmo2 (sliding-window only when attention.sliding_window > 0, full-attention blocks alike either way): a node
+    runs a range without a sliding-window block as a plain model, which plan used to refuse (is_swa_any); gemma2,
+    whose SWA is not optional, still has such ranges refused by both."""
+    olmo2 = synthetic(tmp_path / "olmo2.gguf", "olmo2", **{"attention.sliding_window": 8})
+    acc = HeaderAccounts.from_model(olmo2)
+    assert acc.cuts.swa == [il % 4 < 3 for il in range(8)]  # the default period of 4 (src/llama-hparams.cpp)
+    assert acc.range_problem(3, 4) is None
+    assert check_agreement(olmo2)[1] == 0  # nothing refused
+    gemma2 = synthetic(tmp_path / "gemma2.gguf", "gemma2", **{"attention.sliding_window": 8})
+    assert "holds no sliding-window layer" in HeaderAccounts.from_model(gemma2).range_problem(1, 2)
+    assert check_agreement(gemma2)[1] == 4  # 1:2, 3:4, 5:6, 7:8
+
+
+def test_whole_only_and_unknown_architectures(tmp_path):
+    """bloom runs only as the whole model (its graph normalizes hidden-state input): plan used to split it, and now
+    places it on one node, as the node accepts; an architecture no node runs is refused by plan with the node's
+    reason."""
+    bloom = synthetic(tmp_path / "bloom.gguf", "bloom")
+    placed, _, split = check_agreement(bloom)
+    assert split == 0 and set(placed) == {(0, 8)}
+    assert "only the whole model runs" in HeaderAccounts.from_model(bloom).range_problem(0, 4)
+    unknown = synthetic(tmp_path / "unknown.gguf", "no-such-arch")
+    acc = HeaderAccounts.from_model(unknown)
+    with pytest.raises(PlanError, match="unsupported architecture 'no-such-arch'"):
+        place(acc, 1 << 30, 1, n_nodes=2)
+    assert check_agreement(unknown) == ([], 36, 0)
