@@ -287,6 +287,11 @@ def completion_with(url, body):
         ("/v1/completions", b"{oops", None),
         ("/v1/completions", {"prompt": 5}, "prompt"),
         ("/v1/completions", {"prompt": "x", "n": 9}, "n"),
+        ("/v1/completions", {"prompt": ["x", "y"]}, "prompt"),
+        ("/v1/completions", {"prompt": [2, "x"]}, "prompt"),
+        ("/v1/completions", {"prompt": [2, 10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": [[2], [3]]}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "stop": [1, 2]}, "stop"),
@@ -492,6 +497,18 @@ def test_penalties_change_a_repetitive_output_as_the_reference(gateway, gemma, s
             session.close()
     text, _ = completion_with(gateway, {"prompt": REPETITIVE, "max_tokens": 12, "temperature": 0, **settings})
     assert text == want != plain
+
+
+def test_a_prompt_of_token_ids_is_the_text_s_tokens(gateway, gemma):
+    """``prompt`` as token ids (OpenAI's array of integers, or a list holding one): the same greedy text as the text
+    prompt they encode; ``echo`` gives their text."""
+    ref_text, _ = reference(gemma, SHORT, 6)
+    ids = gemma.prompt_ids(SHORT)
+    for prompt in (ids, [ids]):
+        text, out = completion_with(gateway, {"prompt": prompt, "max_tokens": 6, "temperature": 0})
+        assert text == ref_text and out["usage"]["prompt_tokens"] == len(ids)
+    text, _ = completion_with(gateway, {"prompt": ids, "max_tokens": 0, "echo": True})
+    assert text == gemma.tokenizer.decode(ids)
 
 
 def test_echo(gateway, gemma):

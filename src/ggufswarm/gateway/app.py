@@ -64,14 +64,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/completions`` (OpenAI): a plain ``prompt`` string (or a list holding one)."""
+    """``POST /v1/completions`` (OpenAI): a plain ``prompt`` string or token ids (or a list holding one of them)."""
     body = await read_body(request)
     gw = await gateway_for(request, body)
     req = parse_request(body, chat=False)
-    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-    ids = await asyncio.get_running_loop().run_in_executor(  # off the event loop, as for chat
-        gw.pool, lambda: gw.tokenizer.encode(prompt, special=gw.config.prompt_special)
-    )
+    prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str | list) else req.prompt
+    if isinstance(prompt, list):  # token ids, as given
+        ids = prompt
+        bad = next((t for t in ids if not 0 <= t < gw.tokenizer.n_vocab), None)
+        if bad is not None:
+            raise RequestError(
+                f"prompt token id {bad} is outside the vocabulary (0 to {gw.tokenizer.n_vocab - 1})", param="prompt"
+            )
+        prompt = gw.tokenizer.decode(ids)  # (echo)
+    else:
+        ids = await asyncio.get_running_loop().run_in_executor(  # off the event loop, as for chat
+            gw.pool, lambda: gw.tokenizer.encode(prompt, special=gw.config.prompt_special)
+        )
     if not ids:  # a model without BOS has nothing to start from
         raise RequestError(
             "prompt is empty and this model adds no BOS token: give at least one token of text", param="prompt"

@@ -9,7 +9,18 @@ import json
 from typing import Annotated, Any, Literal, get_args
 
 import annotated_types as at
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    StrictInt,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from ..client.speculative import MAX_DRAFT
 from ..runtime.sampling import MAX_GRAMMAR_CHARS, SamplingParams
@@ -227,9 +238,28 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    """The body of ``POST /v1/completions``: ``prompt`` a string (or a list holding one)."""
+    """The body of ``POST /v1/completions``: ``prompt`` a string or token ids (or a list holding one of them)."""
 
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=1)]
+        | Annotated[list[StrictInt], Field(min_length=1)]
+        | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    )
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value):
+        """One prompt: a string, token ids, or a list holding one of them (OpenAI's batch of several is refused)."""
+        inner = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list) else value
+        ids = isinstance(inner, list) and inner and all(type(t) is int for t in inner)
+        if not (isinstance(inner, str) or ids):
+            raise PydanticCustomError(
+                "one_prompt",
+                "must be a string or token ids (a list of integers), or a list holding one of them; this gateway "
+                "takes one prompt a request (send several requests, or n for several choices)",
+            )
+        return value
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS_COMPLETION, description="top alternatives per token")
     echo: bool | None = Field(False, description="the text starts with the prompt; not with logprobs")
     suffix: str | None = Field(None, description="refused unless empty: fill-in-the-middle is not implemented")
