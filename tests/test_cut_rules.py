@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from test_plan import write_header_only
 
 from ggufswarm.artifact.accounting import HeaderAccounts
+from ggufswarm.artifact.cut_rules import ONE_KIND_PATCH, range_problem
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.artifact.planning import PlanError, place
 from ggufswarm.runtime.llamacpp import patches
@@ -30,9 +31,11 @@ NODE_COUNTS = (2, 3, 4)
 
 @pytest.fixture(autouse=True)
 def _every_patch(monkeypatch):
-    """The node's check without its patch requirement: whether the loaded libllama carries patch 0002/0003 is the
-    machine's, not the model's, and ``plan`` cannot know it (``archs.ArchRules.patch``)."""
+    """The node's check without its patch requirement: whether the loaded libllama carries patch 0002/0003 (or 0011,
+    which lets a range hold one kind of block) is the machine's, not the model's, and ``plan`` cannot know it
+    (``archs.ArchRules.patch``; ``plan`` assumes the patch queue)."""
     monkeypatch.setattr(patches, "require_patch", lambda name, what: None)
+    monkeypatch.setattr(patches, "applied", lambda name: True)
 
 
 def node_refusal(file: GGUFModelFile, a: int, b: int, n: int) -> str | None:
@@ -148,15 +151,35 @@ def test_llama4_moe_step_and_no_rope_blocks(tmp_path):
 def test_optional_sliding_window_ranges_are_placed(tmp_path):
     """olmo2 (sliding-window only when attention.sliding_window > 0, full-attention blocks alike either way): a node
     runs a range without a sliding-window block as a plain model, which plan used to refuse (is_swa_any); gemma2,
-    whose SWA is not optional, still has such ranges refused by both."""
+    whose SWA is not optional, has such ranges placed too (patch 0011 gives them an empty sliding-window cache), and
+    refused, naming the patch, by the rules of a node whose llama.cpp lacks it."""
     olmo2 = synthetic(tmp_path / "olmo2.gguf", "olmo2", **{"attention.sliding_window": 8})
     acc = HeaderAccounts.from_model(olmo2)
     assert acc.cuts.swa == [il % 4 < 3 for il in range(8)]  # the default period of 4 (src/llama-hparams.cpp)
     assert acc.range_problem(3, 4) is None
     assert check_agreement(olmo2)[1] == 0  # nothing refused
     gemma2 = synthetic(tmp_path / "gemma2.gguf", "gemma2", **{"attention.sliding_window": 8})
-    assert "holds no sliding-window layer" in HeaderAccounts.from_model(gemma2).range_problem(1, 2)
-    assert check_agreement(gemma2)[1] == 4  # 1:2, 3:4, 5:6, 7:8
+    acc = HeaderAccounts.from_model(gemma2)
+    assert acc.range_problem(1, 2) is None
+    assert check_agreement(gemma2)[1] == 0
+    without = [(a, b) for a in range(8) for b in range(a + 1, 9) if range_problem(acc.cuts, a, b, one_kind=False)]
+    assert without == [(1, 2), (3, 4), (5, 6), (7, 8)]
+    problem = range_problem(acc.cuts, 1, 2, one_kind=False)
+    assert "holds no sliding-window layer" in problem and ONE_KIND_PATCH in problem
+    assert range_problem(HeaderAccounts.from_model(olmo2).cuts, 3, 4, one_kind=False) is None  # optional: a plain model
+
+
+def test_hybrid_ranges_of_one_kind_are_placed(tmp_path):
+    """A hybrid model's range of only recurrent or only attention blocks (Qwen3-Next: recurrent but every 4th block)
+    is placed, as a node with patch 0011 runs it; a node without the patch refuses it (cut_checks.OneKindProblem)."""
+    qwen3next = synthetic(tmp_path / "qwen3next.gguf", "qwen3next")
+    acc = HeaderAccounts.from_model(qwen3next)
+    assert acc.cuts.recurrent == [il % 4 != 3 for il in range(8)]
+    assert acc.range_problem(0, 3) is None and acc.range_problem(3, 4) is None
+    assert check_agreement(qwen3next)[1] == 0
+    assert "0:3 has no full-attention block" in range_problem(acc.cuts, 0, 3, one_kind=False)
+    assert "3:4 has no recurrent block" in range_problem(acc.cuts, 3, 4, one_kind=False)
+    assert range_problem(acc.cuts, 2, 4, one_kind=False) is None
 
 
 def test_whole_only_and_unknown_architectures(tmp_path):

@@ -19,9 +19,11 @@ from tinymodels import write_tiny_model
 from tinymoe import write_tiny_deepseek4_model, write_tiny_moe_model
 from zoo import whole_model_run
 
+from ggufswarm.artifact.cut_rules import ONE_KIND_PATCH
 from ggufswarm.artifact.default_model import smollm2_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.local import LocalModel
+from ggufswarm.runtime.llamacpp import patches
 from ggufswarm.runtime.llamacpp.archs import recurrent_layers, rules_for
 from ggufswarm.runtime.llamacpp.backend import LlamaCppShard, model_info
 from ggufswarm.runtime.llamacpp.errors import LlamaCppError, UnsupportedShard
@@ -129,15 +131,26 @@ def test_hybrid_recurrent_shards_bitwise(arch, tiny_dir, tmp_path):
     [0,4)+[4,6)+[6,9) equals llama.cpp's whole model bitwise over a prefill and 20 decode steps. The middle shard's
     attention block is its block 1, which llama.cpp would take for a recurrent one if the shard file did not carry
     ``attention.recurrent_layers``; qwen35moe's IMRoPE needs its four positions per token in hidden-state batches.
-    Ranges without a block of each kind are refused (llama.cpp's hybrid memory aborts on them)."""
+    Ranges of one kind of block run bitwise too (patch 0011: [0,2) only recurrent, [2,3) only attention)."""
     path = write_tiny_moe_model(tiny_dir / f"bitwise-{arch}.gguf", arch, n_layers=9)
     file = GGUFModelFile(path)
     assert recurrent_layers(file) == [True, True, False] * 3
-    for a, b, kind in ((0, 2, "full-attention"), (2, 3, "recurrent")):
-        with pytest.raises(UnsupportedShard, match=f"{a}:{b} has no {kind} block"):
-            LlamaCppShard(file, ShardSpec(a, b), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
     ids = [1] + np.random.default_rng(3).integers(3, 384, 40).tolist()
-    assert_chain_equals_llama_cpp(path, [4, 6], ids, tmp_path, n_ctx=256)
+    reference = llama_cpp_run(path, ids, N_DECODE, 256)
+    assert_chain_equals_llama_cpp(path, [4, 6], ids, tmp_path, n_ctx=256, reference=reference)
+    assert_chain_equals_llama_cpp(path, [2, 3, 4, 5, 6, 8], ids, tmp_path, n_ctx=256, reference=reference)
+
+
+def test_one_kind_ranges_without_the_patch_are_refused(tiny_dir, tmp_path, monkeypatch):
+    """A llama-cpp-python without patch 0011 (a user's own): a hybrid range of one kind of block is refused in one
+    line naming the patch, before llama.cpp would abort; a range of both kinds still runs."""
+    monkeypatch.setattr(patches, "PATCH_MARKERS", {**patches.PATCH_MARKERS, ONE_KIND_PATCH: b"not in any library"})
+    file = GGUFModelFile(write_tiny_moe_model(tiny_dir / "bitwise-qwen3next.gguf", "qwen3next", n_layers=9))
+    for a, b, kind in ((0, 2, "full-attention"), (2, 3, "recurrent")):
+        with pytest.raises(UnsupportedShard, match=f"{a}:{b} has no {kind} block.*{ONE_KIND_PATCH}") as err:
+            LlamaCppShard(file, ShardSpec(a, b), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
+        assert "\n" not in str(err.value)
+    LlamaCppShard(file, ShardSpec(2, 4), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path).close()
 
 
 def test_qwen3next_truncates_only_to_exact_state_checkpoints(tiny_dir, tmp_path):
@@ -311,23 +324,32 @@ def test_plan_cut_rules_are_the_backends(arch, tiny_dir):
     file = GGUFModelFile(path)
     acc = HeaderAccounts.from_model(file)
     verdicts = [accepts_range(file, acc, a, b) for a in range(acc.n_layers) for b in range(a + 1, acc.n_layers + 1)]
-    assert all(verdicts) == (arch == "deepseek2")  # the rules do refuse some ranges of the first two
+    # the rules do refuse some ranges of glm-dsa (and of qwen3next those of one kind of block, without patch 0011)
+    assert all(verdicts) == (arch == "deepseek2" or arch == "qwen3next" and patches.applied(ONE_KIND_PATCH))
 
 
-def test_gemma3_ranges_need_a_sliding_window_layer(gemma_path, tmp_path):
-    """llama.cpp's memory for a model with sliding-window attention asserts one in every shard (is_swa_any): a
-    Gemma 3 range of only global layers (5, 11, 17) is refused with the reason, by the backend before llama.cpp
-    could abort the node, and by the header accounting ``plan`` places with, which agree on every range."""
+def test_gemma3_ranges_without_a_sliding_window_layer(gemma_path, tmp_path, monkeypatch):
+    """A Gemma 3 range of only global layers (5, 11, 17) runs (patch 0011: an empty sliding-window cache), so the
+    backend and the header accounting ``plan`` places with accept every range; a llama.cpp without the patch asserts
+    one sliding-window layer (is_swa_any), and such a range is refused with the reason before it could abort."""
     from ggufswarm.artifact.accounting import HeaderAccounts
 
     file = GGUFModelFile(gemma_path)
-    with pytest.raises(UnsupportedShard, match="17:18 holds no sliding-window layer.*is_swa_any"):
-        LlamaCppShard(file, ShardSpec(17, 18, head=True), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
     acc = HeaderAccounts.from_model(file)
-    refused = [(a, b) for a in range(18) for b in range(a + 1, 19) if not accepts_range(file, acc, a, b)]
-    assert refused == [(5, 6), (11, 12), (17, 18)]
-    whole = LlamaCppShard(file, ShardSpec(16, 18, head=True), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path)
-    whole.close()  # a global layer with a sliding-window one loads
+    assert all(accepts_range(file, acc, a, b) for a in range(18) for b in range(a + 1, 19))
+    LlamaCppShard(file, ShardSpec(17, 18, head=True), n_ctx_seq=256, n_seq_max=1, cache_dir=tmp_path).close()
+    monkeypatch.setattr(patches, "PATCH_MARKERS", {**patches.PATCH_MARKERS, ONE_KIND_PATCH: b"not in any library"})
+    unpatched = tmp_path / "unpatched"  # (a shard header derived before is not checked again)
+    with pytest.raises(UnsupportedShard, match=f"17:18 holds no sliding-window layer.*is_swa_any.*{ONE_KIND_PATCH}"):
+        LlamaCppShard(file, ShardSpec(17, 18, head=True), n_ctx_seq=256, n_seq_max=1, cache_dir=unpatched)
+    LlamaCppShard(file, ShardSpec(16, 18, head=True), n_ctx_seq=256, n_seq_max=1, cache_dir=unpatched).close()
+
+
+@pytest.mark.slow
+def test_gemma3_global_layer_shards_bitwise(gemma_path, long_ids, tmp_path):
+    """Gemma 3 cut so that each global layer (5, 11, 17) is a shard of its own, with neither a sliding-window layer
+    nor a sliding-window cache that holds one: bitwise llama.cpp's whole model past the sliding window."""
+    assert_chain_equals_llama_cpp(gemma_path, [5, 6, 11, 12, 17], long_ids, tmp_path)
 
 
 GEMMA4_IDS = [1] + np.random.default_rng(3).integers(3, 384, 149).tolist()  # past the 32-token window

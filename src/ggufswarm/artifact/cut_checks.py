@@ -73,20 +73,25 @@ def deepseek2_check(h: Header, a: int, b: int) -> str | None:
     return None
 
 
+class OneKindProblem(str):
+    """A check's reason that holds only for a llama.cpp without patch ``cut_rules.ONE_KIND_PATCH`` (a range of one
+    kind of block: ``range_problem`` passes it over where the patch is there)."""
+
+
 def hybrid_check(h: Header, a: int, b: int) -> str | None:
     # src/llama-graph.cpp llm_graph_input_mem_hybrid::set_input fills the attention KV inputs and the recurrent
     # state-copy input unconditionally; a graph without an attention block (or without a recurrent one) never
-    # allocates them and llama.cpp aborts on the first decode (GGML_ASSERT(buffer) in set_input_k_idxs)
+    # allocates them and llama.cpp aborts on the first decode (GGML_ASSERT(buffer) in set_input_k_idxs), unless
+    # patch 0011-one-kind-layer-ranges skips the inputs the graph did not allocate
     flags = (h.recurrent or [False] * h.n_blocks)[a:b]
     attention = h.attention[a:b]
     if all(flags) or not any(flags) or not any(attention):
         kind = "recurrent" if not any(flags) else "full-attention"
-        return (
+        return OneKindProblem(
             f"{h.arch}: layer range {a}:{b} has no {kind} block; llama.cpp's hybrid "
-            f"memory aborts on a graph without both kinds (llm_graph_input_mem_hybrid::set_input), "
-            f"so a shard must hold at least one recurrent and one full-attention block (a llama.cpp "
-            f"change would lift this: set_input skipping the attention inputs and the state-copy "
-            f"input when the graph did not allocate them)"
+            f"memory aborts on a graph without both kinds (llm_graph_input_mem_hybrid::set_input) "
+            f"without patch 0011-one-kind-layer-ranges (patches/llama.cpp in ggufswarm; `make setup` "
+            f"builds it), so a shard must hold at least one recurrent and one full-attention block"
         )
     return None
 

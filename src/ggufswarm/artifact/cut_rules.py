@@ -16,6 +16,10 @@ from typing import Any
 from . import cut_checks as c
 from .cut_checks import Check
 
+# the llama.cpp patch (patches/llama.cpp) that builds the memory of a layer range for the kinds of block it holds: a
+# sliding-window model's range without a sliding-window block (an empty sliding-window cache)
+ONE_KIND_PATCH = "0011-one-kind-layer-ranges"
+
 # llama.cpp's sliding-window period for architectures that set it in code when the GGUF has no
 # attention.sliding_window_pattern (src/llama-model.cpp load_hparams: set_swa_pattern)
 DEFAULT_SWA_PERIOD = {"gemma3": 6, "gpt-oss": 2}
@@ -230,12 +234,17 @@ def unsupported(arch: str) -> str:
     return f"unsupported architecture '{arch}' for the llama.cpp backend (supported: {', '.join(sorted(CUT_RULES))})"
 
 
-def range_problem(header: Header | dict[str, Any], start: int, end: int, head: bool | None = None) -> str | None:
+def range_problem(
+    header: Header | dict[str, Any], start: int, end: int, head: bool | None = None, one_kind: bool = True
+) -> str | None:
     """Why blocks ``[start, end)`` cannot be one llama.cpp shard (None: they can), ``head``: with the output head
     (default: when ``end`` is the last layer). In order: an architecture no node runs, a range outside the model, one
     of an architecture that runs only as the whole model, the architecture's own check, a start at a block without
-    attention heads (llama.cpp reads the head sizes only when a file's block 0 has some), a range without a
-    sliding-window layer in a model with them (llama.cpp's is_swa_any), unless the architecture's SWA is optional."""
+    attention heads (llama.cpp reads the head sizes only when a file's block 0 has some), and, where ``one_kind`` is
+    False (a llama.cpp without patch ``ONE_KIND_PATCH``: ``plan`` assumes the patch queue, a node passes what its
+    libllama carries), a range of one kind of block: without a sliding-window layer in a model with them (llama.cpp's
+    is_swa_any; unless the architecture's SWA is optional), or a hybrid model's range without a recurrent or an
+    attention block (``cut_checks.OneKindProblem``)."""
     h = header if isinstance(header, Header) else Header(header)
     if h.rules is None:
         return unsupported(h.arch)
@@ -245,7 +254,7 @@ def range_problem(header: Header | dict[str, Any], start: int, end: int, head: b
     if h.rules.whole_only and not whole:
         return f"{h.arch}: only the whole model runs on the llama.cpp backend: {h.rules.whole_only}"
     problem = h.rules.check(h, start, end) if h.rules.check else None
-    if problem:
+    if problem and not (one_kind and isinstance(problem, c.OneKindProblem)):
         return problem
     heads = h.md.get(f"{h.arch}.attention.head_count")
     if isinstance(heads, list) and int(heads[start]) == 0 and int(heads[0]) > 0:
@@ -258,15 +267,24 @@ def range_problem(header: Header | dict[str, Any], start: int, end: int, head: b
     if h.swa_problem:
         return h.swa_problem
     swa = h.swa
-    if swa is not None and any(swa) and not any(swa[start:end]) and not h.rules.swa_optional:
+    if not one_kind and swa is not None and any(swa) and not any(swa[start:end]) and not h.rules.swa_optional:
         return (
             f"{h.arch}: layer range {start}:{end} holds no sliding-window layer, and llama.cpp's "
             f"memory for a model with sliding-window attention asserts one (src/llama-model.cpp "
-            f"create_memory: is_swa_any); widen the range (sliding-window layers: "
-            f"{', '.join(str(i) for i, w in enumerate(swa) if w)}), or a llama.cpp change: "
-            f"create_memory building a plain KV cache when no block is sliding-window"
+            f"create_memory: is_swa_any) without patch {ONE_KIND_PATCH} (patches/llama.cpp in ggufswarm; "
+            f"`make setup` builds it); or widen the range (sliding-window layers: "
+            f"{', '.join(str(i) for i, w in enumerate(swa) if w)})"
         )
     return None
 
 
-__all__ = ["CUT_RULES", "CutRules", "DEFAULT_SWA_PERIOD", "Header", "WHOLE_ONLY", "range_problem", "unsupported"]
+__all__ = [
+    "CUT_RULES",
+    "CutRules",
+    "DEFAULT_SWA_PERIOD",
+    "Header",
+    "ONE_KIND_PATCH",
+    "WHOLE_ONLY",
+    "range_problem",
+    "unsupported",
+]

@@ -13,9 +13,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
-from ...artifact.cut_rules import Header, range_problem
+from ...artifact.cut_rules import ONE_KIND_PATCH, Header, range_problem
 from ...artifact.gguf_file import GGUFModelFile, dequantize_q8_0
 from ..kv import TokenOutOfRange
+from . import patches
 from .archs import rules_for
 from .errors import UnsupportedShard
 from .range_checks import n_model_layers
@@ -34,7 +35,9 @@ def shard_metadata(
     rules = rules_for(arch)
     n_blocks = int(model.metadata[f"{arch}.block_count"])
     cuts = Header(model.metadata)
-    problem = range_problem(cuts, start, end, head)  # the cut rules: the ranges ``plan`` places are the ones accepted
+    # the cut rules: the ranges ``plan`` places are the ones accepted (a range of one kind of block where the loaded
+    # libllama builds its memory: patch ONE_KIND_PATCH)
+    problem = range_problem(cuts, start, end, head, one_kind=patches.applied(ONE_KIND_PATCH))
     if problem:
         raise UnsupportedShard(problem)
     whole = start == 0 and end == cuts.n_layers and head
@@ -72,9 +75,10 @@ def shard_metadata(
         lead = int(model.metadata[f"{arch}.leading_dense_block_count"])
         out[f"{arch}.leading_dense_block_count"] = (max(0, lead - start), GGUFValueType.UINT32, None)
     swa = cuts.swa
-    if swa is not None and any(swa) and not any(swa[start:end]):
-        # (an architecture whose SWA is optional: range_problem let it through) llama.cpp then builds a plain model (a
-        # plain KV cache): the range's full-attention blocks compute as in the whole model
+    if swa is not None and any(swa) and not any(swa[start:end]) and cuts.rules.swa_optional:
+        # an architecture whose SWA is optional: llama.cpp then builds a plain model (a plain KV cache), the range's
+        # full-attention blocks compute as in the whole model (the others keep the window: patch ONE_KIND_PATCH gives
+        # them an empty sliding-window cache)
         out[f"{arch}.attention.sliding_window"] = (0, GGUFValueType.UINT32, None)
     if swa is not None:
         out[f"{arch}.attention.sliding_window_pattern"] = (swa[start:end], GGUFValueType.ARRAY, GGUFValueType.BOOL)
