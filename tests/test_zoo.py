@@ -62,3 +62,72 @@ def test_zoo_bitwise_share(verdicts):
         f"{c['bitwise_archs']}/{c['decoder_archs']} decoder architectures bitwise; refused:\n"
         + _listed(verdicts, ("refused",))
     )
+
+
+# zoo files whose copy stretched to 8 blocks has a chain of the finest ranges the cut rules accept holding a range of
+# one kind of block (llama.cpp patch 0011): sliding-window models' ranges without a sliding-window block, hybrids'
+# without a recurrent or without an attention block
+ONE_KIND = (
+    "cohere2-dense cohere2moe-moe dots3note-moe exaone-moe-moe gemma2-dense gemma3-dense gpt-oss-moe granite_swa-dense "
+    "maple-moe mimo2-moe spark2_5-dense nemotron_h-dense nemotron_h_moe-dense qwen35-dense qwen35moe-moe qwen3next-moe"
+).split()
+
+
+def finest_cuts(header) -> list[int]:
+    """The split points of the finest chain the cut rules accept (``cut_rules.range_problem``): from each start, the
+    shortest accepted range after which the rest can still be cut."""
+    import functools
+
+    from ggufswarm.artifact.cut_rules import range_problem
+
+    n = header.n_layers
+
+    @functools.cache
+    def reach(a: int) -> bool:
+        return a == n or any(range_problem(header, a, b) is None and reach(b) for b in range(a + 1, n + 1))
+
+    assert reach(0)
+    points, a = [], 0
+    while a < n:
+        a = next(b for b in range(a + 1, n + 1) if range_problem(header, a, b) is None and reach(b))
+        points.append(a)
+    return points[:-1]
+
+
+def one_kind(header, a: int, b: int) -> bool:
+    """Whether blocks ``[a, b)`` are of one kind where the model has two: no sliding-window block in a model with some
+    (not optional), or no recurrent or no attention block in a hybrid model."""
+    swa, recurrent = header.swa, header.recurrent
+    if swa is not None and any(swa) and not any(swa[a:b]) and not header.rules.swa_optional:
+        return True
+    return (
+        recurrent is not None
+        and not all(recurrent[: header.n_layers])
+        and (not any(recurrent[a:b]) or not any(header.attention[a:b]))
+    )
+
+
+@pytest.mark.parametrize("name", ONE_KIND)
+def test_one_kind_ranges_bitwise(name, zoo_dir, tmp_path):
+    """Patch 0011: the zoo file's copy stretched to 8 blocks, cut into the finest chain the cut rules accept (one
+    block a shard, where no other rule of the architecture needs more), which holds ranges of one kind of block,
+    equals llama.cpp's whole-model run bitwise over a prefill and 20 greedy decode steps."""
+    import numpy as np
+
+    from ggufswarm.artifact.cut_rules import ONE_KIND_PATCH, Header
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.runtime.llamacpp import patches
+    from ggufswarm.runtime.llamacpp.derive import n_vocab
+
+    if not patches.applied(ONE_KIND_PATCH):
+        pytest.skip(f"needs llama.cpp patch {ONE_KIND_PATCH} (make setup)")
+    copy = GGUFModelFile(zoo.stretch(GGUFModelFile(zoo_dir / f"{name}.gguf"), tmp_path / f"stretched-{name}.gguf"))
+    header = Header(copy.metadata)
+    points = finest_cuts(header)
+    bounds = [0, *points, header.n_layers]
+    assert any(one_kind(header, a, b) for a, b in zip(bounds, bounds[1:])), points
+    ids = np.random.default_rng(zoo.SEED).integers(0, n_vocab(copy), zoo.N_PROMPT).tolist()
+    kind, detail = zoo._run_cut(
+        copy, points, ids, lambda: zoo.whole_model_run(copy.path, ids, zoo.N_DECODE, 1), tmp_path, 1
+    )
+    assert kind == "bitwise", (points, detail)
