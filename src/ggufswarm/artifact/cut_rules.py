@@ -143,7 +143,7 @@ CUT_RULES: dict[str, CutRules] = {
     **{arch: CutRules(swa_pattern=4, swa_optional=True) for arch in ("mellum", "olmo2")},
     "plamo3": CutRules(swa_pattern=8, swa_optional=True),
     "laguna": CutRules(swa_pattern=4, swa_dense_first=True, swa_optional=True),
-    # recurrent: every block; hybrid: recurrent blocks where head_count_kv is 0, a shard needs one block of each kind
+    # recurrent: every block; hybrid: recurrent blocks where head_count_kv is 0 (a shard of one kind: patch 0011)
     **{arch: CutRules(recurrent=c.all_recurrent) for arch in ("mamba", "mamba2", "falcon-h1")},
     **{arch: _HYBRID for arch in ("jamba", "granitehybrid", "lfm2", "plamo2", "lfm2moe")},
     **{arch: CutRules(recurrent=c.kv0_recurrent, check=c.first_block_heads) for arch in ("kimi-linear", "bailingmoe3")},
