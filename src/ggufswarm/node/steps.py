@@ -94,6 +94,7 @@ async def link(request: web.Request) -> web.StreamResponse:
         if not ws.closed:
             try:
                 await ws.send_bytes(encode_reply(body, status, reply))
+                state.messages_sent.labels("reply").inc()
             except (ConnectionError, RuntimeError):
                 pass  # the previous hop went away: it retries or repairs the route
 
@@ -158,6 +159,7 @@ async def _send_direct(state: NodeState, frame: Frame, body: bytes, reply: bytes
         return
     try:
         await ws.send_bytes(encode_reply(body, OK, reply))
+        state.messages_sent.labels("direct").inc()
     except (ConnectionError, RuntimeError):
         state.reply_links.pop(frame.session_id, None)
 
@@ -307,6 +309,7 @@ async def _ring_push(state: NodeState, session: Session, nxt: bytes, first: str 
             status, reply = await apply_frame(state, nxt, t0)
         else:
             sent, _ = await state.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1))
+            state.messages_sent.labels("frame").inc()
             status, reply, _ = await sent
     except Exception as exc:
         status, reply = state.error_reply(exc)
@@ -318,6 +321,7 @@ async def _ring_push(state: NodeState, session: Session, nxt: bytes, first: str 
     if ws is not None and not ws.closed:
         try:
             await ws.send_bytes(encode_reply(nxt, status, reply))
+            state.messages_sent.labels("direct").inc()
         except (ConnectionError, RuntimeError):
             pass  # the client went away: the lease or its close frees the session
 
@@ -376,6 +380,7 @@ async def _push(state: NodeState, session: Session, frame: Frame, record: StepRe
     url = session.next_hop
     t_push = time.perf_counter()
     reply, ordered = await state.links.send(url, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
+    state.messages_sent.labels("frame").inc()
     return _Sent(url, t_push, reply, ordered, out)
 
 
