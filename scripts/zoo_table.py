@@ -104,7 +104,9 @@ def render(verdicts: list, tool_note: str, seconds: float) -> str:
         "Which ranges a node refuses (the *why* column) is decided by the cut rules, from the GGUF header alone "
         "(`src/ggufswarm/artifact/cut_rules.py`, each architecture's own checks in `cut_checks.py`): `ggufswarm plan` "
         "places shards by them and a node checks its range by them at start, so every range `plan` places is one the "
-        "node accepts (`tests/test_cut_rules.py` checks it over this zoo on 2, 3 and 4 nodes).",
+        "node accepts (`tests/test_cut_rules.py` checks it over this zoo on 2, 3 and 4 nodes); a node started with "
+        "`--layers auto` fetches the model's header first and picks only a range they allow "
+        "(`swarm/shard_fetch.py` `choose_layers`).",
         "",
         f"**{c['bitwise_archs']} of {c['decoder_archs']} decoder architectures run as layer ranges, bitwise "
         f"({100 * c['bitwise_share']:.1f} %)**; {len(refused)} run only as the whole model; "

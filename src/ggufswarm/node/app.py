@@ -379,6 +379,7 @@ def run_node(config: NodeConfig) -> int:
             directory=directory,
             swarm=swarm,
             stages_follow=config.model_id is not None,  # joined by a link: --embed / --head follow the range
+            llamacpp_rules=config.backend == "llama.cpp",
         )
         got = (
             f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s"
