@@ -9,9 +9,9 @@ import time
 from typing import TYPE_CHECKING
 
 from ..protocol.errors import RouteError
-from .route import Hop
 
 if TYPE_CHECKING:
+    from .route import Hop
     from .session import AsyncRouteSession
 
 OPEN_WAIT_S = 60.0  # how long an open waits for a node's free session slot (kv_budget_full) before failing

@@ -8,6 +8,7 @@ import json
 import os
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -18,9 +19,11 @@ from ..protocol.link import frame_key
 from ..protocol.snapshots import BLOCK_TOKENS
 from ..runtime.sampling import SamplingParams
 from . import opening, repair, ring
-from .route import RemoteRoute
 from .telemetry import RouteTelemetry
 from .transport import REPAIRABLE, call, check_reply, new_http_session
+
+if TYPE_CHECKING:
+    from .route import RemoteRoute
 
 LATE_WAIT_S = 1.0  # how long reading the telemetry waits for the route's replies to directly answered steps
 RENEW_TIMEOUT_S = 10.0  # most seconds one lease renewal by the keeper may take
@@ -64,9 +67,7 @@ class AsyncRouteSession:
     frames: llama.cpp shards chain bit for bit, so it does not). Each repair is recorded in
     ``repairs`` (``replaced_layers``: the layers re-planned). Without ``replan`` the RouteError is raised.
 
-    Prefix reuse (``reuse_prefix``): the first step restores the longest cached prefix of the prompt on
-    every node and computes only the rest.
-
+    Prefix reuse (``reuse_prefix``): the first step restores the longest cached prefix of the prompt on every node.
     Open it with ``await RemoteRoute.aopen(...)``; ``async with`` closes it. Cancelling a coroutine awaiting
     ``step`` or ``verify`` leaves the session unusable: close it (``close`` finishes releasing it on its nodes
     even when the task closing it is cancelled too).
@@ -202,12 +203,8 @@ class AsyncRouteSession:
         """
         if not token_ids:
             raise ValueError("a step needs at least one token id")
-        if (
-            self.reuse_prefix
-            and not self.tokens
-            and len(token_ids) > BLOCK_TOKENS
-            and any(h.cache is not False for h in self.route.hops)
-        ):  # no cache on any node: nothing to restore
+        caches = any(h.cache is not False for h in self.route.hops)  # no cache on any node: nothing to restore
+        if self.reuse_prefix and not self.tokens and len(token_ids) > BLOCK_TOKENS and caches:
             restored = await repair.restore_prefix(self, token_ids[:-1])  # at least one token is computed: sampled
             self.tokens.extend(token_ids[:restored])
             token_ids = token_ids[restored:]
