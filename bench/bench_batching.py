@@ -141,18 +141,24 @@ def server_aggregate(base: str, prompt_ids: list[list[int]], n_decode: int) -> d
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=one, args=(ids,)) for ids in prompt_ids]
+    concurrently(one, prompt_ids, errors)
+    wall = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
+    return {
+        "tok_s": sum(n for _, _, n in spans) / wall,
+        "per_session": float(np.mean([n / (e - s) for s, e, n in spans])),
+    }
+
+
+def concurrently(fn, items: list, errors: list) -> None:
+    """``fn(item)`` for every item at once, each in its own thread; the first exception ``fn`` put in ``errors``
+    raised once all are done."""
+    threads = [threading.Thread(target=fn, args=(item,)) for item in items]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    wall = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
-    return {
-        "tok_s": sum(n for _, _, n in spans) / wall,
-        "per_session": float(np.mean([n / (e - s) for s, e, n in spans])),
-    }
 
 
 def start_llama_server(path: str, n_ctx_seq: int, threads: int, parallel: int = 16):

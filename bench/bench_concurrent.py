@@ -28,12 +28,11 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 
-from bench_batching import prompts, start_llama_server
+from bench_batching import concurrently, prompts, start_llama_server
 from bench_llamacpp import TEXT, cpu_model, say
 
 from ggufswarm.artifact.default_model import default_model_path
@@ -83,13 +82,7 @@ def run_batch(base: str, batch: list[list[int]], tokens: int, model: str | None 
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(batch))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    concurrently(one, list(range(len(batch))), errors)
     start, end = min(o[0] for o in out), max(o[2] for o in out)
     last_first = max(o[1] for o in out)
     ttft = [(o[1] - o[0]) * 1e3 for o in out]

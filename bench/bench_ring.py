@@ -61,6 +61,8 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
+from collections import Counter
 from pathlib import Path
 
 from bench_llamacpp import (
@@ -79,15 +81,18 @@ from bench_llamacpp import (
     say,
 )
 from bench_wan import delayed
+from prometheus_client.parser import text_string_to_metric_families
 
 from ggufswarm.artifact.default_model import default_model_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
 from ggufswarm.client.route import RemoteRoute
 from ggufswarm.client.tokenizer import Tokenizer
+from ggufswarm.net.link import FrameLink
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.shard import even_split
 
 N_NODES = 3
+MESSAGE_KINDS = ("node frame", "node reply", "node direct", "client frame", "client grant")
 RING_HOPS, NO_RING_HOPS = 3, 4  # one-way delays on the critical path of one decode token (module docstring)
 NAMES = {
     "llama.cpp": ("llama.cpp in-process (llama-cpp-python)", "1"),
@@ -147,6 +152,56 @@ def round_line(r: int, runs: dict[str, dict]) -> str:
     return f"  round {r}{' (warm-up)' if not r else ''}: " + ", ".join(parts) + " tok/s (prefill / decode)"
 
 
+def node_messages(urls: list[str]) -> Counter:
+    """Messages the nodes ``urls`` have sent on links so far, by kind (``ggufswarm_node_link_messages_sent``)."""
+    out: Counter = Counter()
+    for url in urls:
+        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "ggufswarm_node_link_messages_sent":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        out["node " + sample.labels["kind"]] += int(sample.value)
+    return out
+
+
+def count_messages(route: RemoteRoute, ids: list[int], n_decode: int, ring: bool) -> dict:
+    """Messages per decode token on ``route`` (untimed): the nodes' by kind (their counters) and the client's (its
+    frames and ring grants, counted in this process), between the prompt's step and the end of the decode, each read
+    once the steps in flight are done (0.3 s later; the head-sent step after the last token is counted for the one
+    before the first)."""
+    sent: Counter = Counter()
+    send, send_text = FrameLink.send, FrameLink.send_text
+
+    async def counted_send(self, frame, waiter, timeout=None):
+        sent["client frame"] += 1
+        return await send(self, frame, waiter, timeout)
+
+    async def counted_text(self, text):
+        ok = await send_text(self, text)
+        sent["client grant"] += ok
+        return ok
+
+    urls = [h.url for h in route.hops]
+    FrameLink.send, FrameLink.send_text = counted_send, counted_text
+    try:
+        session = route.open(len(ids) + n_decode + 8, GREEDY, ring=ring)
+        try:
+            token = session.step(ids)
+            time.sleep(0.3)
+            before, sent_before = node_messages(urls), Counter(sent)
+            for _ in range(n_decode):
+                token = session.step([token])
+            time.sleep(0.3)
+            after = node_messages(urls)
+        finally:
+            session.close()
+    finally:
+        FrameLink.send, FrameLink.send_text = send, send_text
+    by = (after - before) + (sent - sent_before)
+    return {"per_token": sum(by.values()) / n_decode, "by": {k: v / n_decode for k, v in sorted(by.items())}}
+
+
 def summarize(times: dict[str, list[dict]], delay_ms: float) -> dict:
     """Medians per engine, the ring route's per-round ratios to each engine, and each route's ratio to its bound
     (C: the ring session's compute of the same round)."""
@@ -195,7 +250,8 @@ def part1(path: str, route: RemoteRoute, ids: list[int], n_decode: int, rounds: 
                         times[name].append(x)
     finally:
         llm.close()
-    return {"runs": times, **summarize(times, 0.0)}
+    messages = {name: count_messages(route, ids, n_decode, ring) for name, ring in (("ring", True), ("no_ring", False))}
+    return {"runs": times, "messages": messages, **summarize(times, 0.0)}
 
 
 def part2(nodes, ids: list[int], n_decode: int, rounds: int, delay_ms: float) -> dict:
@@ -258,6 +314,19 @@ def targets(res: dict, delay_ms: float) -> list[str]:
 
     p1 = res["part1"]
     check("ring route decode vs llama.cpp RPC (3 servers), no delay", p1.get("rpc", {}).get("ring_ratio"), 1.0)
+    check("ring route decode vs llama.cpp in-process, no delay", p1["llama.cpp"]["ring_ratio"], 0.95)
+    ring = p1["ring"]
+    per_hop = (1000.0 / ring["decode"] - ring["compute_ms"]) / RING_HOPS
+    out.append(
+        f"- per-hop overhead, no delay ((1000 / ring decode - Σ node compute) / {RING_HOPS} hops): {per_hop:.2f} ms "
+        f"(target <= 0.30 ms) {'ok' if per_hop <= 0.3 else 'MISSED'}"
+    )
+    if "messages" in p1:
+        got = p1["messages"]["ring"]["per_token"]
+        out.append(
+            f"- messages per decode token, ring: {got:.1f} (goal {RING_HOPS + 1}: one per hop and one to the client) "
+            f"{'ok' if got <= RING_HOPS + 1.05 else 'MISSED'}"
+        )
     if res.get("part2"):
         check(f"ring route decode / its bound, {delay_ms:g} ms per hop", res["part2"]["ring"]["bound_ratio"], 0.9)
     out.append("Also (no target):")
@@ -345,6 +414,15 @@ def main() -> int:
         no_ring = res.get(key, {}).get("no_ring")
         if no_ring is not None and no_ring["ring_steps"]:
             say(f"- WARNING: the ring=False route took {no_ring['ring_steps']:g} head-sent steps ({key}).")
+    if "messages" in res["part1"]:
+        say("")
+        say("Messages per decode token (one counted session each, untimed; client frames and grants counted here):")
+        say("")
+        say("| route | total | " + " | ".join(MESSAGE_KINDS) + " |")
+        say("|---|---:|" + "---:|" * len(MESSAGE_KINDS))
+        for name, m in res["part1"]["messages"].items():
+            cells = " | ".join(f"{m['by'].get(k, 0.0):.2f}" for k in MESSAGE_KINDS)
+            say(f"| {NAMES[name][0]} | {m['per_token']:.2f} | {cells} |")
     say("")
     for line in targets(res, args.delay_ms):
         say(line)

@@ -104,10 +104,12 @@ def render(verdicts: list, tool_note: str, seconds: float) -> str:
         "Which ranges a node refuses (the *why* column) is decided by the cut rules, from the GGUF header alone "
         "(`src/ggufswarm/artifact/cut_rules.py`, each architecture's own checks in `cut_checks.py`): `ggufswarm plan` "
         "places shards by them and a node checks its range by them at start, so every range `plan` places is one the "
-        "node accepts (`tests/test_cut_rules.py` checks it over this zoo on 2, 3 and 4 nodes). A range of one kind of "
-        "block (no sliding-window block in a sliding-window model, no recurrent or no attention block in a hybrid one) "
-        "runs with patch 0011 (`tests/test_zoo.py` runs the finest such chains of 16 architectures bitwise); a node "
-        "whose llama.cpp lacks it refuses such a range, naming the patch.",
+        "node accepts (`tests/test_cut_rules.py` checks it over this zoo on 2, 3 and 4 nodes); a node started with "
+        "`--layers auto` fetches the model's header first and picks only a range they allow "
+        "(`swarm/shard_fetch.py` `choose_layers`). A range of one kind of block (no sliding-window block in a "
+        "sliding-window model, no recurrent or no attention block in a hybrid one) runs with patch 0011 "
+        "(`tests/test_zoo.py` runs the finest such chains of 16 architectures bitwise); a node whose llama.cpp lacks "
+        "it refuses such a range, naming the patch (and `--layers auto` does not pick one there).",
         "",
         f"**{c['bitwise_archs']} of {c['decoder_archs']} decoder architectures run as layer ranges, bitwise "
         f"({100 * c['bitwise_share']:.1f} %)**; {len(refused)} run only as the whole model; "

@@ -107,13 +107,6 @@ def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) is None
 
 
-# module import cycles inside a package that remain (issue 40: the route session owning its ring and repair): the
-# test fails on any other cycle, and on one of these once it is gone
-KNOWN_MODULE_CYCLES = [
-    ["client.blocking", "client.opening", "client.repair", "client.route", "client.session"],
-]
-
-
 def _type_checking_only(tree: ast.AST) -> set[int]:
     """ids of the import nodes under ``if TYPE_CHECKING:`` (for annotations only: never run)."""
     out = set()
@@ -176,11 +169,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_modules_inside_a_package_import_each_other_without_a_cycle():
     """A module imports the modules of its own package without a circle (a function-level import counts: it runs;
-    one under ``if TYPE_CHECKING:`` does not), but for KNOWN_MODULE_CYCLES, which the test also sees are still there
-    (a fixed one comes off the list)."""
+    one under ``if TYPE_CHECKING:`` does not)."""
     graph = _module_graph()
     assert {"client.session", "gateway.app"} <= set(graph)  # read at all
-    assert _cycles(graph) == sorted(KNOWN_MODULE_CYCLES)
+    assert _cycles(graph) == []
 
 
 def test_the_module_cycle_check_finds_a_cycle():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -269,3 +270,68 @@ def test_auto_layers_pick_the_least_covered_range(artifact):
     assert tight.end - tight.start == 1
     window = choose_layers(manifest, ads, shard_bytes(manifest, 6, 9))  # no aligned range fits: a window
     assert shard_bytes(manifest, window.start, window.end) <= shard_bytes(manifest, 6, 9) and window.start >= 6
+
+
+def test_auto_layers_keep_to_the_cut_rules(artifact, gemma_path):
+    """``--layers auto`` with the model's cut rules (``artifact/cut_rules.py``, the node's start-up check): Gemma 3's
+    blocks 5, 11 and 17 are its only full-attention ones, and a range of one of them alone is refused by a node whose
+    llama.cpp lacks patch 0011 (it asserts a sliding-window layer in every shard; with the patch it runs); the least
+    covered block here is block 5, which the rules' choice for such a node avoids while the blind one takes it."""
+    from ggufswarm.directory.routing import Advertisement
+    from ggufswarm.swarm.shard_fetch import _cuttable, choose_layers, shard_bytes
+
+    manifest, _ = artifact
+    assert _cuttable(gemma_path, manifest.n_layers)(5, 6)  # patch 0011 (what plan assumes)
+    cuttable = _cuttable(gemma_path, manifest.n_layers, one_kind=False)
+    assert cuttable(0, 6) and cuttable(4, 5) and not cuttable(5, 6)
+    ads = [Advertisement("a", "u", "m", (0, 5), True), Advertisement("b", "u", "m", (6, 18), head=True)]
+    budget = shard_bytes(manifest, 5, 6)
+    blind = choose_layers(manifest, ads, budget)
+    assert (blind.start, blind.end) == (5, 6)
+    ruled = choose_layers(manifest, ads, budget, cuttable)
+    assert cuttable(ruled.start, ruled.end) and shard_bytes(manifest, ruled.start, ruled.end) <= budget
+    assert choose_layers(manifest, ads, budget, lambda s, e: False) == blind  # nothing allowed fits: as before
+
+
+def test_fetch_shard_auto_reads_the_header_first_and_fetches_a_range_the_node_runs(
+    artifact, seeders, gemma_path, tmp_path
+):
+    """``fetch_shard(layers="auto")`` from a directory listing one node (blocks 0:5) and the seeders: it fetches the
+    header, picks a range by the cut rules within the budget (one block: not the full-attention block 5, for a node
+    without patch 0011), then that range's pieces into the same torrent (the header's priorities stay), verified."""
+    from ggufswarm.swarm.shard_fetch import _cuttable, fetch_shard, shard_bytes
+
+    manifest, torrent = artifact
+    found = {"manifest": json.loads(manifest.to_json()), "torrent_hex": torrent.hex()}
+    reach = [{"reach": {"torrent": f"127.0.0.1:{s.port}"}} for s, _ in seeders]
+    listed = [
+        {"node_id": "a", "url": "http://a", "model": "m", "layers": [0, 5], "embed": True, "head": False,
+         "state": "serving", "extra": reach[0]},
+        {"node_id": "b", "url": "http://b", "model": "m", "layers": [6, 18], "embed": False, "head": True,
+         "state": "serving", "extra": reach[1]},
+    ]  # fmt: skip
+
+    class Listing:
+        async def manifest(self, http):
+            return found
+
+        async def nodes(self, http):
+            return listed
+
+    fetched = fetch_shard(
+        None, "m", "auto", False, False, tmp_path, shard_bytes(manifest, 5, 6), timeout=120, progress=False,
+        directory=Listing(), one_kind=False,
+    )  # fmt: skip
+    try:
+        spec = fetched.spec
+        assert spec.end - spec.start == 1 and spec.start != 5
+        assert _cuttable(fetched.path, manifest.n_layers, one_kind=False)(spec.start, spec.end)
+        data = fetched.path.read_bytes()
+        original = gemma_path.read_bytes()
+        for t in manifest.tensors:
+            if t.layer == spec.start:
+                assert data[t.offset : t.offset + t.n_bytes] == original[t.offset : t.offset + t.n_bytes], t.name
+        header = manifest.files[0]["header_bytes"]
+        assert data[:header] == original[:header]
+    finally:
+        fetched.swarm.close()

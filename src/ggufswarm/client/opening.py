@@ -9,9 +9,9 @@ import time
 from typing import TYPE_CHECKING
 
 from ..protocol.errors import RouteError
-from .route import Hop
 
 if TYPE_CHECKING:
+    from .route import Hop
     from .session import AsyncRouteSession
 
 OPEN_WAIT_S = 60.0  # how long an open waits for a node's free session slot (kv_budget_full) before failing
@@ -95,3 +95,29 @@ async def close_opened(session: AsyncRouteSession) -> None:
     """Release the session on every node it is open on, at once (best effort)."""
     opened, session.opened = session.opened, []
     await asyncio.gather(*(close_on(session, url) for url in opened))
+
+
+_closing: set[asyncio.Task] = set()  # releases still running after their session's task was cancelled
+
+
+async def releases_done(timeout_s: float) -> None:
+    """Wait (up to ``timeout_s`` seconds) for the releases of this loop's closed sessions still running on their
+    nodes: call it before closing the aiohttp session they use (a server shutting down)."""
+    loop = asyncio.get_running_loop()
+    pending = [t for t in _closing if t.get_loop() is loop and not t.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)
+
+
+def _release_done(task: asyncio.Task) -> None:
+    """A release finished: forget it, and take its error (a release is best effort, and one whose closer was
+    cancelled has nobody else to take it: asyncio would print it as never retrieved)."""
+    _closing.discard(task)
+    if not task.cancelled():
+        task.exception()
+
+
+def track_release(task: asyncio.Task) -> None:
+    """Keep the task releasing a closed session on its nodes until it ends (``releases_done`` waits for it)."""
+    _closing.add(task)
+    task.add_done_callback(_release_done)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from ..protocol.errors import RouteError
 from . import opening
-from .route import Hop, RemoteRoute
 from .transport import BANNED
 
 if TYPE_CHECKING:
+    from .route import Hop, RemoteRoute
     from .session import AsyncRouteSession
 
 MESSAGE_CHARS = 300  # how much of an error message a repair's telemetry entry keeps
@@ -174,7 +174,7 @@ async def repair_route(session: AsyncRouteSession, excluded: set[str], exc: Rout
     replaced = [h for h in old.hops if span[0] <= h.start and h.end <= span[1]]  # failed alone, or every hop
     i, j = old.hops.index(replaced[0]), old.hops.index(replaced[-1])
     hops = old.hops[:i] + spare.hops + old.hops[j + 1 :]
-    session.route = RemoteRoute.of_hops(hops, old.hop_timeout_s, model=old.model, token=old.token)
+    session.route = type(old).of_hops(hops, old.hop_timeout_s, model=old.model, token=old.token)
     await session.drop_links()  # the first node or head may have changed; late replies of the old route are moot
     kept = {h.url for h in hops}
     for h in replaced:

@@ -31,37 +31,6 @@ def result(task: asyncio.Task):
     return None if task.cancelled() or task.exception() is not None else task.result()
 
 
-def open_replies(session: AsyncRouteSession, head: str) -> None:
-    """Open the session's reply link to ``head`` (after the first step, which opened the session everywhere): the
-    head's replies come straight to the client, one message after it sampled, not back through every hop, and the
-    ring's grants go on it (docs/protocol.md). Opened in the background and used once open (a later call takes
-    it): a head that does not answer never holds a step up."""
-    if session._replies_opening is None:
-
-        async def opening() -> FrameLink | None:
-            link = FrameLink(
-                session.http,
-                head,
-                min(session.route.timeout_s, REPLY_LINK_TIMEOUT_S),
-                session.route.token,
-                replies=session.id,
-                key=session.reply_key,
-                late=lambda key, status, body: reply_late(session, key, status, body),
-            )
-            try:
-                await link.connect()
-            except RouteError:
-                return None
-            return link if link.connected else None
-
-        session._replies_opening = asyncio.get_running_loop().create_task(opening())
-    elif session._replies_opening.done():
-        session._replies = result(session._replies_opening)
-        session._replies_opening = None
-        if session._replies is None:
-            session._no_replies.add(head)
-
-
 @dataclass(eq=False)
 class RingStep:
     """A step the head sent itself: its number, position, the token it feeds, its frame (as the client would send
@@ -82,107 +51,196 @@ class RingStep:
         return (
             sample
             and not verify
-            and not session._rewinding
+            and not session.rewinding
             and ids == [self.token]
             and self.step == session.step_no + 1
             and self.start == session.position
         )
 
 
-async def grant(session: AsyncRouteSession, until: int, n_ids: int) -> None:
-    """Let the head send the session's steps up to number ``until`` itself (the step being sent, of ``n_ids`` ids,
-    is ``until - 1``): nothing when the session has no ring, no open reply link, granted that already, or the step
-    after would not fit its max_length."""
-    replies = session._replies
-    if (
-        not session.ring
-        or until <= session._granted
-        or replies is None
-        or not replies.connected
-        or session.position + n_ids + 1 > session.max_length
-    ):
-        return
-    hops = session.route.hops
-    first = None if len(hops) == 1 else hops[0].url
-    if await replies.send_text(json.dumps({"ring": {"until": until, "first": first}})):
-        session._granted = until
+class Ring:
+    """The ring decode of one route session, which owns it (``AsyncRouteSession.decode_ring``): the session's reply
+    link to the head, the last step granted to the head, and the step the head sent itself that the caller has not
+    taken yet. ``on``: the session wants the ring (off: it never grants; a verify step turns it off)."""
 
+    def __init__(self, session: AsyncRouteSession, on: bool):
+        self.session = session
+        self.on = on
+        self.replies: FrameLink | None = None  # the reply link to the head, opened after the first step
+        self.granted = 0  # the last step number granted to the head
+        self.pending: RingStep | None = None  # the step the head sent itself, not yet taken by the caller
+        self._opening: asyncio.Task | None = None  # the reply link, opened off the step path
+        self._no_replies: set[str] = set()  # heads that gave no reply link
+        self._early: tuple[bytes, int, bytes] | None = None  # a head-sent step's reply that came before its learn
+        self._claimed: set[bytes] = set()  # keys of head-sent steps taken whose route reply is still to come
 
-def learn(session: AsyncRouteSession, reply: dict) -> None:
-    """After a step's ``reply`` (the session advanced past it): when the head sent the next step itself (``ring``),
-    expect its reply on the reply link (``session._ring``), whether or not the session still wants the ring (that
-    step is on the nodes: the caller's next one takes it or undoes it). Without an open reply link its reply is lost
-    to us: the caller's step, if it is the same, sends the same frame itself."""
-    nxt, token = reply.get("ring"), reply.get("token")
-    replies = session._replies
-    if nxt != session.step_no + 1 or type(token) is not int or replies is None or not replies.connected:
-        return
-    frame = encode_tokens(session.id, nxt, session.position, [token])
-    key = frame_key(frame)
-    waiter = asyncio.get_running_loop().create_future()
-    waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # a step nobody takes may fail unread
-    early, session._early = session._early, None
-    if early is not None and early[0] == key:  # it came before we got here
-        waiter.set_result((early[1], early[2], True))
-    else:
-        replies.expect(key, waiter, own=True)
-    session._ring = RingStep(nxt, session.position, token, frame, key, waiter, time.perf_counter())
+    @property
+    def open_replies_link(self) -> FrameLink | None:
+        """The reply link when it is open."""
+        return self.replies if self.replies is not None and self.replies.connected else None
 
+    def open_replies(self, head: str) -> None:
+        """Open the session's reply link to ``head`` (after the first step, which opened the session everywhere): the
+        head's replies come straight to the client, one message after it sampled, not back through every hop, and
+        the ring's grants go on it (docs/protocol.md). Opened in the background and used once open (a later call
+        takes it): a head that does not answer never holds a step up; one that gave none is not asked again."""
+        s = self.session
+        if head in self._no_replies:
+            return
+        if self._opening is None:
 
-def reply_late(session: AsyncRouteSession, key: bytes, status: int, body: bytes) -> None:
-    """A reply link's message nobody waited for: the route's reply to a head-sent step (kept until the step is claimed,
-    then its telemetry: ``session._late``), or a head-sent step's own reply that came before ``learn`` (kept for
-    it)."""
-    pending = session._ring
-    if pending is not None and key == pending.key:
-        pending.late = (status, body)
-    elif key in session._ring_claimed:
-        session._ring_claimed.discard(key)
-        session._late(key, status, body)
-    else:  # (a client-sent step's reply from the head after the route's, or after it was sent alone: nothing new)
-        session._early = (key, status, body)
+            async def opening() -> FrameLink | None:
+                link = FrameLink(
+                    s.http,
+                    head,
+                    min(s.route.timeout_s, REPLY_LINK_TIMEOUT_S),
+                    s.route.token,
+                    replies=s.id,
+                    key=s.reply_key,
+                    late=self._reply_late,
+                )
+                try:
+                    await link.connect()
+                except RouteError:
+                    return None
+                return link if link.connected else None
 
+            self._opening = asyncio.get_running_loop().create_task(opening())
+        elif self._opening.done():
+            self.replies = result(self._opening)
+            self._opening = None
+            if self.replies is None:
+                self._no_replies.add(head)
 
-async def claim(
-    session: AsyncRouteSession, pending: RingStep, link: FrameLink, timeout: float
-) -> tuple[int, bytes, bool]:
-    """Take the head-sent step ``pending`` as the caller's: its reply ``(status, body, direct)``. When the head
-    answers it with an error, the reply link fails or no reply comes within ``timeout`` s, the client sends the same
-    frame on its step link (nodes that applied it answer from their record): a node that is down fails that send
-    and the route is repaired, but a first node the head could not reach (another network) is not taken for
-    dead; the session's ring is off from then on. RouteError as a step sent by the client."""
-    first = session.route.hops[0].url
-    session._unacked[pending.key] = (pending.t0, 1, [h.url for h in session.route.hops], False, pending.start)
-    if pending.late is not None:  # the route's reply came first: its telemetry
-        session._late(pending.key, *pending.late)
-    else:
-        session._ring_claimed.add(pending.key)
-    unreachable = False
-    if session._broken is not None:  # a late error of an earlier step, or a ban: repair first
-        broken, session._broken = session._broken, None
-        raise broken
-    session._waiter = pending.reply  # session.fail() fails it
-    try:
-        async with asyncio.timeout(timeout):
-            status, body, direct = await pending.reply
-        if status == 200:
-            session.measured.ring_steps += 1
-            return status, body, direct
-        unreachable = _failed_hop(body) == first  # the head could not send it to the first node
-    except RouteError as exc:
-        if exc.late or exc.code == BANNED:  # (session.fail: the route is broken, not this link)
-            raise
-    except TimeoutError:
-        pass
-    finally:
-        session._waiter = None
-    if session._replies is not None:
-        session._replies.forget(pending.key)
-    session._ring_claimed.discard(pending.key)
-    answer = await session._exchange(link, pending.frame, pending.key, timeout)
-    if unreachable and answer[0] == 200:  # ... and we can: the head cannot reach it (a dead one fails ours too)
-        session.ring = False
-    return answer
+    async def grant(self, until: int, n_ids: int) -> None:
+        """Let the head send the session's steps up to number ``until`` itself (the step being sent, of ``n_ids``
+        ids, is ``until - 1``): nothing when the ring is off, the reply link not open, ``until`` granted already, or
+        the step after would not fit the session's max_length."""
+        s, replies = self.session, self.open_replies_link
+        if not self.on or until <= self.granted or replies is None or s.position + n_ids + 1 > s.max_length:
+            return
+        hops = s.route.hops
+        first = None if len(hops) == 1 else hops[0].url
+        if await replies.send_text(json.dumps({"ring": {"until": until, "first": first}})):
+            self.granted = until
+
+    def learn(self, reply: dict) -> None:
+        """After a step's ``reply`` (the session advanced past it): when the head sent the next step itself
+        (``ring``), expect its reply on the reply link (``pending``), whether or not the session still wants the
+        ring (that step is on the nodes: the caller's next one takes it or undoes it). Without an open reply link its
+        reply is lost to us: the caller's step, if it is the same, sends the same frame itself."""
+        s = self.session
+        nxt, token = reply.get("ring"), reply.get("token")
+        replies = self.open_replies_link
+        if nxt != s.step_no + 1 or type(token) is not int or replies is None:
+            return
+        frame = encode_tokens(s.id, nxt, s.position, [token])
+        key = frame_key(frame)
+        waiter = asyncio.get_running_loop().create_future()
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # a step nobody takes may fail unread
+        early, self._early = self._early, None
+        if early is not None and early[0] == key:  # it came before we got here
+            waiter.set_result((early[1], early[2], True))
+        else:
+            replies.expect(key, waiter, own=True)
+        self.pending = RingStep(nxt, s.position, token, frame, key, waiter, time.perf_counter())
+
+    def _reply_late(self, key: bytes, status: int, body: bytes) -> None:
+        """A reply link's message nobody waited for: the route's reply to a head-sent step (kept until the step is
+        claimed, then its telemetry: ``AsyncRouteSession.route_reply``), or a head-sent step's own reply that came
+        before ``learn`` (kept for it)."""
+        pending = self.pending
+        if pending is not None and key == pending.key:
+            pending.late = (status, body)
+        elif key in self._claimed:
+            self._claimed.discard(key)
+            self.session.route_reply(key, status, body)
+        else:  # (a client-sent step's reply from the head after the route's, or after it was sent alone: nothing new)
+            self._early = (key, status, body)
+
+    async def claim(self, pending: RingStep, link: FrameLink, timeout: float) -> tuple[int, bytes, bool]:
+        """Take the head-sent step ``pending`` as the caller's: its reply ``(status, body, direct)``. When the head
+        answers it with an error, the reply link fails or no reply comes within ``timeout`` s, the client sends the
+        same frame on its step link ``link`` (nodes that applied it answer from their record): a node that is down
+        fails that send and the route is repaired, but a first node the head could not reach (another network) is
+        not taken for dead; the ring is off from then on. RouteError as a step sent by the client."""
+        s = self.session
+        first = s.route.hops[0].url
+        s.expect_route_reply(pending.key, pending.t0, 1, False, pending.start)
+        if pending.late is not None:  # the route's reply came first: its telemetry
+            s.route_reply(pending.key, *pending.late)
+        else:
+            self._claimed.add(pending.key)
+        unreachable = False
+        s.raise_broken()  # a late error of an earlier step, or a ban: repair first
+        try:
+            with s.waiting_on(pending.reply):  # session.fail() fails it
+                async with asyncio.timeout(timeout):
+                    status, body, direct = await pending.reply
+            if status == 200:
+                s.measured.ring_steps += 1
+                return status, body, direct
+            unreachable = _failed_hop(body) == first  # the head could not send it to the first node
+        except RouteError as exc:
+            if exc.late or exc.code == BANNED:  # (session.fail: the route is broken, not this link)
+                raise
+        except TimeoutError:
+            pass
+        if self.replies is not None:
+            self.replies.forget(pending.key)
+        self._claimed.discard(pending.key)
+        answer = await s.exchange(link, pending.frame, pending.key, timeout)
+        if unreachable and answer[0] == 200:  # ... and we can: the head cannot reach it (a dead one fails ours too)
+            self.on = False
+        return answer
+
+    async def finish(self) -> None:
+        """At the session's close: wait (up to ``FINISH_WAIT_S``) for a head-sent step the caller did not take, so
+        that the nodes release the session after it rather than under it."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            async with asyncio.timeout(FINISH_WAIT_S):
+                await pending.reply
+        except (RouteError, TimeoutError):
+            pass
+
+    async def discard(self, pending: RingStep, timeout: float) -> None:
+        """Undo the head-sent step ``pending`` the caller did not take: wait (up to ``timeout`` s) for it to end,
+        then roll every node back to the session's position with ``pending.step`` as their last step number (applied
+        or not there). RouteError when a node refuses the truncation."""
+        s = self.session
+        try:
+            async with asyncio.timeout(timeout):
+                await pending.reply
+        except (RouteError, TimeoutError):
+            pass
+        if self.replies is not None:
+            self.replies.forget(pending.key)
+        s.step_no = max(s.step_no, pending.step)
+        body = {"length": s.position, "step": s.step_no}
+        for hop in s.route.hops:
+            await s.call(hop.url, "POST", f"/v1/sessions/{s.id}/truncate", body, "truncate")
+        s.measured.ring_discarded += 1
+
+    async def drop(self) -> int:
+        """Close the reply link (one still opening: once open) and forget the step the head sent and the grants (a
+        repair changed the route): the last step number granted, which new steps must be numbered past (the head
+        may still be sending it: no shared frame key)."""
+        replies, self.replies = self.replies, None
+        if replies is not None:
+            await replies.close()
+        opening, self._opening = self._opening, None
+        if opening is not None:
+            opening.cancel()
+            link = result(opening) if opening.done() else None
+            if link is not None:
+                await link.close()
+        self.pending = self._early = None
+        self._claimed.clear()
+        granted, self.granted = self.granted, 0
+        return granted
 
 
 def _failed_hop(body: bytes) -> str | None:
@@ -192,37 +250,3 @@ def _failed_hop(body: bytes) -> str | None:
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     return hop if isinstance(hop, str) else None
-
-
-async def finish(session: AsyncRouteSession) -> None:
-    """At the session's close: wait (up to ``FINISH_WAIT_S``) for a head-sent step the caller did not take, so that
-    the nodes release the session after it rather than under it."""
-    pending, session._ring = session._ring, None
-    if pending is None:
-        return
-    try:
-        async with asyncio.timeout(FINISH_WAIT_S):
-            await pending.reply
-    except (RouteError, TimeoutError):
-        pass
-
-
-async def discard(session: AsyncRouteSession, pending: RingStep, timeout: float) -> None:
-    """Undo the head-sent step ``pending`` the caller did not take: wait (up to ``timeout`` s) for it to end, then roll
-    every node back to the session's position with ``pending.step`` as their last step number (applied or not
-    there). RouteError when a node refuses the truncation."""
-    try:
-        async with asyncio.timeout(timeout):
-            await pending.reply
-    except (RouteError, TimeoutError):
-        pass
-    if session._replies is not None:
-        session._replies.forget(pending.key)
-    session.step_no = max(session.step_no, pending.step)
-    body = {"length": session.position, "step": session.step_no}
-    for hop in session.route.hops:
-        await session.call(hop.url, "POST", f"/v1/sessions/{session.id}/truncate", body, "truncate")
-    session.measured.ring_discarded += 1
-
-
-__all__ = ["RingStep", "claim", "discard", "finish", "grant", "learn", "open_replies", "reply_late", "result"]

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -17,32 +19,16 @@ from ..protocol.errors import RouteError
 from ..protocol.link import frame_key
 from ..protocol.snapshots import BLOCK_TOKENS
 from ..runtime.sampling import SamplingParams
-from . import opening, repair, ring
-from .route import RemoteRoute
+from . import opening, repair
+from .ring import Ring
 from .telemetry import RouteTelemetry
 from .transport import REPAIRABLE, call, check_reply, new_http_session
 
+if TYPE_CHECKING:
+    from .route import RemoteRoute
+
 LATE_WAIT_S = 1.0  # how long reading the telemetry waits for the route's replies to directly answered steps
 RENEW_TIMEOUT_S = 10.0  # most seconds one lease renewal by the keeper may take
-
-_closing: set[asyncio.Task] = set()  # releases still running after their session's task was cancelled
-
-
-async def releases_done(timeout_s: float) -> None:
-    """Wait (up to ``timeout_s`` seconds) for the releases of this loop's closed sessions still running on their
-    nodes: call it before closing the aiohttp session they use (a server shutting down)."""
-    loop = asyncio.get_running_loop()
-    pending = [t for t in _closing if t.get_loop() is loop and not t.done()]
-    if pending:
-        await asyncio.wait(pending, timeout=timeout_s)
-
-
-def _release_done(task: asyncio.Task) -> None:
-    """A release finished: forget it, and take its error (a release is best effort, and one whose closer was
-    cancelled has nobody else to take it: asyncio would print it as never retrieved)."""
-    _closing.discard(task)
-    if not task.cancelled():
-        task.exception()
 
 
 class AsyncRouteSession:
@@ -64,9 +50,7 @@ class AsyncRouteSession:
     frames: llama.cpp shards chain bit for bit, so it does not). Each repair is recorded in
     ``repairs`` (``replaced_layers``: the layers re-planned). Without ``replan`` the RouteError is raised.
 
-    Prefix reuse (``reuse_prefix``): the first step restores the longest cached prefix of the prompt on
-    every node and computes only the rest.
-
+    Prefix reuse (``reuse_prefix``): the first step restores the longest cached prefix of the prompt on every node.
     Open it with ``await RemoteRoute.aopen(...)``; ``async with`` closes it. Cancelling a coroutine awaiting
     ``step`` or ``verify`` leaves the session unusable: close it (``close`` finishes releasing it on its nodes
     even when the task closing it is cancelled too).
@@ -119,11 +103,7 @@ class AsyncRouteSession:
         self.replan = replan
         self.reuse_prefix = reuse_prefix
         self.commit = commit
-        self.ring = ring
-        self._ring: ring.RingStep | None = None  # the step the head sent itself, not yet taken by the caller
-        self._granted = 0  # the last step number granted to the head (ring decode)
-        self._early: tuple[bytes, int, bytes] | None = None  # a head-sent step's reply that came before its learn
-        self._ring_claimed: set[bytes] = set()  # keys of head-sent steps taken whose route reply is still to come
+        self.decode_ring = Ring(self, ring)  # ring decode: its reply link, grants, the step the head sent (ring.py)
         self.sent: list[tuple] | None = None  # when a list: each frame sent, (step, start, ids, sample, verify)
         self.lease_s = lease_s
         self.http = http or new_http_session()
@@ -141,7 +121,7 @@ class AsyncRouteSession:
         self.last_token_logprob: float | None = None  # the last sample's logprob (sessions opened with logprobs)
         self.last_tokens: list[int] | None = None  # a verify step's samples, one per position
         self._excluded: set[str] = set()  # nodes that failed this session (repairs avoid them)
-        self._rewinding = False  # the nodes hold rejected drafts past ``position``: the next frame rewinds (drop)
+        self.rewinding = False  # the nodes hold rejected drafts past ``position``: the next frame rewinds (drop)
         self.renewed_at = time.monotonic()  # time.monotonic() of the last lease renewal
         # while one step takes longer than a third of the lease (a long prefill on a loaded node), a keeper task
         # renews the lease on every node: the nodes after the busy one see nothing of the session meanwhile
@@ -149,9 +129,6 @@ class AsyncRouteSession:
         self._keeper: asyncio.Task | None = None
         self._closed = False
         self._link: FrameLink | None = None  # to the first node
-        self._replies: FrameLink | None = None  # the reply link to the head, opened after the first step
-        self._replies_opening: asyncio.Task | None = None  # opened off the step path
-        self._no_replies: set[str] = set()  # heads that gave no reply link
         # steps in flight or answered on the reply link whose reply along the route (per-hop telemetry) is still
         # to be read: frame key -> (perf_counter s sent, n_tokens, hop urls, verify step, start position)
         self._unacked: dict[bytes, tuple[float, int, list[str], bool, int]] = {}
@@ -202,12 +179,8 @@ class AsyncRouteSession:
         """
         if not token_ids:
             raise ValueError("a step needs at least one token id")
-        if (
-            self.reuse_prefix
-            and not self.tokens
-            and len(token_ids) > BLOCK_TOKENS
-            and any(h.cache is not False for h in self.route.hops)
-        ):  # no cache on any node: nothing to restore
+        caches = any(h.cache is not False for h in self.route.hops)  # no cache on any node: nothing to restore
+        if self.reuse_prefix and not self.tokens and len(token_ids) > BLOCK_TOKENS and caches:
             restored = await repair.restore_prefix(self, token_ids[:-1])  # at least one token is computed: sampled
             self.tokens.extend(token_ids[:restored])
             token_ids = token_ids[restored:]
@@ -281,7 +254,7 @@ class AsyncRouteSession:
         del self.tokens[self.position :]
         self.boundaries.discard(old)
         self.boundaries.add(self.position)
-        self._rewinding = True
+        self.rewinding = True
 
     async def _step(self, ids: list[int], sample: bool, verify: bool = False) -> int | None:
         """One chunk, repairing the route (at most MAX_REPAIRS_PER_STEP times) when a node fails."""
@@ -320,20 +293,22 @@ class AsyncRouteSession:
         reply checked, the session advanced; the head's token."""
         first, head = self.route.hops[0], self.route.hops[-1]
         timeout = step_timeout_s(self.route.timeout_s - 1.0, len(ids)) + 1.0  # long prefill chunks wait longer
-        pending, self._ring = self._ring, None  # a step the head sent itself (ring decode): this one, or undone
+        dr = self.decode_ring
+        pending, dr.pending = dr.pending, None  # a step the head sent itself (ring decode): this one, or undone
         if pending is not None and not pending.takes(self, ids, sample, verify):
-            await ring.discard(self, pending, timeout)
+            await dr.discard(pending, timeout)
             pending = None
         self.step_no += 1
-        frame = encode_tokens(self.id, self.step_no, self.position, ids, sample, verify, self._rewinding)
+        frame = encode_tokens(self.id, self.step_no, self.position, ids, sample, verify, self.rewinding)
         link = self._link
         if link is None or link.url != first.url:
             if link is not None:
                 await link.close()
-            link = self._link = FrameLink(self.http, first.url, self.route.timeout_s, self.route.token, late=self._late)
-        elif self._replies is None and (head is not first or self.ring) and not link.http_only:
-            if head.url not in self._no_replies:
-                ring.open_replies(self, head.url)
+            link = self._link = FrameLink(
+                self.http, first.url, self.route.timeout_s, self.route.token, late=self.route_reply
+            )
+        elif dr.replies is None and (head is not first or dr.on) and not link.http_only:
+            dr.open_replies(head.url)
         key = frame_key(frame)
         if self.sent is not None:  # a session the gateway's verifier audits (gateway/verify.py)
             self.sent.append((self.step_no, self.position, list(ids), sample, verify))
@@ -341,19 +316,19 @@ class AsyncRouteSession:
         urls = [h.url for h in self.route.hops]
         start = self.position
         if sample and not verify:
-            await ring.grant(self, self.step_no + 1, len(ids))
+            await dr.grant(self.step_no + 1, len(ids))
         try:
             if pending is not None:
-                status, body, direct = await ring.claim(self, pending, link, timeout)
+                status, body, direct = await dr.claim(pending, link, timeout)
             else:
-                self._unacked[key] = (t0, len(ids), urls, verify, start)
+                self.expect_route_reply(key, t0, len(ids), verify, start)
                 try:
-                    status, body, direct = await self._exchange(link, frame, key, timeout)
+                    status, body, direct = await self.exchange(link, frame, key, timeout)
                 except RouteError as exc:
                     if exc.code != "hop_failed" or exc.late:
                         raise
                     # a fresh connection; same step number: never applied twice
-                    status, body, direct = await self._exchange(link, frame, key, timeout)
+                    status, body, direct = await self.exchange(link, frame, key, timeout)
         except BaseException:
             self._unacked.pop(key, None)
             raise
@@ -361,28 +336,26 @@ class AsyncRouteSession:
         if not direct:
             self._unacked.pop(key, None)
         reply = check_reply(first.url, status, body, f"step {self.step_no}")
-        self._rewinding = False
+        self.rewinding = False
         self.position += len(ids)
         self.boundaries.add(self.position)
-        if direct:  # the head's own reply: the route's, with every hop's numbers, is read later (_late)
+        if direct:  # the head's own reply: the route's, with every hop's numbers, is read later (route_reply)
             self.measured.direct_replies += 1
         else:
             self.measured.record(reply, rtt, len(ids), urls, verify, start, self.step_no)
         self.last_tokens = reply.get("tokens")
         self.last_logprobs = reply.get("logprobs")
         self.last_token_logprob = reply.get("token_logprob")
-        ring.learn(self, reply)
+        dr.learn(reply)
         return reply["token"]
 
-    async def _exchange(self, link: FrameLink, frame: bytes, key: bytes, timeout: float) -> tuple[int, bytes, bool]:
+    async def exchange(self, link: FrameLink, frame: bytes, key: bytes, timeout: float) -> tuple[int, bytes, bool]:
         """Send ``frame`` on ``link`` and wait for the first of its reply there and the head's on the reply link:
         (status, body, whether the reply came on the reply link). RouteError ``hop_timeout`` (the link is closed)
         or ``hop_failed``, or the late error of an earlier step (the route is broken)."""
-        if self._broken is not None:
-            broken, self._broken = self._broken, None
-            raise broken
+        self.raise_broken()
         waiter = asyncio.get_running_loop().create_future()
-        replies = self._replies if self._replies is not None and self._replies.connected else None
+        replies = self.decode_ring.open_replies_link
         if replies is not None:
             replies.expect(key, waiter)
         self._waiter = waiter
@@ -398,7 +371,27 @@ class AsyncRouteSession:
             if replies is not None:
                 replies.forget(key)
 
-    def _late(self, key: bytes, status: int, body: bytes) -> None:
+    def expect_route_reply(self, key: bytes, t0: float, n_tokens: int, verify: bool, start: int) -> None:
+        """A step (frame ``key``) whose reply back along the route (per-hop telemetry) is to be read
+        (``route_reply``): sent at ``t0`` (perf_counter s), of ``n_tokens`` from position ``start``, on this route."""
+        self._unacked[key] = (t0, n_tokens, [h.url for h in self.route.hops], verify, start)
+
+    def raise_broken(self) -> None:
+        """Raise the late error seen since the last step (a node failed after passing a step on, or a ban), once."""
+        if self._broken is not None:
+            broken, self._broken = self._broken, None
+            raise broken
+
+    @contextlib.contextmanager
+    def waiting_on(self, waiter: asyncio.Future):
+        """While in the block, ``waiter`` is the step in flight: ``fail`` fails it."""
+        self._waiter = waiter
+        try:
+            yield waiter
+        finally:
+            self._waiter = None
+
+    def route_reply(self, key: bytes, status: int, body: bytes) -> None:
         """The route's reply to a step the head already answered on the reply link: its telemetry. An error
         there (a node failed after passing the step on) means the route is broken: the step in flight fails
         with it at once (and is repaired), not after its own timeout; between steps, the next step does."""
@@ -433,27 +426,25 @@ class AsyncRouteSession:
     async def drop_links(self) -> None:
         """Close the reply link (one still opening: once open) and the step link unless it goes to the route's first
         node still; forget their replies to come (a repair changed the route); number new steps past any granted."""
-        replies, self._replies = self._replies, None
-        if replies is not None:
-            await replies.close()
-        opening, self._replies_opening = self._replies_opening, None
-        if opening is not None:
-            opening.cancel()
-            link = ring.result(opening) if opening.done() else None
-            if link is not None:
-                await link.close()
+        granted = await self.decode_ring.drop()
         if self._link is not None and self._link.url != self.route.hops[0].url:
             await self._link.close()
             self._link = None
         self._unacked.clear()
         self._broken = None
-        self._ring = self._early = None
         # the head may still be sending a step it was granted: new steps are numbered past it (no shared frame key)
-        self.step_no = max(self.step_no, self._granted)
-        self._granted = 0
-        self._ring_claimed.clear()
+        self.step_no = max(self.step_no, granted)
 
     # -- session ----------------------------------------------------------------------------------
+    @property
+    def ring(self) -> bool:
+        """Whether the session wants ring decode (client/ring.py); settable."""
+        return self.decode_ring.on
+
+    @ring.setter
+    def ring(self, on: bool) -> None:
+        self.decode_ring.on = on
+
     @property
     def repairs(self) -> list[dict]:
         """Each repair of the route so far (``telemetry().repairs`` without waiting for late replies)."""
@@ -482,13 +473,13 @@ class AsyncRouteSession:
 
     async def truncate(self, length: int) -> None:
         """Roll every node back to ``length`` tokens; RouteError when a node refuses."""
-        pending, self._ring = self._ring, None
+        pending, self.decode_ring.pending = self.decode_ring.pending, None
         if pending is not None:  # a step the head sent itself: over before the truncation
-            await ring.discard(self, pending, self.route.timeout_s)
+            await self.decode_ring.discard(pending, self.route.timeout_s)
         for hop in self.route.hops:
             await self.call(hop.url, "POST", f"/v1/sessions/{self.id}/truncate", {"length": length}, "truncate")
         self.position = length
-        self._rewinding = False
+        self.rewinding = False
         del self.tokens[length:]
         self.boundaries = {b for b in self.boundaries if b <= length} | {length}
 
@@ -502,15 +493,14 @@ class AsyncRouteSession:
         if self._keeper is not None:
             self._keeper.cancel()
         task = asyncio.get_running_loop().create_task(self._release())
-        _closing.add(task)
-        task.add_done_callback(_release_done)
+        opening.track_release(task)
         try:
             await asyncio.shield(task)
         except (RouteError, aiohttp.ClientError, RuntimeError, OSError):
             pass  # best effort: a node or connection gone (or, at shutdown, the aiohttp session closed) frees it
 
     async def _release(self) -> None:
-        await ring.finish(self)  # a step the head sent and nobody took: over before the release
+        await self.decode_ring.finish()  # a step the head sent and nobody took: over before the release
         await self.telemetry()  # the route's replies to directly answered steps: their per-hop numbers
         await self.drop_links()
         if self._link is not None:

@@ -260,6 +260,7 @@ class CompletionRequest(_Common):
                 "takes one prompt a request (send several requests, or n for several choices)",
             )
         return value
+
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS_COMPLETION, description="top alternatives per token")
     echo: bool | None = Field(False, description="the text starts with the prompt; not with logprobs")
     suffix: str | None = Field(None, description="refused unless empty: fill-in-the-middle is not implemented")

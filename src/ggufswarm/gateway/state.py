@@ -16,8 +16,8 @@ import aiohttp
 
 from ..artifact.default_model import model_name, resolve_model
 from ..artifact.gguf_file import GGUFModelFile
+from ..client.opening import releases_done
 from ..client.route import fetch_model_headers
-from ..client.session import releases_done
 from ..client.speculative import METHODS, check_draft_max
 from ..client.tokenizer import Tokenizer
 from ..client.transport import new_http_session

@@ -244,6 +244,15 @@ class NodeState:
             ["result"],
             registry=reg,
         )
+        self.messages_sent = Counter(
+            "ggufswarm_node_link_messages_sent",
+            "Messages this node sent on WebSocket links: step frames to next hops (frame), replies to the frames it "
+            "got (reply), and on sessions' reply links (direct: the head's own replies, the route's it passes on)",
+            ["kind"],
+            registry=reg,
+        )
+        for kind in ("frame", "reply", "direct"):
+            self.messages_sent.labels(kind)
         for kind in STEP_KINDS:  # export the series before the first step
             for metric in (self.steps, self.step_seconds, self.busy_seconds, self.bytes_in, self.bytes_out):
                 metric.labels(kind)

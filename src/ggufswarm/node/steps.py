@@ -33,6 +33,7 @@ from .state import NODE, NodeState, parse_session_id
 BODY_SLACK = 1024
 FORWARDED_FLAGS = FLAG_NO_SAMPLE | FLAG_VERIFY | FLAG_REWIND  # frame flags a node passes on to its next hop
 OK = 200
+HOPS_FIRST = b'{"hops": ['  # how a step's reply starts (_head_reply's key order, json.dumps's separators)
 
 
 def frame_too_large(state: NodeState) -> ProtocolError:
@@ -94,6 +95,7 @@ async def link(request: web.Request) -> web.StreamResponse:
         if not ws.closed:
             try:
                 await ws.send_bytes(encode_reply(body, status, reply))
+                state.messages_sent.labels("reply").inc()
             except (ConnectionError, RuntimeError):
                 pass  # the previous hop went away: it retries or repairs the route
 
@@ -158,6 +160,7 @@ async def _send_direct(state: NodeState, frame: Frame, body: bytes, reply: bytes
         return
     try:
         await ws.send_bytes(encode_reply(body, OK, reply))
+        state.messages_sent.labels("direct").inc()
     except (ConnectionError, RuntimeError):
         state.reply_links.pop(frame.session_id, None)
 
@@ -307,6 +310,7 @@ async def _ring_push(state: NodeState, session: Session, nxt: bytes, first: str 
             status, reply = await apply_frame(state, nxt, t0)
         else:
             sent, _ = await state.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1))
+            state.messages_sent.labels("frame").inc()
             status, reply, _ = await sent
     except Exception as exc:
         status, reply = state.error_reply(exc)
@@ -318,6 +322,7 @@ async def _ring_push(state: NodeState, session: Session, nxt: bytes, first: str 
     if ws is not None and not ws.closed:
         try:
             await ws.send_bytes(encode_reply(nxt, status, reply))
+            state.messages_sent.labels("direct").inc()
         except (ConnectionError, RuntimeError):
             pass  # the client went away: the lease or its close frees the session
 
@@ -341,7 +346,7 @@ def _lie(state: NodeState, frame: Frame, record: StepRecord) -> None:
 def _head_reply(record: StepRecord, hop: dict) -> dict:
     """The head's reply to a step: ``{token, hops: [hop]}``, with ``logprobs`` / ``token_logprob`` when the
     session asked for them."""
-    reply = {"token": record.token, "hops": [hop]}
+    reply = {"hops": [hop], "token": record.token}  # hops first: the nodes before put theirs in front (_relayed)
     if record.tokens is not None:  # a verify step: the token sampled after each of its positions
         reply["tokens"] = record.tokens
     if record.logprobs is not None:
@@ -376,22 +381,28 @@ async def _push(state: NodeState, session: Session, frame: Frame, record: StepRe
     url = session.next_hop
     t_push = time.perf_counter()
     reply, ordered = await state.links.send(url, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
+    state.messages_sent.labels("frame").inc()
     return _Sent(url, t_push, reply, ordered, out)
 
 
 async def _relayed(sent: _Sent, record: StepRecord, hop: dict, t0: float) -> bytes:
-    """The reply to a pushed step: the next hop's parsed reply with ``hop`` (this node's timings, ``push_ms``
-    added) first in its ``hops``, recorded (_record). ProtocolError naming the hop on any failure: the hop's
-    own error passed on, hop_failed or hop_timeout."""
+    """The reply to a pushed step: the next hop's reply with ``hop`` (this node's timings, ``push_ms`` and
+    ``handle_ms`` added) first in its ``hops`` (put in front of its bytes, not parsed and written again), recorded
+    on the step's record. ProtocolError naming the hop on any failure: the hop's own error passed on, hop_failed
+    or hop_timeout."""
     status, body, _ = await sent.reply
     if status != OK:
         raise reply_error(body, status, sent.url)
-    try:
-        reply = json.loads(body)
-    except ValueError:
-        raise ProtocolError("hop_failed", f"next hop {sent.url} answered a step with non-JSON", hop=sent.url) from None
     hop["push_ms"] = round((time.perf_counter() - sent.t_push) * 1e3, 3)
-    reply["hops"].insert(0, hop)
+    if body.startswith(HOPS_FIRST) and body.endswith(b"}"):  # this node's entry put in front, nothing parsed
+        hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        record.reply = HOPS_FIRST + json.dumps(hop).encode() + b", " + body[len(HOPS_FIRST) :]
+        return record.reply
+    try:  # (a next hop that puts its hops elsewhere)
+        reply = json.loads(body)
+        reply["hops"].insert(0, hop)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ProtocolError("hop_failed", f"next hop {sent.url} answered a step with no hops", hop=sent.url) from None
     return _record(record, reply, hop, t0)
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ..artifact import cut_rules
+from ..artifact.gguf_file import GGUFModelFile
 from ..artifact.manifest import Manifest
 from ..directory.routing import Advertisement
 from ..directory.trackers import TrackerClient
@@ -29,16 +31,35 @@ def shard_bytes(manifest: Manifest, start: int, end: int) -> int:
     return sum(per_layer[start:end]) + sum(sizes.get(name, 0) for name in stages)
 
 
-def choose_layers(manifest: Manifest, ads: list[Advertisement], budget_bytes: int) -> ShardSpec:
+def choose_layers(
+    manifest: Manifest,
+    ads: list[Advertisement],
+    budget_bytes: int,
+    cuttable: Callable[[int, int], bool] | None = None,
+) -> ShardSpec:
     """The layer range a new node (``--layers auto``) serves, within ``budget_bytes`` of tensors (``shard_bytes``:
-    blocks, embedding, head); embed/head when it touches the ends.
+    blocks, embedding, head); embed/head when it touches the ends. ``cuttable(start, end)``: whether the node could
+    run that range (the model's cut rules, ``artifact/cut_rules.py``); ranges it refuses are never chosen while
+    another fits.
 
     A range whose ends are boundaries the swarm already has (0, the last block, or an end of an advertised range)
     can replace the nodes there or chain with them: among those that fit, the least covered (advertisements per
     layer, mean), then the widest, then the lowest. When none fits, the least covered window as wide as the budget
     allows (at least one block).
     """
+    if cuttable is not None:
+        spec = _choose(manifest, ads, budget_bytes, cuttable)
+        if spec is not None:
+            return spec  # (else nothing the rules allow fits: the node's start-up check says why)
+    return _choose(manifest, ads, budget_bytes, None)
+
+
+def _choose(
+    manifest: Manifest, ads: list[Advertisement], budget_bytes: int, cuttable: Callable[[int, int], bool] | None
+) -> ShardSpec | None:
+    """choose_layers among the ranges ``cuttable`` allows (None: any); None when none fits."""
     n = manifest.n_layers
+    ok = cuttable or (lambda s, e: True)
     cover = [0] * n
     cuts = {0, n}
     for ad in ads:
@@ -47,17 +68,17 @@ def choose_layers(manifest: Manifest, ads: list[Advertisement], budget_bytes: in
         for i in range(lo, hi):
             cover[i] += 1
     cuts = sorted(c for c in cuts if 0 <= c <= n)
-    aligned = [(s, e) for s in cuts for e in cuts if s < e and shard_bytes(manifest, s, e) <= budget_bytes]
+    aligned = [(s, e) for s in cuts for e in cuts if s < e and shard_bytes(manifest, s, e) <= budget_bytes and ok(s, e)]
     if aligned:
         s, e = min(aligned, key=lambda r: (sum(cover[r[0] : r[1]]) / (r[1] - r[0]), r[0] - r[1], r[0]))
         return ShardSpec(s, e, embed=s == 0, head=e == n)
-    best = None
     for width in range(n, 0, -1):
         fits = [s for s in range(n - width + 1) if shard_bytes(manifest, s, s + width) <= budget_bytes]
-        if fits or width == 1:
+        fits = [s for s in fits if ok(s, s + width)]
+        if fits or (width == 1 and cuttable is None):
             best = min(fits or range(n), key=lambda s: (sum(cover[s : s + width]), s))
-            break
-    return ShardSpec(best, best + width, embed=best == 0, head=best + width == n)
+            return ShardSpec(best, best + width, embed=best == 0, head=best + width == n)
+    return None
 
 
 @dataclass
@@ -89,6 +110,8 @@ def fetch_shard(
     directory=None,
     swarm: Swarm | None = None,
     stages_follow: bool = False,
+    llamacpp_rules: bool = True,
+    one_kind: bool = True,
 ) -> FetchedShard:
     """Fetch from the swarm only the pieces a shard needs (header + its tensors), verified, into
     ``data_dir``; returns with the swarm still seeding them. ``layers``: ``"START:END"`` or ``"auto"``.
@@ -100,6 +123,9 @@ def fetch_shard(
     and the torrent's peers from the DHT and the nodes' advertisements. ``swarm``: the libtorrent session to fetch
     in (a node's, with its DHT and port mapping); a new loopback one by default. ``stages_follow``: a ``START:END``
     range that starts at 0 / ends at the last layer gets the embedding / head stage (as ``"auto"`` always does).
+    ``llamacpp_rules``: ``"auto"`` fetches the header first and picks only a range a llama.cpp node runs (False: another
+    backend's node); ``one_kind``: whether its llama.cpp runs a range of one kind of block (patch 0011, which
+    ``cut_rules.range_problem`` takes).
 
     Raises TrackerError (unknown model, tracker down), DirectoryError (no source answered), ValueError (bad range),
     SwarmError (fetch failed).
@@ -114,18 +140,22 @@ def fetch_shard(
         peers = torrent_peers(listed)
     manifest = Manifest.from_json(json.dumps(found["manifest"]))
     torrent = bytes.fromhex(found["torrent_hex"])
+    data_dir.mkdir(parents=True, exist_ok=True)
+    swarm = swarm or Swarm()
     if layers == "auto":
         ads = [
             Advertisement(a["node_id"], a["url"], a["model"], tuple(a["layers"]), a["embed"], a["head"], a["state"])
             for a in listed
         ]
-        spec = choose_layers(manifest, ads, budget_bytes)
+        cuttable = None
+        if llamacpp_rules:  # the header first (kilobytes to a few MiB): a range the node would refuse is never chosen
+            swarm.fetch(torrent, data_dir, manifest.byte_ranges(0, 0), peers, timeout=timeout, progress=False)
+            cuttable = _cuttable(_first_file(manifest, data_dir), manifest.n_layers, one_kind)
+        spec = choose_layers(manifest, ads, budget_bytes, cuttable)
     else:
         spec = ShardSpec.parse(layers, manifest.n_layers, embed, head)
         if stages_follow:  # a joining node: the embedding / head stage come with a range at the model's ends
             spec = ShardSpec(spec.start, spec.end, embed or spec.start == 0, head or spec.end == manifest.n_layers)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    swarm = swarm or Swarm()
     ranges = manifest.byte_ranges(spec.start, spec.end, spec.embed, spec.head)
 
     def listed() -> tuple[list[dict], list[dict]]:
@@ -138,9 +168,23 @@ def fetch_shard(
     stats = swarm.fetch(
         torrent, data_dir, ranges, peers, timeout=timeout, progress=progress, stall_s=stall_s, on_stall=describe
     )
+    return FetchedShard(_first_file(manifest, data_dir), spec, manifest, swarm, torrent, stats, found)
+
+
+def _first_file(manifest: Manifest, data_dir: Path) -> Path:
+    """Where the swarm saves the model's first file (its only one, or the first of a split set) under ``data_dir``."""
     first = manifest.files[0]["name"]
-    path = data_dir / first if len(manifest.files) == 1 else next(data_dir.glob(f"*/{first}"))
-    return FetchedShard(path, spec, manifest, swarm, torrent, stats, found)
+    return data_dir / first if len(manifest.files) == 1 else next(data_dir.glob(f"*/{first}"))
+
+
+def _cuttable(path: Path, n_layers: int, one_kind: bool = True) -> Callable[[int, int], bool] | None:
+    """Whether a llama.cpp node runs blocks ``[start, end)`` of the GGUF at ``path`` (its header fetched), by the cut
+    rules ``plan`` and the node's start-up check use; None for an architecture llama.cpp nodes do not run (no rule
+    to pick by)."""
+    header = cut_rules.Header(GGUFModelFile(path, header_only=True).metadata)
+    if header.rules is None:
+        return None
+    return lambda start, end: cut_rules.range_problem(header, start, end, end == n_layers, one_kind) is None
 
 
 def _spans(blocks: list[int]) -> str:

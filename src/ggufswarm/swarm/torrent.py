@@ -121,6 +121,13 @@ class Swarm:
         return self.session.listen_port()
 
     def _add(self, torrent: bytes, save_path: Path, priorities: list[int] | None) -> lt.torrent_handle:
+        """The torrent's handle in this session: added, or (already added: a header fetched before the shard) with
+        each piece's priority raised to ``priorities``' where that is higher (what it fetched stays wanted)."""
+        added = self.handles.get(info_hash(torrent))
+        if added is not None and added.is_valid():
+            if priorities is not None:
+                added.prioritize_pieces([max(a, b) for a, b in zip(added.get_piece_priorities(), priorities)])
+            return added
         params = lt.add_torrent_params()
         params.ti = lt.torrent_info(lt.bdecode(torrent))
         params.save_path = str(save_path)
