@@ -24,12 +24,11 @@ def mh():
 
 
 # model -> (KV bytes/token, state bytes/session, boundary bytes/token f32, Q4_K_M nodes at 24/48/96 GiB, Q8_0 nodes);
-# None: no placement respects the model's cut rules (GLM-5.2: shards start at full-indexer blocks; Ornith: each
-# shard holds a delta-net and an attention block)
+# None: no placement respects the model's cut rules (GLM-5.2: shards start at full-indexer blocks)
 QUOTED = {
     "deepseek-v4-flash": (50_912, 12_206_080, 65_536, (8, 4, 2), (15, 7, 4)),
     "glm-5.2": (95_232, 0, 24_576, (None, 10, 5), (None, 19, 10)),
-    "ornith": (30_720, 195_379_200, 16_384, (11, 6, 3), (None, 9, 5)),
+    "ornith": (30_720, 195_379_200, 16_384, (11, 6, 3), (20, 9, 5)),
 }
 
 
