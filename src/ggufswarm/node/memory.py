@@ -63,6 +63,15 @@ def trim_heap() -> None:
         pass
 
 
+def trim_idle(executor) -> None:
+    """A node with no session left gives back what its last sessions made resident: llama.cpp's compute buffers
+    (a llama.cpp shard's ``trim_compute_buffers``, patch 0012) and the C heap's free pages (``trim_heap``)."""
+    trim = getattr(executor, "trim_compute_buffers", None)
+    if trim is not None:
+        trim()
+    trim_heap()
+
+
 def meminfo(field: str) -> int | None:
     """``/proc/meminfo``'s ``field`` (MemAvailable, MemTotal) in bytes; None where there is none (not Linux)."""
     try:
@@ -173,6 +182,7 @@ __all__ = [
     "session_cells",
     "skip_gpu_drivers",
     "trim_heap",
+    "trim_idle",
     "watch_memory",
     "with_kv_defaults",
 ]

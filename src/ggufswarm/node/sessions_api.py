@@ -119,10 +119,10 @@ async def close_session(request: web.Request) -> web.Response:
     replies = state.reply_links.pop(session.id, None)
     if replies is not None:
         await replies.close()
-    if not state.store.sessions:  # the last one: the heap's free pages back to the OS (node/memory.py)
-        from .memory import trim_heap
+    if not state.store.sessions:  # the last one: idle memory back to the OS (node/memory.py)
+        from .memory import trim_idle
 
-        await asyncio.to_thread(trim_heap)
+        await asyncio.to_thread(trim_idle, state.executor)
     return json_response({"closed": str(session.id), "kv_tokens": session.length})
 
 

@@ -11,6 +11,7 @@ ubatch and threads as llama.cpp's own full-model run give bitwise-equal results 
 from __future__ import annotations
 
 import ctypes
+import functools
 import heapq
 import os
 import threading
@@ -38,6 +39,7 @@ MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
 STATE_FORMAT = "llama.cpp-seq-state-v1"
 MAX_VERIFY_TOKENS = 16  # most tokens of a speculative verify step (all rows' logits) a head takes
 KV_STREAM_ROUNDING = 256  # llama.cpp rounds a KV stream's cells up to a multiple of this
+TRIM_PATCH = "0012-compute-buffers-given-back-when-idle"  # llama_trim_compute_buffers
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,18 @@ def kv_bytes_per_token(model: GGUFModelFile, spec: ShardSpec) -> int:
     per-session state is ``ShardAccount.state_bytes_per_session``).
     """
     return shard_account(model, spec.start, spec.end).kv_bytes_per_token
+
+
+@functools.cache
+def _trim_compute_fn():
+    """libllama's ``llama_trim_compute_buffers(ctx)`` (patch 0012) as a ctypes function; None without the patch."""
+    from .patches import applied
+
+    if not applied(TRIM_PATCH):
+        return None
+    fn = L.llama_cpp._lib.llama_trim_compute_buffers
+    fn.argtypes, fn.restype = [ctypes.c_void_p], None
+    return fn
 
 
 class LlamaCppShard:
@@ -306,6 +320,21 @@ class LlamaCppShard:
         with self._lock:
             L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
             heapq.heappush(self._free_seqs, seq_id)
+
+    def trim_compute_buffers(self) -> bool:
+        """Give llama.cpp's compute buffers' memory back while no step runs (a node's last session closed): they
+        are cleared to zero (``llama_trim_compute_buffers``, patch 0012), which a CPU buffer does by returning its
+        pages to the OS (patch 0010); the next step makes resident what it writes, with results unchanged. A long
+        prefill otherwise leaves them all resident (docs/memory.md). Whether it ran: False without the patch or
+        after ``close``. Takes the step lock: waits for a step in flight."""
+        trim = _trim_compute_fn()
+        if trim is None:
+            return False
+        with self._lock:
+            if not getattr(self, "_ctx", None):
+                return False
+            trim(self._ctx)
+        return True
 
     # -- steps ---------------------------------------------------------------------------------
     def forward(self, kv: SeqKV, inputs, logits: str = "last", token_ids=None) -> np.ndarray:

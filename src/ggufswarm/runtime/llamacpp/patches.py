@@ -25,6 +25,7 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0009-unmap-unused-gaps": b"unmapped the gaps between",
     "0010-cpu-buffer-clear-gives-pages-back": b"by giving its pages back to the OS as zeros",  # in libggml-base
     "0011-one-kind-layer-ranges": b"no sliding-window layer: the sliding-window KV cache holds no layers",
+    "0012-compute-buffers-given-back-when-idle": b"gave the compute buffers' memory back until the next decode",
 }
 # patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
 # check): the Vulkan backend with older Vulkan headers
