@@ -11,12 +11,10 @@ ubatch and threads as llama.cpp's own full-model run give bitwise-equal results 
 from __future__ import annotations
 
 import ctypes
-import functools
 import heapq
 import os
 import threading
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as L
@@ -28,10 +26,9 @@ from ..kv import ContextOverflow, TokenOutOfRange, check_max_length
 from ..spec import ShardSpec
 from . import batch, devices
 from .archs import recurrent_layers, rules_for
-from .derive import TokenEmbedding, hidden_width, n_vocab, shard_paths
+from .derive import ShardModelInfo, TokenEmbedding, model_info, shard_paths
 from .errors import KVCellsFull, LlamaCppError, UnsupportedShard
-from .ffi import ensure_backend, graph_tap, install_tap
-from .range_checks import n_model_layers
+from .ffi import ensure_backend, graph_tap, install_tap, trim_compute_buffers
 from .sampling import LlamaCppSampler
 from .seq import SeqKV
 
@@ -39,33 +36,6 @@ MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
 STATE_FORMAT = "llama.cpp-seq-state-v1"
 MAX_VERIFY_TOKENS = 16  # most tokens of a speculative verify step (all rows' logits) a head takes
 KV_STREAM_ROUNDING = 256  # llama.cpp rounds a KV stream's cells up to a multiple of this
-TRIM_PATCH = "0012-compute-buffers-given-back-when-idle"  # llama_trim_compute_buffers
-
-
-@dataclass(frozen=True)
-class ShardModelInfo:
-    """What the node and clients need to know of the model a llama.cpp shard belongs to."""
-
-    arch: str
-    n_layers: int  # blocks a route covers (MTP/nextn blocks excluded)
-    n_embd: int  # values per token of a hidden state between shards (derive.hidden_width)
-    n_vocab: int
-    context_length: int  # trained context (tokens)
-
-    @property
-    def max_length(self) -> int:
-        """Longest session this model allows: min(trained context, 128K cap)."""
-        return min(self.context_length, 131072)
-
-
-def model_info(model: GGUFModelFile) -> ShardModelInfo:
-    """ShardModelInfo from a GGUF header; UnsupportedShard for an architecture outside the table."""
-    arch = model.architecture
-    rules_for(arch)
-    md = model.metadata
-    return ShardModelInfo(
-        arch, n_model_layers(model), hidden_width(model), n_vocab(model), int(md.get(f"{arch}.context_length", 4096))
-    )
 
 
 def kv_bytes_per_token(model: GGUFModelFile, spec: ShardSpec) -> int:
@@ -76,18 +46,6 @@ def kv_bytes_per_token(model: GGUFModelFile, spec: ShardSpec) -> int:
     per-session state is ``ShardAccount.state_bytes_per_session``).
     """
     return shard_account(model, spec.start, spec.end).kv_bytes_per_token
-
-
-@functools.cache
-def _trim_compute_fn():
-    """libllama's ``llama_trim_compute_buffers(ctx)`` (patch 0012) as a ctypes function; None without the patch."""
-    from .patches import applied
-
-    if not applied(TRIM_PATCH):
-        return None
-    fn = L.llama_cpp._lib.llama_trim_compute_buffers
-    fn.argtypes, fn.restype = [ctypes.c_void_p], None
-    return fn
 
 
 class LlamaCppShard:
@@ -322,19 +280,10 @@ class LlamaCppShard:
             heapq.heappush(self._free_seqs, seq_id)
 
     def trim_compute_buffers(self) -> bool:
-        """Give llama.cpp's compute buffers' memory back while no step runs (a node's last session closed): they
-        are cleared to zero (``llama_trim_compute_buffers``, patch 0012), which a CPU buffer does by returning its
-        pages to the OS (patch 0010); the next step makes resident what it writes, with results unchanged. A long
-        prefill otherwise leaves them all resident (docs/memory.md). Whether it ran: False without the patch or
-        after ``close``. Takes the step lock: waits for a step in flight."""
-        trim = _trim_compute_fn()
-        if trim is None:
-            return False
+        """Give llama.cpp's compute buffers' memory back while idle (``ffi.trim_compute_buffers``, patch 0012): the
+        next step makes resident what it writes, with the same results. Whether it ran. Waits for a step in flight."""
         with self._lock:
-            if not getattr(self, "_ctx", None):
-                return False
-            trim(self._ctx)
-        return True
+            return bool(getattr(self, "_ctx", None)) and trim_compute_buffers(self._ctx)
 
     # -- steps ---------------------------------------------------------------------------------
     def forward(self, kv: SeqKV, inputs, logits: str = "last", token_ids=None) -> np.ndarray:

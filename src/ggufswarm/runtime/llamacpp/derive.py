@@ -6,6 +6,7 @@ do, and why a shard without the head carries a one-token vocabulary: docs/design
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -326,11 +327,39 @@ def shard_paths(
     return [path]
 
 
+@dataclass(frozen=True)
+class ShardModelInfo:
+    """What the node and clients need to know of the model a llama.cpp shard belongs to."""
+
+    arch: str
+    n_layers: int  # blocks a route covers (MTP/nextn blocks excluded)
+    n_embd: int  # values per token of a hidden state between shards (derive.hidden_width)
+    n_vocab: int
+    context_length: int  # trained context (tokens)
+
+    @property
+    def max_length(self) -> int:
+        """Longest session this model allows: min(trained context, 128K cap)."""
+        return min(self.context_length, 131072)
+
+
+def model_info(model: GGUFModelFile) -> ShardModelInfo:
+    """ShardModelInfo from a GGUF header; UnsupportedShard for an architecture outside the table."""
+    arch = model.architecture
+    rules_for(arch)
+    md = model.metadata
+    return ShardModelInfo(
+        arch, n_model_layers(model), hidden_width(model), n_vocab(model), int(md.get(f"{arch}.context_length", 4096))
+    )
+
+
 __all__ = [
+    "ShardModelInfo",
     "TokenEmbedding",
     "derive_shard",
     "derive_shard_header",
     "hidden_width",
+    "model_info",
     "n_vocab",
     "shard_metadata",
     "shard_paths",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -21,6 +22,7 @@ _BACKEND_READY = False
 _BACKEND_LOCK = threading.Lock()
 _LOG_ERROR, _LOG_CONT = 4, 5  # enum ggml_log_level (ggml.h); llama-cpp-python's own filter predates this order
 _log_state = {"error": False}
+TRIM_PATCH = "0012-compute-buffers-given-back-when-idle"  # adds llama_trim_compute_buffers
 TAP_TARGET_BYTES = 64  # gs_tap.target in _graph_tap.c: the tapped tensor's name, NUL-terminated
 
 
@@ -119,4 +121,27 @@ def install_tap(cparams, tap: GraphTap) -> None:
     cparams.cb_eval_user_data = ctypes.addressof(tap)
 
 
-__all__ = ["GraphTap", "ensure_backend", "ggml_functions", "graph_tap", "install_tap"]
+@functools.cache
+def _trim_function():
+    """libllama's ``llama_trim_compute_buffers`` (patch 0012) as a ctypes function; None without the patch."""
+    from .patches import applied
+
+    if not applied(TRIM_PATCH):
+        return None
+    fn = L.llama_cpp._lib.llama_trim_compute_buffers
+    fn.argtypes, fn.restype = [ctypes.c_void_p], None
+    return fn
+
+
+def trim_compute_buffers(ctx) -> bool:
+    """Clear context ``ctx``'s compute buffers (``llama_trim_compute_buffers``, patch 0012): a CPU buffer gives its
+    pages back to the OS (patch 0010), resident again as the next decode writes them; results unchanged. The caller
+    holds the context's lock: no decode may run meanwhile. Whether it ran (False: a libllama without the patch)."""
+    trim = _trim_function()
+    if trim is None:
+        return False
+    trim(ctx)
+    return True
+
+
+__all__ = ["GraphTap", "ensure_backend", "ggml_functions", "graph_tap", "install_tap", "trim_compute_buffers"]
