@@ -17,7 +17,8 @@ from ..directory.trackers import TrackerError
 from ..protocol import ProtocolError
 from .lies import parse_lie
 from .numerics import numerics
-from .state import F32_BYTES, NodeState
+from .state import NodeState
+from .step_path import F32_BYTES
 
 READVERTISE_S = 0.2  # after a change of free KV, at most this long (s) before the tracker hears of it; batches a burst
 PEERS_TTL_S = 5.0  # how long (s) the tracker's list of this model's nodes is trusted for the next_hop check
@@ -185,7 +186,7 @@ def banned_message(state: NodeState, reason: str) -> str:
 
 async def _stop_when_idle(state: NodeState) -> None:
     """SIGTERM this process once it holds no session (a banned node: gateways repair its sessions away first)."""
-    while state.store.sessions or state.active_sessions:
+    while state.store.sessions or state.path.active_sessions:
         await asyncio.sleep(BANNED_POLL_S)
     print("ggufswarm node: banned and idle; stopping", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)

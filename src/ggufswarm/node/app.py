@@ -38,12 +38,13 @@ from ..protocol import ProtocolError
 from ..runtime.backends import load_shard, model_config
 from ..runtime.spec import ShardSpec
 from . import discovery, sessions_api, steps
-from .advertise import deregister, heartbeats
+from .advertise import check_registered, deregister, heartbeats
 from .lies import check_lie, parse_lie
 from .memory import evict_for_memory, session_cells, trim_idle, watch_memory, with_kv_defaults
 from .placement import layers_budget, say_placement, warm_up
 from .reach import UnreachableError, establish
 from .state import BATCHING_MODES, BYTES_PER_MIB, NODE, NodeConfig, NodeState, json_response
+from .step_path import STEP_PATH
 
 DEFAULT_SWARM_MODEL = "gemma-3-270m-q4_k_m"  # the published name a tracker node fetches without --model
 MAX_RESTORE_BODY = 2 * BYTES_PER_MIB  # a JSON restore of up to 128K token ids
@@ -213,17 +214,18 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     """The node's aiohttp app; loads the shard unless ``executor`` (a ``ShardBackend``) is given. Raises as
     load_executor."""
     config = with_kv_defaults(config)
-    state = NodeState(config, executor or load_executor(config))
+    state = NodeState(config, executor or load_executor(config), check_hop=check_registered)
     watch_memory(config, state.store, state.executor)
     # bodies: one frame of max_step_tokens f32 rows, or a JSON restore
     app = web.Application(
-        client_max_size=max(state.max_body, MAX_RESTORE_BODY) + BODY_HEADROOM,
+        client_max_size=max(state.path.max_body, MAX_RESTORE_BODY) + BODY_HEADROOM,
         middlewares=[
             skip_public_paths(token_middleware(config.token)),  # a dial-back's probe needs no token
             json_errors_middleware(lambda _req, err: state.count_error(err)),
         ],
     )
     app[NODE] = state
+    app[STEP_PATH] = state.path  # what the step handlers use (node/steps.py)
     app.router.add_post("/v1/sessions", sessions_api.open_session)
     app.router.add_delete("/v1/sessions/{sid}", sessions_api.close_session)
     app.router.add_post("/v1/sessions/{sid}/truncate", sessions_api.truncate_session)
@@ -269,12 +271,12 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
             state.snapshots.close()
         if state.tracker is not None:
             await deregister(state)
-        await state.links.close()
+        await state.path.links.close()
         await state.client.close()
         state.pool.shutdown(wait=False, cancel_futures=True)
 
     async def close_links_in(app):  # else the server waits for previous hops to hang up (shutdown_timeout)
-        for ws in list(state.links_in):
+        for ws in list(state.path.links_in):
             await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"node shutting down")
 
     app.on_shutdown.append(close_links_in)

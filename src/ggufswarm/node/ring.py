@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from ..protocol import ProtocolError, encode_tokens
 from ..protocol.frame import Frame
 from ..runtime.session_state import Session, StepRecord
-from .sessions_api import MAX_STEP, check_registered, node_url
-from .state import NodeState
+from .sessions_api import MAX_STEP, node_url
+from .step_path import StepPath
 
 MAX_GRANT_CHARS = 4096  # longest grant message taken
 
@@ -34,7 +34,7 @@ class Grant:
     first: str | None
 
 
-async def parse_grant(state: NodeState, text: str) -> Grant:
+async def parse_grant(path: StepPath, text: str) -> Grant:
     """The Grant in a reply link's text message ``text``; ProtocolError bad_request for a malformed one,
     next_hop_unknown (403) for a ``first`` the swarm's tracker or DHT does not list (the check a next_hop gets)."""
     try:
@@ -49,21 +49,21 @@ async def parse_grant(state: NodeState, text: str) -> Grant:
         )
     if first is not None:
         first = node_url(first, "the ring's first node")
-        await check_registered(state, first, "the ring's first node")
-    elif not state.spec.embed:
+        await path.check_hop(first, "the ring's first node")
+    elif not path.spec.embed:
         raise ProtocolError(
             "bad_request", 'a ring "first": null (loop on this node) needs a node that embeds: a route of one node'
         )
     return Grant(until, first)
 
 
-def next_frame(state: NodeState, session: Session, frame: Frame, record: StepRecord) -> tuple[bytes, str | None] | None:
+def next_frame(path: StepPath, session: Session, frame: Frame, record: StepRecord) -> tuple[bytes, str | None] | None:
     """The session's next step when the head sends it itself: (its frame, the grant's first node: None for this one).
     The frame holds the token just sampled (``record.token``) at the position after ``frame``'s, numbered
     ``frame.step + 1``, a sampling step with no other flag. None when the session has no grant up to that step, no
     reply link, the step sampled nothing or was a verify step, or the next step would not fit its max_length."""
-    grant = state.rings.get(session.id)
-    ws = state.reply_links.get(session.id)
+    grant = path.rings.get(session.id)
+    ws = path.reply_links.get(session.id)
     start = frame.start + frame.n_tokens
     if (
         grant is None
@@ -79,9 +79,9 @@ def next_frame(state: NodeState, session: Session, frame: Frame, record: StepRec
     return encode_tokens(session.id, frame.step + 1, start, [int(record.token)]), grant.first
 
 
-def drop(state: NodeState, sid: uuid.UUID) -> None:
+def drop(path: StepPath, sid: uuid.UUID) -> None:
     """Forget session ``sid``'s grant (its reply link closed)."""
-    state.rings.pop(sid, None)
+    path.rings.pop(sid, None)
 
 
 __all__ = ["Grant", "drop", "next_frame", "parse_grant"]

@@ -116,7 +116,7 @@ async def close_session(request: web.Request) -> web.Response:
     state: NodeState = request.app[NODE]
     session = state.store.close(parse_session_id(request.match_info["sid"]))
     state.readvertise()
-    replies = state.reply_links.pop(session.id, None)
+    replies = state.path.reply_links.pop(session.id, None)
     if replies is not None:
         await replies.close()
     if not state.store.sessions:  # the last one: idle memory back to the OS (node/memory.py)

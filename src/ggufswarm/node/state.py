@@ -1,5 +1,6 @@
 """What a node's handlers share: its settings (``NodeConfig``), its shard, session store, links and metrics
-(``NodeState``), and the helpers every handler answers with (a JSON body, a counted error reply)."""
+(``NodeState``, which builds the step path's ``StepPath``: node/step_path.py), and the helpers every handler answers
+with (a JSON body, a counted error reply)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import asyncio
 import json
 import os
 import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..artifact.default_model import model_name
 from ..directory.trackers import TrackerClient
@@ -21,22 +24,17 @@ from ..net.identity import NodeIdentity
 from ..net.link import LinkPool
 from ..net.reach import Proven
 from ..protocol import PROTOCOL_VERSION, ProtocolError
-from ..protocol.frame import HEADER_SIZE
 from ..runtime.backends import DEFAULT_BACKEND, ShardBackend
 from ..runtime.sessions import SessionStore
+from .step_path import StepPath
 
 NODE = web.AppKey("node", object)  # the app's NodeState
 # --batching: "exact" (default) keeps every session's result bitwise its run alone (one llama.cpp KV stream per
 # session; how many share a ubatch: runtime/llamacpp/batch.py); "throughput": one unified KV stream, so that any of
 # its sessions share a ubatch, not bitwise
 BATCHING_MODES = ("exact", "throughput")
-STEP_KINDS = ("prefill", "decode")  # the ``kind`` label of the step metrics
 BYTES_PER_MIB = 2**20
 DEFAULT_CTX_SIZE = 8192  # --ctx-size (tokens) where the KV cache is allocated as sized (node/memory.py)
-# frame body bytes per token beyond its f32 hidden state row: the token-id trailer (int32)
-TOKEN_ID_BYTES = 4
-F32_BYTES = 4
-STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 @dataclass
@@ -97,14 +95,26 @@ def rss_bytes() -> int | None:
         return None
 
 
+async def _unchecked(url: str, what: str) -> None:
+    """The next-hop check of a NodeState built without one: every node refused."""
+    raise ProtocolError("next_hop_unknown", f"{what} {url}: this node has no next-hop check; refused")
+
+
 class NodeState:
     """Everything a node's handlers share: the shard (a ``runtime.backends.ShardBackend``), its session store,
-    metrics, the tracker client and the links to next hops.
+    metrics, the tracker client, and ``path``, what its step path uses (a ``StepPath``: the links to next hops,
+    reply links, limits, step metrics). ``check_hop(state, url, what)``: the check that frames may go to node
+    ``url`` (node.advertise.check_registered), which ``path.check_hop`` runs for this node (None: refuse all).
 
     Raises ValueError for a ``batch_group`` below 1 on a shard that batches, or above what stays bitwise in the
     exact mode."""
 
-    def __init__(self, config: NodeConfig, executor: ShardBackend):
+    def __init__(
+        self,
+        config: NodeConfig,
+        executor: ShardBackend,
+        check_hop: Callable[[NodeState, str, str], Awaitable[None]] | None = None,
+    ):
         self.config = config
         self.executor = executor
         # the node's ed25519 key pair (net/identity.py); its public key is its id in the swarm
@@ -131,11 +141,10 @@ class NodeState:
         cap = min(cap, config.ctx_size or cap, self.store.budget_tokens)
         self.store.max_session_tokens = self.max_session_tokens = min(self.cfg.max_length, cap)
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="shard")
-        # a shard whose steps serialize on one lock (llama.cpp: one context) runs idle decode steps inline (steps.py)
-        self.inline_lock = executor.step_lock
         # steps of different sessions arriving while the shard is busy run together (node/batching.py)
-        self.batcher = None
-        if executor.supports_batch and self.inline_lock is not None:
+        # a shard whose steps serialize on one lock (llama.cpp: one context) runs idle decode steps inline (steps.py)
+        inline_lock, batcher = executor.step_lock, None
+        if executor.supports_batch and inline_lock is not None:
             from .batching import StepBatcher
 
             group = config.batch_group
@@ -149,25 +158,14 @@ class NodeState:
                 )
             if group is not None:
                 executor.batch_group = group
-            self.batcher = StepBatcher(self.store, self.pool)
+            batcher = StepBatcher(self.store, self.pool)
         self.banned: str | None = None  # why it stopped: a tracker refused its key as banned (advertise.heartbeats)
         self.refused: str | None = None  # why it stopped: a tracker refused its advertisement as malformed (ibid.)
-        self.active_sessions = 0  # sessions with a step in flight here (their stepping > 0)
-        # link messages read but not yet started: the steps of several sessions that arrived while the shard computed
-        # (one loop iteration reads them all, their tasks then start one after another; see steps.apply)
-        self.frames_waiting = 0
         self.capacity_changed: asyncio.Event | None = None  # set by readvertise(); the heartbeat loop's
         self.client: aiohttp.ClientSession | None = None
         # the swarm's trackers (the first one also fetched the shard); heartbeats go to all of them
         self.trackers = [TrackerClient(u, config.token) for u in (config.tracker, *config.more_trackers) if u]
         self.tracker = self.trackers[0] if self.trackers else None
-        self.links = LinkPool(lambda: self.client)  # to next hops (net/link.py)
-        self.links_in: set[web.WebSocketResponse] = set()  # from previous hops
-        self.link_tasks: set[asyncio.Task] = set()  # frames from links being applied
-        # head: a client's reply link per session (GET /v1/link?replies=<session id>): each step's reply goes
-        # there too, straight from the head, before it goes back along the route
-        self.reply_links: dict[uuid.UUID, web.WebSocketResponse] = {}
-        self.rings: dict[uuid.UUID, object] = {}  # head: each session's ring grant (node/ring.py Grant)
         self.peers: dict[str, str] = {}  # node URL -> key the tracker listed for this model (next_hop check), and when
         self.peers_at = 0.0
         self.proven = Proven()  # next hops and peers that proved to hold their keys: where the token may go
@@ -190,8 +188,26 @@ class NodeState:
                 config.cache, shard_of(executor), config.snapshot_every, lambda: self.client, executor, self.identity
             )
         # most tokens in one step: --max-step-tokens, at most what the backend takes in one call (llama.cpp: n_batch)
-        self.max_step_tokens = min(config.max_step_tokens, executor.n_batch or config.max_step_tokens)
-        self.max_body = HEADER_SIZE + self.max_step_tokens * (self.cfg.n_embd * F32_BYTES + TOKEN_ID_BYTES)
+        max_step = min(config.max_step_tokens, executor.n_batch or config.max_step_tokens)
+        # the head's most tokens in a speculative verify step (FLAG_VERIFY: every row's logits); None elsewhere
+        max_verify = min(executor.max_outputs or max_step, max_step) if self.spec.head else None
+        # what the step path uses (node/steps.py, node/ring.py); the links to next hops are net/link.py's
+        self.path = StepPath(
+            spec=self.spec,
+            n_embd=self.cfg.n_embd,
+            store=self.store,
+            identity=self.identity,
+            pool=self.pool,
+            links=LinkPool(lambda: self.client),
+            max_step_tokens=max_step,
+            max_verify_tokens=max_verify,
+            error_reply=self.error_reply,
+            check_hop=_unchecked if check_hop is None else partial(check_hop, self),
+            inline_lock=inline_lock,
+            batcher=batcher,
+            snapshots=self.snapshots,
+            test_lie=config.test_lie,
+        )
         self._register_metrics()
 
     def _register_metrics(self) -> None:
@@ -210,59 +226,15 @@ class NodeState:
         Gauge("ggufswarm_node_kv_budget_tokens", "KV budget of this node in tokens", registry=reg).set_function(
             lambda: store.budget_tokens
         )
-        self.steps = Counter("ggufswarm_node_steps", "Steps applied", ["kind"], registry=reg)
-        self.step_seconds = Histogram(
-            "ggufswarm_node_step_seconds",
-            "Step compute time (this shard only)",
-            ["kind"],
-            registry=reg,
-            buckets=STEP_SECONDS_BUCKETS,
-        )
-        # the shard's busy time: a shared decode of several sessions counted once (per-token time of this stage
-        # = busy / steps; a route's pipeline bound is the slowest stage's)
-        self.busy_seconds = Counter(
-            "ggufswarm_node_busy_seconds", "Shard compute time, a shared decode counted once", ["kind"], registry=reg
-        )
-        self.bytes_in = Counter(
-            "ggufswarm_node_payload_bytes_in", "Frame bytes received (header + payload)", ["kind"], registry=reg
-        )
-        self.bytes_out = Counter(
-            "ggufswarm_node_payload_bytes_out", "Frame bytes pushed to the next hop", ["kind"], registry=reg
-        )
-        self.replays = Counter(
-            "ggufswarm_node_step_replays", "Retried steps answered without re-applying", registry=reg
-        )
-        self.errors = Counter("ggufswarm_node_errors", "Requests answered with an error", ["code"], registry=reg)
+        self.errors = Counter("ggufswarm_node_errors", "Requests answered with an error", ["code"], registry=None)
         self.evictions = Counter(
             "ggufswarm_node_sessions_evicted",
             "Sessions evicted because the machine's memory no longer held them",
-            registry=reg,
+            registry=None,
         )
-        self.ring_steps = Counter(
-            "ggufswarm_node_ring_steps",
-            "Steps this head sent to its route's first node itself (ring decode), by how they ended",
-            ["result"],
-            registry=reg,
-        )
-        self.messages_sent = Counter(
-            "ggufswarm_node_link_messages_sent",
-            "Messages this node sent on WebSocket links: step frames to next hops (frame), replies to the frames it "
-            "got (reply), and on sessions' reply links (direct: the head's own replies, the route's it passes on)",
-            ["kind"],
-            registry=reg,
-        )
-        for kind in ("frame", "reply", "direct"):
-            self.messages_sent.labels(kind)
-        for kind in STEP_KINDS:  # export the series before the first step
-            for metric in (self.steps, self.step_seconds, self.busy_seconds, self.bytes_in, self.bytes_out):
-                metric.labels(kind)
-
-    @property
-    def max_verify_tokens(self) -> int | None:
-        """The head's most tokens in a speculative verify step (FLAG_VERIFY: every row's logits); None elsewhere."""
-        if not self.spec.head:
-            return None
-        return min(self.executor.max_outputs or self.max_step_tokens, self.max_step_tokens)
+        before, after = self.path.metrics.collectors()  # the step path's (node/step_path.py), in the order as ever
+        for metric in (*before, self.errors, self.evictions, *after):
+            reg.register(metric)
 
     def readvertise(self) -> None:
         """Sessions opened, closed or expired: have the heartbeat loop send the new free KV to the tracker now, not
@@ -318,7 +290,7 @@ class NodeState:
 
     def health(self) -> dict:
         """The ``/health`` body: shard, model shape, limits and counters."""
-        s = self.store
+        s, path = self.store, self.path
         return {
             "status": "ok",
             "protocol": PROTOCOL_VERSION,
@@ -337,9 +309,9 @@ class NodeState:
             "layers": [self.spec.start, self.spec.end],
             "embed": self.spec.embed,
             "head": self.spec.head,
-            "max_step_tokens": self.max_step_tokens,
+            "max_step_tokens": self.path.max_step_tokens,
             "hop_timeout_s": self.config.hop_timeout_s,
-            "max_verify_tokens": self.max_verify_tokens,
+            "max_verify_tokens": self.path.max_verify_tokens,
             "session_ttl_s": s.ttl_s,
             "sessions": len(s.sessions),
             "kv_budget_tokens": s.budget_tokens,
@@ -350,13 +322,13 @@ class NodeState:
             **self.totals(),
             "cache": self.config.cache,
             "snapshots": self.snapshots.counters if self.snapshots else None,
-            "links": {"in": len(self.links_in), "replies": len(self.reply_links), **self.links.counts()},
+            "links": {"in": len(path.links_in), "replies": len(path.reply_links), **path.links.counts()},
             "batching": None
-            if self.batcher is None
+            if path.batcher is None
             else {
                 "mode": self.config.batching,
                 "batch_group": self.executor.batch_group,
-                **self.batcher.counters(),
+                **path.batcher.counters(),
             },
             "reach": self.reach.to_json() if self.reach is not None else {"path": "direct"},
             "relay": self.relay_server.stats() if self.relay_server is not None else None,

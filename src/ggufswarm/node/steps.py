@@ -27,7 +27,8 @@ from ..runtime.session_state import Session, StepRecord
 from . import ring
 from .commit import input_digest, output_digest, step_commit
 from .lies import parse_lie
-from .state import NODE, NodeState, parse_session_id
+from .state import parse_session_id
+from .step_path import STEP_PATH, StepPath
 
 # bytes a frame or link message may exceed max_body by before it is refused unread (aiohttp's own framing slack)
 BODY_SLACK = 1024
@@ -36,25 +37,25 @@ OK = 200
 HOPS_FIRST = b'{"hops": ['  # how a step's reply starts (_head_reply's key order, json.dumps's separators)
 
 
-def frame_too_large(state: NodeState) -> ProtocolError:
+def frame_too_large(path: StepPath) -> ProtocolError:
     """ProtocolError too_many_tokens for a frame body over the node's ``max_body``."""
     return ProtocolError(
         "too_many_tokens",
-        f"frame body over {state.max_body} bytes: more than max_step_tokens {state.max_step_tokens} tokens",
+        f"frame body over {path.max_body} bytes: more than max_step_tokens {path.max_step_tokens} tokens",
     )
 
 
 async def step(request: web.Request) -> web.Response:
     """``POST /v1/step``: one frame (application/octet-stream) → 200 JSON ``{token, logprobs, hops}``."""
-    state: NodeState = request.app[NODE]
+    path: StepPath = request.app[STEP_PATH]
     t0 = time.perf_counter()
-    if (request.content_length or 0) > state.max_body + BODY_SLACK:
-        raise frame_too_large(state)
+    if (request.content_length or 0) > path.max_body + BODY_SLACK:
+        raise frame_too_large(path)
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise frame_too_large(state) from None
-    status, reply = await apply_frame(state, body, t0)
+        raise frame_too_large(path) from None
+    status, reply = await apply_frame(path, body, t0)
     return web.Response(body=reply, status=status, content_type=JSON)
 
 
@@ -68,8 +69,8 @@ async def link(request: web.Request) -> web.StreamResponse:
     sends each successful step reply of that session on it as well (same message), as soon as it has it,
     before the reply travels back along the route: the client has the token one message after the head
     sampled it instead of one per hop. A later reply link for the session replaces the earlier one."""
-    state: NodeState = request.app[NODE]
-    ws = web.WebSocketResponse(max_msg_size=state.max_body + BODY_SLACK, autoping=True)
+    path: StepPath = request.app[STEP_PATH]
+    ws = web.WebSocketResponse(max_msg_size=path.max_body + BODY_SLACK, autoping=True)
     if not ws.can_prepare(request).ok:
         raise ProtocolError(
             "bad_request",
@@ -77,25 +78,25 @@ async def link(request: web.Request) -> web.StreamResponse:
             'websocket (docs/protocol.md, "Links")',
         )
     if "replies" in request.query:
-        if not state.spec.head:
+        if not path.spec.head:
             raise ProtocolError("bad_request", "only the head sends replies: a reply link goes to the node with --head")
-        session = state.store.get(parse_session_id(request.query["replies"]))
+        session = path.store.get(parse_session_id(request.query["replies"]))
         if session.reply_key is not None and not hmac.compare_digest(
             request.query.get("key", "").encode(), session.reply_key.encode()
         ):
             raise ProtocolError("unauthorized", "the session's reply link takes the key its client opened it with")
-        return await _reply_link(state, ws, request, session.id)
+        return await _reply_link(path, ws, request, session.id)
     await ws.prepare(request)
-    state.links_in.add(ws)
-    tasks = state.link_tasks  # strong references: the loop keeps only weak ones to running tasks
+    path.links_in.add(ws)
+    tasks = path.link_tasks  # strong references: the loop keeps only weak ones to running tasks
 
     async def answer(body: bytes, t0: float) -> None:
-        state.frames_waiting -= 1  # (a task cancelled before it starts only happens at shutdown)
-        status, reply = await apply_frame(state, body, t0)
+        path.frames_waiting -= 1  # (a task cancelled before it starts only happens at shutdown)
+        status, reply = await apply_frame(path, body, t0)
         if not ws.closed:
             try:
                 await ws.send_bytes(encode_reply(body, status, reply))
-                state.messages_sent.labels("reply").inc()
+                path.metrics.messages_sent["reply"].inc()
             except (ConnectionError, RuntimeError):
                 pass  # the previous hop went away: it retries or repairs the route
 
@@ -103,105 +104,105 @@ async def link(request: web.Request) -> web.StreamResponse:
         async for msg in ws:
             t0 = time.perf_counter()
             if msg.type == aiohttp.WSMsgType.BINARY:
-                state.frames_waiting += 1
+                path.frames_waiting += 1
                 task = asyncio.create_task(answer(msg.data, t0))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             elif msg.type == aiohttp.WSMsgType.TEXT:
-                status, reply = state.error_reply(ProtocolError("bad_frame", "a link takes binary frames"))
+                status, reply = path.error_reply(ProtocolError("bad_frame", "a link takes binary frames"))
                 await ws.send_bytes(encode_reply(b"", status, reply))
     finally:
-        state.links_in.discard(ws)
+        path.links_in.discard(ws)
     return ws
 
 
 async def _reply_link(
-    state: NodeState, ws: web.WebSocketResponse, request: web.Request, sid: uuid.UUID
+    path: StepPath, ws: web.WebSocketResponse, request: web.Request, sid: uuid.UUID
 ) -> web.WebSocketResponse:
     """Hold ``ws`` as session ``sid``'s reply link until the client closes it, or the session is closed. The client's
     text messages are ring grants (node/ring.py); a bad one is answered with its error (key NO_KEY) and changes
     nothing."""
     await ws.prepare(request)
-    old = state.reply_links.get(sid)
-    state.reply_links[sid] = ws
-    ring.drop(state, sid)  # a grant is the link's: a new link starts without one
+    old = path.reply_links.get(sid)
+    path.reply_links[sid] = ws
+    ring.drop(path, sid)  # a grant is the link's: a new link starts without one
     if old is not None:
         await old.close()
-    state.links_in.add(ws)
+    path.links_in.add(ws)
     try:
         async for msg in ws:
             if (
                 msg.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY)
-                or state.reply_links.get(sid) is not ws
+                or path.reply_links.get(sid) is not ws
             ):
                 continue
             try:
                 if msg.type != aiohttp.WSMsgType.TEXT:
                     raise ProtocolError("bad_request", "a reply link takes text messages (ring grants) only")
-                grant = await ring.parse_grant(state, msg.data)
+                grant = await ring.parse_grant(path, msg.data)
             except ProtocolError as exc:
-                await ws.send_bytes(encode_reply(b"", *state.error_reply(exc)))  # (key NO_KEY)
+                await ws.send_bytes(encode_reply(b"", *path.error_reply(exc)))  # (key NO_KEY)
                 continue
-            if state.reply_links.get(sid) is ws:
-                state.rings[sid] = grant
+            if path.reply_links.get(sid) is ws:
+                path.rings[sid] = grant
     finally:
-        state.links_in.discard(ws)
-        if state.reply_links.get(sid) is ws:
-            del state.reply_links[sid]
-            ring.drop(state, sid)
+        path.links_in.discard(ws)
+        if path.reply_links.get(sid) is ws:
+            del path.reply_links[sid]
+            ring.drop(path, sid)
     return ws
 
 
-async def _send_direct(state: NodeState, frame: Frame, body: bytes, reply: bytes) -> None:
+async def _send_direct(path: StepPath, frame: Frame, body: bytes, reply: bytes) -> None:
     """The head's reply to ``body`` (a step of ``frame``'s session) on the session's reply link, if it has one;
     a link that fails is dropped (the reply still goes back along the route)."""
-    ws = state.reply_links.get(frame.session_id)
+    ws = path.reply_links.get(frame.session_id)
     if ws is None or ws.closed:
         return
     try:
         await ws.send_bytes(encode_reply(body, OK, reply))
-        state.messages_sent.labels("direct").inc()
+        path.metrics.messages_sent["direct"].inc()
     except (ConnectionError, RuntimeError):
-        state.reply_links.pop(frame.session_id, None)
+        path.reply_links.pop(frame.session_id, None)
 
 
-async def apply_frame(state: NodeState, body: bytes, t0: float) -> tuple[int, bytes]:
+async def apply_frame(path: StepPath, body: bytes, t0: float) -> tuple[int, bytes]:
     """Apply one step frame (the body of ``POST /v1/step`` or a link message) received at ``t0``
     (perf_counter s): (HTTP status, JSON reply bytes) — ``{token, logprobs, hops}``, or an error body
-    (NodeState.error_reply: the status the HTTP middleware would answer the same error with)."""
+    (StepPath.error_reply: the status the HTTP middleware would answer the same error with)."""
     try:
-        if len(body) > state.max_body + BODY_SLACK:  # a chunked body (no Content-Length) or a link message
-            raise frame_too_large(state)
-        frame = decode_frame(body, state.cfg.n_embd, state.max_step_tokens)
+        if len(body) > path.max_body + BODY_SLACK:  # a chunked body (no Content-Length) or a link message
+            raise frame_too_large(path)
+        frame = decode_frame(body, path.n_embd, path.max_step_tokens)
         kind = "decode" if frame.n_tokens == 1 or frame.verify else "prefill"  # a verify step decodes several
-        state.bytes_in.labels(kind).inc(len(body))
-        if (frame.dtype == "ids") != state.spec.embed:
-            want = "token ids (dtype ids)" if state.spec.embed else f"hidden states ({', '.join(WIRE_DTYPES)})"
+        path.metrics.bytes_in[kind].inc(len(body))
+        if (frame.dtype == "ids") != path.spec.embed:
+            want = "token ids (dtype ids)" if path.spec.embed else f"hidden states ({', '.join(WIRE_DTYPES)})"
             raise ProtocolError(
-                "bad_dtype", f"layers {state.spec.start}:{state.spec.end} take {want}; got a {frame.dtype} frame"
+                "bad_dtype", f"layers {path.spec.start}:{path.spec.end} take {want}; got a {frame.dtype} frame"
             )
-        if frame.verify and state.spec.head and frame.n_tokens > state.max_verify_tokens:
+        if frame.verify and path.spec.head and frame.n_tokens > path.max_verify_tokens:
             raise ProtocolError(
                 "too_many_tokens",
                 f"a verify step (frame flag 4) holds at most "
-                f"{state.max_verify_tokens} tokens on this head, "
+                f"{path.max_verify_tokens} tokens on this head, "
                 f"got {frame.n_tokens}",
             )
-        session = state.store.get(frame.session_id)
+        session = path.store.get(frame.session_id)
         session.stepping += 1  # in a step until its reply is back: never expired meanwhile (next hops may be slow)
-        state.active_sessions += session.stepping == 1
+        path.active_sessions += session.stepping == 1
         try:
-            return await _apply_session_frame(state, session, frame, body, kind, t0)
+            return await _apply_session_frame(path, session, frame, body, kind, t0)
         finally:
             session.stepping -= 1
-            state.active_sessions -= session.stepping == 0
+            path.active_sessions -= session.stepping == 0
             session.last_used = time.monotonic()
     except Exception as exc:
-        return state.error_reply(exc)
+        return path.error_reply(exc)
 
 
 async def _apply_session_frame(
-    state: NodeState, session: Session, frame: Frame, body: bytes, kind: str, t0: float
+    path: StepPath, session: Session, frame: Frame, body: bytes, kind: str, t0: float
 ) -> tuple[int, bytes]:
     """Apply one step of ``session``, in parts: replay or apply the step (_replay, _apply) under the session's
     lock; the head answers (_head_reply) and records its reply (_record) under the lock too; another node
@@ -212,24 +213,25 @@ async def _apply_session_frame(
     waiting for the reply of the one before. Raises what the step raises."""
     async with session.lock:
         digest = zlib.crc32(body)
-        record = _replay(state, session, frame, digest)
+        record = _replay(path, session, frame, digest)
         if record is None:  # the next step
-            record = _apply(state, session, frame, digest)
+            record = _apply(path, session, frame, digest)
             if isinstance(record, asyncio.Future):
                 record = await record
-            state.steps.labels(kind).inc()
-            state.step_seconds.labels(kind).observe(record.compute_ms / 1e3)
-            state.busy_seconds.labels(kind).inc(record.compute_ms / 1e3 / record.batch_size)
-            if state.config.test_lie:  # testing only (node/lies.py)
-                if lie_delay := parse_lie(state.config.test_lie).delay_ms:
+            metrics = path.metrics
+            metrics.steps[kind].inc()
+            metrics.step_seconds[kind].observe(record.compute_ms / 1e3)
+            metrics.busy_seconds[kind].inc(record.compute_ms / 1e3 / record.batch_size)
+            if path.test_lie:  # testing only (node/lies.py)
+                if lie_delay := parse_lie(path.test_lie).delay_ms:
                     await asyncio.sleep(lie_delay / 1e3)
                 if record.output is not None:
-                    _lie(state, frame, record)
-            if state.snapshots is not None:
-                state.snapshots.after_step(session, kind == "prefill" and frame.sample)
+                    _lie(path, frame, record)
+            if path.snapshots is not None:
+                path.snapshots.after_step(session, kind == "prefill" and frame.sample)
         elif record.reply is not None:  # a retry of a step answered: the same answer
-            if state.spec.head:
-                await _send_direct(state, frame, body, record.reply)
+            if path.spec.head:
+                await _send_direct(path, frame, body, record.reply)
             return OK, record.reply
         elif record.relay is not None and not record.relay.done():  # a retry while the step is downstream
             pending = record.relay
@@ -237,24 +239,24 @@ async def _apply_session_frame(
         # else a retry of a step whose relay failed: its recorded output is relayed again
         if record is not None:
             hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
-            if state.spec.head:
+            if path.spec.head:
                 if session.commit:
-                    hop["commit"] = _commit(state, session, frame, body, record, record.out_digest)
+                    hop["commit"] = _commit(path, session, frame, body, record, record.out_digest)
                 answer = _head_reply(record, hop)
-                nxt = ring.next_frame(state, session, frame, record)
+                nxt = ring.next_frame(path, session, frame, record)
                 if nxt is not None:  # ring decode: the head sends the next step itself (node/ring.py)
                     answer["ring"] = frame.step + 1
                 reply = _record(record, answer, hop, t0)
-                await _send_direct(state, frame, body, reply)
+                await _send_direct(path, frame, body, reply)
                 if nxt is not None:  # (the grant as it was when the token was sampled: the await may end it)
-                    task = asyncio.ensure_future(_ring_push(state, session, *nxt))
-                    state.link_tasks.add(task)
-                    task.add_done_callback(state.link_tasks.discard)
+                    task = asyncio.ensure_future(_ring_push(path, session, *nxt))
+                    path.link_tasks.add(task)
+                    task.add_done_callback(path.link_tasks.discard)
                 return OK, reply
-            sent = await _push(state, session, frame, record, kind)
+            sent = await _push(path, session, frame, record, kind)
             if session.commit:  # the frame is on its way: its digests and signature overlap the next hops' work
-                out = None if record.commit else output_digest(sent.frame, frame, state.cfg.n_embd, session.wire_dtype)
-                hop["commit"] = _commit(state, session, frame, body, record, out)
+                out = None if record.commit else output_digest(sent.frame, frame, path.n_embd, session.wire_dtype)
+                hop["commit"] = _commit(path, session, frame, body, record, out)
             pending = record.relay = asyncio.ensure_future(_relayed(sent, record, hop, t0))
             pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # its waiters may have gone
             if not sent.ordered:  # plain POSTs may overtake each other: keep the session until the reply
@@ -262,17 +264,17 @@ async def _apply_session_frame(
     return OK, await asyncio.shield(pending)
 
 
-def _replay(state: NodeState, session: Session, frame: Frame, digest: int) -> StepRecord | None:
+def _replay(path: StepPath, session: Session, frame: Frame, digest: int) -> StepRecord | None:
     """The StepRecord of the session's last step when ``frame`` retries it (same step number, same content,
     CRC-32 ``digest`` of the frame): answer it again, never apply it twice. None when ``frame`` is the
     session's next step. StepConflict otherwise: position_mismatch, step_conflict, stale_step or step_gap."""
-    record = state.store.replay(session, frame.step, digest, frame.start, frame.n_tokens, frame.rewind)
+    record = path.store.replay(session, frame.step, digest, frame.start, frame.n_tokens, frame.rewind)
     if record is not None:
-        state.replays.inc()
+        path.metrics.replays.inc()
     return record
 
 
-def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> StepRecord | asyncio.Future:
+def _apply(path: StepPath, session: Session, frame: Frame, digest: int) -> StepRecord | asyncio.Future:
     """Apply the session's next step: its StepRecord when it ran here, or an asyncio.Future of it when it went
     to the worker pool (await it). Raises (or the future does) what SessionStore.apply raises. On a shard that
     batches (``supports_batch``) the step goes through the batcher (node/batching.py: run together with other
@@ -281,64 +283,64 @@ def _apply(state: NodeState, session: Session, frame: Frame, digest: int) -> Ste
     args = (session, frame.step, digest, frame.start, frame.data, frame.token_ids, frame.sample)
     if frame.verify:
         args += (True,)
-    elif state.batcher is not None:  # batched with other sessions' steps, prefills in pieces
+    elif path.batcher is not None:  # batched with other sessions' steps, prefills in pieces
         # alone: no other session's step is in flight here, nor read and about to start: a step run inline on the
         # loop would otherwise hold up the steps its batch could have taken along
-        return state.batcher.submit(
-            args, alone=state.active_sessions <= 1 and not state.frames_waiting, more=state.frames_waiting > 0
+        return path.batcher.submit(
+            args, alone=path.active_sessions <= 1 and not path.frames_waiting, more=path.frames_waiting > 0
         )
-    lock = state.inline_lock if frame.n_tokens == 1 else None
+    lock = path.inline_lock if frame.n_tokens == 1 else None
     if lock is not None and lock.acquire(blocking=False):
         # A decode step when the shard is idle runs right here on the event loop: it is short, and the hand-off
         # to a worker thread and back would cost a sizeable part of it (measured in bench/bench_llamacpp.py).
         # With the shard busy (a prefill, a snapshot) it queues in the pool, so the loop never waits for another
         # step.
         try:
-            return state.store.apply(*args)
+            return path.store.apply(*args)
         finally:
             lock.release()
-    return asyncio.get_running_loop().run_in_executor(state.pool, state.store.apply, *args)
+    return asyncio.get_running_loop().run_in_executor(path.pool, path.store.apply, *args)
 
 
-async def _ring_push(state: NodeState, session: Session, nxt: bytes, first: str | None) -> None:
+async def _ring_push(path: StepPath, session: Session, nxt: bytes, first: str | None) -> None:
     """Ring decode (node/ring.py): send the session's next step ``nxt`` to the route's first node ``first`` (None:
     apply it here, a route of one node), and its reply, the route's (or the error that stopped it), to the client
     on the session's reply link. The step's own reply from this head reaches the client before, as any step's."""
     t0 = time.perf_counter()
     try:
         if first is None:
-            status, reply = await apply_frame(state, nxt, t0)
+            status, reply = await apply_frame(path, nxt, t0)
         else:
-            sent, _ = await state.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1))
-            state.messages_sent.labels("frame").inc()
+            sent, _ = await path.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1))
+            path.metrics.messages_sent["frame"].inc()
             status, reply, _ = await sent
     except Exception as exc:
-        status, reply = state.error_reply(exc)
-    closed = state.store.sessions.get(session.id) is not session  # closed meanwhile: nobody is waiting
-    state.ring_steps.labels("ok" if status == OK else "closed" if closed else "failed").inc()
+        status, reply = path.error_reply(exc)
+    closed = path.store.sessions.get(session.id) is not session  # closed meanwhile: nobody is waiting
+    path.metrics.ring_steps["ok" if status == OK else "closed" if closed else "failed"].inc()
     if status != OK:  # a first node that fails once is not sent the next steps: the client sends them (or re-grants)
-        ring.drop(state, session.id)
-    ws = state.reply_links.get(session.id)
+        ring.drop(path, session.id)
+    ws = path.reply_links.get(session.id)
     if ws is not None and not ws.closed:
         try:
             await ws.send_bytes(encode_reply(nxt, status, reply))
-            state.messages_sent.labels("direct").inc()
+            path.metrics.messages_sent["direct"].inc()
         except (ConnectionError, RuntimeError):
             pass  # the client went away: the lease or its close frees the session
 
 
-def _commit(state: NodeState, session: Session, frame: Frame, body: bytes, record: StepRecord, out: str | None) -> dict:
+def _commit(path: StepPath, session: Session, frame: Frame, body: bytes, record: StepRecord, out: str | None) -> dict:
     """The step's signed commitment (node/commit.py), made once per step and kept on its record: a retry answers
     the same one. IN digests ``body``'s payload; ``out``: the OUT digest (unused when the record has one)."""
     if record.commit is None:
-        record.commit = step_commit(state.identity, frame, input_digest(body, frame), out, session.chain, session.ctx)
+        record.commit = step_commit(path.identity, frame, input_digest(body, frame), out, session.chain, session.ctx)
     return record.commit
 
 
-def _lie(state: NodeState, frame: Frame, record: StepRecord) -> None:
+def _lie(path: StepPath, frame: Frame, record: StepRecord) -> None:
     """Testing only (``--test-lie``, node/lies.py): replace the step's output with the lie's version of it, once, so
     that a retry sends the same."""
-    noisy = parse_lie(state.config.test_lie).tamper(frame.session_id, frame.step, record.output)
+    noisy = parse_lie(path.test_lie).tamper(frame.session_id, frame.step, record.output)
     if noisy is not None:
         record.output = noisy
 
@@ -369,7 +371,7 @@ class _Sent:
     frame: bytes
 
 
-async def _push(state: NodeState, session: Session, frame: Frame, record: StepRecord, kind: str) -> _Sent:
+async def _push(path: StepPath, session: Session, frame: Frame, record: StepRecord, kind: str) -> _Sent:
     """Send the step's output (in the session's wire dtype, with the route's token ids) to the session's next
     hop over its link, waiting at most ``step_timeout_s`` of the session's ``hop_timeout_s`` (seconds) for the
     reply. ProtocolError naming the hop when it cannot be sent (hop_failed, hop_timeout)."""
@@ -377,11 +379,11 @@ async def _push(state: NodeState, session: Session, frame: Frame, record: StepRe
     out = encode_hidden(
         frame.session_id, frame.step, frame.start, record.output, session.wire_dtype, ids, frame.flags & FORWARDED_FLAGS
     )
-    state.bytes_out.labels(kind).inc(len(out))
+    path.metrics.bytes_out[kind].inc(len(out))
     url = session.next_hop
     t_push = time.perf_counter()
-    reply, ordered = await state.links.send(url, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
-    state.messages_sent.labels("frame").inc()
+    reply, ordered = await path.links.send(url, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
+    path.metrics.messages_sent["frame"].inc()
     return _Sent(url, t_push, reply, ordered, out)
 
 
