@@ -171,6 +171,9 @@ def cmd_node(args) -> int:
         )
     if args.cache is not None and not args.cache.startswith(("http://", "https://")):
         raise ValueError(f"--cache must be the cache server's http:// URL, got {args.cache!r}")
+    from ..node.memory import tune_malloc
+
+    tune_malloc()
     if args.backend == "llama.cpp":
         from ..node.memory import no_gpu_to_look_for, skip_gpu_drivers
 

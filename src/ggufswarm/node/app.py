@@ -40,7 +40,7 @@ from ..runtime.spec import ShardSpec
 from . import discovery, sessions_api, steps
 from .advertise import check_registered, deregister, heartbeats
 from .lies import check_lie, parse_lie
-from .memory import evict_for_memory, session_cells, trim_idle, watch_memory, with_kv_defaults
+from .memory import evict_for_memory, session_cells, trim_idle, tune_malloc, watch_memory, with_kv_defaults
 from .placement import layers_budget, say_placement, warm_up
 from .reach import UnreachableError, establish
 from .state import BATCHING_MODES, BYTES_PER_MIB, NODE, NodeConfig, NodeState, json_response
@@ -415,6 +415,8 @@ def run_node(config: NodeConfig) -> int:
         )
     app = make_app(config)
     state: NodeState = app[NODE]
+    if state.spec.head:  # a step's logits rows (float32), copied out every step, reuse heap memory
+        tune_malloc((state.path.max_verify_tokens or 1) * state.cfg.n_vocab * 4)
     state.swarm, state.discovery, state.directory = (fetched.swarm if fetched else swarm), discovery, directory
     if directory is not None:
         state.proven = directory.proven  # one cache of the addresses that proved to hold their keys

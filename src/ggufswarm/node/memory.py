@@ -23,6 +23,10 @@ from .state import BYTES_PER_MIB, DEFAULT_CTX_SIZE, NodeConfig
 KV_MEMORY_SHARE = 0.5  # a paged node's default KV budget: this share of the memory available at its start
 ADDRESS_SPACE_SHARE = 0.5  # a paged node's streams together: at most this share of the machine's RAM (overcommit)
 PAGED_PATCH = "0007-kv-give-back-unused-cells"
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # mallopt parameters (glibc's malloc.h)
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own starting value, kept fixed (tune_malloc)
+MMAP_SLACK = 64 * 1024  # above the largest per-step output (tune_malloc)
+MALLOC_ARENAS = 2  # heaps the node's threads share: the event loop's and the workers' (tune_malloc)
 # device files through which a GPU's driver is reached on Linux: DRM render nodes (Mesa's AMD, Intel, ... drivers),
 # NVIDIA's, AMD ROCm's, WSL's GPU
 GPU_DEVICE_FILES = ("/dev/dri/renderD*", "/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
@@ -48,6 +52,27 @@ def skip_gpu_drivers() -> None:
     For the node's own process (its environment is its children's too), before llama.cpp is loaded."""
     for var in ("VK_DRIVER_FILES", "VK_ICD_FILENAMES"):
         os.environ.setdefault(var, NO_VULKAN_DRIVER)
+
+
+def tune_malloc(per_step_bytes: int = 0) -> None:
+    """Keep a node's C heap near what it holds (glibc's ``mallopt``; nothing elsewhere): allocations above a fixed
+    size are their own mappings, given back when freed, and threads share at most MALLOC_ARENAS heaps. glibc's
+    default raises that size up to 32 MiB as such blocks are freed, after which a model load's and a long prefill's
+    megabyte temporaries stay on the heap as free, fragmented pages. Called at the node's start (the size:
+    MMAP_THRESHOLD_BYTES), then once its shard is loaded with ``per_step_bytes``, the largest output a step copies
+    out of llama.cpp every time (a head's logits rows: a verify step's, 16 x 1 MiB for 262144 tokens), which stays
+    below the size and so reuses heap memory instead of mapping and faulting in fresh pages each step (~0.5 ms a
+    MiB here). docs/memory.md, "The parts"."""
+    import ctypes
+    import ctypes.util
+
+    threshold = max(MMAP_THRESHOLD_BYTES, per_step_bytes + MMAP_SLACK if per_step_bytes else 0)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, threshold)
+        libc.mallopt(M_ARENA_MAX, MALLOC_ARENAS)
+    except (OSError, AttributeError):
+        pass
 
 
 def trim_heap() -> None:
@@ -182,6 +207,7 @@ __all__ = [
     "session_cells",
     "skip_gpu_drivers",
     "trim_heap",
+    "tune_malloc",
     "trim_idle",
     "watch_memory",
     "with_kv_defaults",
