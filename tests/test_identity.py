@@ -212,7 +212,7 @@ def test_a_banned_node_says_so_and_stops_once_its_sessions_end(monkeypatch, tmp_
         trackers=[Banned()],
         identity=ident,
         banned=None,
-        active_sessions=0,
+        path=SimpleNamespace(active_sessions=0),  # (the step path's count of sessions mid-step)
         store=SimpleNamespace(sessions={"one": object()}),
     )
 
