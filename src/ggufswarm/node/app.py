@@ -40,7 +40,7 @@ from ..runtime.spec import ShardSpec
 from . import discovery, sessions_api, steps
 from .advertise import check_registered, deregister, heartbeats
 from .lies import check_lie, parse_lie
-from .memory import evict_for_memory, session_cells, trim_idle, tune_malloc, watch_memory, with_kv_defaults
+from .memory import evict_for_memory, session_cells, trim_if_idle, tune_malloc, watch_memory, with_kv_defaults
 from .placement import layers_budget, say_placement, warm_up
 from .reach import UnreachableError, establish
 from .state import BATCHING_MODES, BYTES_PER_MIB, NODE, NodeConfig, NodeState, json_response
@@ -200,8 +200,7 @@ async def _reaper(state: NodeState) -> None:
             state.evictions.inc()
         if state.store.expire() or evicted:
             state.readvertise()
-            if not state.store.sessions:  # the last ones went: idle memory back to the OS
-                await asyncio.to_thread(trim_idle, state.executor)
+            await trim_if_idle(state.store, state.executor)  # the last ones went: idle memory back to the OS
 
 
 async def _watch_parent(parent: int) -> None:

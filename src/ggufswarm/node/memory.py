@@ -12,6 +12,10 @@ allocated as sized: ``--ctx-size`` defaults to DEFAULT_CTX_SIZE and one session 
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import ctypes.util
+import functools
 import glob
 import os
 import sys
@@ -54,6 +58,22 @@ def skip_gpu_drivers() -> None:
         os.environ.setdefault(var, NO_VULKAN_DRIVER)
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc (its ``mallopt`` and ``malloc_trim``); None where the C library cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def _call_libc(name: str, *args: int) -> None:
+    """``libc.name(*args)`` where the C library has it (glibc); nothing elsewhere."""
+    fn = getattr(_libc(), name, None)
+    if fn is not None:
+        fn(*args)
+
+
 def tune_malloc(per_step_bytes: int = 0) -> None:
     """Keep a node's C heap near what it holds (glibc's ``mallopt``; nothing elsewhere): allocations above a fixed
     size are their own mappings, given back when freed, and threads share at most MALLOC_ARENAS heaps. glibc's
@@ -63,29 +83,15 @@ def tune_malloc(per_step_bytes: int = 0) -> None:
     out of llama.cpp every time (a head's logits rows: a verify step's, 16 x 1 MiB for 262144 tokens), which stays
     below the size and so reuses heap memory instead of mapping and faulting in fresh pages each step (~0.5 ms a
     MiB here). docs/memory.md, "The parts"."""
-    import ctypes
-    import ctypes.util
-
     threshold = max(MMAP_THRESHOLD_BYTES, per_step_bytes + MMAP_SLACK if per_step_bytes else 0)
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(M_MMAP_THRESHOLD, threshold)
-        libc.mallopt(M_ARENA_MAX, MALLOC_ARENAS)
-    except (OSError, AttributeError):
-        pass
+    _call_libc("mallopt", M_MMAP_THRESHOLD, threshold)
+    _call_libc("mallopt", M_ARENA_MAX, MALLOC_ARENAS)
 
 
 def trim_heap() -> None:
     """Give the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere): after a node's
     last session closed, the frames of a long prefill (megabytes each) may otherwise stay resident as free heap."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    _call_libc("malloc_trim", 0)
 
 
 def trim_idle(executor) -> None:
@@ -95,6 +101,13 @@ def trim_idle(executor) -> None:
     if trim is not None:
         trim()
     trim_heap()
+
+
+async def trim_if_idle(store, executor) -> None:
+    """After sessions of ``store`` (a SessionStore) closed, expired or were evicted: when none is left, ``trim_idle``
+    off the event loop (it waits for a step in flight on the shard's lock)."""
+    if not store.sessions:
+        await asyncio.to_thread(trim_idle, executor)
 
 
 def meminfo(field: str) -> int | None:
@@ -207,8 +220,9 @@ __all__ = [
     "session_cells",
     "skip_gpu_drivers",
     "trim_heap",
-    "tune_malloc",
     "trim_idle",
+    "trim_if_idle",
+    "tune_malloc",
     "watch_memory",
     "with_kv_defaults",
 ]

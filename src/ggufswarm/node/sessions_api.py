@@ -119,10 +119,9 @@ async def close_session(request: web.Request) -> web.Response:
     replies = state.path.reply_links.pop(session.id, None)
     if replies is not None:
         await replies.close()
-    if not state.store.sessions:  # the last one: idle memory back to the OS (node/memory.py)
-        from .memory import trim_idle
+    from .memory import trim_if_idle
 
-        await asyncio.to_thread(trim_idle, state.executor)
+    await trim_if_idle(state.store, state.executor)  # the last one: idle memory back to the OS
     return json_response({"closed": str(session.id), "kv_tokens": session.length})
 
 
