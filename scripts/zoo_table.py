@@ -87,8 +87,9 @@ def render(verdicts: list, tool_note: str, seconds: float) -> str:
         f"architecture and variant (dense, MoE), and `tests/zoo.py` ran each through `LlamaCppShard` on "
         f"{_source()}.",
         "",
-        "Each decoder runs as shard chains — the middle cut of the file (2 blocks for most), and a 3-shard cut where "
-        "it has 3 blocks or more — and the same cuts of a copy stretched to 8 blocks (its blocks repeated in order; "
+        "Each decoder runs as shard chains — the middle cut of the file (2 blocks for most), and where it has 3 blocks "
+        "or more a 3-shard cut and a cut at every block boundary (one-block shards) — and the same cuts of a copy "
+        "stretched to 8 blocks (its blocks repeated in order; "
         "2 blocks cannot show a range that needs blocks of two kinds, nor a rule with a period of 4), against "
         "llama.cpp's own whole-model run of the same file in the same process: the logits of a 40-token prefill "
         "(every position) and of 20 greedy decode steps must be equal bit for bit (`np.array_equal`). "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -164,6 +165,15 @@ def health(url: str) -> dict:
     status, body = http("GET", url + "/health")
     assert status == 200 and body["status"] == "ok"
     return body
+
+
+def wait_until_idle(nodes, bound_s: float = 120.0) -> None:
+    """Wait until no node of ``nodes`` holds a session: a gateway sends the last event of a response before it
+    closes the route session, so the test before may have left one closing. ``bound_s`` is a bound, not a timing."""
+    deadline = time.monotonic() + bound_s
+    while any(health(n.url)["sessions"] for n in nodes):
+        assert time.monotonic() < deadline, [health(n.url)["sessions"] for n in nodes]
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager

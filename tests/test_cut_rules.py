@@ -183,13 +183,12 @@ def test_hybrid_ranges_of_one_kind_are_placed(tmp_path):
 
 
 def test_whole_only_and_unknown_architectures(tmp_path):
-    """bloom runs only as the whole model (its graph normalizes hidden-state input): plan used to split it, and now
-    places it on one node, as the node accepts; an architecture no node runs is refused by plan with the node's
-    reason."""
-    bloom = synthetic(tmp_path / "bloom.gguf", "bloom")
-    placed, _, split = check_agreement(bloom)
+    """hy_v4 runs only as the whole model (hyper-connection streams would cross a cut): plan places it on one node,
+    as the node accepts; an architecture no node runs is refused by plan with the node's reason."""
+    whole = synthetic(tmp_path / "hy_v4.gguf", "hy_v4")
+    placed, _, split = check_agreement(whole)
     assert split == 0 and set(placed) == {(0, 8)}
-    assert "only the whole model runs" in HeaderAccounts.from_model(bloom).range_problem(0, 4)
+    assert "only the whole model runs" in HeaderAccounts.from_model(whole).range_problem(0, 4)
     unknown = synthetic(tmp_path / "unknown.gguf", "no-such-arch")
     acc = HeaderAccounts.from_model(unknown)
     with pytest.raises(PlanError, match="unsupported architecture 'no-such-arch'"):

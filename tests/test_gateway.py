@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from route_fixtures import cluster, gateway, http, one_thread, reference, sse  # noqa: F401 - fixtures
+from route_fixtures import cluster, gateway, http, one_thread, reference, sse, wait_until_idle  # noqa: F401 - fixtures
 
 from ggufswarm.client.generate import generate
 from ggufswarm.runtime.sampling import SamplingParams
@@ -233,6 +233,7 @@ def test_client_disconnect_releases_sessions(gateway, cluster):
     import time
     from http.client import HTTPConnection
 
+    wait_until_idle(cluster)  # the test before may still be closing its session
     conn = HTTPConnection("127.0.0.1", int(gateway.rsplit(":", 1)[1]), timeout=60)
     conn.request(
         "POST",

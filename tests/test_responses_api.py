@@ -18,7 +18,7 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
-from route_fixtures import HOP_TIMEOUT, cluster, gateway, http  # noqa: F401 - fixtures
+from route_fixtures import HOP_TIMEOUT, cluster, gateway, http, wait_until_idle  # noqa: F401 - fixtures
 
 from ggufswarm.gateway import GatewayConfig, make_app
 from ggufswarm.gateway.app import GATEWAY
@@ -341,6 +341,7 @@ def test_delete_answers_and_unknown_ids_are_404(client, gateway):
 
 
 def test_client_leaving_mid_stream_closes_the_session(gateway, cluster):
+    wait_until_idle(cluster)  # the test before may still be closing its session
     conn = HTTPConnection("127.0.0.1", int(gateway.rsplit(":", 1)[1]), timeout=60)
     body = {"input": "Tell me a long story.", "max_output_tokens": 300, "stream": True}
     conn.request("POST", "/v1/responses", json.dumps(body), {"Content-Type": "application/json"})

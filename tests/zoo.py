@@ -3,11 +3,11 @@
 llama.cpp's ``tests/test-llama-archs.cpp`` builds a tiny random model of nearly every architecture it knows (2 blocks
 for most, ``n_embd`` 256 or 128, a 128-token vocabulary) and with ``-o DIR`` writes them as ``<arch>-dense.gguf`` /
 ``<arch>-moe.gguf``. ``probe`` runs one such file as shard chains of ``LlamaCppShard`` — the middle cut, and with 3+
-blocks a 3-shard cut — and the same cuts of a copy stretched to 8 blocks (``stretch``: 2 blocks cannot show a range
-that needs blocks of two kinds, e.g. a sliding-window and a full-attention one, nor a rule with a period of 4), each
-against llama.cpp's own whole-model run of the same file (llama-cpp-python's ``Llama``, same threads, ubatch and flash
-attention): the logits of every position of a 40-token prefill and of 20 greedy decode steps must be equal
-(``np.array_equal``). One verdict per file:
+blocks a 3-shard cut and a cut at every block boundary (one-block shards) — and the same cuts of a copy stretched to 8
+blocks (``stretch``: 2 blocks cannot show a range that needs blocks of two kinds, e.g. a sliding-window and a
+full-attention one, nor a rule with a period of 4), each against llama.cpp's own whole-model run of the same file
+(llama-cpp-python's ``Llama``, same threads, ubatch and flash attention): the logits of every position of a 40-token
+prefill and of 20 greedy decode steps must be equal (``np.array_equal``). One verdict per file:
 
 * ``bitwise``: at least one chain ran, and every chain that ran is equal (``detail``: the cuts the backend refused,
   and why: the restrictions of the architecture's layer ranges);
@@ -164,12 +164,14 @@ def whole_model_run(path: Path, ids: list[int], n_decode: int, threads: int, n_c
 
 
 def cuts_for(n_layers: int) -> list[list[int]]:
-    """Split points probed for a model of ``n_layers`` blocks: the middle cut, and a 3-shard cut when there are 3+."""
+    """Split points probed for a model of ``n_layers`` blocks: the middle cut, a 3-shard cut when there are 3+, and
+    a cut at every block boundary (one-block shards) when there are 3+ (with 2 the middle cut is that)."""
     cuts = [[n_layers // 2]] if n_layers >= 2 else []
     if n_layers >= 3:
         a, b = n_layers // 3, (2 * n_layers) // 3
         if 0 < a < b < n_layers and [a, b] != cuts[0]:
             cuts.append([a, b])
+        cuts.append(list(range(1, n_layers)))
     return cuts
 
 
@@ -294,11 +296,12 @@ def probe(
 ) -> Verdict:
     """Run one zoo file as shard chains against llama.cpp's whole model, in this process (module docstring).
 
-    The cuts: the middle one (and a 3-shard one with 3+ blocks) of the file, and with ``stretched`` the same of a
-    copy with twice the blocks (``stretch``). The verdict: ``wrong`` if any chain differs, else ``bitwise`` if at
-    least one chain ran (every one that ran is then equal; ``detail`` names the cuts the backend refused and why),
-    else ``refused`` with the first reason. ``try_defaults``: an architecture outside ``ARCH_RULES`` is tried with
-    the default ``ArchRules()`` (in this process only) instead of being refused: how the table is grown."""
+    The cuts: the middle one (and with 3+ blocks a 3-shard one and one at every boundary) of the file, and with
+    ``stretched`` the same of a copy with twice the blocks (``stretch``). The verdict: ``wrong`` if any chain
+    differs, else ``bitwise`` if at least one chain ran (every one that ran is then equal; ``detail`` names the cuts
+    the backend refused and why), else ``refused`` with the first reason. ``try_defaults``: an architecture outside
+    ``ARCH_RULES`` is tried with the default ``ArchRules()`` (in this process only) instead of being refused: how
+    the table is grown."""
     from ggufswarm.artifact.gguf_file import GGUFModelFile
     from ggufswarm.runtime.llamacpp.archs import ARCH_RULES, ArchRules
     from ggufswarm.runtime.llamacpp.derive import n_vocab

@@ -180,20 +180,6 @@ def no_rope_every_4(source: str) -> Check:
     return check
 
 
-def smallthinker_check(h: Header, a: int, b: int) -> str | None:
-    if int(h.md.get("smallthinker.attention.sliding_window", 0) or 0) > 0:
-        return same_flags(
-            h,
-            a,
-            b,
-            "the no-RoPE block of every 4",
-            lambda il, n: n == 4 or il % 4 != 0,
-            "src/models/smallthinker.cpp: use_rope = n_no_rope_layer_step == n_layer || il % "
-            "n_no_rope_layer_step != 0, a step of 4 with SWA",
-        )
-    return None
-
-
 def llama4_check(h: Header, a: int, b: int) -> str | None:
     md = h.md
     step = int(md.get("llama4.interleave_moe_layer_step", 0) or 0)

@@ -19,6 +19,9 @@ from .cut_checks import Check
 # the llama.cpp patch (patches/llama.cpp) that builds the memory of a layer range for the kinds of block it holds: a
 # sliding-window model's range without a sliding-window block (an empty sliding-window cache)
 ONE_KIND_PATCH = "0011-one-kind-layer-ranges"
+# the llama.cpp patch that computes a layer range as the same blocks inside the whole model where graphs read a
+# block's place in the whole model or transform their input (runtime/llamacpp/archs.py)
+RANGE_PATCH = "0013-layer-ranges-compute-as-whole"
 
 # llama.cpp's sliding-window period for architectures that set it in code when the GGUF has no
 # attention.sliding_window_pattern (src/llama-model.cpp load_hparams: set_swa_pattern)
@@ -54,34 +57,10 @@ _HYPER_CONNECTIONS = (
     "the streams through batch.embd, as patch 0002 does for deepseek4"
 )
 WHOLE_ONLY: dict[str, str] = {
-    "bloom": (
-        "normalizes batch.embd with token_embd_norm as it does token embeddings (src/models/bloom.cpp), so a "
-        "shard would normalize hidden states; needs a llama.cpp change skipping the input norm when "
-        "embedding_length_in (patch 0001) is set"
-    ),
-    "minicpm3": (
-        "scales batch.embd by a fixed 12 as it scales token embeddings, and its residual scale is "
-        "1.4 / sqrt(n_layer) of the file's block count (src/models/minicpm3.cpp); needs a llama.cpp change "
-        "scaling token input only and reading residual_scale, as minicpm.cpp does"
-    ),
-    "talkie": (
-        "every block adds a learned multiple of the normalized input embedding (embd_skip, "
-        "src/models/talkie.cpp), so two vectors per token cross a cut; needs a llama.cpp change taking the skip "
-        "embedding as a second input"
-    ),
     "hrm_text": (
         "its blocks are cache slots of low/high stacks run in nested cycles (src/models/hrm-text.cpp asserts "
         "block_count == layers_per_stack * h_cycles * (l_cycles + 1)); no block range is a part of the "
         "computation"
-    ),
-    "muse-glimmer": (
-        "normalizes batch.embd (embd_norm: an RMS norm of the input, src/models/muse-glimmer.cpp) as it "
-        "does token embeddings, so a shard would normalize hidden states again; needs a llama.cpp change "
-        "normalizing token input only"
-    ),
-    "minimax-01": (
-        "its lightning-attention decay is scaled by 1 - il / (n_layer - 1) of the file's own block index "
-        "and count (src/models/minimax-01.cpp); needs a llama.cpp change reading the slope scale per layer"
     ),
     "hy_v4": _HYPER_CONNECTIONS.format("hy-v4"),
     "glm5-next": _HYPER_CONNECTIONS.format("glm5-next"),
@@ -103,7 +82,7 @@ CUT_RULES: dict[str, CutRules] = {
             "internlm2 jais jais2 maincoder minimax-m2 mistral3 nemotron olmo olmoe openelm orion paddleocr "
             "pangu-embedded phi2 phi3 phimoe plamo qwen qwen2vl refact seed_oss stablelm starcoder2 xverse grok "
             "granitemoe gpt2 starcoder mpt bailingmoe bailingmoe2 deepseek32 dots1 mistral4 glm4 minicpm granite "
-            "qwen3vl qwen3vlmoe"
+            "qwen3vl qwen3vlmoe bloom minicpm3 talkie"
         ).split()
     },
     "gemma3": CutRules(swa_pattern=DEFAULT_SWA_PERIOD["gemma3"], check=c.gemma3_check),
@@ -138,7 +117,11 @@ CUT_RULES: dict[str, CutRules] = {
     "exaone-moe": _SWA4,
     **{arch: _SWA_ARRAY for arch in ("granite_swa", "maple", "mimo2", "spark2_5")},
     "dots3note": CutRules(swa_array=True, check=c.dots3note_check),
-    "smallthinker": CutRules(swa_pattern=4, swa_dense_first=True, check=c.smallthinker_check),
+    # (its no-RoPE block of every 4 counts in the whole model with patch 0013: runtime/llamacpp/archs.py RANGE_PATCH)
+    "smallthinker": CutRules(swa_pattern=4, swa_dense_first=True),
+    "muse-glimmer": _SWA4,
+    # lightning-attention blocks but every 8th (src/models/minimax-01.cpp: full_attention_interval, default 8)
+    "minimax-01": CutRules(recurrent_interval=8, check=c.hybrid_check),
     "llama4": CutRules(swa_pattern=4, check=c.llama4_check),
     **{arch: CutRules(swa_pattern=4, swa_optional=True) for arch in ("mellum", "olmo2")},
     "plamo3": CutRules(swa_pattern=8, swa_optional=True),
@@ -284,6 +267,7 @@ __all__ = [
     "DEFAULT_SWA_PERIOD",
     "Header",
     "ONE_KIND_PATCH",
+    "RANGE_PATCH",
     "WHOLE_ONLY",
     "range_problem",
     "unsupported",

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ...artifact.cut_rules import CUT_RULES, WHOLE_ONLY, Header, unsupported
+from ...artifact.cut_rules import CUT_RULES, RANGE_PATCH, WHOLE_ONLY, Header, unsupported
 from ...artifact.gguf_file import GGUFModelFile
 from .errors import UnsupportedShard
 from .range_checks import (
@@ -56,6 +56,16 @@ class ArchRules:
     (``x + 0`` is ``x`` bit for bit).
     ``unused``: ``(model, a, b)`` → names of the model's global tensors llama.cpp does not load for blocks ``[a, b)``
     (it refuses a file with a tensor it did not use: "wrong number of tensors"), left out of that shard's file.
+
+    With patch ``RANGE_PATCH`` (0013): ``input_in_graph``: the graph transforms its input before block 0 (bloom's
+    token_embd_norm, muse-glimmer's and talkie's RMS norm, minicpm3's scale of 12), on token input or in a file
+    without ``embedding_length_in``: the first shard's file declares none, so llama.cpp applies it to the embeddings
+    the shard passes, and every later shard's declares it (its hidden states were transformed);
+    ``skip_embedding``: every block adds the token's normalized input embedding (talkie's ``embd_skip``): every shard
+    carries the token embedding, and a shard past the first reads the token ids with its hidden states;
+    ``place``: the graph computes with a block's index or the block count (minimax-01's decay scale, smallthinker's
+    no-RoPE step, minicpm3's residual scale): a range's file declares ``block_offset`` (the whole model's index of its
+    block 0) and ``block_count_whole``.
     """
 
     leading_dense: bool = False
@@ -70,6 +80,9 @@ class ArchRules:
     no_dummy_head: bool = False
     embd_add: tuple[str, ...] = ()  # global tensors the graph adds to its input (zeros on a shard past block 0)
     unused: Callable[[GGUFModelFile, int, int], frozenset[str]] | None = None  # global tensors a range leaves out
+    input_in_graph: bool = False
+    skip_embedding: bool = False
+    place: bool = False
 
 
 _LEADING_DENSE = ArchRules(leading_dense=True)
@@ -134,6 +147,12 @@ _RULES: dict[str, ArchRules] = {
     "minicpm": ArchRules(check=_minicpm_check),
     **{arch: _DEEPSTACK for arch in ("granite", "qwen3vl", "qwen3vlmoe", "granite_swa")},
     "plamo2": ArchRules(tap="ffn_residual"),  # src/models/plamo2.cpp
+    # patch 0013: the input transform on token input only (bloom, muse-glimmer, minicpm3, talkie), talkie's skip
+    # embedding from the token ids, a block's place in the whole model (minimax-01, smallthinker, minicpm3)
+    **{arch: ArchRules(patch=RANGE_PATCH, input_in_graph=True) for arch in ("bloom", "muse-glimmer")},
+    "minicpm3": ArchRules(patch=RANGE_PATCH, input_in_graph=True, place=True),
+    "talkie": ArchRules(patch=RANGE_PATCH, input_in_graph=True, skip_embedding=True),
+    **{arch: ArchRules(patch=RANGE_PATCH, place=True) for arch in ("minimax-01", "smallthinker")},
     # (src/models/nemotron-h.cpp names a block's output nemotron_h_block_out)
     **{arch: ArchRules(tap="nemotron_h_block_out") for arch in ("nemotron_h", "nemotron_h_moe")},
 }

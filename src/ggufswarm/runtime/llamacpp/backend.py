@@ -153,7 +153,8 @@ class LlamaCppShard:
             )
         self.streams = streams
         # the graph reads each token's id with its hidden states (hash-routed blocks): forward(token_ids=...)
-        self.needs_token_ids = rules.token_ids and not self.takes_tokens
+        # (talkie's skip embedding, past the first shard)
+        self.needs_token_ids = (rules.token_ids or (rules.skip_embedding and spec.start > 0)) and not self.takes_tokens
         cparams = L.llama_context_default_params()
         # unified KV: each session's n_ctx_seq rounded as llama.cpp rounds a stream's (per_session); patch 0005 (CPU
         # only): sessions may share a decode ubatch, bitwise; one more stream: batch.compact's spare

@@ -63,8 +63,13 @@ def shard_metadata(
             value = value[start:end]  # per-layer array
         out[key] = (value, vtype, item)
     out[f"{arch}.block_count"] = (end - start, GGUFValueType.UINT32, None)
-    if rules.patch and not whole:  # the patched llama.cpp: this shard takes hidden states of this width
+    if rules.patch and not whole and not (rules.input_in_graph and start == 0):
+        # the patched llama.cpp: this shard takes hidden states of this width (a first shard of an architecture that
+        # transforms its input in the graph takes embeddings, transformed there as token input is)
         out[f"{arch}.embedding_length_in"] = (hidden_width(model), GGUFValueType.UINT32, None)
+    if rules.place and not whole:  # (patch 0013) where the range's blocks sit in the whole model
+        out[f"{arch}.block_offset"] = (start, GGUFValueType.UINT32, None)
+        out[f"{arch}.block_count_whole"] = (n_model_layers(model), GGUFValueType.UINT32, None)
     if rules.nextn or f"{arch}.nextn_predict_layers" in model.metadata:  # (MTP blocks are never in a shard)
         out[f"{arch}.nextn_predict_layers"] = (0, GGUFValueType.UINT32, None)
     if start > 0:
@@ -90,7 +95,11 @@ def shard_metadata(
         out[key] = (value, vtype, GGUFValueType.UINT32 if vtype == GGUFValueType.ARRAY else None)
     out["tokenizer.ggml.model"] = ("none", GGUFValueType.STRING, None)
     # the head's logits and a graph that reads token ids (hash routing) need the vocabulary's size
-    out[f"{arch}.vocab_size"] = (n_vocab(model) if head or rules.token_ids else 1, GGUFValueType.UINT32, None)
+    out[f"{arch}.vocab_size"] = (
+        n_vocab(model) if head or rules.token_ids or rules.skip_embedding else 1,
+        GGUFValueType.UINT32,
+        None,
+    )
     return out
 
 
@@ -134,6 +143,10 @@ def shard_tensors(model: GGUFModelFile, start: int, end: int, head: bool) -> lis
             new_name = f"blk.{layer - start}.{name.split('.', 2)[2]}"
         elif name in rules.embd_add and start > 0:
             continue  # a zero stand-in (_stand_ins): the hidden states coming in already hold it
+        elif name in ("token_embd.weight", "output.weight") and rules.skip_embedding:
+            # every block adds the token's normalized embedding (talkie); the loader requires its vocabulary-sized
+            # LM head too (in place from the model file: never read off the head)
+            new_name = name
         elif name in ("token_embd.weight", "output.weight", "output.bias", "output_norm.weight"):
             if not head or (
                 rules.no_dummy_head and name == "token_embd.weight" and not (start == 0 and end == n_layer)
@@ -171,6 +184,8 @@ def _stand_ins(model: GGUFModelFile, head: bool, start: int = 0) -> list[tuple[s
         "output.bias": np.zeros(1, np.float32),
         "output_norm.weight": np.ones(n_embd, np.float32),
     }
+    if rules.skip_embedding:  # (the shard carries the model's token embedding and LM head: shard_tensors)
+        del stand["token_embd.weight"], stand["output.weight"]
     return [
         (name, array) for name, array in stand.items() if name == "token_embd.weight" or name in model.tensors
     ] + out

@@ -26,6 +26,7 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0010-cpu-buffer-clear-gives-pages-back": b"by giving its pages back to the OS as zeros",  # in libggml-base
     "0011-one-kind-layer-ranges": b"no sliding-window layer: the sliding-window KV cache holds no layers",
     "0012-compute-buffers-given-back-when-idle": b"gave the compute buffers' memory back until the next decode",
+    "0013-layer-ranges-compute-as-whole": b"%s.block_count_whole",
 }
 # patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
 # check): the Vulkan backend with older Vulkan headers
@@ -34,6 +35,7 @@ BUILD_ONLY: frozenset[str] = frozenset({"0006-vulkan-older-headers"})
 REQUIRES: dict[str, tuple[str, ...]] = {
     "0002-deepseek4-layer-range": ("0001-embedding-length-in",),
     "0003-hidden-state-input": ("0001-embedding-length-in",),
+    "0013-layer-ranges-compute-as-whole": ("0001-embedding-length-in",),
 }
 
 

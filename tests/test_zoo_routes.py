@@ -1,0 +1,68 @@
+"""Architectures of llama.cpp's zoo across nodes (issue 42): a 3-node route over a zoo file's copy stretched to 8
+blocks (tests/zoo.py ``stretch``), each node a process with its layer range, gives llama.cpp's own greedy tokens.
+
+The models: GLM-4.x MoE (leading dense block, patch 0003), Gemma 3 (sliding-window and full-attention blocks, cuts
+that leave a range of one kind: patch 0011), Qwen3.5 MoE (a hybrid of Gated DeltaNet and attention blocks, 4
+positions per token), and two of patch 0013's: bloom (its input norm on the first node only) and talkie (every block
+adds the token's normalized embedding: the frames carry the token ids to the nodes past the first). The cuts are the
+thirds of the model, moved to the nearest ones the cut rules accept. The reference is llama.cpp's whole model fed
+the same prompt (``test_hybrid_repair.llama_cpp_steps``, one thread as the nodes run).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zoo
+from test_hybrid_repair import GREEDY, llama_cpp_steps
+
+from ggufswarm.artifact.cut_rules import Header, range_problem
+from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.client.route import RemoteRoute
+from ggufswarm.node.launch import start_nodes, stop_nodes
+from ggufswarm.runtime.llamacpp.derive import n_vocab
+from ggufswarm.runtime.shard import ShardSpec
+
+N_DECODE = 16
+ROUTED = ["glm4moe-moe", "gemma3-dense", "qwen35moe-moe", "bloom-dense", "talkie-dense"]
+
+
+def three_ranges(header: Header) -> tuple[int, int]:
+    """Cut points ``(a, b)`` of a 3-node route the cut rules accept, nearest to the thirds of the model."""
+    n = header.n_layers
+    ok = [
+        (a, b)
+        for a in range(1, n - 1)
+        for b in range(a + 1, n)
+        if all(range_problem(header, s, e) is None for s, e in ((0, a), (a, b), (b, n)))
+    ]
+    assert ok, f"{header.arch}: no 3-node route of {n} blocks"
+    return min(ok, key=lambda p: abs(p[0] - n / 3) + abs(p[1] - 2 * n / 3))
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_three_node_route_gives_llama_cpp_tokens(name, zoo_dir, tmp_path):
+    path = zoo.stretch(GGUFModelFile(zoo_dir / f"{name}.gguf"), tmp_path / f"stretched-{name}.gguf")
+    model = GGUFModelFile(path)
+    header = Header(model.metadata)
+    a, b = three_ranges(header)
+    specs = [ShardSpec(0, a, embed=True), ShardSpec(a, b), ShardSpec(b, header.n_layers, head=True)]
+    prompt = np.random.default_rng(zoo.SEED).integers(0, n_vocab(model), 20).tolist()
+    want = llama_cpp_steps(path, [prompt], N_DECODE)
+    nodes = start_nodes(
+        specs,
+        str(path),
+        threads=1,
+        timeout=300,
+        extra=["--ctx-size", "256", "--max-sessions", "1", "--hop-timeout", "30"],
+        per_node=lambda i: ["--data-dir", str(tmp_path / f"node{i}")],
+    )
+    try:
+        session = RemoteRoute([n.url for n in nodes], 30.0).open(128, GREEDY)
+        tokens = [session.step(prompt)]
+        while len(tokens) < N_DECODE:
+            tokens.append(session.step([tokens[-1]]))
+        session.close()
+        assert tokens == want, (name, (a, b))
+    finally:
+        stop_nodes(nodes)
