@@ -182,6 +182,23 @@ def test_hybrid_ranges_of_one_kind_are_placed(tmp_path):
     assert range_problem(acc.cuts, 2, 4, one_kind=False) is None
 
 
+def test_hybrid_ranges_may_start_at_a_block_without_heads(tmp_path):
+    """Jamba's per-block head counts (0 for Mamba blocks): every range is placed, as a node with patch 0014 runs a
+    range starting at a Mamba block; a node without the patch refuses those ranges, naming it."""
+    jamba = synthetic(
+        tmp_path / "jamba.gguf",
+        "jamba",
+        **{"attention.head_count": [4, 0] * 4, "attention.head_count_kv": [4, 0] * 4},
+    )
+    acc = HeaderAccounts.from_model(jamba)
+    assert acc.cuts.recurrent == [il % 2 == 1 for il in range(8)]
+    assert acc.range_problem(1, 3) is None and acc.range_problem(3, 4) is None
+    assert check_agreement(jamba)[1] == 0
+    problem = range_problem(acc.cuts, 1, 3, head_sizes=False)
+    assert "block 1 has no attention heads" in problem and "0014-hybrid-ranges-start-at-any-block" in problem
+    assert range_problem(acc.cuts, 2, 4, head_sizes=False) is None
+
+
 def test_whole_only_and_unknown_architectures(tmp_path):
     """hy_v4 runs only as the whole model (hyper-connection streams would cross a cut): plan places it on one node,
     as the node accepts; an architecture no node runs is refused by plan with the node's reason."""

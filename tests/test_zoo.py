@@ -19,8 +19,10 @@ import zoo
 # the share of decoder architectures that must run as layer ranges, bitwise (the rest need llama.cpp changes the
 # patch queue does not carry yet: docs/architectures.md names them)
 BITWISE_TARGET = 0.95
-# the architectures llama.cpp patch 0013 lets run as layer ranges (before it: the whole model only)
+# the architectures llama.cpp patch 0013 lets run as layer ranges (before it: the whole model only), and the hybrids
+# patch 0014 lets start a range at any block (before it: only at a block with attention heads)
 RANGE_PATCH_ARCHS = "bloom muse-glimmer minicpm3 talkie minimax-01 smallthinker".split()
+HEADS_PATCH_ARCHS = "jamba lfm2 lfm2moe granitehybrid".split()
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +68,12 @@ def test_zoo_bitwise_share(verdicts):
     )
 
 
-def test_patch_0013_architectures_run_at_every_boundary(verdicts):
+def test_patch_0013_and_0014_architectures_run_at_every_boundary(verdicts):
     """Patch 0013 (input transforms on token input only, talkie's skip embedding from token ids, a block's place in
-    the whole model): every chain the zoo probes of these architectures, one-block shards included, is accepted and
-    bitwise equal to llama.cpp's whole model."""
+    the whole model) and 0014 (a hybrid's range may start at a block without heads): every chain the zoo probes of
+    these architectures, one-block shards included, is accepted and bitwise equal to llama.cpp's whole model."""
     by_arch = {v.arch: v for v in verdicts}
-    for arch in RANGE_PATCH_ARCHS:
+    for arch in RANGE_PATCH_ARCHS + HEADS_PATCH_ARCHS:
         v = by_arch[arch]
         assert v.kind == "bitwise" and v.results and all(r == "bitwise" for r in v.results), (arch, v.results)
         assert any(len(cut) == cut[0] for cut in v.cuts), (arch, v.cuts)  # [n, 1, ..., n - 1]: one-block shards

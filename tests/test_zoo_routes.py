@@ -1,12 +1,13 @@
 """Architectures of llama.cpp's zoo across nodes (issue 42): a 3-node route over a zoo file's copy stretched to 8
 blocks (tests/zoo.py ``stretch``), each node a process with its layer range, gives llama.cpp's own greedy tokens.
 
-The models: GLM-4.x MoE (leading dense block, patch 0003), Gemma 3 (sliding-window and full-attention blocks, cuts
-that leave a range of one kind: patch 0011), Qwen3.5 MoE (a hybrid of Gated DeltaNet and attention blocks, 4
-positions per token), and two of patch 0013's: bloom (its input norm on the first node only) and talkie (every block
-adds the token's normalized embedding: the frames carry the token ids to the nodes past the first). The cuts are the
-thirds of the model, moved to the nearest ones the cut rules accept. The reference is llama.cpp's whole model fed
-the same prompt (``test_hybrid_repair.llama_cpp_steps``, one thread as the nodes run).
+The models: GLM-4.x MoE (leading dense block, patch 0003), Gemma 3 (sliding-window and full-attention blocks, cuts that
+leave a range of one kind: patch 0011), Qwen3.5 MoE (a hybrid of Gated DeltaNet and attention blocks, 4 positions per
+token), LFM2 and Jamba (hybrids with per-block head counts, their later ranges starting at a convolution or Mamba block:
+patch 0014), and two of patch 0013's: bloom (its input norm on the first node only) and talkie (every block adds the
+token's normalized embedding: the frames carry the token ids to the nodes past the first). The cuts are the thirds of
+the model, moved to the nearest ones the cut rules accept. The reference is llama.cpp's whole model fed the same prompt
+(``test_hybrid_repair.llama_cpp_steps``, one thread as the nodes run).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from ggufswarm.runtime.llamacpp.derive import n_vocab
 from ggufswarm.runtime.shard import ShardSpec
 
 N_DECODE = 16
-ROUTED = ["glm4moe-moe", "gemma3-dense", "qwen35moe-moe", "bloom-dense", "talkie-dense"]
+ROUTED = ["glm4moe-moe", "gemma3-dense", "qwen35moe-moe", "lfm2-dense", "jamba-dense", "bloom-dense", "talkie-dense"]
 
 
 def three_ranges(header: Header) -> tuple[int, int]:
-    """Cut points ``(a, b)`` of a 3-node route the cut rules accept, nearest to the thirds of the model."""
+    """Cut points ``(a, b)`` of a 3-node route the cut rules accept, nearest to the thirds of the model; for a model
+    with per-block head counts (jamba, lfm2), one whose later ranges start at blocks without heads (patch 0014)."""
     n = header.n_layers
     ok = [
         (a, b)
@@ -37,6 +39,10 @@ def three_ranges(header: Header) -> tuple[int, int]:
         if all(range_problem(header, s, e) is None for s, e in ((0, a), (a, b), (b, n)))
     ]
     assert ok, f"{header.arch}: no 3-node route of {n} blocks"
+    heads = header.md.get(f"{header.arch}.attention.head_count")
+    if isinstance(heads, list) and 0 in heads:
+        ok = [(a, b) for a, b in ok if heads[a] == 0 and heads[b] == 0]
+        assert ok, f"{header.arch}: no 3-node route starting its ranges at blocks without heads"
     return min(ok, key=lambda p: abs(p[0] - n / 3) + abs(p[1] - 2 * n / 3))
 
 

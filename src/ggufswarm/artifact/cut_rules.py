@@ -22,6 +22,9 @@ ONE_KIND_PATCH = "0011-one-kind-layer-ranges"
 # the llama.cpp patch that computes a layer range as the same blocks inside the whole model where graphs read a
 # block's place in the whole model or transform their input (runtime/llamacpp/archs.py)
 RANGE_PATCH = "0013-layer-ranges-compute-as-whole"
+# the llama.cpp patch that takes a hybrid's head sizes from its first block with heads (not block 0), and builds
+# jamba's and lfm2's attention blocks with their own head count: a range may start at a block without heads
+HEADS_PATCH = "0014-hybrid-ranges-start-at-any-block"
 
 # llama.cpp's sliding-window period for architectures that set it in code when the GGUF has no
 # attention.sliding_window_pattern (src/llama-model.cpp load_hparams: set_swa_pattern)
@@ -218,12 +221,18 @@ def unsupported(arch: str) -> str:
 
 
 def range_problem(
-    header: Header | dict[str, Any], start: int, end: int, head: bool | None = None, one_kind: bool = True
+    header: Header | dict[str, Any],
+    start: int,
+    end: int,
+    head: bool | None = None,
+    one_kind: bool = True,
+    head_sizes: bool = True,
 ) -> str | None:
     """Why blocks ``[start, end)`` cannot be one llama.cpp shard (None: they can), ``head``: with the output head
     (default: when ``end`` is the last layer). In order: an architecture no node runs, a range outside the model, one
     of an architecture that runs only as the whole model, the architecture's own check, a start at a block without
-    attention heads (llama.cpp reads the head sizes only when a file's block 0 has some), and, where ``one_kind`` is
+    attention heads where ``head_sizes`` is False (a llama.cpp without patch ``HEADS_PATCH`` reads the head sizes only
+    when a file's block 0 has some), and, where ``one_kind`` is
     False (a llama.cpp without patch ``ONE_KIND_PATCH``: ``plan`` assumes the patch queue, a node passes what its
     libllama carries), a range of one kind of block: without a sliding-window layer in a model with them (llama.cpp's
     is_swa_any; unless the architecture's SWA is optional), or a hybrid model's range without a recurrent or an
@@ -240,12 +249,13 @@ def range_problem(
     if problem and not (one_kind and isinstance(problem, c.OneKindProblem)):
         return problem
     heads = h.md.get(f"{h.arch}.attention.head_count")
-    if isinstance(heads, list) and int(heads[start]) == 0 and int(heads[0]) > 0:
+    if not head_sizes and isinstance(heads, list) and int(heads[start]) == 0 and int(heads[0]) > 0:
         return (
             f"{h.arch}: block {start} has no attention heads, and llama.cpp reads the head sizes "
             f"(attention.key_length, value_length, rope.dimension_count) only when a file's block 0 "
-            f"has some (src/llama-model.cpp load_hparams: if (hparams.n_head() > 0)); a layer range "
-            f"must start at a block with attention heads"
+            f"has some (src/llama-model.cpp load_hparams: if (hparams.n_head() > 0)) without patch {HEADS_PATCH} "
+            f"(patches/llama.cpp in ggufswarm; `make setup` builds it); a layer range must start at a block with "
+            f"attention heads"
         )
     if h.swa_problem:
         return h.swa_problem
@@ -266,6 +276,7 @@ __all__ = [
     "CutRules",
     "DEFAULT_SWA_PERIOD",
     "Header",
+    "HEADS_PATCH",
     "ONE_KIND_PATCH",
     "RANGE_PATCH",
     "WHOLE_ONLY",

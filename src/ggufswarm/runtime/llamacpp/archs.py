@@ -23,6 +23,7 @@ from .range_checks import (
     _gemma4_unused,
     _glm_dsa_check,
     _hc_streams,
+    _headless_unused,
     _minicpm_check,
     _sqrt_n_embd,
 )
@@ -147,6 +148,8 @@ _RULES: dict[str, ArchRules] = {
     "minicpm": ArchRules(check=_minicpm_check),
     **{arch: _DEEPSTACK for arch in ("granite", "qwen3vl", "qwen3vlmoe", "granite_swa")},
     "plamo2": ArchRules(tap="ffn_residual"),  # src/models/plamo2.cpp
+    # a range of Mamba blocks only leaves out rope_freqs (patch 0014 lets a range start at a block without heads)
+    "granitehybrid": ArchRules(unused=_headless_unused),
     # patch 0013: the input transform on token input only (bloom, muse-glimmer, minicpm3, talkie), talkie's skip
     # embedding from the token ids, a block's place in the whole model (minimax-01, smallthinker, minicpm3)
     **{arch: ArchRules(patch=RANGE_PATCH, input_in_graph=True) for arch in ("bloom", "muse-glimmer")},

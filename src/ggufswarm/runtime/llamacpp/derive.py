@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
-from ...artifact.cut_rules import ONE_KIND_PATCH, Header, range_problem
+from ...artifact.cut_rules import HEADS_PATCH, ONE_KIND_PATCH, Header, range_problem
 from ...artifact.gguf_file import GGUFModelFile, dequantize_q8_0
 from ..kv import TokenOutOfRange
 from . import patches
@@ -38,7 +38,9 @@ def shard_metadata(
     cuts = Header(model.metadata)
     # the cut rules: the ranges ``plan`` places are the ones accepted (a range of one kind of block where the loaded
     # libllama builds its memory: patch ONE_KIND_PATCH)
-    problem = range_problem(cuts, start, end, head, one_kind=patches.applied(ONE_KIND_PATCH))
+    problem = range_problem(
+        cuts, start, end, head, one_kind=patches.applied(ONE_KIND_PATCH), head_sizes=patches.applied(HEADS_PATCH)
+    )
     if problem:
         raise UnsupportedShard(problem)
     whole = start == 0 and end == cuts.n_layers and head

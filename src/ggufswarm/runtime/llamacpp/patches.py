@@ -27,6 +27,7 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0011-one-kind-layer-ranges": b"no sliding-window layer: the sliding-window KV cache holds no layers",
     "0012-compute-buffers-given-back-when-idle": b"gave the compute buffers' memory back until the next decode",
     "0013-layer-ranges-compute-as-whole": b"%s.block_count_whole",
+    "0014-hybrid-ranges-start-at-any-block": b"head sizes from the first block with heads",
 }
 # patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
 # check): the Vulkan backend with older Vulkan headers

@@ -58,6 +58,13 @@ def _sqrt_n_embd(n_embd: int) -> np.float32:
     return np.sqrt(np.float32(n_embd))  # sqrtf(n_embd), src/models/gemma3.cpp (and gemma4.cpp)
 
 
+def _headless_unused(model: GGUFModelFile, a: int, b: int) -> frozenset[str]:
+    # a hybrid range without attention heads (recurrent blocks only) has head sizes of 0, and llama.cpp would size the
+    # optional rope_freqs by them (src/models/granite-hybrid.cpp: {n_rot/2}, TENSOR_NOT_REQUIRED): no block uses it
+    heads = model.metadata.get(f"{model.architecture}.attention.head_count")
+    return frozenset({"rope_freqs.weight"}) if isinstance(heads, list) and not any(heads[a:b]) else frozenset()
+
+
 def _gemma4_unused(model: GGUFModelFile, a: int, b: int) -> frozenset[str]:
     # src/models/gemma4.cpp load_arch_tensors: rope_freqs (the "proportional" RoPE's per-pair divisors) is created
     # for the full-attention blocks only; a range of sliding-window blocks alone never loads it
