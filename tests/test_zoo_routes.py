@@ -1,5 +1,6 @@
 """Architectures of llama.cpp's zoo across nodes (issue 42): a 3-node route over a zoo file's copy stretched to 8
-blocks (tests/zoo.py ``stretch``), each node a process with its layer range, gives llama.cpp's own greedy tokens.
+blocks (tests/zoo.py ``stretch``), each node a process with its layer range, gives llama.cpp's own greedy tokens, and
+so does ``generate --split`` cut at every block boundary.
 
 The models: GLM-4.x MoE (leading dense block, patch 0003), Gemma 3 (sliding-window and full-attention blocks, cuts that
 leave a range of one kind: patch 0011), Qwen3.5 MoE (a hybrid of Gated DeltaNet and attention blocks, 4 positions per
@@ -19,6 +20,7 @@ from test_hybrid_repair import GREEDY, llama_cpp_steps
 
 from ggufswarm.artifact.cut_rules import Header, range_problem
 from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.client.local import LocalModel
 from ggufswarm.client.route import RemoteRoute
 from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.llamacpp.derive import n_vocab
@@ -72,3 +74,21 @@ def test_three_node_route_gives_llama_cpp_tokens(name, zoo_dir, tmp_path):
         assert tokens == want, (name, (a, b))
     finally:
         stop_nodes(nodes)
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_generate_split_at_every_boundary_gives_llama_cpp_tokens(name, zoo_dir, tmp_path):
+    """``generate --split 1,2,...,7`` (``LocalModel``: chained in-process shards of one block each) on the same copy
+    gives llama.cpp's whole-model greedy tokens."""
+    path = zoo.stretch(GGUFModelFile(zoo_dir / f"{name}.gguf"), tmp_path / f"stretched-{name}.gguf")
+    model = GGUFModelFile(path)
+    n = Header(model.metadata).n_layers
+    prompt = np.random.default_rng(zoo.SEED).integers(0, n_vocab(model), 20).tolist()
+    want = llama_cpp_steps(path, [prompt], N_DECODE)
+    local = LocalModel.load(str(path), split=list(range(1, n)), backend="llama.cpp", threads=1, max_length=256)
+    assert [(s.spec.start, s.spec.end) for s in local.shards] == [(i, i + 1) for i in range(n)]
+    session = local.session(128, GREEDY)
+    tokens = [session.step(prompt)]
+    while len(tokens) < N_DECODE:
+        tokens.append(session.step([tokens[-1]]))
+    assert tokens == want, name
