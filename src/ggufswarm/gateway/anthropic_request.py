@@ -357,11 +357,14 @@ def to_chat(req: CountTokensRequest) -> dict:
     _chat_messages."""
     body: dict = {"model": req.model, "messages": _chat_messages(req)}
     if req.tools:
+        # in OpenAI's order (name, description, parameters): a template renders the tools as JSON in key order, so
+        # the prompt is the one the same tools sent to chat completions make
         body["tools"] = [
             {
                 "type": "function",
-                "function": {"name": t.name, "parameters": t.input_schema}
-                | ({"description": t.description} if t.description is not None else {}),
+                "function": {"name": t.name}
+                | ({"description": t.description} if t.description is not None else {})
+                | {"parameters": t.input_schema},
             }
             for t in req.tools
         ]
