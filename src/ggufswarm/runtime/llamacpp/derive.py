@@ -147,7 +147,8 @@ def shard_tensors(model: GGUFModelFile, start: int, end: int, head: bool) -> lis
             continue  # a zero stand-in (_stand_ins): the hidden states coming in already hold it
         elif name in ("token_embd.weight", "output.weight") and rules.skip_embedding:
             # every block adds the token's normalized embedding (talkie); the loader requires its vocabulary-sized
-            # LM head too (in place from the model file: never read off the head)
+            # LM head too, and a non-head shard's graph computes logits with it that nobody reads (wasted work until
+            # talkie.cpp makes the output optional for a layer range, as patch 0002 does for deepseek4)
             new_name = name
         elif name in ("token_embd.weight", "output.weight", "output.bias", "output_norm.weight"):
             if not head or (
