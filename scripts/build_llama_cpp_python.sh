@@ -102,12 +102,22 @@ prepare_src() {
     done
 }
 
+# one build at a time in $DIR: the wheel build configures $DIR/build without llama.cpp's tests and `tools`
+# reconfigures it with them, so either one running beside the other breaks it (the wheel's install step fails)
+lock_dir() {
+    mkdir -p "$DIR"
+    command -v flock >/dev/null 2>&1 || return 0
+    exec 9>"$DIR/.lock"
+    flock -n 9 || { say "waiting for another build in $DIR to finish"; flock 9; }
+}
+
 if [ "${1:-}" = cpu-variant ]; then   # the same llama.cpp with another CPU kernel set (a second "CPU kind")
     # Builds only ggml's CPU backend with GGML_NATIVE=OFF and AVX (no AVX2/FMA/AVX-512: a kernel set no x86-64
     # machine this project runs on picks natively), and assembles a library folder: llama-cpp-python's own libraries
     # with that libggml-cpu. A process started with LLAMA_CPP_LIB_PATH=<folder> computes as a node of another CPU
     # kind would (its numerics fingerprint says so): tests/test_verify.py's honest node of another kind. ~1 minute.
     out="$DIR/cpu-avx"
+    lock_dir
     if [ ! -f "$out/lib/libggml-cpu.so" ]; then
         py="${2:-python3}"
         [ -f "$DIR/src/vendor/llama.cpp/CMakeLists.txt" ] || prepare_src "$(dirname "$py")/pip"
@@ -129,6 +139,7 @@ if [ "${1:-}" = cpu-variant ]; then   # the same llama.cpp with another CPU kern
 fi
 
 if [ "${1:-}" = tools ]; then   # llama.cpp's test-llama-archs (the architecture zoo's writer), from the kept tree
+    lock_dir
     [ -f "$DIR/build/CMakeCache.txt" ] || die "no build tree in $DIR/build: run make setup first"
     if [ ! -x "$DIR/build/bin/test-llama-archs" ]; then
         say "building test-llama-archs in $DIR/build (patched llama.cpp $VERSION)"
@@ -141,13 +152,13 @@ fi
 
 PIP="$1"
 [ -x "$PIP" ] || command -v "$PIP" >/dev/null 2>&1 || { usage; die "$PIP is not a pip executable"; }
+lock_dir
 wheel="$(ls "$DIR"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -n1 || true)"
 if [ -n "$wheel" ]; then
     say "cached wheel: $wheel"
     echo "$wheel"
     exit 0
 fi
-mkdir -p "$DIR"
 case "$GPU" in
     none) took="about 7 minutes on 2 cores" ;;
     vulkan) took="CPU and Vulkan backends, about 12 minutes on 2 cores" ;;
