@@ -272,6 +272,13 @@ def test_auto_layers_pick_the_least_covered_range(artifact):
     assert shard_bytes(manifest, window.start, window.end) <= shard_bytes(manifest, 6, 9) and window.start >= 6
 
 
+def without_0011(metadata, start, end, head):
+    """The range check of a node whose llama.cpp lacks patch 0011 (a range of one kind of block refused)."""
+    from ggufswarm.artifact.cut_rules import range_problem
+
+    return range_problem(metadata, start, end, head, one_kind=False)
+
+
 def test_auto_layers_keep_to_the_cut_rules(artifact, gemma_path):
     """``--layers auto`` with the model's cut rules (``artifact/cut_rules.py``, the node's start-up check): Gemma 3's
     blocks 5, 11 and 17 are its only full-attention ones, and a range of one of them alone is refused by a node whose
@@ -282,7 +289,7 @@ def test_auto_layers_keep_to_the_cut_rules(artifact, gemma_path):
 
     manifest, _ = artifact
     assert _cuttable(gemma_path, manifest.n_layers)(5, 6)  # patch 0011 (what plan assumes)
-    cuttable = _cuttable(gemma_path, manifest.n_layers, one_kind=False)
+    cuttable = _cuttable(gemma_path, manifest.n_layers, without_0011)
     assert cuttable(0, 6) and cuttable(4, 5) and not cuttable(5, 6)
     ads = [Advertisement("a", "u", "m", (0, 5), True), Advertisement("b", "u", "m", (6, 18), head=True)]
     budget = shard_bytes(manifest, 5, 6)
@@ -320,12 +327,12 @@ def test_fetch_shard_auto_reads_the_header_first_and_fetches_a_range_the_node_ru
 
     fetched = fetch_shard(
         None, "m", "auto", False, False, tmp_path, shard_bytes(manifest, 5, 6), timeout=120, progress=False,
-        directory=Listing(), one_kind=False,
+        directory=Listing(), range_check=without_0011,
     )  # fmt: skip
     try:
         spec = fetched.spec
         assert spec.end - spec.start == 1 and spec.start != 5
-        assert _cuttable(fetched.path, manifest.n_layers, one_kind=False)(spec.start, spec.end)
+        assert _cuttable(fetched.path, manifest.n_layers, without_0011)(spec.start, spec.end)
         data = fetched.path.read_bytes()
         original = gemma_path.read_bytes()
         for t in manifest.tensors:

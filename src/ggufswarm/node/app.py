@@ -55,13 +55,12 @@ REANNOUNCE_S = 20.0  # DHT re-announce period (s): in a small swarm an announce 
 REAPER_MIN_PERIOD_S, REAPER_MAX_PERIOD_S = 0.05, 1.0  # leases may be a few seconds
 
 
-def _llamacpp_one_kind() -> bool:
-    """Whether the loaded llama.cpp runs a layer range of one kind of block (patch 0011: ``--layers auto`` may pick
-    one)."""
-    from ..artifact.cut_rules import ONE_KIND_PATCH
-    from ..runtime.llamacpp.patches import applied
+def _llamacpp_range_problem(metadata: dict, start: int, end: int, head: bool) -> str | None:
+    """Why this node's llama.cpp refuses blocks ``[start, end)`` (its start-up check, with the patches its libllama
+    carries): what ``--layers auto`` picks by."""
+    from ..runtime.llamacpp.derive import node_range_problem
 
-    return applied(ONE_KIND_PATCH)
+    return node_range_problem(metadata, start, end, head)
 
 
 def load_executor(config: NodeConfig):
@@ -391,8 +390,7 @@ def run_node(config: NodeConfig) -> int:
             directory=directory,
             swarm=swarm,
             stages_follow=config.model_id is not None,  # joined by a link: --embed / --head follow the range
-            llamacpp_rules=config.backend == "llama.cpp",
-            one_kind=config.backend != "llama.cpp" or _llamacpp_one_kind(),
+            range_check=_llamacpp_range_problem if config.backend == "llama.cpp" else None,
         )
         got = (
             f"{fetched.stats.bytes_downloaded} bytes in {fetched.stats.seconds:.1f} s"

@@ -17,6 +17,9 @@ from ..net.addresses import is_loopback
 from ..runtime.spec import ShardSpec
 from .torrent import FetchStats, Swarm, pieces_for_ranges
 
+# (GGUF metadata, start, end, head) → why a node refuses blocks [start, end), or None
+RangeCheck = Callable[[dict, int, int, bool], "str | None"]
+
 
 def shard_bytes(manifest: Manifest, start: int, end: int) -> int:
     """Encoded tensor bytes a node serving blocks ``[start, end)`` holds: its blocks, plus the token embedding when
@@ -110,8 +113,7 @@ def fetch_shard(
     directory=None,
     swarm: Swarm | None = None,
     stages_follow: bool = False,
-    llamacpp_rules: bool = True,
-    one_kind: bool = True,
+    range_check: RangeCheck | None = cut_rules.range_problem,
 ) -> FetchedShard:
     """Fetch from the swarm only the pieces a shard needs (header + its tensors), verified, into
     ``data_dir``; returns with the swarm still seeding them. ``layers``: ``"START:END"`` or ``"auto"``.
@@ -123,9 +125,9 @@ def fetch_shard(
     and the torrent's peers from the DHT and the nodes' advertisements. ``swarm``: the libtorrent session to fetch
     in (a node's, with its DHT and port mapping); a new loopback one by default. ``stages_follow``: a ``START:END``
     range that starts at 0 / ends at the last layer gets the embedding / head stage (as ``"auto"`` always does).
-    ``llamacpp_rules``: ``"auto"`` fetches the header first and picks only a range a llama.cpp node runs (False: another
-    backend's node); ``one_kind``: whether its llama.cpp runs a range of one kind of block (patch 0011, which
-    ``cut_rules.range_problem`` takes).
+    ``range_check``: ``"auto"`` fetches the header first and picks only a range this checks accepts: ``(metadata,
+    start, end, head)`` → why the node refuses it, or None (a llama.cpp node: ``llamacpp.derive.node_range_problem``,
+    its start-up check; default: the cut rules ``plan`` places by; None: another backend's node, no rule).
 
     Raises TrackerError (unknown model, tracker down), DirectoryError (no source answered), ValueError (bad range),
     SwarmError (fetch failed).
@@ -148,9 +150,9 @@ def fetch_shard(
             for a in listed
         ]
         cuttable = None
-        if llamacpp_rules:  # the header first (kilobytes to a few MiB): a range the node would refuse is never chosen
+        if range_check:  # the header first (kilobytes to a few MiB): a range the node would refuse is never chosen
             swarm.fetch(torrent, data_dir, manifest.byte_ranges(0, 0), peers, timeout=timeout, progress=False)
-            cuttable = _cuttable(_first_file(manifest, data_dir), manifest.n_layers, one_kind)
+            cuttable = _cuttable(_first_file(manifest, data_dir), manifest.n_layers, range_check)
         spec = choose_layers(manifest, ads, budget_bytes, cuttable)
     else:
         spec = ShardSpec.parse(layers, manifest.n_layers, embed, head)
@@ -177,14 +179,16 @@ def _first_file(manifest: Manifest, data_dir: Path) -> Path:
     return data_dir / first if len(manifest.files) == 1 else next(data_dir.glob(f"*/{first}"))
 
 
-def _cuttable(path: Path, n_layers: int, one_kind: bool = True) -> Callable[[int, int], bool] | None:
-    """Whether a llama.cpp node runs blocks ``[start, end)`` of the GGUF at ``path`` (its header fetched), by the cut
-    rules ``plan`` and the node's start-up check use; None for an architecture llama.cpp nodes do not run (no rule
-    to pick by)."""
-    header = cut_rules.Header(GGUFModelFile(path, header_only=True).metadata)
-    if header.rules is None:
+def _cuttable(
+    path: Path, n_layers: int, range_check: RangeCheck = cut_rules.range_problem
+) -> Callable[[int, int], bool] | None:
+    """Whether a node runs blocks ``[start, end)`` of the GGUF at ``path`` (its header fetched), by ``range_check``
+    (default: the cut rules ``plan`` places by); None for an architecture llama.cpp nodes do not run (no rule to pick
+    by)."""
+    metadata = GGUFModelFile(path, header_only=True).metadata
+    if cut_rules.Header(metadata).rules is None:
         return None
-    return lambda start, end: cut_rules.range_problem(header, start, end, end == n_layers, one_kind) is None
+    return lambda start, end: range_check(metadata, start, end, end == n_layers) is None
 
 
 def _spans(blocks: list[int]) -> str:

@@ -23,6 +23,24 @@ from .errors import UnsupportedShard
 from .range_checks import n_model_layers
 
 
+def node_range_problem(metadata: dict[str, Any], start: int, end: int, head: bool) -> str | None:
+    """Why the loaded llama.cpp refuses blocks ``[start, end)`` of the model with GGUF ``metadata`` (None: it runs
+    them): the cut rules ``plan`` places by (``artifact.cut_rules.range_problem``), with the patches this libllama
+    carries (a range of one kind of block: ``ONE_KIND_PATCH``; a range starting at a block without heads:
+    ``HEADS_PATCH``), and the patch the architecture's ranges need (``ArchRules.patch``). The node's start-up check
+    (``shard_metadata``) and ``--layers auto`` (``swarm.shard_fetch``) ask this."""
+    cuts = Header(metadata)
+    problem = range_problem(
+        cuts, start, end, head, one_kind=patches.applied(ONE_KIND_PATCH), head_sizes=patches.applied(HEADS_PATCH)
+    )
+    if problem or cuts.rules is None:
+        return problem
+    rules = rules_for(cuts.arch)
+    if rules.patch and not (start == 0 and end == cuts.n_layers and head):
+        return patches.patch_problem(rules.patch, f"a layer range of {cuts.arch}")
+    return None
+
+
 def shard_metadata(
     model: GGUFModelFile, start: int, end: int, head: bool
 ) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
@@ -36,18 +54,10 @@ def shard_metadata(
     rules = rules_for(arch)
     n_blocks = int(model.metadata[f"{arch}.block_count"])
     cuts = Header(model.metadata)
-    # the cut rules: the ranges ``plan`` places are the ones accepted (a range of one kind of block where the loaded
-    # libllama builds its memory: patch ONE_KIND_PATCH)
-    problem = range_problem(
-        cuts, start, end, head, one_kind=patches.applied(ONE_KIND_PATCH), head_sizes=patches.applied(HEADS_PATCH)
-    )
+    problem = node_range_problem(model.metadata, start, end, head)
     if problem:
         raise UnsupportedShard(problem)
     whole = start == 0 and end == cuts.n_layers and head
-    if rules.patch and not whole:
-        from .patches import require_patch
-
-        require_patch(rules.patch, f"a layer range of {arch}")
     extra = rules.check(model, start, end) if rules.check else {}
     out: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {}
     for key, value in model.metadata.items():
