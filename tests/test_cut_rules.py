@@ -199,10 +199,43 @@ def test_hybrid_ranges_may_start_at_a_block_without_heads(tmp_path):
     assert range_problem(acc.cuts, 2, 4, head_sizes=False) is None
 
 
+def test_hyper_connection_ranges_start_at_a_full_indexer(tmp_path):
+    """hy_v4 (patch 0015 carries its 4 residual streams across a cut) with DSA blocks that share the top-k of the
+    block before: a range must start at a full-indexer block, and plan places only such ranges; without DSA
+    (indexer.top_k 0) it cuts anywhere. glm5-next: only its attention blocks have an indexer, so a range starting
+    at a recurrent (KDA) block is judged by its first attention block."""
+    dsa = synthetic(
+        tmp_path / "hy_v4.gguf", "hy_v4", **{"attention.indexer.top_k": 64, "attention.indexer.types": [1, 0] * 4}
+    )
+    acc = HeaderAccounts.from_model(dsa)
+    assert "block 3 is a shared-indexer block" in acc.range_problem(3, 6)
+    assert acc.range_problem(2, 5) is None
+    placed, _, split = check_agreement(dsa)
+    assert split > 0 and all(a % 2 == 0 for a, _ in placed)
+    plain = HeaderAccounts.from_model(synthetic(tmp_path / "hy_v4-plain.gguf", "hy_v4"))
+    assert all(plain.range_problem(a, a + 1) is None for a in range(8))
+    glm = synthetic(
+        tmp_path / "glm5-next.gguf",
+        "glm5-next",
+        **{
+            "attention.indexer.top_k": 64,
+            "attention.indexer.types": [1, 1, 0, 0] * 2,
+            "attention.head_count_kv": [0, 4, 4, 4] * 2,
+        },
+    )
+    acc = HeaderAccounts.from_model(glm)
+    assert acc.range_problem(0, 3) is None  # block 0 is recurrent, block 1 the first attention block: full
+    assert "block 2 is a shared-indexer block" in acc.range_problem(2, 5)
+    assert acc.range_problem(4, 8) is None  # 4 is recurrent, 5 a full-indexer block
+    assert "block 6 is a shared-indexer block" in acc.range_problem(6, 8)
+    placed, _, split = check_agreement(glm)
+    assert split > 0 and all(a % 4 in (0, 1) for a, _ in placed)
+
+
 def test_whole_only_and_unknown_architectures(tmp_path):
-    """hy_v4 runs only as the whole model (hyper-connection streams would cross a cut): plan places it on one node,
-    as the node accepts; an architecture no node runs is refused by plan with the node's reason."""
-    whole = synthetic(tmp_path / "hy_v4.gguf", "hy_v4")
+    """qwen4exp runs only as the whole model (its n-gram embeddings hash earlier token ids): plan places it on one
+    node, as the node accepts; an architecture no node runs is refused by plan with the node's reason."""
+    whole = synthetic(tmp_path / "qwen4exp.gguf", "qwen4exp")
     placed, _, split = check_agreement(whole)
     assert split == 0 and set(placed) == {(0, 8)}
     assert "only the whole model runs" in HeaderAccounts.from_model(whole).range_problem(0, 4)

@@ -23,6 +23,7 @@ BITWISE_TARGET = 0.95
 # patch 0014 lets start a range at any block (before it: only at a block with attention heads)
 RANGE_PATCH_ARCHS = "bloom muse-glimmer minicpm3 talkie minimax-01 smallthinker".split()
 HEADS_PATCH_ARCHS = "jamba lfm2 lfm2moe granitehybrid".split()
+HC_PATCH_ARCHS = "hy_v4 glm5-next".split()
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,21 @@ def test_patch_0013_and_0014_architectures_run_at_every_boundary(verdicts):
         v = by_arch[arch]
         assert v.kind == "bitwise" and v.results and all(r == "bitwise" for r in v.results), (arch, v.results)
         assert any(len(cut) == cut[0] for cut in v.cuts), (arch, v.cuts)  # [n, 1, ..., n - 1]: one-block shards
+
+
+def test_patch_0015_hyper_connection_ranges_run(verdicts):
+    """Patch 0015 (hy_v4's and glm5-next's 4 residual streams through batch.embd): a chain of the stretched copy runs
+    bitwise, and the refused chains are those with a range starting at a shared-indexer block or, in glm5-next, a
+    range of only recurrent blocks (``cut_checks.shared_indexer_check``); the finest chains these allow, over 3 nodes
+    too: tests/test_zoo_routes.py."""
+    by_arch = {v.arch: v for v in verdicts}
+    for arch in HC_PATCH_ARCHS:
+        v = by_arch[arch]
+        assert v.kind == "bitwise", (arch, v.kind, v.detail)
+        ran = [cut for cut, r in zip(v.cuts, v.results) if r == "bitwise"]
+        assert any(cut[0] > 2 for cut in ran), (arch, v.cuts, v.results)  # a chain of the 8-block copy
+        for cut, r in zip(v.cuts, v.results):
+            assert r == "bitwise" or ("shared-indexer block" in r or "only recurrent blocks" in r), (arch, cut, r)
 
 
 # zoo files whose copy stretched to 8 blocks has a chain of the finest ranges the cut rules accept holding a range of

@@ -5,10 +5,11 @@ so does ``generate --split`` cut at every block boundary.
 The models: GLM-4.x MoE (leading dense block, patch 0003), Gemma 3 (sliding-window and full-attention blocks, cuts that
 leave a range of one kind: patch 0011), Qwen3.5 MoE (a hybrid of Gated DeltaNet and attention blocks, 4 positions per
 token), LFM2 and Jamba (hybrids with per-block head counts, their later ranges starting at a convolution or Mamba block:
-patch 0014), and two of patch 0013's: bloom (its input norm on the first node only) and talkie (every block adds the
-token's normalized embedding: the frames carry the token ids to the nodes past the first). The cuts are the thirds of
-the model, moved to the nearest ones the cut rules accept. The reference is llama.cpp's whole model fed the same prompt
-(``test_hybrid_repair.llama_cpp_steps``, one thread as the nodes run).
+patch 0014), two of patch 0013's: bloom (its input norm on the first node only) and talkie (every block adds the
+token's normalized embedding: the frames carry the token ids to the nodes past the first), and the hyper-connection
+models of patch 0015, HY-V4 and GLM-5-Next (4 residual streams of n_embd per token in every frame). The cuts are the
+thirds of the model, moved to the nearest ones the cut rules accept. The reference is llama.cpp's whole model fed the
+same prompt (``test_hybrid_repair.llama_cpp_steps``, one thread as the nodes run).
 """
 
 from __future__ import annotations
@@ -27,7 +28,26 @@ from ggufswarm.runtime.llamacpp.derive import n_vocab
 from ggufswarm.runtime.shard import ShardSpec
 
 N_DECODE = 16
-ROUTED = ["glm4moe-moe", "gemma3-dense", "qwen35moe-moe", "lfm2-dense", "jamba-dense", "bloom-dense", "talkie-dense"]
+# cut at every block boundary by generate --split
+EVERY_BOUNDARY = ["glm4moe-moe", "gemma3-dense", "qwen35moe-moe", "lfm2-dense", "jamba-dense", "bloom-dense"]
+EVERY_BOUNDARY += ["talkie-dense"]
+# hyper-connections (patch 0015): 4 residual streams cross every cut; DSA blocks sharing the top-k of the block before
+# (hy_v4) and recurrent blocks (glm5-next) cannot start a range, so generate --split takes the finest chain accepted
+HYPER_CONNECTIONS = ["hy_v4-moe", "glm5-next-moe"]
+ROUTED = EVERY_BOUNDARY + HYPER_CONNECTIONS
+
+
+def finest_cuts(header: Header) -> list[int]:
+    """The cut points of the chain of the most ranges the cut rules accept (every boundary where all are)."""
+    n = header.n_layers
+    best: dict[int, list[int] | None] = {n: []}
+    for s in range(n - 1, -1, -1):
+        tails = [
+            [e, *best[e]] for e in range(s + 1, n + 1) if best[e] is not None and range_problem(header, s, e) is None
+        ]
+        best[s] = max(tails, key=len) if tails else None
+    assert best[0], f"{header.arch}: no chain of accepted ranges"
+    return best[0][:-1]
 
 
 def three_ranges(header: Header) -> tuple[int, int]:
@@ -78,15 +98,22 @@ def test_three_node_route_gives_llama_cpp_tokens(name, zoo_dir, tmp_path):
 
 @pytest.mark.parametrize("name", ROUTED)
 def test_generate_split_at_every_boundary_gives_llama_cpp_tokens(name, zoo_dir, tmp_path):
-    """``generate --split 1,2,...,7`` (``LocalModel``: chained in-process shards of one block each) on the same copy
-    gives llama.cpp's whole-model greedy tokens."""
+    """``generate --split 1,2,...,7`` (``LocalModel``: chained in-process shards of one block each; the finest chain
+    the cut rules accept for the hyper-connection models) on the same copy gives llama.cpp's whole-model greedy
+    tokens."""
     path = zoo.stretch(GGUFModelFile(zoo_dir / f"{name}.gguf"), tmp_path / f"stretched-{name}.gguf")
     model = GGUFModelFile(path)
-    n = Header(model.metadata).n_layers
+    header = Header(model.metadata)
+    n, cuts = header.n_layers, finest_cuts(header)
+    if name in EVERY_BOUNDARY:
+        assert cuts == list(range(1, n)), (name, cuts)
+    else:
+        assert len(cuts) >= 3, (name, cuts)  # hy_v4: 0:2 2:4 4:6 6:8 (or finer), glm5-next likewise
     prompt = np.random.default_rng(zoo.SEED).integers(0, n_vocab(model), 20).tolist()
     want = llama_cpp_steps(path, [prompt], N_DECODE)
-    local = LocalModel.load(str(path), split=list(range(1, n)), backend="llama.cpp", threads=1, max_length=256)
-    assert [(s.spec.start, s.spec.end) for s in local.shards] == [(i, i + 1) for i in range(n)]
+    local = LocalModel.load(str(path), split=cuts, backend="llama.cpp", threads=1, max_length=256)
+    bounds = [0, *cuts, n]
+    assert [(s.spec.start, s.spec.end) for s in local.shards] == list(zip(bounds, bounds[1:]))
     session = local.session(128, GREEDY)
     tokens = [session.step(prompt)]
     while len(tokens) < N_DECODE:

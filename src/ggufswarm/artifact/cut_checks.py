@@ -308,3 +308,35 @@ def kimi_k3_check(h: Header, a: int, b: int) -> str | None:
             "taking the bank through batch.embd, as 0002 does DeepSeek-V4's streams, would lift it)"
         )
     return hybrid_check(h, a, b)
+
+
+def shared_indexer_check(default_full: int) -> Check:
+    """The check of a model whose DSA blocks may reuse the indexer top-k of an earlier block (``attention.indexer.
+    types``: 1 full, 0 shared; ``default_full``: llama.cpp's value for a file without the key): the first attention
+    block of a range must compute its own top-k (src/models/hy-v4.cpp ``GGML_ASSERT(*last_top_k != nullptr)``,
+    glm5-next.cpp ``"shared indexer layer must follow a full indexer layer"``), and a range of a model with indexers
+    needs an attention block; a hybrid's range is also checked by ``hybrid_check``."""
+
+    def check(h: Header, a: int, b: int) -> str | None:
+        if int(h.md.get(f"{h.arch}.attention.indexer.top_k", 0) or 0) > 0:
+            types = per_layer(h.md, f"{h.arch}.attention.indexer.types", h.n_blocks, default_full)
+            recurrent = h.recurrent or [False] * h.n_blocks
+            first = next((il for il in range(a, b) if not recurrent[il]), None)
+            if first is None:
+                return (
+                    f"{h.arch}: layer range {a}:{b} holds only recurrent blocks; the graph's indexer k-pool input "
+                    f"is then never allocated and llama.cpp aborts setting it (llm_graph_input_kpool::set_input, "
+                    f"GGML_ASSERT(buffer)); a range needs an attention block (or a llama.cpp change skipping the "
+                    f"k-pool input of a graph without one)"
+                )
+            if first is not None and not types[first]:
+                full = [i for i in range(h.n_layers) if types[i] and not recurrent[i]]
+                source = f"src/models/{h.arch.replace('_', '-')}.cpp"
+                return (
+                    f"{h.arch}: block {first} is a shared-indexer block (it reuses the top-k of an earlier "
+                    f"full-indexer block, which llama.cpp cannot take across a cut: {source} asserts it); a layer "
+                    f"range's first attention block must be a full-indexer block ({', '.join(map(str, full))})"
+                )
+        return hybrid_check(h, a, b) if h.recurrent is not None else None
+
+    return check

@@ -119,6 +119,12 @@ _RULES: dict[str, ArchRules] = {
         no_dummy_head=True,
         check=_deepseek4_check,
     ),
+    # hc residual streams cross a cut (patch 0015: frames of hc*n_embd per token); the output head's stand-ins are
+    # written as for any range (the graph ends at the tap on the last block's l_out)
+    **{
+        arch: ArchRules(leading_dense=True, nextn=nextn, patch="0015-hyper-connection-ranges", streams=_hc_streams)
+        for arch, nextn in (("hy_v4", False), ("glm5-next", True))
+    },
     # learned absolute positions added to the input (zeros past block 0: the hidden states hold them)
     **{arch: ArchRules(embd_add=("position_embd.weight",)) for arch in ("gpt2", "starcoder", "mpt")},
     # leading_dense_block_count read by the loader (src/models/<arch>.cpp)

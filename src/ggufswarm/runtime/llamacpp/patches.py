@@ -28,6 +28,7 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0012-compute-buffers-given-back-when-idle": b"gave the compute buffers' memory back until the next decode",
     "0013-layer-ranges-compute-as-whole": b"%s.block_count_whole",
     "0014-hybrid-ranges-start-at-any-block": b"head sizes from the first block with heads",
+    "0015-hyper-connection-ranges": b"hy_v4: embedding_length_in must be",
 }
 # patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
 # check): the Vulkan backend with older Vulkan headers
@@ -37,6 +38,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "0002-deepseek4-layer-range": ("0001-embedding-length-in",),
     "0003-hidden-state-input": ("0001-embedding-length-in",),
     "0013-layer-ranges-compute-as-whole": ("0001-embedding-length-in",),
+    "0015-hyper-connection-ranges": ("0001-embedding-length-in",),
 }
 
 
@@ -61,16 +63,25 @@ def applied(name: str) -> bool:
     return all(PATCH_MARKERS[n] in data for n in (*REQUIRES.get(name, ()), name))
 
 
+def patch_problem(name: str, what: str) -> str | None:
+    """Why ``what`` cannot run on the loaded libllama (one line: which patch it needs, and how to get it), or None
+    where ``applied(name)``."""
+    if applied(name):
+        return None
+    return (
+        f"{what} needs llama.cpp patch {name} (patches/llama.cpp in ggufswarm), which the llama-cpp-python at "
+        f"{libllama_path().parent.parent} does not carry; `make setup` builds one with the patch queue "
+        f"(until then only the whole model runs)"
+    )
+
+
 def require_patch(name: str, what: str) -> None:
-    """Raise UnsupportedShard (one line: what needs which patch, and how to get it) unless ``applied(name)``."""
-    if not applied(name):
+    """Raise UnsupportedShard (``patch_problem``'s line) unless ``applied(name)``."""
+    problem = patch_problem(name, what)
+    if problem:
         from .errors import UnsupportedShard
 
-        raise UnsupportedShard(
-            f"{what} needs llama.cpp patch {name} (patches/llama.cpp in ggufswarm), which the llama-cpp-python at "
-            f"{libllama_path().parent.parent} does not carry; `make setup` builds one with the patch queue "
-            f"(until then only the whole model runs)"
-        )
+        raise UnsupportedShard(problem)
 
 
-__all__ = ["BUILD_ONLY", "PATCH_MARKERS", "applied", "libllama_path", "require_patch"]
+__all__ = ["BUILD_ONLY", "PATCH_MARKERS", "applied", "libllama_path", "patch_problem", "require_patch"]

@@ -51,7 +51,9 @@ def _deepseek4_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
 
 
 def _hc_streams(metadata: dict) -> int:
-    return max(1, int(metadata.get("deepseek4.hyper_connection.count", 1) or 1))
+    """Residual streams of a hyper-connection model (``{arch}.hyper_connection.count``; 1 without the key)."""
+    arch = metadata.get("general.architecture", "")
+    return max(1, int(metadata.get(f"{arch}.hyper_connection.count", 1) or 1))
 
 
 def _sqrt_n_embd(n_embd: int) -> np.float32:
