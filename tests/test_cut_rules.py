@@ -233,9 +233,9 @@ def test_hyper_connection_ranges_start_at_a_full_indexer(tmp_path):
 
 
 def test_whole_only_and_unknown_architectures(tmp_path):
-    """qwen4exp runs only as the whole model (its n-gram embeddings hash earlier token ids): plan places it on one
-    node, as the node accepts; an architecture no node runs is refused by plan with the node's reason."""
-    whole = synthetic(tmp_path / "qwen4exp.gguf", "qwen4exp")
+    """hrm_text runs only as the whole model (its blocks are cache slots of stacks run in nested cycles): plan places
+    it on one node, as the node accepts; an architecture no node runs is refused by plan with the node's reason."""
+    whole = synthetic(tmp_path / "hrm_text.gguf", "hrm_text")
     placed, _, split = check_agreement(whole)
     assert split == 0 and set(placed) == {(0, 8)}
     assert "only the whole model runs" in HeaderAccounts.from_model(whole).range_problem(0, 4)

@@ -23,7 +23,7 @@ BITWISE_TARGET = 0.95
 # patch 0014 lets start a range at any block (before it: only at a block with attention heads)
 RANGE_PATCH_ARCHS = "bloom muse-glimmer minicpm3 talkie minimax-01 smallthinker".split()
 HEADS_PATCH_ARCHS = "jamba lfm2 lfm2moe granitehybrid".split()
-HC_PATCH_ARCHS = "hy_v4 glm5-next".split()
+HC_PATCH_ARCHS = "hy_v4 glm5-next qwen4exp".split()
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,8 @@ def test_patch_0013_and_0014_architectures_run_at_every_boundary(verdicts):
 
 
 def test_patch_0015_hyper_connection_ranges_run(verdicts):
-    """Patch 0015 (hy_v4's and glm5-next's 4 residual streams through batch.embd): a chain of the stretched copy runs
+    """Patch 0015 (the 4 residual streams of hy_v4, glm5-next and qwen4exp through batch.embd; qwen4exp's token ids with
+    them): a chain of the stretched copy runs
     bitwise, and the refused chains are those with a range starting at a shared-indexer block or, in glm5-next, a
     range of only recurrent blocks (``cut_checks.shared_indexer_check``); the finest chains these allow, over 3 nodes
     too: tests/test_zoo_routes.py."""

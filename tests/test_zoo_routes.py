@@ -7,9 +7,10 @@ leave a range of one kind: patch 0011), Qwen3.5 MoE (a hybrid of Gated DeltaNet 
 token), LFM2 and Jamba (hybrids with per-block head counts, their later ranges starting at a convolution or Mamba block:
 patch 0014), two of patch 0013's: bloom (its input norm on the first node only) and talkie (every block adds the
 token's normalized embedding: the frames carry the token ids to the nodes past the first), and the hyper-connection
-models of patch 0015, HY-V4 and GLM-5-Next (4 residual streams of n_embd per token in every frame). The cuts are the
-thirds of the model, moved to the nearest ones the cut rules accept. The reference is llama.cpp's whole model fed the
-same prompt (``test_hybrid_repair.llama_cpp_steps``, one thread as the nodes run).
+models of patch 0015, HY-V4, GLM-5-Next and Qwen4-Exp (4 residual streams of n_embd per token in every frame;
+Qwen4-Exp's n-gram embeddings read the token ids the frames carry). The cuts are the thirds of the model, moved to the
+nearest ones the cut rules accept. The reference is llama.cpp's whole model fed the same prompt
+(``test_hybrid_repair.llama_cpp_steps``, one thread as the nodes run).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ N_DECODE = 16
 EVERY_BOUNDARY = ["glm4moe-moe", "gemma3-dense", "qwen35moe-moe", "lfm2-dense", "jamba-dense", "bloom-dense"]
 EVERY_BOUNDARY += ["talkie-dense"]
 # hyper-connections (patch 0015): 4 residual streams cross every cut; DSA blocks sharing the top-k of the block before
-# (hy_v4) and recurrent blocks (glm5-next) cannot start a range, so generate --split takes the finest chain accepted
-HYPER_CONNECTIONS = ["hy_v4-moe", "glm5-next-moe"]
+# (hy_v4) cannot start a range, nor can glm5-next's recurrent blocks end one alone: generate --split takes the finest
+# chain the cut rules accept
+HYPER_CONNECTIONS = ["hy_v4-moe", "glm5-next-moe", "qwen4exp-moe"]
 ROUTED = EVERY_BOUNDARY + HYPER_CONNECTIONS
 
 
@@ -108,7 +110,7 @@ def test_generate_split_at_every_boundary_gives_llama_cpp_tokens(name, zoo_dir, 
     if name in EVERY_BOUNDARY:
         assert cuts == list(range(1, n)), (name, cuts)
     else:
-        assert len(cuts) >= 3, (name, cuts)  # hy_v4: 0:2 2:4 4:6 6:8 (or finer), glm5-next likewise
+        assert len(cuts) >= 3, (name, cuts)  # hy_v4: 0:2 2:4 4:6 6:8 (or finer), glm5-next likewise; qwen4exp: all
     prompt = np.random.default_rng(zoo.SEED).integers(0, n_vocab(model), 20).tolist()
     want = llama_cpp_steps(path, [prompt], N_DECODE)
     local = LocalModel.load(str(path), split=cuts, backend="llama.cpp", threads=1, max_length=256)

@@ -234,10 +234,19 @@ def stretch(model, dest: Path, mix: bool = True) -> Path:
             value = [value[f if _ffn_part(key) else a] for a, f in recipe]
         metadata[key] = (value, vtype, item)
     metadata[f"{arch}.block_count"] = (total, GGUFValueType.UINT32, None)
+    # a part llama.cpp builds only in the blocks a key lists by index (qwen4exp: one n-gram embedding block,
+    # ple.layers): kept in those blocks only, not in their copies
+    listed = {
+        prefix: [int(i) for i in np.atleast_1d(model.metadata.get(key, []))]
+        for key, prefix in ((f"{arch}.ple.layers", "ple_"),)
+        if key in model.metadata
+    }
     tensors = []
     for j, (a, f) in enumerate(recipe):
         for name, info in model.tensors.items():
             suffix = name.split(".", 2)[2] if info.layer is not None else ""
+            if any(suffix.startswith(prefix) and j not in blocks for prefix, blocks in listed.items()):
+                continue
             if info.layer == (f if _ffn_part(suffix) else a):
                 tensors.append((name, f"blk.{j}.{suffix}"))
     tensors += [(name, name) for name, info in model.tensors.items() if info.layer is None]

@@ -303,9 +303,11 @@ def kimi_k3_check(h: Header, a: int, b: int) -> str | None:
     if int(h.md.get("kimi-k3.attn_res.block_size", 0) or 0) > 0:
         return (
             "kimi-k3 with attention residuals (attn_res.block_size > 0): every block mixes a bank of "
-            "earlier blocks' inputs (res_push / res_mix, src/models/kimi-k3.cpp), more than one "
-            "hidden state per token crosses a cut; only the whole model runs (a llama.cpp change "
-            "taking the bank through batch.embd, as 0002 does DeepSeek-V4's streams, would lift it)"
+            "earlier blocks' inputs (res_push / res_mix, src/models/kimi-k3.cpp), one more checkpoint every "
+            "attn_res.block_size blocks, so what crosses a cut at block a is ceil(a / block_size) banked "
+            "checkpoints and the residual stream per token, a width that depends on the cut; only the whole "
+            "model runs (a llama.cpp change taking the bank through batch.embd with a frame width per cut, as "
+            "0015 takes hyper-connection streams, would lift it)"
         )
     return hybrid_check(h, a, b)
 

@@ -60,13 +60,6 @@ WHOLE_ONLY: dict[str, str] = {
         "block_count == layers_per_stack * h_cycles * (l_cycles + 1)); no block range is a part of the "
         "computation"
     ),
-    "qwen4exp": (
-        "hyper-connections: hyper_connection.count residual streams cross a cut, and the graph takes batch.embd as "
-        "a token embedding to expand (src/models/qwen4exp.cpp); its per-layer n-gram embeddings also hash the token "
-        "ids of the step and of earlier positions (llm_graph_input_qwen4exp_ple::set_input reads ubatch.token); "
-        "needs a llama.cpp change taking the streams through batch.embd (as patch 0015 does for hy_v4) and the "
-        "token ids with them (as patch 0002 does for deepseek4)"
-    ),
 }
 
 _HYBRID = CutRules(recurrent=c.kv0_recurrent, check=c.hybrid_check)
@@ -127,6 +120,8 @@ CUT_RULES: dict[str, CutRules] = {
     # hyper-connection streams cross a cut (patch 0015); DSA blocks may share an earlier block's indexer top-k
     "hy_v4": CutRules(check=c.shared_indexer_check(0)),
     "glm5-next": CutRules(recurrent=c.kv0_recurrent, check=c.shared_indexer_check(1)),
+    # (and its per-block recurrent flags from attention.recurrent_layers)
+    "qwen4exp": CutRules(recurrent_interval=4, check=c.hybrid_check),
     "llama4": CutRules(swa_pattern=4, check=c.llama4_check),
     **{arch: CutRules(swa_pattern=4, swa_optional=True) for arch in ("mellum", "olmo2")},
     "plamo3": CutRules(swa_pattern=8, swa_optional=True),

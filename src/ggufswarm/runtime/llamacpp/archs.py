@@ -25,6 +25,8 @@ from .range_checks import (
     _hc_streams,
     _headless_unused,
     _minicpm_check,
+    _qwen4exp_check,
+    _qwen4exp_unused,
     _sqrt_n_embd,
 )
 
@@ -125,6 +127,18 @@ _RULES: dict[str, ArchRules] = {
         arch: ArchRules(leading_dense=True, nextn=nextn, patch="0015-hyper-connection-ranges", streams=_hc_streams)
         for arch, nextn in (("hy_v4", False), ("glm5-next", True))
     },
+    # qwen4exp also hashes the token ids of the step and of earlier positions (its n-gram embeddings): every shard's
+    # batch carries them; a range without the head ends at l_last, the last block's streams (patch 0015)
+    "qwen4exp": ArchRules(
+        nextn=True,
+        patch="0015-hyper-connection-ranges",
+        streams=_hc_streams,
+        token_ids=True,
+        tap="l_last",
+        no_dummy_head=True,
+        check=_qwen4exp_check,
+        unused=_qwen4exp_unused,
+    ),
     # learned absolute positions added to the input (zeros past block 0: the hidden states hold them)
     **{arch: ArchRules(embd_add=("position_embd.weight",)) for arch in ("gpt2", "starcoder", "mpt")},
     # leading_dense_block_count read by the loader (src/models/<arch>.cpp)

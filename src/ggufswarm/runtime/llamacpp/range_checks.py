@@ -56,6 +56,26 @@ def _hc_streams(metadata: dict) -> int:
     return max(1, int(metadata.get(f"{arch}.hyper_connection.count", 1) or 1))
 
 
+def _ple_layers(model: GGUFModelFile, a: int, b: int) -> list[int]:
+    """The blocks of ``[a, b)`` with qwen4exp's n-gram embedding (``ple.layers``: indices in the whole model),
+    renumbered from ``a``."""
+    layers = model.metadata.get("qwen4exp.ple.layers") or []
+    return [int(il) - a for il in (layers if isinstance(layers, list) else [layers]) if a <= int(il) < b]
+
+
+def _qwen4exp_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/models/qwen4exp.cpp load_arch_hparams: ple.layers lists block indices (not one flag per block); a range
+    # without the PLE block lists none, and llama.cpp then loads no per-layer token embedding (_qwen4exp_unused)
+    if "qwen4exp.ple.layers" not in model.metadata:
+        return {}
+    return {"qwen4exp.ple.layers": (_ple_layers(model, a, b), GGUFValueType.ARRAY)}
+
+
+def _qwen4exp_unused(model: GGUFModelFile, a: int, b: int) -> frozenset[str]:
+    # the n-gram embedding table is loaded only when the range holds the PLE block (ple_n_heads > 0)
+    return frozenset() if _ple_layers(model, a, b) else frozenset({"per_layer_token_embd.weight"})
+
+
 def _sqrt_n_embd(n_embd: int) -> np.float32:
     return np.sqrt(np.float32(n_embd))  # sqrtf(n_embd), src/models/gemma3.cpp (and gemma4.cpp)
 
