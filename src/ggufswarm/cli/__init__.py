@@ -379,6 +379,7 @@ def cmd_publish(args) -> int:
     if not args.no_seed:
         print("seeding; Ctrl-C stops", file=sys.stderr, flush=True)
         seed_forever(published, path, host=args.host)
+        print("ggufswarm publish: stopped seeding", file=sys.stderr, flush=True)
     return 0
 
 

@@ -103,7 +103,7 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
             "--cache from, so other machines can dial it; 127.0.0.1 when they are all on this machine or none is "
             "given); 0.0.0.0 listens everywhere (then give --public-host)",
         )
-    n.add_argument("--port", type=int, default=0, help="TCP port; 0 = any free port, printed in the ready line")
+    n.add_argument("--port", type=int, default=0, help="TCP port (default 0: any free port, printed in the ready line)")
     backend_args(n)
     n.add_argument(
         "--gpu",

@@ -271,10 +271,9 @@ def run_demo(args) -> int:
                 sum(f.stat().st_blocks * 512 for f in (work / f"node{i}").rglob("*.gguf") if "shards" not in f.parts)
                 for i in range(len(nodes))
             ]
-            print(
-                "ggufswarm demo: nodes fetched "
-                + ", ".join(f"{s.start}:{s.end} {b / 2**20:.0f} MiB" for s, b in zip(specs, fetched))
-                + " from the swarm",
+            print(  # (bytes on disk; a node's own line counts what it downloaded, pieces received twice included)
+                "ggufswarm demo: from the swarm, the nodes hold on disk "
+                + ", ".join(f"{s.start}:{s.end} {b / 2**20:.0f} MiB" for s, b in zip(specs, fetched)),
                 file=sys.stderr,
                 flush=True,
             )

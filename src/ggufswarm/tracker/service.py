@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def run_tracker(config: TrackerConfig, host: str, port: int) -> int:
             )
 
     run_server(make_app(config), host, port, ready)
+    print("ggufswarm tracker: stopped", file=sys.stderr, flush=True)
     return 0
 
 
