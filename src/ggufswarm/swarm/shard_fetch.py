@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +168,13 @@ def fetch_shard(
         return _ask(directory)[1], []
 
     describe = stall_reason(manifest, torrent, spec, listed)
+    if progress:  # (the bar shows only on a terminal: a line that says what is coming, wherever stderr goes)
+        wanted = sum(end - begin for _, begin, end in ranges)
+        print(
+            f"fetching layers {spec.start}:{spec.end} of {name} from the swarm ({wanted / 2**20:.1f} MiB)",
+            file=sys.stderr,
+            flush=True,
+        )
     stats = swarm.fetch(
         torrent, data_dir, ranges, peers, timeout=timeout, progress=progress, stall_s=stall_s, on_stall=describe
     )

@@ -19,6 +19,8 @@ from ..net.invite import info_hash
 
 log = logging.getLogger(__name__)
 
+RECENT_PIECE_S = 2.0  # pieces held for less than this when a fetch completes are checked on disk (_wait_written)
+WRITE_WAIT_S = 10.0  # how long a completed fetch waits for those pieces' bytes to reach the files (s)
 NO_PEER_RETRY_S = 5.0  # a fetch with no peer connected asks for peers again this often (s)
 DEFAULT_PIECE_SIZE = 256 * 1024  # small pieces keep a partial fetch tight (≤ 1 piece of waste per range edge)
 
@@ -76,6 +78,33 @@ def pieces_for_ranges(torrent: bytes, ranges: list[tuple[int, int, int]]) -> set
     return pieces
 
 
+def _wait_written(ti: lt.torrent_info, save_path: Path, pieces: list[int], timeout: float) -> None:
+    """Wait until each of ``pieces`` is in the files under ``save_path`` (its bytes match its SHA-1): libtorrent
+    reports a piece held once its hash checks, which may be computed from its write buffer before the bytes reach the
+    file (a reader right after the fetch saw zeros). Raises SwarmError when one is not there within ``timeout`` s."""
+    import hashlib
+
+    if not ti.info_hashes().has_v1():  # (ggufswarm's torrents are hybrid: make_torrent)
+        return
+    files = ti.layout()
+    deadline = time.monotonic() + timeout
+    for piece in pieces:
+        while True:
+            digest = hashlib.sha1()
+            for part in ti.map_block(piece, 0, ti.piece_size(piece)):
+                if files.file_flags(part.file_index) & lt.file_storage.flag_pad_file:
+                    digest.update(bytes(part.size))
+                    continue
+                with open(save_path / files.file_path(part.file_index), "rb") as f:
+                    f.seek(part.offset)
+                    digest.update(f.read(part.size))
+            if digest.digest() == ti.hash_for_piece(piece):
+                break
+            if time.monotonic() > deadline:
+                raise SwarmError(f"piece {piece} is held but its bytes did not reach {save_path} in {timeout:.0f} s")
+            time.sleep(0.02)
+
+
 @dataclass
 class FetchStats:
     """Outcome of a partial fetch: pieces and payload bytes downloaded, seconds taken."""
@@ -105,6 +134,10 @@ class Swarm:
             "allow_multiple_connections_per_ip": True,  # every peer of a loopback swarm is 127.0.0.1
             "announce_to_all_trackers": True,
             "announce_to_all_tiers": True,
+            # a partial fetch "finishes" once its pieces are in and drops its seeders; a second fetch in the same
+            # torrent (--layers auto: the header, then the range) would wait libtorrent's back-off before dialling
+            # them again (min_reconnect_time, default 60 s; times the peer's fail count, dropped after max_failcount)
+            "min_reconnect_time": 1,
             "alert_mask": lt.alert_category.error,
         }
         if dht_bootstrap is not None:
@@ -204,9 +237,16 @@ class Swarm:
                 disable=None,
             )  # None: no bar when stderr is not a terminal
         last_done, last_progress, shown_peers, last_kick = -1, t0, -1, t0
+        first_seen: dict[int, float] = {}  # piece → when this fetch first saw it held (not those on disk before)
+        held_before: set[int] | None = None
         try:
             while True:
                 have = [i for i in wanted if handle.have_piece(i)]
+                if held_before is None:
+                    held_before = set(have)
+                for i in have:
+                    if i not in held_before:
+                        first_seen.setdefault(i, time.monotonic())
                 done = sum(ti.piece_size(i) for i in have)
                 st = handle.status()
                 now = time.monotonic()
@@ -216,6 +256,8 @@ class Swarm:
                         bar.set_postfix_str(f"{shown_peers} peer{'' if shown_peers == 1 else 's'}", refresh=False)
                     bar.update(done - bar.n)
                 if len(have) == len(wanted):
+                    recent = [i for i, seen in first_seen.items() if seen > now - RECENT_PIECE_S]
+                    _wait_written(ti, save_path, recent, timeout=WRITE_WAIT_S)
                     break
                 if st.errc.value():
                     raise SwarmError(f"fetch failed: {st.errc.message()}")
