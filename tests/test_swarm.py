@@ -342,4 +342,3 @@ def test_fetch_shard_auto_reads_the_header_first_and_fetches_a_range_the_node_ru
         assert data[:header] == original[:header]
     finally:
         fetched.swarm.close()
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -94,43 +95,40 @@ def test_routes_follow_heartbeats(tmp_path, tiny_artifact):
         assert call(f"{url}/route?model=tiny&max_length=64")[0] == 503
 
 
+@contextlib.contextmanager
+def tracked_swarm(tmp_path, gemma_path):
+    """A tracker, a seeder of ``gemma_path`` announcing to it and a leech without peers of its own: ``(manifest,
+    torrent, seeder, leech)``."""
+    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
+        torrent = make_torrent([gemma_path], trackers=[f"{url}/announce"])
+        manifest = Manifest.from_gguf(gemma_path, hash_files=False)
+        seed_dir = tmp_path / "seed"
+        seed_dir.mkdir()
+        shutil.copy(gemma_path, seed_dir / gemma_path.name)
+        seeder, leech = Swarm(), Swarm()
+        try:
+            seeder.seed(torrent, seed_dir)
+            yield manifest, torrent, seeder, leech
+        finally:
+            seeder.close()
+            leech.close()
+
+
 def test_a_second_fetch_in_a_torrent_reconnects_at_once(tmp_path, gemma_path):
     """``--layers auto`` fetches the header, then its range in the same torrent, its peers from the tracker alone: once
     the header is in, the torrent counts as finished and libtorrent drops its seeder, and it would not dial it again
     before its reconnect back-off (``min_reconnect_time``, 60 s by default) had passed: the range fetch waited a minute
     (found by a new user). The session's back-off is 1 s: the range arrives within a timeout well under that minute."""
-    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
-        torrent = make_torrent([gemma_path], trackers=[f"{url}/announce"])
-        manifest = Manifest.from_gguf(gemma_path, hash_files=False)
-        seed_dir = tmp_path / "seed"
-        seed_dir.mkdir()
-        shutil.copy(gemma_path, seed_dir / gemma_path.name)
-        seeder, leech = Swarm(), Swarm()
-        try:
-            seeder.seed(torrent, seed_dir)
-            leech.fetch(torrent, tmp_path, manifest.byte_ranges(0, 0), timeout=30, progress=False)
-            stats = leech.fetch(torrent, tmp_path, manifest.byte_ranges(3, 5), timeout=30, progress=False)
-            assert stats.pieces > 0 and stats.bytes_downloaded > 0
-        finally:
-            seeder.close()
-            leech.close()
+    with tracked_swarm(tmp_path, gemma_path) as (manifest, torrent, _, leech):
+        leech.fetch(torrent, tmp_path, manifest.byte_ranges(0, 0), timeout=30, progress=False)
+        stats = leech.fetch(torrent, tmp_path, manifest.byte_ranges(3, 5), timeout=30, progress=False)
+        assert stats.pieces > 0 and stats.bytes_downloaded > 0
 
 
 def test_libtorrent_peers_find_each_other_through_the_tracker(tmp_path, gemma_path):
-    with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
-        torrent = make_torrent([gemma_path], trackers=[f"{url}/announce"])
-        manifest = Manifest.from_gguf(gemma_path, hash_files=False)
-        seed_dir = tmp_path / "seed"
-        seed_dir.mkdir()
-        shutil.copy(gemma_path, seed_dir / gemma_path.name)
-        seeder, leech = Swarm(), Swarm()
-        try:
-            seeder.seed(torrent, seed_dir)
-            stats = leech.fetch(torrent, tmp_path, manifest.byte_ranges(17, 18, head=True), timeout=120, progress=False)
-            assert stats.bytes_downloaded > 0 and seeder.uploaded(torrent) > 0
-        finally:
-            seeder.close()
-            leech.close()
+    with tracked_swarm(tmp_path, gemma_path) as (manifest, torrent, seeder, leech):
+        stats = leech.fetch(torrent, tmp_path, manifest.byte_ranges(17, 18, head=True), timeout=120, progress=False)
+        assert stats.bytes_downloaded > 0 and seeder.uploaded(torrent) > 0
 
 
 @pytest.mark.parametrize("token", [None, "page-t0ken"], ids=["open", "private"])
