@@ -114,17 +114,6 @@ def tracked_swarm(tmp_path, gemma_path):
             leech.close()
 
 
-def test_a_second_fetch_in_a_torrent_reconnects_at_once(tmp_path, gemma_path):
-    """``--layers auto`` fetches the header, then its range in the same torrent, its peers from the tracker alone: once
-    the header is in, the torrent counts as finished and libtorrent drops its seeder, and it would not dial it again
-    before its reconnect back-off (``min_reconnect_time``, 60 s by default) had passed: the range fetch waited a minute
-    (found by a new user). The session's back-off is 1 s: the range arrives within a timeout well under that minute."""
-    with tracked_swarm(tmp_path, gemma_path) as (manifest, torrent, _, leech):
-        leech.fetch(torrent, tmp_path, manifest.byte_ranges(0, 0), timeout=30, progress=False)
-        stats = leech.fetch(torrent, tmp_path, manifest.byte_ranges(3, 5), timeout=30, progress=False)
-        assert stats.pieces > 0 and stats.bytes_downloaded > 0
-
-
 def test_libtorrent_peers_find_each_other_through_the_tracker(tmp_path, gemma_path):
     with tracked_swarm(tmp_path, gemma_path) as (manifest, torrent, seeder, leech):
         stats = leech.fetch(torrent, tmp_path, manifest.byte_ranges(17, 18, head=True), timeout=120, progress=False)

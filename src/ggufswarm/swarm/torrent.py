@@ -134,10 +134,6 @@ class Swarm:
             "allow_multiple_connections_per_ip": True,  # every peer of a loopback swarm is 127.0.0.1
             "announce_to_all_trackers": True,
             "announce_to_all_tiers": True,
-            # a partial fetch "finishes" once its pieces are in and drops its seeders; a second fetch in the same
-            # torrent (--layers auto: the header, then the range) would wait libtorrent's back-off before dialling
-            # them again (min_reconnect_time, default 60 s; times the peer's fail count, dropped after max_failcount)
-            "min_reconnect_time": 1,
             "alert_mask": lt.alert_category.error,
         }
         if dht_bootstrap is not None:
