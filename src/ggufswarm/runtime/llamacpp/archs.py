@@ -89,6 +89,11 @@ class ArchRules:
 
 
 _LEADING_DENSE = ArchRules(leading_dense=True)
+# hyper-connection streams across a cut with the token ids beside them, the graph ending at the last block's l_last
+# when the range has no head (deepseek4, qwen4exp)
+_STREAMS_AND_TOKEN_IDS: dict[str, Any] = dict(
+    nextn=True, streams=_hc_streams, token_ids=True, tap="l_last", no_dummy_head=True
+)
 _DEEPSTACK = ArchRules(check=_deepstack_check)
 # the architectures that need more than the defaults to be written as a shard (every other one of CUT_RULES: none)
 _RULES: dict[str, ArchRules] = {
@@ -112,14 +117,7 @@ _RULES: dict[str, ArchRules] = {
     # hc_mult residual streams cross a cut (frames of hc*n_embd per token), the hash-routed blocks read token ids,
     # the last block's output is named l_last (src/models/deepseek4.cpp)
     "deepseek4": ArchRules(
-        nextn=True,
-        exact_states=True,
-        patch="0002-deepseek4-layer-range",
-        streams=_hc_streams,
-        token_ids=True,
-        tap="l_last",
-        no_dummy_head=True,
-        check=_deepseek4_check,
+        exact_states=True, patch="0002-deepseek4-layer-range", check=_deepseek4_check, **_STREAMS_AND_TOKEN_IDS
     ),
     # hc residual streams cross a cut (patch 0015: frames of hc*n_embd per token); the output head's stand-ins are
     # written as for any range (the graph ends at the tap on the last block's l_out)
@@ -130,14 +128,7 @@ _RULES: dict[str, ArchRules] = {
     # qwen4exp also hashes the token ids of the step and of earlier positions (its n-gram embeddings): every shard's
     # batch carries them; a range without the head ends at l_last, the last block's streams (patch 0015)
     "qwen4exp": ArchRules(
-        nextn=True,
-        patch="0015-hyper-connection-ranges",
-        streams=_hc_streams,
-        token_ids=True,
-        tap="l_last",
-        no_dummy_head=True,
-        check=_qwen4exp_check,
-        unused=_qwen4exp_unused,
+        patch="0015-hyper-connection-ranges", check=_qwen4exp_check, unused=_qwen4exp_unused, **_STREAMS_AND_TOKEN_IDS
     ),
     # learned absolute positions added to the input (zeros past block 0: the hidden states hold them)
     **{arch: ArchRules(embd_add=("position_embd.weight",)) for arch in ("gpt2", "starcoder", "mpt")},
