@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import subprocess
@@ -95,10 +94,7 @@ def test_routes_follow_heartbeats(tmp_path, tiny_artifact):
         assert call(f"{url}/route?model=tiny&max_length=64")[0] == 503
 
 
-@contextlib.contextmanager
-def tracked_swarm(tmp_path, gemma_path):
-    """A tracker, a seeder of ``gemma_path`` announcing to it and a leech without peers of its own: ``(manifest,
-    torrent, seeder, leech)``."""
+def test_libtorrent_peers_find_each_other_through_the_tracker(tmp_path, gemma_path):
     with AppThread(lambda: make_app(TrackerConfig(db=":memory:"))) as url:
         torrent = make_torrent([gemma_path], trackers=[f"{url}/announce"])
         manifest = Manifest.from_gguf(gemma_path, hash_files=False)
@@ -108,16 +104,11 @@ def tracked_swarm(tmp_path, gemma_path):
         seeder, leech = Swarm(), Swarm()
         try:
             seeder.seed(torrent, seed_dir)
-            yield manifest, torrent, seeder, leech
+            stats = leech.fetch(torrent, tmp_path, manifest.byte_ranges(17, 18, head=True), timeout=120, progress=False)
+            assert stats.bytes_downloaded > 0 and seeder.uploaded(torrent) > 0
         finally:
             seeder.close()
             leech.close()
-
-
-def test_libtorrent_peers_find_each_other_through_the_tracker(tmp_path, gemma_path):
-    with tracked_swarm(tmp_path, gemma_path) as (manifest, torrent, seeder, leech):
-        stats = leech.fetch(torrent, tmp_path, manifest.byte_ranges(17, 18, head=True), timeout=120, progress=False)
-        assert stats.bytes_downloaded > 0 and seeder.uploaded(torrent) > 0
 
 
 @pytest.mark.parametrize("token", [None, "page-t0ken"], ids=["open", "private"])

@@ -81,11 +81,10 @@ def test_patch_0013_and_0014_architectures_run_at_every_boundary(verdicts):
 
 
 def test_patch_0015_hyper_connection_ranges_run(verdicts):
-    """Patch 0015 (the 4 residual streams of hy_v4, glm5-next and qwen4exp through batch.embd; qwen4exp's token ids with
-    them): a chain of the stretched copy runs
-    bitwise, and the refused chains are those with a range starting at a shared-indexer block or, in glm5-next, a
-    range of only recurrent blocks (``cut_checks.shared_indexer_check``); the finest chains these allow, over 3 nodes
-    too: tests/test_zoo_routes.py."""
+    """Patch 0015 (the 4 residual streams of hy_v4, glm5-next and qwen4exp through batch.embd; qwen4exp's token ids
+    with them): a chain of the stretched copy runs bitwise, and the refused chains are those with a range starting at
+    a shared-indexer block or, in glm5-next, a range of only recurrent blocks (``cut_checks.shared_indexer_check``);
+    the finest chains these allow, over 3 nodes too: tests/test_zoo_routes.py."""
     by_arch = {v.arch: v for v in verdicts}
     for arch in HC_PATCH_ARCHS:
         v = by_arch[arch]

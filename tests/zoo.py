@@ -234,18 +234,14 @@ def stretch(model, dest: Path, mix: bool = True) -> Path:
             value = [value[f if _ffn_part(key) else a] for a, f in recipe]
         metadata[key] = (value, vtype, item)
     metadata[f"{arch}.block_count"] = (total, GGUFValueType.UINT32, None)
-    # a part llama.cpp builds only in the blocks a key lists by index (qwen4exp: one n-gram embedding block,
-    # ple.layers): kept in those blocks only, not in their copies
-    listed = {
-        prefix: [int(i) for i in np.atleast_1d(model.metadata.get(key, []))]
-        for key, prefix in ((f"{arch}.ple.layers", "ple_"),)
-        if key in model.metadata
-    }
+    # qwen4exp's n-gram embedding block (ple.layers lists it by index, and llama.cpp builds one): its ple_* tensors
+    # stay in that block, not in its copies
+    ple_blocks = [int(i) for i in np.atleast_1d(model.metadata.get(f"{arch}.ple.layers", []))]
     tensors = []
     for j, (a, f) in enumerate(recipe):
         for name, info in model.tensors.items():
             suffix = name.split(".", 2)[2] if info.layer is not None else ""
-            if any(suffix.startswith(prefix) and j not in blocks for prefix, blocks in listed.items()):
+            if ple_blocks and suffix.startswith("ple_") and j not in ple_blocks:
                 continue
             if info.layer == (f if _ffn_part(suffix) else a):
                 tensors.append((name, f"blk.{j}.{suffix}"))

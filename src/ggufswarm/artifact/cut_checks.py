@@ -331,7 +331,7 @@ def shared_indexer_check(default_full: int) -> Check:
                     f"GGML_ASSERT(buffer)); a range needs an attention block (or a llama.cpp change skipping the "
                     f"k-pool input of a graph without one)"
                 )
-            if first is not None and not types[first]:
+            if not types[first]:
                 full = [i for i in range(h.n_layers) if types[i] and not recurrent[i]]
                 source = f"src/models/{h.arch.replace('_', '-')}.cpp"
                 return (

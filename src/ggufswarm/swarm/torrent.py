@@ -233,13 +233,11 @@ class Swarm:
                 disable=None,
             )  # None: no bar when stderr is not a terminal
         last_done, last_progress, shown_peers, last_kick = -1, t0, -1, t0
-        first_seen: dict[int, float] = {}  # piece → when this fetch first saw it held (not those on disk before)
-        held_before: set[int] | None = None
+        held_before = {i for i in wanted if handle.have_piece(i)}  # on disk already: not checked again
+        first_seen: dict[int, float] = {}  # piece → when this fetch first saw it held
         try:
             while True:
                 have = [i for i in wanted if handle.have_piece(i)]
-                if held_before is None:
-                    held_before = set(have)
                 for i in have:
                     if i not in held_before:
                         first_seen.setdefault(i, time.monotonic())

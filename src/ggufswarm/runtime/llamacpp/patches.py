@@ -57,10 +57,15 @@ def _library_bytes(path: str) -> bytes:
     return lib.read_bytes() + (ggml_base.read_bytes() if ggml_base is not None else b"")
 
 
+@functools.cache
+def _carries(path: str, name: str) -> bool:
+    data = _library_bytes(path)  # (a search of megabytes: the node's range check asks once per candidate range)
+    return all(PATCH_MARKERS[n] in data for n in (*REQUIRES.get(name, ()), name))
+
+
 def applied(name: str) -> bool:
     """Whether the loaded libllama carries patch ``name`` (and the patches it builds on). KeyError: unknown."""
-    data = _library_bytes(str(libllama_path()))
-    return all(PATCH_MARKERS[n] in data for n in (*REQUIRES.get(name, ()), name))
+    return _carries(str(libllama_path()), name)
 
 
 def patch_problem(name: str, what: str) -> str | None:
