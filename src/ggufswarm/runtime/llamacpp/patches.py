@@ -58,14 +58,14 @@ def _library_bytes(path: str) -> bytes:
 
 
 @functools.cache
-def _carries(path: str, name: str) -> bool:
+def _carries(path: str, markers: tuple[bytes, ...]) -> bool:
     data = _library_bytes(path)  # (a search of megabytes: the node's range check asks once per candidate range)
-    return all(PATCH_MARKERS[n] in data for n in (*REQUIRES.get(name, ()), name))
+    return all(marker in data for marker in markers)
 
 
 def applied(name: str) -> bool:
     """Whether the loaded libllama carries patch ``name`` (and the patches it builds on). KeyError: unknown."""
-    return _carries(str(libllama_path()), name)
+    return _carries(str(libllama_path()), tuple(PATCH_MARKERS[n] for n in (*REQUIRES.get(name, ()), name)))
 
 
 def patch_problem(name: str, what: str) -> str | None:
