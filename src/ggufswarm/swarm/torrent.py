@@ -132,6 +132,10 @@ class Swarm:
             "enable_upnp": False,
             "enable_natpmp": False,
             "allow_multiple_connections_per_ip": True,  # every peer of a loopback swarm is 127.0.0.1
+            # keep a peer whose pieces we do not want now: `--layers auto` fetches the header, then its range. Between
+            # the two the torrent is finished, libtorrent would close its connections to the seeders as redundant, and
+            # a tracker's peers are not dialled again before min_reconnect_time (60 s) has passed
+            "close_redundant_connections": False,
             "announce_to_all_trackers": True,
             "announce_to_all_tiers": True,
             "alert_mask": lt.alert_category.error,
