@@ -9,7 +9,8 @@ the model's context), the table gives:
 * **KV held**: the tokens its sessions hold times its KV bytes per token (``/health`` kv_tokens_held,
   kv_bytes_per_token): the KV memory the sessions use;
 * **KV allocated**: llama.cpp's KV buffers (``--max-sessions`` + 1 streams of ``--ctx-size`` cells; 32 sessions
-  here): what was resident from the start before llama.cpp patch 0007, address space only since;
+  here): what was resident from the start before llama.cpp patch 0007, address space only since; with ``--gpu``, a
+  GPU's KV cache, sized to the open sessions;
 * **compute**: llama.cpp's compute buffers (they grow with the ubatch);
 * **other**: RSS - shard - KV held - compute (can be below 0: a mapped page nobody read is not resident, as the
   rows of the token embedding no prompt used).
@@ -150,12 +151,19 @@ def main() -> int:
     ap.add_argument("--long", type=int, default=32768, help="tokens of the long session (default 32768)")
     ap.add_argument("--threads", type=int, default=1, help="threads per node (default 1)")
     ap.add_argument("--waves", type=float, default=0, help="then waves of 32 sessions for this many seconds (RSS)")
+    ap.add_argument(
+        "--gpu",
+        default="none",
+        help="the nodes' --gpu (default none): with a GPU, 'KV allocated' is the KV cache llama.cpp made on it, sized "
+        'to the open sessions (docs/memory.md, "A GPU\'s KV cache"); lavapipe: GGML_VK_VISIBLE_DEVICES=0 --gpu Vulkan0',
+    )
+    ap.add_argument("--max-sessions", type=int, default=32, help="the nodes' --max-sessions (default 32)")
     a = ap.parse_args()
     path = str(resolve_model(a.model))
     file = GGUFModelFile(path)
     specs = even_split(model_config(file, "llama.cpp").n_layers, 3)
     shard_bytes = [shard_account(file, s.start, s.end, s.embed, s.head).weight_bytes for s in specs]
-    extra = ["--gpu", "none", "--max-sessions", "32"]  # the rest as a node's defaults
+    extra = ["--gpu", a.gpu, "--max-sessions", str(a.max_sessions)]  # the rest as a node's defaults
     nodes = start_nodes(specs, path, a.threads, extra, timeout=600)
     rows = []
     try:
@@ -171,7 +179,10 @@ def main() -> int:
     finally:
         stop_nodes(nodes)
     rpc = rpc_rows(path, specs, [a.short, long], a.threads)
-    print(f"\nmodel {path}; 3 nodes, {a.threads} thread(s) each, --max-sessions 32, defaults otherwise\n")
+    print(
+        f"\nmodel {path}; 3 nodes, {a.threads} thread(s) each, --gpu {a.gpu} --max-sessions {a.max_sessions}, "
+        "defaults otherwise\n"
+    )
     print("| sessions | node | RSS MiB | shard MiB | KV held MiB | KV allocated MiB | compute MiB | other MiB | goal |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, layers, rss, weights, kv_held, kv_alloc, compute in rows:

@@ -96,8 +96,9 @@ def chain(path: str, ids: list[int], tokens, cuts: list[int], tmp: Path, on_gpu:
         )
         for s in specs
     ]
-    placement = [s.placement.to_json() for s in shards]
+    idle = [s.placement.to_json() for s in shards]
     kvs = [s.new_session(N_CTX) for s in shards]
+    placement = [dict(s.placement.to_json(), idle_buffers=before["buffers"]) for s, before in zip(shards, idle)]
 
     def run(x, logits):
         for shard, kv in zip(shards, kvs):

@@ -35,6 +35,7 @@ LAVAPIPE = {"GGML_VK_VISIBLE_DEVICES": "0"}  # the only Vulkan device on these m
 PROMPT = "the a of and to in is it"
 GEMMA_PROMPT = "The capital of France is"
 N_DECODE = 8
+REPORT_ROUNDING = -(-(1 << 20) // 200)  # llama.cpp prints buffer sizes in MiB with 2 decimals: ±0.005 MiB
 HERE = Path(__file__).parent
 
 
@@ -140,10 +141,13 @@ def test_a_head_shard_on_lavapipe_is_llama_cpp_with_the_same_blocks_there(vulkan
     assert "llvmpipe" in head["description"]
     on_device = head["buffers"]["Vulkan0"]
     assert head["device_bytes"] == sum(on_device.values()) and on_device["compute"] > 0
-    # llama.cpp's own report (MiB with 2 decimals: ±5 KiB each) against the header accounting gpu_fit counts with
+    # llama.cpp's own report (MiB with 2 decimals) against the header accounting gpu_fit counts with
+    # the KV cache on the device holds what the session needs (kv_size): one stream of 256 cells before it opens,
+    # of its 512 once it has
     acct = shard_account(GGUFModelFile(tiny), 4, 6, head=True)
-    assert abs(on_device["KV"] - acct.kv_bytes_per_token * 512) <= 5 << 10
-    assert 0.95 * acct.weight_bytes <= on_device["model"] <= acct.weight_bytes + (5 << 10)
+    assert abs(head["idle_buffers"]["Vulkan0"]["KV"] - acct.kv_bytes_per_token * 256) <= REPORT_ROUNDING
+    assert abs(on_device["KV"] - acct.kv_bytes_per_token * 512) <= REPORT_ROUNDING
+    assert 0.95 * acct.weight_bytes <= on_device["model"] <= acct.weight_bytes + REPORT_ROUNDING
 
 
 def test_gpu_fit_counts_blocks_from_the_end_within_free_memory(tiny):
@@ -181,14 +185,25 @@ print(json.dumps({"free": free, "placement": shard.placement.to_json()}))
 
 
 def test_a_node_holds_on_its_gpu_the_blocks_plan_gives_it(vulkan, tmp_path):
-    """With KV for 4 sessions of 128K tokens a GPU of lavapipe's 2 GiB holds only some of a range's blocks: the
-    node puts there exactly the blocks ``plan --node-memory ...,gpu=FREE`` lists, the rest on the CPU, and
-    llama.cpp's KV buffer on the device is the planned KV of those blocks."""
+    """With room for the KV of 4 sessions (of 8192 tokens each, the most a GPU node leaves a session:
+    ``planning.GPU_SESSION_CELLS``; wide KV heads, 16 KiB a token a block) a GPU of lavapipe's 2 GiB holds only some
+    of a range's blocks: the node puts there exactly the blocks ``plan --node-memory ...,gpu=FREE`` lists for
+    sessions of 128K tokens, the rest on the CPU, and llama.cpp's KV buffer on the device holds those blocks' cells
+    (as many as its sessions use: none yet)."""
     from ggufswarm.artifact.accounting import HeaderAccounts
     from ggufswarm.artifact.gguf_file import GGUFModelFile
     from ggufswarm.artifact.planning import place
 
-    model = write_tiny_model(tmp_path / "long.gguf", "llama", quant=True, n_layers=N_LAYERS, context_length=131072)
+    model = write_tiny_model(
+        tmp_path / "long.gguf",
+        "llama",
+        quant=True,
+        n_layers=N_LAYERS,
+        context_length=131072,
+        n_head=64,
+        n_head_kv=64,
+        head_dim=64,
+    )
     done = subprocess.run(
         [sys.executable, "-c", FIT_PROBE, str(model), str(tmp_path / "shards")],
         capture_output=True,
@@ -205,8 +220,101 @@ def test_a_node_holds_on_its_gpu_the_blocks_plan_gives_it(vulkan, tmp_path):
     assert 0 < len(node.gpu_blocks) < N_LAYERS, node.gpu_blocks  # a partial fit, or the test proves nothing
     assert placement["gpu_blocks"] == list(node.gpu_blocks)
     assert placement["cpu_blocks"] == list(range(N_LAYERS - len(node.gpu_blocks)))
-    planned_kv = 4 * 131072 * sum(acc.layers[b].kv_bytes_per_token for b in node.gpu_blocks)
-    assert abs(placement["buffers"]["Vulkan0"]["KV"] - planned_kv) <= 5 << 10
+    # room was left for that KV; what is allocated is what the sessions use (kv_size): none open, one stream of 256
+    idle_kv = 256 * sum(acc.layers[b].kv_bytes_per_token for b in node.gpu_blocks)
+    assert abs(placement["buffers"]["Vulkan0"]["KV"] - idle_kv) <= REPORT_ROUNDING
+
+
+GROWTH_PROBE = """
+import json, sys
+import numpy as np
+from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.runtime.llamacpp.backend import LlamaCppShard
+from ggufswarm.runtime.llamacpp.errors import KVCellsFull, LlamaCppError
+from ggufswarm.runtime.shard import ShardSpec
+
+file, ids = GGUFModelFile(sys.argv[1]), np.array(json.loads(sys.argv[3]))
+def shard():
+    return LlamaCppShard(file, ShardSpec(0, 6, embed=True, head=True), n_ctx_seq=2048, n_seq_max=4, threads=1,
+                         cache_dir=sys.argv[2], gpu="auto")
+def run(s, a, between):  # session a: a prefill, then 6 greedy decode steps; between(i) runs before decode i
+    out = [s.forward(a, ids)[0]]
+    for i in range(6):
+        between(i)
+        out.append(s.forward(a, np.array([int(np.argmax(out[-1]))]))[0])
+    return np.array(out)
+reports = []
+def kv(s):  # KV cells the context holds; -1 where llama.cpp's buffer (MiB, 2 decimals) is not theirs
+    reported = s.placement.buffers["Vulkan0"]["KV"]
+    reports.append(reported)
+    return s.kv_shape.tokens if abs(reported - s.kv_shape.tokens * s.kv_bytes_per_token()) <= 5243 else -1
+ref = shard()  # the reference: a context as large as it gets below, from before session a's first step
+a, b = ref.new_session(300), ref.new_session(2048)
+want = run(ref, a, lambda i: None)
+ref.close()
+s = shard()
+cells = {"idle": kv(s)}
+a = s.new_session(300)
+cells["a"] = kv(s)
+held = {}
+def between(i):
+    if i == 2:
+        held["b"] = s.new_session(2048)  # grows: both sessions' cells copied into a larger context
+        cells["a+b"] = kv(s)
+        s.forward(held["b"], ids[:5])
+    if i == 4:
+        held.pop("b").close()
+        cells["fit"] = s.fit_kv()
+        cells["a again"] = kv(s)
+got = run(s, a, between)
+make = LlamaCppShard.make_context
+def no_room(self, shape):  # a device that cannot hold more than 512 cells a stream
+    if shape.cells > 512:
+        raise LlamaCppError("out of device memory (test)")
+    make(self, shape)
+LlamaCppShard.make_context = no_room
+try:
+    s.new_session(2048)
+    refused = None
+except KVCellsFull as e:
+    refused = [e.code, str(e)]
+after = s.forward(a, np.array([int(np.argmax(got[-1]))]))[0]
+s.close()
+ref = shard()
+a = ref.new_session(300)
+again = run(ref, a, lambda i: None)
+want_after = ref.forward(a, np.array([int(np.argmax(again[-1]))]))[0]
+from ggufswarm.runtime.llamacpp.kv_size import streams_grow
+print(json.dumps({"cells": cells, "reported": reports, "streams_grow": streams_grow(),
+                  "same": bool(np.array_equal(got, want)), "refused": refused,
+                  "same_after_refusal": bool(np.array_equal(after, want_after)),
+                  "same_alone": bool(np.array_equal(again, want))}))
+"""
+
+
+def test_a_gpu_kv_cache_grows_and_shrinks_with_its_sessions_bitwise(vulkan, tiny, tmp_path):
+    """A GPU shard's KV cache (lavapipe) is allocated as sessions open (runtime/llamacpp/kv_size.py): one stream of
+    256 cells idle, 512 for a 300-token session, 2 streams of 2048 when a 2048-token session joins mid-decode, and
+    back to 512 once it closed; the first session's logits through both copies are bitwise those of a context that
+    large from the start (and of one never resized). A session the device cannot hold is refused at open with
+    ``kv_budget_full``, and the session it holds decodes on, bitwise."""
+    ids = prompt_ids(tiny)
+    done = subprocess.run(
+        [sys.executable, "-c", GROWTH_PROBE, str(tiny), str(tmp_path / "shards"), json.dumps(ids)],
+        capture_output=True,
+        text=True,
+        env=os.environ | LAVAPIPE,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    # without patch 0016 (a libllama whose sequence states load only into as many streams): 4 streams throughout
+    one, two = (1, 2) if got["streams_grow"] else (4, 4)
+    assert got["cells"] == {"idle": one * 256, "a": one * 512, "a+b": two * 2048, "fit": True, "a again": one * 512}
+    assert got["same"] and got["same_alone"]
+    code, why = got["refused"]
+    assert code == "kv_budget_full" and "cannot hold" in why, got["refused"]
+    assert got["same_after_refusal"]
 
 
 def test_layers_auto_takes_what_the_gpu_holds(vulkan):
@@ -246,6 +354,18 @@ def health(url: str) -> dict:
         return json.loads(r.read())
 
 
+def wait_for_kv(url: str, done, timeout: float = 30.0) -> int:
+    """The node's KV buffer on Vulkan0 (bytes, its /health placement) once ``done(bytes)`` holds, or when ``timeout``
+    seconds have passed (the caller's assertion then says what it was): a node fits its KV cache to its sessions
+    right after one closes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = health(url)["placement"]["buffers"]["Vulkan0"].get("KV", 0)
+        if done(kv) or time.monotonic() > deadline:
+            return kv
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_a_route_with_its_head_on_lavapipe_streams_llama_cpp_s_text(vulkan, gemma_path, tmp_path):
     """Gemma 3 270M on three node processes through the gateway, the last (blocks 12:18 +head) on the Vulkan
@@ -280,15 +400,20 @@ def test_a_route_with_its_head_on_lavapipe_streams_llama_cpp_s_text(vulkan, gemm
                 # on the CPU, and the placement says so
                 assert not placement["output_on_gpu"] and placement["buffers"]["CPU_Mapped"]["model"] > 150 << 20
             assert health(nodes[0].url)["placement"]["device"] == "CPU"
-            if gpu != "none":  # its KV is allocated at start: a session past --max-sessions is refused, not run
+            if gpu != "none":  # a session past --max-sessions is refused, not run
                 deadline = time.monotonic() + 60  # the gateway closes the answer's session after the last chunk
                 while health(nodes[2].url)["sessions"] and time.monotonic() < deadline:
                     time.sleep(0.1)
+                # its KV cache on the device is sized to the open sessions (kv_size): one stream of 256 cells idle,
+                # two with two sessions of 64 tokens, one again once they closed (shrunk when the last one went)
+                idle_kv = wait_for_kv(nodes[2].url, lambda kv: kv > 0)
                 opened = [http("POST", f"{nodes[2].url}/v1/sessions", {"max_length": 64}) for _ in range(3)]
                 assert [status for status, _ in opened] == [201, 201, 429], opened
                 assert opened[2][1]["error"]["code"] == "kv_budget_full", opened[2]
+                assert abs(wait_for_kv(nodes[2].url, lambda kv: kv > idle_kv) - 2 * idle_kv) <= 2 * REPORT_ROUNDING
                 for _, body in opened[:2]:
                     http("DELETE", f"{nodes[2].url}/v1/sessions/{body['session_id']}")
+                assert wait_for_kv(nodes[2].url, lambda kv: kv <= idle_kv) == idle_kv
                 assert complete(base, GEMMA_PROMPT, N_DECODE) == want
         finally:
             server.stop()

@@ -23,6 +23,10 @@ from .accounting import (
 from .gguf_file import GGUFError, GGUFModelFile
 
 FIT_MARGIN_BYTES = 512 << 20  # device memory device_blocks leaves free beyond weights and KV: compute buffers, driver
+# KV cells a session is given room for on a GPU when its blocks are chosen (a GPU's KV cache is allocated as sessions
+# open, runtime/llamacpp/kv_size.py: a longer session takes the device memory free then); node --ctx-size's default
+# where a cache is allocated up front
+GPU_SESSION_CELLS = 8192
 
 
 def device_blocks(
@@ -116,7 +120,8 @@ def place(
     the embedding, the last with the head). With ``n_nodes``: exactly that many (or fewer when blocks run
     out), balanced so the fullest node is as empty as possible (binary search on the bound). With
     ``gpu_memory`` (bytes of GPU memory per node), each node's last blocks that fit there are its ``gpu_blocks``
-    (``device_blocks``; the cut itself is by ``node_memory``).
+    (``device_blocks`` with room for ``sessions`` sessions of at most GPU_SESSION_CELLS tokens, as a node with blocks
+    on a GPU leaves; the cut itself is by ``node_memory``).
     Raises PlanError when a block with its stage does not fit a node, or ``n_nodes`` nodes cannot hold
     the model.
     """
@@ -190,7 +195,8 @@ def place(
         shard = acc.shard(s, e, embed=s == 0, head=e == n, wire_dtype=wire_dtype)
         room = node_memory - shard.weight_bytes - sessions * shard.state_bytes_per_session
         max_ctx = None if shard.kv_bytes_per_token == 0 else max(room, 0) // (sessions * shard.kv_bytes_per_token)
-        on_gpu = device_blocks(acc, s, e, e == n, gpu_memory, context, sessions) if gpu_memory else 0
+        room = min(context, GPU_SESSION_CELLS)
+        on_gpu = device_blocks(acc, s, e, e == n, gpu_memory, room, sessions) if gpu_memory else 0
         nodes.append(NodePlan(shard, cost(s, e), max_ctx, tuple(range(e - on_gpu, e))))
     limits = [p.max_context for p in nodes if p.max_context is not None]
     trained = acc.metadata.get(f"{acc.arch}.context_length")

@@ -128,9 +128,11 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         default=None,
         metavar="TOKENS",
         help="the longest session this node takes (capped by the model's context and the KV budget). "
-        "Default: the model's context on a llama.cpp node whose KV cache is in host memory (its pages "
-        "are resident only as sessions use them: ggufswarm's llama.cpp patch 0007), else 8192 (a GPU's "
-        "KV cache, or llama.cpp without the patch, is allocated up front for --max-sessions)",
+        "Default: the model's context on a llama.cpp node, whose KV cache holds what its sessions use (in "
+        "host memory its pages are resident only as sessions write them: ggufswarm's llama.cpp patch 0007; "
+        "on a GPU it is sized to the open sessions, copied into a larger or smaller one as they come and "
+        "go), else 8192 (llama.cpp without the patch, or --batching throughput on a GPU, allocates the KV "
+        "cache up front for --max-sessions)",
     )
     n.add_argument(
         "--max-sessions",
@@ -138,8 +140,8 @@ def add_node_parser(sub, command: str = "node") -> argparse.ArgumentParser:
         default=4,
         metavar="N",
         help="llama.cpp backend: sessions held at once (default 4). KV memory: what the sessions hold, "
-        "up to the KV budget (KV in host memory, patch 0007); else N x --ctx-size x this shard's KV "
-        "bytes per token allocated up front, and one session reserves at most 1/N of the budget",
+        "up to the KV budget (KV in host memory with patch 0007, or on a GPU); else N x --ctx-size x this "
+        "shard's KV bytes per token allocated up front, and one session reserves at most 1/N of the budget",
     )
     n.add_argument(
         "--batching",

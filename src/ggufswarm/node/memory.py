@@ -6,8 +6,10 @@ address space only: a page becomes resident when a session writes a cell in it, 
 cells are freed (a session closed, truncated or moved). Such a node is **paged**: each stream may be as long as the
 model's context (a session may take the whole budget), and the budget, not the streams, bounds what its sessions
 reserve together (``SessionStore``: each session reserves its ``max_length`` at open; one that does not fit is
-refused with ``kv_budget_full`` and the numbers). Without the patch, or with the cache on a GPU, the streams are
-allocated as sized: ``--ctx-size`` defaults to DEFAULT_CTX_SIZE and one session to 1/``--max-sessions`` of the budget.
+refused with ``kv_budget_full`` and the numbers). With the cache on a GPU (VRAM: no pages to give back) the context
+is sized to the open sessions instead, grown and shrunk by copy (``runtime/llamacpp/kv_size.py``; **grows**): a session
+may be as long too. Otherwise (no patch, or throughput mode on a GPU) the streams are allocated as sized: ``--ctx-size``
+defaults to DEFAULT_CTX_SIZE and one session to 1/``--max-sessions`` of the budget.
 """
 
 from __future__ import annotations
@@ -105,9 +107,12 @@ def trim_idle(executor) -> None:
 
 async def trim_if_idle(store, executor) -> None:
     """After sessions of ``store`` (a SessionStore) closed, expired or were evicted: when none is left, ``trim_idle``
-    off the event loop (it waits for a step in flight on the shard's lock)."""
+    off the event loop (it waits for a step in flight on the shard's lock); else a KV cache sized to its sessions
+    (a llama.cpp shard's ``kv_grows``) is fitted to those left (``fit_kv``)."""
     if not store.sessions:
         await asyncio.to_thread(trim_idle, executor)
+    elif getattr(executor, "kv_grows", False):  # a GPU's KV cache: shrunk to the sessions left where it halves
+        await asyncio.to_thread(executor.fit_kv)
 
 
 def meminfo(field: str) -> int | None:
@@ -136,6 +141,19 @@ def kv_paged(config: NodeConfig) -> bool:
     from ..runtime.llamacpp.devices import choose
 
     return choose(config.gpu) is None  # LlamaCppError for a device that does not exist: as the load would
+
+
+def kv_grows(config: NodeConfig) -> bool:
+    """Whether this node's KV cache is a GPU's, sized to its open sessions and copied when they need more or less
+    (``LlamaCppShard.kv_grows``, runtime/llamacpp/kv_size.py): the llama.cpp backend in exact batching mode with a
+    GPU found for ``--gpu`` and blocks to put there."""
+    if config.backend != "llama.cpp" or config.batching == "throughput" or config.gpu == "none":
+        return False
+    if config.gpu_blocks == 0:
+        return False
+    from ..runtime.llamacpp.devices import choose
+
+    return choose(config.gpu) is not None  # LlamaCppError for a device that does not exist: as the load would
 
 
 def with_kv_defaults(config: NodeConfig) -> NodeConfig:
@@ -197,8 +215,9 @@ def session_cells(config: NodeConfig, max_length: int, kv_bytes_per_token: int) 
     ``max_length``: the model's context; ``kv_bytes_per_token``: the shard's (all its layers, keys and values).
     Paged (kv_paged): ``--ctx-size`` or the model's context, within the budget (``--kv-budget``,
     ``--kv-budget-mb``) and such that all ``--max-sessions`` + 1 streams take at most ADDRESS_SPACE_SHARE of the
-    RAM in address space. Otherwise ``--ctx-size`` or DEFAULT_CTX_SIZE, within the model's context and
-    1/``--max-sessions`` of the budget (the cells are allocated: one session may not take them all)."""
+    RAM in address space. Grows (kv_grows): ``--ctx-size`` or the model's context, within the budget. Otherwise
+    ``--ctx-size`` or DEFAULT_CTX_SIZE, within the model's context and 1/``--max-sessions`` of the budget (the cells
+    are allocated: one session may not take them all)."""
     per_token = max(kv_bytes_per_token, 1)
     budget = config.kv_budget_tokens
     if config.kv_budget_mb is not None:
@@ -207,6 +226,8 @@ def session_cells(config: NodeConfig, max_length: int, kv_bytes_per_token: int) 
         streams = config.max_sessions + 1
         space = int((meminfo("MemTotal") or 0) * ADDRESS_SPACE_SHARE) // (streams * per_token)
         cells = min(config.ctx_size or max_length, max_length, budget, space)
+    elif kv_grows(config):
+        cells = min(config.ctx_size or max_length, max_length, budget)
     else:
         cells = min(config.ctx_size or DEFAULT_CTX_SIZE, max_length, budget // config.max_sessions)
     return max(cells, 1)
@@ -214,6 +235,7 @@ def session_cells(config: NodeConfig, max_length: int, kv_bytes_per_token: int) 
 
 __all__ = [
     "evict_for_memory",
+    "kv_grows",
     "kv_paged",
     "meminfo",
     "no_gpu_to_look_for",

@@ -22,20 +22,22 @@ import numpy as np
 
 from ...artifact.accounting import shard_account
 from ...artifact.gguf_file import GGUFModelFile
-from ..kv import ContextOverflow, TokenOutOfRange, check_max_length
+from ...artifact.planning import GPU_SESSION_CELLS
+from ..kv import TokenOutOfRange, check_max_length
 from ..spec import ShardSpec
-from . import batch, devices
+from . import batch, devices, kv_size
 from .archs import recurrent_layers, rules_for
 from .derive import ShardModelInfo, TokenEmbedding, model_info, shard_paths
 from .errors import KVCellsFull, LlamaCppError, UnsupportedShard
 from .ffi import ensure_backend, graph_tap, install_tap, trim_compute_buffers
+from .kv_size import KV_STREAM_ROUNDING, KVShape
 from .sampling import LlamaCppSampler
 from .seq import SeqKV
+from .states import SeqStates
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
 STATE_FORMAT = "llama.cpp-seq-state-v1"
 MAX_VERIFY_TOKENS = 16  # most tokens of a speculative verify step (all rows' logits) a head takes
-KV_STREAM_ROUNDING = 256  # llama.cpp rounds a KV stream's cells up to a multiple of this
 
 
 def kv_bytes_per_token(model: GGUFModelFile, spec: ShardSpec) -> int:
@@ -48,7 +50,7 @@ def kv_bytes_per_token(model: GGUFModelFile, spec: ShardSpec) -> int:
     return shard_account(model, spec.start, spec.end).kv_bytes_per_token
 
 
-class LlamaCppShard:
+class LlamaCppShard(SeqStates):
     """Runs blocks ``[spec.start, spec.end)`` (plus embedding and/or head stage) through llama.cpp.
 
     ``n_ctx_seq``: KV cells of each session (its longest ``max_length``, tokens; llama.cpp rounds
@@ -129,8 +131,14 @@ class LlamaCppShard:
             bool(recr and any(recr[spec.start : spec.end])) or rules_for(model.architecture).exact_states
         )
         self.checkpoints = max(0, int(checkpoints))
-        per_session = -(-n_ctx_seq // KV_STREAM_ROUNDING) * KV_STREAM_ROUNDING if kv_unified else n_ctx_seq
-        self.device, self.gpu_blocks = devices.offload(model, spec, gpu, gpu_blocks, per_session, n_seq_max, n_ubatch)
+        rounded = -(-n_ctx_seq // KV_STREAM_ROUNDING) * KV_STREAM_ROUNDING
+        per_session = rounded if kv_unified else n_ctx_seq
+        # the blocks on a GPU leave room there for n_seq_max sessions' KV (allocated as sessions open, kv_size: of
+        # at most GPU_SESSION_CELLS each, as `plan` counts; a longer one takes what is free then)
+        fit_cells = per_session if kv_unified else min(per_session, GPU_SESSION_CELLS)
+        self.device, self.gpu_blocks = devices.offload(model, spec, gpu, gpu_blocks, fit_cells, n_seq_max, n_ubatch)
+        # KV in VRAM is allocated whole: a context holds only what its sessions need, grown and shrunk by copy
+        self.kv_grows = bool(self.gpu_blocks) and not kv_unified
         # patch 0005's batch-invariant kernels are the CPU's: on a GPU a session's step runs alone (exact mode), and
         # no spare stream is kept for batch.compact
         self.batch_invariant = batch.enable_batch_invariance() and not kv_unified and not self.gpu_blocks
@@ -140,7 +148,7 @@ class LlamaCppShard:
         mparams.use_mmap = True
         self._devices = devices.set_offload(mparams, self.device, self.gpu_blocks)
         self._vocab_model = None  # vocab(): the model file's vocabulary, loaded for a grammar
-        self._model, report = devices.load_model(self.paths, mparams)
+        self._model, self._model_report = devices.load_model(self.paths, mparams)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {self.path} (see its error above)")
         rules = rules_for(model.architecture)
@@ -155,13 +163,9 @@ class LlamaCppShard:
         # the graph reads each token's id with its hidden states (hash-routed blocks): forward(token_ids=...)
         # (talkie's skip embedding, past the first shard)
         self.needs_token_ids = (rules.token_ids or (rules.skip_embedding and spec.start > 0)) and not self.takes_tokens
-        cparams = L.llama_context_default_params()
-        # unified KV: each session's n_ctx_seq rounded as llama.cpp rounds a stream's (per_session); patch 0005 (CPU
-        # only): sessions may share a decode ubatch, bitwise; one more stream: batch.compact's spare
-        cparams.n_ctx = per_session * n_streams
+        self._cparams = cparams = L.llama_context_default_params()
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(n_ubatch, n_batch)
-        cparams.n_seq_max = n_streams
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads
         cparams.kv_unified = self.kv_unified = bool(kv_unified)  # False: one KV stream per session (module docstring)
@@ -179,21 +183,28 @@ class LlamaCppShard:
             self._tap = graph_tap(self._capture, f"{rules.tap}-{spec.end - spec.start - 1}")
             install_tap(cparams, self._tap)
         cparams.op_offload = self.gpu_blocks > 0
-        with devices.buffer_report() as context_report:
-            self._ctx = L.llama_init_from_model(self._model, cparams)
-        self.placement = devices.Placement.of(self.device, self.gpu_blocks, spec, report + context_report, model)
+        self._ctx = None
+        # cells one session may hold: its stream, or with unified KV (where llama.cpp's n_ctx_seq is the whole
+        # context) the same share of the one stream
+        self.n_ctx_seq = rounded
+        self.n_seq_max = n_seq_max
+        # unified KV: each session's n_ctx_seq rounded as llama.cpp rounds a stream's (per_session); patch 0005 (CPU
+        # only): sessions may share a decode ubatch, bitwise; one more stream: batch.compact's spare
+        try:
+            if self.kv_grows:
+                self.make_context(kv_size.shape_for({}, n_seq_max, rounded, kv_size.streams_grow()))
+            else:
+                self.make_context(KVShape(n_streams, per_session))
+        except LlamaCppError:
+            L.llama_model_free(self._model)
+            self._model = None
+            raise
+        if not self.kv_unified and not self.kv_grows:
+            self.n_ctx_seq = L.llama_n_ctx_seq(self._ctx)
         self.batch_group = batch.default_batch_group(self.kv_unified, self.batch_invariant)
         if self.gpu_blocks and not self.kv_unified:  # a GPU's kernels round by batch shape: each step alone
             self.batch_group = 1
-        if not self._ctx:
-            L.llama_model_free(self._model)
-            raise LlamaCppError(f"llama.cpp could not create a context (n_ctx_seq {n_ctx_seq}, n_seq_max {n_seq_max})")
-        # cells one session may hold: its stream, or with unified KV (where llama.cpp's n_ctx_seq is the whole
-        # context) the same share of the one stream
-        self.n_ctx_seq = per_session if self.kv_unified else L.llama_n_ctx_seq(self._ctx)
-        self.n_seq_max = n_seq_max
         self.n_ubatch = cparams.n_ubatch
-        self._mem = L.llama_get_memory(self._ctx)
         self.n_vocab_out = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
         self._batch = L.llama_batch_init(n_batch, 0 if self.takes_tokens else n_embd, 1)
         # a batch of hidden states that also carries token ids: our buffer (set to NULL again before llama_batch_free)
@@ -220,6 +231,34 @@ class LlamaCppShard:
         self._n_seq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))
         self._out = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
         self._n_seq[:] = 1
+
+    def make_context(self, shape: KVShape) -> None:
+        """Create the shard's llama.cpp context with ``shape``'s KV streams and cells (``kv_size``), and the
+        placement llama.cpp reports for it. Raises LlamaCppError when llama.cpp cannot (the device's memory)."""
+        self._cparams.n_ctx = shape.tokens
+        self._cparams.n_seq_max = shape.streams
+        with devices.buffer_report() as report:
+            self._ctx = L.llama_init_from_model(self._model, self._cparams)
+        if not self._ctx:
+            raise LlamaCppError(
+                f"llama.cpp could not create a context of {shape.streams} KV streams of {shape.cells} cells"
+            )
+        self.kv_shape = shape
+        self._mem = L.llama_get_memory(self._ctx)
+        self.placement = devices.Placement.of(
+            self.device, self.gpu_blocks, self.spec, self._model_report + report, self.model
+        )
+
+    def free_context(self) -> None:
+        """Free the llama.cpp context (its KV cache, compute and output buffers); ``make_context`` makes another."""
+        if self._ctx:
+            L.llama_free(self._ctx)
+            self._ctx = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` freed the shard."""
+        return not getattr(self, "_model", None)
 
     @property
     def step_lock(self) -> threading.RLock:
@@ -260,7 +299,10 @@ class LlamaCppShard:
         with self._lock:
             if not self._free_seqs:
                 raise KVCellsFull(f"all {self.n_seq_max} session slots of this shard are in use")
-            seq = heapq.heappop(self._free_seqs)
+            seq = self._free_seqs[0]
+            if self.kv_grows:
+                kv_size.grow(self, seq, max_length)  # KVCellsFull where the device cannot hold it
+            heapq.heappop(self._free_seqs)
             kv = SeqKV(self, seq, max_length)
             self._sessions.add(kv)
         return kv
@@ -274,7 +316,7 @@ class LlamaCppShard:
 
     def release_seq(self, seq_id: int) -> None:
         """Free all of sequence ``seq_id``'s cells and give its id back (``SeqKV.close``; nothing after ``close``)."""
-        if not getattr(self, "_ctx", None):  # the shard was closed (or never finished loading)
+        if self.closed:  # the shard was closed (or never finished loading)
             return
         with self._lock:
             L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
@@ -283,8 +325,14 @@ class LlamaCppShard:
     def trim_compute_buffers(self) -> bool:
         """Give llama.cpp's compute buffers' memory back while idle (``ffi.trim_compute_buffers``, patch 0012): the
         next step makes resident what it writes, with the same results. Whether it ran. Waits for a step in flight."""
+        kv_size.fit(self)
         with self._lock:
             return bool(getattr(self, "_ctx", None)) and trim_compute_buffers(self._ctx)
+
+    def fit_kv(self) -> bool:
+        """Shrink a growing KV cache (``kv_grows``) to what the open sessions need, after some closed
+        (``kv_size.fit``); whether it did. Waits for a step in flight."""
+        return kv_size.fit(self)
 
     # -- steps ---------------------------------------------------------------------------------
     def forward(self, kv: SeqKV, inputs, logits: str = "last", token_ids=None) -> np.ndarray:
@@ -421,64 +469,18 @@ class LlamaCppShard:
                 kv.length += n
         return out
 
-    # -- snapshots -----------------------------------------------------------------------------
-    def state_bytes(self, kv: SeqKV) -> bytes:
-        """The session's KV cells as llama.cpp serializes them (``llama_state_seq_get_data``); kept as the
-        session's checkpoint at its length on an exact-state shard. LlamaCppError when llama.cpp writes short."""
-        with self._lock:
-            size = L.llama_state_seq_get_size(self._ctx, kv.seq_id)
-            buf = (ctypes.c_uint8 * size)()
-            got = L.llama_state_seq_get_data(self._ctx, buf, size, kv.seq_id)
-        if got != size:
-            raise LlamaCppError(f"llama.cpp wrote {got} of {size} state bytes")
-        data = bytes(buf)
-        kv.checkpoint(data)
-        return data
-
-    def set_seq_state(self, seq_id: int, data: bytes, n_tokens: int) -> None:
-        """Load a sequence state holding exactly ``n_tokens`` tokens into sequence ``seq_id`` (LlamaCppError, the
-        sequence then empty, when llama.cpp rejects it); the session's ``length`` is the caller's to set."""
-        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        with self._lock:
-            L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-            got = L.llama_state_seq_set_data(self._ctx, src, len(data), seq_id)
-            held = L.llama_memory_seq_pos_max(self._mem, seq_id) + 1
-            if got == 0 or held != n_tokens:
-                L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-                raise LlamaCppError(
-                    f"llama.cpp rejected the state ({len(data)} bytes; holds {held} tokens, expected {n_tokens})"
-                )
-
-    def load_state(self, kv: SeqKV, data: bytes, n_tokens: int) -> None:
-        """Replace the session's KV with a state from ``state_bytes`` holding ``n_tokens`` tokens.
-
-        Raises ContextOverflow past ``max_length`` and LlamaCppError when llama.cpp rejects the data
-        (the session is then empty).
-        """
-        if n_tokens > kv.max_length:
-            raise ContextOverflow(f"snapshot holds {n_tokens} tokens; the session's max_length is {kv.max_length}")
-        kv.epoch += 1
-        kv.checkpoints = {}
-        try:
-            self.set_seq_state(kv.seq_id, data, n_tokens)
-        except LlamaCppError:
-            kv.length = 0
-            raise
-        kv.length = n_tokens
-        kv.checkpoint(data)
-
     def close(self) -> None:
         """Free the context, batch and model (idempotent)."""
-        if getattr(self, "_ctx", None):
+        if getattr(self, "_model", None) and hasattr(self, "_batch"):
             self._batch.pos = ctypes.cast(self._batch_pos, ctypes.POINTER(ctypes.c_int32))
             if self._token_ids is not None:
                 self._batch.token = ctypes.POINTER(ctypes.c_int32)()
             L.llama_batch_free(self._batch)
-            L.llama_free(self._ctx)
+            self.free_context()
             L.llama_model_free(self._model)
+            self._model = None
             if self._vocab_model is not None:
                 L.llama_model_free(self._vocab_model)
-            self._ctx = None
 
     def __del__(self):
         try:

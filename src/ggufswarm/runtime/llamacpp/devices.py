@@ -256,7 +256,7 @@ _REPORT_LOCK = threading.Lock()
 def buffer_report() -> Iterator[list[tuple[str, str, int]]]:
     """Collect llama.cpp's buffer report while a model or context is created in the block: a list, filled on
     exit, of ``(buffer type, what, bytes)`` (``("Vulkan0", "model", 95551488)``; ``what``: model, KV, compute,
-    output, RS). Its log prints the sizes in MiB with two decimals: each is exact to ±5 KiB."""
+    output, RS). Its log prints the sizes in MiB with two decimals: each is exact to ±0.005 MiB."""
     found: list[tuple[str, str, int]] = []
     with _REPORT_LOCK, ffi.capture_log() as lines:
         yield found

@@ -29,6 +29,7 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0013-layer-ranges-compute-as-whole": b"%s.block_count_whole",
     "0014-hybrid-ranges-start-at-any-block": b"head sizes from the first block with heads",
     "0015-hyper-connection-ranges": b"hy_v4: embedding_length_in must be",
+    "0016-seq-state-across-stream-counts": b"n_stream mismatch: a whole cache's state restores into as many streams",
 }
 # patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
 # check): the Vulkan backend with older Vulkan headers
