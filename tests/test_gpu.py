@@ -95,6 +95,14 @@ def gpu_reference(
     return {k: arrays[k] for k in arrays.files}, json.loads(out.with_suffix(".json").read_text())
 
 
+def run_probe(code: str, *args) -> dict:
+    """Run the Python ``code`` with ``args`` in a child process that sees lavapipe; the JSON of its last line."""
+    cmd = [sys.executable, "-c", code, *map(str, args)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | LAVAPIPE, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def prompt_ids(model: Path) -> list[int]:
     from ggufswarm.artifact.gguf_file import GGUFModelFile
     from ggufswarm.client.tokenizer import Tokenizer
@@ -204,15 +212,7 @@ def test_a_node_holds_on_its_gpu_the_blocks_plan_gives_it(vulkan, tmp_path):
         n_head_kv=64,
         head_dim=64,
     )
-    done = subprocess.run(
-        [sys.executable, "-c", FIT_PROBE, str(model), str(tmp_path / "shards")],
-        capture_output=True,
-        text=True,
-        env=os.environ | LAVAPIPE,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_probe(FIT_PROBE, model, tmp_path / "shards")
     acc = HeaderAccounts.from_model(GGUFModelFile(model))
     plan = place(acc, 1 << 40, 131072, sessions=4, gpu_memory=got["free"])
     (node,) = plan.nodes
@@ -299,15 +299,7 @@ def test_a_gpu_kv_cache_grows_and_shrinks_with_its_sessions_bitwise(vulkan, tiny
     large from the start (and of one never resized). A session the device cannot hold is refused at open with
     ``kv_budget_full``, and the session it holds decodes on, bitwise."""
     ids = prompt_ids(tiny)
-    done = subprocess.run(
-        [sys.executable, "-c", GROWTH_PROBE, str(tiny), str(tmp_path / "shards"), json.dumps(ids)],
-        capture_output=True,
-        text=True,
-        env=os.environ | LAVAPIPE,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_probe(GROWTH_PROBE, tiny, tmp_path / "shards", json.dumps(ids))
     # without patch 0016 (a libllama whose sequence states load only into as many streams): 4 streams throughout
     one, two = (1, 2) if got["streams_grow"] else (4, 4)
     assert got["cells"] == {"idle": one * 256, "a": one * 512, "a+b": two * 2048, "fit": True, "a again": one * 512}
