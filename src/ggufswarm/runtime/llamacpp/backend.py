@@ -288,8 +288,8 @@ class LlamaCppShard(SeqStates):
     def new_session(self, max_length: int) -> SeqKV:
         """A new sequence id for a session.
 
-        Raises ContextOverflow past the 128K cap, KVCellsFull when ``max_length`` exceeds ``n_ctx_seq``
-        or all ``n_seq_max`` sequence ids are taken."""
+        Raises ContextOverflow past the 128K cap, KVCellsFull when ``max_length`` exceeds ``n_ctx_seq``,
+        all ``n_seq_max`` sequence ids are taken, or (``kv_grows``) the device cannot hold a context for it."""
         check_max_length(max_length)
         if max_length > self.n_ctx_seq:
             raise KVCellsFull(

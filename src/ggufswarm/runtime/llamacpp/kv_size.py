@@ -122,8 +122,18 @@ def resize(shard: LlamaCppShard, shape: KVShape) -> None:
 
 
 def _restore(shard: LlamaCppShard, held: list) -> None:
+    """Load each ``(session, state)`` back; a session llama.cpp refuses is left empty at length 0 (its next step is a
+    position mismatch, which its client repairs), never at a length whose cells it lost; LlamaCppError after all."""
+    refused = []
     for kv, state in held:
-        shard.set_seq_state(kv.seq_id, state, kv.length)
+        try:
+            shard.set_seq_state(kv.seq_id, state, kv.length)
+        except LlamaCppError as e:
+            kv.length, kv.checkpoints = 0, {}
+            kv.epoch += 1
+            refused.append(f"sequence {kv.seq_id}: {e}")
+    if refused:
+        raise LlamaCppError("; ".join(refused))
 
 
 __all__ = [
