@@ -1,21 +1,10 @@
-"""A llama.cpp shard's KV cache sized to the sessions it holds, where its pages cannot be given back: grown and shrunk
-by copying the sessions into a new context (docs/memory.md, "KV cache as sessions use it").
-
-In host memory, patch 0007 makes a KV stream's cells resident only as sessions write them. A GPU's KV buffer (VRAM:
-there are no zero pages to give back) is allocated whole when llama.cpp creates the context, so such a shard
-(``LlamaCppShard.kv_grows``) creates its context with only the streams and cells its open sessions need: ``streams``
-covers the highest sequence id in use, ``cells`` the longest session's ``max_length``, each rounded up to a power of
-two (at least KV_STREAM_ROUNDING cells; at most ``n_seq_max`` streams of ``n_ctx_seq`` cells; the streams only with
-patch 0016, which lets a sequence's state load into a context of another number of streams). A session that needs
-more grows it when it opens; a context more than twice what its sessions need shrinks after a session closes
-(``fit``). Either way each session's cells are copied out (``llama_state_seq_get_data``), the context freed, a new
-one made and the cells copied in (``llama_state_seq_set_data``), in the same order, at the same cells.
-
-Bitwise: a stream's cells are a multiple of 256, and llama.cpp attends over ``n_kv = min(cells, max(256,
-pad(used_max_p1, 256)))`` cells of a stream (``llama_kv_cache::get_n_kv``, src/llama-kv-cache.cpp): the same ``n_kv``,
-the same cells and the same ubatches (a step never exceeds its session's ``max_length``, which its stream holds) in
-any context that fits the session, so every step computes what it would in a context sized up front
-(``tests/test_gpu.py``).
+"""A llama.cpp shard's KV cache sized to the sessions it holds where its pages cannot be given back (a GPU's: VRAM has
+no zero pages, so patch 0007 does not apply; ``LlamaCppShard.kv_grows``): the context holds streams to the highest
+sequence id in use and cells to the longest session's ``max_length``, powers of two; it grows when a session opens
+and shrinks after sessions close by copying every open session's state (``llama_state_seq_get_data``) into a new
+context. Bitwise: llama.cpp attends over ``n_kv = min(cells, max(256, pad(used, 256)))`` cells of a stream
+(``llama_kv_cache::get_n_kv``), the same in any stream of a multiple of 256 cells that holds the session.
+docs/memory.md, "A GPU's KV cache"; tests/test_gpu.py.
 """
 
 from __future__ import annotations
