@@ -188,7 +188,13 @@ from ggufswarm.runtime.shard import ShardSpec
 free = devices.gpus()[0].free_bytes
 shard = LlamaCppShard(GGUFModelFile(sys.argv[1]), ShardSpec(0, 6, embed=True, head=True), n_ctx_seq=131072,
                       n_seq_max=4, threads=1, cache_dir=sys.argv[2], gpu="auto")
-print(json.dumps({"free": free, "placement": shard.placement.to_json()}))
+tokens, free_now = shard.device_kv_tokens(), devices.gpus()[0].free_bytes
+from ggufswarm.node.state import NodeConfig, NodeState  # a node of this shard: the KV budget it offers
+node = NodeState(NodeConfig(layers="0:6", embed=True, head=True, model=sys.argv[1], gpu="auto", data_dir=sys.argv[2]),
+                 shard)
+out = {"free": free, "placement": shard.placement.to_json(), "device_kv_tokens": tokens, "free_now": free_now,
+       "budget": node.store.budget_tokens}
+print(json.dumps(out))
 """
 
 
@@ -200,7 +206,7 @@ def test_a_node_holds_on_its_gpu_the_blocks_plan_gives_it(vulkan, tmp_path):
     (as many as its sessions use: none yet)."""
     from ggufswarm.artifact.accounting import HeaderAccounts
     from ggufswarm.artifact.gguf_file import GGUFModelFile
-    from ggufswarm.artifact.planning import place
+    from ggufswarm.artifact.planning import FIT_MARGIN_BYTES, place
 
     model = write_tiny_model(
         tmp_path / "long.gguf",
@@ -221,8 +227,13 @@ def test_a_node_holds_on_its_gpu_the_blocks_plan_gives_it(vulkan, tmp_path):
     assert placement["gpu_blocks"] == list(node.gpu_blocks)
     assert placement["cpu_blocks"] == list(range(N_LAYERS - len(node.gpu_blocks)))
     # room was left for that KV; what is allocated is what the sessions use (kv_size): none open, one stream of 256
-    idle_kv = 256 * sum(acc.layers[b].kv_bytes_per_token for b in node.gpu_blocks)
-    assert abs(placement["buffers"]["Vulkan0"]["KV"] - idle_kv) <= REPORT_ROUNDING
+    per_token = sum(acc.layers[b].kv_bytes_per_token for b in node.gpu_blocks)
+    held = placement["buffers"]["Vulkan0"]["KV"]
+    assert abs(held - 256 * per_token) <= REPORT_ROUNDING
+    # the KV tokens it offers are what the device's free memory holds (less the margin), not 4 x 128K (the sessions'
+    # cells, below --kv-budget's 262144)
+    assert got["device_kv_tokens"] == (got["free_now"] - FIT_MARGIN_BYTES + held) // per_token < 4 * 131072
+    assert got["budget"] == got["device_kv_tokens"]  # what the node offers (/health, its advertisement)
 
 
 GROWTH_PROBE = """

@@ -130,6 +130,10 @@ class NodeState:
         if config.kv_budget_mb is not None:
             per_token = max(self.store.kv_bytes_per_token(), 1)
             self.store.budget_tokens = min(budget, int(config.kv_budget_mb * BYTES_PER_MIB) // per_token)
+        # a GPU's KV cache sized to its sessions (llama.cpp kv_size): no more than its free memory holds at start
+        device_tokens = getattr(executor, "device_kv_tokens", lambda: None)()
+        if device_tokens is not None:
+            self.store.budget_tokens = min(self.store.budget_tokens, max(device_tokens, 1))
         # The longest session one open may reserve: one sequence's cells where the backend has them (llama.cpp:
         # node.memory.session_cells: up to the whole budget where its KV is paged, else at most 1/--max-sessions of
         # it, so that no single request takes all the KV allocated), else that last rule over the token budget.

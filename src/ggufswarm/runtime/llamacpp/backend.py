@@ -329,6 +329,11 @@ class LlamaCppShard(SeqStates):
         with self._lock:
             return bool(getattr(self, "_ctx", None)) and trim_compute_buffers(self._ctx)
 
+    def device_kv_tokens(self) -> int | None:
+        """KV tokens this shard's GPU could hold for its sessions now (``kv_size.device_tokens``); None where its KV
+        cache is not a GPU's sized to its sessions."""
+        return kv_size.device_tokens(self)
+
     def fit_kv(self) -> bool:
         """Shrink a growing KV cache (``kv_grows``) to what the open sessions need, after some closed
         (``kv_size.fit``); whether it did. Waits for a step in flight."""

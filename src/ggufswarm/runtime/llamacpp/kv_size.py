@@ -67,6 +67,24 @@ def grow(shard: LlamaCppShard, seq_id: int, max_length: int) -> None:
         ) from e
 
 
+def device_tokens(shard: LlamaCppShard) -> int | None:
+    """KV tokens the shard's GPU could hold for its sessions now: its free memory less ``FIT_MARGIN_BYTES`` (compute
+    buffers, the driver), plus the KV cache the context holds there, over the KV bytes a token costs in the blocks on
+    it (tokens); None where the KV cache does not grow (``kv_grows``) or the device is not listed."""
+    from ...artifact.accounting import shard_account
+    from ...artifact.planning import FIT_MARGIN_BYTES
+    from .devices import devices
+
+    if not shard.kv_grows:
+        return None
+    now = next((d for d in devices() if d.handle == shard.device.handle), None)
+    per_token = shard_account(shard.model, shard.spec.end - shard.gpu_blocks, shard.spec.end).kv_bytes_per_token
+    if now is None or per_token <= 0:
+        return None
+    held = shard.placement.buffers.get(now.name, {}).get("KV", 0)
+    return max(now.free_bytes - FIT_MARGIN_BYTES + held, 0) // per_token
+
+
 def fit(shard: LlamaCppShard) -> bool:
     """Shrink ``shard``'s context to its open sessions' shape where that holds under half its cells (after sessions
     closed); whether it did. Never during a step (the caller holds no step: it takes the shard's lock). A context
@@ -129,6 +147,7 @@ __all__ = [
     "KV_STREAM_ROUNDING",
     "KVShape",
     "STREAMS_PATCH",
+    "device_tokens",
     "fit",
     "grow",
     "resize",
