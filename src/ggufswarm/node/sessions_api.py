@@ -248,7 +248,7 @@ async def restore_session(request: web.Request) -> web.Response:
                 )
                 if n < snap.n_tokens:
                     session.kv.truncate(n)
-            except (RuntimeError, ValueError) as exc:  # e.g. another llama.cpp build; other --max-sessions without patch 0016
+            except (RuntimeError, ValueError) as exc:  # another build, or --max-sessions (no 0016)
                 snap, reason = None, f"snapshot not loadable here: {exc}"
                 if session.length:  # loaded but not cut back (a recurrent shard refuses the cut): start empty
                     session.kv.truncate(0)
