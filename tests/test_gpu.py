@@ -290,7 +290,18 @@ try:
 except KVCellsFull as e:
     refused = [e.code, str(e)]
 after = s.forward(a, np.array([int(np.argmax(got[-1]))]))[0]
+def nothing_but_256(self, shape):  # the device lost even the shape it had: the shard keeps a context, a is emptied
+    if shape.cells > 256:
+        raise LlamaCppError("out of device memory (test)")
+    make(self, shape)
+LlamaCppShard.make_context = nothing_but_256
+try:
+    s.new_session(2048)
+except KVCellsFull:
+    pass
+emptied = [a.length, bool(np.array_equal(s.forward(a, ids)[0], want[0]))]
 s.close()
+LlamaCppShard.make_context = make
 ref = shard()
 a = ref.new_session(300)
 again = run(ref, a, lambda i: None)
@@ -299,7 +310,7 @@ from ggufswarm.runtime.llamacpp.kv_size import streams_grow
 print(json.dumps({"cells": cells, "reported": reports, "streams_grow": streams_grow(),
                   "same": bool(np.array_equal(got, want)), "refused": refused,
                   "same_after_refusal": bool(np.array_equal(after, want_after)),
-                  "same_alone": bool(np.array_equal(again, want))}))
+                  "same_alone": bool(np.array_equal(again, want)), "emptied": emptied}))
 """
 
 
@@ -308,7 +319,8 @@ def test_a_gpu_kv_cache_grows_and_shrinks_with_its_sessions_bitwise(vulkan, tiny
     256 cells idle, 512 for a 300-token session, 2 streams of 2048 when a 2048-token session joins mid-decode, and
     back to 512 once it closed; the first session's logits through both copies are bitwise those of a context that
     large from the start (and of one never resized). A session the device cannot hold is refused at open with
-    ``kv_budget_full``, and the session it holds decodes on, bitwise."""
+    ``kv_budget_full``, and the session it holds decodes on, bitwise; where the old shape cannot be made again either,
+    the shard keeps a context and the session is emptied, never left at a length whose cells it lost."""
     ids = prompt_ids(tiny)
     got = run_probe(GROWTH_PROBE, tiny, tmp_path / "shards", json.dumps(ids))
     # without patch 0016 (a libllama whose sequence states load only into as many streams): 4 streams throughout
@@ -318,6 +330,9 @@ def test_a_gpu_kv_cache_grows_and_shrinks_with_its_sessions_bitwise(vulkan, tiny
     code, why = got["refused"]
     assert code == "kv_budget_full" and "cannot hold" in why, got["refused"]
     assert got["same_after_refusal"]
+    # a device that then cannot even hold the shape it had: the shard keeps a smaller context, the session is emptied
+    # (length 0: its client's next step is a position mismatch, repaired) and a new prefill in it is the first one
+    assert got["emptied"] == [0, True]
 
 
 def test_layers_auto_takes_what_the_gpu_holds(vulkan):

@@ -195,8 +195,8 @@ def place(
         shard = acc.shard(s, e, embed=s == 0, head=e == n, wire_dtype=wire_dtype)
         room = node_memory - shard.weight_bytes - sessions * shard.state_bytes_per_session
         max_ctx = None if shard.kv_bytes_per_token == 0 else max(room, 0) // (sessions * shard.kv_bytes_per_token)
-        room = min(context, GPU_SESSION_CELLS)
-        on_gpu = device_blocks(acc, s, e, e == n, gpu_memory, room, sessions) if gpu_memory else 0
+        gpu_cells = min(context, GPU_SESSION_CELLS)
+        on_gpu = device_blocks(acc, s, e, e == n, gpu_memory, gpu_cells, sessions) if gpu_memory else 0
         nodes.append(NodePlan(shard, cost(s, e), max_ctx, tuple(range(e - on_gpu, e))))
     limits = [p.max_context for p in nodes if p.max_context is not None]
     trained = acc.metadata.get(f"{acc.arch}.context_length")

@@ -115,17 +115,30 @@ def _open(shard: LlamaCppShard) -> dict[int, int]:
 def resize(shard: LlamaCppShard, shape: KVShape) -> None:
     """Copy ``shard``'s open sessions into a new context of ``shape`` (the caller holds the shard's lock). Raises
     LlamaCppError when llama.cpp cannot make it or take a session back; the shard then has a context of its shape
-    before, holding the same sessions (or, where even that cannot be made again, raises with none)."""
+    before, holding the same sessions (where even that cannot be made again: one of KV_STREAM_ROUNDING cells a
+    stream, its sessions emptied, ``_empty``)."""
     held = [(kv, shard.seq_state(kv.seq_id)) for kv in list(shard._sessions) if not kv.closed and kv.length]
     before = shard.kv_shape
     shard.free_context()
     try:
         shard.make_context(shape)
     except LlamaCppError:
-        shard.make_context(before)  # raises too where the device no longer holds even that
+        try:
+            shard.make_context(before)
+        except LlamaCppError:  # another process took the device meanwhile: never leave the shard without a context
+            shard.make_context(KVShape(before.streams, KV_STREAM_ROUNDING))
+            for kv, _ in held:
+                _empty(kv)
+            raise
         _restore(shard, held)
         raise
     _restore(shard, held)
+
+
+def _empty(kv) -> None:
+    """A session whose cells are gone: length 0 (its next step is a position mismatch its client repairs)."""
+    kv.length, kv.checkpoints = 0, {}
+    kv.epoch += 1
 
 
 def _restore(shard: LlamaCppShard, held: list) -> None:
@@ -136,8 +149,7 @@ def _restore(shard: LlamaCppShard, held: list) -> None:
         try:
             shard.set_seq_state(kv.seq_id, state, kv.length)
         except LlamaCppError as e:
-            kv.length, kv.checkpoints = 0, {}
-            kv.epoch += 1
+            _empty(kv)
             refused.append(f"sequence {kv.seq_id}: {e}")
     if refused:
         raise LlamaCppError("; ".join(refused))
