@@ -17,7 +17,6 @@ import time
 import urllib.request
 from uuid import uuid4
 
-import llama_cpp as L
 import numpy as np
 import pytest
 import torch
@@ -30,6 +29,7 @@ from ggufswarm.node.launch import start_nodes, stop_nodes
 from ggufswarm.runtime.kv import ContextOverflow, TokenOutOfRange
 from ggufswarm.runtime.llamacpp import batch, patches
 from ggufswarm.runtime.llamacpp.backend import LlamaCppShard
+from ggufswarm.runtime.llamacpp.bindings import L
 from ggufswarm.runtime.sampling import SamplingParams
 from ggufswarm.runtime.sessions import SessionStore
 from ggufswarm.runtime.shard import ShardSpec, even_split

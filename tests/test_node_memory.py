@@ -32,9 +32,21 @@ def torch_libraries(pid: int) -> set[str]:
     return {line.split()[-1] for line in maps if "libtorch" in line or "/torch/" in line}
 
 
+def chat_libraries(pid: int) -> set[str]:
+    """Libraries of llama-cpp-python's high-level package mapped into process ``pid``: diskcache's sqlite3 and
+    jinja2's markupsafe, which ``import llama_cpp`` loads and a node, calling llama.h only, does not
+    (runtime/llamacpp/bindings.py)."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split()[-1] for line in maps if "sqlite3" in line or "/markupsafe/" in line}
+
+
 def test_llama_cpp_nodes_run_without_torch(tiny_dir):
     """Two llama.cpp nodes run prefill and decode steps with sampling, logprobs and f16 / bf16 frames, and neither
-    process has PyTorch mapped; a torch node (the control) does."""
+    process has PyTorch mapped, nor llama-cpp-python's high-level package (its chat templates and disk cache); a
+    torch node (the control) has PyTorch, and this process, which imported ``llama_cpp``, the package's libraries."""
+    import llama_cpp  # noqa: F401  (the control of chat_libraries)
+
+    assert chat_libraries(os.getpid()), "the check cannot see llama_cpp's package in a process that imported it"
     path = write_tiny_model(tiny_dir / "torch-free-llama.gguf", "llama", n_layers=2)
     nodes = start_nodes([ShardSpec(0, 1, embed=True), ShardSpec(1, 2, head=True)], str(path), threads=1)
     try:
@@ -51,6 +63,7 @@ def test_llama_cpp_nodes_run_without_torch(tiny_dir):
             session.close()
         for node in nodes:
             assert torch_libraries(node.proc.pid) == set(), f"node {node.url} loaded PyTorch"
+            assert chat_libraries(node.proc.pid) == set(), f"node {node.url} imported llama_cpp's whole package"
     finally:
         stop_nodes(nodes)
     control = start_nodes([ShardSpec(0, 2, embed=True, head=True)], str(path), extra=["--backend", "torch"])

@@ -189,6 +189,36 @@ def test_store_refuses_a_session_the_machine_has_no_memory_for(middle_shard):
     assert store.reserved_tokens == 1000
 
 
+def test_a_gpu_node_counts_sessions_against_what_its_device_holds_now(middle_shard):
+    """A GPU node's KV cache (kv_grows) is counted against what its device's free memory holds at each open
+    (node.memory.watch_device), not only at start: VRAM another process takes later makes a session that would not
+    fit a kv_budget_full with the numbers, the advertisement offers no more than the device holds, and nothing
+    admitted is evicted for it (its cells are in the context already); VRAM given back is offered again."""
+    from types import SimpleNamespace
+
+    from ggufswarm.node.memory import evict_for_memory, watch_memory
+    from ggufswarm.node.state import NodeConfig
+
+    device = [1000]  # tokens the device holds now (kv_size.device_tokens)
+    gpu = SimpleNamespace(kv_grows=True, device_kv_tokens=lambda: device[0])
+    store = SessionStore(middle_shard, budget_tokens=2000, ttl_s=60)
+    watch_memory(NodeConfig(layers="6:7", model="m"), store, gpu)
+    a = store.open(uuid.uuid4(), 600)
+    store.apply(a, 1, 1, 0, torch.randn(3, N_EMBD), None)  # 3 of its tokens held: counted once, not twice
+    assert store.free_tokens() == 400
+    device[0] = 700  # another process took VRAM
+    assert store.free_tokens() == 100
+    with pytest.raises(AdmissionRefused) as e:
+        store.open(uuid.uuid4(), 200)
+    assert e.value.code == "kv_budget_full" and "memory full" in str(e.value) and "GPU" in str(e.value)
+    store.executor = SimpleNamespace(kv_grows=True)  # (evict_for_memory reads the store's executor)
+    assert evict_for_memory(store) == [] and store.get(a.id) is a
+    store.executor = middle_shard
+    device[0] = 5000  # given back: the budget bounds it again
+    assert store.free_tokens() == 1400
+    store.open(uuid.uuid4(), 1400)
+
+
 def test_a_session_the_machine_no_longer_has_memory_for_is_evicted_with_its_reason(middle_shard):
     """When other processes take the memory a paged node's admitted sessions may still write, the node evicts idle
     sessions, the one with the most KV still to write first, until what is committed fits again (and no more): an

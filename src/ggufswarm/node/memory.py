@@ -171,12 +171,32 @@ def watch_memory(config: NodeConfig, store, executor) -> None:
     """On a paged node (kv_paged), make ``store`` (a runtime.sessions.SessionStore) check each session against the
     memory the machine has available when it opens (``/proc/meminfo`` MemAvailable), with llama.cpp's compute and
     output buffers (``executor.placement``, bytes) as the margin they may still take: a session that would not fit
-    is refused (``kv_budget_full``), never admitted and killed for memory later. Other nodes: nothing."""
+    is refused (``kv_budget_full``), never admitted and killed for memory later. On a node whose KV cache is a GPU's
+    (``kv_grows``), the memory is what its device holds now (``watch_device``). Other nodes: nothing."""
+    if getattr(executor, "kv_grows", False):
+        watch_device(store, executor)
+        return
     if not kv_paged(config):
         return
     buffers = getattr(getattr(executor, "placement", None), "buffers", None) or {}
     store.memory_margin_bytes = sum(b.get("compute", 0) + b.get("output", 0) for b in buffers.values())
     store.memory_available = lambda: meminfo("MemAvailable")
+
+
+def watch_device(store, executor) -> None:
+    """Make ``store`` count a GPU node's sessions against the KV its device holds now, as its free memory changes
+    (other processes take and give back VRAM): ``executor.device_kv_tokens()`` (kv_size.device_tokens: free memory
+    less the fit margin, plus the KV cache the context holds, in tokens) as the memory available, less the tokens the
+    sessions hold already (the store counts what they may still write): a session beyond it is refused at open
+    (``kv_budget_full``), and the advertisement offers no more. Nothing is evicted for it: an admitted session's
+    cells are in the context already (``evict_for_memory``)."""
+    per_token = max(store.kv_bytes_per_token(), 1)
+
+    def device_bytes() -> int | None:
+        tokens = executor.device_kv_tokens()
+        return None if tokens is None else max(tokens - store.held_tokens, 0) * per_token
+
+    store.memory_available, store.memory_margin_bytes = device_bytes, 0
 
 
 def evict_for_memory(store) -> list[str]:
@@ -186,8 +206,8 @@ def evict_for_memory(store) -> list[str]:
     most KV still to write first, until it does: each is closed, its KV freed, and its next step is refused with
     ``unknown_session`` saying why (a client repairs its route: docs/protocol.md, "Route repair"). Returns a line per
     eviction, for the node's log; none where memory is not watched or suffices."""
-    if (memory := store.memory()) is None:
-        return []
+    if getattr(store.executor, "kv_grows", False) or (memory := store.memory()) is None:
+        return []  # (a GPU's sessions hold their cells: watch_device only refuses new ones)
     available, committed = memory
     per_token = max(store.kv_bytes_per_token(), 1)
     idle = [s for s in list(store.sessions.values()) if not s.busy and not s.stepping]
@@ -245,6 +265,7 @@ __all__ = [
     "trim_idle",
     "trim_if_idle",
     "tune_malloc",
+    "watch_device",
     "watch_memory",
     "with_kv_defaults",
 ]

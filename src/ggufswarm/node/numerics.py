@@ -47,20 +47,19 @@ def llama_cpp_cpu_features(info: str) -> list[str]:
 
 
 def _llama_cpp(state: NodeState) -> dict:
-    import llama_cpp as L
-
+    from ..runtime.llamacpp import bindings
     from ..runtime.llamacpp.patches import PATCH_MARKERS, applied
 
     version, commit = _ggml_build()
     executor = state.executor
     return {
         "llama_cpp": {
-            "python": L.__version__,
+            "python": bindings.version(),
             "ggml": version,
             "commit": commit,
             "patches": [name for name in PATCH_MARKERS if applied(name)],
         },
-        "cpu": llama_cpp_cpu_features(L.llama_print_system_info().decode(errors="replace")),
+        "cpu": llama_cpp_cpu_features(bindings.L.llama_print_system_info().decode(errors="replace")),
         # the device the blocks run on: another device, backend or split computes other bits
         "device": _device(executor),
         "threads": getattr(executor, "threads", None),

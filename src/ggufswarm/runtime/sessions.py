@@ -146,9 +146,9 @@ class SessionStore:
             need = max_length * self.kv_bytes_per_token()
             if memory[1] + need > memory[0]:
                 raise AdmissionRefused(
-                    f"memory full: the machine has {memory[0] >> 20} MiB available, this node's open sessions and "
-                    f"buffers may still take {memory[1] >> 20} MiB, and max_length {max_length} needs {need >> 20} "
-                    "MiB; retry later or ask for less"
+                    f"memory full: {memory[0] >> 20} MiB are available (the machine's, or its GPU's for KV), this "
+                    f"node's open sessions and buffers may still take {memory[1] >> 20} MiB, and max_length "
+                    f"{max_length} needs {need >> 20} MiB; retry later or ask for less"
                 )
 
     def get(self, session_id: uuid.UUID) -> Session:

@@ -17,7 +17,6 @@ import threading
 import weakref
 from pathlib import Path
 
-import llama_cpp as L
 import numpy as np
 
 from ...artifact.accounting import shard_account
@@ -27,6 +26,7 @@ from ..kv import TokenOutOfRange, check_max_length
 from ..spec import ShardSpec
 from . import batch, devices, kv_size
 from .archs import recurrent_layers, rules_for
+from .bindings import L
 from .derive import ShardModelInfo, TokenEmbedding, model_info, shard_paths
 from .errors import KVCellsFull, LlamaCppError, UnsupportedShard
 from .ffi import ensure_backend, graph_tap, install_tap, trim_compute_buffers

@@ -13,9 +13,9 @@ import heapq
 import os
 from typing import TYPE_CHECKING
 
-import llama_cpp as L
 import numpy as np
 
+from .bindings import L
 from .errors import LlamaCppError
 from .patches import applied
 from .seq import SeqKV

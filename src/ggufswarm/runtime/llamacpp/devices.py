@@ -18,13 +18,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import llama_cpp as L
 import numpy as np
 
 from ...artifact.accounting import HeaderAccounts
 from ...artifact.planning import device_blocks
 from ..spec import ShardSpec
 from . import NO_VULKAN_DRIVER, ffi
+from .bindings import L
 from .errors import LlamaCppError
 from .ffi import ensure_backend
 from .patches import libllama_path

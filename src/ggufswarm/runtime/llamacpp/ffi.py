@@ -12,10 +12,10 @@ import sys
 import threading
 from pathlib import Path
 
-import llama_cpp as L
 import numpy as np
 
 from . import _graph_tap
+from .bindings import L
 from .errors import LlamaCppError
 
 _BACKEND_READY = False
@@ -95,7 +95,7 @@ def ggml_functions() -> tuple[int, int, int]:
     """Addresses of ggml_get_name, ggml_backend_tensor_get and ggml_nbytes in the ggml llama-cpp-python loaded.
     RuntimeError when its ggml base library is not where llama-cpp-python keeps it (its ``lib`` folder, or the folder
     ``LLAMA_CPP_LIB_PATH`` names: llama-cpp-python loads its libraries from there when set)."""
-    lib_dir = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(L.llama_cpp.__file__).parent / "lib")
+    lib_dir = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(L.__file__).parent / "lib")
     candidates = sorted(lib_dir.glob("libggml-base.*")) + sorted(lib_dir.glob("ggml-base.*"))
     if not candidates:
         raise RuntimeError(f"cannot find ggml's base library next to llama-cpp-python ({lib_dir})")
@@ -128,7 +128,7 @@ def _trim_function():
 
     if not applied(TRIM_PATCH):
         return None
-    fn = L.llama_cpp._lib.llama_trim_compute_buffers
+    fn = L._lib.llama_trim_compute_buffers
     fn.argtypes, fn.restype = [ctypes.c_void_p], None
     return fn
 

@@ -45,9 +45,9 @@ REQUIRES: dict[str, tuple[str, ...]] = {
 
 def libllama_path() -> Path:
     """The libllama shared library llama-cpp-python loaded (``llama_cpp.llama_cpp._lib``)."""
-    import llama_cpp
+    from .bindings import L
 
-    return Path(llama_cpp.llama_cpp._lib._name)
+    return Path(L._lib._name)
 
 
 @functools.cache

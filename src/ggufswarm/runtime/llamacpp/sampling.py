@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import ctypes
 
-import llama_cpp as L
 import numpy as np
 
 from ..sampling import SamplerBase, SamplingParams, _as_numpy, greedy
+from .bindings import L
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
-import llama_cpp as L
-
 from ..kv import ContextOverflow
+from .bindings import L
 from .errors import LlamaCppError
 from .seq import SeqKV
 
