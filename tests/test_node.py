@@ -393,6 +393,10 @@ def test_kv_budget_admission_llama_cpp(gemma_path):
     try:
         url = node.url
         assert health(url)["kv_budget_tokens"] == 2048
+        for bad in (0, -5, 1.5, "64"):  # not a length: a bad request (400), not an overflow
+            status, body = http("POST", url + "/v1/sessions", {"max_length": bad})
+            assert status == 400 and body["error"]["code"] == "bad_request", (bad, body)
+            assert "max_length must be" in body["error"]["message"]
         status, body = http("POST", url + "/v1/sessions", {"max_length": 1500})
         assert status == 503 and body["error"]["code"] == "kv_budget_too_small" and "1024" in body["error"]["message"]
         opened = [http("POST", url + "/v1/sessions", {"max_length": 1000}) for _ in range(2)]
@@ -611,7 +615,7 @@ def test_gateway_ends_an_answer_at_the_route_context_with_length(gemma_path):
     try:
         base = server.start()
         assert health(node.url)["max_length"] == 64  # --ctx-size (llama.cpp's stream holds 256 cells: rounded)
-        assert health(node.url)["kv_budget_tokens"] == 512
+        assert health(node.url)["kv_budget_tokens"] == 2 * 64  # what its two sessions can reserve, not 2 x 256 cells
         hog, _ = _stream_first_delta(base, "Once upon a time", max_tokens=10**9)
         assert health(node.url)["kv_tokens_reserved"] == 64 and health(node.url)["sessions"] == 1
         status, body = http(

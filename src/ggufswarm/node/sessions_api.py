@@ -42,7 +42,7 @@ async def open_session(request: web.Request) -> web.Response:
     state: NodeState = request.app[NODE]
     body = await read_json(request)
     sid = parse_session_id(body.get("session_id") or uuid.UUID(bytes=os.urandom(SESSION_ID_BYTES)))
-    max_length = json_field(body, "max_length", int)
+    max_length = json_field(body, "max_length", int, positive=True, unit="tokens")
     next_hop = next_hop_url(state, body.get("next_hop"))
     await check_registered(state, next_hop)
     wire = body.get("wire_dtype", "f32")

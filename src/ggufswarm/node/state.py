@@ -144,6 +144,8 @@ class NodeState:
             cap = min(config.ctx_size or DEFAULT_CTX_SIZE, max(self.store.budget_tokens // config.max_sessions, 1))
         cap = min(cap, config.ctx_size or cap, self.store.budget_tokens)
         self.store.max_session_tokens = self.max_session_tokens = min(self.cfg.max_length, cap)
+        if executor.n_seq_max is not None:  # nor more than its sequences can reserve (--ctx-size below 256 cells)
+            self.store.budget_tokens = min(self.store.budget_tokens, executor.n_seq_max * self.max_session_tokens)
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="shard")
         # steps of different sessions arriving while the shard is busy run together (node/batching.py)
         # a shard whose steps serialize on one lock (llama.cpp: one context) runs idle decode steps inline (steps.py)
