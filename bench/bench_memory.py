@@ -158,6 +158,7 @@ def main() -> int:
         'to the open sessions (docs/memory.md, "A GPU\'s KV cache"); lavapipe: GGML_VK_VISIBLE_DEVICES=0 --gpu Vulkan0',
     )
     ap.add_argument("--max-sessions", type=int, default=32, help="the nodes' --max-sessions (default 32)")
+    ap.add_argument("--no-rpc", action="store_true", help="leave out llama.cpp's rpc-server table")
     a = ap.parse_args()
     path = str(resolve_model(a.model))
     file = GGUFModelFile(path)
@@ -178,7 +179,7 @@ def main() -> int:
         rss_waves = asyncio.run(waves(nodes, a.waves, 32, a.short)) if a.waves > 0 else []
     finally:
         stop_nodes(nodes)
-    rpc = rpc_rows(path, specs, [a.short, long], a.threads)
+    rpc = [] if a.no_rpc else rpc_rows(path, specs, [a.short, long], a.threads)
     print(
         f"\nmodel {path}; 3 nodes, {a.threads} thread(s) each, --gpu {a.gpu} --max-sessions {a.max_sessions}, "
         "defaults otherwise\n"

@@ -470,8 +470,16 @@ def test_sessions_interleave_truncate_and_restore(gemma_path, tmp_path):
         return outs
 
     ref_a, ref_b = solo(a_ids), solo(b_ids)
-    # compute buffers given back while idle (patch 0012) are written again by the next steps: the same bits
+    # compute buffers given back while idle (patch 0012) are written again by the next steps: the same bits; the
+    # head's output buffer (the last decode's logits: a row of the vocabulary per sequence sampled) is cleared too
+    from ggufswarm.runtime.llamacpp.bindings import L
+
+    def last_logits():
+        return np.ctypeslib.as_array(L.llama_get_logits(shards[-1]._ctx), shape=(64,)).copy()
+
+    assert np.any(last_logits() != 0)
     assert all(s.trim_compute_buffers() for s in shards)
+    assert not np.any(last_logits() != 0)
     assert all(np.array_equal(x, y) for x, y in zip(solo(a_ids), ref_a))
     kva, kvb = [s.new_session(512) for s in shards], [s.new_session(512) for s in shards]
     got_a, got_b = [run_chain(shards, kva, a_ids, "last")], [run_chain(shards, kvb, b_ids, "last")]

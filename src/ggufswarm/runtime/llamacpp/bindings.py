@@ -1,8 +1,8 @@
 """llama-cpp-python's ctypes bindings of llama.h (its module ``llama_cpp.llama_cpp``), loaded without running its
 package's ``__init__``: that imports the high-level ``Llama`` class and, through it, jinja2, diskcache and the rest
-of its chat and cache machinery, about 7 MiB of a node's RSS (docs/memory.md) that a shard, which calls llama.h only,
-never uses. A process that imports ``llama_cpp`` later (the gateway's tokenizer) gets the whole package, whose
-``from .llama_cpp import *`` takes this same module: one loaded libllama either way."""
+of its chat and cache machinery, about 5 MiB of an idle node's RSS (docs/memory.md) that a shard, which calls
+llama.h only, never uses. A process that imports ``llama_cpp`` later (the gateway's tokenizer) gets the whole
+package, whose ``from .llama_cpp import *`` takes this same module: one loaded libllama either way."""
 
 from __future__ import annotations
 

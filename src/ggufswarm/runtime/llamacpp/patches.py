@@ -25,7 +25,7 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0009-unmap-unused-gaps": b"unmapped the gaps between",
     "0010-cpu-buffer-clear-gives-pages-back": b"by giving its pages back to the OS as zeros",  # in libggml-base
     "0011-one-kind-layer-ranges": b"no sliding-window layer: the sliding-window KV cache holds no layers",
-    "0012-compute-buffers-given-back-when-idle": b"gave the compute buffers' memory back until the next decode",
+    "0012-compute-buffers-given-back-when-idle": b"gave the compute and output buffers' memory back",
     "0013-layer-ranges-compute-as-whole": b"%s.block_count_whole",
     "0014-hybrid-ranges-start-at-any-block": b"head sizes from the first block with heads",
     "0015-hyper-connection-ranges": b"hy_v4: embedding_length_in must be",
