@@ -395,6 +395,7 @@ async def _relayed(sent: _Sent, record: StepRecord, hop: dict, t0: float) -> byt
     status, body, _ = await sent.reply
     if status != OK:
         raise reply_error(body, status, sent.url)
+    record.output = None  # the next hop has it: a retry is answered with the reply (a prefill piece: megabytes)
     hop["push_ms"] = round((time.perf_counter() - sent.t_push) * 1e3, 3)
     if body.startswith(HOPS_FIRST) and body.endswith(b"}"):  # this node's entry put in front, nothing parsed
         hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)

@@ -43,7 +43,8 @@ class StepConflict(SessionError):
 class StepRecord:
     """The last step a session applied: its number, a digest of its frame, and its outcome.
 
-    ``output``: hidden states ``[T, n_embd]`` for the next hop, or None on the head.
+    ``output``: hidden states ``[T, n_embd]`` for the next hop until it answered (a retry then gets ``reply``;
+    one before it, or after its relay failed, is relayed again), or None (on the head, and once answered).
     ``token`` / ``logprobs``: the head's sample (None when not sampled) and the ``n_logprobs`` most likely
     ``(id, logprob)`` pairs; ``token_logprob``: the sampled token's logprob (sessions opened with ``logprobs``).
     Logprobs are ``log_softmax`` of the raw logits (``runtime.sampling.token_logprobs``).

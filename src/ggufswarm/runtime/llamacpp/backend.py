@@ -29,7 +29,7 @@ from .archs import recurrent_layers, rules_for
 from .bindings import L
 from .derive import ShardModelInfo, TokenEmbedding, model_info, shard_paths
 from .errors import KVCellsFull, LlamaCppError, UnsupportedShard
-from .ffi import ensure_backend, graph_tap, install_tap, trim_compute_buffers
+from .ffi import ensure_backend, give_back_pages, graph_tap, install_tap, trim_compute_buffers
 from .kv_size import KV_STREAM_ROUNDING, KVShape
 from .sampling import LlamaCppSampler
 from .seq import SeqKV
@@ -323,10 +323,16 @@ class LlamaCppShard(SeqStates):
             heapq.heappush(self._free_seqs, seq_id)
 
     def trim_compute_buffers(self) -> bool:
-        """Give llama.cpp's compute buffers' memory back while idle (``ffi.trim_compute_buffers``, patch 0012): the
-        next step makes resident what it writes, with the same results. Whether it ran. Waits for a step in flight."""
+        """Give llama.cpp's compute buffers' memory back while idle (``ffi.trim_compute_buffers``, patch 0012), and
+        the pages a long step made resident in the step buffers (the batch's hidden states, the tap's capture: each
+        ``[n_batch, n_embd]`` float32, written in full before read): the next step makes resident what it writes,
+        with the same results. Whether llama.cpp's ran. Waits for a step in flight."""
         kv_size.fit(self)
         with self._lock:
+            if self._embd_at:
+                give_back_pages(self._embd_at, self.n_batch * self.cfg.n_embd * 4)
+            if self._tap is not None:
+                give_back_pages(self._capture.ctypes.data, self._capture.nbytes)
             return bool(getattr(self, "_ctx", None)) and trim_compute_buffers(self._ctx)
 
     def device_kv_tokens(self) -> int | None:

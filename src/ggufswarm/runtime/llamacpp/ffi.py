@@ -144,4 +144,27 @@ def trim_compute_buffers(ctx) -> bool:
     return True
 
 
-__all__ = ["GraphTap", "ensure_backend", "ggml_functions", "graph_tap", "install_tap", "trim_compute_buffers"]
+_MADV_DONTNEED = 4  # <sys/mman.h> (Linux)
+
+
+def give_back_pages(address: int, nbytes: int) -> None:
+    """Give the whole pages of ``nbytes`` bytes at ``address`` (a buffer of this process it writes in full before
+    reading: a step's hidden states) back to the OS (``madvise(MADV_DONTNEED)``): they read as zeros and are
+    resident again once written. Nothing where there is no ``madvise`` (not Linux) or no whole page."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = -(-address // page) * page, (address + nbytes) // page * page
+    madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None) if sys.platform == "linux" else None
+    if madvise is not None and end > start:
+        madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        madvise(start, end - start, _MADV_DONTNEED)
+
+
+__all__ = [
+    "GraphTap",
+    "ensure_backend",
+    "ggml_functions",
+    "give_back_pages",
+    "graph_tap",
+    "install_tap",
+    "trim_compute_buffers",
+]
