@@ -36,6 +36,7 @@ from .seq import SeqKV
 from .states import SeqStates
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ, src/llama-cparams.h
+STEP_BUFFER_KEPT_TOKENS = 256  # a step of more rows gives its buffers' pages back after it (_give_back_step_buffers)
 STATE_FORMAT = "llama.cpp-seq-state-v1"
 MAX_VERIFY_TOKENS = 16  # most tokens of a speculative verify step (all rows' logits) a head takes
 
@@ -329,11 +330,14 @@ class LlamaCppShard(SeqStates):
         with the same results. Whether llama.cpp's ran. Waits for a step in flight."""
         kv_size.fit(self)
         with self._lock:
-            if self._embd_at:
-                give_back_pages(self._embd_at, self.n_batch * self.cfg.n_embd * 4)
-            if self._tap is not None:
-                give_back_pages(self._capture.ctypes.data, self._capture.nbytes)
+            self._give_back_step_buffers()
             return bool(getattr(self, "_ctx", None)) and trim_compute_buffers(self._ctx)
+
+    def _give_back_step_buffers(self) -> None:  # (and after a long step: a prefill piece's megabytes stay otherwise)
+        if self._embd_at:
+            give_back_pages(self._embd_at, self.n_batch * self.cfg.n_embd * 4)
+        if self._tap is not None:
+            give_back_pages(self._capture.ctypes.data, self._capture.nbytes)
 
     def device_kv_tokens(self) -> int | None:
         """KV tokens this shard's GPU could hold for its sessions now (``kv_size.device_tokens``); None where its KV
@@ -476,6 +480,8 @@ class LlamaCppShard(SeqStates):
                 out = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n_tokens, self.n_vocab_out)).copy()
             else:
                 out = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, -1), shape=(1, self.n_vocab_out)).copy()
+            if n_tokens >= STEP_BUFFER_KEPT_TOKENS:
+                self._give_back_step_buffers()
             for (kv, *_), n in zip(steps, counts):
                 kv.length += n
         return out
