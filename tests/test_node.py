@@ -200,10 +200,10 @@ def test_json_fields_checked_by_kind_range_and_default(cluster, gemma):
     its default (``null`` too, where the default is none)."""
     head = cluster[2].url
     bad = [
-        ({"max_length": True}, "max_length must be an integer, got True"),
-        ({"max_length": 10.0}, "max_length must be an integer, got 10.0"),
-        ({}, "max_length must be an integer; the body has no max_length"),
-        ({"max_length": None}, "max_length must be an integer, got None"),
+        ({"max_length": True}, "max_length must be a positive integer of tokens, got True"),
+        ({"max_length": 10.0}, "max_length must be a positive integer of tokens, got 10.0"),
+        ({}, "max_length must be a positive integer of tokens; the body has no max_length"),
+        ({"max_length": None}, "max_length must be a positive integer of tokens, got None"),
         ({"max_length": 10, "top_logprobs": True}, "top_logprobs must be an integer in 0..20, got True"),
         ({"max_length": 10, "top_logprobs": 21}, "top_logprobs must be an integer in 0..20, got 21"),
         ({"max_length": 10, "top_logprobs": -1}, "top_logprobs must be an integer in 0..20, got -1"),
@@ -219,7 +219,7 @@ def test_json_fields_checked_by_kind_range_and_default(cluster, gemma):
             {"max_length": 10, "hop_timeout_s": 10**400},
             "hop_timeout_s must be a positive finite number of seconds, got 1000000000",
         ),
-        ({"max_length": "x" * 5000}, "max_length must be an integer, got 'xxxx"),
+        ({"max_length": "x" * 5000}, "max_length must be a positive integer of tokens, got 'xxxx"),
     ]
     for body, message in bad:
         status, reply = http("POST", head + "/v1/sessions", body)
