@@ -279,22 +279,21 @@ def between(i):
         cells["a again"] = kv(s)
 got = run(s, a, between)
 make = LlamaCppShard.make_context
-def no_room(self, shape):  # a device that cannot hold more than 512 cells a stream
-    if shape.cells > 512:
-        raise LlamaCppError("out of device memory (test)")
-    make(self, shape)
-LlamaCppShard.make_context = no_room
+def device_holding(most):  # a device that cannot hold more than ``most`` cells a stream
+    def make_at_most(self, shape):
+        if shape.cells > most:
+            raise LlamaCppError("out of device memory (test)")
+        make(self, shape)
+    return make_at_most
+LlamaCppShard.make_context = device_holding(512)
 try:
     s.new_session(2048)
     refused = None
 except KVCellsFull as e:
     refused = [e.code, str(e)]
 after = s.forward(a, np.array([int(np.argmax(got[-1]))]))[0]
-def nothing_but_256(self, shape):  # the device lost even the shape it had: the shard keeps a context, a is emptied
-    if shape.cells > 256:
-        raise LlamaCppError("out of device memory (test)")
-    make(self, shape)
-LlamaCppShard.make_context = nothing_but_256
+# the device lost even the shape it had: the shard keeps a context, a is emptied
+LlamaCppShard.make_context = device_holding(256)
 try:
     s.new_session(2048)
 except KVCellsFull:

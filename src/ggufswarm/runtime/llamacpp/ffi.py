@@ -153,10 +153,17 @@ def give_back_pages(address: int, nbytes: int) -> None:
     resident again once written. Nothing where there is no ``madvise`` (not Linux) or no whole page."""
     page = os.sysconf("SC_PAGE_SIZE")
     start, end = -(-address // page) * page, (address + nbytes) // page * page
-    madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None) if sys.platform == "linux" else None
-    if madvise is not None and end > start:
-        madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    if (madvise := _madvise()) is not None and end > start:
         madvise(start, end - start, _MADV_DONTNEED)
+
+
+@functools.cache
+def _madvise():
+    """libc's ``madvise`` as a ctypes function; None where there is none (not Linux)."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None) if sys.platform == "linux" else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
 
 
 __all__ = [
