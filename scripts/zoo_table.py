@@ -110,7 +110,10 @@ def render(verdicts: list, tool_note: str, seconds: float) -> str:
         "(`swarm/shard_fetch.py` `choose_layers`). A range of one kind of block (no sliding-window block in a "
         "sliding-window model, no recurrent or no attention block in a hybrid one) runs with patch 0011 "
         "(`tests/test_zoo.py` runs the finest such chains of 16 architectures bitwise); a node whose llama.cpp lacks "
-        "it refuses such a range, naming the patch (and `--layers auto` does not pick one there).",
+        "it refuses such a range, naming the patch (and `--layers auto` does not pick one there). So does a range "
+        "of a DSA model without a block that reads the indexer inputs (glm5-next's only recurrent blocks, "
+        "dots3note's only sliding-window ones) with patch 0017 (`tests/test_zoo.py` "
+        "`test_indexer_free_ranges_bitwise`).",
         "",
         f"**{c['bitwise_archs']} of {c['decoder_archs']} decoder architectures run as layer ranges, bitwise "
         f"({100 * c['bitwise_share']:.1f} %)**; {len(refused)} run only as the whole model; "

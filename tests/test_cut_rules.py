@@ -232,6 +232,41 @@ def test_hyper_connection_ranges_start_at_a_full_indexer(tmp_path):
     assert split > 0 and all(a % 4 in (0, 1) for a, _ in placed)
 
 
+def test_ranges_without_an_indexer_block_are_placed(tmp_path):
+    """Patch 0017 (a graph sets only the indexer inputs a layer uses): a glm5-next range of only recurrent blocks and a
+    dots3note range without a lightning-indexer block are placed; a llama.cpp without the patch refuses them, naming
+    it, and a glm5-next range of one kind still needs patch 0011 too."""
+    glm = synthetic(
+        tmp_path / "glm5-next.gguf",
+        "glm5-next",
+        **{
+            "attention.indexer.top_k": 64,
+            "attention.indexer.types": [1, 1, 0, 0] * 2,
+            "attention.head_count_kv": [0, 4, 4, 4] * 2,
+        },
+    )
+    cuts = HeaderAccounts.from_model(glm).cuts
+    assert range_problem(cuts, 4, 5) is None  # block 4: recurrent (KDA) only
+    problem = range_problem(cuts, 4, 5, indexer_inputs=False)
+    assert "only recurrent blocks" in problem and "0017-indexer-free-ranges" in problem
+    assert "has no full-attention block" in range_problem(cuts, 4, 5, one_kind=False)
+    dots = synthetic(
+        tmp_path / "dots3note.gguf",
+        "dots3note",
+        **{
+            "attention.indexer.top_k": 64,
+            "attention.indexer.types": [0, 1] * 4,
+            "attention.sliding_window": 16,
+            "attention.sliding_window_pattern": [True, False] * 4,
+        },
+    )
+    cuts = HeaderAccounts.from_model(dots).cuts
+    assert range_problem(cuts, 2, 3) is None  # block 2: sliding-window, no lightning indexer
+    problem = range_problem(cuts, 2, 3, indexer_inputs=False)
+    assert "no block with a lightning indexer" in problem and "0017-indexer-free-ranges" in problem
+    assert range_problem(cuts, 2, 4, indexer_inputs=False) is None
+
+
 def test_whole_only_and_unknown_architectures(tmp_path):
     """hrm_text runs only as the whole model (its blocks are cache slots of stacks run in nested cycles): plan places
     it on one node, as the node accepts; an architecture no node runs is refused by plan with the node's reason."""

@@ -83,7 +83,8 @@ def test_patch_0013_and_0014_architectures_run_at_every_boundary(verdicts):
 def test_patch_0015_hyper_connection_ranges_run(verdicts):
     """Patch 0015 (the 4 residual streams of hy_v4, glm5-next and qwen4exp through batch.embd; qwen4exp's token ids
     with them): a chain of the stretched copy runs bitwise, and the refused chains are those with a range starting at
-    a shared-indexer block or, in glm5-next, a range of only recurrent blocks (``cut_checks.shared_indexer_check``);
+    a shared-indexer block or, in glm5-next without patch 0017, a range of only recurrent blocks
+    (``cut_checks.shared_indexer_check``);
     the finest chains these allow, over 3 nodes too: tests/test_zoo_routes.py."""
     by_arch = {v.arch: v for v in verdicts}
     for arch in HC_PATCH_ARCHS:
@@ -138,27 +139,73 @@ def one_kind(header, a: int, b: int) -> bool:
     )
 
 
-@pytest.mark.parametrize("name", ONE_KIND)
-def test_one_kind_ranges_bitwise(name, zoo_dir, tmp_path):
-    """Patch 0011: the zoo file's copy stretched to 8 blocks, cut into the finest chain the cut rules accept (one
-    block a shard, where no other rule of the architecture needs more), which holds ranges of one kind of block,
-    equals llama.cpp's whole-model run bitwise over a prefill and 20 greedy decode steps."""
+def _finest_chain_bitwise(name, zoo_dir, tmp_path, patch: str, holds) -> None:
+    """The zoo file ``name``'s copy stretched to 8 blocks, cut into the finest chain the cut rules accept, holds a
+    range ``holds(header, a, b)`` and equals llama.cpp's whole-model run bitwise (skipped without ``patch``)."""
     import numpy as np
 
-    from ggufswarm.artifact.cut_rules import ONE_KIND_PATCH, Header
+    from ggufswarm.artifact.cut_rules import Header
     from ggufswarm.artifact.gguf_file import GGUFModelFile
     from ggufswarm.runtime.llamacpp import patches
     from ggufswarm.runtime.llamacpp.derive import n_vocab
 
-    if not patches.applied(ONE_KIND_PATCH):
-        pytest.skip(f"needs llama.cpp patch {ONE_KIND_PATCH} (make setup)")
+    if not patches.applied(patch):
+        pytest.skip(f"needs llama.cpp patch {patch} (make setup)")
     copy = GGUFModelFile(zoo.stretch(GGUFModelFile(zoo_dir / f"{name}.gguf"), tmp_path / f"stretched-{name}.gguf"))
     header = Header(copy.metadata)
     points = finest_cuts(header)
     bounds = [0, *points, header.n_layers]
-    assert any(one_kind(header, a, b) for a, b in zip(bounds, bounds[1:])), points
+    assert any(holds(header, a, b) for a, b in zip(bounds, bounds[1:])), points
     ids = np.random.default_rng(zoo.SEED).integers(0, n_vocab(copy), zoo.N_PROMPT).tolist()
     kind, detail = zoo._run_cut(
         copy, points, ids, lambda: zoo.whole_model_run(copy.path, ids, zoo.N_DECODE, 1), tmp_path, 1
     )
     assert kind == "bitwise", (points, detail)
+
+
+@pytest.mark.parametrize("name", ONE_KIND)
+def test_one_kind_ranges_bitwise(name, zoo_dir, tmp_path):
+    """Patch 0011: the zoo file's copy stretched to 8 blocks, cut into the finest chain the cut rules accept (one
+    block a shard, where no other rule of the architecture needs more), which holds ranges of one kind of block,
+    equals llama.cpp's whole-model run bitwise over a prefill and 20 greedy decode steps."""
+    from ggufswarm.artifact.cut_rules import ONE_KIND_PATCH
+
+    _finest_chain_bitwise(name, zoo_dir, tmp_path, ONE_KIND_PATCH, one_kind)
+
+
+def indexer_free(header, a: int, b: int) -> bool:
+    """Whether blocks ``[a, b)`` are a range only patch 0017 lets run: no attention block in glm5-next, no
+    lightning-indexer block in dots3note (``cut_checks.IndexerProblem``)."""
+    from ggufswarm.artifact import cut_checks
+    from ggufswarm.artifact.cut_rules import range_problem
+
+    return (
+        isinstance(header.rules.check(header, a, b), cut_checks.IndexerProblem)
+        and range_problem(header, a, b, indexer_inputs=False) is not None
+    )
+
+
+@pytest.mark.parametrize("name", ["glm5-next-moe", "dots3note-moe"])
+def test_indexer_free_ranges_bitwise(name, zoo_dir, tmp_path):
+    """Patch 0017: the finest chain of the stretched copy holds a range without an attention block (glm5-next: only
+    recurrent KDA blocks) or without a lightning-indexer block (dots3note: only sliding-window blocks), whose graph
+    sets no indexer inputs, and equals llama.cpp's whole-model run bitwise."""
+    from ggufswarm.artifact.cut_rules import INDEXER_PATCH
+
+    _finest_chain_bitwise(name, zoo_dir, tmp_path, INDEXER_PATCH, indexer_free)
+
+
+def test_talkie_range_without_the_head_carries_no_lm_head(zoo_dir):
+    """Patch 0018: a talkie shard without the head stage carries the token embedding (every block adds it) but not
+    the vocabulary-sized LM head, whose logits nobody reads; the head's shard carries it (its chains run bitwise:
+    ``test_patch_0013_and_0014_architectures_run_at_every_boundary``). Without the patch every shard carries it."""
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.runtime.llamacpp import patches
+    from ggufswarm.runtime.llamacpp.derive import shard_tensors
+
+    model = GGUFModelFile(zoo_dir / "talkie-dense.gguf")
+    n = int(model.metadata["talkie.block_count"])
+    names = {new for _, new in shard_tensors(model, 0, 1, head=False)}
+    assert "token_embd.weight" in names
+    assert ("output.weight" in names) is not patches.applied("0018-talkie-output-optional")
+    assert "output.weight" in {new for _, new in shard_tensors(model, 1, n, head=True)}

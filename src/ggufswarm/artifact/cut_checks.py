@@ -78,6 +78,21 @@ class OneKindProblem(str):
     kind of block: ``range_problem`` passes it over where the patch is there)."""
 
 
+class IndexerProblem(str):
+    """A check's reason that holds only for a llama.cpp without patch ``cut_rules.INDEXER_PATCH`` (a range of a DSA
+    model without a block whose indexer inputs the graph sets: ``range_problem`` passes it over where the patch is
+    there); ``rest``: the check's reason with the patch (None: none)."""
+
+    rest: str | None = None
+
+
+def indexer_problem(text: str, rest: str | None = None) -> IndexerProblem:
+    """An ``IndexerProblem`` saying ``text``, ``rest`` where the patch is there."""
+    problem = IndexerProblem(text)
+    problem.rest = rest
+    return problem
+
+
 def hybrid_check(h: Header, a: int, b: int) -> str | None:
     # src/llama-graph.cpp llm_graph_input_mem_hybrid::set_input fills the attention KV inputs and the recurrent
     # state-copy input unconditionally; a graph without an attention block (or without a recurrent one) never
@@ -290,11 +305,12 @@ def minimax_m3_check(h: Header, a: int, b: int) -> str | None:
 def dots3note_check(h: Header, a: int, b: int) -> str | None:
     types = h.md.get("dots3note.attention.indexer.types")
     if isinstance(types, list) and not any(int(t) for t in types[a:b]):
-        return (
+        return indexer_problem(
             f"dots3note: layer range {a}:{b} holds no block with a lightning indexer (its "
             f"full-attention blocks: attention.indexer.types); the graph's DSA inputs are then never "
-            f"allocated and llama.cpp aborts setting them (GGML_ASSERT(buffer)); a range needs one "
-            f"(or a llama.cpp change skipping the indexer inputs of a graph without one)"
+            f"allocated and llama.cpp aborts setting them (GGML_ASSERT(buffer)) without patch "
+            f"0017-indexer-free-ranges (patches/llama.cpp in ggufswarm; `make setup` builds it), so a range "
+            f"needs one"
         )
     return None
 
@@ -325,11 +341,12 @@ def shared_indexer_check(default_full: int) -> Check:
             recurrent = h.recurrent or [False] * h.n_blocks
             first = next((il for il in range(a, b) if not recurrent[il]), None)
             if first is None:
-                return (
+                return indexer_problem(
                     f"{h.arch}: layer range {a}:{b} holds only recurrent blocks; the graph's indexer k-pool input "
                     f"is then never allocated and llama.cpp aborts setting it (llm_graph_input_kpool::set_input, "
-                    f"GGML_ASSERT(buffer)); a range needs an attention block (or a llama.cpp change skipping the "
-                    f"k-pool input of a graph without one)"
+                    f"GGML_ASSERT(buffer)) without patch 0017-indexer-free-ranges (patches/llama.cpp in "
+                    f"ggufswarm; `make setup` builds it), so a range needs an attention block",
+                    hybrid_check(h, a, b) if h.recurrent is not None else None,
                 )
             if not types[first]:
                 full = [i for i in range(h.n_layers) if types[i] and not recurrent[i]]

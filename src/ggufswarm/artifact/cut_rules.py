@@ -26,6 +26,10 @@ RANGE_PATCH = "0013-layer-ranges-compute-as-whole"
 # jamba's and lfm2's attention blocks with their own head count: a range may start at a block without heads
 HEADS_PATCH = "0014-hybrid-ranges-start-at-any-block"
 
+# the llama.cpp patch that sets a DSA graph's indexer inputs only where a layer uses them: a range of GLM-5-Next
+# without an attention block, of dots.llm3-note without a lightning-indexer block
+INDEXER_PATCH = "0017-indexer-free-ranges"
+
 # llama.cpp's sliding-window period for architectures that set it in code when the GGUF has no
 # attention.sliding_window_pattern (src/llama-model.cpp load_hparams: set_swa_pattern)
 DEFAULT_SWA_PERIOD = {"gemma3": 6, "gpt-oss": 2}
@@ -224,16 +228,18 @@ def range_problem(
     head: bool | None = None,
     one_kind: bool = True,
     head_sizes: bool = True,
+    indexer_inputs: bool = True,
 ) -> str | None:
     """Why blocks ``[start, end)`` cannot be one llama.cpp shard (None: they can), ``head``: with the output head
     (default: when ``end`` is the last layer). In order: an architecture no node runs, a range outside the model, one
-    of an architecture that runs only as the whole model, the architecture's own check, a start at a block without
-    attention heads where ``head_sizes`` is False (a llama.cpp without patch ``HEADS_PATCH`` reads the head sizes only
-    when a file's block 0 has some), and, where ``one_kind`` is
-    False (a llama.cpp without patch ``ONE_KIND_PATCH``: ``plan`` assumes the patch queue, a node passes what its
-    libllama carries), a range of one kind of block: without a sliding-window layer in a model with them (llama.cpp's
-    is_swa_any; unless the architecture's SWA is optional), or a hybrid model's range without a recurrent or an
-    attention block (``cut_checks.OneKindProblem``)."""
+    of an architecture that runs only as the whole model, the architecture's own check (of which a DSA model's range
+    without an attention / indexer block only where ``indexer_inputs`` is False: a llama.cpp without patch
+    ``INDEXER_PATCH``, ``cut_checks.IndexerProblem``), a start at a block without attention heads where
+    ``head_sizes`` is False (a llama.cpp without patch ``HEADS_PATCH`` reads the head sizes only when a file's block 0
+    has some), and, where ``one_kind`` is False (a llama.cpp without patch ``ONE_KIND_PATCH``: ``plan`` assumes the
+    patch queue, a node passes what its libllama carries), a range of one kind of block: without a sliding-window
+    layer in a model with them (llama.cpp's is_swa_any; unless the architecture's SWA is optional), or a hybrid
+    model's range without a recurrent or an attention block (``cut_checks.OneKindProblem``)."""
     h = header if isinstance(header, Header) else Header(header)
     if h.rules is None:
         return unsupported(h.arch)
@@ -243,6 +249,8 @@ def range_problem(
     if h.rules.whole_only and not whole:
         return f"{h.arch}: only the whole model runs on the llama.cpp backend: {h.rules.whole_only}"
     problem = h.rules.check(h, start, end) if h.rules.check else None
+    if indexer_inputs and isinstance(problem, c.IndexerProblem):
+        problem = problem.rest
     if problem and not (one_kind and isinstance(problem, c.OneKindProblem)):
         return problem
     heads = h.md.get(f"{h.arch}.attention.head_count")
@@ -274,6 +282,7 @@ __all__ = [
     "DEFAULT_SWA_PERIOD",
     "Header",
     "HEADS_PATCH",
+    "INDEXER_PATCH",
     "ONE_KIND_PATCH",
     "RANGE_PATCH",
     "WHOLE_ONLY",

@@ -69,6 +69,9 @@ class ArchRules:
     ``place``: the graph computes with a block's index or the block count (minimax-01's decay scale, smallthinker's
     no-RoPE step, minicpm3's residual scale): a range's file declares ``block_offset`` (the whole model's index of its
     block 0) and ``block_count_whole``.
+    ``optional_output``: the llama.cpp patch that makes the architecture's LM head optional (talkie: 0018, whose
+    every shard carries the real vocabulary for ``skip_embedding``): with it, a shard without the head stage leaves
+    ``output.weight`` out and its graph computes no logits; without it the shard carries the model's LM head.
     """
 
     leading_dense: bool = False
@@ -86,6 +89,7 @@ class ArchRules:
     input_in_graph: bool = False
     skip_embedding: bool = False
     place: bool = False
+    optional_output: str | None = None
 
 
 _LEADING_DENSE = ArchRules(leading_dense=True)
@@ -165,7 +169,9 @@ _RULES: dict[str, ArchRules] = {
     # embedding from the token ids, a block's place in the whole model (minimax-01, smallthinker, minicpm3)
     **{arch: ArchRules(patch=RANGE_PATCH, input_in_graph=True) for arch in ("bloom", "muse-glimmer")},
     "minicpm3": ArchRules(patch=RANGE_PATCH, input_in_graph=True, place=True),
-    "talkie": ArchRules(patch=RANGE_PATCH, input_in_graph=True, skip_embedding=True),
+    "talkie": ArchRules(
+        patch=RANGE_PATCH, input_in_graph=True, skip_embedding=True, optional_output="0018-talkie-output-optional"
+    ),
     **{arch: ArchRules(patch=RANGE_PATCH, place=True) for arch in ("minimax-01", "smallthinker")},
     # (src/models/nemotron-h.cpp names a block's output nemotron_h_block_out)
     **{arch: ArchRules(tap="nemotron_h_block_out") for arch in ("nemotron_h", "nemotron_h_moe")},

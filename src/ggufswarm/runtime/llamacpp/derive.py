@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
-from ...artifact.cut_rules import HEADS_PATCH, ONE_KIND_PATCH, Header, range_problem
+from ...artifact.cut_rules import HEADS_PATCH, INDEXER_PATCH, ONE_KIND_PATCH, Header, range_problem
 from ...artifact.gguf_file import GGUFModelFile, dequantize_q8_0
 from ..kv import TokenOutOfRange
 from . import patches
@@ -27,11 +27,18 @@ def node_range_problem(metadata: dict[str, Any], start: int, end: int, head: boo
     """Why the loaded llama.cpp refuses blocks ``[start, end)`` of the model with GGUF ``metadata`` (None: it runs
     them): the cut rules ``plan`` places by (``artifact.cut_rules.range_problem``), with the patches this libllama
     carries (a range of one kind of block: ``ONE_KIND_PATCH``; a range starting at a block without heads:
-    ``HEADS_PATCH``), and the patch the architecture's ranges need (``ArchRules.patch``). The node's start-up check
-    (``shard_metadata``) and ``--layers auto`` (``swarm.shard_fetch``) ask this."""
+    ``HEADS_PATCH``; a DSA range without an indexer block: ``INDEXER_PATCH``), and the patch the architecture's
+    ranges need (``ArchRules.patch``). The node's start-up check (``shard_metadata``) and ``--layers auto``
+    (``swarm.shard_fetch``) ask this."""
     cuts = Header(metadata)
     problem = range_problem(
-        cuts, start, end, head, one_kind=patches.applied(ONE_KIND_PATCH), head_sizes=patches.applied(HEADS_PATCH)
+        cuts,
+        start,
+        end,
+        head,
+        one_kind=patches.applied(ONE_KIND_PATCH),
+        head_sizes=patches.applied(HEADS_PATCH),
+        indexer_inputs=patches.applied(INDEXER_PATCH),
     )
     if problem or cuts.rules is None:
         return problem
@@ -146,6 +153,7 @@ def shard_tensors(model: GGUFModelFile, start: int, end: int, head: bool) -> lis
     rules = rules_for(model.architecture)
     n_layer = n_model_layers(model)
     unused = rules.unused(model, start, end) if rules.unused else frozenset()
+    output_optional = bool(rules.optional_output) and patches.applied(rules.optional_output)
     out = []
     for name, info in model.tensors.items():
         layer = info.layer
@@ -156,9 +164,11 @@ def shard_tensors(model: GGUFModelFile, start: int, end: int, head: bool) -> lis
         elif name in rules.embd_add and start > 0:
             continue  # a zero stand-in (_stand_ins): the hidden states coming in already hold it
         elif name in ("token_embd.weight", "output.weight") and rules.skip_embedding:
-            # every block adds the token's normalized embedding (talkie); the loader requires its vocabulary-sized
-            # LM head too, and a non-head shard's graph computes logits with it that nobody reads (wasted work until
-            # talkie.cpp makes the output optional for a layer range, as patch 0002 does for deepseek4)
+            # every block adds the token's normalized embedding (talkie); a llama.cpp without the architecture's
+            # optional-output patch requires its vocabulary-sized LM head too, and a non-head shard's graph then
+            # computes logits with it that nobody reads (with the patch: no head, no logits)
+            if name == "output.weight" and not head and output_optional:
+                continue
             new_name = name
         elif name in ("token_embd.weight", "output.weight", "output.bias", "output_norm.weight"):
             if not head or (
@@ -197,7 +207,7 @@ def _stand_ins(model: GGUFModelFile, head: bool, start: int = 0) -> list[tuple[s
         "output.bias": np.zeros(1, np.float32),
         "output_norm.weight": np.ones(n_embd, np.float32),
     }
-    if rules.skip_embedding:  # (the shard carries the model's token embedding and LM head: shard_tensors)
+    if rules.skip_embedding:  # (the shard carries the model's token embedding, and LM head or none: shard_tensors)
         del stand["token_embd.weight"], stand["output.weight"]
     return [
         (name, array) for name, array in stand.items() if name == "token_embd.weight" or name in model.tensors

@@ -30,6 +30,8 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0014-hybrid-ranges-start-at-any-block": b"head sizes from the first block with heads",
     "0015-hyper-connection-ranges": b"hy_v4: embedding_length_in must be",
     "0016-seq-state-across-stream-counts": b"n_stream mismatch: a whole cache's state restores into as many streams",
+    "0017-indexer-free-ranges": b"no attention layer: the graph leaves the k-pool indexer inputs unset",
+    "0018-talkie-output-optional": b"talkie without an output head: the graph ends at the hidden states",
 }
 # patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
 # check): the Vulkan backend with older Vulkan headers
@@ -40,6 +42,9 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "0003-hidden-state-input": ("0001-embedding-length-in",),
     "0013-layer-ranges-compute-as-whole": ("0001-embedding-length-in",),
     "0015-hyper-connection-ranges": ("0001-embedding-length-in",),
+    # (an empty DSA cache: 0002's kv-cache change; the hybrid and sliding-window inputs of a one-kind graph: 0011)
+    "0017-indexer-free-ranges": ("0002-deepseek4-layer-range", "0011-one-kind-layer-ranges"),
+    "0018-talkie-output-optional": ("0013-layer-ranges-compute-as-whole",),
 }
 
 
