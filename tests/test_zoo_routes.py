@@ -33,8 +33,8 @@ N_DECODE = 16
 EVERY_BOUNDARY = ["glm4moe-moe", "gemma3-dense", "qwen35moe-moe", "lfm2-dense", "jamba-dense", "bloom-dense"]
 EVERY_BOUNDARY += ["talkie-dense"]
 # hyper-connections (patch 0015): 4 residual streams cross every cut; DSA blocks sharing the top-k of the block before
-# (hy_v4) cannot start a range, nor can glm5-next's recurrent blocks end one alone: generate --split takes the finest
-# chain the cut rules accept
+# (hy_v4) cannot start a range, and glm5-next's recurrent blocks make a range alone only with patch 0017: generate
+# --split takes the finest chain the cut rules accept
 HYPER_CONNECTIONS = ["hy_v4-moe", "glm5-next-moe", "qwen4exp-moe"]
 ROUTED = EVERY_BOUNDARY + HYPER_CONNECTIONS
 
