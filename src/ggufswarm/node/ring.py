@@ -7,7 +7,7 @@ to ``first`` (null: the head is the route's first node too, a route of one node 
 head sends is byte-identical to the one the client would have sent (protocol.encode_tokens), so every node's
 numbering, retry and repair rules hold as they are: a client that sends the same step itself (it lost its reply
 link) gets the recorded answer. Each such step's reply goes to the client on the reply link twice: the head's own,
-as soon as it sampled (as for any step), then the route's (its per-hop numbers, or the error that stopped it).
+as soon as it sampled and sent the step after it, then the route's (its per-hop numbers, or the error that stopped it).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 import zlib
+from collections.abc import Coroutine
 from dataclasses import dataclass
 
 import aiohttp
@@ -247,11 +248,11 @@ async def _apply_session_frame(
                 if nxt is not None:  # ring decode: the head sends the next step itself (node/ring.py)
                     answer["ring"] = frame.step + 1
                 reply = _record(record, answer, hop, t0)
-                await _send_direct(path, frame, body, reply)
-                if nxt is not None:  # (the grant as it was when the token was sampled: the await may end it)
-                    task = asyncio.ensure_future(_ring_push(path, session, *nxt))
+                if nxt is not None:  # the next step goes first: the client's copy and the reply are off its path
+                    task = asyncio.ensure_future(await _ring_push(path, session, *nxt))
                     path.link_tasks.add(task)
                     task.add_done_callback(path.link_tasks.discard)
+                await _send_direct(path, frame, body, reply)
                 return OK, reply
             sent = await _push(path, session, frame, record, kind)
             if session.commit:  # the frame is on its way: its digests and signature overlap the next hops' work
@@ -302,17 +303,34 @@ def _apply(path: StepPath, session: Session, frame: Frame, digest: int) -> StepR
     return asyncio.get_running_loop().run_in_executor(path.pool, path.store.apply, *args)
 
 
-async def _ring_push(path: StepPath, session: Session, nxt: bytes, first: str | None) -> None:
-    """Ring decode (node/ring.py): send the session's next step ``nxt`` to the route's first node ``first`` (None:
-    apply it here, a route of one node), and its reply, the route's (or the error that stopped it), to the client
-    on the session's reply link. The step's own reply from this head reaches the client before, as any step's."""
+async def _ring_push(path: StepPath, session: Session, nxt: bytes, first: str | None) -> Coroutine:
+    """Ring decode (node/ring.py): send the session's next step ``nxt`` to the route's first node ``first`` now
+    (None: it is applied here, a route of one node); the coroutine (run it as a task) that waits for that step's
+    reply, the route's (or the error that stopped it), and passes it to the client on the session's reply link.
+    The head's own reply to the step before (``_send_direct``) goes out after this send, the route's later."""
     t0 = time.perf_counter()
-    try:
-        if first is None:
-            status, reply = await apply_frame(path, nxt, t0)
-        else:
+    sent: asyncio.Future | None = None
+    error: Exception | None = None
+    if first is not None:
+        try:
             sent, _ = await path.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1))
             path.metrics.messages_sent["frame"].inc()
+        except Exception as exc:
+            error = exc
+    return _ring_replied(path, session, nxt, t0, sent, error)
+
+
+async def _ring_replied(
+    path: StepPath, session: Session, nxt: bytes, t0: float, sent: asyncio.Future | None, error: Exception | None
+) -> None:
+    """The rest of ``_ring_push``: the reply to ``nxt`` (applied here when nothing was ``sent`` and there was no
+    send ``error``) to the client on the reply link."""
+    try:
+        if error is not None:
+            raise error
+        if sent is None:
+            status, reply = await apply_frame(path, nxt, t0)
+        else:
             status, reply, _ = await sent
     except Exception as exc:
         status, reply = path.error_reply(exc)
