@@ -41,6 +41,10 @@ proxies, Python) is what "tok/s / bound" measures. Target: ring >= 0.9x its boun
 process (asyncio loops), beside the client's route loop. With delay 0 the same bound (``1000 / C``) is shown for
 part 1's route rows.
 
+Also printed (no target): the split compute alone against llama.cpp in-process (the most the in-process ratio can
+be with nothing between hops), and per hop of the ring=False route where a decode step's time goes beside the
+node's compute (``hop_split``: in the node, on the link).
+
 ``ring steps``: the steps the head sent itself and the client took (``RouteTelemetry.ring_steps``), of --decode;
 the first few decode steps go without the ring while the client's reply link opens. 0 means the ring never
 engaged (reported).
@@ -114,7 +118,9 @@ def route_run(route: RemoteRoute, ids: list[int], n_decode: int, ring: bool) -> 
     n_hops = len(route.hops)
     steps = [s for s in tele.steps if s.n_tokens == 1 and not s.verify and len(s.compute_ms) == n_hops]
     hop_ms = [statistics.fmean(s.compute_ms[k] for s in steps) if steps else math.nan for k in range(n_hops)]
+    timed = [s for s in steps if len(s.outer_ms) == n_hops]
     return {
+        **hop_split(timed, hop_ms),
         "prefill": prefill,
         "decode": decode,
         "ring_steps": tele.ring_steps,
@@ -124,6 +130,22 @@ def route_run(route: RemoteRoute, ids: list[int], n_decode: int, ring: bool) -> 
         "hop_compute_ms": hop_ms,
         "compute_ms": sum(hop_ms),
     }
+
+
+def hop_split(steps: list, hop_ms: list[float]) -> dict:
+    """Where a decode step's time goes at each hop, from the replies back along the route (``StepTiming``, means
+    over ``steps``, ms): ``hop_beside_ms``, the node's time between reading the frame and answering it, less its
+    compute and less what it waited for the next hop (framing, Python, writing the frame on); ``hop_network_ms``,
+    what its caller waited beyond the node's own handling (both directions of the link, and the time the frame and
+    its reply waited to be read). A ring step's first hop is measured by the head, not the client: read these of
+    the ring=False route."""
+    n = len(hop_ms)
+    if not steps:
+        return {"hop_beside_ms": [math.nan] * n, "hop_network_ms": [math.nan] * n}
+    outer = [statistics.fmean(s.outer_ms[k] for s in steps) for k in range(n)]
+    network = [statistics.fmean(s.network_ms[k] for s in steps) for k in range(n)]
+    beside = [outer[k] - network[k] - hop_ms[k] - (outer[k + 1] if k + 1 < n else 0.0) for k in range(n)]
+    return {"hop_beside_ms": beside, "hop_network_ms": network}
 
 
 def rpc_run(path: str, ids: list[int], n_decode: int, addrs: list[str], env: dict) -> dict:
@@ -217,7 +239,8 @@ def summarize(times: dict[str, list[dict]], delay_ms: float) -> dict:
             e["ring_steps"] = statistics.median(x["ring_steps"] for x in runs)
             e["ring_steps_min"] = min(x["ring_steps"] for x in runs)
             e["compute_ms"] = statistics.median(x["compute_ms"] for x in runs)
-            e["hop_compute_ms"] = [statistics.median(h) for h in zip(*(x["hop_compute_ms"] for x in runs))]
+            for key in ("hop_compute_ms", "hop_beside_ms", "hop_network_ms"):
+                e[key] = [statistics.median(h) for h in zip(*(x[key] for x in runs))]
             hops = RING_HOPS if name == "ring" else NO_RING_HOPS
             e["bound_compute_ms"] = statistics.median(x["compute_ms"] for x in ring)  # C: the ring's
             e["bound"] = bound(e["bound_compute_ms"], delay_ms, hops)
@@ -332,6 +355,21 @@ def targets(res: dict, delay_ms: float) -> list[str]:
     out.append("Also (no target):")
     out.append(f"- ring route vs llama.cpp in-process, no delay: {fmt(p1['llama.cpp']['ring_ratio'], '.2f')}x")
     out.append(f"- ring vs ring=False, no delay: {fmt(p1['no_ring']['ring_ratio'], '.2f')}x")
+    llama_ms = 1000.0 / p1["llama.cpp"]["decode"]
+    out.append(
+        f"- the split compute alone: llama.cpp in-process {llama_ms:.2f} ms / token, Σ node compute "
+        f"{ring['compute_ms']:.2f} ms: the in-process ratio with no cost between hops would be "
+        f"{llama_ms / ring['compute_ms']:.2f}x"
+    )
+    nr = p1["no_ring"]
+    out.append(
+        "- per hop, ring=False route (ms per decode step; node: read to answer less compute and the next hop's "
+        "wait; network: the caller's wait less the node's handling): "
+        + ", ".join(
+            f"node {k + 1} {fmt(b, '.2f')} + network {fmt(w, '.2f')}"
+            for k, (b, w) in enumerate(zip(nr["hop_beside_ms"], nr["hop_network_ms"]))
+        )
+    )
     if res.get("part2"):
         p2 = res["part2"]
         out.append(f"- ring vs ring=False, {delay_ms:g} ms: {fmt(p2['no_ring']['ring_ratio'], '.2f')}x")
