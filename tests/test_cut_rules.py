@@ -199,6 +199,20 @@ def test_hybrid_ranges_may_start_at_a_block_without_heads(tmp_path):
     assert range_problem(acc.cuts, 2, 4, head_sizes=False) is None
 
 
+def glm5_next(tmp_path):
+    """A synthetic glm5-next of 8 blocks: recurrent (KDA) blocks 0 and 4; full-indexer attention blocks 1 and 5,
+    shared-indexer ones 2, 3, 6, 7."""
+    return synthetic(
+        tmp_path / "glm5-next.gguf",
+        "glm5-next",
+        **{
+            "attention.indexer.top_k": 64,
+            "attention.indexer.types": [1, 1, 0, 0] * 2,
+            "attention.head_count_kv": [0, 4, 4, 4] * 2,
+        },
+    )
+
+
 def test_hyper_connection_ranges_start_at_a_full_indexer(tmp_path):
     """hy_v4 (patch 0015 carries its 4 residual streams across a cut) with DSA blocks that share the top-k of the
     block before: a range must start at a full-indexer block, and plan places only such ranges; without DSA
@@ -214,15 +228,7 @@ def test_hyper_connection_ranges_start_at_a_full_indexer(tmp_path):
     assert split > 0 and all(a % 2 == 0 for a, _ in placed)
     plain = HeaderAccounts.from_model(synthetic(tmp_path / "hy_v4-plain.gguf", "hy_v4"))
     assert all(plain.range_problem(a, a + 1) is None for a in range(8))
-    glm = synthetic(
-        tmp_path / "glm5-next.gguf",
-        "glm5-next",
-        **{
-            "attention.indexer.top_k": 64,
-            "attention.indexer.types": [1, 1, 0, 0] * 2,
-            "attention.head_count_kv": [0, 4, 4, 4] * 2,
-        },
-    )
+    glm = glm5_next(tmp_path)
     acc = HeaderAccounts.from_model(glm)
     assert acc.range_problem(0, 3) is None  # block 0 is recurrent, block 1 the first attention block: full
     assert "block 2 is a shared-indexer block" in acc.range_problem(2, 5)
@@ -236,15 +242,7 @@ def test_ranges_without_an_indexer_block_are_placed(tmp_path):
     """Patch 0017 (a graph sets only the indexer inputs a layer uses): a glm5-next range of only recurrent blocks and a
     dots3note range without a lightning-indexer block are placed; a llama.cpp without the patch refuses them, naming
     it, and a glm5-next range of one kind still needs patch 0011 too."""
-    glm = synthetic(
-        tmp_path / "glm5-next.gguf",
-        "glm5-next",
-        **{
-            "attention.indexer.top_k": 64,
-            "attention.indexer.types": [1, 1, 0, 0] * 2,
-            "attention.head_count_kv": [0, 4, 4, 4] * 2,
-        },
-    )
+    glm = glm5_next(tmp_path)
     cuts = HeaderAccounts.from_model(glm).cuts
     assert range_problem(cuts, 4, 5) is None  # block 4: recurrent (KDA) only
     problem = range_problem(cuts, 4, 5, indexer_inputs=False)
