@@ -201,7 +201,7 @@ def test_talkie_range_without_the_head_carries_no_lm_head(zoo_dir, monkeypatch):
     ``test_patch_0013_and_0014_architectures_run_at_every_boundary``). Without the patch every shard carries it."""
     from ggufswarm.artifact.gguf_file import GGUFModelFile
     from ggufswarm.runtime.llamacpp import patches
-    from ggufswarm.runtime.llamacpp.derive import shard_tensors
+    from ggufswarm.runtime.llamacpp.derive import shard_file_name, shard_tensors
 
     model = GGUFModelFile(zoo_dir / "talkie-dense.gguf")
     n = int(model.metadata["talkie.block_count"])
@@ -210,6 +210,9 @@ def test_talkie_range_without_the_head_carries_no_lm_head(zoo_dir, monkeypatch):
     names = {new for _, new in shard_tensors(model, 0, 1, head=False)}
     assert "token_embd.weight" in names and "output.weight" not in names
     assert "output.weight" in {new for _, new in shard_tensors(model, 1, n, head=True)}
+    cached = shard_file_name(model, 0, 1, False)
     applied = patches.applied
     monkeypatch.setattr(patches, "applied", lambda name: name != "0018-talkie-output-optional" and applied(name))
     assert "output.weight" in {new for _, new in shard_tensors(model, 0, 1, head=False)}
+    # a shard file cached with the patch is not the one a llama.cpp without it loads (nor the other way round)
+    assert shard_file_name(model, 0, 1, False) != cached

@@ -18,7 +18,7 @@ from ...artifact.cut_rules import HEADS_PATCH, INDEXER_PATCH, ONE_KIND_PATCH, He
 from ...artifact.gguf_file import GGUFModelFile, dequantize_q8_0
 from ..kv import TokenOutOfRange
 from . import patches
-from .archs import rules_for
+from .archs import ARCH_RULES, rules_for
 from .errors import UnsupportedShard
 from .range_checks import n_model_layers
 
@@ -326,8 +326,12 @@ class TokenEmbedding:
 
 
 def shard_file_name(model: GGUFModelFile, start: int, end: int, head: bool) -> str:
-    """A name that identifies the derived file: model fingerprint, range, head stage, format version."""
-    return f"{model.fingerprint[:16]}-{start}-{end}{'-head' if head else ''}-v3.gguf"
+    """A name that identifies the derived file: model fingerprint, range, head stage, ``-no-output`` when it leaves
+    out an LM head the loaded libllama lets it leave out (``ArchRules.optional_output``: a file made with the patch
+    is never taken by a llama.cpp without it, nor the other way round), format version."""
+    rules = ARCH_RULES.get(model.architecture)
+    optional = rules is not None and rules.optional_output is not None and patches.applied(rules.optional_output)
+    return f"{model.fingerprint[:16]}-{start}-{end}{'-head' if head else '-no-output' if optional else ''}-v3.gguf"
 
 
 def shard_paths(
