@@ -241,17 +241,19 @@ async def _apply_session_frame(
         if record is not None:
             hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
             if path.spec.head:
-                if session.commit:
-                    hop["commit"] = _commit(path, session, frame, body, record, record.out_digest)
-                answer = _head_reply(record, hop)
+                # ring decode: the head sends the next step itself (node/ring.py), first: the commitment's
+                # signature, the reply and the client's copy of it are off the route's critical path
                 nxt = ring.next_frame(path, session, frame, record)
-                if nxt is not None:  # ring decode: the head sends the next step itself (node/ring.py)
-                    answer["ring"] = frame.step + 1
-                reply = _record(record, answer, hop, t0)
-                if nxt is not None:  # the next step goes first: the client's copy and the reply are off its path
+                if nxt is not None:
                     task = asyncio.ensure_future(await _ring_push(path, session, *nxt))
                     path.link_tasks.add(task)
                     task.add_done_callback(path.link_tasks.discard)
+                if session.commit:
+                    hop["commit"] = _commit(path, session, frame, body, record, record.out_digest)
+                answer = _head_reply(record, hop)
+                if nxt is not None:
+                    answer["ring"] = frame.step + 1
+                reply = _record(record, answer, hop, t0)
                 await _send_direct(path, frame, body, reply)
                 return OK, reply
             sent = await _push(path, session, frame, record, kind)
