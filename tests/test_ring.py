@@ -77,14 +77,19 @@ def test_a_stop_string_ends_the_ring_and_the_session_goes_on_as_without_it(clust
         session = RemoteRoute(urls, 60.0).open(len(ids) + N + 8, greedy, ring=ring)
         try:
             text = "".join(generate(session, gemma.tokenizer, ids, N, [stop]))
-            # neither is the sampled token: each time the step the head sent is undone
-            more = [session.step([7]), session.step([11])]
-            outs.append((text, more, session.telemetry.ring_discarded, session.telemetry.ring_steps))
+            # neither is the sampled token: each time the head sent the next step, it is undone (the head sends it
+            # when the client's grant reached it before the step did: two connections, so not every time on a loaded
+            # machine)
+            sent, more = 0, []
+            for token in (7, 11):
+                sent += session.session.decode_ring.pending is not None
+                more.append(session.step([token]))
+            outs.append((text, more, session.telemetry.ring_discarded, session.telemetry.ring_steps, sent))
         finally:
             session.close()
-    (text0, more0, _, _), (text1, more1, discarded, steps) = outs
+    (text0, more0, _, _, _), (text1, more1, discarded, steps, sent) = outs
     assert text1 == text0 and stop not in text1 and full.startswith(text1) and more1 == more0
-    assert steps > 0 and discarded == 2
+    assert steps > 0 and discarded == sent, (discarded, sent)
 
 
 def test_speculative_decoding_on_a_ring_session_sends_its_own_steps(cluster, gemma):

@@ -325,6 +325,12 @@ class LinkPool:
         waiter.add_done_callback(lambda _f: timer.cancel())
         return waiter, True
 
+    def ready(self, url: str) -> bool:
+        """Whether a frame to ``url`` goes out without first opening a link (one is open, or the node takes
+        ``POST /v1/step`` only)."""
+        link = self._links.get(url)
+        return link is not None and (link.connected or link.http_only)
+
     def counts(self) -> dict:
         """``{"out": links open, "http_only": next hops reached by POST /v1/step}`` (for /health)."""
         return {

@@ -306,33 +306,48 @@ def _apply(path: StepPath, session: Session, frame: Frame, digest: int) -> StepR
 
 
 async def _ring_push(path: StepPath, session: Session, nxt: bytes, first: str | None) -> Coroutine:
-    """Ring decode (node/ring.py): send the session's next step ``nxt`` to the route's first node ``first`` now
-    (None: it is applied here, a route of one node); the coroutine (run it as a task) that waits for that step's
-    reply, the route's (or the error that stopped it), and passes it to the client on the session's reply link.
-    The head's own reply to the step before (``_send_direct``) goes out after this send, the route's later."""
+    """Ring decode (node/ring.py): send the session's next step ``nxt`` to the route's first node ``first`` now, when
+    the link to it is open (None: it is applied here, a route of one node); the coroutine (run it as a task) that
+    waits for that step's reply, the route's (or the error that stopped it), and passes it to the client on the
+    session's reply link. The head's own reply to the step before (``_send_direct``) goes out after this send, the
+    route's later. A link still to open is opened by the coroutine: a first node slow to answer never holds up the
+    head's reply."""
     t0 = time.perf_counter()
     sent: asyncio.Future | None = None
     error: Exception | None = None
-    if first is not None:
+    if first is not None and path.links.ready(first):
         try:
-            sent, _ = await path.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1))
-            path.metrics.messages_sent["frame"].inc()
+            sent = await _ring_send(path, session, nxt, first)
         except Exception as exc:
             error = exc
-    return _ring_replied(path, session, nxt, t0, sent, error)
+    return _ring_replied(path, session, nxt, first, t0, sent, error)
+
+
+async def _ring_send(path: StepPath, session: Session, nxt: bytes, first: str) -> asyncio.Future:
+    sent, _ = await path.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1))
+    path.metrics.messages_sent["frame"].inc()
+    return sent
 
 
 async def _ring_replied(
-    path: StepPath, session: Session, nxt: bytes, t0: float, sent: asyncio.Future | None, error: Exception | None
+    path: StepPath,
+    session: Session,
+    nxt: bytes,
+    first: str | None,
+    t0: float,
+    sent: asyncio.Future | None,
+    error: Exception | None,
 ) -> None:
-    """The rest of ``_ring_push``: the reply to ``nxt`` (applied here when nothing was ``sent`` and there was no
-    send ``error``) to the client on the reply link."""
+    """The rest of ``_ring_push``: the reply to ``nxt`` (sent to ``first`` here when it was not ``sent`` and there was
+    no send ``error``; applied here when ``first`` is None) to the client on the reply link."""
     try:
         if error is not None:
             raise error
-        if sent is None:
+        if first is None:
             status, reply = await apply_frame(path, nxt, t0)
         else:
+            if sent is None:
+                sent = await _ring_send(path, session, nxt, first)
             status, reply, _ = await sent
     except Exception as exc:
         status, reply = path.error_reply(exc)
