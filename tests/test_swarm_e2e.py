@@ -45,6 +45,7 @@ def test_demo_whole_story_equals_generate(ggufswarm_cli):
     )
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "published" in demo.stderr and "from the swarm" in demo.stderr
+    assert "ggufswarm demo: nodes 0:" in demo.stderr and "X-Ggufswarm-Token" in demo.stderr  # how to reach each node
     gen = subprocess.run(
         [*ggufswarm_cli, "generate", PROMPT, "--temperature", "0", "--max-tokens", "16"],
         capture_output=True,

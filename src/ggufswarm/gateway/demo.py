@@ -296,6 +296,13 @@ def run_demo(args) -> int:
             file=sys.stderr,
             flush=True,
         )
+        print(  # a node's /health and /metrics take the swarm token (header X-Ggufswarm-Token)
+            "ggufswarm demo: nodes "
+            + ", ".join(f"{n.spec.start}:{n.spec.end} {n.url} (pid {n.proc.pid})" for n in nodes)
+            + "; their /health and /metrics take the swarm token (header X-Ggufswarm-Token)",
+            file=sys.stderr,
+            flush=True,
+        )
         default = DEFAULT_PROMPT if chat else DEFAULT_COMPLETION
         prompt = args.prompt if args.prompt is not None else (None if args.serve else default)
         if prompt is not None:
