@@ -153,7 +153,7 @@ def shard_tensors(model: GGUFModelFile, start: int, end: int, head: bool) -> lis
     rules = rules_for(model.architecture)
     n_layer = n_model_layers(model)
     unused = rules.unused(model, start, end) if rules.unused else frozenset()
-    output_optional = bool(rules.optional_output) and patches.applied(rules.optional_output)
+    no_output = leaves_out_output(model, head)
     out = []
     for name, info in model.tensors.items():
         layer = info.layer
@@ -167,7 +167,7 @@ def shard_tensors(model: GGUFModelFile, start: int, end: int, head: bool) -> lis
             # every block adds the token's normalized embedding (talkie); a llama.cpp without the architecture's
             # optional-output patch requires its vocabulary-sized LM head too, and a non-head shard's graph then
             # computes logits with it that nobody reads (with the patch: no head, no logits)
-            if name == "output.weight" and not head and output_optional:
+            if name == "output.weight" and no_output:
                 continue
             new_name = name
         elif name in ("token_embd.weight", "output.weight", "output.bias", "output_norm.weight"):
@@ -325,13 +325,21 @@ class TokenEmbedding:
         return np.ascontiguousarray(x, dtype=np.float32)
 
 
+def leaves_out_output(model: GGUFModelFile, head: bool) -> bool:
+    """Whether a shard of ``model`` without the head stage (``head`` False) leaves out the LM head its architecture's
+    loader would otherwise require: the loaded libllama carries the patch making it optional
+    (``ArchRules.optional_output``)."""
+    rules = ARCH_RULES.get(model.architecture)
+    optional = None if head or rules is None else rules.optional_output
+    return optional is not None and patches.applied(optional)
+
+
 def shard_file_name(model: GGUFModelFile, start: int, end: int, head: bool) -> str:
     """A name that identifies the derived file: model fingerprint, range, head stage, ``-no-output`` when it leaves
-    out an LM head the loaded libllama lets it leave out (``ArchRules.optional_output``: a file made with the patch
-    is never taken by a llama.cpp without it, nor the other way round), format version."""
-    rules = ARCH_RULES.get(model.architecture)
-    optional = rules is not None and rules.optional_output is not None and patches.applied(rules.optional_output)
-    return f"{model.fingerprint[:16]}-{start}-{end}{'-head' if head else '-no-output' if optional else ''}-v3.gguf"
+    out the LM head (``leaves_out_output``: a file made with the patch is never taken by a llama.cpp without it, nor
+    the other way round), format version."""
+    stage = "-head" if head else "-no-output" if leaves_out_output(model, head) else ""
+    return f"{model.fingerprint[:16]}-{start}-{end}{stage}-v3.gguf"
 
 
 def shard_paths(
