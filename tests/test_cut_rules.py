@@ -120,32 +120,44 @@ def synthetic(path: Path, arch: str, n: int = 8, **kv) -> GGUFModelFile:
 
 
 def test_minimax_m3_leading_dense_blocks(tmp_path):
-    """minimax-m3: a range holding only leading dense-attention blocks aborts llama.cpp (its MSA inputs are never
-    used), which the block kinds do not show: plan used to place 0:2 of 8 blocks on 4 nodes. Now the first node
-    takes a sparse block too, and the node accepts every range plan places."""
+    """minimax-m3: a range holding only leading dense-attention blocks aborts a llama.cpp without patch 0017 (its MSA
+    inputs are never used), which the block kinds do not show: such a node refuses it, naming the patch. With the
+    patch every range runs, and the node accepts every range plan places."""
+    from ggufswarm.artifact.cut_rules import INDEXER_PATCH
+
     file = synthetic(tmp_path / "m3.gguf", "minimax-m3", leading_dense_block_count=3)
-    acc = HeaderAccounts.from_model(file)
+    cuts = HeaderAccounts.from_model(file).cuts
     for b in (1, 2, 3):
-        assert "only leading dense-attention blocks" in acc.range_problem(0, b)
-    assert acc.range_problem(0, 4) is None
-    placed, refused, split = check_agreement(file)
-    assert refused == sum(1 for a in range(8) for b in range(a + 1, 4))  # the ranges inside blocks 0..2
-    assert split == len(NODE_COUNTS)
-    assert all(b > 3 for a, b in placed if a == 0)  # no placement's first node holds only blocks 0..2
+        problem = range_problem(cuts, 0, b, indexer_inputs=False)
+        assert "only leading dense-attention blocks" in problem and INDEXER_PATCH in problem
+        assert range_problem(cuts, 0, b) is None
+    assert range_problem(cuts, 0, 4, indexer_inputs=False) is None
+    if patches.applied(INDEXER_PATCH):
+        placed, refused, split = check_agreement(file)
+        assert refused == 0 and split == len(NODE_COUNTS)
 
 
 def test_llama4_moe_step_and_no_rope_blocks(tmp_path):
     """llama4: llama.cpp counts the MoE block of every interleave_moe_layer_step, and the no-RoPE block of every 4
-    (chunked attention), from a file's block 0; a range that shifts either is refused by the node, and plan (which
-    used to cut anywhere) places around both: every placed range starts where both patterns keep their phase."""
+    (chunked attention), from a file's block 0; patch 0020 counts them from the whole model's (block_offset), so every
+    range is placed and accepted. A llama.cpp without the patch refuses a range that shifts either, naming the patch;
+    smollm3's and afmoe's no-RoPE block of every 4 likewise."""
+    from ggufswarm.artifact.cut_rules import PATTERN_PATCH
+
     file = synthetic(tmp_path / "llama4.gguf", "llama4", interleave_moe_layer_step=2, **{"attention.sliding_window": 8})
-    acc = HeaderAccounts.from_model(file)
-    assert "MoE block of every interleave_moe_layer_step" in acc.range_problem(1, 2)
-    assert "no-RoPE block" in acc.range_problem(2, 4)
-    placed, refused, split = check_agreement(file)
-    assert refused and split
-    for a, b in placed:
-        assert a % 2 == 0 and (a % 4 == 0 or b - a < 4 - a % 4), (a, b)  # whole-model phases (llama4.cpp)
+    cuts = HeaderAccounts.from_model(file).cuts
+    old = range_problem(cuts, 1, 2, block_patterns=False)
+    assert "MoE block of every interleave_moe_layer_step" in old and PATTERN_PATCH in old
+    assert "no-RoPE block" in range_problem(cuts, 2, 4, block_patterns=False)
+    assert range_problem(cuts, 0, 4, block_patterns=False) is None  # both patterns keep their phase
+    assert all(range_problem(cuts, a, b) is None for a in range(8) for b in range(a + 1, 9))
+    for arch in ("smollm3", "afmoe"):
+        cuts = HeaderAccounts.from_model(synthetic(tmp_path / f"{arch}.gguf", arch)).cuts
+        assert "no-RoPE block of every 4" in range_problem(cuts, 2, 4, block_patterns=False), arch
+        assert range_problem(cuts, 2, 4) is None, arch
+    if patches.applied(PATTERN_PATCH):
+        placed, refused, split = check_agreement(file)
+        assert not refused and split
 
 
 def test_optional_sliding_window_ranges_are_placed(tmp_path):

@@ -24,6 +24,8 @@ BITWISE_TARGET = 0.95
 RANGE_PATCH_ARCHS = "bloom muse-glimmer minicpm3 talkie minimax-01 smallthinker".split()
 HEADS_PATCH_ARCHS = "jamba lfm2 lfm2moe granitehybrid".split()
 HC_PATCH_ARCHS = "hy_v4 glm5-next qwen4exp".split()
+# the architectures whose no-RoPE (and llama4's MoE) block patterns patch 0020 counts from the whole model's block 0
+PATTERN_PATCH_ARCHS = "afmoe smollm3 llama4".split()
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +218,87 @@ def test_talkie_range_without_the_head_carries_no_lm_head(zoo_dir, monkeypatch):
     assert "output.weight" in {new for _, new in shard_tensors(model, 0, 1, head=False)}
     # a shard file cached with the patch is not the one a llama.cpp without it loads (nor the other way round)
     assert shard_file_name(model, 0, 1, False) != cached
+
+
+def test_kda_ranges_start_at_any_block(verdicts):
+    """kimi-linear, bailingmoe3 and kimi-k3 compute their recurrent (KDA) blocks with block 0's head count: a range
+    starting at a KDA block is given the whole model's (``range_checks._recurrent_heads_check``), so every chain the
+    zoo probes, one-block shards included, is accepted and bitwise; kimi-k3's attention residuals cross each cut
+    (patch 0019)."""
+    from ggufswarm.runtime.llamacpp import patches
+
+    by_arch = {v.arch: v for v in verdicts}
+    for arch in ("kimi-linear", "bailingmoe3", "kimi-k3"):
+        v = by_arch[arch]
+        if arch == "kimi-k3" and not patches.applied("0019-attention-residual-ranges"):
+            assert v.kind == "refused" and "0019" in v.detail, (arch, v.detail)
+            continue
+        assert v.kind == "bitwise" and v.results and all(r == "bitwise" for r in v.results), (arch, v.results)
+        assert any(len(cut) == cut[0] for cut in v.cuts), (arch, v.cuts)  # [n, 1, ..., n - 1]: one-block shards
+
+
+def test_attention_residual_ranges_bitwise(zoo_dir, tmp_path):
+    """Patch 0019: kimi-k3's copy stretched to 8 blocks with a checkpoint every 3 blocks (``attn_res.block_size`` 3:
+    blocks 0, 3 and 6 bank their input), cut at every block boundary, equals llama.cpp's whole-model run bitwise; the
+    hidden states crossing each cut are the residual stream and the checkpoints banked before it, ``n_embd`` wider
+    after each checkpoint block, and each shard takes and sends those widths."""
+    import numpy as np
+
+    from ggufswarm.artifact.gguf_file import GGUFModelFile
+    from ggufswarm.runtime.llamacpp import patches
+    from ggufswarm.runtime.llamacpp.backend import LlamaCppShard
+    from ggufswarm.runtime.llamacpp.derive import model_info, n_vocab
+    from ggufswarm.runtime.shard import ShardSpec
+
+    if not patches.applied("0019-attention-residual-ranges"):
+        pytest.skip("needs llama.cpp patch 0019-attention-residual-ranges (make setup)")
+    src = GGUFModelFile(zoo_dir / "kimi-k3-moe.gguf")
+    copy = GGUFModelFile(zoo.stretch(src, tmp_path / "kimi-k3.gguf", overrides={"kimi-k3.attn_res.block_size": 3}))
+    n_embd = int(copy.metadata["kimi-k3.embedding_length"])
+    info = model_info(copy)
+    # cut c: the stream and ceil(c / 3) checkpoints (cut 0: the first shard's token embeddings)
+    assert [w // n_embd for w in info.widths] == [1, 2, 2, 2, 3, 3, 3, 4, 4]
+    shard = LlamaCppShard(copy, ShardSpec(2, 5), n_ctx_seq=64, n_seq_max=1, n_batch=64, threads=1, cache_dir=tmp_path)
+    try:
+        kv = shard.new_session(64)
+        out = shard.forward(kv, np.zeros((3, 2 * n_embd), dtype=np.float32))
+        assert (shard.n_embd_in, shard.n_embd_out, out.shape) == (2 * n_embd, 3 * n_embd, (3, 3 * n_embd))
+        with pytest.raises(ValueError, match="expected hidden states"):
+            shard.forward(kv, np.zeros((1, n_embd), dtype=np.float32))
+        kv.close()
+    finally:
+        shard.close()
+    ids = np.random.default_rng(zoo.SEED).integers(0, n_vocab(copy), zoo.N_PROMPT).tolist()
+    kind, detail = zoo._run_cut(
+        copy, list(range(1, 8)), ids, lambda: zoo.whole_model_run(copy.path, ids, zoo.N_DECODE, 1), tmp_path, 1
+    )
+    assert kind == "bitwise", detail
+
+
+def test_patch_0020_block_patterns_run_at_every_boundary(verdicts):
+    """Patch 0020 (afmoe's, smollm3's and llama4's no-RoPE block of every 4, llama4's MoE block of every
+    interleave_moe_layer_step, counted from the whole model's block 0): every chain the zoo probes, one-block shards
+    included, is accepted and bitwise (before it, a range had to start where both patterns kept their phase)."""
+    from ggufswarm.artifact.cut_rules import PATTERN_PATCH
+    from ggufswarm.runtime.llamacpp import patches
+
+    if not patches.applied(PATTERN_PATCH):
+        pytest.skip(f"needs llama.cpp patch {PATTERN_PATCH} (make setup)")
+    by_arch = {v.arch: v for v in verdicts}
+    for arch in PATTERN_PATCH_ARCHS:
+        v = by_arch[arch]
+        assert v.kind == "bitwise" and v.results and all(r == "bitwise" for r in v.results), (arch, v.results)
+        assert any(len(cut) == cut[0] for cut in v.cuts), (arch, v.cuts)  # [n, 1, ..., n - 1]: one-block shards
+
+
+def test_minimax_m3_ranges_of_dense_blocks_run(verdicts):
+    """Patch 0017 (a graph sets only the sparse-attention inputs a layer uses): minimax-m3's ranges of only leading
+    dense-attention blocks run, so every chain the zoo probes, one-block shards included, is bitwise."""
+    from ggufswarm.artifact.cut_rules import INDEXER_PATCH
+    from ggufswarm.runtime.llamacpp import patches
+
+    if not patches.applied(INDEXER_PATCH):
+        pytest.skip(f"needs llama.cpp patch {INDEXER_PATCH} (make setup)")
+    v = {v.arch: v for v in verdicts}["minimax-m3"]
+    assert v.kind == "bitwise" and v.results and all(r == "bitwise" for r in v.results), v.results
+    assert any(len(cut) == cut[0] for cut in v.cuts), v.cuts

@@ -6,10 +6,11 @@ The models: GLM-4.x MoE (leading dense block, patch 0003), Gemma 3 (sliding-wind
 leave a range of one kind: patch 0011), Qwen3.5 MoE (a hybrid of Gated DeltaNet and attention blocks, 4 positions per
 token), LFM2 and Jamba (hybrids with per-block head counts, their later ranges starting at a convolution or Mamba block:
 patch 0014), two of patch 0013's: bloom (its input norm on the first node only) and talkie (every block adds the
-token's normalized embedding: the frames carry the token ids to the nodes past the first), and the hyper-connection
-models of patch 0015, HY-V4, GLM-5-Next and Qwen4-Exp (4 residual streams of n_embd per token in every frame;
-Qwen4-Exp's n-gram embeddings read the token ids the frames carry). The cuts are the thirds of the model, moved to the
-nearest ones the cut rules accept. The reference is llama.cpp's whole model fed the same prompt
+token's normalized embedding: the frames carry the token ids to the nodes past the first), the hyper-connection models
+of patch 0015, HY-V4, GLM-5-Next and Qwen4-Exp (4 residual streams of n_embd per token in every frame; Qwen4-Exp's
+n-gram embeddings read the token ids the frames carry), and Kimi-K3 with attention residuals (patch 0019: each frame
+carries the stream and the checkpoints banked before its cut, wider from hop to hop). The cuts are the thirds of the
+model, moved to the nearest ones the cut rules accept. The reference is llama.cpp's whole model fed the same prompt
 (``test_hybrid_repair.llama_cpp_steps``, one thread as the nodes run).
 """
 
@@ -31,7 +32,9 @@ from ggufswarm.runtime.shard import ShardSpec
 N_DECODE = 16
 # cut at every block boundary by generate --split
 EVERY_BOUNDARY = ["glm4moe-moe", "gemma3-dense", "qwen35moe-moe", "lfm2-dense", "jamba-dense", "bloom-dense"]
-EVERY_BOUNDARY += ["talkie-dense"]
+EVERY_BOUNDARY += ["talkie-dense", "kimi-k3-moe"]
+# kimi-k3 with a checkpoint every 3 blocks (patch 0019): the frames of each hop are wider than the previous hop's
+OVERRIDES = {"kimi-k3-moe": {"kimi-k3.attn_res.block_size": 3}}
 # hyper-connections (patch 0015): 4 residual streams cross every cut; DSA blocks sharing the top-k of the block before
 # (hy_v4) cannot start a range, and glm5-next's recurrent blocks make a range alone only with patch 0017: generate
 # --split takes the finest chain the cut rules accept
@@ -72,7 +75,9 @@ def three_ranges(header: Header) -> tuple[int, int]:
 
 @pytest.mark.parametrize("name", ROUTED)
 def test_three_node_route_gives_llama_cpp_tokens(name, zoo_dir, tmp_path):
-    path = zoo.stretch(GGUFModelFile(zoo_dir / f"{name}.gguf"), tmp_path / f"stretched-{name}.gguf")
+    path = zoo.stretch(
+        GGUFModelFile(zoo_dir / f"{name}.gguf"), tmp_path / f"stretched-{name}.gguf", overrides=OVERRIDES.get(name)
+    )
     model = GGUFModelFile(path)
     header = Header(model.metadata)
     a, b = three_ranges(header)
@@ -103,7 +108,9 @@ def test_generate_split_at_every_boundary_gives_llama_cpp_tokens(name, zoo_dir, 
     """``generate --split 1,2,...,7`` (``LocalModel``: chained in-process shards of one block each; the finest chain
     the cut rules accept for the hyper-connection models) on the same copy gives llama.cpp's whole-model greedy
     tokens."""
-    path = zoo.stretch(GGUFModelFile(zoo_dir / f"{name}.gguf"), tmp_path / f"stretched-{name}.gguf")
+    path = zoo.stretch(
+        GGUFModelFile(zoo_dir / f"{name}.gguf"), tmp_path / f"stretched-{name}.gguf", overrides=OVERRIDES.get(name)
+    )
     model = GGUFModelFile(path)
     header = Header(model.metadata)
     n, cuts = header.n_layers, finest_cuts(header)

@@ -191,7 +191,7 @@ def _ffn_part(name: str) -> bool:
     return name.startswith(("ffn_", "exp_probs_b")) or any(w in name for w in ("feed_forward", "expert", "swiglu"))
 
 
-def stretch(model, dest: Path, mix: bool = True) -> Path:
+def stretch(model, dest: Path, mix: bool = True, overrides: dict | None = None) -> Path:
     """A copy of zoo model ``model`` (a GGUFModelFile) with ``max(STRETCHED_BLOCKS, 2 n)`` blocks, written to ``dest``.
 
     test-llama-archs writes 2 blocks for most architectures, where the one middle cut leaves a shard without a
@@ -201,7 +201,8 @@ def stretch(model, dest: Path, mix: bool = True) -> Path:
     attention part from ``b0, b1, ...`` in turn and their feed-forward part from the non-leading blocks, so the
     kinds still alternate (block 2 of a 2-block file with one leading dense block: ``b0``'s attention, ``b1``'s MoE).
     Every per-block metadata array follows its block's part. ``mix=False``: the non-leading blocks repeated whole
-    (``b0 b1 b1 b1 ...``), where a leading block's attention does not fit a later block. A model llama.cpp runs like
+    (``b0 b1 b1 b1 ...``), where a leading block's attention does not fit a later block. ``overrides``: scalar
+    metadata keys given another value of their type (kimi-k3's ``attn_res.block_size``). A model llama.cpp runs like
     any other; the reference is llama.cpp's whole-model run of the copy."""
     from gguf import GGUFValueType
 
@@ -234,6 +235,8 @@ def stretch(model, dest: Path, mix: bool = True) -> Path:
             value = [value[f if _ffn_part(key) else a] for a, f in recipe]
         metadata[key] = (value, vtype, item)
     metadata[f"{arch}.block_count"] = (total, GGUFValueType.UINT32, None)
+    for key, value in (overrides or {}).items():
+        metadata[key] = (value, metadata[key][1], None)
     # qwen4exp's n-gram embedding block (ple.layers lists it by index, and llama.cpp builds one): its ple_* tensors
     # stay in that block, not in its copies
     ple_blocks = [int(i) for i in np.atleast_1d(model.metadata.get(f"{arch}.ple.layers", []))]

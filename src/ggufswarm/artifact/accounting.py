@@ -280,19 +280,30 @@ class HeaderAccounts:
         blocks = sum(layer.weight_bytes for layer in self.layers)
         return blocks + sum(self.global_bytes.values()) + self.other_block_bytes
 
+    def boundary_width_at(self, cut: int) -> int:
+        """Values per token of the residual state crossing a shard boundary before block ``cut``: ``n_embd``, times
+        ``hyper_connection.count`` where the model widens its residual stream (llama.cpp ``dsv4_hc_mult``:
+        ``n_embd_out = hc_mult * n_embd``, src/models/deepseek4.cpp), plus ``n_embd`` per attention-residual
+        checkpoint banked before the cut (kimi-k3's ``attn_res.block_size``: one at each multiple of it,
+        src/models/kimi-k3.cpp ``res_push``)."""
+        streams = max(int(self._get("hyper_connection.count", 1) or 1), 1)
+        bank = int(self._get("attn_res.block_size", 0) or 0)
+        return self.n_embd * (streams + (-(-cut // bank) if bank > 0 else 0))
+
     @property
     def boundary_width(self) -> int:
-        """Values per token of the residual stream crossing a shard boundary: ``n_embd``, times
-        ``hyper_connection.count`` where the model widens its residual stream (llama.cpp ``dsv4_hc_mult``:
-        ``n_embd_out = hc_mult * n_embd``, src/models/deepseek4.cpp)."""
-        return self.n_embd * max(int(self._get("hyper_connection.count", 1) or 1), 1)
+        """The widest ``boundary_width_at`` over the model's inner cuts (every cut's, but for kimi-k3's banked
+        checkpoints: the last cut's)."""
+        return self.boundary_width_at(max(self.n_layers - 1, 0))
 
-    def boundary_bytes_per_token(self, wire_dtype: str = "f32") -> int:
-        """Hidden-state bytes per token crossing a shard boundary: ``boundary_width`` × element size."""
+    def boundary_bytes_per_token(self, wire_dtype: str = "f32", cut: int | None = None) -> int:
+        """Hidden-state bytes per token crossing the shard boundary before block ``cut`` (None: the widest):
+        ``boundary_width_at`` × element size."""
         try:
-            return self.boundary_width * WIRE_ELEMENT_BYTES[wire_dtype]
+            size = WIRE_ELEMENT_BYTES[wire_dtype]
         except KeyError:
             raise ValueError(f"unknown wire dtype {wire_dtype!r} (known: {', '.join(WIRE_ELEMENT_BYTES)})") from None
+        return (self.boundary_width if cut is None else self.boundary_width_at(cut)) * size
 
     def shard(
         self, start: int, end: int, embed: bool = False, head: bool = False, wire_dtype: str = "f32"
@@ -313,7 +324,7 @@ class HeaderAccounts:
             weight,
             sum(layer.kv_bytes_per_token for layer in blocks),
             sum(layer.state_bytes_per_session for layer in blocks),
-            0 if head else self.boundary_bytes_per_token(wire_dtype),
+            0 if head else self.boundary_bytes_per_token(wire_dtype, end),
             self.n_embd,
             wire_dtype,
         )

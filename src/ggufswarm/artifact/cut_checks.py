@@ -86,6 +86,12 @@ class IndexerProblem(str):
     rest: str | None = None
 
 
+class PatternProblem(str):
+    """A check's reason that holds only for a llama.cpp without patch ``cut_rules.PATTERN_PATCH`` (a per-block rule
+    llama.cpp counts from a file's block 0 that a range would get wrong: ``range_problem`` passes it over where the
+    patch is there, whose graphs count from the whole model's block 0, ``block_offset``)."""
+
+
 def indexer_problem(text: str, rest: str | None = None) -> IndexerProblem:
     """An ``IndexerProblem`` saying ``text``, ``rest`` where the patch is there."""
     problem = IndexerProblem(text)
@@ -171,16 +177,16 @@ def gemma4_check(h: Header, a: int, b: int) -> str | None:
 
 
 def same_flags(h: Header, a: int, b: int, what: str, flag: Callable[[int, int], bool], source: str) -> str | None:
-    """A reason unless ``flag(il, n_layer)``, a per-block rule llama.cpp computes from the block index ``il`` and the
-    file's block count, gives blocks ``[a, b)`` of a shard file (``il`` from 0, ``n_layer = b - a``) what it gives them
-    in the whole model."""
+    """A reason (a ``PatternProblem``) unless ``flag(il, n_layer)``, a per-block rule llama.cpp computes from the block
+    index ``il`` and the file's block count, gives blocks ``[a, b)`` of a shard file (``il`` from 0, ``n_layer = b -
+    a``) what it gives them in the whole model."""
     whole = [flag(il, h.n_layers) for il in range(a, b)]
     local = [flag(il, b - a) for il in range(b - a)]
     if whole != local:
-        return (
+        return PatternProblem(
             f"{h.arch}: {what} counts from a file's block 0 ({source}), so a shard file of "
-            f"blocks {a}:{b} would get it wrong; choose a range that keeps it (a "
-            f"llama.cpp change reading it from a per-layer array would lift this)"
+            f"blocks {a}:{b} would get it wrong without patch 0020-block-patterns-of-the-whole-model "
+            f"(patches/llama.cpp in ggufswarm; `make setup` builds it); choose a range that keeps it"
         )
     return None
 
@@ -277,14 +283,16 @@ def nanbeige_check(h: Header, a: int, b: int) -> str | None:
 
 
 def first_block_heads(h: Header, a: int, b: int) -> str | None:
-    # src/models/kimi-linear.cpp, bailingmoe3.cpp: the recurrent (KDA) blocks take their head count from
-    # hparams.n_head(), the file's block 0
+    # src/models/kimi-linear.cpp, bailingmoe3.cpp, kimi-k3.cpp: the recurrent (KDA) blocks take their head count from
+    # hparams.n_head(), the file's block 0; a range starting at a KDA block (0 heads in a per-layer head_count) is
+    # given the whole model's block-0 count (runtime/llamacpp/range_checks.py, _recurrent_heads_check), one starting
+    # at an attention block with another count cannot be
     heads = h.md.get(f"{h.arch}.attention.head_count")
-    if isinstance(heads, list) and int(heads[a]) != int(heads[0]):
+    if isinstance(heads, list) and int(heads[a]) not in (0, int(heads[0])):
         return (
             f"{h.arch}: its recurrent blocks take their head count from a file's block 0 "
             f"(hparams.n_head(), src/models/{h.arch}.cpp): block {a} has {heads[a]} heads, "
-            f"block 0 {heads[0]}, so a range must start at a block with {heads[0]}"
+            f"block 0 {heads[0]}, so a range must start at a block with {heads[0]} or a recurrent one"
         )
     return hybrid_check(h, a, b)
 
@@ -292,12 +300,12 @@ def first_block_heads(h: Header, a: int, b: int) -> str | None:
 def minimax_m3_check(h: Header, a: int, b: int) -> str | None:
     lead = int(h.md.get("minimax-m3.leading_dense_block_count", 0) or 0)
     if b <= lead:  # src/models/minimax-m3.cpp: is_sparse = msa_enabled && il >= n_layer_dense_lead
-        return (
+        return indexer_problem(
             f"minimax-m3: layer range {a}:{b} holds only leading dense-attention blocks (0:{lead}); "
             f"the graph creates its sparse-attention (MSA) inputs whenever flash attention is on, "
             f"and llama.cpp aborts setting them when no block used them (llm_graph_input_msa::"
-            f"set_input, GGML_ASSERT(buffer)); a range needs a block from {lead} on (or a llama.cpp "
-            f"change creating the MSA inputs only for a graph with a sparse block)"
+            f"set_input, GGML_ASSERT(buffer)) without patch 0017-indexer-free-ranges (patches/llama.cpp in "
+            f"ggufswarm; `make setup` builds it), so a range needs a block from {lead} on"
         )
     return None
 
@@ -313,19 +321,6 @@ def dots3note_check(h: Header, a: int, b: int) -> str | None:
             f"needs one"
         )
     return None
-
-
-def kimi_k3_check(h: Header, a: int, b: int) -> str | None:
-    if int(h.md.get("kimi-k3.attn_res.block_size", 0) or 0) > 0:
-        return (
-            "kimi-k3 with attention residuals (attn_res.block_size > 0): every block mixes a bank of "
-            "earlier blocks' inputs (res_push / res_mix, src/models/kimi-k3.cpp), one more checkpoint every "
-            "attn_res.block_size blocks, so what crosses a cut at block a is ceil(a / block_size) banked "
-            "checkpoints and the residual stream per token, a width that depends on the cut; only the whole "
-            "model runs (a llama.cpp change taking the bank through batch.embd with a frame width per cut, as "
-            "0015 takes hyper-connection streams, would lift it)"
-        )
-    return hybrid_check(h, a, b)
 
 
 def shared_indexer_check(default_full: int) -> Check:

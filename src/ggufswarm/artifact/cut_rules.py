@@ -29,6 +29,9 @@ HEADS_PATCH = "0014-hybrid-ranges-start-at-any-block"
 # the llama.cpp patch that sets a DSA graph's indexer inputs only where a layer uses them: a range of GLM-5-Next
 # without an attention block, of dots.llm3-note without a lightning-indexer block
 INDEXER_PATCH = "0017-indexer-free-ranges"
+# the llama.cpp patch whose afmoe, smollm3 and llama4 graphs count their no-RoPE and MoE blocks from the whole model's
+# block 0 (block_offset, block_count_whole: patch 0013), so a range may start and end at any block
+PATTERN_PATCH = "0020-block-patterns-of-the-whole-model"
 
 # llama.cpp's sliding-window period for architectures that set it in code when the GGUF has no
 # attention.sliding_window_pattern (src/llama-model.cpp load_hparams: set_swa_pattern)
@@ -133,8 +136,11 @@ CUT_RULES: dict[str, CutRules] = {
     # recurrent: every block; hybrid: recurrent blocks where head_count_kv is 0 (a shard of one kind: patch 0011)
     **{arch: CutRules(recurrent=c.all_recurrent) for arch in ("mamba", "mamba2", "falcon-h1")},
     **{arch: _HYBRID for arch in ("jamba", "granitehybrid", "lfm2", "plamo2", "lfm2moe")},
-    **{arch: CutRules(recurrent=c.kv0_recurrent, check=c.first_block_heads) for arch in ("kimi-linear", "bailingmoe3")},
-    "kimi-k3": CutRules(recurrent=c.kv0_recurrent, check=c.kimi_k3_check),
+    # (kimi-k3's attention residuals cross a cut through patch 0019: runtime/llamacpp/archs.py)
+    **{
+        arch: CutRules(recurrent=c.kv0_recurrent, check=c.first_block_heads)
+        for arch in ("kimi-linear", "bailingmoe3", "kimi-k3")
+    },
     **{arch: CutRules(recurrent=c.nemotron_h_recurrent, check=c.hybrid_check) for arch in _NEMOTRON_H},
     **{arch: CutRules(whole_only=why) for arch, why in WHOLE_ONLY.items()},
 }
@@ -229,17 +235,19 @@ def range_problem(
     one_kind: bool = True,
     head_sizes: bool = True,
     indexer_inputs: bool = True,
+    block_patterns: bool = True,
 ) -> str | None:
     """Why blocks ``[start, end)`` cannot be one llama.cpp shard (None: they can), ``head``: with the output head
-    (default: when ``end`` is the last layer). In order: an architecture no node runs, a range outside the model, one
-    of an architecture that runs only as the whole model, the architecture's own check (of which a DSA model's range
+    (default: when ``end`` is the last layer). In order: an architecture no node runs, a range outside the model, one of
+    an architecture that runs only as the whole model, the architecture's own check (of which a DSA model's range
     without an attention / indexer block only where ``indexer_inputs`` is False: a llama.cpp without patch
-    ``INDEXER_PATCH``, ``cut_checks.IndexerProblem``), a start at a block without attention heads where
-    ``head_sizes`` is False (a llama.cpp without patch ``HEADS_PATCH`` reads the head sizes only when a file's block 0
-    has some), and, where ``one_kind`` is False (a llama.cpp without patch ``ONE_KIND_PATCH``: ``plan`` assumes the
-    patch queue, a node passes what its libllama carries), a range of one kind of block: without a sliding-window
-    layer in a model with them (llama.cpp's is_swa_any; unless the architecture's SWA is optional), or a hybrid
-    model's range without a recurrent or an attention block (``cut_checks.OneKindProblem``)."""
+    ``INDEXER_PATCH``, ``cut_checks.IndexerProblem``; a block pattern counted from a file's block 0 only where
+    ``block_patterns`` is False: without ``PATTERN_PATCH``, ``cut_checks.PatternProblem``), a start at a block without
+    attention heads where ``head_sizes`` is False (a llama.cpp without patch ``HEADS_PATCH`` reads the head sizes only
+    when a file's block 0 has some), and, where ``one_kind`` is False (a llama.cpp without patch ``ONE_KIND_PATCH``:
+    ``plan`` assumes the patch queue, a node passes what its libllama carries), a range of one kind of block: without a
+    sliding-window layer in a model with them (llama.cpp's is_swa_any; unless the architecture's SWA is optional), or a
+    hybrid model's range without a recurrent or an attention block (``cut_checks.OneKindProblem``)."""
     h = header if isinstance(header, Header) else Header(header)
     if h.rules is None:
         return unsupported(h.arch)
@@ -251,6 +259,8 @@ def range_problem(
     problem = h.rules.check(h, start, end) if h.rules.check else None
     if indexer_inputs and isinstance(problem, c.IndexerProblem):
         problem = problem.rest
+    if block_patterns and isinstance(problem, c.PatternProblem):
+        problem = None
     if problem and not (one_kind and isinstance(problem, c.OneKindProblem)):
         return problem
     heads = h.md.get(f"{h.arch}.attention.head_count")
@@ -283,6 +293,7 @@ __all__ = [
     "Header",
     "HEADS_PATCH",
     "INDEXER_PATCH",
+    "PATTERN_PATCH",
     "ONE_KIND_PATCH",
     "RANGE_PATCH",
     "WHOLE_ONLY",

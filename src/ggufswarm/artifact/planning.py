@@ -204,7 +204,8 @@ def place(
     session_context = min(limits) if limits else None
     if trained is not None:
         session_context = trained if session_context is None else min(session_context, trained)
-    hop = FRAME_HEADER_BYTES + acc.boundary_bytes_per_token(wire_dtype) + TRAILER_BYTES_PER_TOKEN
+    # a frame at each cut (its width: boundary_width_at the cut)
+    wire = sum(n.shard.boundary_bytes_per_token + FRAME_HEADER_BYTES + TRAILER_BYTES_PER_TOKEN for n in nodes[:-1])
     return Placement(
         node_memory,
         context,
@@ -213,7 +214,7 @@ def place(
         session_context,
         trained,
         wire_dtype,
-        hop * (len(nodes) - 1),
+        wire,
         gpu_memory,
     )
 
@@ -320,8 +321,13 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
     for name, n in sorted(acc.global_bytes.items()):
         lines.append(f"  {name:<28} {n:>16,} {human_bytes(n):>11}")
     route_kv = sum(b.kv_bytes_per_token for b in acc.layers[: acc.n_layers])
+    widened = (
+        "hyper-connections"
+        if acc.boundary_width_at(0) != acc.n_embd
+        else "the stream and its attention-residual checkpoints, at the widest cut"
+    )
     width = f"n_embd {acc.n_embd}" + (
-        f" x {acc.boundary_width // acc.n_embd} (hyper-connections)" if acc.boundary_width != acc.n_embd else ""
+        f" x {acc.boundary_width // acc.n_embd} ({widened})" if acc.boundary_width != acc.n_embd else ""
     )
     route_state = sum(b.state_bytes_per_session for b in acc.layers[: acc.n_layers])
     trained = acc.metadata.get(f"{acc.arch}.context_length")
@@ -359,12 +365,17 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
         )
     ctx = "unbounded by memory" if p.session_context is None else f"{p.session_context:,} tokens"
     trained = f" (trained context {p.trained_context:,})" if p.trained_context else ""
-    hops = len(p.nodes) - 1
+    hops = [n.shard.boundary_bytes_per_token + FRAME_HEADER_BYTES + TRAILER_BYTES_PER_TOKEN for n in p.nodes[:-1]]
+    per_hop = (
+        "no hop"
+        if not hops
+        else f"{len(hops)} hop(s) x {hops[0]:,}"
+        if len(set(hops)) == 1
+        else " + ".join(f"{h:,}" for h in hops)
+    )
     lines += [
         f"nodes: {len(p.nodes)}; each session can have up to {ctx}{trained}",
-        f"wire bytes per decode token on this route ({p.wire_dtype}): {hops} hop(s) x "
-        f"{FRAME_HEADER_BYTES + acc.boundary_bytes_per_token(p.wire_dtype) + TRAILER_BYTES_PER_TOKEN:,} = "
-        f"{p.wire_bytes_per_token:,} B",
+        f"wire bytes per decode token on this route ({p.wire_dtype}): {per_hop} = {p.wire_bytes_per_token:,} B",
     ]
     return "\n".join(lines)
 

@@ -128,6 +128,11 @@ class ModelConfig:
         """Longest session this model allows: min(trained context, 128K cap)."""
         return min(self.context_length, MAX_CONTEXT)
 
+    def width_at(self, cut: int) -> int:
+        """Values per token of the hidden states crossing a cut before block ``cut``: ``n_embd`` at every cut (as
+        ``ShardModelInfo.width_at``, whose kimi-k3 grows)."""
+        return self.n_embd
+
 
 def meta_get(meta: dict[str, Any], arch: str, key: str, default: Any = None) -> Any:
     """``meta[f"{arch}.{key}"]``; KeyError naming the key when it is missing and no default is given."""

@@ -59,7 +59,7 @@ def shard_accounting(state: NodeState) -> dict:
                 "weight_bytes": 0,
                 "state_bytes_per_session": 0,
                 "n_embd": state.cfg.n_embd,
-                "boundary_bytes_per_token": 0 if state.spec.head else F32_BYTES * state.cfg.n_embd,
+                "boundary_bytes_per_token": 0 if state.spec.head else F32_BYTES * state.path.n_embd_out,
             }
         static = state.accounting = {k: acc[k] for k in ACCOUNTING_KEYS}
     store = state.store

@@ -200,7 +200,8 @@ class NodeState:
         # what the step path uses (node/steps.py, node/ring.py); the links to next hops are net/link.py's
         self.path = StepPath(
             spec=self.spec,
-            n_embd=self.cfg.n_embd,
+            n_embd_in=self.cfg.width_at(self.spec.start),
+            n_embd_out=self.cfg.width_at(self.spec.end),
             store=self.store,
             identity=self.identity,
             pool=self.pool,

@@ -111,7 +111,8 @@ class StepMetrics:
 
 @dataclass(eq=False)
 class StepPath:
-    """What the step path uses of its node. The shard: ``spec``, ``n_embd`` (hidden size), ``store`` (its sessions),
+    """What the step path uses of its node. The shard: ``spec``, ``n_embd_in`` / ``n_embd_out`` (values per token of
+    the hidden states it takes and sends: ``width_at`` its first block and past its last), ``store`` (its sessions),
     ``identity`` (signs step commitments), ``pool`` (worker threads), ``inline_lock`` (the shard's step lock: an idle
     decode step runs on the loop; None: never inline), ``batcher`` (steps of several sessions run together; None:
     each alone), ``snapshots`` (the cache link; None: no cache). Limits (tokens): ``max_step_tokens``,
@@ -123,7 +124,8 @@ class StepPath:
     frames may go to node ``url`` (a ring's first node). ``test_lie``: testing only (node/lies.py)."""
 
     spec: ShardSpec
-    n_embd: int
+    n_embd_in: int
+    n_embd_out: int
     store: SessionStore
     identity: NodeIdentity
     pool: ThreadPoolExecutor
@@ -148,7 +150,7 @@ class StepPath:
     max_body: int = field(init=False)
 
     def __post_init__(self):
-        self.max_body = HEADER_SIZE + self.max_step_tokens * (self.n_embd * F32_BYTES + TOKEN_ID_BYTES)
+        self.max_body = HEADER_SIZE + self.max_step_tokens * (self.n_embd_in * F32_BYTES + TOKEN_ID_BYTES)
 
 
 STEP_PATH = web.AppKey("step_path", StepPath)  # the app's StepPath (its NodeState's ``path``)

@@ -174,7 +174,7 @@ async def apply_frame(path: StepPath, body: bytes, t0: float) -> tuple[int, byte
     try:
         if len(body) > path.max_body + BODY_SLACK:  # a chunked body (no Content-Length) or a link message
             raise frame_too_large(path)
-        frame = decode_frame(body, path.n_embd, path.max_step_tokens)
+        frame = decode_frame(body, path.n_embd_in, path.max_step_tokens)
         kind = "decode" if frame.n_tokens == 1 or frame.verify else "prefill"  # a verify step decodes several
         path.metrics.bytes_in[kind].inc(len(body))
         if (frame.dtype == "ids") != path.spec.embed:
@@ -258,7 +258,7 @@ async def _apply_session_frame(
                 return OK, reply
             sent = await _push(path, session, frame, record, kind)
             if session.commit:  # the frame is on its way: its digests and signature overlap the next hops' work
-                out = None if record.commit else output_digest(sent.frame, frame, path.n_embd, session.wire_dtype)
+                out = None if record.commit else output_digest(sent.frame, frame, path.n_embd_out, session.wire_dtype)
                 hop["commit"] = _commit(path, session, frame, body, record, out)
             pending = record.relay = asyncio.ensure_future(_relayed(sent, record, hop, t0))
             pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # its waiters may have gone

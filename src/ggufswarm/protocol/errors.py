@@ -12,7 +12,7 @@ ERROR_STATUS = {
     "bad_frame": 400,  # frame too short, bad magic, lengths that do not add up
     "unsupported_version": 400,  # frame protocol version this node does not speak
     "bad_dtype": 400,  # unknown dtype code, or a dtype this shard does not take (ids vs hidden)
-    "bad_shape": 400,  # n_embd differs from the model's, or n_tokens == 0
+    "bad_shape": 400,  # n_embd differs from the width the node takes, or n_tokens == 0
     "bad_token": 400,  # token id outside the vocabulary
     "non_finite": 400,  # a frame carries NaN/inf
     "context_overflow": 400,  # the step would pass the session's max_length

@@ -231,7 +231,7 @@ def decode_frame(body: bytes, n_embd: int | None = None, max_tokens: int | None 
         if width != 0:
             raise FrameError("bad_shape", f"a token-id frame must have n_embd 0, got {width}")
     elif n_embd is not None and width != n_embd:
-        raise FrameError("bad_shape", f"hidden frame is [{n_tokens}, {width}]; this model's n_embd is {n_embd}")
+        raise FrameError("bad_shape", f"hidden frame is [{n_tokens}, {width}]; this node takes n_embd {n_embd}")
     elif width == 0:
         raise FrameError("bad_shape", "a hidden-state frame needs n_embd > 0")
     has_ids = bool(flags & FLAG_TOKEN_IDS) and dtype != "ids"

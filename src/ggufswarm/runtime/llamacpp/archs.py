@@ -16,6 +16,7 @@ from ...artifact.cut_rules import CUT_RULES, RANGE_PATCH, WHOLE_ONLY, Header, un
 from ...artifact.gguf_file import GGUFModelFile
 from .errors import UnsupportedShard
 from .range_checks import (
+    _attn_res_streams,
     _deepseek2_check,
     _deepseek4_check,
     _deepstack_check,
@@ -27,6 +28,7 @@ from .range_checks import (
     _minicpm_check,
     _qwen4exp_check,
     _qwen4exp_unused,
+    _recurrent_heads_check,
     _sqrt_n_embd,
 )
 
@@ -46,8 +48,10 @@ class ArchRules:
     ``patch``: the patch of ggufswarm's llama.cpp patch queue (``patches/llama.cpp``) a layer range of this
     architecture needs (``llamacpp.patches``); its shards declare their input width as ``{arch}.embedding_length_in``,
     which that patched llama.cpp reads (the hidden states of the previous block, not media embeddings).
-    ``streams``: the residual stream at a cut is this many ``n_embd`` vectors per token (DeepSeek-V4's
-    hyper-connections: ``hyper_connection.count``; frames carry ``streams * n_embd`` values per token);
+    ``streams``: ``(metadata, cut)`` → the residual state at a cut before block ``cut`` is this many ``n_embd``
+    vectors per token (DeepSeek-V4's hyper-connections: ``hyper_connection.count`` at every cut; kimi-k3's
+    attention residuals: the stream and the checkpoints banked before the cut, more the later the cut); frames
+    carry ``streams * n_embd`` values per token;
     ``token_ids``: the graph also reads each token's id with its hidden states (DeepSeek-V4's hash-routed blocks
     pick their experts from a token-id table), so every shard's batch carries both;
     ``tap``: the name llama.cpp's graph gives each block's output (``cb(cur, "l_out", il)``), captured at a cut;
@@ -67,7 +71,8 @@ class ArchRules:
     ``skip_embedding``: every block adds the token's normalized input embedding (talkie's ``embd_skip``): every shard
     carries the token embedding, and a shard past the first reads the token ids with its hidden states;
     ``place``: the graph computes with a block's index or the block count (minimax-01's decay scale, smallthinker's
-    no-RoPE step, minicpm3's residual scale): a range's file declares ``block_offset`` (the whole model's index of its
+    no-RoPE step, minicpm3's residual scale; with patch 0020 afmoe's, smollm3's and llama4's no-RoPE and MoE blocks;
+    with 0019 kimi-k3's checkpoint blocks): a range's file declares ``block_offset`` (the whole model's index of its
     block 0) and ``block_count_whole``.
     ``optional_output``: the llama.cpp patch that makes the architecture's LM head optional (talkie: 0018, whose
     every shard carries the real vocabulary for ``skip_embedding``): with it, a shard without the head stage leaves
@@ -80,7 +85,7 @@ class ArchRules:
     token_scale: Callable[[int], np.float32] | None = None
     check: Callable[[GGUFModelFile, int, int], dict[str, Any]] | None = None
     patch: str | None = None
-    streams: Callable[[dict], int] | None = None
+    streams: Callable[[dict, int], int] | None = None
     token_ids: bool = False
     tap: str = "l_out"
     no_dummy_head: bool = False
@@ -106,7 +111,10 @@ _RULES: dict[str, ArchRules] = {
     # patch 0003 (src/models/gemma.cpp, gemma2.cpp, afmoe.cpp)
     "gemma": ArchRules(token_scale=_sqrt_n_embd, patch="0003-hidden-state-input"),
     "gemma2": ArchRules(token_scale=_sqrt_n_embd, patch="0003-hidden-state-input"),
-    "afmoe": ArchRules(leading_dense=True, token_scale=_sqrt_n_embd, patch="0003-hidden-state-input"),
+    "afmoe": ArchRules(leading_dense=True, token_scale=_sqrt_n_embd, patch="0003-hidden-state-input", place=True),
+    # the no-RoPE block of every 4 (and llama4's MoE block of every interleave_moe_layer_step, its last block without
+    # RoPE) counted in the whole model with patch 0020 (block_offset, block_count_whole)
+    **{arch: ArchRules(place=True) for arch in ("smollm3", "llama4")},
     # CogVLM: batch.embd ran through the vision-expert weights (image tokens) until patch 0003
     "cogvlm": ArchRules(patch="0003-hidden-state-input"),
     # Gemma 4 31B / 26B-A4B (src/models/gemma4.cpp): sqrt(n_embd) on token input, rope_freqs on full-attention blocks
@@ -151,11 +159,21 @@ _RULES: dict[str, ArchRules] = {
             "dots3note",
             "laguna",
             "lfm2moe",
-            "kimi-linear",
-            "bailingmoe3",
-            "kimi-k3",
         )
     },
+    # a range starting at a KDA block gives it the whole model's block-0 head count, which KDA blocks compute with
+    **{arch: ArchRules(leading_dense=True, check=_recurrent_heads_check) for arch in ("kimi-linear", "bailingmoe3")},
+    # the bank of attention-residual checkpoints crosses a cut with the residual stream (patch 0019: frames of
+    # (checkpoints + 1) * n_embd per token, wider at each later checkpoint block); a range banks on the whole model's
+    # checkpoint blocks (block_offset) and its output is l_bank, the bank and the stream of its last block
+    "kimi-k3": ArchRules(
+        leading_dense=True,
+        patch="0019-attention-residual-ranges",
+        streams=_attn_res_streams,
+        tap="l_bank",
+        place=True,
+        check=_recurrent_heads_check,
+    ),
     "ernie4_5-moe": ArchRules(leading_dense=True, check=_ernie45_moe_check),
     # GLM-4 aborts on embedding input of a text-only (non-M-RoPE) file unless patch 0003 (src/models/glm4.cpp), as
     # glm4moe

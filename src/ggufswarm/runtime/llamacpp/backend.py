@@ -153,12 +153,13 @@ class LlamaCppShard(SeqStates):
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {self.path} (see its error above)")
         rules = rules_for(model.architecture)
-        # hidden states in and out: n_embd values per token, or hc_mult residual streams of n_embd (DeepSeek-V4)
-        n_embd = self.cfg.n_embd
-        streams = rules.streams(model.metadata) if rules.streams else 1
-        if L.llama_model_n_embd(self._model) * streams != n_embd:
+        # hidden states in and out: n_embd values per token, or hc_mult residual streams of n_embd (DeepSeek-V4), or
+        # kimi-k3's residual stream with the attention-residual checkpoints banked before the cut
+        self.n_embd_in, self.n_embd_out = self.cfg.width_at(spec.start), self.cfg.width_at(spec.end)
+        streams = rules.streams(model.metadata, spec.start) if rules.streams else 1
+        if L.llama_model_n_embd(self._model) * streams != self.n_embd_in:
             raise LlamaCppError(
-                f"{self.path}: n_embd {L.llama_model_n_embd(self._model)} x {streams}, expected {n_embd}"
+                f"{self.path}: n_embd {L.llama_model_n_embd(self._model)} x {streams}, expected {self.n_embd_in}"
             )
         self.streams = streams
         # the graph reads each token's id with its hidden states (hash-routed blocks): forward(token_ids=...)
@@ -180,7 +181,7 @@ class LlamaCppShard(SeqStates):
         cparams.n_outputs_max = self.max_outputs
         self._tap = None
         if not spec.head:
-            self._capture = np.empty((n_batch, n_embd), dtype=np.float32)
+            self._capture = np.empty((n_batch, self.n_embd_out), dtype=np.float32)
             self._tap = graph_tap(self._capture, f"{rules.tap}-{spec.end - spec.start - 1}")
             install_tap(cparams, self._tap)
         cparams.op_offload = self.gpu_blocks > 0
@@ -207,7 +208,7 @@ class LlamaCppShard(SeqStates):
             self.batch_group = 1
         self.n_ubatch = cparams.n_ubatch
         self.n_vocab_out = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
-        self._batch = L.llama_batch_init(n_batch, 0 if self.takes_tokens else n_embd, 1)
+        self._batch = L.llama_batch_init(n_batch, 0 if self.takes_tokens else self.n_embd_in, 1)
         # a batch of hidden states that also carries token ids: our buffer (set to NULL again before llama_batch_free)
         self._token_ids = np.zeros(n_batch, dtype=np.int32) if self.needs_token_ids else None
         if self._token_ids is not None:
@@ -335,7 +336,7 @@ class LlamaCppShard(SeqStates):
 
     def _give_back_step_buffers(self) -> None:  # (and after a long step: a prefill piece's megabytes stay otherwise)
         if self._embd_at:
-            give_back_pages(self._embd_at, self.n_batch * self.cfg.n_embd * 4)
+            give_back_pages(self._embd_at, self.n_batch * self.n_embd_in * 4)
         if self._tap is not None:
             give_back_pages(self._capture.ctypes.data, self._capture.nbytes)
 
@@ -354,9 +355,10 @@ class LlamaCppShard(SeqStates):
         """Run one prefill (T > 1) or decode (T = 1) step of a session.
 
         ``inputs`` (a numpy array, or anything ``numpy.asarray`` takes: a list, a CPU torch tensor): token ids
-        ``[T]`` (int) when the shard has the embedding stage, else hidden states ``[T, n_embd]`` (float,
-        converted to float32; ``n_embd`` is ``cfg.n_embd``, the width between shards). Returns numpy float32
-        hidden states ``[T, n_embd]`` (the last block's output), or at the head float32 logits ``[1, n_vocab]``
+        ``[T]`` (int) when the shard has the embedding stage, else hidden states ``[T, n_embd_in]`` (float,
+        converted to float32; ``n_embd_in`` is ``cfg.width_at(start)``, the width between shards). Returns numpy
+        float32 hidden states ``[T, n_embd_out]`` (the last block's output, ``cfg.width_at(end)``), or at the head
+        float32 logits ``[1, n_vocab]``
         (``logits="last"``) or ``[T, n_vocab]`` (``"all"``). ``token_ids``: int ``[T]``, the step's token ids,
         required by a shard whose graph reads them with the hidden states (``needs_token_ids``: DeepSeek-V4's
         hash-routed blocks), ignored otherwise.
@@ -406,8 +408,8 @@ class LlamaCppShard(SeqStates):
             if self.streams > 1:  # the embedding copied into every residual stream, as llama.cpp's ggml_repeat_4d
                 embd = np.tile(embd, (1, self.streams))
             return None, embd, ids if self.needs_token_ids else None
-        if inputs.ndim != 2 or inputs.shape[1] != self.cfg.n_embd:
-            raise ValueError(f"expected hidden states [n_tokens, {self.cfg.n_embd}], got {tuple(inputs.shape)}")
+        if inputs.ndim != 2 or inputs.shape[1] != self.n_embd_in:
+            raise ValueError(f"expected hidden states [n_tokens, {self.n_embd_in}], got {tuple(inputs.shape)}")
         tok = None
         if self.needs_token_ids:
             if token_ids is None:
@@ -468,7 +470,7 @@ class LlamaCppShard(SeqStates):
             if rc != 0:
                 raise LlamaCppError(f"llama_decode of {n_tokens} tokens ({len(steps)} sessions) failed with code {rc}")
             if self._tap is not None:
-                got = self._tap.rows(self.cfg.n_embd)
+                got = self._tap.rows(self.n_embd_out)
                 if self._tap.overflow or got != n_tokens:
                     for kv, *_ in steps:
                         L.llama_memory_seq_rm(self._mem, kv.seq_id, kv.length, -1)

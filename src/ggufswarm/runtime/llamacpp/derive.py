@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
-from ...artifact.cut_rules import HEADS_PATCH, INDEXER_PATCH, ONE_KIND_PATCH, Header, range_problem
+from ...artifact.cut_rules import HEADS_PATCH, INDEXER_PATCH, ONE_KIND_PATCH, PATTERN_PATCH, Header, range_problem
 from ...artifact.gguf_file import GGUFModelFile, dequantize_q8_0
 from ..kv import TokenOutOfRange
 from . import patches
@@ -27,7 +27,8 @@ def node_range_problem(metadata: dict[str, Any], start: int, end: int, head: boo
     """Why the loaded llama.cpp refuses blocks ``[start, end)`` of the model with GGUF ``metadata`` (None: it runs
     them): the cut rules ``plan`` places by (``artifact.cut_rules.range_problem``), with the patches this libllama
     carries (a range of one kind of block: ``ONE_KIND_PATCH``; a range starting at a block without heads:
-    ``HEADS_PATCH``; a DSA range without an indexer block: ``INDEXER_PATCH``), and the patch the architecture's
+    ``HEADS_PATCH``; a DSA range without an indexer block: ``INDEXER_PATCH``; a block pattern counted from a file's
+    block 0: ``PATTERN_PATCH``), and the patch the architecture's
     ranges need (``ArchRules.patch``). The node's start-up check (``shard_metadata``) and ``--layers auto``
     (``swarm.shard_fetch``) ask this."""
     cuts = Header(metadata)
@@ -39,6 +40,7 @@ def node_range_problem(metadata: dict[str, Any], start: int, end: int, head: boo
         one_kind=patches.applied(ONE_KIND_PATCH),
         head_sizes=patches.applied(HEADS_PATCH),
         indexer_inputs=patches.applied(INDEXER_PATCH),
+        block_patterns=patches.applied(PATTERN_PATCH),
     )
     if problem or cuts.rules is None:
         return problem
@@ -85,7 +87,7 @@ def shard_metadata(
     if rules.patch and not whole and not (rules.input_in_graph and start == 0):
         # the patched llama.cpp: this shard takes hidden states of this width (a first shard of an architecture that
         # transforms its input in the graph takes embeddings, transformed there as token input is)
-        out[f"{arch}.embedding_length_in"] = (hidden_width(model), GGUFValueType.UINT32, None)
+        out[f"{arch}.embedding_length_in"] = (hidden_width(model, start), GGUFValueType.UINT32, None)
     if rules.place and not whole:  # (patch 0013) where the range's blocks sit in the whole model
         out[f"{arch}.block_offset"] = (start, GGUFValueType.UINT32, None)
         out[f"{arch}.block_count_whole"] = (n_model_layers(model), GGUFValueType.UINT32, None)
@@ -130,12 +132,14 @@ def n_vocab(model: GGUFModelFile) -> int:
     return int(md.get(f"{model.architecture}.vocab_size") or len(md.get("tokenizer.ggml.tokens", [])))
 
 
-def hidden_width(model: GGUFModelFile) -> int:
-    """Values per token of the hidden state crossing a cut between two shards: ``n_embd``, or ``streams x n_embd``
-    where the architecture widens its residual stream (DeepSeek-V4: ``hyper_connection.count`` = 4 streams)."""
+def hidden_width(model: GGUFModelFile, cut: int) -> int:
+    """Values per token of the hidden state crossing a cut before block ``cut`` (0: the first shard's input):
+    ``n_embd``, or ``streams x n_embd`` where the architecture widens its residual stream (``ArchRules.streams``:
+    DeepSeek-V4's ``hyper_connection.count`` = 4 streams at every cut; kimi-k3's attention residuals, one more
+    ``n_embd`` per checkpoint banked before the cut)."""
     rules = rules_for(model.architecture)
     n_embd = int(model.metadata[f"{model.architecture}.embedding_length"])
-    return n_embd * (rules.streams(model.metadata) if rules.streams else 1)
+    return n_embd * (rules.streams(model.metadata, cut) if rules.streams else 1)
 
 
 def _tensor_source(model: GGUFModelFile, name: str) -> np.ndarray:
@@ -383,9 +387,16 @@ class ShardModelInfo:
 
     arch: str
     n_layers: int  # blocks a route covers (MTP/nextn blocks excluded)
-    n_embd: int  # values per token of a hidden state between shards (derive.hidden_width)
+    n_embd: int  # values per token of a hidden state into the first block (derive.hidden_width at cut 0)
     n_vocab: int
     context_length: int  # trained context (tokens)
+    widths: tuple[int, ...] = ()  # hidden_width at each cut 0..n_layers where it differs between cuts (kimi-k3)
+
+    def width_at(self, cut: int) -> int:
+        """Values per token of the hidden states crossing a cut before block ``cut`` (a shard ``[a, b)`` takes
+        ``width_at(a)`` and sends ``width_at(b)``): ``n_embd`` but for an architecture whose state at a cut grows
+        (``widths``)."""
+        return self.widths[cut] if self.widths else self.n_embd
 
     @property
     def max_length(self) -> int:
@@ -398,8 +409,15 @@ def model_info(model: GGUFModelFile) -> ShardModelInfo:
     arch = model.architecture
     rules_for(arch)
     md = model.metadata
+    n_layers = n_model_layers(model)
+    widths = tuple(hidden_width(model, cut) for cut in range(n_layers + 1))
     return ShardModelInfo(
-        arch, n_model_layers(model), hidden_width(model), n_vocab(model), int(md.get(f"{arch}.context_length", 4096))
+        arch,
+        n_layers,
+        widths[0],
+        n_vocab(model),
+        int(md.get(f"{arch}.context_length", 4096)),
+        widths if len(set(widths)) > 1 else (),
     )
 
 

@@ -232,7 +232,7 @@ def warm_up(shard, tokens: int = WARM_UP_TOKENS) -> None:
             if shard.takes_tokens or shard.embedding is not None:
                 x = np.zeros(rows, dtype=np.int64)
             else:
-                x = np.zeros((rows, shard.cfg.n_embd), dtype=np.float32)
+                x = np.zeros((rows, shard.n_embd_in), dtype=np.float32)
             ids = {"token_ids": np.zeros(rows, dtype=np.int32)} if shard.needs_token_ids else {}
             shard.forward(kv, x, logits="last", **ids)
     finally:

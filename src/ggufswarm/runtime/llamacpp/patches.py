@@ -32,6 +32,8 @@ PATCH_MARKERS: dict[str, bytes] = {
     "0016-seq-state-across-stream-counts": b"n_stream mismatch: a whole cache's state restores into as many streams",
     "0017-indexer-free-ranges": b"no attention layer: the graph leaves the k-pool indexer inputs unset",
     "0018-talkie-output-optional": b"talkie without an output head: the graph ends at the hidden states",
+    "0019-attention-residual-ranges": b"kimi-k3: embedding_length_in must be (checkpoints + 1) * embedding_length",
+    "0020-block-patterns-of-the-whole-model": b"block patterns counted from the whole model's block 0",
 }
 # patches that only let llama.cpp compile somewhere (nothing in a library to look for, nothing for the runtime to
 # check): the Vulkan backend with older Vulkan headers
@@ -45,6 +47,9 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     # (an empty DSA cache: 0002's kv-cache change; the hybrid and sliding-window inputs of a one-kind graph: 0011)
     "0017-indexer-free-ranges": ("0002-deepseek4-layer-range", "0011-one-kind-layer-ranges"),
     "0018-talkie-output-optional": ("0013-layer-ranges-compute-as-whole",),
+    # (block_offset, which blocks of the range bank a checkpoint)
+    "0019-attention-residual-ranges": ("0013-layer-ranges-compute-as-whole",),
+    "0020-block-patterns-of-the-whole-model": ("0013-layer-ranges-compute-as-whole",),
 }
 
 

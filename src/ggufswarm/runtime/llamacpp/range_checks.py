@@ -50,10 +50,30 @@ def _deepseek4_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
     return {"deepseek4.hash_layer_count": (max(0, hashed - a), GGUFValueType.UINT32)}
 
 
-def _hc_streams(metadata: dict) -> int:
-    """Residual streams of a hyper-connection model (``{arch}.hyper_connection.count``; 1 without the key)."""
+def _recurrent_heads_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
+    # src/models/kimi-linear.cpp, bailingmoe3.cpp, kimi-k3.cpp: a recurrent (KDA) block, head_count_kv 0, computes
+    # with hparams.n_head(), block 0's head count; a range starting at one (per-layer head_count 0 there) gives its
+    # block 0 the whole model's block-0 count, which its KDA blocks then compute with as in the whole model
+    arch = model.architecture
+    heads = model.metadata.get(f"{arch}.attention.head_count")
+    if not isinstance(heads, list) or int(heads[a]) != 0:
+        return {}
+    return {f"{arch}.attention.head_count": ([int(heads[0]), *(int(n) for n in heads[a + 1 : b])], GGUFValueType.ARRAY)}
+
+
+def _hc_streams(metadata: dict, cut: int) -> int:
+    """Residual streams of a hyper-connection model (``{arch}.hyper_connection.count``; 1 without the key), at any
+    ``cut``."""
     arch = metadata.get("general.architecture", "")
     return max(1, int(metadata.get(f"{arch}.hyper_connection.count", 1) or 1))
+
+
+def _attn_res_streams(metadata: dict, cut: int) -> int:
+    """Vectors of ``n_embd`` per token crossing a cut before block ``cut`` of kimi-k3: the residual stream and, with
+    attention residuals (``attn_res.block_size`` > 0), the checkpoints banked before it, one at each block whose
+    index is a multiple of the block size (``res_push``, src/models/kimi-k3.cpp): ``1 + ceil(cut / block_size)``."""
+    size = int(metadata.get("kimi-k3.attn_res.block_size", 0) or 0)
+    return 1 + (-(-cut // size) if size > 0 else 0)
 
 
 def _ple_layers(model: GGUFModelFile, a: int, b: int) -> list[int]:
