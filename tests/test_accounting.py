@@ -139,6 +139,29 @@ def test_jamba_style_zero_kv_heads_and_rwkv():
     assert rwkv.layers[0].state_bytes_per_session == (2 * 2048 + 2048 * 64) * 4
 
 
+def test_kda_and_lightning_attention_state():
+    """Kimi's KDA blocks (``kda.head_dim``) hold Q, K and V convolution states of ``(conv_kernel - 1) x n_head x
+    head_dim`` and a ``[head_dim, head_dim]`` state per head, with block 0's head count (``n_embd_r`` / ``n_embd_s``
+    in src/llama-hparams.cpp); MiniMax-01's lightning-attention blocks a ``[head_dim, head_dim]`` state per head
+    (src/models/minimax-01.cpp: ``n_embd_head_la``). plan counted 0 for both."""
+    kimi = accounts(
+        "kimi-linear",
+        2,
+        ("attn_norm.weight",),
+        attention__head_count=[32, 0],
+        attention__head_count_kv=[32, 0],
+        kda__head_dim=128,
+        ssm__conv_kernel=4,
+    )
+    assert [b.kind for b in kimi.layers] == ["attention", "recurrent"]
+    assert kimi.layers[1].state_bytes_per_session == (3 * 3 * 32 * 128 + 128 * 128 * 32) * 4
+    minimax = accounts(
+        "minimax-01", 8, ("attn_norm.weight",), n_embd=2048, attention__head_count=16, attention__key_length=128
+    )
+    assert minimax.layers[0].kind == "recurrent" and minimax.layers[7].kind == "attention"
+    assert minimax.layers[0].state_bytes_per_session == 128 * 128 * 16 * 4
+
+
 def test_sliding_window_layers_count_full_kv_with_their_own_head_lengths():
     """Sliding-window blocks cost full per-token KV (the backend runs with swa_full); ``key_length_swa`` /
     ``value_length_swa`` apply on them (pattern 2: blocks 0, 2 sliding)."""

@@ -155,6 +155,11 @@ def test_llama4_moe_step_and_no_rope_blocks(tmp_path):
         cuts = HeaderAccounts.from_model(synthetic(tmp_path / f"{arch}.gguf", arch)).cuts
         assert "no-RoPE block of every 4" in range_problem(cuts, 2, 4, block_patterns=False), arch
         assert range_problem(cuts, 2, 4) is None, arch
+    ernie = synthetic(tmp_path / "ernie.gguf", "ernie4_5-moe", interleave_moe_layer_step=2, leading_dense_block_count=1)
+    cuts = HeaderAccounts.from_model(ernie).cuts
+    assert range_problem(cuts, 2, 5, block_patterns=False) is None  # MoE blocks 3 of 2:5: a step of 2 in the file
+    assert "MoE pattern" in range_problem(cuts, 3, 6, block_patterns=False)  # 3 and 5 of 3:6: no step gives them
+    assert range_problem(cuts, 3, 6) is None
     if patches.applied(PATTERN_PATCH):
         placed, refused, split = check_agreement(file)
         assert not refused and split

@@ -25,7 +25,7 @@ RANGE_PATCH_ARCHS = "bloom muse-glimmer minicpm3 talkie minimax-01 smallthinker"
 HEADS_PATCH_ARCHS = "jamba lfm2 lfm2moe granitehybrid".split()
 HC_PATCH_ARCHS = "hy_v4 glm5-next qwen4exp".split()
 # the architectures whose no-RoPE (and llama4's MoE) block patterns patch 0020 counts from the whole model's block 0
-PATTERN_PATCH_ARCHS = "afmoe smollm3 llama4".split()
+PATTERN_PATCH_ARCHS = "afmoe smollm3 llama4 ernie4_5-moe".split()
 
 
 @pytest.fixture(scope="module")
@@ -276,9 +276,9 @@ def test_attention_residual_ranges_bitwise(zoo_dir, tmp_path):
 
 
 def test_patch_0020_block_patterns_run_at_every_boundary(verdicts):
-    """Patch 0020 (afmoe's, smollm3's and llama4's no-RoPE block of every 4, llama4's MoE block of every
-    interleave_moe_layer_step, counted from the whole model's block 0): every chain the zoo probes, one-block shards
-    included, is accepted and bitwise (before it, a range had to start where both patterns kept their phase)."""
+    """Patch 0020 (afmoe's, smollm3's and llama4's no-RoPE block of every 4, llama4's and ernie4_5-moe's MoE block of
+    every interleave_moe_layer_step, counted from the whole model's block 0): every chain the zoo probes, one-block
+    shards included, is accepted and bitwise (before it, a range had to start where the patterns kept their phase)."""
     from ggufswarm.artifact.cut_rules import PATTERN_PATCH
     from ggufswarm.runtime.llamacpp import patches
 

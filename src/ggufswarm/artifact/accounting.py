@@ -134,8 +134,8 @@ class HeaderAccounts:
                 names[il].add(name)
             else:
                 self.other_block_bytes += int(n_bytes)
-        self.layers = [self._layer(il, block_bytes[il], names[il]) for il in range(self.n_blocks)]
         self.cuts = Header(metadata)  # the cut rules' view of the header (range_problem)
+        self.layers = [self._layer(il, block_bytes[il], names[il]) for il in range(self.n_blocks)]
         self._problems: dict[tuple[int, int], str | None] = {}
 
     # -- metadata helpers ------------------------------------------------------------------------
@@ -149,7 +149,10 @@ class HeaderAccounts:
         return int(v)
 
     def _has_recurrent_metadata(self) -> bool:
-        return any(self._get(k) for k in ("ssm.state_size", "ssm.inner_size", "wkv.head_size", "shortconv.l_cache"))
+        return any(
+            self._get(k)
+            for k in ("ssm.state_size", "ssm.inner_size", "wkv.head_size", "shortconv.l_cache", "kda.head_dim")
+        )
 
     def _is_swa(self, il: int) -> bool:
         pattern = self._get("attention.sliding_window_pattern")
@@ -169,7 +172,10 @@ class HeaderAccounts:
         if isinstance(flags, list):
             return bool(flags[il]) if il < len(flags) else False
         if not self._has_recurrent_metadata():
-            return False
+            # an interval the architecture's cut rules know though the header says nothing (minimax-01's
+            # lightning-attention blocks: all but every 8th, src/models/minimax-01.cpp)
+            rules, recurrent = self.cuts.rules, self.cuts.recurrent
+            return bool(rules and rules.recurrent_interval and recurrent and il < len(recurrent) and recurrent[il])
         interval = self._get("full_attention_interval")
         if interval:  # src/models/qwen3next.cpp, qwen35*.cpp
             return il < self.n_layers and (il + 1) % int(interval) != 0
@@ -192,6 +198,14 @@ class HeaderAccounts:
         l_cache = int(self._get("shortconv.l_cache", 0) or 0)
         if l_cache:
             return self.n_embd * (l_cache - 1)
+        n_head = self._per_layer("attention.head_count", 0, 0)  # hparams.n_head(): block 0's
+        kda = int(self._get("kda.head_dim", 0) or 0)
+        if kda:  # Kimi's KDA: Q, K and V convolution states, and a [head_dim, head_dim] state per head
+            d_conv = int(self._get("ssm.conv_kernel", 0) or 0)
+            return 3 * (d_conv - 1 if d_conv > 0 else 3) * n_head * kda + kda * kda * n_head
+        if self.arch == "minimax-01" and n_head:  # lightning attention: a [head_dim, head_dim] state per head
+            head_dim = int(self._get("attention.key_length", 0) or 0) or self.n_embd // n_head
+            return head_dim * head_dim * n_head
         d_conv = int(self._get("ssm.conv_kernel", 0) or 0)
         d_inner = int(self._get("ssm.inner_size", 0) or 0)
         d_state = int(self._get("ssm.state_size", 0) or 0)

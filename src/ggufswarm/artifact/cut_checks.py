@@ -239,9 +239,10 @@ def ernie45_moe_step(h: Header, a: int, b: int) -> int | None:
 
 def ernie45_moe_check(h: Header, a: int, b: int) -> str | None:
     if ernie45_moe_step(h, a, b) is None:
-        return (
+        return PatternProblem(
             f"ernie4_5-moe: no interleave_moe_layer_step gives blocks {a}:{b} their MoE pattern "
-            f"(src/models/ernie4-5-moe.cpp: is_moe_layer = il >= lead && (il + 1) % step == 0)"
+            f"(src/models/ernie4-5-moe.cpp: is_moe_layer = il >= lead && (il + 1) % step == 0) without patch "
+            f"0020-block-patterns-of-the-whole-model (patches/llama.cpp in ggufswarm; `make setup` builds it)"
         )
     return None
 

@@ -29,8 +29,8 @@ HEADS_PATCH = "0014-hybrid-ranges-start-at-any-block"
 # the llama.cpp patch that sets a DSA graph's indexer inputs only where a layer uses them: a range of GLM-5-Next
 # without an attention block, of dots.llm3-note without a lightning-indexer block
 INDEXER_PATCH = "0017-indexer-free-ranges"
-# the llama.cpp patch whose afmoe, smollm3 and llama4 graphs count their no-RoPE and MoE blocks from the whole model's
-# block 0 (block_offset, block_count_whole: patch 0013), so a range may start and end at any block
+# the llama.cpp patch whose afmoe, smollm3, llama4 and ernie4_5-moe graphs count their no-RoPE and MoE blocks from the
+# whole model's block 0 (block_offset, block_count_whole: patch 0013), so a range may start and end at any block
 PATTERN_PATCH = "0020-block-patterns-of-the-whole-model"
 
 # llama.cpp's sliding-window period for architectures that set it in code when the GGUF has no

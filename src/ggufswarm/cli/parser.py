@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..artifact.planning import FIT_MARGIN_BYTES, GPU_SESSION_CELLS
 from .args import model_args, node_memory, speculative_args, token_arg
 from .servers import add_demo_parser, add_gateway_parser, add_node_parser
 from .services import add_cache_parser, add_tracker_parser
@@ -190,8 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE[,gpu=SIZE]",
         help="memory of each node for weights + KV + state, e.g. 24GiB, 48G, 512M (K/M/G/T are "
         "powers of 1024), and its GPU's: 64GiB,gpu=24GiB also prints which of each node's blocks the GPU "
-        "holds (its last ones, as a node with --gpu auto places them; the cut itself is by the first SIZE, "
-        "which holds all of a node's weights as its mapped file); without it only the per-block table is printed",
+        f"holds (its last ones, as a node with --gpu auto places them, leaving {FIT_MARGIN_BYTES >> 20} MiB of the GPU "
+        f"free for compute buffers and the driver and counting each session's KV there at up to {GPU_SESSION_CELLS} "
+        "tokens; the cut itself is by the first SIZE, which holds all of a node's weights as its mapped file); "
+        "without it only the per-block table is printed",
     )
     pl.add_argument(
         "--context",

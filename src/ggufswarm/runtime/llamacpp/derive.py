@@ -354,7 +354,9 @@ def shard_paths(
     The whole model with its head (``start == 0``, ``end == n_layers``, no MTP blocks, one file) is the original file
     itself. Otherwise, ``in_place`` (default: when the loaded libllama carries patch 0004): the shard's header
     (``derive_shard_header``) followed by the model's own files, which llama.cpp reads the shard's tensors from in
-    place; else one derived shard GGUF holding a copy of them (``derive_shard``).
+    place; else one derived shard GGUF holding a copy of them (``derive_shard``). Raises UnsupportedShard for a range
+    the loaded libllama refuses (``node_range_problem``), also where a file derived for it is cached (by a libllama
+    with a patch this one lacks: it would compute something else).
     """
     if (
         start == 0
@@ -365,10 +367,11 @@ def shard_paths(
     ):
         rules_for(model.architecture)
         return [model.path]
+    problem = node_range_problem(model.metadata, start, end, head)
+    if problem:
+        raise UnsupportedShard(problem)
     if in_place is None:
-        from .patches import applied
-
-        in_place = applied("0004-split-sources")
+        in_place = patches.applied("0004-split-sources")
     name = shard_file_name(model, start, end, head)
     if in_place:
         path = Path(cache_dir) / name.replace(".gguf", "-header.gguf")

@@ -115,10 +115,14 @@ def _gemma4_unused(model: GGUFModelFile, a: int, b: int) -> frozenset[str]:
 
 
 def _ernie45_moe_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
-    # write the interleave_moe_layer_step that gives the range's blocks their kinds (a range no step gives them:
-    # refused by the cut rules, cut_checks.ernie45_moe_check)
+    # write the interleave_moe_layer_step that gives the range's blocks their kinds, counted from the file's block 0
+    # (any libllama computes them so); a range no such step gives them (accepted only with patch 0020, whose graph
+    # counts from the whole model's block 0: cut_checks.ernie45_moe_check) keeps the model's step and declares where
+    # its blocks sit
     step = cut_checks.ernie45_moe_step(Header(model.metadata), a, b)
-    return {} if step is None else {"ernie4_5-moe.interleave_moe_layer_step": (step, GGUFValueType.UINT32)}
+    if step is not None:
+        return {"ernie4_5-moe.interleave_moe_layer_step": (step, GGUFValueType.UINT32)}
+    return {"ernie4_5-moe.block_offset": (a, GGUFValueType.UINT32)}
 
 
 def _minicpm_check(model: GGUFModelFile, a: int, b: int) -> dict[str, Any]:
