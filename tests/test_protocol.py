@@ -249,6 +249,29 @@ def test_a_session_the_machine_no_longer_has_memory_for_is_evicted_with_its_reas
     assert evict_for_memory(store) == []
 
 
+def test_a_step_after_its_client_closed_the_session_says_so(middle_shard):
+    """A frame of a session its client closed on this node (a stream aborted with a step on its way) is refused as
+    session_closed (404), not unknown_session: the client's own closing, nothing to repair, and told apart in the
+    node's error counts. An evicted or expired session is still unknown_session."""
+    from ggufswarm.net.http import as_protocol_error
+    from ggufswarm.runtime.session_state import SessionClosed
+
+    store = SessionStore(middle_shard, budget_tokens=1000, ttl_s=10)
+    closed, evicted, expired = (store.open(uuid.uuid4(), 100) for _ in range(3))
+    store.close(closed.id)
+    for call in (store.get, store.close):
+        with pytest.raises(SessionClosed) as e:
+            call(closed.id)
+        err = as_protocol_error(e.value)
+        assert (err.status, err.code) == (404, "session_closed") and "closed by its client" in str(e.value)
+    store.evict(evicted.id, "a test")
+    store.expire(expired.last_used + 11)
+    for sid in (evicted.id, expired.id, uuid.uuid4()):
+        with pytest.raises(UnknownSession) as e:
+            store.get(sid)
+        assert not isinstance(e.value, SessionClosed) and as_protocol_error(e.value).code == "unknown_session"
+
+
 def test_store_idle_expiry(middle_shard):
     store = SessionStore(middle_shard, budget_tokens=1000, ttl_s=10)
     s = store.open(uuid.uuid4(), 1000)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..net.link import FrameLink
 from ..protocol import encode_tokens
 from ..protocol.errors import RouteError
-from ..protocol.link import frame_key
+from ..protocol.link import frame_key, step_key
 from .transport import BANNED
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class Ring:
         self.on = on
         self.replies: FrameLink | None = None  # the reply link to the head, opened after the first step
         self.granted = 0  # the last step number granted to the head
+        self.answered = 0  # the last step whose reply the caller read (learn)
         self.pending: RingStep | None = None  # the step the head sent itself, not yet taken by the caller
         self._opening: asyncio.Task | None = None  # the reply link, opened off the step path
         self._no_replies: set[str] = set()  # heads that gave no reply link
@@ -130,6 +131,7 @@ class Ring:
         ring (that step is on the nodes: the caller's next one takes it or undoes it). Without an open reply link its
         reply is lost to us: the caller's step, if it is the same, sends the same frame itself."""
         s = self.session
+        self.answered = s.step_no
         nxt, token = reply.get("ring"), reply.get("token")
         replies = self.open_replies_link
         if nxt != s.step_no + 1 or type(token) is not int or replies is None:
@@ -196,15 +198,28 @@ class Ring:
 
     async def finish(self) -> None:
         """At the session's close: wait (up to ``FINISH_WAIT_S``) for a head-sent step the caller did not take, so
-        that the nodes release the session after it rather than under it."""
+        that the nodes release the session after it rather than under it (they would answer it session_closed):
+        the one it learned of, or, where the caller abandoned a step (an aborted stream) whose reply may have told
+        of one, the step the head may send under its last grant."""
         pending, self.pending = self.pending, None
-        if pending is None:
+        s, replies = self.session, self.open_replies_link
+        waiter = None if pending is None else pending.reply
+        key = step_key(s.id, self.granted)
+        if waiter is None and self.answered < self.granted - 1 and replies is not None:
+            if self._early is not None and self._early[0] == key:
+                return  # its reply is in
+            waiter = asyncio.get_running_loop().create_future()
+            replies.expect(key, waiter, own=True)
+        if waiter is None:
             return
         try:
             async with asyncio.timeout(FINISH_WAIT_S):
-                await pending.reply
+                await waiter
         except (RouteError, TimeoutError):
             pass
+        finally:
+            if pending is None and replies is not None:
+                replies.forget(key)
 
     async def discard(self, pending: RingStep, timeout: float) -> None:
         """Undo the head-sent step ``pending`` the caller did not take: wait (up to ``timeout`` s) for it to end,

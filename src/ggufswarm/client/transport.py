@@ -20,8 +20,9 @@ ERROR_TEXT_CHARS = 200  # how much of a non-JSON error body a RouteError quotes
 
 # Errors that mean a node of the route is gone or lost the session: a repair can replace it.
 # node_banned: the gateway's verifier caught a node of the route lying (gateway/verify.py); the route is repaired
-# around it with every node's KV rolled back to 0 (what came after it was computed from its outputs)
-REPAIRABLE = frozenset({"hop_failed", "hop_timeout", "internal", "unknown_session", "node_banned"})
+# around it with every node's KV rolled back to 0 (what came after it was computed from its outputs);
+# session_closed: closed on the node by a DELETE this client did not send (its own closing never reads the answer)
+REPAIRABLE = frozenset({"hop_failed", "hop_timeout", "internal", "unknown_session", "session_closed", "node_banned"})
 BANNED = "node_banned"
 
 

@@ -19,6 +19,7 @@ ERROR_STATUS = {
     "not_found": 404,  # no endpoint at this path
     "method_not_allowed": 405,  # the path exists, not with this HTTP method
     "unknown_session": 404,  # no such session on this node (never opened, closed or expired)
+    "session_closed": 404,  # a step for a session its client closed on this node (a late frame of its closing)
     "session_exists": 409,  # open with an id already in use
     "model_mismatch": 409,  # open for another model (fingerprint) than the one this node serves
     "session_not_empty": 409,  # restore into a session that already holds tokens

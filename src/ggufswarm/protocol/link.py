@@ -7,6 +7,8 @@ little-endian uint16 HTTP status, then the JSON body ``POST /v1/step`` would hav
 
 from __future__ import annotations
 
+import uuid
+
 KEY = slice(8, 32)  # session id (16 bytes) + step (uint64) in the frame header
 KEY_SIZE = 24
 REPLY_HEAD = KEY_SIZE + 2  # key + uint16 status
@@ -17,6 +19,11 @@ def frame_key(frame: bytes) -> bytes:
     """The 24-byte key of a frame (session id + step), or NO_KEY when it is shorter than a header."""
     key = frame[KEY]
     return key if len(key) == KEY_SIZE else NO_KEY
+
+
+def step_key(session_id: uuid.UUID, step: int) -> bytes:
+    """The key ``frame_key`` gives every frame of step ``step`` of session ``session_id``."""
+    return session_id.bytes + step.to_bytes(8, "little")
 
 
 def encode_reply(frame: bytes, status: int, body: bytes) -> bytes:

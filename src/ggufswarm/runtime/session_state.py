@@ -23,8 +23,29 @@ class SessionError(Exception):
         self.code = code or self.code
 
 
+class Recent(dict):
+    """The last ``size`` keys added (``add``) with their values, oldest first: sessions a store remembers as gone."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def add(self, key, value=None) -> None:
+        self[key] = value
+        while len(self) > self.size:
+            del self[next(iter(self))]
+
+
 class UnknownSession(SessionError):
     code = "unknown_session"
+
+
+class SessionClosed(UnknownSession):
+    """A step or call for a session its client closed (``DELETE``) on this node: ``session_closed``, a late frame
+    of the client's own closing (a stream aborted with a step on its way), told apart from a node gone or restarted
+    in the node's error counts (a client that did not close it repairs as for unknown_session)."""
+
+    code = "session_closed"
 
 
 class AdmissionRefused(SessionError):

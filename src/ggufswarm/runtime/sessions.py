@@ -16,7 +16,9 @@ from .kv import ContextOverflow, TokenOutOfRange, check_max_length
 from .sampling import SamplingParams, token_logprobs
 from .session_state import (
     AdmissionRefused,
+    Recent,
     Session,
+    SessionClosed,
     SessionError,
     StepConflict,
     StepRecord,
@@ -24,7 +26,7 @@ from .session_state import (
     cut_boundaries,
 )
 
-MAX_EVICTED = 1024  # evicted sessions whose reason a node remembers
+MAX_EVICTED = 1024  # evicted sessions whose reason a node remembers, and closed ones
 
 
 def _free(session: Session) -> None:
@@ -47,7 +49,7 @@ class SessionStore:
         self.memory_margin_bytes = 0
         self.ttl_s = ttl_s
         self.sessions: dict[uuid.UUID, Session] = {}
-        self.evicted: dict[uuid.UUID, str] = {}  # why each of the last MAX_EVICTED sessions evicted (``evict``) went
+        self.evicted, self.closed = Recent(MAX_EVICTED), Recent(MAX_EVICTED)  # why each evicted one went; closed
         self._lock = threading.Lock()
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -152,33 +154,34 @@ class SessionStore:
                 )
 
     def get(self, session_id: uuid.UUID) -> Session:
-        """The open session; UnknownSession when never opened, closed or expired."""
+        """The open session; UnknownSession when never opened, evicted or expired (SessionClosed: closed lately)."""
         session = self.sessions.get(session_id)
         if session is None:
-            raise UnknownSession(self._gone(session_id))
+            raise self._gone(session_id)
         session.last_used = time.monotonic()
         return session
 
     def close(self, session_id: uuid.UUID) -> Session:
-        """Drop a session and its KV cache; UnknownSession if not open."""
+        """Drop a session and its KV cache; UnknownSession (SessionClosed: closed already) if not open."""
         with self._lock:
-            session = self.sessions.pop(session_id, None)
+            if (session := self.sessions.pop(session_id, None)) is not None:
+                self.closed.add(session_id)
         if session is None:
-            raise UnknownSession(self._gone(session_id))
+            raise self._gone(session_id)
         _free(session)
         return session
 
     def evict(self, session_id: uuid.UUID, reason: str) -> None:
         """Close an open session for ``reason``: its next step raises UnknownSession saying it. UnknownSession."""
         self.close(session_id)
-        self.evicted[session_id] = reason
-        while len(self.evicted) > MAX_EVICTED:
-            del self.evicted[next(iter(self.evicted))]
+        self.evicted.add(session_id, reason)
 
-    def _gone(self, session_id: uuid.UUID) -> str:
+    def _gone(self, session_id: uuid.UUID) -> UnknownSession:
         if reason := self.evicted.get(session_id):
-            return f"session {session_id} was evicted: {reason}"
-        return f"unknown session {session_id} (never opened on this node, closed, or expired)"
+            return UnknownSession(f"session {session_id} was evicted: {reason}")
+        if session_id in self.closed:
+            return SessionClosed(f"session {session_id} was closed by its client on this node")
+        return UnknownSession(f"unknown session {session_id} (never opened on this node, closed, or expired)")
 
     def credit_stall(self, seconds: float) -> None:
         """Time the node's event loop stalled (``seconds``) is no client's idle time: every idle clock moves on by
