@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .cut_rules import DEFAULT_SWA_PERIOD, Header
+from .cut_rules import DEFAULT_SWA_PERIOD, Header, residual_streams
 from .cut_rules import range_problem as cut_problem
 
 MAX_CONTEXT = 131072  # product hard cap on a session's max_length (128K tokens)
@@ -295,14 +295,9 @@ class HeaderAccounts:
         return blocks + sum(self.global_bytes.values()) + self.other_block_bytes
 
     def boundary_width_at(self, cut: int) -> int:
-        """Values per token of the residual state crossing a shard boundary before block ``cut``: ``n_embd``, times
-        ``hyper_connection.count`` where the model widens its residual stream (llama.cpp ``dsv4_hc_mult``:
-        ``n_embd_out = hc_mult * n_embd``, src/models/deepseek4.cpp), plus ``n_embd`` per attention-residual
-        checkpoint banked before the cut (kimi-k3's ``attn_res.block_size``: one at each multiple of it,
-        src/models/kimi-k3.cpp ``res_push``)."""
-        streams = max(int(self._get("hyper_connection.count", 1) or 1), 1)
-        bank = int(self._get("attn_res.block_size", 0) or 0)
-        return self.n_embd * (streams + (-(-cut // bank) if bank > 0 else 0))
+        """Values per token of the residual state crossing a shard boundary before block ``cut``: ``n_embd`` times
+        ``cut_rules.residual_streams`` (hyper-connection streams, attention-residual checkpoints)."""
+        return self.n_embd * residual_streams(self.metadata, cut)
 
     @property
     def boundary_width(self) -> int:

@@ -222,6 +222,18 @@ class Header:
         return [not r for r in recurrent]
 
 
+def residual_streams(metadata: dict[str, Any], cut: int) -> int:
+    """Vectors of ``n_embd`` per token in the residual state crossing a cut before block ``cut`` (0: the first block's
+    input): ``hyper_connection.count`` streams where the model widens its residual stream (llama.cpp
+    ``dsv4_hc_mult``, src/models/deepseek4.cpp; 1 without), plus, with attention residuals (kimi-k3's
+    ``attn_res.block_size`` > 0), one per checkpoint banked before the cut, at each block whose index is a multiple
+    of the block size (``res_push``, src/models/kimi-k3.cpp): ``ceil(cut / block_size)``."""
+    arch = metadata.get("general.architecture", "")
+    streams = max(int(metadata.get(f"{arch}.hyper_connection.count", 1) or 1), 1)
+    bank = int(metadata.get(f"{arch}.attn_res.block_size", 0) or 0)
+    return streams + (-(-cut // bank) if bank > 0 else 0)
+
+
 def unsupported(arch: str) -> str:
     """The reason a node gives for an architecture outside ``CUT_RULES``."""
     return f"unsupported architecture '{arch}' for the llama.cpp backend (supported: {', '.join(sorted(CUT_RULES))})"
@@ -298,5 +310,6 @@ __all__ = [
     "RANGE_PATCH",
     "WHOLE_ONLY",
     "range_problem",
+    "residual_streams",
     "unsupported",
 ]

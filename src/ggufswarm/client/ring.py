@@ -202,35 +202,25 @@ class Ring:
         the one it learned of, or, where the caller abandoned a step (an aborted stream) whose reply may have told
         of one, the step the head may send under its last grant."""
         pending, self.pending = self.pending, None
-        s, replies = self.session, self.open_replies_link
-        waiter = None if pending is None else pending.reply
-        key = step_key(s.id, self.granted)
-        if waiter is None and self.answered < self.granted - 1 and replies is not None:
-            if self._early is not None and self._early[0] == key:
-                return  # its reply is in
-            waiter = asyncio.get_running_loop().create_future()
-            replies.expect(key, waiter, own=True)
-        if waiter is None:
+        if pending is not None:
+            await _reply_or_none(pending.reply, FINISH_WAIT_S)
             return
+        replies, key = self.open_replies_link, step_key(self.session.id, self.granted)
+        if replies is None or self.answered >= self.granted - 1 or (self._early and self._early[0] == key):
+            return  # no step abandoned, or the granted step's reply is in
+        waiter = asyncio.get_running_loop().create_future()
+        replies.expect(key, waiter, own=True)
         try:
-            async with asyncio.timeout(FINISH_WAIT_S):
-                await waiter
-        except (RouteError, TimeoutError):
-            pass
+            await _reply_or_none(waiter, FINISH_WAIT_S)
         finally:
-            if pending is None and replies is not None:
-                replies.forget(key)
+            replies.forget(key)
 
     async def discard(self, pending: RingStep, timeout: float) -> None:
         """Undo the head-sent step ``pending`` the caller did not take: wait (up to ``timeout`` s) for it to end,
         then roll every node back to the session's position with ``pending.step`` as their last step number (applied
         or not there). RouteError when a node refuses the truncation."""
         s = self.session
-        try:
-            async with asyncio.timeout(timeout):
-                await pending.reply
-        except (RouteError, TimeoutError):
-            pass
+        await _reply_or_none(pending.reply, timeout)
         if self.replies is not None:
             self.replies.forget(pending.key)
         s.step_no = max(s.step_no, pending.step)
@@ -256,6 +246,15 @@ class Ring:
         self._claimed.clear()
         granted, self.granted = self.granted, 0
         return granted
+
+
+async def _reply_or_none(reply: asyncio.Future, timeout: float) -> None:
+    """Wait up to ``timeout`` s for a step's ``reply``, whatever it ends with."""
+    try:
+        async with asyncio.timeout(timeout):
+            await reply
+    except (RouteError, TimeoutError):
+        pass
 
 
 def _failed_hop(body: bytes) -> str | None:

@@ -12,18 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from ...artifact.cut_rules import CUT_RULES, RANGE_PATCH, WHOLE_ONLY, Header, unsupported
+from ...artifact.cut_rules import CUT_RULES, RANGE_PATCH, WHOLE_ONLY, Header, residual_streams, unsupported
 from ...artifact.gguf_file import GGUFModelFile
 from .errors import UnsupportedShard
 from .range_checks import (
-    _attn_res_streams,
     _deepseek2_check,
     _deepseek4_check,
     _deepstack_check,
     _ernie45_moe_check,
     _gemma4_unused,
     _glm_dsa_check,
-    _hc_streams,
     _headless_unused,
     _minicpm_check,
     _qwen4exp_check,
@@ -101,7 +99,7 @@ _LEADING_DENSE = ArchRules(leading_dense=True)
 # hyper-connection streams across a cut with the token ids beside them, the graph ending at the last block's l_last
 # when the range has no head (deepseek4, qwen4exp)
 _STREAMS_AND_TOKEN_IDS: dict[str, Any] = dict(
-    nextn=True, streams=_hc_streams, token_ids=True, tap="l_last", no_dummy_head=True
+    nextn=True, streams=residual_streams, token_ids=True, tap="l_last", no_dummy_head=True
 )
 _DEEPSTACK = ArchRules(check=_deepstack_check)
 # the architectures that need more than the defaults to be written as a shard (every other one of CUT_RULES: none)
@@ -134,7 +132,7 @@ _RULES: dict[str, ArchRules] = {
     # hc residual streams cross a cut (patch 0015: frames of hc*n_embd per token); the output head's stand-ins are
     # written as for any range (the graph ends at the tap on the last block's l_out)
     **{
-        arch: ArchRules(leading_dense=True, nextn=nextn, patch="0015-hyper-connection-ranges", streams=_hc_streams)
+        arch: ArchRules(leading_dense=True, nextn=nextn, patch="0015-hyper-connection-ranges", streams=residual_streams)
         for arch, nextn in (("hy_v4", False), ("glm5-next", True))
     },
     # qwen4exp also hashes the token ids of the step and of earlier positions (its n-gram embeddings): every shard's
@@ -169,7 +167,7 @@ _RULES: dict[str, ArchRules] = {
     "kimi-k3": ArchRules(
         leading_dense=True,
         patch="0019-attention-residual-ranges",
-        streams=_attn_res_streams,
+        streams=residual_streams,
         tap="l_bank",
         place=True,
         check=_recurrent_heads_check,

@@ -61,21 +61,6 @@ def _recurrent_heads_check(model: GGUFModelFile, a: int, b: int) -> dict[str, An
     return {f"{arch}.attention.head_count": ([int(heads[0]), *(int(n) for n in heads[a + 1 : b])], GGUFValueType.ARRAY)}
 
 
-def _hc_streams(metadata: dict, cut: int) -> int:
-    """Residual streams of a hyper-connection model (``{arch}.hyper_connection.count``; 1 without the key), at any
-    ``cut``."""
-    arch = metadata.get("general.architecture", "")
-    return max(1, int(metadata.get(f"{arch}.hyper_connection.count", 1) or 1))
-
-
-def _attn_res_streams(metadata: dict, cut: int) -> int:
-    """Vectors of ``n_embd`` per token crossing a cut before block ``cut`` of kimi-k3: the residual stream and, with
-    attention residuals (``attn_res.block_size`` > 0), the checkpoints banked before it, one at each block whose
-    index is a multiple of the block size (``res_push``, src/models/kimi-k3.cpp): ``1 + ceil(cut / block_size)``."""
-    size = int(metadata.get("kimi-k3.attn_res.block_size", 0) or 0)
-    return 1 + (-(-cut // size) if size > 0 else 0)
-
-
 def _ple_layers(model: GGUFModelFile, a: int, b: int) -> list[int]:
     """The blocks of ``[a, b)`` with qwen4exp's n-gram embedding (``ple.layers``: indices in the whole model),
     renumbered from ``a``."""
