@@ -204,8 +204,7 @@ def place(
     session_context = min(limits) if limits else None
     if trained is not None:
         session_context = trained if session_context is None else min(session_context, trained)
-    # a frame at each cut (its width: boundary_width_at the cut)
-    wire = sum(n.shard.boundary_bytes_per_token + FRAME_HEADER_BYTES + TRAILER_BYTES_PER_TOKEN for n in nodes[:-1])
+    wire = sum(hop_bytes(nodes))
     return Placement(
         node_memory,
         context,
@@ -217,6 +216,12 @@ def place(
         wire,
         gpu_memory,
     )
+
+
+def hop_bytes(nodes: list[NodePlan]) -> list[int]:
+    """Bytes of one decode token's frame at each cut of a route of ``nodes`` (header, the hidden state at that cut:
+    its ``boundary_bytes_per_token``, the token id trailer)."""
+    return [n.shard.boundary_bytes_per_token + FRAME_HEADER_BYTES + TRAILER_BYTES_PER_TOKEN for n in nodes[:-1]]
 
 
 # -- loading a header ------------------------------------------------------------------------------------
@@ -365,7 +370,7 @@ def plan_text(acc: HeaderAccounts, placement: Placement | None, source: str) -> 
         )
     ctx = "unbounded by memory" if p.session_context is None else f"{p.session_context:,} tokens"
     trained = f" (trained context {p.trained_context:,})" if p.trained_context else ""
-    hops = [n.shard.boundary_bytes_per_token + FRAME_HEADER_BYTES + TRAILER_BYTES_PER_TOKEN for n in p.nodes[:-1]]
+    hops = hop_bytes(p.nodes)
     per_hop = (
         "no hop"
         if not hops
