@@ -344,3 +344,51 @@ def test_closing_after_an_abandoned_step_waits_for_the_step_the_head_may_send():
         assert ring.replies.waiting == {}
 
     asyncio.run(main())
+
+
+def test_a_step_resent_after_its_link_failed_takes_the_heads_reply_when_the_ring_ran_past_it(tiny, monkeypatch):
+    """A client-sent step whose link fails after the frame went out: the step went through, the head sampled it and
+    sent the next step under its grant, so the resend on a fresh connection reaches a first node that applied that
+    step and answers stale_step. The head's reply to the resent step, on the reply link, is the answer: the tokens
+    are those of a session without the ring, nothing is repaired (a clean-clone CI run failed on this race once)."""
+    from ggufswarm.net.link import FrameLink
+    from ggufswarm.protocol.link import step_key
+
+    first, head = tiny["first"], tiny["head"]
+    ids = [5 + (i * 19) % 300 for i in range(9)]
+    send = FrameLink.send
+    seen = {}
+
+    async def main(ring: bool) -> list[int]:
+        route = await RemoteRoute.connect([first, head])
+        async with await route.aopen(64, SamplingParams(temperature=0), ring=ring) as session:
+
+            async def flaky(link, frame, waiter, timeout=None):
+                step = int.from_bytes(frame[24:32], "little") if len(frame) >= 32 else -1
+                if link is not session._link or not ring:
+                    return await send(link, frame, waiter, timeout)
+                if "failed" not in seen and session.decode_ring.granted > step:
+                    sent = await send(link, frame, waiter, timeout)
+                    seen["failed"] = step
+                    await link.close()  # the frame is written: the step goes on; its reply never comes here
+                    return sent
+                if seen.get("failed") == step:  # the resend: once the head's next step went past the first node
+                    ring_step = step_key(session.id, step + 1)
+                    for _ in range(500):
+                        early = session.decode_ring._early
+                        if early is not None and early[0] == ring_step:
+                            seen["ran_past"] = True
+                            break
+                        await asyncio.sleep(0.01)
+                return await send(link, frame, waiter, timeout)
+
+            monkeypatch.setattr(FrameLink, "send", flaky)
+            out = [await session.step(ids)]
+            for _ in range(10):
+                out.append(await session.step([out[-1]]))
+            assert (await session.telemetry()).repairs == []
+            monkeypatch.setattr(FrameLink, "send", send)
+        return out
+
+    assert asyncio.run(main(True)) == asyncio.run(main(False))
+    assert seen.get("ran_past"), seen

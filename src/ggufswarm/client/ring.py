@@ -17,7 +17,7 @@ from ..net.link import FrameLink
 from ..protocol import encode_tokens
 from ..protocol.errors import RouteError
 from ..protocol.link import frame_key, step_key
-from .transport import BANNED
+from .transport import BANNED, error_hop
 
 if TYPE_CHECKING:
     from .session import AsyncRouteSession
@@ -182,7 +182,7 @@ class Ring:
             if status == 200:
                 s.measured.ring_steps += 1
                 return status, body, direct
-            unreachable = _failed_hop(body) == first  # the head could not send it to the first node
+            unreachable = error_hop(body) == first  # the head could not send it to the first node
         except RouteError as exc:
             if exc.late or exc.code == BANNED:  # (session.fail: the route is broken, not this link)
                 raise
@@ -255,12 +255,3 @@ async def _reply_or_none(reply: asyncio.Future, timeout: float) -> None:
             await reply
     except (RouteError, TimeoutError):
         pass
-
-
-def _failed_hop(body: bytes) -> str | None:
-    """The node an error reply names (``error.hop``), if any."""
-    try:
-        hop = json.loads(body)["error"].get("hop")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return hop if isinstance(hop, str) else None

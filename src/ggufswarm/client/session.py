@@ -22,7 +22,7 @@ from ..runtime.sampling import SamplingParams
 from . import opening, repair
 from .ring import Ring
 from .telemetry import RouteTelemetry
-from .transport import REPAIRABLE, call, check_reply, new_http_session
+from .transport import REPAIRABLE, call, check_reply, error_code, new_http_session
 
 if TYPE_CHECKING:
     from .route import RemoteRoute
@@ -129,8 +129,7 @@ class AsyncRouteSession:
         self._keeper: asyncio.Task | None = None
         self._closed = False
         self._link: FrameLink | None = None  # to the first node
-        # steps in flight or answered on the reply link whose reply along the route (per-hop telemetry) is still
-        # to be read: frame key -> (perf_counter s sent, n_tokens, hop urls, verify step, start position)
+        # steps whose route reply (telemetry) is to be read: frame key -> (t0 s, n_tokens, hop urls, verify, start)
         self._unacked: dict[bytes, tuple[float, int, list[str], bool, int]] = {}
         self._waiter: asyncio.Future | None = None  # the reply of the step in flight
         self._broken: RouteError | None = None  # a late error seen between steps: the next step raises it
@@ -154,7 +153,6 @@ class AsyncRouteSession:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    # -- node calls --------------------------------------------------------------------------------
     async def call(self, url: str, method: str, path: str, body: dict | None, what: str) -> dict:
         """A JSON call to node ``url`` of this session (RouteError naming it on failure)."""
         return await call(
@@ -168,7 +166,6 @@ class AsyncRouteSession:
         except RouteError:
             pass
 
-    # -- steps -------------------------------------------------------------------------------------
     async def step(self, token_ids: list[int], sample: bool = True) -> int | None:
         """Feed ``token_ids`` (prefill: many, decode: one) through the route; the head's sampled next token id
         (None when not ``sample``).
@@ -322,13 +319,7 @@ class AsyncRouteSession:
                 status, body, direct = await dr.claim(pending, link, timeout)
             else:
                 self.expect_route_reply(key, t0, len(ids), verify, start)
-                try:
-                    status, body, direct = await self.exchange(link, frame, key, timeout)
-                except RouteError as exc:
-                    if exc.code != "hop_failed" or exc.late:
-                        raise
-                    # a fresh connection; same step number: never applied twice
-                    status, body, direct = await self.exchange(link, frame, key, timeout)
+                status, body, direct = await self.exchange(link, frame, key, timeout, resend=True)
         except BaseException:
             self._unacked.pop(key, None)
             raise
@@ -349,20 +340,41 @@ class AsyncRouteSession:
         dr.learn(reply)
         return reply["token"]
 
-    async def exchange(self, link: FrameLink, frame: bytes, key: bytes, timeout: float) -> tuple[int, bytes, bool]:
-        """Send ``frame`` on ``link`` and wait for the first of its reply there and the head's on the reply link:
-        (status, body, whether the reply came on the reply link). RouteError ``hop_timeout`` (the link is closed)
-        or ``hop_failed``, or the late error of an earlier step (the route is broken)."""
+    async def exchange(
+        self, link: FrameLink, frame: bytes, key: bytes, timeout: float, resend: bool = False
+    ) -> tuple[int, bytes, bool]:
+        """Send ``frame`` on ``link``; the first of its reply there and the head's on the reply link: (status, body,
+        whether the reply link's). ``resend``: once more on a fresh connection when the link fails. A ``stale_step``
+        answer then means the step went through and the head sent the next (ring): its reply there is the answer.
+        RouteError ``hop_timeout`` (the link is closed), ``hop_failed``, or an earlier step's late error."""
         self.raise_broken()
-        waiter = asyncio.get_running_loop().create_future()
-        replies = self.decode_ring.open_replies_link
-        if replies is not None:
-            replies.expect(key, waiter)
-        self._waiter = waiter
+        loop = asyncio.get_running_loop()
+        replies, direct = self.decode_ring.open_replies_link, None
+        if replies is not None:  # once for every send: the head's reply is never missed between them
+            replies.expect(key, direct := loop.create_future())
+        sends = 0
         try:
-            await link.send(frame, waiter, timeout)
-            async with asyncio.timeout(timeout):
-                return await waiter
+            while True:
+                waiter = self._waiter = loop.create_future()
+                sends += 1
+                try:
+                    await link.send(frame, waiter, timeout)
+                    async with asyncio.timeout(timeout):
+                        await asyncio.wait({waiter, direct} - {None}, return_when=asyncio.FIRST_COMPLETED)
+                    exc = waiter.exception() if waiter.done() else None
+                    if direct is not None and direct.done() and (not waiter.done() or exc and not exc.late):
+                        link.forget(key)  # its route reply, when it comes, is telemetry (route_reply)
+                        return direct.result()
+                    status, body, _ = waiter.result()
+                except RouteError as exc:
+                    if not resend or sends > 1 or exc.code != "hop_failed" or exc.late:
+                        raise
+                    continue  # a resend: the same step number, never applied twice
+                if direct is None or status == 200 or error_code(body) != "stale_step":
+                    return status, body, False
+                self._waiter = direct  # (``fail`` fails it)
+                async with asyncio.timeout(timeout):
+                    return await direct
         except TimeoutError:
             await link.close()
             raise timed_out(link.url, timeout) from None
@@ -370,16 +382,17 @@ class AsyncRouteSession:
             self._waiter = None
             if replies is not None:
                 replies.forget(key)
+            if sends > 1:  # the first send's route reply is lost with its link; the resend's may say stale_step
+                self._unacked.pop(key, None)
 
     def expect_route_reply(self, key: bytes, t0: float, n_tokens: int, verify: bool, start: int) -> None:
-        """A step (frame ``key``) whose reply back along the route (per-hop telemetry) is to be read
-        (``route_reply``): sent at ``t0`` (perf_counter s), of ``n_tokens`` from position ``start``, on this route."""
+        """A step (frame ``key``, sent at ``t0`` perf_counter s) whose route reply (``route_reply``) is to be read."""
         self._unacked[key] = (t0, n_tokens, [h.url for h in self.route.hops], verify, start)
 
     def raise_broken(self) -> None:
         """Raise the late error seen since the last step (a node failed after passing a step on, or a ban), once."""
-        if self._broken is not None:
-            broken, self._broken = self._broken, None
+        if (broken := self._broken) is not None:
+            self._broken = None
             raise broken
 
     @contextlib.contextmanager
@@ -435,7 +448,6 @@ class AsyncRouteSession:
         # the head may still be sending a step it was granted: new steps are numbered past it (no shared frame key)
         self.step_no = max(self.step_no, granted)
 
-    # -- session ----------------------------------------------------------------------------------
     @property
     def ring(self) -> bool:
         """Whether the session wants ring decode (client/ring.py); settable."""
@@ -455,12 +467,9 @@ class AsyncRouteSession:
         own reached the client are waited for first (up to 1 s), so that every step's per-hop numbers are in."""
         if self._unacked and self._link is not None and self._link.connected:
             self._drained = asyncio.get_running_loop().create_future()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained, LATE_WAIT_S)
-            except TimeoutError:
-                pass
-            finally:
-                self._drained = None
+            self._drained = None
         self._unacked.clear()
         self._broken = None  # read for its telemetry: a late error is dropped, as the next step would repair
         return self.measured

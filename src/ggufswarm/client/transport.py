@@ -48,6 +48,26 @@ async def call(
     return check_reply(url, *await request(http, url, method, path, data, token=token, timeout=timeout), what)
 
 
+def error_code(body: bytes) -> str | None:
+    """The ``error.code`` of a node's error reply ``body``, or None."""
+    err = _error(body).get("code")
+    return err if isinstance(err, str) else None
+
+
+def error_hop(body: bytes) -> str | None:
+    """The node a node's error reply ``body`` names (``error.hop``), or None."""
+    hop = _error(body).get("hop")
+    return hop if isinstance(hop, str) else None
+
+
+def _error(body: bytes) -> dict:
+    try:
+        err = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return {}
+    return err if isinstance(err, dict) else {}
+
+
 def check_reply(url: str, status: int, body: bytes, what: str) -> dict:
     """Node ``url``'s JSON object reply ``body`` to ``what``; RouteError for an error status or a body that is
     no JSON object. An error a later node caused (its ``hop`` in the error body) names that node first:
