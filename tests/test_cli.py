@@ -90,7 +90,11 @@ def test_prompt_over_the_cap(ggufswarm_cli, tiny_dir):
 def test_missing_file_and_bad_split(ggufswarm_cli, tiny_dir):
     assert_one_line_error(run(ggufswarm_cli, "generate", "hi", "--model", "/nonexistent.gguf"), "no such file")
     path = write_tiny_model(tiny_dir / "cli-split.gguf", "llama")
-    assert_one_line_error(run(ggufswarm_cli, "generate", "hi", "--model", str(path), "--split", "3,2"), "split points")
+    for split in ("3,2", "6,,12", "0,3", "x"):  # (6,,12 once ran as 6,12)
+        out = run(ggufswarm_cli, "generate", "hi", "--model", str(path), "--split", split)
+        assert out.returncode == 2 and "Traceback" not in out.stderr and "split points" in out.stderr  # (argparse's)
+    out = run(ggufswarm_cli, "generate", "hi", "--model", str(path), "--split", "1,9")  # past the model's 2 layers
+    assert_one_line_error(out, "split points")
 
 
 def test_help_teaches(ggufswarm_cli):

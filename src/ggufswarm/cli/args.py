@@ -8,10 +8,19 @@ import re
 
 
 def layer_cuts(text: str) -> list[int]:
+    """``--split A,B,...``: the layer indices to cut at, ascending and above 0. ArgumentTypeError for anything else
+    (an empty item such as ``6,,12``, a repeated or descending index)."""
     try:
-        return [int(p) for p in text.split(",") if p.strip()]
+        cuts = [int(p) for p in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--split takes comma-separated layer indices, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--split takes split points, comma-separated layer indices such as 6,12; got {text!r}"
+        ) from None
+    if any(c <= 0 for c in cuts) or any(b <= a for a, b in zip(cuts, cuts[1:])):
+        raise argparse.ArgumentTypeError(
+            f"--split takes split points above 0 in ascending order, each once, such as 6,12; got {text!r}"
+        )
+    return cuts
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
