@@ -42,8 +42,10 @@ process (asyncio loops), beside the client's route loop. With delay 0 the same b
 part 1's route rows.
 
 Also printed (no target): the split compute alone against llama.cpp in-process (the most the in-process ratio can
-be with nothing between hops), and per hop of the ring=False route where a decode step's time goes beside the
-node's compute (``hop_split``: in the node, on the link).
+be with nothing between hops), per hop of the ring=False route where a decode step's time goes beside the
+node's compute (``hop_split``: in the node, on the link), and the floor of a hop on this machine
+(``bench/bare_ring.py``: the same compute per node, busy-waited, in three bare aiohttp processes passing a message
+round: what the operating system, the event loop and aiohttp cost a hop, the wake-up of an idle process included).
 
 ``ring steps``: the steps the head sent itself and the client took (``RouteTelemetry.ring_steps``), of --decode;
 the first few decode steps go without the ring while the client's reply link opens. 0 means the ring never
@@ -69,6 +71,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from bare_ring import bare_ring
 from bench_llamacpp import (
     GREEDY,
     N_LAYERS,
@@ -274,7 +277,10 @@ def part1(path: str, route: RemoteRoute, ids: list[int], n_decode: int, rounds: 
     finally:
         llm.close()
     messages = {name: count_messages(route, ids, n_decode, ring) for name, ring in (("ring", True), ("no_ring", False))}
-    return {"runs": times, "messages": messages, **summarize(times, 0.0)}
+    # the floor of a hop here: the same compute per node (busy-waited), no ggufswarm code between (bench/bare_ring.py)
+    hop_compute = [statistics.median(h) for h in zip(*(x["hop_compute_ms"] for x in times["ring"]))]
+    floor = {**bare_ring(hop_compute), "compute_ms": hop_compute}
+    return {"runs": times, "messages": messages, "bare_ring": floor, **summarize(times, 0.0)}
 
 
 def part2(nodes, ids: list[int], n_decode: int, rounds: int, delay_ms: float) -> dict:
@@ -361,6 +367,16 @@ def targets(res: dict, delay_ms: float) -> list[str]:
         f"{ring['compute_ms']:.2f} ms: the in-process ratio with no cost between hops would be "
         f"{llama_ms / ring['compute_ms']:.2f}x"
     )
+    if "bare_ring" in p1:
+        floor = p1["bare_ring"]
+        per_hop = (1000.0 / p1["ring"]["decode"] - p1["ring"]["compute_ms"]) / RING_HOPS
+        busy = " + ".join(f"{c:.1f}" for c in floor["compute_ms"])
+        out.append(
+            f"- the floor of a hop on this machine (bench/bare_ring.py: {RING_HOPS} aiohttp processes pass a 2.6 KB "
+            f"message round, each busy-waiting the ring's compute, {busy} ms): {floor['hop_ms']:.2f} ms a hop; the "
+            f"route's per-hop overhead beyond it: {per_hop - floor['hop_ms']:.2f} ms (ggufswarm's own: framing, "
+            "sessions, Python)"
+        )
     nr = p1["no_ring"]
     out.append(
         "- per hop, ring=False route (ms per decode step; node: read to answer less compute and the next hop's "
