@@ -73,6 +73,22 @@ def test_token_roundtrip_and_no_sample_flag():
     assert not f.sample and f.token_ids is None
 
 
+def test_a_quiet_frame_is_the_same_step_to_the_retry_check():
+    """FLAG_QUIET (ring decode's quiet steps) reads as ``Frame.quiet``; the retry digest clears it, so the client's
+    copy of a quiet step (the bit clear) is the step a node applied quietly, and nothing else is ignored."""
+    import zlib
+
+    from ggufswarm.protocol.frame import frame_digest, is_quiet
+
+    sid = uuid.uuid4()
+    loud, quiet = encode_tokens(sid, 7, 30, [42]), encode_tokens(sid, 7, 30, [42], quiet=True)
+    assert loud != quiet and is_quiet(quiet) and not is_quiet(loud)
+    assert decode_frame(quiet).quiet and not decode_frame(loud).quiet
+    assert frame_digest(quiet) == frame_digest(loud) == zlib.crc32(loud)
+    assert frame_digest(encode_tokens(sid, 7, 30, [43], quiet=True)) != frame_digest(loud)
+    assert frame_digest(encode_tokens(sid, 7, 30, [42], sample=False)) != frame_digest(loud)
+
+
 def test_f16_never_overflows_silently():
     """Gemma's residual stream reaches ~1e5 > f16 max (65504): the frame carries a power-of-two scale."""
     x = torch.tensor([[98538.04, -1.5, 3e-3, 70000.0]])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 
 import aiohttp
 import pytest
@@ -199,6 +200,7 @@ def test_bad_grants_get_errors_and_the_head_keeps_serving(tiny):
                     json.dumps({"ring": {"until": -1, "first": first}}),
                     json.dumps({"ring": {"until": 3, "first": "http://127.0.0.1:1/v1/step?x=1"}}),
                     json.dumps({"ring": {"until": 3, "first": 5}}),
+                    json.dumps({"ring": {"until": 3, "first": first, "quiet": "yes"}}),
                     "x" * 10000,
                 ):
                     await ws.send_str(bad)
@@ -233,10 +235,10 @@ def test_a_head_that_cannot_reach_the_first_node_is_no_dead_node(tiny, monkeypat
     first, head = tiny["first"], tiny["head"]
     send = LinkPool.send
 
-    async def unreachable(self, url, frame, timeout_s):
+    async def unreachable(self, url, frame, timeout_s, quiet=False):
         if url == first:  # only the head's ring steps go to the first node
             raise RouteError("hop_failed", f"node {url} failed: no route to host", 502, url)
-        return await send(self, url, frame, timeout_s)
+        return await send(self, url, frame, timeout_s, quiet)
 
     ids = [5 + (i * 13) % 300 for i in range(12)]
     outs = []
@@ -375,8 +377,7 @@ def test_a_step_resent_after_its_link_failed_takes_the_heads_reply_when_the_ring
                 if seen.get("failed") == step:  # the resend: once the head's next step went past the first node
                     ring_step = step_key(session.id, step + 1)
                     for _ in range(500):
-                        early = session.decode_ring._early
-                        if early is not None and early[0] == ring_step:
+                        if ring_step in session.decode_ring._early:
                             seen["ran_past"] = True
                             break
                         await asyncio.sleep(0.01)
@@ -392,3 +393,100 @@ def test_a_step_resent_after_its_link_failed_takes_the_heads_reply_when_the_ring
 
     assert asyncio.run(main(True)) == asyncio.run(main(False))
     assert seen.get("ran_past"), seen
+
+
+def counted(urls: list[str], family_name: str, **labels) -> int:
+    """The sum over the nodes ``urls`` of a counter's series with ``labels`` (their /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0
+    for url in urls:
+        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == family_name:
+                for x in family.samples:
+                    if x.name.endswith("_total") and all(x.labels.get(k) == v for k, v in labels.items()):
+                        total += int(x.value)
+    return total
+
+
+def replies_sent(urls: list[str]) -> int:
+    """Step replies the nodes ``urls`` have sent on their links so far (``ggufswarm_node_link_messages_sent``)."""
+    return counted(urls, "ggufswarm_node_link_messages_sent", kind="reply")
+
+
+def test_quiet_ring_steps_send_no_replies_back_and_their_numbers_come_at_the_end(tiny):
+    """Ring steps go quietly (frame flag bit 4): no node answers one that went through, so a decode token costs one
+    message per hop and one to the client. The client reads each node's numbers of them when it reads its telemetry:
+    every step has its StepTiming, with every hop's KV length and bytes as a session without the ring records them
+    (compute_ms measured, not copied); every 16th ring step still goes with replies and is timed from outside."""
+    first, head = tiny["first"], tiny["head"]
+    ids = [5 + (i * 23) % 300 for i in range(7)]
+    n = 40
+
+    async def main(ring: bool):
+        route = await RemoteRoute.connect([first, head])
+        async with await route.aopen(64, SamplingParams(temperature=0), ring=ring) as session:
+            out = [await session.step(ids)]
+            before = replies_sent([first, head])
+            for _ in range(n):
+                out.append(await session.step([out[-1]]))
+            telemetry = await session.telemetry()
+            # a node waits for the error of the last quiet step it sent on only (the next one settles it)
+            assert all(health(u)["links"]["awaited"] <= 1 for u in (first, head))
+            await asyncio.sleep(0.2)  # (the head-sent step after the last one)
+            return out, telemetry, replies_sent([first, head]) - before
+
+    plain, plain_tel, plain_replies = asyncio.run(main(False))
+    got, tel, quiet_replies = asyncio.run(main(True))
+    assert [health(u)["links"]["awaited"] for u in (first, head)] == [0, 0]  # (closing settles the last)
+    assert got == plain
+    assert plain_replies >= 2 * n  # without the ring each hop answers every step
+    assert tel.ring_steps > n // 2 and quiet_replies < n // 2, (tel.ring_steps, quiet_replies)
+    assert [s.step for s in tel.steps] == [s.step for s in plain_tel.steps] == list(range(1, n + 2))
+    for mine, theirs in zip(tel.steps, plain_tel.steps):
+        assert (mine.kv_tokens, mine.bytes_in, mine.start) == (theirs.kv_tokens, theirs.bytes_in, theirs.start)
+        assert len(mine.compute_ms) == 2 and min(mine.compute_ms) > 0
+    quiet = [s for s in tel.steps if not s.outer_ms]
+    timed = [s for s in tel.steps[1:] if s.outer_ms]
+    assert len(quiet) > n // 2 and all(not s.network_ms for s in quiet)
+    assert any(s.step % 16 == 0 for s in timed)  # a measured ring step
+    summary = tel.summary(RemoteRoute([first, head]))
+    assert all(h["network_ms"]["mean"] > 0 and h["compute_ms"]["mean"] > 0 for h in summary["hops"])
+
+
+def test_a_quiet_step_that_fails_downstream_reaches_the_client_and_is_sent_again(tiny, monkeypatch):
+    """A quiet ring step that fails on the head (an internal error, once): the head answers it with the error, the
+    first node passes it back to the head's ring link, the head to the client on the reply link; the client sends the
+    same frame itself, with replies, the first node relays the output it recorded, and the tokens are those of a
+    session without the ring; nothing is repaired."""
+    from ggufswarm.node import steps
+    from ggufswarm.protocol import ProtocolError
+
+    first, head = tiny["first"], tiny["head"]
+    ids = [5 + (i * 29) % 300 for i in range(6)]
+    apply = steps._apply
+    failed = []
+
+    def flaky(path, session, frame, digest):
+        if path.spec.head and frame.quiet and not failed:
+            failed.append(frame.step)
+            raise ProtocolError("internal", "a test's failure, once")
+        return apply(path, session, frame, digest)
+
+    async def main(ring: bool):
+        route = await RemoteRoute.connect([first, head])
+        async with await route.aopen(64, SamplingParams(temperature=0), ring=ring, replan=lambda *a: 1 / 0) as s:
+            out = [await s.step(ids)]
+            for _ in range(16):
+                out.append(await s.step([out[-1]]))
+            return out, (await s.telemetry())
+
+    plain, _ = asyncio.run(main(False))
+    monkeypatch.setattr(steps, "_apply", flaky)
+    ring_failed = counted([head], "ggufswarm_node_ring_steps", result="failed")
+    got, tel = asyncio.run(main(True))
+    assert got == plain and failed and tel.repairs == []
+    # the error came back to the head (not the client's timeout)
+    assert counted([head], "ggufswarm_node_ring_steps", result="failed") == ring_failed + 1
+    assert failed[0] in {s.step for s in tel.steps if len(s.outer_ms) == 2}  # sent again with replies

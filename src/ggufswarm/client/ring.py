@@ -3,7 +3,9 @@ the client, off the critical path, reads the tokens as they are sampled (node/ri
 
 The client grants one step ahead, takes the head's step when the caller's next step is exactly it (``claim``), and
 otherwise waits for it and rolls every node back over it (``discard``), so the caller sees what it would have seen
-without the ring. The grants, the step and its replies: docs/protocol.md, "Ring decode"."""
+without the ring. Most ring steps are quiet: no reply travels back along the route, and the nodes' numbers of them
+are read at the end (``collect``). The grants, the step and its replies: docs/protocol.md, "Ring decode" and
+"Quiet steps"."""
 
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ from ..net.link import FrameLink
 from ..protocol import encode_tokens
 from ..protocol.errors import RouteError
 from ..protocol.link import frame_key, step_key
+from ..runtime.session_state import Recent
 from .transport import BANNED, error_hop
 
 if TYPE_CHECKING:
     from .session import AsyncRouteSession
 
+EARLY_KEPT = 8  # replies nobody waited for kept for a step to take (the newest)
 REPLY_LINK_TIMEOUT_S = 5.0  # most seconds the head may take to open a reply link
 FINISH_WAIT_S = 1.0  # most seconds a closing session waits for the step the head sent (then releases anyway)
 
@@ -35,7 +39,8 @@ def result(task: asyncio.Task):
 class RingStep:
     """A step the head sent itself: its number, position, the token it feeds, its frame (as the client would send
     it) and that frame's key; ``reply``: the future of the head's reply ``(status, body, direct)``; ``t0``: when
-    the client learned of it (perf_counter s); ``late``: the route's reply to it, when that came before the claim."""
+    the client learned of it (perf_counter s); ``late``: the route's reply to it, when that came before the claim;
+    ``quiet``: the head sent it as a quiet step."""
 
     step: int
     start: int
@@ -45,6 +50,7 @@ class RingStep:
     reply: asyncio.Future
     t0: float
     late: tuple[int, bytes] | None = None
+    quiet: bool = False  # a quiet step: no route reply comes, the nodes keep its numbers (``collect``)
 
     def takes(self, session: AsyncRouteSession, ids: list[int], sample: bool, verify: bool) -> bool:
         """Whether the caller's next step ``ids`` is this one: the sampled token fed at the next position."""
@@ -72,8 +78,11 @@ class Ring:
         self.pending: RingStep | None = None  # the step the head sent itself, not yet taken by the caller
         self._opening: asyncio.Task | None = None  # the reply link, opened off the step path
         self._no_replies: set[str] = set()  # heads that gave no reply link
-        self._early: tuple[bytes, int, bytes] | None = None  # a head-sent step's reply that came before its learn
+        # replies nobody waited for, by frame key: a head-sent step's own that came before its learn, or the head's to
+        # a client-sent step whose waiter its link's failure took (``take_early``)
+        self._early: Recent = Recent(EARLY_KEPT)
         self._claimed: set[bytes] = set()  # keys of head-sent steps taken whose route reply is still to come
+        self.quiet: dict[int, tuple[int, list[str]]] = {}  # quiet steps taken, not collected: step -> (start, urls)
 
     @property
     def open_replies_link(self) -> FrameLink | None:
@@ -122,7 +131,8 @@ class Ring:
             return
         hops = s.route.hops
         first = None if len(hops) == 1 else hops[0].url
-        if await replies.send_text(json.dumps({"ring": {"until": until, "first": first}})):
+        grant = {"until": until, "first": first, "quiet": not s.commit}  # (with commit every step's reply counts)
+        if await replies.send_text(json.dumps({"ring": grant})):
             self.granted = until
 
     def learn(self, reply: dict) -> None:
@@ -140,12 +150,13 @@ class Ring:
         key = frame_key(frame)
         waiter = asyncio.get_running_loop().create_future()
         waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # a step nobody takes may fail unread
-        early, self._early = self._early, None
-        if early is not None and early[0] == key:  # it came before we got here
-            waiter.set_result((early[1], early[2], True))
+        early = self.take_early(key)
+        if early is not None:  # it came before we got here
+            waiter.set_result(early)
         else:
             replies.expect(key, waiter, own=True)
-        self.pending = RingStep(nxt, s.position, token, frame, key, waiter, time.perf_counter())
+        quiet = reply.get("quiet") is True
+        self.pending = RingStep(nxt, s.position, token, frame, key, waiter, time.perf_counter(), quiet=quiet)
 
     def _reply_late(self, key: bytes, status: int, body: bytes) -> None:
         """A reply link's message nobody waited for: the route's reply to a head-sent step (kept until the step is
@@ -157,8 +168,14 @@ class Ring:
         elif key in self._claimed:
             self._claimed.discard(key)
             self.session.route_reply(key, status, body)
-        else:  # (a client-sent step's reply from the head after the route's, or after it was sent alone: nothing new)
-            self._early = (key, status, body)
+        else:  # (a client-sent step's reply from the head after the route's, or after its link failed)
+            self._early.add(key, (status, body))
+
+    def take_early(self, key: bytes) -> tuple[int, bytes, bool] | None:
+        """The head's reply to the step with frame ``key`` when it came with nobody waiting (``_reply_late``): (status,
+        body, True), once; else None."""
+        early = self._early.pop(key, None)
+        return None if early is None else (*early, True)
 
     async def claim(self, pending: RingStep, link: FrameLink, timeout: float) -> tuple[int, bytes, bool]:
         """Take the head-sent step ``pending`` as the caller's: its reply ``(status, body, direct)``. When the head
@@ -168,11 +185,12 @@ class Ring:
         not taken for dead; the ring is off from then on. RouteError as a step sent by the client."""
         s = self.session
         first = s.route.hops[0].url
-        s.expect_route_reply(pending.key, pending.t0, 1, False, pending.start)
-        if pending.late is not None:  # the route's reply came first: its telemetry
-            s.route_reply(pending.key, *pending.late)
-        else:
-            self._claimed.add(pending.key)
+        if not pending.quiet:
+            s.expect_route_reply(pending.key, pending.t0, 1, False, pending.start)
+            if pending.late is not None:  # the route's reply came first: its telemetry
+                s.route_reply(pending.key, *pending.late)
+            else:
+                self._claimed.add(pending.key)
         unreachable = False
         s.raise_broken()  # a late error of an earlier step, or a ban: repair first
         try:
@@ -181,6 +199,8 @@ class Ring:
                     status, body, direct = await pending.reply
             if status == 200:
                 s.measured.ring_steps += 1
+                if pending.quiet:
+                    self.quiet[pending.step] = (pending.start, [h.url for h in s.route.hops])
                 return status, body, direct
             unreachable = error_hop(body) == first  # the head could not send it to the first node
         except RouteError as exc:
@@ -191,10 +211,33 @@ class Ring:
         if self.replies is not None:
             self.replies.forget(pending.key)
         self._claimed.discard(pending.key)
+        if pending.quiet:  # sent again with replies: the route's reply is its telemetry
+            s.expect_route_reply(pending.key, pending.t0, 1, False, pending.start)
         answer = await s.exchange(link, pending.frame, pending.key, timeout)
         if unreachable and answer[0] == 200:  # ... and we can: the head cannot reach it (a dead one fails ours too)
             self.on = False
         return answer
+
+    async def collect(self) -> None:
+        """Read each node's numbers of the quiet steps taken (``POST /v1/sessions/{id}/hops``, one call per node, all
+        at once) into the session's telemetry: one StepTiming per step every hop answered for, the steps in order. A
+        node that does not answer leaves its steps without one."""
+        if not self.quiet:
+            return
+        s, steps, self.quiet = self.session, self.quiet, {}
+        urls = sorted({url for _, hop_urls in steps.values() for url in hop_urls})
+
+        async def read(url: str) -> dict[int, dict]:
+            try:
+                hops = (await s.call(url, "POST", f"/v1/sessions/{s.id}/hops", None, "hops")).get("hops")
+            except RouteError:
+                return {}
+            return {h.get("step"): h for h in hops if isinstance(h, dict)} if isinstance(hops, list) else {}
+
+        got = dict(zip(urls, await asyncio.gather(*(read(url) for url in urls))))
+        for step, (start, hop_urls) in steps.items():
+            s.measured.record_quiet(step, start, hop_urls, [got[url].get(step) for url in hop_urls])
+        s.measured.steps.sort(key=lambda timing: timing.step)
 
     async def finish(self) -> None:
         """At the session's close: wait (up to ``FINISH_WAIT_S``) for a head-sent step the caller did not take, so
@@ -206,7 +249,7 @@ class Ring:
             await _reply_or_none(pending.reply, FINISH_WAIT_S)
             return
         replies, key = self.open_replies_link, step_key(self.session.id, self.granted)
-        if replies is None or self.answered >= self.granted - 1 or (self._early and self._early[0] == key):
+        if replies is None or self.answered >= self.granted - 1 or key in self._early:
             return  # no step abandoned, or the granted step's reply is in
         waiter = asyncio.get_running_loop().create_future()
         replies.expect(key, waiter, own=True)
@@ -242,7 +285,8 @@ class Ring:
             link = result(opening) if opening.done() else None
             if link is not None:
                 await link.close()
-        self.pending = self._early = None
+        self.pending = None
+        self._early.clear()
         self._claimed.clear()
         granted, self.granted = self.granted, 0
         return granted

@@ -344,37 +344,39 @@ class AsyncRouteSession:
         self, link: FrameLink, frame: bytes, key: bytes, timeout: float, resend: bool = False
     ) -> tuple[int, bytes, bool]:
         """Send ``frame`` on ``link``; the first of its reply there and the head's on the reply link: (status, body,
-        whether the reply link's). ``resend``: once more on a fresh connection when the link fails. A ``stale_step``
-        answer then means the step went through and the head sent the next (ring): its reply there is the answer.
-        RouteError ``hop_timeout`` (the link is closed), ``hop_failed``, or an earlier step's late error."""
+        whether the reply link's). ``resend``: again on a fresh connection when the link fails (a ``stale_step`` then:
+        the ring ran past it; the head's reply answers). RouteError hop_timeout, hop_failed, or a late error."""
         self.raise_broken()
-        loop = asyncio.get_running_loop()
-        replies, direct = self.decode_ring.open_replies_link, None
-        if replies is not None:  # once for every send: the head's reply is never missed between them
-            replies.expect(key, direct := loop.create_future())
-        sends = 0
+        for attempt in (1, 2):
+            early = self.decode_ring.take_early(key) if attempt == 2 else None  # came while the link failed
+            try:
+                answer = early or await self._exchange_once(link, frame, key, timeout, True)
+            except RouteError as exc:
+                if not resend or attempt == 2 or exc.code != "hop_failed" or exc.late:
+                    raise
+                continue  # the same step number: never applied twice
+            if attempt == 1:
+                return answer
+            # a resend: its route reply may say stale_step (the first send's went with the failed link)
+            self._unacked.pop(key, None)
+            if answer[0] == 200 or error_code(answer[1]) != "stale_step" or not self.decode_ring.open_replies_link:
+                return answer
+            return self.decode_ring.take_early(key) or await self._exchange_once(link, None, key, timeout, False)
+
+    async def _exchange_once(
+        self, link: FrameLink, frame: bytes | None, key: bytes, timeout: float, on_link: bool
+    ) -> tuple[int, bytes, bool]:
+        """``exchange``'s one wait: one waiter for the reply on the reply link and, ``on_link``, for ``frame``'s on
+        ``link`` (sent there); without ``on_link`` the reply link's alone."""
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        replies = self.decode_ring.open_replies_link
+        if replies is not None:
+            replies.expect(key, waiter)
         try:
-            while True:
-                waiter = self._waiter = loop.create_future()
-                sends += 1
-                try:
-                    await link.send(frame, waiter, timeout)
-                    async with asyncio.timeout(timeout):
-                        await asyncio.wait({waiter, direct} - {None}, return_when=asyncio.FIRST_COMPLETED)
-                    exc = waiter.exception() if waiter.done() else None
-                    if direct is not None and direct.done() and (not waiter.done() or exc and not exc.late):
-                        link.forget(key)  # its route reply, when it comes, is telemetry (route_reply)
-                        return direct.result()
-                    status, body, _ = waiter.result()
-                except RouteError as exc:
-                    if not resend or sends > 1 or exc.code != "hop_failed" or exc.late:
-                        raise
-                    continue  # a resend: the same step number, never applied twice
-                if direct is None or status == 200 or error_code(body) != "stale_step":
-                    return status, body, False
-                self._waiter = direct  # (``fail`` fails it)
-                async with asyncio.timeout(timeout):
-                    return await direct
+            if on_link:
+                await link.send(frame, waiter, timeout)
+            async with asyncio.timeout(timeout):
+                return await waiter
         except TimeoutError:
             await link.close()
             raise timed_out(link.url, timeout) from None
@@ -382,8 +384,6 @@ class AsyncRouteSession:
             self._waiter = None
             if replies is not None:
                 replies.forget(key)
-            if sends > 1:  # the first send's route reply is lost with its link; the resend's may say stale_step
-                self._unacked.pop(key, None)
 
     def expect_route_reply(self, key: bytes, t0: float, n_tokens: int, verify: bool, start: int) -> None:
         """A step (frame ``key``, sent at ``t0`` perf_counter s) whose route reply (``route_reply``) is to be read."""
@@ -463,8 +463,9 @@ class AsyncRouteSession:
         return self.measured.repairs
 
     async def telemetry(self) -> RouteTelemetry:
-        """What the session measured (RouteTelemetry). Replies that came back along the route after the head's
-        own reached the client are waited for first (up to 1 s), so that every step's per-hop numbers are in."""
+        """What the session measured (RouteTelemetry), once the nodes' numbers of quiet ring steps are read
+        (``Ring.collect``) and the route's replies to steps the head answered first are in (waited up to 1 s)."""
+        await self.decode_ring.collect()
         if self._unacked and self._link is not None and self._link.connected:
             self._drained = asyncio.get_running_loop().create_future()
             with contextlib.suppress(TimeoutError):

@@ -98,6 +98,19 @@ class RouteTelemetry:
             )
         )
 
+    def record_quiet(self, step: int, start: int, urls: list[str], hops: list[dict | None]) -> None:
+        """One StepTiming for a quiet decode step of ring decode (``step``, at position ``start``) from each hop's
+        own numbers (``POST /v1/sessions/{id}/hops``: ``compute_ms``, ``bytes_in``, ``kv_tokens``), in the order of
+        ``urls``. No hop of a quiet step is timed from outside: ``network_ms`` and ``outer_ms`` are empty (every
+        ``node/ring.py`` MEASURED_EVERY-th ring step has them). A step that a hop has no numbers for is left out."""
+        try:
+            compute = [float(h["compute_ms"]) for h in hops]
+            sent = [int(h["bytes_in"]) for h in hops]
+            kv = [int(h["kv_tokens"]) for h in hops]
+        except (KeyError, TypeError, ValueError):
+            return
+        self.steps.append(StepTiming(1, compute, [], sent, kv, list(urls), False, start, step))
+
     def summary(self, route) -> dict:
         """Per-hop compute/network ms (mean, p95) over decode steps of ``route`` (a RemoteRoute: its hops),
         payload bytes per decode token, KV held."""
@@ -105,7 +118,12 @@ class RouteTelemetry:
         prefill = [s for s in self.steps if s.n_tokens > 1 and not s.verify]
 
         def per_hop(steps: list[StepTiming], url: str, field_name: str) -> list[float]:
-            return [getattr(s, field_name)[s.urls.index(url)] for s in steps if url in s.urls]
+            # (a quiet step has no network_ms)
+            return [
+                getattr(s, field_name)[s.urls.index(url)]
+                for s in steps
+                if url in s.urls and len(getattr(s, field_name)) == len(s.urls)
+            ]
 
         hops = []
         for hop in route.hops:

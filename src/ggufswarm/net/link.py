@@ -180,6 +180,11 @@ class FrameLink:
         if own:
             self._own.add(key)
 
+    @property
+    def awaited(self) -> int:
+        """Replies this link waits for now."""
+        return len(self._waiting)
+
     def forget(self, key: bytes) -> None:
         """Stop waiting for the reply to the frame with ``key`` here (another link answered it, or it timed out)."""
         self._waiting.pop(key, None)
@@ -299,12 +304,15 @@ class LinkPool:
         self._client = client
         self._links: dict[str, FrameLink] = {}
 
-    async def send(self, url: str, frame: bytes, timeout_s: float) -> tuple[asyncio.Future, bool]:
+    async def send(self, url: str, frame: bytes, timeout_s: float, quiet: bool = False) -> tuple[asyncio.Future, bool]:
         """Send one step frame to ``url``: (the future of its reply — ``(status, body, False)`` as ``POST
         url/v1/step`` would answer, or RouteError ``hop_timeout`` / ``hop_failed`` naming ``url`` — within
         ``timeout_s`` seconds of now; whether it went over a link). Over a link the frame has been written when this
         returns, so frames sent one after another reach the hop in that order; a hop without links gets a
-        ``POST /v1/step`` that is under way (not ordered). RouteError when the link cannot be opened or written."""
+        ``POST /v1/step`` that is under way (not ordered). RouteError when the link cannot be opened or written.
+        ``quiet``: a quiet step (FLAG_QUIET), which a node on a link answers only when it fails: over a link its
+        future resolves with None when no answer came within ``timeout_s`` (the step went on), or the caller
+        resolves it so when it knows the step went through."""
         link = self._links.get(url)
         if link is None:
             link = self._links[url] = FrameLink(self._client(), url, timeout_s)
@@ -319,10 +327,15 @@ class LinkPool:
         def expire() -> None:
             if not waiter.done():
                 link.forget(key)
-                waiter.set_exception(timed_out(url, timeout_s))
+                if quiet:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(timed_out(url, timeout_s))
 
         timer = loop.call_later(timeout_s, expire)
         waiter.add_done_callback(lambda _f: timer.cancel())
+        if quiet:  # settled by its caller (the step went through): the link stops waiting for it
+            waiter.add_done_callback(lambda _f: link.forget(key))
         return waiter, True
 
     def ready(self, url: str) -> bool:
@@ -331,11 +344,18 @@ class LinkPool:
         link = self._links.get(url)
         return link is not None and (link.connected or link.http_only)
 
+    def linked(self, url: str) -> bool:
+        """Whether a link to ``url`` is open (not a node reached by ``POST /v1/step``)."""
+        link = self._links.get(url)
+        return link is not None and link.connected
+
     def counts(self) -> dict:
-        """``{"out": links open, "http_only": next hops reached by POST /v1/step}`` (for /health)."""
+        """``{"out": links open, "http_only": next hops reached by POST /v1/step, "awaited": replies awaited on the
+        links}`` (for /health)."""
         return {
             "out": sum(1 for link in self._links.values() if link.connected),
             "http_only": sum(1 for link in self._links.values() if link.http_only),
+            "awaited": sum(link.awaited for link in self._links.values()),
         }
 
     async def close(self) -> None:

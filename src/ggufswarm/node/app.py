@@ -37,7 +37,7 @@ from ..net.relay import add_relay_routes
 from ..protocol import ProtocolError
 from ..runtime.backends import load_shard, model_config
 from ..runtime.spec import ShardSpec
-from . import discovery, sessions_api, steps
+from . import discovery, sessions_api, step_handlers
 from .advertise import check_registered, deregister, heartbeats
 from .lies import check_lie, parse_lie
 from .memory import evict_for_memory, session_cells, trim_if_idle, tune_malloc, watch_memory, with_kv_defaults
@@ -229,8 +229,9 @@ def make_app(config: NodeConfig, executor=None) -> web.Application:
     app.router.add_post("/v1/sessions/{sid}/truncate", sessions_api.truncate_session)
     app.router.add_post("/v1/sessions/{sid}/restore", sessions_api.restore_session)
     app.router.add_post("/v1/sessions/{sid}/renew", sessions_api.renew_session)
-    app.router.add_post("/v1/step", steps.step)
-    app.router.add_get("/v1/link", steps.link)
+    app.router.add_post("/v1/sessions/{sid}/hops", sessions_api.session_hops)
+    app.router.add_post("/v1/step", step_handlers.step)
+    app.router.add_get("/v1/link", step_handlers.link)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/model", model_info)
     app.router.add_get("/v1/model/header/{i}", model_header)

@@ -2,8 +2,9 @@
 one position on) to the route's first node itself, as long as the client's grant allows; the client only reads.
 
 A client that wants the ring sends **grants** on its reply link (a text message, docs/protocol.md "Ring decode"):
-``{"ring": {"until": STEP, "first": URL or null}}``: the head may send the session's steps up to number ``until``
-to ``first`` (null: the head is the route's first node too, a route of one node loops on itself). The frame the
+``{"ring": {"until": STEP, "first": URL or null, "quiet": BOOL}}``: the head may send the session's steps up to number
+``until`` to ``first`` (null: the head is the route's first node too, a route of one node loops on itself); with
+``quiet`` it sends them as quiet steps (FLAG_QUIET) but every ``MEASURED_EVERY``-th. The frame the
 head sends is byte-identical to the one the client would have sent (protocol.encode_tokens), so every node's
 numbering, retry and repair rules hold as they are: a client that sends the same step itself (it lost its reply
 link) gets the recorded answer. Each such step's reply goes to the client on the reply link twice: the head's own,
@@ -23,15 +24,19 @@ from .sessions_api import MAX_STEP, node_url
 from .step_path import StepPath
 
 MAX_GRANT_CHARS = 4096  # longest grant message taken
+# every so many ring steps one goes with replies back along the route, which time each hop from outside
+# (StepTiming.outer_ms: what a node's measured speed is; gateway/planner.py NodeTimings), the others quietly
+MEASURED_EVERY = 16
 
 
 @dataclass
 class Grant:
     """A client's grant for one session: the head may send its steps up to number ``until`` to ``first`` (a node URL;
-    None: to itself)."""
+    None: to itself); ``quiet``: as quiet steps (but every ``MEASURED_EVERY``-th)."""
 
     until: int
     first: str | None
+    quiet: bool = False
 
 
 async def parse_grant(path: StepPath, text: str) -> Grant:
@@ -39,13 +44,19 @@ async def parse_grant(path: StepPath, text: str) -> Grant:
     next_hop_unknown (403) for a ``first`` the swarm's tracker or DHT does not list (the check a next_hop gets)."""
     try:
         ring = json.loads(text)["ring"] if len(text) <= MAX_GRANT_CHARS else None
-        until, first = ring["until"], ring["first"]
-    except (ValueError, TypeError, KeyError):
-        until = first = None
-    if type(until) is not int or not 0 <= until <= MAX_STEP or (first is not None and not isinstance(first, str)):
+        until, first, quiet = ring["until"], ring["first"], ring.get("quiet", False)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        until = first = quiet = None
+    if (
+        type(until) is not int
+        or not 0 <= until <= MAX_STEP
+        or (first is not None and not isinstance(first, str))
+        or not isinstance(quiet, bool)
+    ):
         raise ProtocolError(
             "bad_request",
-            'a reply link takes grants only: {"ring": {"until": STEP, "first": "http://HOST:PORT" or null}}',
+            'a reply link takes grants only: {"ring": {"until": STEP, "first": "http://HOST:PORT" or null, '
+            '"quiet": true or false}}',
         )
     if first is not None:
         first = node_url(first, "the ring's first node")
@@ -54,14 +65,16 @@ async def parse_grant(path: StepPath, text: str) -> Grant:
         raise ProtocolError(
             "bad_request", 'a ring "first": null (loop on this node) needs a node that embeds: a route of one node'
         )
-    return Grant(until, first)
+    return Grant(until, first, quiet)
 
 
 def next_frame(path: StepPath, session: Session, frame: Frame, record: StepRecord) -> tuple[bytes, str | None] | None:
     """The session's next step when the head sends it itself: (its frame, the grant's first node: None for this one).
     The frame holds the token just sampled (``record.token``) at the position after ``frame``'s, numbered
-    ``frame.step + 1``, a sampling step with no other flag. None when the session has no grant up to that step, no
-    reply link, the step sampled nothing or was a verify step, or the next step would not fit its max_length."""
+    ``frame.step + 1``, a sampling step with no other flag but FLAG_QUIET: under a quiet grant, to a first node whose
+    link is open, in a session without ``commit``, but every MEASURED_EVERY-th step. None when the session has no
+    grant up to that step, no reply link, the step sampled nothing or was a verify step, or the next step would not
+    fit its max_length."""
     grant = path.rings.get(session.id)
     ws = path.reply_links.get(session.id)
     start = frame.start + frame.n_tokens
@@ -76,7 +89,14 @@ def next_frame(path: StepPath, session: Session, frame: Frame, record: StepRecor
         or start + 1 > session.max_length
     ):
         return None
-    return encode_tokens(session.id, frame.step + 1, start, [int(record.token)]), grant.first
+    quiet = (
+        grant.quiet
+        and grant.first is not None
+        and not session.commit
+        and (frame.step + 1) % MEASURED_EVERY != 0
+        and path.links.linked(grant.first)
+    )
+    return encode_tokens(session.id, frame.step + 1, start, [int(record.token)], quiet=quiet), grant.first
 
 
 def drop(path: StepPath, sid: uuid.UUID) -> None:

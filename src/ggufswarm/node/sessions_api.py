@@ -111,10 +111,22 @@ async def renew_session(request: web.Request) -> web.Response:
     return json_response({"session_id": str(session.id), "lease_s": session.lease_s or state.store.ttl_s})
 
 
+async def session_hops(request: web.Request) -> web.Response:
+    """``POST /v1/sessions/{id}/hops`` → 200 ``{"hops": [{step, compute_ms, bytes_in, kv_tokens, handle_ms}]}``: this
+    node's numbers of the session's quiet steps (ring decode, docs/protocol.md "Quiet steps") since the last call,
+    oldest first; each is answered once. 404 unknown_session."""
+    state: NodeState = request.app[NODE]
+    session = state.store.get(parse_session_id(request.match_info["sid"]))
+    hops, session.quiet_hops = session.quiet_hops, []
+    keys = ("step", "compute_ms", "bytes_in", "kv_tokens", "handle_ms")
+    return json_response({"hops": [dict(zip(keys, hop)) for hop in hops]})
+
+
 async def close_session(request: web.Request) -> web.Response:
     """``DELETE /v1/sessions/{id}`` → 200 {closed, kv_tokens}; 404 unknown_session."""
     state: NodeState = request.app[NODE]
     session = state.store.close(parse_session_id(request.match_info["sid"]))
+    session.settle_quiet()
     state.readvertise()
     replies = state.path.reply_links.pop(session.id, None)
     if replies is not None:

@@ -1,39 +1,42 @@
-"""A node's step pipeline: ``POST /v1/step`` and ``GET /v1/link`` take step frames; each is replayed (a retry) or
-applied to its session's KV cache, then answered by the head or pushed to the session's next hop and relayed back.
+"""A node's step pipeline: each step frame (from node/step_handlers.py) is replayed (a retry) or applied to its
+session's KV cache, then answered by the head or pushed to the session's next hop and relayed back.
 
 A non-head node pushes its output frame straight to the session's next hop and answers with the head's reply, its
-own hop timings prepended (docs/protocol.md, "Steps" and "Links").
+own hop timings prepended; a quiet step (ring decode) is answered only when it fails (docs/protocol.md, "Steps",
+"Links" and "Quiet steps").
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
-import uuid
-import zlib
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from functools import partial
 
-import aiohttp
-from aiohttp import web
-
-from ..net.http import JSON
 from ..net.link import reply_error
 from ..protocol import Frame, ProtocolError, decode_frame, encode_hidden
-from ..protocol.frame import FLAG_NO_SAMPLE, FLAG_REWIND, FLAG_VERIFY, WIRE_DTYPES, step_timeout_s
+from ..protocol.frame import (
+    FLAG_NO_SAMPLE,
+    FLAG_QUIET,
+    FLAG_REWIND,
+    FLAG_VERIFY,
+    WIRE_DTYPES,
+    frame_digest,
+    is_quiet,
+    step_timeout_s,
+)
 from ..protocol.link import encode_reply
 from ..runtime.session_state import Session, StepRecord
 from . import ring
 from .commit import input_digest, output_digest, step_commit
 from .lies import parse_lie
-from .state import parse_session_id
-from .step_path import STEP_PATH, StepPath
+from .step_path import StepPath
 
 # bytes a frame or link message may exceed max_body by before it is refused unread (aiohttp's own framing slack)
 BODY_SLACK = 1024
-FORWARDED_FLAGS = FLAG_NO_SAMPLE | FLAG_VERIFY | FLAG_REWIND  # frame flags a node passes on to its next hop
+FORWARDED_FLAGS = FLAG_NO_SAMPLE | FLAG_VERIFY | FLAG_REWIND | FLAG_QUIET  # frame flags a node passes on
 OK = 200
 HOPS_FIRST = b'{"hops": ['  # how a step's reply starts (_head_reply's key order, json.dumps's separators)
 
@@ -44,114 +47,6 @@ def frame_too_large(path: StepPath) -> ProtocolError:
         "too_many_tokens",
         f"frame body over {path.max_body} bytes: more than max_step_tokens {path.max_step_tokens} tokens",
     )
-
-
-async def step(request: web.Request) -> web.Response:
-    """``POST /v1/step``: one frame (application/octet-stream) → 200 JSON ``{token, logprobs, hops}``."""
-    path: StepPath = request.app[STEP_PATH]
-    t0 = time.perf_counter()
-    if (request.content_length or 0) > path.max_body + BODY_SLACK:
-        raise frame_too_large(path)
-    try:
-        body = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise frame_too_large(path) from None
-    status, reply = await apply_frame(path, body, t0)
-    return web.Response(body=reply, status=status, content_type=JSON)
-
-
-async def link(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/link``: a WebSocket on which a previous hop sends step frames (binary messages, each the
-    body of a ``POST /v1/step``); each is answered by one binary message (protocol/link.py: frame key, status,
-    JSON reply). Frames are applied concurrently, each session's in order; a bad frame gets its error
-    reply and the link stays open.
-
-    ``GET /v1/link?replies=<session id>`` (head only, an open session): the client's **reply link**. The head
-    sends each successful step reply of that session on it as well (same message), as soon as it has it,
-    before the reply travels back along the route: the client has the token one message after the head
-    sampled it instead of one per hop. A later reply link for the session replaces the earlier one."""
-    path: StepPath = request.app[STEP_PATH]
-    ws = web.WebSocketResponse(max_msg_size=path.max_body + BODY_SLACK, autoping=True)
-    if not ws.can_prepare(request).ok:
-        raise ProtocolError(
-            "bad_request",
-            "GET /v1/link opens a WebSocket: send Connection: Upgrade and Upgrade: "
-            'websocket (docs/protocol.md, "Links")',
-        )
-    if "replies" in request.query:
-        if not path.spec.head:
-            raise ProtocolError("bad_request", "only the head sends replies: a reply link goes to the node with --head")
-        session = path.store.get(parse_session_id(request.query["replies"]))
-        if session.reply_key is not None and not hmac.compare_digest(
-            request.query.get("key", "").encode(), session.reply_key.encode()
-        ):
-            raise ProtocolError("unauthorized", "the session's reply link takes the key its client opened it with")
-        return await _reply_link(path, ws, request, session.id)
-    await ws.prepare(request)
-    path.links_in.add(ws)
-    tasks = path.link_tasks  # strong references: the loop keeps only weak ones to running tasks
-
-    async def answer(body: bytes, t0: float) -> None:
-        path.frames_waiting -= 1  # (a task cancelled before it starts only happens at shutdown)
-        status, reply = await apply_frame(path, body, t0)
-        if not ws.closed:
-            try:
-                await ws.send_bytes(encode_reply(body, status, reply))
-                path.metrics.messages_sent["reply"].inc()
-            except (ConnectionError, RuntimeError):
-                pass  # the previous hop went away: it retries or repairs the route
-
-    try:
-        async for msg in ws:
-            t0 = time.perf_counter()
-            if msg.type == aiohttp.WSMsgType.BINARY:
-                path.frames_waiting += 1
-                task = asyncio.create_task(answer(msg.data, t0))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            elif msg.type == aiohttp.WSMsgType.TEXT:
-                status, reply = path.error_reply(ProtocolError("bad_frame", "a link takes binary frames"))
-                await ws.send_bytes(encode_reply(b"", status, reply))
-    finally:
-        path.links_in.discard(ws)
-    return ws
-
-
-async def _reply_link(
-    path: StepPath, ws: web.WebSocketResponse, request: web.Request, sid: uuid.UUID
-) -> web.WebSocketResponse:
-    """Hold ``ws`` as session ``sid``'s reply link until the client closes it, or the session is closed. The client's
-    text messages are ring grants (node/ring.py); a bad one is answered with its error (key NO_KEY) and changes
-    nothing."""
-    await ws.prepare(request)
-    old = path.reply_links.get(sid)
-    path.reply_links[sid] = ws
-    ring.drop(path, sid)  # a grant is the link's: a new link starts without one
-    if old is not None:
-        await old.close()
-    path.links_in.add(ws)
-    try:
-        async for msg in ws:
-            if (
-                msg.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY)
-                or path.reply_links.get(sid) is not ws
-            ):
-                continue
-            try:
-                if msg.type != aiohttp.WSMsgType.TEXT:
-                    raise ProtocolError("bad_request", "a reply link takes text messages (ring grants) only")
-                grant = await ring.parse_grant(path, msg.data)
-            except ProtocolError as exc:
-                await ws.send_bytes(encode_reply(b"", *path.error_reply(exc)))  # (key NO_KEY)
-                continue
-            if path.reply_links.get(sid) is ws:
-                path.rings[sid] = grant
-    finally:
-        path.links_in.discard(ws)
-        if path.reply_links.get(sid) is ws:
-            del path.reply_links[sid]
-            ring.drop(path, sid)
-    return ws
 
 
 async def _send_direct(path: StepPath, frame: Frame, body: bytes, reply: bytes) -> None:
@@ -167,10 +62,14 @@ async def _send_direct(path: StepPath, frame: Frame, body: bytes, reply: bytes) 
         path.reply_links.pop(frame.session_id, None)
 
 
-async def apply_frame(path: StepPath, body: bytes, t0: float) -> tuple[int, bytes]:
+async def apply_frame(
+    path: StepPath, body: bytes, t0: float, upstream: Callable[[int, bytes], None] | None = None
+) -> tuple[int, bytes]:
     """Apply one step frame (the body of ``POST /v1/step`` or a link message) received at ``t0``
     (perf_counter s): (HTTP status, JSON reply bytes) — ``{token, logprobs, hops}``, or an error body
-    (StepPath.error_reply: the status the HTTP middleware would answer the same error with)."""
+    (StepPath.error_reply: the status the HTTP middleware would answer the same error with). ``upstream(status,
+    body)``: answers the frame later on the link it came on (None: a POST); with it a quiet step (FLAG_QUIET) that
+    went on to the next hop is answered ``(200, b"")`` at once, and its error, if one comes back, through it."""
     try:
         if len(body) > path.max_body + BODY_SLACK:  # a chunked body (no Content-Length) or a link message
             raise frame_too_large(path)
@@ -193,7 +92,7 @@ async def apply_frame(path: StepPath, body: bytes, t0: float) -> tuple[int, byte
         session.stepping += 1  # in a step until its reply is back: never expired meanwhile (next hops may be slow)
         path.active_sessions += session.stepping == 1
         try:
-            return await _apply_session_frame(path, session, frame, body, kind, t0)
+            return await _apply_session_frame(path, session, frame, body, kind, t0, upstream)
         finally:
             session.stepping -= 1
             path.active_sessions -= session.stepping == 0
@@ -203,7 +102,13 @@ async def apply_frame(path: StepPath, body: bytes, t0: float) -> tuple[int, byte
 
 
 async def _apply_session_frame(
-    path: StepPath, session: Session, frame: Frame, body: bytes, kind: str, t0: float
+    path: StepPath,
+    session: Session,
+    frame: Frame,
+    body: bytes,
+    kind: str,
+    t0: float,
+    upstream: Callable[[int, bytes], None] | None,
 ) -> tuple[int, bytes]:
     """Apply one step of ``session``, in parts: replay or apply the step (_replay, _apply) under the session's
     lock; the head answers (_head_reply) and records its reply (_record) under the lock too; another node
@@ -211,14 +116,18 @@ async def _apply_session_frame(
     (_relayed) and records it. The session's next step can run here while this one is still downstream: steps
     reach the next hop in order (one link, in push order), and it applies each under its own lock. With the
     head's reply link the client sends the next step as soon as the head has sampled, and no node holds it up
-    waiting for the reply of the one before. Raises what the step raises."""
+    waiting for the reply of the one before. A quiet step (``upstream`` given, a session without ``commit``) keeps
+    this node's numbers for the client (``Session.quiet_hops``) and is not waited for downstream. Raises what the
+    step raises."""
+    quiet = frame.quiet and upstream is not None and not session.commit
     async with session.lock:
-        digest = zlib.crc32(body)
+        digest = frame_digest(body)
         record = _replay(path, session, frame, digest)
         if record is None:  # the next step
             record = _apply(path, session, frame, digest)
             if isinstance(record, asyncio.Future):
                 record = await record
+            session.settle_quiet()  # the quiet step sent on before this one went through
             metrics = path.metrics
             metrics.steps[kind].inc()
             metrics.step_seconds[kind].observe(record.compute_ms / 1e3)
@@ -244,8 +153,8 @@ async def _apply_session_frame(
                 # ring decode: the head sends the next step itself (node/ring.py), first: the commitment's
                 # signature, the reply and the client's copy of it are off the route's critical path
                 nxt = ring.next_frame(path, session, frame, record)
-                if nxt is not None:
-                    task = asyncio.ensure_future(await _ring_push(path, session, *nxt))
+                if nxt is not None and (waits := await _ring_push(path, session, *nxt)) is not None:
+                    task = asyncio.ensure_future(waits)
                     path.link_tasks.add(task)
                     task.add_done_callback(path.link_tasks.discard)
                 if session.commit:
@@ -253,13 +162,24 @@ async def _apply_session_frame(
                 answer = _head_reply(record, hop)
                 if nxt is not None:
                     answer["ring"] = frame.step + 1
+                    if is_quiet(nxt[0]):
+                        answer["quiet"] = True  # the client reads that step's numbers from the nodes
                 reply = _record(record, answer, hop, t0)
+                if frame.quiet and not session.commit:
+                    _keep_hop(session, frame.step, hop)
                 await _send_direct(path, frame, body, reply)
                 return OK, reply
-            sent = await _push(path, session, frame, record, kind)
+            sent = await _push(path, session, frame, record, kind, quiet)
             if session.commit:  # the frame is on its way: its digests and signature overlap the next hops' work
                 out = None if record.commit else output_digest(sent.frame, frame, path.n_embd_out, session.wire_dtype)
                 hop["commit"] = _commit(path, session, frame, body, record, out)
+            if quiet:
+                hop["handle_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+                _keep_hop(session, frame.step, hop)
+                if sent.ordered:  # no reply comes unless the step fails downstream; a retry relays it again
+                    session.quiet_sent = sent.reply
+                    sent.reply.add_done_callback(partial(_quiet_failed, path, sent.url, upstream))
+                    return OK, b""
             pending = record.relay = asyncio.ensure_future(_relayed(sent, record, hop, t0))
             pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # its waiters may have gone
             if not sent.ordered:  # plain POSTs may overtake each other: keep the session until the reply
@@ -305,28 +225,68 @@ def _apply(path: StepPath, session: Session, frame: Frame, digest: int) -> StepR
     return asyncio.get_running_loop().run_in_executor(path.pool, path.store.apply, *args)
 
 
-async def _ring_push(path: StepPath, session: Session, nxt: bytes, first: str | None) -> Coroutine:
+async def _ring_push(path: StepPath, session: Session, nxt: bytes, first: str | None) -> Coroutine | None:
     """Ring decode (node/ring.py): send the session's next step ``nxt`` to the route's first node ``first`` now, when
     the link to it is open (None: it is applied here, a route of one node); the coroutine (run it as a task) that
     waits for that step's reply, the route's (or the error that stopped it), and passes it to the client on the
     session's reply link. The head's own reply to the step before (``_send_direct``) goes out after this send, the
     route's later. A link still to open is opened by the coroutine: a first node slow to answer never holds up the
-    head's reply."""
+    head's reply. A quiet step (node/ring.py opens them) has nothing to wait for: None, and only its error, if one
+    comes back, goes to the client."""
     t0 = time.perf_counter()
     sent: asyncio.Future | None = None
     error: Exception | None = None
     if first is not None and path.links.ready(first):
+        quiet = is_quiet(nxt)
         try:
-            sent = await _ring_send(path, session, nxt, first)
+            sent = await _ring_send(path, session, nxt, first, quiet)
         except Exception as exc:
             error = exc
+        else:
+            if quiet:
+                session.quiet_sent = sent
+                sent.add_done_callback(partial(_ring_quiet_done, path, session, nxt, first))
+                return None
     return _ring_replied(path, session, nxt, first, t0, sent, error)
 
 
-async def _ring_send(path: StepPath, session: Session, nxt: bytes, first: str) -> asyncio.Future:
-    sent, _ = await path.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1))
+async def _ring_send(path: StepPath, session: Session, nxt: bytes, first: str, quiet: bool = False) -> asyncio.Future:
+    sent, _ = await path.links.send(first, nxt, step_timeout_s(session.hop_timeout_s, 1), quiet)
     path.metrics.messages_sent["frame"].inc()
     return sent
+
+
+def _ring_quiet_done(path: StepPath, session: Session, nxt: bytes, first: str, sent: asyncio.Future) -> None:
+    """A quiet ring step's end at the head: counted ok when no error came back (or a POST's reply said 200), else the
+    error to the client on the reply link, as ``_ring_replied`` does."""
+    if sent.cancelled():
+        return
+    error = sent.exception()
+    answer = None if error is not None else sent.result()
+    if error is None and (answer is None or answer[0] == OK):
+        path.metrics.ring_steps["ok"].inc()
+        return
+    status, reply = path.error_reply(error) if error is not None else answer[:2]
+    task = asyncio.ensure_future(_ring_answered(path, session, nxt, status, reply))
+    path.link_tasks.add(task)
+    task.add_done_callback(path.link_tasks.discard)
+
+
+def _quiet_failed(path: StepPath, url: str, upstream: Callable[[int, bytes], None], sent: asyncio.Future) -> None:
+    """A quiet step pushed to next hop ``url``: when an error came back (or the link failed), pass it upstream, as a
+    relayed reply would; nothing when none came within the step's timeout or the reply said 200."""
+    if sent.cancelled():
+        return
+    error = sent.exception()
+    answer = None if error is not None else sent.result()
+    if error is None and (answer is None or answer[0] == OK):
+        return
+    upstream(*path.error_reply(error if error is not None else reply_error(answer[1], answer[0], url)))
+
+
+def _keep_hop(session: Session, step: int, hop: dict) -> None:
+    """Keep a quiet step's numbers on the session for the client (``POST /v1/sessions/{id}/hops``)."""
+    session.quiet_hops.append((step, hop["compute_ms"], hop["bytes_in"], hop["kv_tokens"], hop.get("handle_ms")))
 
 
 async def _ring_replied(
@@ -351,6 +311,11 @@ async def _ring_replied(
             status, reply, _ = await sent
     except Exception as exc:
         status, reply = path.error_reply(exc)
+    await _ring_answered(path, session, nxt, status, reply)
+
+
+async def _ring_answered(path: StepPath, session: Session, nxt: bytes, status: int, reply: bytes) -> None:
+    """A ring step's end at the head: counted, and its reply (the route's, or the error) to the client."""
     closed = path.store.sessions.get(session.id) is not session  # closed meanwhile: nobody is waiting
     path.metrics.ring_steps["ok" if status == OK else "closed" if closed else "failed"].inc()
     if status != OK:  # a first node that fails once is not sent the next steps: the client sends them (or re-grants)
@@ -406,18 +371,21 @@ class _Sent:
     frame: bytes
 
 
-async def _push(path: StepPath, session: Session, frame: Frame, record: StepRecord, kind: str) -> _Sent:
+async def _push(
+    path: StepPath, session: Session, frame: Frame, record: StepRecord, kind: str, quiet: bool = False
+) -> _Sent:
     """Send the step's output (in the session's wire dtype, with the route's token ids) to the session's next
     hop over its link, waiting at most ``step_timeout_s`` of the session's ``hop_timeout_s`` (seconds) for the
-    reply. ProtocolError naming the hop when it cannot be sent (hop_failed, hop_timeout)."""
+    reply; ``quiet``: as a quiet step (else FLAG_QUIET is not passed on: this node waits for the reply).
+    ProtocolError naming the hop when it cannot be sent (hop_failed, hop_timeout)."""
     ids = frame.data if frame.dtype == "ids" else frame.token_ids
-    out = encode_hidden(
-        frame.session_id, frame.step, frame.start, record.output, session.wire_dtype, ids, frame.flags & FORWARDED_FLAGS
-    )
+    flags = frame.flags & FORWARDED_FLAGS & ~(0 if quiet else FLAG_QUIET)
+    out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype, ids, flags)
     path.metrics.bytes_out[kind].inc(len(out))
     url = session.next_hop
     t_push = time.perf_counter()
-    reply, ordered = await path.links.send(url, out, step_timeout_s(session.hop_timeout_s, frame.n_tokens))
+    timeout = step_timeout_s(session.hop_timeout_s, frame.n_tokens)
+    reply, ordered = await path.links.send(url, out, timeout, quiet)
     path.metrics.messages_sent["frame"].inc()
     return _Sent(url, t_push, reply, ordered, out)
 
@@ -452,4 +420,4 @@ def _record(record: StepRecord, reply: dict, hop: dict, t0: float) -> bytes:
     return record.reply
 
 
-__all__ = ["apply_frame", "frame_too_large", "link", "step"]
+__all__ = ["apply_frame", "frame_too_large"]

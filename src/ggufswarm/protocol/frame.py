@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import struct
 import uuid
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +62,10 @@ FLAG_TOKEN_IDS = 1
 FLAG_NO_SAMPLE = 2
 FLAG_VERIFY = 4  # speculative decoding: the head samples at every position and replies ``tokens`` (one per token)
 FLAG_REWIND = 8  # the step may start inside the session's previous step: nodes first drop the tokens from ``start``
+# a quiet step (ring decode): nodes on a link answer it only with an error; each keeps its numbers for the client
+# (docs/protocol.md, "Quiet steps")
+FLAG_QUIET = 16
+FLAGS_BYTE = 6  # the flags' offset in the header
 F16_MAX = 65504.0
 
 
@@ -97,9 +102,30 @@ class Frame:
         return bool(self.flags & FLAG_VERIFY) and not self.flags & FLAG_NO_SAMPLE
 
     @property
+    def quiet(self) -> bool:
+        """True for a quiet step (FLAG_QUIET): on a link, nodes answer it only when it fails."""
+        return bool(self.flags & FLAG_QUIET)
+
+    @property
     def rewind(self) -> bool:
         """True when the step may start before the session's end, inside its previous step (FLAG_REWIND)."""
         return bool(self.flags & FLAG_REWIND)
+
+
+def frame_digest(body: bytes) -> int:
+    """CRC-32 of a frame's bytes with FLAG_QUIET cleared: a quiet step and the same step sent again with replies (a
+    client that lost the quiet one's answer) are one step to a node's retry check."""
+    if len(body) <= FLAGS_BYTE or not body[FLAGS_BYTE] & FLAG_QUIET:
+        return zlib.crc32(body)
+    view = memoryview(body)
+    crc = zlib.crc32(view[:FLAGS_BYTE])
+    crc = zlib.crc32(bytes((body[FLAGS_BYTE] & ~FLAG_QUIET,)), crc)
+    return zlib.crc32(view[FLAGS_BYTE + 1 :], crc)
+
+
+def is_quiet(body: bytes) -> bool:
+    """Whether a frame's bytes carry FLAG_QUIET (read from the header, nothing decoded)."""
+    return len(body) > FLAGS_BYTE and bool(body[FLAGS_BYTE] & FLAG_QUIET)
 
 
 def frame_size(n_tokens: int, n_embd: int, dtype: str, token_ids: bool = False) -> int:
@@ -149,12 +175,14 @@ def encode_tokens(
     sample: bool = True,
     verify: bool = False,
     rewind: bool = False,
+    quiet: bool = False,
 ) -> bytes:
     """A frame carrying token ids (for the first shard). ``start``: position of the first id. ``verify``: the head
     samples at every position (FLAG_VERIFY); ``rewind``: nodes holding more than ``start`` tokens drop the rest of
-    the previous step first (FLAG_REWIND)."""
+    the previous step first (FLAG_REWIND); ``quiet``: a quiet step (FLAG_QUIET, ring decode)."""
     ids = np.asarray(token_ids, dtype=DTYPES["ids"].numpy)
     flags = (0 if sample else FLAG_NO_SAMPLE) | (FLAG_VERIFY if verify else 0) | (FLAG_REWIND if rewind else 0)
+    flags |= FLAG_QUIET if quiet else 0
     return _header(session_id, step, start, len(ids), 0, "ids", flags) + ids.tobytes()
 
 

@@ -124,6 +124,12 @@ class Session:
     busy: int = 0
     stepping: int = 0  # the server's count of steps in flight (waiting for the next hops too); touched by one thread
     hop_timeout_s: float | None = None  # seconds to wait for next_hop's answer (the server's to use)
+    # quiet steps' numbers not yet read by the client (POST /v1/sessions/{id}/hops): (step, compute_ms, bytes_in,
+    # kv_tokens, handle_ms); at most one per step, so bounded by max_length
+    quiet_hops: list[tuple] = field(default_factory=list)
+    # for the server: the reply future of the last quiet step it sent on, until the session's next step shows that it
+    # went through (one waits per session, not one per step: a link that fails fails one)
+    quiet_sent: object = None
     lease_s: float | None = None  # idle seconds after which the session is dropped (None: the store's ttl_s)
     lock: object = None  # for the server (e.g. an asyncio.Lock serializing this session's steps)
 
@@ -131,6 +137,13 @@ class Session:
     def length(self) -> int:
         """Tokens held in the KV cache (= position of the next token)."""
         return self.kv.length
+
+    def settle_quiet(self) -> None:
+        """Stop waiting for the error of the last quiet step sent on (``quiet_sent``): the session's next step applied
+        here, so it went through, or the session closed."""
+        sent, self.quiet_sent = self.quiet_sent, None
+        if sent is not None and not sent.done():
+            sent.set_result(None)
 
     def mark_restored(self, tokens: list[int], boundaries: list[int]) -> None:
         """Record that the KV cache was just filled with ``tokens`` (their KV/state loaded from a snapshot) whose
