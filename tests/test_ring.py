@@ -8,6 +8,7 @@ tokens must be the same, and the ring must have carried the decode steps (``ring
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
@@ -104,7 +105,7 @@ def test_speculative_decoding_on_a_ring_session_sends_its_own_steps(cluster, gem
     stats = GenerationStats()
     try:
         list(generate(session, gemma.tokenizer, ids, N, None, stats, NgramDrafter(4)))
-        assert not session.session.ring and stats.verify_steps > 0
+        assert not session.session.decode_ring.on and stats.verify_steps > 0
     finally:
         session.close()
     assert stats.tokens == want
@@ -250,7 +251,7 @@ def test_a_head_that_cannot_reach_the_first_node_is_no_dead_node(tiny, monkeypat
             out = [session.step(ids)]
             for _ in range(12):
                 out.append(session.step([out[-1]]))
-            outs.append((out, session.session.ring, session.telemetry.repairs, session.telemetry.ring_steps))
+            outs.append((out, session.session.decode_ring.on, session.telemetry.repairs, session.telemetry.ring_steps))
         finally:
             session.close()
     (want, _, _, _), (got, still_on, repairs, steps) = outs
@@ -490,3 +491,54 @@ def test_a_quiet_step_that_fails_downstream_reaches_the_client_and_is_sent_again
     # the error came back to the head (not the client's timeout)
     assert counted([head], "ggufswarm_node_ring_steps", result="failed") == ring_failed + 1
     assert failed[0] in {s.step for s in tel.steps if len(s.outer_ms) == 2}  # sent again with replies
+
+
+def test_closing_after_a_stream_aborted_during_its_prefill_leaves_no_error_on_the_nodes(tiny):
+    """A caller that gives up on a client-sent step (a stream closed before its first token: the prefill is on the
+    nodes): the session's close waits for that step before the nodes release the session, which would otherwise
+    answer it session_closed on every node (a new user's trial: errors on the nodes after each such close)."""
+    first, head = tiny["first"], tiny["head"]
+    prompt = [5 + (i * 31) % 300 for i in range(300)]
+
+    async def abort(delay: float) -> bool:
+        route = await RemoteRoute.connect([first, head])
+        session = await route.aopen(400, SamplingParams(temperature=0), ring=True)
+        step = asyncio.create_task(session.step(prompt))
+        await asyncio.sleep(delay)
+        step.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await step
+        abandoned = session.decode_ring.abandoned is not None  # cancelled while the step was on the nodes
+        await session.close()
+        return abandoned
+
+    before = counted([first, head], "ggufswarm_node_errors")
+    aborted = [asyncio.run(abort(delay)) for delay in (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016)]
+    time.sleep(0.5)
+    assert any(aborted)  # (a delay that fell inside the prefill)
+    assert counted([first, head], "ggufswarm_node_errors") == before
+    assert [health(u)["sessions"] for u in (first, head)] == [0, 0]
+
+
+def test_a_request_cut_off_before_its_body_arrived_is_client_gone_not_a_failure(tiny):
+    """A client that closes its connection in the middle of a request body (an aborted request) gets client_gone
+    (499) counted, not an internal error with a traceback; the node goes on serving."""
+    import socket
+    from urllib.parse import urlsplit
+
+    first = tiny["first"]
+    before = counted([first], "ggufswarm_node_errors", code="client_gone")
+    internal = counted([first], "ggufswarm_node_errors", code="internal")
+    url = urlsplit(first)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(
+            b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n"
+            b'{"session_id": '
+        )
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while counted([first], "ggufswarm_node_errors", code="client_gone") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counted([first], "ggufswarm_node_errors", code="client_gone") == before + 1
+    assert counted([first], "ggufswarm_node_errors", code="internal") == internal
+    assert health(first)["status"] == "ok"

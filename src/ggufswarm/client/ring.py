@@ -83,6 +83,7 @@ class Ring:
         self._early: Recent = Recent(EARLY_KEPT)
         self._claimed: set[bytes] = set()  # keys of head-sent steps taken whose route reply is still to come
         self.quiet: dict[int, tuple[int, list[str]]] = {}  # quiet steps taken, not collected: step -> (start, urls)
+        self.abandoned: asyncio.Future | None = None  # the reply of a client-sent step its caller gave up waiting for
 
     @property
     def open_replies_link(self) -> FrameLink | None:
@@ -240,10 +241,14 @@ class Ring:
         s.measured.steps.sort(key=lambda timing: timing.step)
 
     async def finish(self) -> None:
-        """At the session's close: wait (up to ``FINISH_WAIT_S``) for a head-sent step the caller did not take, so
-        that the nodes release the session after it rather than under it (they would answer it session_closed):
-        the one it learned of, or, where the caller abandoned a step (an aborted stream) whose reply may have told
-        of one, the step the head may send under its last grant."""
+        """At the session's close: wait (up to ``FINISH_WAIT_S`` each) for the steps still on the nodes, so that they
+        release the session after them rather than under them (they would answer them session_closed): a step the
+        client sent whose caller gave up waiting (``abandoned``: a stream aborted during a prefill, say), and a
+        head-sent step the caller did not take: the one it learned of, or, where the caller abandoned a step whose
+        reply may have told of one, the step the head may send under its last grant."""
+        abandoned, self.abandoned = self.abandoned, None
+        if abandoned is not None:
+            await _reply_or_none(abandoned, FINISH_WAIT_S)
         pending, self.pending = self.pending, None
         if pending is not None:
             await _reply_or_none(pending.reply, FINISH_WAIT_S)
@@ -293,9 +298,7 @@ class Ring:
 
 
 async def _reply_or_none(reply: asyncio.Future, timeout: float) -> None:
-    """Wait up to ``timeout`` s for a step's ``reply``, whatever it ends with."""
-    try:
-        async with asyncio.timeout(timeout):
-            await reply
-    except (RouteError, TimeoutError):
-        pass
+    """Wait up to ``timeout`` s for a step's ``reply``, whatever it ends with (a result, an error, cancelled)."""
+    await asyncio.wait([reply], timeout=timeout)
+    if reply.done() and not reply.cancelled():
+        reply.exception()  # (retrieved: an error here is no news)

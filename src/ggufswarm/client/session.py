@@ -221,7 +221,7 @@ class AsyncRouteSession:
         head samples after every position; the token a one-token step would have sampled after each
         (``[len(token_ids)]``). The session then holds them all: ``drop`` the rejected drafts. ValueError for more
         than ``max_verify_tokens`` ids; RouteError as ``step`` (``bad_route`` when the head answers no samples)."""
-        self.ring = False  # speculative decoding drives its own steps: the head sending one would be undone each time
+        self.decode_ring.on = False  # speculative decoding drives its own steps: the head's would be undone each time
         if not token_ids or len(token_ids) > self.max_verify_tokens:
             raise ValueError(
                 f"a verify step takes 1..{self.max_verify_tokens} token ids on this route "
@@ -380,6 +380,12 @@ class AsyncRouteSession:
         except TimeoutError:
             await link.close()
             raise timed_out(link.url, timeout) from None
+        except asyncio.CancelledError:  # the caller gave up (an aborted stream): the session's close waits for it
+            if on_link:  # (the cancelled wait took its waiter along: the route's reply goes to a fresh one)
+                link.expect(key, abandoned := asyncio.get_running_loop().create_future())
+                abandoned.add_done_callback(lambda f: f.cancelled() or f.exception())  # (no news if it fails)
+                self.decode_ring.abandoned = abandoned
+            raise
         finally:
             self._waiter = None
             if replies is not None:
@@ -447,15 +453,6 @@ class AsyncRouteSession:
         self._broken = None
         # the head may still be sending a step it was granted: new steps are numbered past it (no shared frame key)
         self.step_no = max(self.step_no, granted)
-
-    @property
-    def ring(self) -> bool:
-        """Whether the session wants ring decode (client/ring.py); settable."""
-        return self.decode_ring.on
-
-    @ring.setter
-    def ring(self, on: bool) -> None:
-        self.decode_ring.on = on
 
     @property
     def repairs(self) -> list[dict]:

@@ -203,7 +203,7 @@ async def run(
         drain = tap.drain if tap is not None else _no_entries
         drafter = drafter_for(gw, session, opts)
         # ring decode (client/ring.py), unless --no-ring; a speculative session sends its own steps
-        session.ring = gw.config.ring and drafter is None
+        session.decode_ring.on = gw.config.ring and drafter is None
         try:
             async with aclosing(
                 agenerate(tap or session, gw.tokenizer, ids, budget, opts.stop, stats, drafter, opts.special)

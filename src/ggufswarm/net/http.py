@@ -89,7 +89,9 @@ def body_error(exc: BaseException) -> ProtocolError | None:
 
     Maps aiohttp's over-limit body (413 ``body_too_large``), an unknown charset in Content-Type (LookupError),
     bytes that are not text in that charset (UnicodeDecodeError) and an undecodable Content-Encoding
-    (RequestPayloadError) to one error each, so servers answer them instead of 500.
+    (RequestPayloadError) to one error each, so servers answer them instead of 500; a connection the client closed
+    before its body arrived (ConnectionResetError) is ``client_gone`` (499, nginx's "client closed request"): an
+    aborted request, not a bug.
     """
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return ProtocolError("body_too_large", f"request body too large: {exc.text}")
@@ -99,6 +101,8 @@ def body_error(exc: BaseException) -> ProtocolError | None:
         return ProtocolError("bad_request", f"the body is not text in its charset: {exc}")
     if isinstance(exc, web.RequestPayloadError):
         return ProtocolError("bad_request", f"cannot read the body: {exc}")
+    if isinstance(exc, ConnectionResetError):
+        return ProtocolError("client_gone", f"the client closed the connection before its request body arrived: {exc}")
     return None
 
 

@@ -38,6 +38,7 @@ ERROR_STATUS = {
     "snapshot_corrupt": 410,  # cache: the stored bytes failed their SHA-256 check; deleted
     "snapshot_too_large": 413,  # cache: upload over the server's limit
     "internal": 500,  # a bug; the message says what
+    "client_gone": 499,  # the client closed the connection before its request body arrived: nobody reads the answer
     "hop_failed": 502,  # the next hop answered with an error or dropped the connection
     "hop_timeout": 504,  # the next hop did not answer within the hop timeout
     "tracker_unavailable": 503,  # the tracker could not be asked (e.g. to check a next_hop)
