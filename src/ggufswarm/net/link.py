@@ -185,10 +185,12 @@ class FrameLink:
         """Replies this link waits for now."""
         return len(self._waiting)
 
-    def forget(self, key: bytes) -> None:
-        """Stop waiting for the reply to the frame with ``key`` here (another link answered it, or it timed out)."""
-        self._waiting.pop(key, None)
-        self._own.discard(key)
+    def forget(self, key: bytes, waiter: asyncio.Future | None = None) -> None:
+        """Stop waiting for the reply to the frame with ``key`` here (another link answered it, or it timed out);
+        ``waiter``: only while that is the one waiting (not one a later send of the same frame registered)."""
+        if waiter is None or self._waiting.get(key) is waiter:
+            self._waiting.pop(key, None)
+            self._own.discard(key)
 
     async def send_text(self, text: str) -> bool:
         """Send one text message (a reply link's ring grant); False when the link is not open or failed."""
@@ -335,7 +337,7 @@ class LinkPool:
         timer = loop.call_later(timeout_s, expire)
         waiter.add_done_callback(lambda _f: timer.cancel())
         if quiet:  # settled by its caller (the step went through): the link stops waiting for it
-            waiter.add_done_callback(lambda _f: link.forget(key))
+            waiter.add_done_callback(lambda _f: link.forget(key, waiter))
         return waiter, True
 
     def ready(self, url: str) -> bool:

@@ -256,36 +256,41 @@ async def _ring_send(path: StepPath, session: Session, nxt: bytes, first: str, q
     return sent
 
 
-def _ring_quiet_done(path: StepPath, session: Session, nxt: bytes, first: str, sent: asyncio.Future) -> None:
-    """A quiet ring step's end at the head: counted ok when no error came back (or a POST's reply said 200), else the
-    error to the client on the reply link, as ``_ring_replied`` does."""
+def _quiet_error(sent: asyncio.Future) -> BaseException | tuple[int, bytes] | None:
+    """How a quiet step sent on ended: None when it went through (no answer within its timeout, settled, or a POST's
+    200), else the link's failure or the error reply ``(status, body)``."""
     if sent.cancelled():
-        return
-    error = sent.exception()
-    answer = None if error is not None else sent.result()
-    if error is None and (answer is None or answer[0] == OK):
+        return None
+    if (error := sent.exception()) is not None:
+        return error
+    answer = sent.result()
+    return None if answer is None or answer[0] == OK else answer[:2]
+
+
+def _ring_quiet_done(path: StepPath, session: Session, nxt: bytes, first: str, sent: asyncio.Future) -> None:
+    """A quiet ring step's end at the head: counted ok when it went through, else its error to the client on the reply
+    link, as ``_ring_replied`` does."""
+    if (error := _quiet_error(sent)) is None:
         path.metrics.ring_steps["ok"].inc()
         return
-    status, reply = path.error_reply(error) if error is not None else answer[:2]
+    status, reply = path.error_reply(error) if isinstance(error, BaseException) else error
     task = asyncio.ensure_future(_ring_answered(path, session, nxt, status, reply))
     path.link_tasks.add(task)
     task.add_done_callback(path.link_tasks.discard)
 
 
 def _quiet_failed(path: StepPath, url: str, upstream: Callable[[int, bytes], None], sent: asyncio.Future) -> None:
-    """A quiet step pushed to next hop ``url``: when an error came back (or the link failed), pass it upstream, as a
-    relayed reply would; nothing when none came within the step's timeout or the reply said 200."""
-    if sent.cancelled():
-        return
-    error = sent.exception()
-    answer = None if error is not None else sent.result()
-    if error is None and (answer is None or answer[0] == OK):
-        return
-    upstream(*path.error_reply(error if error is not None else reply_error(answer[1], answer[0], url)))
+    """A quiet step pushed to next hop ``url``: when it failed there (an error came back, or the link failed), pass
+    the error upstream, as a relayed reply would."""
+    if (error := _quiet_error(sent)) is not None:
+        upstream(*path.error_reply(error if isinstance(error, BaseException) else reply_error(error[1], error[0], url)))
 
 
 def _keep_hop(session: Session, step: int, hop: dict) -> None:
-    """Keep a quiet step's numbers on the session for the client (``POST /v1/sessions/{id}/hops``)."""
+    """Keep a quiet step's numbers on the session for the client (``POST /v1/sessions/{id}/hops``), the newest
+    ``max_length`` of them (a client that never reads them costs no more than that)."""
+    if len(session.quiet_hops) >= session.max_length:
+        del session.quiet_hops[0]
     session.quiet_hops.append((step, hop["compute_ms"], hop["bytes_in"], hop["kv_tokens"], hop.get("handle_ms")))
 
 

@@ -125,7 +125,7 @@ class Session:
     stepping: int = 0  # the server's count of steps in flight (waiting for the next hops too); touched by one thread
     hop_timeout_s: float | None = None  # seconds to wait for next_hop's answer (the server's to use)
     # quiet steps' numbers not yet read by the client (POST /v1/sessions/{id}/hops): (step, compute_ms, bytes_in,
-    # kv_tokens, handle_ms); at most one per step, so bounded by max_length
+    # kv_tokens, handle_ms), the newest max_length of them
     quiet_hops: list[tuple] = field(default_factory=list)
     # for the server: the reply future of the last quiet step it sent on, until the session's next step shows that it
     # went through (one waits per session, not one per step: a link that fails fails one)
