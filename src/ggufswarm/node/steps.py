@@ -123,22 +123,17 @@ async def _apply_session_frame(
     async with session.lock:
         digest = frame_digest(body)
         record = _replay(path, session, frame, digest)
-        if record is None:  # the next step
+        applied = record is None
+        if applied:  # the next step
             record = _apply(path, session, frame, digest)
             if isinstance(record, asyncio.Future):
                 record = await record
             session.settle_quiet()  # the quiet step sent on before this one went through
-            metrics = path.metrics
-            metrics.steps[kind].inc()
-            metrics.step_seconds[kind].observe(record.compute_ms / 1e3)
-            metrics.busy_seconds[kind].inc(record.compute_ms / 1e3 / record.batch_size)
             if path.test_lie:  # testing only (node/lies.py)
                 if lie_delay := parse_lie(path.test_lie).delay_ms:
                     await asyncio.sleep(lie_delay / 1e3)
                 if record.output is not None:
                     _lie(path, frame, record)
-            if path.snapshots is not None:
-                path.snapshots.after_step(session, kind == "prefill" and frame.sample)
         elif record.reply is not None:  # a retry of a step answered: the same answer
             if path.spec.head:
                 await _send_direct(path, frame, body, record.reply)
@@ -148,15 +143,19 @@ async def _apply_session_frame(
             record = None
         # else a retry of a step whose relay failed: its recorded output is relayed again
         if record is not None:
-            hop = {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
             if path.spec.head:
-                # ring decode: the head sends the next step itself (node/ring.py), first: the commitment's
-                # signature, the reply and the client's copy of it are off the route's critical path
-                nxt = ring.next_frame(path, session, frame, record)
-                if nxt is not None and (waits := await _ring_push(path, session, *nxt)) is not None:
-                    task = asyncio.ensure_future(waits)
-                    path.link_tasks.add(task)
-                    task.add_done_callback(path.link_tasks.discard)
+                # ring decode: the head sends the next step itself (node/ring.py), first: the step's metrics, the
+                # commitment's signature, the reply and the client's copy of it are off the route's critical path
+                try:
+                    nxt = ring.next_frame(path, session, frame, record)
+                    if nxt is not None and (waits := await _ring_push(path, session, *nxt)) is not None:
+                        task = asyncio.ensure_future(waits)
+                        path.link_tasks.add(task)
+                        task.add_done_callback(path.link_tasks.discard)
+                finally:
+                    if applied:
+                        _applied(path, session, frame, record, kind)
+                hop = _hop(session, record, body)
                 if session.commit:
                     hop["commit"] = _commit(path, session, frame, body, record, record.out_digest)
                 answer = _head_reply(record, hop)
@@ -169,7 +168,12 @@ async def _apply_session_frame(
                     _keep_hop(session, frame.step, hop)
                 await _send_direct(path, frame, body, reply)
                 return OK, reply
-            sent = await _push(path, session, frame, record, kind, quiet)
+            try:
+                sent = await _push(path, session, frame, record, kind, quiet)
+            finally:  # (after the push: the next hop computes meanwhile)
+                if applied:
+                    _applied(path, session, frame, record, kind)
+            hop = _hop(session, record, body)
             if session.commit:  # the frame is on its way: its digests and signature overlap the next hops' work
                 out = None if record.commit else output_digest(sent.frame, frame, path.n_embd_out, session.wire_dtype)
                 hop["commit"] = _commit(path, session, frame, body, record, out)
@@ -185,6 +189,23 @@ async def _apply_session_frame(
             if not sent.ordered:  # plain POSTs may overtake each other: keep the session until the reply
                 return OK, await asyncio.shield(pending)
     return OK, await asyncio.shield(pending)
+
+
+def _applied(path: StepPath, session: Session, frame: Frame, record: StepRecord, kind: str) -> None:
+    """After a step applied here went on (pushed, or the head's ring step sent): its metrics, and the session's
+    snapshot when one is due (node/snapshots.py)."""
+    metrics = path.metrics
+    metrics.steps[kind].inc()
+    metrics.step_seconds[kind].observe(record.compute_ms / 1e3)
+    metrics.busy_seconds[kind].inc(record.compute_ms / 1e3 / record.batch_size)
+    if path.snapshots is not None:
+        path.snapshots.after_step(session, kind == "prefill" and frame.sample)
+
+
+def _hop(session: Session, record: StepRecord, body: bytes) -> dict:
+    """This node's numbers of a step (of frame ``body``): compute_ms, bytes_in, kv_tokens (the session's length
+    after it)."""
+    return {"compute_ms": round(record.compute_ms, 3), "bytes_in": len(body), "kv_tokens": session.length}
 
 
 def _replay(path: StepPath, session: Session, frame: Frame, digest: int) -> StepRecord | None:
@@ -386,11 +407,11 @@ async def _push(
     ids = frame.data if frame.dtype == "ids" else frame.token_ids
     flags = frame.flags & FORWARDED_FLAGS & ~(0 if quiet else FLAG_QUIET)
     out = encode_hidden(frame.session_id, frame.step, frame.start, record.output, session.wire_dtype, ids, flags)
-    path.metrics.bytes_out[kind].inc(len(out))
     url = session.next_hop
     t_push = time.perf_counter()
     timeout = step_timeout_s(session.hop_timeout_s, frame.n_tokens)
     reply, ordered = await path.links.send(url, out, timeout, quiet)
+    path.metrics.bytes_out[kind].inc(len(out))
     path.metrics.messages_sent["frame"].inc()
     return _Sent(url, t_push, reply, ordered, out)
 
