@@ -157,7 +157,7 @@ def test_long_prompt_goes_in_chunks_and_only_the_last_is_sampled(cluster, gemma,
 
 def test_f16_decode_payload_per_hop_within_budget(cluster, gemma):
     """Each hop carries <= 2 x n_embd + 128 bytes of payload per decode token (from the nodes' counters). (Without
-    ring decode: its head would also run the one step after the last, granted ahead, and the counts be 11.)"""
+    ring decode: its head would also run the steps after the last, granted ahead, until the close.)"""
     before = [health(n.url) for n in cluster]
     session = RemoteRoute(urls(cluster), HOP_TIMEOUT).open(64, GREEDY, wire_dtype="f16", ring=False)
     token = session.step(gemma.prompt_ids(PROMPT))

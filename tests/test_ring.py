@@ -113,7 +113,7 @@ def test_speculative_decoding_on_a_ring_session_sends_its_own_steps(cluster, gem
 
 def test_cancelling_a_ring_generation_frees_every_node_within_2_s(cluster, gemma):
     """The task iterating a ring session's generation is cancelled mid-stream: within 2 s no node of the route
-    holds the session (the head sends at most the one step granted ahead)."""
+    holds the session (the close takes the head's grant back and waits for the last step it sent)."""
     urls = [n.url for n in cluster]
     ids = gemma.prompt_ids(PROMPT, chat=True)
     before = [health(u)["sessions"] for u in urls]
@@ -308,43 +308,67 @@ def test_a_reply_that_is_not_the_routes_is_not_recorded_as_its_per_hop_numbers()
     assert [s.compute_ms for s in measured.steps] == [[1.0, 2.0]]
 
 
-def test_closing_after_an_abandoned_step_waits_for_the_step_the_head_may_send():
+def test_closing_takes_the_grant_back_and_waits_for_the_last_step_the_head_sent(monkeypatch):
     """A stream aborted while its step was on the way (the caller never read that reply, which would have said
-    whether the head sent the next step under its grant): the session's close waits for the head's reply to the
-    granted step before the nodes release the session, which would otherwise answer it session_closed (a new
-    user's trial saw those errors on every node after 3 of 5 aborts). A step whose reply was read and told of no
-    such step is not waited for."""
+    whether the head sent the next step under its grant): the session's close takes the grant back (``until`` 0 with
+    ``ack``), and waits for the head's reply to the last step it says it sent before the nodes release the session,
+    which would otherwise answer it session_closed (a new user's trial saw those errors on every node after 3 of 5
+    aborts). A head that sent nothing past the steps read is not waited for; one that does not answer is waited
+    for at the most it was granted (bounded)."""
+    import json
     import uuid
     from types import SimpleNamespace
 
+    from ggufswarm.client import ring as ring_module
     from ggufswarm.client.ring import Ring
     from ggufswarm.protocol.link import step_key
 
     class Replies:
         connected = True
 
-        def __init__(self):
-            self.waiting = {}
+        def __init__(self, ring, sent):
+            self.waiting, self.grants, self.ring, self.sent = {}, [], ring, sent
 
         def expect(self, key, waiter, own=False):
             self.waiting[key] = waiter
 
-        def forget(self, key):
+        def forget(self, key, waiter=None):
             self.waiting.pop(key, None)
 
+        async def send_text(self, text):
+            self.grants.append(json.loads(text)["ring"])
+            if self.sent is not None:  # the head's answer, after the grant took effect
+                answer = json.dumps({"ring": {"sent": self.sent}})
+                asyncio.get_running_loop().call_soon(self.ring._answered, answer)
+            return True
+
     async def main():
-        session = SimpleNamespace(id=uuid.uuid4(), step_no=5)
+        hops = [SimpleNamespace(url="http://127.0.0.1:1"), SimpleNamespace(url="http://127.0.0.1:2")]
+        session = SimpleNamespace(id=uuid.uuid4(), step_no=5, route=SimpleNamespace(hops=hops), commit=False)
         ring = Ring(session, on=True)
-        ring.replies, ring.granted, ring.answered = Replies(), 6, 4  # step 5 abandoned, 6 granted
+        ring.replies, ring.granted, ring.granted_max, ring.answered = Replies(ring, 6), 20, 20, 4  # step 5 abandoned
         closing = asyncio.create_task(ring.finish())
-        await asyncio.sleep(0)  # (finish runs to its wait)
+        for _ in range(5):
+            await asyncio.sleep(0)  # (finish runs to its wait)
+        assert ring.replies.grants == [{"until": 0, "first": hops[0].url, "quiet": True, "ack": True}]
         assert not closing.done() and set(ring.replies.waiting) == {step_key(session.id, 6)}
         ring.replies.waiting[step_key(session.id, 6)].set_result((200, b"{}", True))
         await asyncio.wait_for(closing, 1.0)
-        assert ring.replies.waiting == {}
-        ring.answered = 5  # step 5's reply was read: the head sent nothing under the grant (no pending step)
-        await asyncio.wait_for(ring.finish(), 0.2)
-        assert ring.replies.waiting == {}
+        assert ring.replies.waiting == {} and ring.granted == 0
+        ring = Ring(session, on=True)
+        ring.replies, ring.granted, ring.answered = Replies(ring, 5), 20, 5  # the head sent nothing past step 5
+        await asyncio.wait_for(ring.finish(), 0.5)
+        assert ring.replies.waiting == {} and len(ring.replies.grants) == 1
+        monkeypatch.setattr(ring_module, "FINISH_WAIT_S", 0.05)
+        ring = Ring(session, on=True)
+        ring.replies, ring.granted, ring.granted_max, ring.answered = Replies(ring, None), 20, 21, 5  # no answer
+        waits = []
+        monkeypatch.setattr(Ring, "_wait_step", lambda self, step, done, timeout: _record(waits, step, done))
+        await asyncio.wait_for(ring.finish(), 1.0)
+        assert waits == [(21, 5)]
+
+    async def _record(waits, step, done):
+        waits.append((step, done))
 
     asyncio.run(main())
 
@@ -453,6 +477,62 @@ def test_quiet_ring_steps_send_no_replies_back_and_their_numbers_come_at_the_end
     # each hop answers every step without the ring; with it, only the steps that were not quiet (the head-sent step
     # after the last one may be either)
     assert plain_replies >= 2 * n and quiet_replies <= 2 * (n + 1 - len(quiet))
+
+
+def test_the_head_runs_ahead_under_its_grant_and_a_caller_that_turns_back_undoes_every_step_it_sent(tiny, monkeypatch):
+    """The client grants 16 steps ahead, again when half are used (one grant message per 8 tokens, not one per
+    token). A caller that pauses lets the head run on to the end of its grant; when the caller then feeds another
+    token, the client takes the grant back, the head says the last step it sent, the client waits for it and rolls
+    every node back over all of them: the tokens are those of a session without the ring, no ring step failed, and
+    the session goes on on the ring."""
+    from ggufswarm.client import ring as ring_module
+    from ggufswarm.net.link import FrameLink
+
+    first, head = tiny["first"], tiny["head"]
+    ids = [5 + (i * 29) % 300 for i in range(6)]
+    grants, send_text = [], FrameLink.send_text
+
+    async def counted_text(self, text):
+        grants.append(json.loads(text)["ring"])
+        return await send_text(self, text)
+
+    monkeypatch.setattr(FrameLink, "send_text", counted_text)
+    revoked, revoke = [], ring_module.Ring.revoke
+
+    async def recorded_revoke(self):
+        revoked.append(await revoke(self))
+        return revoked[-1]
+
+    monkeypatch.setattr(ring_module.Ring, "revoke", recorded_revoke)
+    failed_before = counted([first, head], "ggufswarm_node_ring_steps", result="failed")
+
+    async def main(ring: bool, n_before: int = 25):
+        route = await RemoteRoute.connect([first, head])
+        async with await route.aopen(96, SamplingParams(temperature=0), ring=ring) as session:
+            out = [await session.step(ids)]
+            deadline = time.monotonic() + 10
+            while len(out) < n_before or (ring and session.decode_ring.pending is None and time.monotonic() < deadline):
+                out.append(await session.step([out[-1]]))  # (the reply link opens in the background)
+            ahead = 0
+            if ring:
+                await asyncio.sleep(0.5)  # the head runs on to the end of its grant
+                ahead = session.decode_ring.granted - session.step_no
+            n = len(out)
+            out.append(await session.step([7]))  # not the sampled token: every step the head sent is undone
+            for _ in range(8):
+                out.append(await session.step([out[-1]]))
+            telemetry = await session.telemetry()
+        return out, n, ahead, telemetry
+
+    got, n, ahead, telemetry = asyncio.run(main(True))
+    plain, _, _, _ = asyncio.run(main(False, n))
+    assert got == plain
+    assert ahead > 1 and telemetry.ring_discarded == 1 and telemetry.ring_steps > 0
+    assert revoked[0] > n + 1  # the head had sent steps past the one the caller did not take (step n + 1)
+    assert counted([first, head], "ggufswarm_node_ring_steps", result="failed") == failed_before
+    renewals = [g for g in grants if g["until"]]
+    assert len(renewals) <= len(got) // (ring_module.GRANT_AHEAD // 2) + 3  # (+ the renewal after the revoke)
+    assert [g for g in grants if not g["until"]] == [g for g in grants if g.get("ack")] and len(grants) > len(renewals)
 
 
 def test_a_quiet_step_that_fails_downstream_reaches_the_client_and_is_sent_again(tiny, monkeypatch):

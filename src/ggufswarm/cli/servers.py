@@ -380,7 +380,7 @@ def add_gateway_parser(sub) -> argparse.ArgumentParser:
         dest="ring",
         action="store_false",
         help="send every decode step from the gateway (by default the route's head sends the next step to the "
-        "first node itself as soon as it sampled, the gateway granting it one step ahead: ring decode, one "
+        "first node itself as soon as it sampled, the gateway granting it 16 steps ahead: ring decode, one "
         "network leg less per token; the tokens are the same either way; speculative requests always send their "
         'own). docs/protocol.md, "Ring decode"',
     )

@@ -1,11 +1,12 @@
 """Ring decode, the client's side: the head sends a session's next decode step to the route's first node itself, and
 the client, off the critical path, reads the tokens as they are sampled (node/ring.py).
 
-The client grants one step ahead, takes the head's step when the caller's next step is exactly it (``claim``), and
-otherwise waits for it and rolls every node back over it (``discard``), so the caller sees what it would have seen
-without the ring. Most ring steps are quiet: no reply travels back along the route, and the nodes' numbers of them
-are read at the end (``collect``). The grants, the step and its replies: docs/protocol.md, "Ring decode" and
-"Quiet steps"."""
+The client grants ``GRANT_AHEAD`` steps ahead (again when half of them are used), takes the head's step when the
+caller's next step is exactly it (``claim``), and otherwise takes the grant back (``revoke``: the head says where it
+stopped), waits for the steps it sent and rolls every node back over them (``discard``), so the caller sees what it
+would have seen without the ring. Most ring steps are quiet: no reply travels back along the route, and the nodes'
+numbers of them are read at the end (``collect``). The grants, the step and its replies: docs/protocol.md, "Ring
+decode" and "Quiet steps"."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from .transport import BANNED, error_hop
 if TYPE_CHECKING:
     from .session import AsyncRouteSession
 
-EARLY_KEPT = 8  # replies nobody waited for kept for a step to take (the newest)
+GRANT_AHEAD = 16  # steps the head may send past the caller's (granted again when half of them are used)
+EARLY_KEPT = 2 * GRANT_AHEAD  # replies nobody waited for kept for a step to take (the newest): a caller that lags
 REPLY_LINK_TIMEOUT_S = 5.0  # most seconds the head may take to open a reply link
 FINISH_WAIT_S = 1.0  # most seconds a closing session waits for the step the head sent (then releases anyway)
 
@@ -73,7 +75,9 @@ class Ring:
         self.session = session
         self.on = on
         self.replies: FrameLink | None = None  # the reply link to the head, opened after the first step
-        self.granted = 0  # the last step number granted to the head
+        self.granted = 0  # the last step number granted to the head (0: no grant out)
+        self.granted_max = 0  # the most granted since the head last said where it stopped (steps are numbered past it)
+        self.head_sent = 0  # the last step the head said it sent itself when its grant was taken back (``revoke``)
         self.answered = 0  # the last step whose reply the caller read (learn)
         self.pending: RingStep | None = None  # the step the head sent itself, not yet taken by the caller
         self._opening: asyncio.Task | None = None  # the reply link, opened off the step path
@@ -84,6 +88,7 @@ class Ring:
         self._claimed: set[bytes] = set()  # keys of head-sent steps taken whose route reply is still to come
         self.quiet: dict[int, tuple[int, list[str]]] = {}  # quiet steps taken, not collected: step -> (start, urls)
         self.abandoned: asyncio.Future | None = None  # the reply of a client-sent step its caller gave up waiting for
+        self._acks: list[asyncio.Future] = []  # revokes waiting for the head's answer, oldest first
 
     @property
     def open_replies_link(self) -> FrameLink | None:
@@ -109,6 +114,7 @@ class Ring:
                     replies=s.id,
                     key=s.reply_key,
                     late=self._reply_late,
+                    text=self._answered,
                 )
                 try:
                     await link.connect()
@@ -124,17 +130,56 @@ class Ring:
                 self._no_replies.add(head)
 
     async def grant(self, until: int, n_ids: int) -> None:
-        """Let the head send the session's steps up to number ``until`` itself (the step being sent, of ``n_ids``
-        ids, is ``until - 1``): nothing when the ring is off, the reply link not open, ``until`` granted already, or
-        the step after would not fit the session's max_length."""
+        """Let the head send the session's steps from number ``until`` on itself (the step being sent, of ``n_ids``
+        ids, is ``until - 1``), ``GRANT_AHEAD`` of them: nothing when the ring is off, the reply link not open, more
+        than half of them are granted already, or the step after would not fit the session's max_length (the head
+        never sends a step past it)."""
         s, replies = self.session, self.open_replies_link
-        if not self.on or until <= self.granted or replies is None or s.position + n_ids + 1 > s.max_length:
+        if not self.on or self.granted - until >= GRANT_AHEAD // 2 or replies is None:
             return
-        hops = s.route.hops
+        if s.position + n_ids + 1 > s.max_length:
+            return
+        if await replies.send_text(self._grant_text(until + GRANT_AHEAD - 1)):
+            self.granted = until + GRANT_AHEAD - 1
+            self.granted_max = max(self.granted_max, self.granted)
+
+    def _grant_text(self, until: int, ack: bool = False) -> str:
+        s, hops = self.session, self.session.route.hops
         first = None if len(hops) == 1 else hops[0].url
-        grant = {"until": until, "first": first, "quiet": not s.commit}  # (with commit every step's reply counts)
-        if await replies.send_text(json.dumps({"ring": grant})):
-            self.granted = until
+        # (with commit every step's reply counts: no quiet steps)
+        return json.dumps({"ring": {"until": until, "first": first, "quiet": not s.commit, "ack": ack}})
+
+    async def revoke(self) -> int:
+        """Take the head's grant back (``until`` 0, with ``ack``) and learn where it stopped: the last step number it
+        sent itself (0: none), also kept as ``head_sent``; ``granted_max`` when the reply link is closed or the head
+        gives no answer within ``FINISH_WAIT_S`` (steps numbered past it are safe from any step the head sent: a node
+        refuses them stale), and without a grant out what was known before."""
+        granted, self.granted = self.granted, 0
+        replies = self.open_replies_link
+        if not granted:
+            return max(self.head_sent, self.granted_max)
+        answer = asyncio.get_running_loop().create_future()
+        self._acks.append(answer)  # (before the send: its answer may come while the send awaits)
+        if replies is None or not await replies.send_text(self._grant_text(0, ack=True)):
+            self._acks.remove(answer)
+            return max(self.head_sent, self.granted_max)
+        await asyncio.wait([answer], timeout=FINISH_WAIT_S)  # one given up on stays in line: a late answer is its
+        if not answer.done():
+            return max(self.head_sent, self.granted_max)
+        self.granted_max, self.head_sent = 0, max(self.head_sent, answer.result())
+        return self.head_sent
+
+    def _answered(self, text: str) -> None:
+        """A text message of the head on the reply link: the answer to the oldest revoke (``{"ring": {"sent":
+        STEP}}``); anything else is ignored."""
+        try:
+            sent = json.loads(text)["ring"]["sent"]
+        except (ValueError, TypeError, KeyError):
+            return
+        if type(sent) is int and self._acks:
+            answer = self._acks.pop(0)
+            if not answer.done():
+                answer.set_result(sent)
 
     def learn(self, reply: dict) -> None:
         """After a step's ``reply`` (the session advanced past it): when the head sent the next step itself
@@ -212,6 +257,7 @@ class Ring:
         if self.replies is not None:
             self.replies.forget(pending.key)
         self._claimed.discard(pending.key)
+        self.granted = 0  # the head dropped its grant when the step failed (or is slow): the next step grants again
         if pending.quiet:  # sent again with replies: the route's reply is its telemetry
             s.expect_route_reply(pending.key, pending.t0, 1, False, pending.start)
         answer = await s.exchange(link, pending.frame, pending.key, timeout)
@@ -241,37 +287,45 @@ class Ring:
         s.measured.steps.sort(key=lambda timing: timing.step)
 
     async def finish(self) -> None:
-        """At the session's close: wait (up to ``FINISH_WAIT_S`` each) for the steps still on the nodes, so that they
-        release the session after them rather than under them (they would answer them session_closed): a step the
-        client sent whose caller gave up waiting (``abandoned``: a stream aborted during a prefill, say), and a
-        head-sent step the caller did not take: the one it learned of, or, where the caller abandoned a step whose
-        reply may have told of one, the step the head may send under its last grant."""
+        """At the session's close: take the grant back (``revoke``) and wait (up to ``FINISH_WAIT_S`` each) for the
+        steps still on the nodes, so that they release the session after them rather than under them (they would
+        answer them session_closed): a step the client sent whose caller gave up waiting (``abandoned``: a stream
+        aborted during a prefill, say), and the steps the head sent that the caller did not take: the one it learned
+        of, and the last the head sent."""
+        last = await self.revoke()
         abandoned, self.abandoned = self.abandoned, None
         if abandoned is not None:
             await _reply_or_none(abandoned, FINISH_WAIT_S)
         pending, self.pending = self.pending, None
         if pending is not None:
             await _reply_or_none(pending.reply, FINISH_WAIT_S)
+        await self._wait_step(last, max(self.answered, pending.step if pending is not None else 0), FINISH_WAIT_S)
+
+    async def _wait_step(self, step: int, done: int, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the head's reply to its step ``step`` on the reply link (the steps before it
+        are over then), unless ``step <= done`` (its reply was read) or the reply came already."""
+        replies, key = self.open_replies_link, step_key(self.session.id, step)
+        if replies is None or step <= done or self._early.pop(key, None) is not None:
             return
-        replies, key = self.open_replies_link, step_key(self.session.id, self.granted)
-        if replies is None or self.answered >= self.granted - 1 or key in self._early:
-            return  # no step abandoned, or the granted step's reply is in
         waiter = asyncio.get_running_loop().create_future()
         replies.expect(key, waiter, own=True)
         try:
-            await _reply_or_none(waiter, FINISH_WAIT_S)
+            await _reply_or_none(waiter, timeout)
         finally:
-            replies.forget(key)
+            replies.forget(key, waiter)
 
     async def discard(self, pending: RingStep, timeout: float) -> None:
-        """Undo the head-sent step ``pending`` the caller did not take: wait (up to ``timeout`` s) for it to end,
-        then roll every node back to the session's position with ``pending.step`` as their last step number (applied
-        or not there). RouteError when a node refuses the truncation."""
+        """Undo the head-sent step ``pending`` the caller did not take, and any the head sent after it: take the grant
+        back (``revoke``), wait (up to ``timeout`` s each) for ``pending`` and the last step the head sent to end,
+        then roll every node back to the session's position with the last of them as their last step number
+        (applied or not there). RouteError when a node refuses the truncation."""
         s = self.session
+        last = await self.revoke()
         await _reply_or_none(pending.reply, timeout)
         if self.replies is not None:
             self.replies.forget(pending.key)
-        s.step_no = max(s.step_no, pending.step)
+        await self._wait_step(last, pending.step, timeout)
+        s.step_no = max(s.step_no, pending.step, last)
         body = {"length": s.position, "step": s.step_no}
         for hop in s.route.hops:
             await s.call(hop.url, "POST", f"/v1/sessions/{s.id}/truncate", body, "truncate")
@@ -293,7 +347,8 @@ class Ring:
         self.pending = None
         self._early.clear()
         self._claimed.clear()
-        granted, self.granted = self.granted, 0
+        self._acks.clear()
+        granted, self.granted, self.granted_max = max(self.granted, self.granted_max), 0, 0
         return granted
 
 

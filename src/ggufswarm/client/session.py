@@ -461,8 +461,9 @@ class AsyncRouteSession:
 
     async def telemetry(self) -> RouteTelemetry:
         """What the session measured (RouteTelemetry), once the nodes' numbers of quiet ring steps are read
-        (``Ring.collect``) and the route's replies to steps the head answered first are in (waited up to 1 s)."""
-        await self.decode_ring.collect()
+        (``Ring.collect``) and the route's replies to steps the head answered first are in (waited up to 1 s). The
+        head's grant is taken back meanwhile (``Ring.revoke``: the answer is over; a next step grants again)."""
+        await asyncio.gather(self.decode_ring.revoke(), self.decode_ring.collect())
         if self._unacked and self._link is not None and self._link.connected:
             self._drained = asyncio.get_running_loop().create_future()
             with contextlib.suppress(TimeoutError):

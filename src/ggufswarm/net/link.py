@@ -95,7 +95,8 @@ class FrameLink:
     ``replies``: a session id makes this that session's *reply link* to the head (``?replies=``, and ``key``, the
     session's reply key, as ``&key=``; it sends only ring grants, ``send_text``): it resolves a waiter shared with
     the step link only with a successful (200) reply, and one of its ``own`` (a ring step's, which only the head
-    answers) with any. When the link fails, its waiters (a reply link's own only) get RouteError ``hop_failed``.
+    answers) with any, and passes the head's text messages (answers to grants) to ``text``. When the link fails,
+    its waiters (a reply link's own only) get RouteError ``hop_failed``.
     ``http``: the aiohttp session to connect with; ``token``: the swarm token (None: ``http`` carries it, or an open
     swarm); ``timeout``: seconds to open the link, and a step's default.
     """
@@ -110,6 +111,7 @@ class FrameLink:
         replies: uuid.UUID | None = None,
         key: str | None = None,
         late: Callable[[bytes, int, bytes], None] | None = None,
+        text: Callable[[str], None] | None = None,
     ):
         self.http = http
         self.url = url
@@ -118,6 +120,7 @@ class FrameLink:
         self.replies = replies
         self.key = key
         self.late = late
+        self.text = text
         self.http_only = False
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._reader: asyncio.Task | None = None
@@ -254,6 +257,8 @@ class FrameLink:
         try:
             async for msg in ws:
                 if msg.type != aiohttp.WSMsgType.BINARY:
+                    if msg.type == aiohttp.WSMsgType.TEXT and self.text is not None:
+                        self.text(msg.data)
                     continue
                 reply = decode_reply(msg.data)
                 if reply is None:

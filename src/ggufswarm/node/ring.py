@@ -2,13 +2,13 @@
 one position on) to the route's first node itself, as long as the client's grant allows; the client only reads.
 
 A client that wants the ring sends **grants** on its reply link (a text message, docs/protocol.md "Ring decode"):
-``{"ring": {"until": STEP, "first": URL or null, "quiet": BOOL}}``: the head may send the session's steps up to number
-``until`` to ``first`` (null: the head is the route's first node too, a route of one node loops on itself); with
-``quiet`` it sends them as quiet steps (FLAG_QUIET) but every ``MEASURED_EVERY``-th. The frame the
-head sends is byte-identical to the one the client would have sent (protocol.encode_tokens), so every node's
-numbering, retry and repair rules hold as they are: a client that sends the same step itself (it lost its reply
-link) gets the recorded answer. Each such step's reply goes to the client on the reply link twice: the head's own,
-as soon as it sampled and sent the step after it, then the route's (its per-hop numbers, or the error that stopped it).
+``{"ring": {"until": STEP, "first": URL or null, "quiet": BOOL, "ack": BOOL}}``: the head may send the session's steps
+up to number ``until`` to ``first`` (null: itself, a route of one node); with ``quiet`` as quiet steps (FLAG_QUIET)
+but every ``MEASURED_EVERY``-th; with ``ack`` it answers ``{"ring": {"sent": STEP}}``, the last step it sent itself
+(a revoke, ``until`` 0, learns so where the head stopped). The frame the head sends is byte-identical to the one the
+client would have sent (protocol.encode_tokens), so every node's numbering, retry and repair rules hold as they are.
+Each such step's reply goes to the client on the reply link twice: the head's own, as soon as it sampled and sent
+the step after it, then the route's (its per-hop numbers, or the error that stopped it).
 """
 
 from __future__ import annotations
@@ -32,11 +32,19 @@ MEASURED_EVERY = 16
 @dataclass
 class Grant:
     """A client's grant for one session: the head may send its steps up to number ``until`` to ``first`` (a node URL;
-    None: to itself); ``quiet``: as quiet steps (but every ``MEASURED_EVERY``-th)."""
+    None: to itself); ``quiet``: as quiet steps (but every ``MEASURED_EVERY``-th); ``ack``: the client waits for
+    ``ack_text``."""
 
     until: int
     first: str | None
     quiet: bool = False
+    ack: bool = False
+
+
+def ack_text(session: Session | None) -> str:
+    """The head's answer to a grant with ``ack``: ``{"ring": {"sent": STEP}}``, the last step number it sent itself
+    for ``session`` (0: none, or the session is gone)."""
+    return json.dumps({"ring": {"sent": 0 if session is None else session.ring_sent}})
 
 
 async def parse_grant(path: StepPath, text: str) -> Grant:
@@ -44,19 +52,20 @@ async def parse_grant(path: StepPath, text: str) -> Grant:
     next_hop_unknown (403) for a ``first`` the swarm's tracker or DHT does not list (the check a next_hop gets)."""
     try:
         ring = json.loads(text)["ring"] if len(text) <= MAX_GRANT_CHARS else None
-        until, first, quiet = ring["until"], ring["first"], ring.get("quiet", False)
+        until, first, quiet, ack = ring["until"], ring["first"], ring.get("quiet", False), ring.get("ack", False)
     except (ValueError, TypeError, KeyError, AttributeError):
-        until = first = quiet = None
+        until = first = quiet = ack = None
     if (
         type(until) is not int
         or not 0 <= until <= MAX_STEP
         or (first is not None and not isinstance(first, str))
         or not isinstance(quiet, bool)
+        or not isinstance(ack, bool)
     ):
         raise ProtocolError(
             "bad_request",
             'a reply link takes grants only: {"ring": {"until": STEP, "first": "http://HOST:PORT" or null, '
-            '"quiet": true or false}}',
+            '"quiet": true or false, "ack": true or false}}',
         )
     if first is not None:
         first = node_url(first, "the ring's first node")
@@ -65,7 +74,7 @@ async def parse_grant(path: StepPath, text: str) -> Grant:
         raise ProtocolError(
             "bad_request", 'a ring "first": null (loop on this node) needs a node that embeds: a route of one node'
         )
-    return Grant(until, first, quiet)
+    return Grant(until, first, quiet, ack)
 
 
 def next_frame(path: StepPath, session: Session, frame: Frame, record: StepRecord) -> tuple[bytes, str | None] | None:
@@ -74,7 +83,7 @@ def next_frame(path: StepPath, session: Session, frame: Frame, record: StepRecor
     ``frame.step + 1``, a sampling step with no other flag but FLAG_QUIET: under a quiet grant, to a first node whose
     link is open, in a session without ``commit``, but every MEASURED_EVERY-th step. None when the session has no
     grant up to that step, no reply link, the step sampled nothing or was a verify step, or the next step would not
-    fit its max_length."""
+    fit its max_length. A frame returned is the head's to send: its number is kept as ``session.ring_sent``."""
     grant = path.rings.get(session.id)
     ws = path.reply_links.get(session.id)
     start = frame.start + frame.n_tokens
@@ -96,6 +105,7 @@ def next_frame(path: StepPath, session: Session, frame: Frame, record: StepRecor
         and (frame.step + 1) % MEASURED_EVERY != 0
         and path.links.linked(grant.first)
     )
+    session.ring_sent = frame.step + 1  # (a grant with ack answers it)
     return encode_tokens(session.id, frame.step + 1, start, [int(record.token)], quiet=quiet), grant.first
 
 
@@ -104,4 +114,4 @@ def drop(path: StepPath, sid: uuid.UUID) -> None:
     path.rings.pop(sid, None)
 
 
-__all__ = ["Grant", "drop", "next_frame", "parse_grant"]
+__all__ = ["Grant", "ack_text", "drop", "next_frame", "parse_grant"]

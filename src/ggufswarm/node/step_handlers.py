@@ -111,8 +111,8 @@ async def _reply_link(
     path: StepPath, ws: web.WebSocketResponse, request: web.Request, sid: uuid.UUID
 ) -> web.WebSocketResponse:
     """Hold ``ws`` as session ``sid``'s reply link until the client closes it, or the session is closed. The client's
-    text messages are ring grants (node/ring.py); a bad one is answered with its error (key NO_KEY) and changes
-    nothing."""
+    text messages are ring grants (node/ring.py), one with ``ack`` answered by a text message; a bad one is answered
+    with its error (key NO_KEY) and changes nothing."""
     await ws.prepare(request)
     old = path.reply_links.get(sid)
     path.reply_links[sid] = ws
@@ -136,6 +136,8 @@ async def _reply_link(
                 continue
             if path.reply_links.get(sid) is ws:
                 path.rings[sid] = grant
+                if grant.ack:  # where the head stopped: a step sent before this grant took effect is counted
+                    await ws.send_str(ring.ack_text(path.store.sessions.get(sid)))
     finally:
         path.links_in.discard(ws)
         if path.reply_links.get(sid) is ws:

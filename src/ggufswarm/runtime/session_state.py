@@ -130,6 +130,7 @@ class Session:
     # for the server: the reply future of the last quiet step it sent on, until the session's next step shows that it
     # went through (one waits per session, not one per step: a link that fails fails one)
     quiet_sent: object = None
+    ring_sent: int = 0  # for the server (head): the last step number it sent itself (ring decode, node/ring.py)
     lease_s: float | None = None  # idle seconds after which the session is dropped (None: the store's ttl_s)
     lock: object = None  # for the server (e.g. an asyncio.Lock serializing this session's steps)
 
