@@ -4,16 +4,17 @@ table from one run.
 
 Ring decode (client/ring.py, node/ring.py): after the route's head samples a token it sends the next decode step
 (that token, one position on) to the route's first node itself; the client only reads the tokens on its reply link
-to the head and grants the head one step ahead. Without the ring the client sends every step to the first node
-when the head's token reaches it.
+to the head and grants the head 16 steps ahead (again every 8 tokens). Without the ring the client sends every
+step to the first node when the head's token reaches it.
 
 Model: the embedded default (Gemma 3 270M). Three ``ggufswarm node`` processes (``even_split(18, 3)``: blocks 0-5
 + embed / 6-11 / 12-17 + head, 1 thread each, f32 frames) are started once and serve every route row. Each row
 is one greedy generation: a --prefill-token prompt, then --decode one-token steps; decode tok/s = --decode / the
-time of those steps at the client (``bench_llamacpp.run_session``). Engines run in turn in interleaved rounds
-(--rounds, after an untimed warm-up round); each cell is the median over the rounds, and every ratio is the median
-of the per-round ratios (a ratio inside one round compares runs seconds apart: the drift of a shared machine
-mostly cancels).
+time of those steps at the client (``bench_llamacpp.run_session``; a route row drives its async session on the route
+loop as the gateway does, ``agreedy``, not through the blocking client's thread hand-off). Engines run in turn in
+interleaved rounds (--rounds, after an untimed warm-up round); each cell is the median over the rounds, and every
+ratio is the median of the per-round ratios (a ratio inside one round compares runs seconds apart: the drift of a
+shared machine mostly cancels).
 
 Part 1, no added delay (loopback): (a) llama.cpp in-process (``LlamaSession``, 1 thread); (b) the route with
 the ring; (c) the same route with ``ring=False``; (d) llama.cpp RPC: ``llama-bench --rpc`` over three local
@@ -27,9 +28,8 @@ URLs, so the client's step link, the client's reply link to the head, every node
 head's ring steps to the first node all cross one proxy each. Per decode token the critical path crosses:
 
 - ring: head -> node 1 (node 1's proxy), node 1 -> node 2 (node 2's proxy), node 2 -> head (the head's proxy):
-  3 one-way delays. The head's reply to the client (head's proxy, back direction) and the client's grant (the same
-  proxy, forward) run beside the next step: the grant for step n+2 leaves the client when step n's token arrives
-  and reaches the head 2 delays after it sampled, before step n+1 comes round (3 delays + compute).
+  3 one-way delays. The head's reply to the client (head's proxy, back direction) and the client's grants (the same
+  proxy, forward, every 8 tokens for the 16 steps ahead) run beside the steps.
 - no ring: client -> node 1 (node 1's proxy), node 1 -> node 2, node 2 -> head, then the head's reply to the
   client on the reply link (the head's proxy, back direction): 4 one-way delays. The replies back along the route
   (per-hop telemetry) are off the critical path.
@@ -42,10 +42,13 @@ process (asyncio loops), beside the client's route loop. With delay 0 the same b
 part 1's route rows.
 
 Also printed (no target): the split compute alone against llama.cpp in-process (the most the in-process ratio can
-be with nothing between hops), per hop of the ring=False route where a decode step's time goes beside the
-node's compute (``hop_split``: in the node, on the link), and the floor of a hop on this machine
+be with nothing between hops) and the same three shards run one after another in this process (``split_in_process``:
+the split without processes that wait idle between steps), per hop of the ring=False route a node's own time
+beside its compute (``hop_split``), and the floor of a hop on this machine
 (``bench/bare_ring.py``: the same compute per node, busy-waited, in three bare aiohttp processes passing a message
-round: what the operating system, the event loop and aiohttp cost a hop, the wake-up of an idle process included).
+round: what the operating system, the event loop and aiohttp cost a hop, the wake-up of an idle process included;
+and the same over blocking TCP sockets: the operating system's part), and how much slower Python runs right after a
+llama.cpp decode step than warm (``cold_python``): what a node does between frames.
 
 ``ring steps``: the steps the head sent itself and the client took (``RouteTelemetry.ring_steps``), of --decode;
 the first few decode steps go without the ring while the client's reply link opens. 0 means the ring never
@@ -92,6 +95,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ggufswarm.artifact.default_model import default_model_path
 from ggufswarm.artifact.gguf_file import GGUFModelFile
+from ggufswarm.client import loop as route_loop
 from ggufswarm.client.route import RemoteRoute
 from ggufswarm.client.tokenizer import Tokenizer
 from ggufswarm.net.link import FrameLink
@@ -109,15 +113,27 @@ NAMES = {
 }
 
 
-def route_run(route: RemoteRoute, ids: list[int], n_decode: int, ring: bool) -> dict:
-    """One greedy session on ``route`` (``ring`` on or off): prefill / decode tok/s, the head-sent steps taken
-    (``ring_steps``), the decode steps with telemetry, and per hop its mean decode compute_ms (steps of 1 token)."""
-    session = route.open(len(ids) + n_decode + 8, GREEDY, ring=ring)
+async def agreedy(route: RemoteRoute, ids: list[int], n_decode: int, ring: bool) -> tuple[float, float, object]:
+    """One greedy generation on ``route`` as the gateway drives a session: the async session on one event loop (the
+    route loop), no thread hand-off per token. (prefill tok/s, decode tok/s, its RouteTelemetry)."""
+    session = await route.aopen(len(ids) + n_decode + 8, GREEDY, http=await route_loop.shared_http(), ring=ring)
     try:
-        prefill, decode = run_session(session, ids, n_decode)
-        tele = session.telemetry
+        t0 = time.perf_counter()
+        token = await session.step(ids)
+        t1 = time.perf_counter()
+        for _ in range(n_decode):
+            token = await session.step([token])
+        t2 = time.perf_counter()
+        return len(ids) / (t1 - t0), n_decode / (t2 - t1), await session.telemetry()
     finally:
-        session.close()
+        await session.close()
+
+
+def route_run(route: RemoteRoute, ids: list[int], n_decode: int, ring: bool) -> dict:
+    """One greedy session on ``route`` (``ring`` on or off; ``agreedy``): prefill / decode tok/s, the head-sent steps
+    taken (``ring_steps``), the decode steps with telemetry, and per hop its mean decode compute_ms (steps of 1
+    token)."""
+    prefill, decode, tele = route_loop.run(agreedy(route, ids, n_decode, ring))
     n_hops = len(route.hops)
     steps = [s for s in tele.steps if s.n_tokens == 1 and not s.verify and len(s.compute_ms) == n_hops]
     hop_ms = [statistics.fmean(s.compute_ms[k] for s in steps) if steps else math.nan for k in range(n_hops)]
@@ -141,7 +157,9 @@ def hop_split(steps: list, hop_ms: list[float]) -> dict:
     compute and less what it waited for the next hop (framing, Python, writing the frame on); ``hop_network_ms``,
     what its caller waited beyond the node's own handling (both directions of the link, and the time the frame and
     its reply waited to be read). A ring step's first hop is measured by the head, not the client: read these of
-    the ring=False route."""
+    the ring=False route. (Its network part is not printed: a client that sends step n + 1 as soon as the head's
+    reply of step n reaches it finds the nodes' replies of step n held up behind their compute of n + 1, off the
+    critical path.)"""
     n = len(hop_ms)
     if not steps:
         return {"hop_beside_ms": [math.nan] * n, "hop_network_ms": [math.nan] * n}
@@ -192,9 +210,9 @@ def node_messages(urls: list[str]) -> Counter:
 
 def count_messages(route: RemoteRoute, ids: list[int], n_decode: int, ring: bool) -> dict:
     """Messages per decode token on ``route`` (untimed): the nodes' by kind (their counters) and the client's (its
-    frames and ring grants, counted in this process), between the prompt's step and the end of the decode, each read
-    once the steps in flight are done (0.3 s later; the head-sent step after the last token is counted for the one
-    before the first)."""
+    frames and ring grants, counted in this process), between the prompt's step and the session's close (which takes
+    the ring's grant back: the steps the head sent past the last token are counted), each read once the steps in
+    flight are done (0.3 s later)."""
     sent: Counter = Counter()
     send, send_text = FrameLink.send, FrameLink.send_text
 
@@ -217,10 +235,10 @@ def count_messages(route: RemoteRoute, ids: list[int], n_decode: int, ring: bool
             before, sent_before = node_messages(urls), Counter(sent)
             for _ in range(n_decode):
                 token = session.step([token])
-            time.sleep(0.3)
-            after = node_messages(urls)
         finally:
-            session.close()
+            session.close()  # (its revoke and the steps the head sent past the last one are counted)
+        time.sleep(0.3)
+        after = node_messages(urls)
     finally:
         FrameLink.send, FrameLink.send_text = send, send_text
     by = (after - before) + (sent - sent_before)
@@ -279,8 +297,87 @@ def part1(path: str, route: RemoteRoute, ids: list[int], n_decode: int, rounds: 
     messages = {name: count_messages(route, ids, n_decode, ring) for name, ring in (("ring", True), ("no_ring", False))}
     # the floor of a hop here: the same compute per node (busy-waited), no ggufswarm code between (bench/bare_ring.py)
     hop_compute = [statistics.median(h) for h in zip(*(x["hop_compute_ms"] for x in times["ring"]))]
-    floor = {**bare_ring(hop_compute), "compute_ms": hop_compute}
-    return {"runs": times, "messages": messages, "bare_ring": floor, **summarize(times, 0.0)}
+    raw = bare_ring(hop_compute, raw=True)["hop_ms"]  # the same over blocking sockets: the operating system alone
+    floor = {**bare_ring(hop_compute), "raw_hop_ms": raw, "compute_ms": hop_compute}
+    return {
+        "runs": times,
+        "messages": messages,
+        "bare_ring": floor,
+        "cold_python": cold_python(path, ids),
+        "split_in_process": split_in_process(path, ids, n_decode),
+        **summarize(times, 0.0),
+    }
+
+
+def split_in_process(path: str, ids: list[int], n: int = 64) -> dict:
+    """ms per decode token of the route's three shards (``even_split``, llama.cpp backend, 1 thread each) run one
+    after another in this process: a greedy generation of ``n`` tokens after the prompt ``ids``, no network, no
+    process waiting idle between steps; then the whole model in-process (``LlamaSession``) the same way. Medians over
+    the tokens: ``{"split_ms", "whole_ms"}``."""
+    import numpy as np
+
+    from ggufswarm.runtime.backends import load_shard
+    from ggufswarm.runtime.sampling import greedy
+
+    model = GGUFModelFile(path)
+    shards = [
+        load_shard(model, spec, threads=1, max_length=len(ids) + n + 8, max_sessions=1)
+        for spec in even_split(N_LAYERS, N_NODES)
+    ]
+    try:
+        kvs = [shard.new_session(len(ids) + n + 8) for shard in shards]
+        x = np.asarray(ids)
+        for shard, kv in zip(shards, kvs):
+            x = shard.forward(kv, x)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            x = np.asarray([greedy(x[-1])])
+            for shard, kv in zip(shards, kvs):
+                x = shard.forward(kv, x)
+            times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        for shard in shards:
+            shard.close()
+    llm = LlamaSession(path, len(ids) + n + 16, 1)
+    try:
+        token, whole = llm.step(ids), []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            token = llm.step([token])
+            whole.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        llm.close()
+    return {"split_ms": statistics.median(times), "whole_ms": statistics.median(whole)}
+
+
+def cold_python(path: str, ids: list[int], n: int = 64) -> dict:
+    """What Python between frames costs on a node: one frame encoded and decoded (``encode_hidden`` +
+    ``decode_frame``, an f32 ``[1, n_embd]`` step) right after a llama.cpp decode step of the whole model (1 thread),
+    and the same again at once; medians over ``n`` steps, µs: ``{"cold_us", "warm_us"}``."""
+    import uuid
+
+    import numpy as np
+
+    from ggufswarm.protocol import decode_frame, encode_hidden
+
+    llm = LlamaSession(path, len(ids) + n + 16, 1)
+    try:
+        token = llm.step(ids)
+        hidden = np.random.default_rng(0).standard_normal((1, llm.llm.n_embd()), dtype=np.float32)
+        sid, cold, warm = uuid.uuid4(), [], []
+        for i in range(n):
+            token = llm.step([token])
+            times = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                decode_frame(encode_hidden(sid, i, len(ids) + i, hidden, "f32", [token]))
+                times.append((time.perf_counter() - t0) * 1e6)
+            cold.append(times[0])
+            warm.append(times[1])
+    finally:
+        llm.close()
+    return {"cold_us": statistics.median(cold), "warm_us": statistics.median(warm)}
 
 
 def part2(nodes, ids: list[int], n_decode: int, rounds: int, delay_ms: float) -> dict:
@@ -367,24 +464,37 @@ def targets(res: dict, delay_ms: float) -> list[str]:
         f"{ring['compute_ms']:.2f} ms: the in-process ratio with no cost between hops would be "
         f"{llama_ms / ring['compute_ms']:.2f}x"
     )
+    if "split_in_process" in p1:
+        split = p1["split_in_process"]
+        out.append(
+            f"- the same three shards one after another in one process (no network, no process waiting idle between "
+            f"steps): {split['split_ms']:.2f} ms / token against {split['whole_ms']:.2f} for the whole model measured "
+            f"right after ({split['whole_ms'] / split['split_ms']:.2f}x): the rest of the shortfall above is the "
+            "nodes' compute slowing as processes that sleep between steps"
+        )
     if "bare_ring" in p1:
         floor = p1["bare_ring"]
         per_hop = (1000.0 / p1["ring"]["decode"] - p1["ring"]["compute_ms"]) / RING_HOPS
         busy = " + ".join(f"{c:.1f}" for c in floor["compute_ms"])
         out.append(
-            f"- the floor of a hop on this machine (bench/bare_ring.py: {RING_HOPS} aiohttp processes pass a 2.6 KB "
-            f"message round, each busy-waiting the ring's compute, {busy} ms): {floor['hop_ms']:.2f} ms a hop; the "
-            f"route's per-hop overhead beyond it: {per_hop - floor['hop_ms']:.2f} ms (ggufswarm's own: framing, "
-            "sessions, Python)"
+            f"- the floor of a hop on this machine (bench/bare_ring.py: {RING_HOPS} processes pass a 2.6 KB message "
+            f"round, each busy-waiting the ring's compute, {busy} ms): {floor['raw_hop_ms']:.2f} ms a hop over "
+            f"blocking TCP sockets (the operating system), {floor['hop_ms']:.2f} ms over aiohttp WebSockets on an "
+            f"event loop; the route's per-hop overhead beyond the latter: {per_hop - floor['hop_ms']:.2f} ms "
+            "(ggufswarm's own: framing, sessions, Python)"
         )
-    nr = p1["no_ring"]
+    if "cold_python" in p1:
+        cold = p1["cold_python"]
+        out.append(
+            f"- Python right after a llama.cpp decode step (its weights stream through the caches): one frame "
+            f"encoded and decoded (protocol/frame.py) takes {cold['cold_us']:.0f} µs, the same again at once "
+            f"{cold['warm_us']:.0f} µs ({cold['cold_us'] / cold['warm_us']:.1f}x): what a node does between frames "
+            "runs cold"
+        )
     out.append(
-        "- per hop, ring=False route (ms per decode step; node: read to answer less compute and the next hop's "
-        "wait; network: the caller's wait less the node's handling): "
-        + ", ".join(
-            f"node {k + 1} {fmt(b, '.2f')} + network {fmt(w, '.2f')}"
-            for k, (b, w) in enumerate(zip(nr["hop_beside_ms"], nr["hop_network_ms"]))
-        )
+        "- per hop, ring=False route, a node's own time per decode step (frame read to reply, less its compute and "
+        "its wait for the next hop): "
+        + ", ".join(f"node {k + 1} {fmt(b, '.2f')} ms" for k, b in enumerate(p1["no_ring"]["hop_beside_ms"]))
     )
     if res.get("part2"):
         p2 = res["part2"]
