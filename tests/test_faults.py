@@ -26,6 +26,7 @@ from route_fixtures import http as http_json
 from ggufswarm.cache.app import CacheConfig
 from ggufswarm.cache.app import make_app as make_cache_app
 from ggufswarm.client.generate import generate
+from ggufswarm.client.ring import GRANT_AHEAD
 from ggufswarm.client.session import AsyncRouteSession
 from ggufswarm.directory.trackers import TrackerClient
 from ggufswarm.gateway import GatewayConfig, make_app
@@ -46,6 +47,9 @@ PROMPT = (
     "notebook in which he wrote down the ships he saw. One stormy night in October,"
 )
 MAX_TOKENS = 24
+# the streams that see a node die: the head may have sent up to GRANT_AHEAD steps past the gateway's (ring decode)
+# when a node is killed, so every kill leaves more tokens to go than that, and a margin for the client's lag
+KILL_TOKENS = 24 + GRANT_AHEAD
 TTL_S = 6.0  # (heartbeats every 2 s: a node of a busy machine's starved loop still beats in time)
 
 
@@ -203,15 +207,15 @@ def wait_for(predicate, timeout: float) -> None:
 
 
 def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
-    ref_text, _ = reference(gemma, PROMPT, MAX_TOKENS)
+    ref_text, _ = reference(gemma, PROMPT, KILL_TOKENS)
     prompt_tokens = len(gemma.prompt_ids(PROMPT))
     base, nodes, tracker = swarm["gateway"], swarm["nodes"], swarm["tracker"]
-    text, telemetry = stream(base, PROMPT, lambda i: None)  # uninterrupted
+    text, telemetry = stream(base, PROMPT, lambda i: None, max_tokens=KILL_TOKENS)  # uninterrupted
     assert text == ref_text and telemetry["repairs"] == []
     rng = random.Random(20261129)
     rows = []
     for trial in range(TRIALS):
-        kill_at = rng.randrange(2, MAX_TOKENS - 2)
+        kill_at = rng.randrange(2, KILL_TOKENS - GRANT_AHEAD - 6)
         victim = {}
 
         def on_delta(i):
@@ -226,7 +230,7 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
 
         t0 = time.monotonic()
         repair_log.clear()
-        text, telemetry = stream(base, PROMPT, on_delta)
+        text, telemetry = stream(base, PROMPT, on_delta, max_tokens=KILL_TOKENS)
         killed = victim["node"]
         repairs = telemetry["repairs"]
         rows.append(
@@ -260,7 +264,7 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
     assert len(rows) == TRIALS and all(r[8] for r in rows)
     # seeded sampling survives a repair too: draws are keyed by (seed, position), not a running RNG
     seeded = {"temperature": 0.9, "seed": 11}
-    want, _ = stream(base, PROMPT, lambda i: None, **seeded)
+    want, _ = stream(base, PROMPT, lambda i: None, max_tokens=KILL_TOKENS, **seeded)
     head = {}
 
     def kill_head(i):
@@ -272,7 +276,7 @@ def test_fault_suite_kill_random_node_of_route(swarm, gemma, repair_log, capfd):
 
     repair_log.clear()
     sys.stdout.write(capfd.readouterr().out)  # (the table above, when run with -s)
-    got, telemetry = stream(base, PROMPT, kill_head, **seeded)
+    got, telemetry = stream(base, PROMPT, kill_head, max_tokens=KILL_TOKENS, **seeded)
     assert [r["hop"] for r in telemetry["repairs"]] == [head["node"].url] and got == want
     said = [ln for ln in capfd.readouterr().err.splitlines() if "repaired a route" in ln]
     spare = telemetry["repairs"][0]["replacement"][0]
@@ -533,7 +537,7 @@ def test_no_replacement_is_a_clear_error(swarm):
     middle[0].kill()
     wait_for(lambda: middle[0].url not in listed(tracker), 3 * TTL_S)
     with pytest.raises(AssertionError, match="no_replacement") as err:
-        stream(swarm["gateway"], PROMPT, lambda i: i == 3 and middle[1].kill())
+        stream(swarm["gateway"], PROMPT, lambda i: i == 3 and middle[1].kill(), max_tokens=KILL_TOKENS)
     assert middle[1].url in str(err.value) and "layers 6:12" in str(err.value)
     assert swarm["tracker"] not in str(err.value)  # the tracker's reason, never its address
     # the error event still reports the session, with the repair it could not make
