@@ -487,6 +487,7 @@ def test_the_head_runs_ahead_under_its_grant_and_a_caller_that_turns_back_undoes
     the session goes on on the ring."""
     from ggufswarm.client import ring as ring_module
     from ggufswarm.net.link import FrameLink
+    from ggufswarm.protocol.link import step_key
 
     first, head = tiny["first"], tiny["head"]
     ids = [5 + (i * 29) % 300 for i in range(6)]
@@ -514,8 +515,10 @@ def test_the_head_runs_ahead_under_its_grant_and_a_caller_that_turns_back_undoes
             while len(out) < n_before or (ring and session.decode_ring.pending is None and time.monotonic() < deadline):
                 out.append(await session.step([out[-1]]))  # (the reply link opens in the background)
             ahead = 0
-            if ring:
-                await asyncio.sleep(0.5)  # the head runs on to the end of its grant
+            if ring:  # the head runs on past the step the caller has not taken (its reply to step n + 2 comes)
+                beyond = step_key(session.id, session.step_no + 2)
+                while beyond not in session.decode_ring._early and time.monotonic() < deadline + 20:
+                    await asyncio.sleep(0.02)
                 ahead = session.decode_ring.granted - session.step_no
             n = len(out)
             out.append(await session.step([7]))  # not the sampled token: every step the head sent is undone
